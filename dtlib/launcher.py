@@ -1,0 +1,394 @@
+"""Start N ranks from a notebook cell or a script, with a real ``torch.distributed`` process group.
+
+``launch(fn, world_size)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` processes and
+returns their results in rank order. It exists because ``torch.multiprocessing.spawn`` cannot
+start a function defined in a notebook cell (the child re-imports ``__main__``, which a notebook
+does not have). Here:
+
+* on Linux with the gloo backend the workers are *forked*, so notebook-defined functions just work
+  and start in milliseconds (torch is already imported);
+* elsewhere, and for NCCL (CUDA cannot be used after fork), the workers are *spawned* and the
+  function travels by value with ``cloudpickle``;
+* every launch hosts its own ``TCPStore`` on a port the OS picks, so launches never collide;
+* a rank that raises, hangs or is interrupted brings the whole launch down: no process is left.
+
+The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
+:func:`init_from_env`) from the script, as PyTorch's own examples do with ``env://``.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "launch",
+    "LaunchError",
+    "RankFailedError",
+    "LaunchTimeoutError",
+    "resolve_backend",
+    "init_from_env",
+    "run_from_env",
+    "get_device",
+]
+
+_OUTPUT_MODES = ("rank0", "all", "none")
+
+
+class LaunchError(RuntimeError):
+    """Base class for failures of a launched group of ranks."""
+
+
+class RankFailedError(LaunchError):
+    """A rank raised; ``rank`` is the first rank that failed, ``rank_traceback`` its traceback."""
+
+    def __init__(self, message: str, rank: int, rank_traceback: str):
+        super().__init__(message)
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+
+
+class LaunchTimeoutError(LaunchError):
+    """Some ranks did not finish in time; ``unfinished`` lists them."""
+
+    def __init__(self, message: str, unfinished: list[int]):
+        super().__init__(message)
+        self.unfinished = unfinished
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``"auto"`` -> NCCL with one GPU per rank when enough GPUs exist, otherwise gloo on CPU."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    gpus = _gpu_count()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank, but world_size={world_size} and only {gpus} "
+            f"GPU(s) are visible; use world_size <= {gpus} or backend='gloo' (CPU)"
+        )
+    return backend
+
+
+def get_device() -> torch.device:
+    """The device this rank should compute on: ``cuda:{LOCAL_RANK}`` under NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _default_start_method(backend: str) -> str:
+    # fork keeps notebook-defined functions and costs no re-import of torch; it is unsafe once
+    # CUDA is initialised and unavailable/unsafe on macOS and Windows, where spawn is used.
+    if sys.platform.startswith("linux") and backend == "gloo" and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Move tensors in (nested) results to CPU so the caller never needs a GPU to read them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float, workdir: str,
+            payload: Any) -> None:
+    """Body of one rank: redirect output, join the process group, run ``fn``, report back."""
+    os.setpgrp()  # own process group, so the parent can kill this rank *and* anything it started
+    log = open(os.path.join(workdir, f"out{rank}.txt"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    code = 1
+    try:
+        fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+        # Ranks share the machine's cores: oversubscribing them makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        try:
+            blob = cloudpickle.dumps(_to_cpu(result))
+        except Exception as exc:
+            raise TypeError(f"rank {rank} returned a value that cannot be sent back to the caller "
+                            f"({type(result).__name__}): {exc}") from exc
+        _atomic_write(os.path.join(workdir, f"result{rank}.pkl"), blob)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+        try:
+            exc_blob = cloudpickle.dumps(exc)
+        except Exception:
+            exc_blob = None
+        # Written before the group is torn down, so the root cause carries the earliest time.
+        report = (time.time(), traceback.format_exc(), exc_blob)
+        _atomic_write(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        log.flush()
+        os._exit(code)  # skip atexit handlers inherited from the parent (e.g. the notebook's)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+class _OutputPump:
+    """Copies rank 0's output to the caller's ``sys.stdout`` while the ranks run."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, "out0.txt")
+        self.offset = 0
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        # Only emit whole lines so output is never split mid-line between two reads.
+        end = chunk.rfind(b"\n") + 1
+        if end:
+            sys.stdout.write(chunk[:end].decode(errors="replace"))
+            sys.stdout.flush()
+            self.offset += end
+
+    def flush_rest(self) -> None:
+        self.pump()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                rest = f.read()
+        except FileNotFoundError:
+            return
+        if rest:
+            sys.stdout.write(rest.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def _read_output(workdir: str, rank: int) -> str:
+    try:
+        with open(os.path.join(workdir, f"out{rank}.txt"), "rb") as f:
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(5)
+
+
+def _validate(fn: Callable, world_size: int, args: Sequence, timeout: float, output: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable as fn(rank, world_size, *args), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra arguments for fn, got {type(args).__name__}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if output not in _OUTPUT_MODES:
+        raise ValueError(f"output must be one of {_OUTPUT_MODES}, got {output!r}")
+
+
+def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
+           backend: str = "auto", timeout: float = 60.0, output: str = "rank0",
+           start_method: str | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
+
+    Args:
+        fn: the per-rank function; may be defined in a notebook cell.
+        world_size: number of ranks (processes).
+        args: extra arguments, sent to every rank (they must be picklable by cloudpickle).
+        backend: ``"auto"`` (NCCL if there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
+        timeout: seconds the whole launch may take; also the collective timeout inside the ranks.
+        output: ``"rank0"`` shows rank 0's prints live; ``"all"`` also shows the other ranks'
+            output afterwards, each line prefixed with ``[rank k]``; ``"none"`` shows nothing.
+        start_method: ``"fork"`` or ``"spawn"``; default: fork on Linux with gloo, else spawn.
+
+    Raises:
+        RankFailedError: a rank raised (the message names it and carries its traceback).
+        LaunchTimeoutError: ranks still running after ``timeout`` seconds (named in the message).
+        KeyboardInterrupt: re-raised after every rank has been stopped.
+    """
+    _validate(fn, world_size, args, timeout, output)
+    backend = resolve_backend(backend, world_size)
+    start_method = start_method or _default_start_method(backend)
+    if start_method not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'fork', 'spawn' or 'forkserver', got {start_method!r}")
+    try:
+        blob = cloudpickle.dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise TypeError(
+            f"an argument of launch() cannot be sent to a worker process ({exc}); pass only "
+            "picklable values (tensors, numbers, strings, containers, functions, modules' classes)"
+        ) from exc
+    # Forked children inherit the objects themselves; spawned ones need the bytes.
+    payload = (fn, tuple(args)) if start_method == "fork" else blob
+
+    workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    ctx = mp.get_context(start_method)
+    procs = [ctx.Process(target=_worker, name=f"dtlib-rank{r}",
+                         args=(r, world_size, backend, store.port, timeout, workdir, payload))
+             for r in range(world_size)]
+    pump = _OutputPump(workdir) if output != "none" else None
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for p in procs:
+            p.start()
+        _wait(procs, workdir, timeout, pump)
+        if pump:
+            pump.flush_rest()
+        if output == "all":
+            for r in range(1, world_size):
+                for line in _read_output(workdir, r).splitlines():
+                    print(f"[rank {r}] {line}")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
+                results.append(cloudpickle.load(f))
+        return results
+    finally:
+        _kill(procs)
+        del store
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float,
+          pump: _OutputPump | None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pump:
+            pump.pump()
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            time.sleep(0.2)  # let peers that failed because of this rank report too
+            _raise_first_failure(procs, workdir, pump)
+        if time.monotonic() > deadline:
+            unfinished = [r for r, c in enumerate(codes) if c is None]
+            done = [r for r, c in enumerate(codes) if c == 0]
+            raise LaunchTimeoutError(
+                f"ranks {unfinished} did not finish within {timeout:g} s (finished: {done}). "
+                "A rank that skips a collective, or calls them in a different order, waits "
+                "forever for its peers; raise `timeout` if the work is simply long.",
+                unfinished,
+            )
+        time.sleep(0.01)
+
+
+def _raise_first_failure(procs: Sequence[mp.process.BaseProcess], workdir: str,
+                         pump: _OutputPump | None) -> None:
+    reports = {}
+    for r, p in enumerate(procs):
+        path = os.path.join(workdir, f"error{r}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                reports[r] = pickle.load(f)
+        elif p.exitcode not in (None, 0):
+            reports[r] = (time.time(), f"rank {r} died with exit code {p.exitcode} "
+                                       "(killed by a signal or out of memory?)\n", None)
+    _kill(procs)
+    if pump:
+        pump.flush_rest()
+    # The earliest error is the cause; later ones are usually peers losing their connection.
+    rank = min(reports, key=lambda r: reports[r][0])
+    _, tb, exc_blob = reports[rank]
+    cause = None
+    if exc_blob is not None:
+        try:
+            cause = cloudpickle.loads(exc_blob)
+        except Exception:
+            cause = None
+    last_line = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    others = sorted(set(reports) - {rank})
+    message = (f"rank {rank} of {len(procs)} failed: {last_line}"
+               + (f" (ranks {others} failed after it)" if others else "")
+               + f"\n\n--- traceback of rank {rank} ---\n{tb}")
+    finished = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in reports]
+    if finished:
+        message += (f"\nHint: ranks {finished} had already returned. A rank that skips a collective "
+                    "that its peers call leaves them waiting on a closed connection.\n")
+    tail = _read_output(workdir, rank)[-2000:]
+    if rank != 0 and tail.strip():
+        message += f"\n--- last output of rank {rank} ---\n{tail}"
+    raise RankFailedError(message, rank, tb) from cause
+
+
+def init_from_env(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, int, torch.device]:
+    """Join the process group described by torchrun's environment (``env://`` rendezvous).
+
+    Returns ``(rank, world_size, device)``; the device is ``cuda:{LOCAL_RANK}`` under NCCL.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"environment variables {missing} are not set: this process was not started by "
+            "torchrun. Run `torchrun --nproc_per_node=N script.py`, or use dtlib.launch(fn, N) "
+            "from Python or a notebook."
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = resolve_backend(backend, local_world)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    return rank, world_size, get_device()
+
+
+def run_from_env(fn: Callable[..., Any], *args: Any, backend: str = "auto",
+                 timeout: float = 1800.0) -> Any:
+    """Under torchrun: initialise from the environment, run ``fn(rank, world_size, *args)``, clean up."""
+    rank, world_size, _ = init_from_env(backend, timeout)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

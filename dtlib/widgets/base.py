@@ -1,0 +1,65 @@
+"""The one widget pattern of the course: an :class:`Explorer`.
+
+An Explorer holds named controls, a *pure* ``compute(**values)`` function from ``dtlib`` and a
+``plot(result) -> Figure`` function from ``dtlib.viz``. Changing a control recomputes and redraws;
+nothing else lives in the widget, so everything it shows is also testable without a browser.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import ipywidgets as W
+from IPython.display import clear_output, display
+from matplotlib.figure import Figure
+
+REGISTRY: dict[str, Callable[[], "Explorer"]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[], "Explorer"]], Callable[[], "Explorer"]]:
+    """Decorator: record a zero-argument widget builder under ``name`` (used by the widget tests)."""
+    def deco(builder: Callable[[], "Explorer"]) -> Callable[[], "Explorer"]:
+        if name in REGISTRY and REGISTRY[name] is not builder:
+            raise ValueError(f"widget name {name!r} is registered twice")
+        REGISTRY[name] = builder
+        return builder
+    return deco
+
+
+class Explorer:
+    """Controls -> ``compute`` -> ``plot``, redrawn on every change.
+
+    Attributes after each update: ``result`` (what ``compute`` returned), ``figure`` (what ``plot``
+    returned, or None), ``updates`` (how many times it has been computed).
+    """
+
+    def __init__(self, controls: dict[str, W.ValueWidget], compute: Callable[..., Any],
+                 plot: Callable[[Any], Figure] | None = None, title: str = "",
+                 columns: int = 3):
+        self.controls = controls
+        self.compute = compute
+        self.plot = plot
+        self.result: Any = None
+        self.figure: Figure | None = None
+        self.updates = 0
+        self.out = W.Output()
+        items = list(controls.values())
+        rows = [W.HBox(items[i:i + columns]) for i in range(0, len(items), columns)]
+        header = [W.HTML(f"<b>{title}</b>")] if title else []
+        self.widget = W.VBox(header + rows + [self.out])
+        for control in items:
+            control.observe(lambda _change: self.update(), names="value")
+        self.update()
+
+    def values(self) -> dict[str, Any]:
+        return {name: c.value for name, c in self.controls.items()}
+
+    def update(self) -> None:
+        self.result = self.compute(**self.values())
+        self.figure = self.plot(self.result) if self.plot else None
+        self.updates += 1
+        with self.out:
+            clear_output(wait=True)
+            display(self.figure if self.figure is not None else self.result)
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)

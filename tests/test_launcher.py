@@ -1,0 +1,212 @@
+"""dtlib.launch: results, errors, hangs, interrupts, output, bad arguments, torchrun."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+from nbclient import NotebookClient
+
+import dtlib
+from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
+
+HERE = os.path.dirname(__file__)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _read_pids(d) -> list[int]:
+    return [int(p.read_text()) for p in d.iterdir() if p.name.startswith("pid")]
+
+
+def _sum_ranks(rank, world_size, scale):
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return {"rank": rank, "world_size": world_size, "sum": t.item() * scale}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_in_rank_order(world_size):
+    out = launch(_sum_ranks, world_size, args=(2.0,), timeout=20)
+    expected = 2.0 * world_size * (world_size + 1) / 2
+    assert [o["rank"] for o in out] == list(range(world_size))
+    assert all(o["world_size"] == world_size and o["sum"] == expected for o in out)
+    assert not dist.is_initialized()  # the caller's process never joins the group
+
+
+def test_back_to_back_and_spawn_launches_do_not_collide():
+    for _ in range(5):
+        assert len(launch(_sum_ranks, 2, args=(1.0,), timeout=20)) == 2
+    # spawn sends the function by value (cloudpickle), so closures work too
+    scale = 3.0
+    out = launch(lambda r, w: _sum_ranks(r, w, scale), 2, timeout=60, start_method="spawn")
+    assert [o["sum"] for o in out] == [9.0, 9.0]
+
+
+def test_concurrent_launches_from_separate_processes(tmp_path):
+    code = ("import dtlib, torch, torch.distributed as dist\n"
+            "def f(r, w):\n    t = torch.ones(1); dist.all_reduce(t); return t.item()\n"
+            "print(dtlib.launch(f, 2, timeout=30))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert all(o.strip() == "[2.0, 2.0]" for o in outs)
+
+
+def _raise_on_rank1(rank, world_size, piddir):
+    (piddir / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        raise ValueError("bad shard on rank one")
+    dist.barrier()  # rank 0 waits for a peer that is gone
+
+
+def test_raising_rank_is_named_with_its_traceback(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_raise_on_rank1, 2, args=(tmp_path,), timeout=20)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 of 2 failed: ValueError: bad shard on rank one" in str(err)
+    assert "_raise_on_rank1" in err.rank_traceback  # the worker's own frame, not the launcher's
+    assert isinstance(err.__cause__, ValueError)
+    pids = _read_pids(tmp_path)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def _hang_on_rank1(rank, world_size, piddir):
+    (piddir / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        child = subprocess.Popen(["sleep", "300"])  # a grandchild must not survive either
+        (piddir / "pid-grandchild").write_text(str(child.pid))
+        time.sleep(300)
+    dist.barrier()
+
+
+def test_hanging_rank_times_out_and_nothing_is_left(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch(_hang_on_rank1, 2, args=(tmp_path,), timeout=3)
+    assert time.monotonic() - t0 < 8
+    assert 1 in info.value.unfinished and "did not finish within 3 s" in str(info.value)
+    time.sleep(0.2)
+    pids = _read_pids(tmp_path)
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+def _sleep_forever(rank, world_size, piddir):
+    (piddir / f"pid{rank}").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+def test_keyboard_interrupt_stops_every_rank(tmp_path):
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(_sleep_forever, 3, args=(tmp_path,), timeout=60)
+    assert time.monotonic() - t0 < 6
+    pids = _read_pids(tmp_path)
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+def _chatty(rank, world_size):
+    for i in range(3):
+        print(f"step {i} on rank {rank}")
+    return rank
+
+
+def test_rank0_output_in_order_and_others_on_request(capsys):
+    launch(_chatty, 2, timeout=20)
+    out = capsys.readouterr().out
+    assert out == "".join(f"step {i} on rank 0\n" for i in range(3))
+    launch(_chatty, 2, timeout=20, output="all")
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == [f"step {i} on rank 0" for i in range(3)]
+    assert out[3:] == [f"[rank 1] step {i} on rank 1" for i in range(3)]
+    launch(_chatty, 2, timeout=20, output="none")
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(world_size=0), ValueError, "world_size must be an integer >= 1"),
+    (dict(world_size="2"), ValueError, "world_size must be an integer >= 1"),
+    (dict(world_size=2, backend="mpi"), ValueError, "backend must be 'auto', 'gloo' or 'nccl'"),
+    (dict(world_size=torch.cuda.device_count() + 1, backend="nccl"), ValueError, "one GPU per rank"),
+    (dict(world_size=2, args=(threading.Lock(),)), TypeError, "cannot be sent to a worker"),
+    (dict(world_size=2, timeout=0), ValueError, "timeout must be a positive"),
+    (dict(world_size=2, output="rank1"), ValueError, "output must be one of"),
+])
+def test_bad_arguments_fail_before_any_process_starts(kwargs, error, match):
+    import multiprocessing
+    with pytest.raises(error, match=match):
+        launch(_sum_ranks, **kwargs)
+    assert multiprocessing.active_children() == []
+
+
+def test_function_defined_in_a_notebook_cell():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import torch, torch.distributed as dist, dtlib"),
+        nbformat.v4.new_code_cell(
+            "def double_sum(rank, world_size):\n"
+            "    t = torch.tensor([float(rank)])\n"
+            "    dist.all_reduce(t)\n"
+            "    print('sum is', t.item())\n"
+            "    return 2 * t.item()\n"
+            "results = dtlib.launch(double_sum, world_size=3, timeout=30)\n"
+            "print(results)"),
+    ]
+    NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert text == "sum is 3.0\n[6.0, 6.0, 6.0]\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_same_worker_under_torchrun_two_nodes_of_two(tmp_path):
+    port = _free_port()
+    script = os.path.join(HERE, "_torchrun_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+         f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+         script, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(2)]
+    try:
+        logs = [a.communicate(timeout=120)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(logs)
+    import json
+    ranks = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")),
+                   key=lambda d: d["rank"])
+    assert [d["rank"] for d in ranks] == [0, 1, 2, 3]
+    assert all(d["world_size"] == 4 and d["sum"] == 6.0 for d in ranks)
+    assert [d["local_rank"] for d in ranks] == [0, 1, 0, 1]
+
+
+def test_init_from_env_outside_torchrun_is_a_clear_error(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="not started by torchrun"):
+        dtlib.launcher.init_from_env()
