@@ -126,8 +126,11 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
         fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
-        # Ranks share the machine's cores: oversubscribing them makes every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # A forked child must not enter an OpenMP parallel region the parent's thread pool has
+        # used (libgomp is not fork-safe: it deadlocks), so forked ranks run single-threaded,
+        # as DataLoader workers do. Spawned ranks share the cores instead of oversubscribing.
+        forked = not isinstance(payload, bytes)
+        torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,

@@ -210,3 +210,17 @@ def test_init_from_env_outside_torchrun_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="not started by torchrun"):
         dtlib.launcher.init_from_env()
+
+
+def _matmul_sum(rank, world_size):
+    a = torch.randn(256, 256)
+    return float((a @ a).abs().sum() > 0)
+
+
+def test_fork_after_the_parent_used_its_thread_pool():
+    # libgomp deadlocks in a forked child that re-enters a parallel region the parent used;
+    # this is what a notebook does (train once in the kernel, then launch), so it must not hang.
+    x = torch.randn(512, 512)
+    for _ in range(3):
+        x = torch.tanh(x @ x)
+    assert launch(_matmul_sum, 1, timeout=20) == [1.0]

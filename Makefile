@@ -1,0 +1,43 @@
+# Two commands for a fresh machine (see README): `make lab` opens the course, `make test` runs
+# every test. Both create .venv and install dtlib with everything it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of PyTorch by default; on a GPU machine use e.g. `make test TORCH=torch`.
+TORCH  ?= torch==2.13.0
+FIRST_LESSON := notebooks/00_collectives.ipynb
+
+.PHONY: install lab test exercises check-exercises grade benchmarks clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+lab: install
+	$(VENV)/bin/jupyter lab $(FIRST_LESSON)
+
+# The library's tests, then every lesson and every solved exercise executed under nbval.
+test: install
+	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider
+
+# Regenerate exercises/ and solutions/ from masters/ (after editing a master).
+exercises: install
+	$(PY) -m dtlib.grading assign
+
+check-exercises: install
+	$(PY) -m dtlib.grading check
+
+# Grade a folder of submitted notebooks: make grade SUBMISSIONS=path/to/folder LESSON=01
+grade: install
+	$(PY) -m dtlib.grading grade "$(SUBMISSIONS)" --lesson "$(LESSON)" --out "$(or $(OUT),grades.csv)"
+
+benchmarks: install
+	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,168 @@
+"""Flat buffers and buckets: the bookkeeping that DDP, ZeRO and FSDP share.
+
+Every member of the data-parallel family moves *flat* buffers rather than one tensor per
+parameter, because a collective has a fixed start-up cost (the alpha of the alpha-beta model):
+PyTorch DDP packs gradients into ~25 MB buckets (Li et al. 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB, Sec. 3.2.3), DeepSpeed ZeRO and FSDP
+flatten parameters into one buffer per unit and shard it evenly (Rajbhandari et al. 2020;
+Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2 "FlatParameter").
+
+This module holds the three pieces of arithmetic they all need:
+
+* :func:`assign_buckets` - group tensors, in a given order, into buckets of at most ~cap bytes
+  (the same rule as ``torch.distributed``'s ``_compute_bucket_assignment_by_size``);
+* :class:`FlatLayout` - where each tensor lives inside a flat buffer, the padding that makes the
+  buffer divisible by the number of shards, and the bounds of each shard;
+* :func:`shard_bounds` - an uneven split into ``n`` near-equal chunks (for collectives on sizes
+  that are not divisible by the world size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = ["MB", "assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters"]
+
+MB = 1024 * 1024  # PyTorch's bucket_cap_mb is in MiB ("MB" in its docs); so is ours
+
+
+def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``world_size`` chunks of ``numel`` elements.
+
+    Sizes differ by at most one and the larger chunks come first, exactly like
+    ``torch.tensor_split`` - so any rank can compute every other rank's chunk without talking.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        end = start + base + (1 if r < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """Group ``tensors`` (in the order given) into buckets; return lists of indices into ``tensors``.
+
+    A bucket is closed as soon as it holds at least ``cap_bytes`` (so one tensor larger than the
+    cap gets a bucket of its own, and ``cap_bytes=0`` gives one bucket per tensor). Tensors of a
+    different dtype or device go into a separate open bucket, because a bucket is one flat
+    buffer and a collective moves a single dtype. This is ``torch.distributed``'s rule
+    (``_compute_bucket_assignment_by_size``), so bucket counts can be compared with PyTorch's.
+    Buckets are sorted by their first tensor - for gradients given in reverse order of use,
+    that is the order in which they become ready.
+    """
+    if cap_bytes < 0:
+        raise ValueError(f"cap_bytes must be >= 0, got {cap_bytes}")
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    closed: list[list[int]] = []
+    for i, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        idx, size = open_buckets.get(key, ([], 0))
+        idx.append(i)
+        size += t.numel() * t.element_size()
+        if size >= cap_bytes:
+            closed.append(idx)
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (idx, size)
+    closed.extend(idx for idx, _ in open_buckets.values())
+    # ordered by first member, so that (for tensors given in ready order) buckets become ready
+    # one after the other - the order in which they must be launched
+    return sorted(closed, key=lambda b: b[0])
+
+
+def unique_parameters(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` without repeats (tied weights appear once), order of first appearance kept."""
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """How ``len(shapes)`` tensors are packed, in order, into one flat buffer split into shards.
+
+    ``padded_numel`` rounds the total up to a multiple of ``world_size`` so that every shard has
+    exactly ``shard_numel`` elements: equal shards are what ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` need (FSDP pads its FlatParameter the same way, Zhao et al. 2023).
+    """
+
+    shapes: tuple[torch.Size, ...]
+    world_size: int = 1
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(int(torch.Size(s).numel()) for s in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for n in self.numels:
+            out.append(acc)
+            acc += n
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded_numel(self) -> int:
+        return -(-self.numel // self.world_size) * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of rank ``rank``'s shard inside the padded flat buffer."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], world_size: int = 1) -> "FlatLayout":
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        return cls(tuple(t.shape for t in tensors), world_size)
+
+    def flatten(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+        """Copy ``tensors`` into one flat (padded) buffer; a ``None`` entry is written as zeros."""
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"layout has {len(self.shapes)} tensors, got {len(tensors)}")
+        if out is None:
+            ref = next((t for t in tensors if t is not None), None)
+            if ref is None and (dtype is None or device is None):
+                raise ValueError("all tensors are None: pass dtype and device")
+            out = torch.empty(self.padded_numel, dtype=dtype or ref.dtype,
+                              device=device or ref.device)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            if t is None:
+                out[off:off + n].zero_()
+            else:
+                out[off:off + n].copy_(t.reshape(-1))
+        out[self.numel:].zero_()  # padding must be zero: it is summed by reduce-scatters
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like the original tensors (no copy).
+
+        One ``torch.split`` instead of a slice per tensor: under autograd its backward is a
+        single concatenation, not one zero-filled full-size buffer per tensor.
+        """
+        if flat.dim() != 1 or flat.numel() < self.numel:
+            raise ValueError(f"need a 1-D buffer of >= {self.numel} elements, got {tuple(flat.shape)}")
+        pieces = torch.split(flat, [*self.numels, flat.numel() - self.numel])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]

@@ -1,0 +1,303 @@
+"""Collectives built from point-to-point messages: ring reduce-scatter, all-gather, all-reduce.
+
+The ring algorithm (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters
+of workstations"; the algorithm NCCL and Horovod use for large messages): split the buffer into
+``n`` chunks, and pass chunks around a ring ``0 -> 1 -> ... -> n-1 -> 0``.
+
+* reduce-scatter: ``n - 1`` steps; at each step every rank sends one chunk to its right
+  neighbour and adds the chunk it receives from its left neighbour into its own copy. After the
+  last step rank ``r`` holds chunk ``r`` reduced over all ranks.
+* all-gather: ``n - 1`` more steps passing the finished chunks around.
+* all-reduce = reduce-scatter + all-gather: each rank sends ``2 (n - 1) / n`` of the buffer,
+  independent of ``n`` for large ``n`` - why the ring is bandwidth-optimal.
+
+:func:`ring_schedule` is the single source of truth for who sends which chunk when: the
+collectives below execute it and :mod:`dtlib.viz.parallel` draws it.
+
+:func:`hierarchical_all_reduce` is the two-level scheme used across nodes (e.g. Jia et al. 2018,
+"Highly Scalable Deep Learning Training System with Mixed-Precision", Sec. 3.3; NCCL's tree/ring
+split): reduce-scatter inside each node over the fast link, all-reduce the 1/node_size shard
+across nodes over the slow link, all-gather inside the node.
+
+Chunks need not be equal: :func:`~dtlib.parallel.buckets.shard_bounds` splits any size into
+near-equal chunks (so sizes not divisible by the world size, and even sizes < world size, work).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dtlib.parallel.buckets import shard_bounds
+
+__all__ = ["ring_schedule", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+           "hierarchical_all_reduce", "node_groups", "broadcast_coalesced", "all_gather_into",
+           "reduce_scatter_into", "ring_bytes_sent", "bus_bandwidth"]
+
+Step = list[tuple[int, int, int]]  # (sender, receiver, chunk index) for every rank in one step
+
+# in-place combine(acc, incoming) for each reduction; AVG is SUM followed by a division
+_COMBINE: dict[object, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    dist.ReduceOp.SUM: lambda acc, x: acc.add_(x),
+    dist.ReduceOp.AVG: lambda acc, x: acc.add_(x),
+    dist.ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
+    dist.ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    dist.ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+}
+
+
+def ring_schedule(world_size: int, phase: str) -> list[Step]:
+    """Who sends which chunk to whom at each step of the ring.
+
+    ``phase="reduce_scatter"``: at step ``s`` rank ``r`` sends chunk ``(r - s - 1) mod n`` to
+    ``r + 1``; after ``n - 1`` steps rank ``r`` owns the reduced chunk ``r``.
+    ``phase="all_gather"``: rank ``r`` starts with chunk ``r`` and at step ``s`` forwards chunk
+    ``(r - s) mod n``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shift = {"reduce_scatter": 1, "all_gather": 0}
+    if phase not in shift:
+        raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
+    n = world_size
+    return [[(r, (r + 1) % n, (r - s - shift[phase]) % n) for r in range(n)] for s in range(n - 1)]
+
+
+def _check(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if op not in _COMBINE:
+        raise ValueError(f"op must be one of dist.ReduceOp.SUM, AVG, PRODUCT, MAX, MIN; got {op}")
+    if op == dist.ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and tensor.device.type != "cuda":
+        raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}; "
+                         "move it with .to(dtlib.launcher.get_device())")
+    if backend == "gloo" and tensor.device.type != "cpu":
+        raise ValueError(f"gloo point-to-point needs CPU tensors, got one on {tensor.device}; "
+                         "use backend='nccl' for GPU tensors or move it to the CPU")
+
+
+def _peer(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """Global rank of ``group_rank`` (send/recv address peers by global rank)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+              group: dist.ProcessGroup | None) -> None:
+    """Send to ``dst`` while receiving from ``src``; both non-blocking, so the ring cannot
+    deadlock (every rank sends before it waits). Empty chunks are skipped on both sides: the
+    sender and the receiver compute the same chunk sizes."""
+    works = []
+    if send.numel():
+        works.append(dist.isend(send, _peer(group, dst), group=group))
+    if recv.numel():
+        works.append(dist.irecv(recv, _peer(group, src), group=group))
+    for w in works:
+        w.wait()
+
+
+def _ring_reduce_scatter_(flat: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
+    """In place on a contiguous 1-D buffer: afterwards this rank's chunk holds the reduction."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    bounds = shard_bounds(flat.numel(), n)
+    incoming = torch.empty(max(e - s for s, e in bounds), dtype=flat.dtype, device=flat.device)
+    for step in ring_schedule(n, "reduce_scatter"):
+        _, right, send_c = step[rank]
+        left, _, recv_c = step[(rank - 1) % n]
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        buf = incoming[:r1 - r0]
+        _exchange(flat[s0:s1], right, buf, left, group)
+        _COMBINE[op](flat[r0:r1], buf)
+
+
+def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """In place on a contiguous 1-D buffer whose chunk ``rank`` is filled: fill all the others."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    bounds = shard_bounds(flat.numel(), n)
+    for step in ring_schedule(n, "all_gather"):
+        _, right, send_c = step[rank]
+        left, _, recv_c = step[(rank - 1) % n]
+        (s0, s1), (r0, r1) = bounds[send_c], bounds[recv_c]
+        _exchange(flat[s0:s1], right, flat[r0:r1], left, group)  # received straight into place
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over ranks and return this rank's chunk of the flattened result.
+
+    The chunk is ``flat[start:end]`` with ``(start, end) = shard_bounds(tensor.numel(), n)[rank]``
+    (a 1-D tensor; sizes differ by at most one). ``tensor`` is not modified.
+    """
+    _check(tensor, op, group)
+    flat = tensor.detach().reshape(-1).clone()
+    _ring_reduce_scatter_(flat, op, group)
+    start, end = shard_bounds(flat.numel(), dist.get_world_size(group))[dist.get_rank(group)]
+    out = flat[start:end].clone()  # clone: do not keep the whole working buffer alive
+    if op == dist.ReduceOp.AVG:
+        out /= dist.get_world_size(group)
+    return out
+
+
+def ring_all_gather(shard: torch.Tensor, numel: int | None = None,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's 1-D ``shard`` (in rank order) into one flat tensor.
+
+    ``numel``: total size, when shards are uneven (rank ``r``'s shard must then have the size of
+    ``shard_bounds(numel, n)[r]``); default ``n * shard.numel()`` (equal shards).
+    """
+    _check(shard, dist.ReduceOp.SUM, group)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = n * shard.numel() if numel is None else numel
+    start, end = shard_bounds(numel, n)[rank]
+    if shard.numel() != end - start:
+        raise ValueError(f"rank {rank}'s shard has {shard.numel()} elements but a total of "
+                         f"{numel} over {n} ranks gives it {end - start} (sizes from shard_bounds)")
+    flat = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+    flat[start:end] = shard.reshape(-1)
+    _ring_all_gather_(flat, group)
+    return flat
+
+
+def ring_all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place (like ``dist.all_reduce``) with a ring; returns it."""
+    _check(tensor, op, group)
+    n = dist.get_world_size(group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    with torch.no_grad():
+        _ring_reduce_scatter_(flat, op, group)
+        _ring_all_gather_(flat, group)
+        if op == dist.ReduceOp.AVG:
+            flat /= n
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+_NODE_GROUPS: dict[int, tuple[object, dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def node_groups(node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (intra-node, inter-node) groups when "nodes" are ``node_size`` consecutive ranks.
+
+    ``dist.new_group`` is itself a collective: every rank creates every group, in the same order.
+    The groups are cached per process group, so repeated calls cost nothing.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 \
+            or world % node_size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"node_size must divide the world size {world}; valid: {divisors}, "
+                         f"got {node_size!r}")
+    cached = _NODE_GROUPS.get(node_size)
+    if cached is not None and cached[0] is dist.group.WORLD:
+        return cached[1], cached[2]
+    intra = inter = None
+    for node in range(world // node_size):
+        g = dist.new_group(list(range(node * node_size, (node + 1) * node_size)))
+        if rank // node_size == node:
+            intra = g
+    for local in range(node_size):
+        g = dist.new_group(list(range(local, world, node_size)))
+        if rank % node_size == local:
+            inter = g
+    _NODE_GROUPS[node_size] = (dist.group.WORLD, intra, inter)
+    return intra, inter
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, node_size: int,
+                            op: object = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Two-level all-reduce of ``tensor`` in place over the default group; returns it.
+
+    1. ring reduce-scatter inside the node (fast link): local rank ``l`` owns chunk ``l``;
+    2. ring all-reduce of that chunk across nodes (slow link), among the ranks with the same ``l``
+       - each sends only ``1/node_size`` of the buffer over the slow link;
+    3. ring all-gather inside the node.
+    """
+    _check(tensor, op, None)
+    if op in (dist.ReduceOp.AVG,):
+        hierarchical_all_reduce(tensor, node_size, dist.ReduceOp.SUM)
+        return tensor.div_(dist.get_world_size())
+    intra, inter = node_groups(node_size)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    with torch.no_grad():
+        _ring_reduce_scatter_(flat, op, intra)
+        start, end = shard_bounds(flat.numel(), node_size)[dist.get_rank(intra)]
+        ring_all_reduce(flat[start:end], op, inter)  # a contiguous view: reduced in place
+        _ring_all_gather_(flat, intra)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+# ---- thin wrappers over the backend's own collectives, used by DDP, ZeRO and FSDP ------------
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values (``src`` is a rank in ``group``).
+
+    One broadcast per dtype/device instead of one per tensor (what DDP does at construction with
+    ``_sync_module_states``).
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, _peer(group, src), group=group)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
+                    group: dist.ProcessGroup | None = None, async_op: bool = False):
+    """The backend's all-gather of equal shards into one flat ``output`` (``n * shard.numel()``)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    return fn(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor,
+                        group: dist.ProcessGroup | None = None, async_op: bool = False):
+    """The backend's sum reduce-scatter of ``flat`` (``n * output.numel()``) into ``output``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+# ---- what the ring sends, and bandwidth as nccl-tests reports it ------------------------------
+def ring_bytes_sent(collective: str, numel: int, world_size: int, element_size: int = 4) -> list[int]:
+    """Bytes each rank sends in our ring ``collective`` on ``numel`` elements (counted from the
+    schedule, so uneven chunks are exact). For ``"all_gather"``, ``numel`` is the output size."""
+    phases = {"reduce_scatter": ["reduce_scatter"], "all_gather": ["all_gather"],
+              "all_reduce": ["reduce_scatter", "all_gather"]}
+    if collective not in phases:
+        raise ValueError(f"collective must be one of {sorted(phases)}, got {collective!r}")
+    bounds = shard_bounds(numel, world_size)
+    sent = [0] * world_size
+    for phase in phases[collective]:
+        for step in ring_schedule(world_size, phase):
+            for src, _, chunk in step:
+                sent[src] += (bounds[chunk][1] - bounds[chunk][0]) * element_size
+    return sent
+
+
+# nccl-tests, doc/PERFORMANCE.md: busbw = algbw * factor, so that busbw is comparable with the
+# link's bandwidth whatever the number of ranks
+_BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def bus_bandwidth(collective: str, nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """``(algbw, busbw)`` in bytes/s as nccl-tests defines them: ``algbw = nbytes / seconds``
+    (``nbytes`` = the full buffer: all-reduce input, all-gather output, reduce-scatter input),
+    ``busbw = algbw * 2(n-1)/n`` for all-reduce and ``* (n-1)/n`` for all-gather/reduce-scatter."""
+    if collective not in _BUS_FACTOR:
+        raise ValueError(f"collective must be one of {sorted(_BUS_FACTOR)}, got {collective!r}")
+    if seconds <= 0 or world_size < 1:
+        raise ValueError(f"need seconds > 0 and world_size >= 1, got {seconds}, {world_size}")
+    algbw = nbytes / seconds
+    return algbw, algbw * _BUS_FACTOR[collective](world_size)

@@ -1,0 +1,265 @@
+"""Gradient compression as DDP communication hooks: fp16/bf16 casts, top-k, PowerSGD.
+
+A hook replaces the averaging all-reduce of one bucket (:meth:`BucketedDDP.register_comm_hook`,
+same protocol as PyTorch's ``DistributedDataParallel.register_comm_hook``): it receives the
+bucket's flat gradient and returns an object whose ``wait()`` gives the *averaged* gradient.
+Every hook reports what it puts on the wire through ``bucket.log`` (see
+:attr:`SyncRecord.payload_bytes <dtlib.parallel.ddp.SyncRecord.payload_bytes>` and
+``wire_bytes``).
+
+* :func:`fp16_compress_hook`, :func:`bf16_compress_hook` - all-reduce a half-precision copy:
+  half the bytes, no state (PyTorch's ``default_hooks.fp16_compress_hook``).
+* :func:`topk_hook` - each rank sends its ``k`` largest-magnitude entries (values and int32
+  indices, by all-gather, since ranks choose different entries) and keeps what it did not send
+  as *error feedback* added to the next step's gradient (Stich et al. 2018, "Sparsified SGD with
+  Memory"; Lin et al. 2018, "Deep Gradient Compression").
+* :func:`powersgd_hook` - rank-``r`` power iteration (Vogels et al. 2019, "PowerSGD: Practical
+  Low-Rank Gradient Compression for Distributed Optimization", Algorithms 1-2): for each weight
+  matrix ``M`` (``shape[0] x rest``) ``P = M Q``, all-reduce P, orthogonalise, ``Q = M^T P``,
+  all-reduce Q, ``M ~ P Q^T``; vectors (biases, norms) are all-reduced uncompressed. With error
+  feedback (the local residual ``M - P Q_local^T`` is added next step) and warm start (last
+  step's Q seeds the next power iteration). The layout, thresholds and random initialisation
+  follow PyTorch's ``powerSGD_hook`` so the two can be compared number for number.
+
+Why hooks return a "deferred" result instead of chaining ``Future.then``: PowerSGD needs a second
+collective (on Q) that depends on the first. Issued from a future's callback it would run on a
+backend thread, and two ranks could then issue bucket 1's P and bucket 0's Q in different orders
+(gloo matches collectives by order). Here the second phase runs in ``wait()``, which our DDP calls
+in bucket order on the main thread, so every rank issues the same sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dtlib.parallel.collectives import all_gather_into
+
+__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
+           "PowerSGDState", "powersgd_hook", "orthogonalize"]
+
+
+class _Deferred:
+    """``wait()`` runs ``fn`` once and returns its result (the averaged flat gradient)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self._fn, self._value = fn, None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._fn()
+        return self._value
+
+
+def _group(state: Any) -> Any:
+    """Hooks take either a state object with ``process_group`` or a process group (or None)."""
+    return getattr(state, "process_group", state)
+
+
+def _all_reduce_mean(tensor: torch.Tensor, bucket: Any, group: Any) -> _Deferred:
+    """Pre-divide (no overflow in low precision), sum-all-reduce asynchronously, log it."""
+    tensor.div_(dist.get_world_size(group))
+    if hasattr(bucket, "log"):
+        bucket.log("all_reduce", tensor)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return _Deferred(lambda: (work.wait(), tensor)[1])
+
+
+def allreduce_hook(state: Any, bucket: Any) -> _Deferred:
+    """Uncompressed averaging: what DDP does without a hook (a baseline for the others)."""
+    return _all_reduce_mean(bucket.buffer(), bucket, _group(state))
+
+
+def _cast_hook(dtype: torch.dtype, state: Any, bucket: Any) -> _Deferred:
+    buf = bucket.buffer()
+    low = _all_reduce_mean(buf.to(dtype), bucket, _group(state))
+    return _Deferred(lambda: buf.copy_(low.wait()))
+
+
+def fp16_compress_hook(state: Any, bucket: Any) -> _Deferred:
+    """All-reduce the bucket in float16 (half the bytes; gradients below ~6e-8 flush to 0)."""
+    return _cast_hook(torch.float16, state, bucket)
+
+
+def bf16_compress_hook(state: Any, bucket: Any) -> _Deferred:
+    """All-reduce the bucket in bfloat16 (half the bytes, fp32's range, 8 bits of mantissa)."""
+    return _cast_hook(torch.bfloat16, state, bucket)
+
+
+# ---- top-k -------------------------------------------------------------------------------------
+@dataclass
+class TopKState:
+    """Top-k sparsification: keep ``ratio`` of each bucket's entries (at least one).
+
+    ``errors[bucket index]`` is the error-feedback memory (what was not sent yet).
+    """
+    ratio: float = 0.01
+    error_feedback: bool = True
+    process_group: Any = None
+    errors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1] (the fraction of entries sent), got {self.ratio}")
+
+
+def topk_hook(state: TopKState, bucket: Any) -> _Deferred:
+    """Send the ``k`` largest |g + error| entries of the bucket; average the sparse sums."""
+    group, buf = state.process_group, bucket.buffer()
+    n = dist.get_world_size(group)
+    acc = buf.clone()
+    if state.error_feedback:
+        err = state.errors.get(bucket.index())
+        if err is not None and err.shape == acc.shape:  # shape changes if buckets are rebuilt
+            acc += err
+    k = max(1, math.ceil(state.ratio * acc.numel()))
+    idx = acc.abs().topk(k, sorted=False).indices
+    values = acc[idx]
+    if state.error_feedback:
+        acc[idx] = 0  # what stays behind is sent later
+        state.errors[bucket.index()] = acc
+    idx32 = idx.to(torch.int32)  # 4-byte indices on the wire (buckets are < 2^31 elements)
+    all_values = torch.empty(n * k, dtype=values.dtype, device=values.device)
+    all_idx = torch.empty(n * k, dtype=torch.int32, device=values.device)
+    works = [all_gather_into(all_values, values, group, async_op=True),
+             all_gather_into(all_idx, idx32, group, async_op=True)]
+    if hasattr(bucket, "log"):
+        bucket.log("all_gather", values)
+        bucket.log("all_gather", idx32)
+
+    def finish() -> torch.Tensor:
+        for w in works:
+            w.wait()
+        buf.zero_().index_add_(0, all_idx.long(), all_values)  # ranks may pick the same entry
+        return buf.div_(n)
+
+    return _Deferred(finish)
+
+
+# ---- PowerSGD ----------------------------------------------------------------------------------
+def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``matrix`` ([n, r]), in place; returns it.
+
+    ``epsilon`` guards against an all-zero column (division by zero), as in PyTorch.
+    """
+    for i in range(matrix.shape[1]):
+        col = matrix[:, i:i + 1]
+        col /= col.norm() + epsilon
+        if i + 1 < matrix.shape[1]:
+            rest = matrix[:, i + 1:]
+            rest -= col * (col * rest).sum(dim=0, keepdim=True)
+    return matrix
+
+
+@dataclass
+class PowerSGDState:
+    """Configuration and memory of :func:`powersgd_hook` (names as in PyTorch's PowerSGDState).
+
+    ``rank``: the approximation rank r. ``start_iter``: plain all-reduce for the first steps
+    (PyTorch's ``start_powerSGD_iter``; compressing from step 0 hurts accuracy, Vogels et al.
+    Sec. 5). ``min_compression_rate``: compress a matrix only if ``n m > rate * (n + m) r``.
+    ``errors``, ``qs``: error-feedback memory and warm-start Q, per bucket index.
+    """
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+    epsilon: float = 0.0
+    process_group: Any = None
+    iter: int = 0
+    errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    qs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
+        if self.start_iter < 0:
+            raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
+        # PyTorch draws the seed of every fresh random Q from numpy's RandomState(seed)
+        self._rng = np.random.RandomState(self.seed)
+
+
+def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
+    """Rank-r PowerSGD with error feedback and warm start for one bucket (see module docstring)."""
+    group, buf = state.process_group, bucket.buffer()
+    n_ranks = dist.get_world_size(group)
+    if state.iter < state.start_iter:
+        if bucket.is_last():
+            state.iter += 1
+        return _all_reduce_mean(buf, bucket, group)
+    b = bucket.index()
+    if state.error_feedback:
+        err = state.errors.get(b)
+        if err is not None and err.shape == buf.shape:
+            buf += err
+        local = buf.clone()  # M_i + e_i: what this rank wanted to send
+    # which tensors are worth compressing: PyTorch's _should_compress
+    matrices, vectors = [], []
+    for g in bucket.gradients():
+        m = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
+        r = min(*m.shape, state.rank)
+        if m.numel() > state.min_compression_rate * (m.shape[0] + m.shape[1]) * r:
+            matrices.append((m, r))
+        else:
+            vectors.append(g)
+    uncompressed = torch.cat([v.reshape(-1) for v in vectors]) if vectors else buf.new_zeros(0)
+    p_flat = buf.new_empty(sum(m.shape[0] * r for m, r in matrices))
+    q_sizes = [m.shape[1] * r for m, r in matrices]
+    q_flat = state.qs.get(b)
+    fresh = not state.warm_start or q_flat is None or q_flat.numel() != sum(q_sizes)
+    if fresh:  # same seed on every rank -> the same random Q everywhere
+        q_flat = buf.new_empty(sum(q_sizes))
+        gen = torch.Generator().manual_seed(int(state._rng.randint(1_000_000_000)))
+    ps, qs, p_off, q_off = [], [], 0, 0
+    for (m, r), q_size in zip(matrices, q_sizes):
+        p = p_flat[p_off:p_off + m.shape[0] * r].view(m.shape[0], r)
+        q = q_flat[q_off:q_off + q_size].view(m.shape[1], r)
+        if fresh:
+            q.copy_(torch.randn(q.shape, generator=gen, dtype=q.dtype))
+        orthogonalize(q, state.epsilon)  # keeps the warm-started Q well conditioned
+        torch.matmul(m, q, out=p)
+        ps.append(p)
+        qs.append(q)
+        p_off, q_off = p_off + p.numel(), q_off + q.numel()
+    # P is only orthogonalised after the sum, so it needs no division by the world size
+    works = [dist.all_reduce(uncompressed, group=group, async_op=True),
+             dist.all_reduce(p_flat, group=group, async_op=True)]
+    if hasattr(bucket, "log"):
+        bucket.log("all_reduce", uncompressed)
+        bucket.log("all_reduce", p_flat)
+
+    def finish() -> torch.Tensor:
+        for w in works:
+            w.wait()
+        for (m, _), p, q in zip(matrices, ps, qs):
+            orthogonalize(p, state.epsilon)
+            torch.matmul(m.t(), p, out=q)  # this rank's Q_i = M_i^T P
+        if state.error_feedback:
+            # the local error of the paper (Alg. 2): M_i - P Q_i^T, with this rank's own Q_i
+            for (m, _), p, q in zip(matrices, ps, qs):
+                m.copy_(p @ q.t())
+            for v in vectors:
+                v.zero_()  # sent exactly: no residual
+            state.errors[b] = local - buf
+        if hasattr(bucket, "log"):
+            bucket.log("all_reduce", q_flat)
+        dist.all_reduce(q_flat, group=group)
+        q_flat.div_(n_ranks)
+        for (m, _), p, q in zip(matrices, ps, qs):
+            torch.matmul(p, q.t(), out=m)
+        offset = 0
+        for v in vectors:
+            v.copy_(uncompressed[offset:offset + v.numel()].view_as(v)).div_(n_ranks)
+            offset += v.numel()
+        state.qs[b] = q_flat  # warm start: next step's power iteration begins here
+        if bucket.is_last():
+            state.iter += 1
+        return buf
+
+    return _Deferred(finish)
