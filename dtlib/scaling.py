@@ -6,6 +6,8 @@ Below ~80% is worth investigating (communication, stragglers, or, on a laptop, t
 """
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 from dtlib.data import Digits
 from dtlib.launcher import launch
 from dtlib.training import train
@@ -23,14 +25,14 @@ def scaling_efficiency(throughput: dict[int, float]) -> dict[int, float]:
 
 
 def measure_throughput(world_sizes: list[int], data: Digits, per_rank_batch: int = 32,
-                       steps: int = 6, timeout: float = 60.0) -> dict[int, float]:
+                       steps: int = 6, timeout: float = 60.0, progress: bool = True) -> dict[int, float]:
     """Samples per second of data-parallel training at each world size (weak scaling).
 
     A step of N ranks lasts as long as its slowest rank, so the slowest rank's median step
     time is what counts.
     """
     throughput = {}
-    for n in world_sizes:
+    for n in tqdm(world_sizes, desc="measuring world sizes", disable=not progress, leave=False):
         results = launch(train, n, args=(data, steps, per_rank_batch * n), timeout=timeout,
                          output="none")
         slowest = max(r["seconds_per_step"] for r in results)

@@ -16,13 +16,13 @@ def test_environment_yml_matches_pyproject():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pypi = {_name(d): d for d in deps}
     conda = set()
-    for line in (ROOT / "environment.yml").read_text().splitlines():
+    text = (ROOT / "environment.yml").read_text()
+    for line in text.split("dependencies:", 1)[1].splitlines():
         m = re.match(r"\s+- ([A-Za-z][\w.-]*)([<>=!~][^#\s]*)?", line)
         if m and m.group(1) not in ("python", "pip"):
             conda.add(CONDA_TO_PYPI.get(m.group(1), m.group(1)).lower())
     assert conda == set(pypi), f"only in environment.yml: {conda - set(pypi)}, only in pyproject: {set(pypi) - conda}"
     # and the version floors agree
-    text = (ROOT / "environment.yml").read_text()
     for name, spec in pypi.items():
         floor = re.search(r">=([\d.]+)", spec)
         if floor:

@@ -7,23 +7,27 @@ Experiences on Accelerating Data Parallel Training", VLDB, Sec. 3.2.3), DeepSpee
 flatten parameters into one buffer per unit and shard it evenly (Rajbhandari et al. 2020;
 Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2 "FlatParameter").
 
-This module holds the three pieces of arithmetic they all need:
+This module holds the pieces they all need:
 
 * :func:`assign_buckets` - group tensors, in a given order, into buckets of at most ~cap bytes
   (the same rule as ``torch.distributed``'s ``_compute_bucket_assignment_by_size``);
 * :class:`FlatLayout` - where each tensor lives inside a flat buffer, the padding that makes the
   buffer divisible by the number of shards, and the bounds of each shard;
 * :func:`shard_bounds` - an uneven split into ``n`` near-equal chunks (for collectives on sizes
-  that are not divisible by the world size).
+  that are not divisible by the world size);
+* :func:`register_grad_ready_hooks` and :class:`InOrderLauncher` - know when a bucket's last
+  gradient is ready during backward, and launch buckets in the same order on every rank.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["MB", "assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters"]
+__all__ = ["MB", "assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters",
+           "InOrderLauncher", "register_grad_ready_hooks"]
 
 MB = 1024 * 1024  # PyTorch's bucket_cap_mb is in MiB ("MB" in its docs); so is ours
 
@@ -166,3 +170,54 @@ class FlatLayout:
             raise ValueError(f"need a 1-D buffer of >= {self.numel} elements, got {tuple(flat.shape)}")
         pieces = torch.split(flat, [*self.numels, flat.numel() - self.numel])
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+
+
+class InOrderLauncher:
+    """Counts the tensors that arrive in each bucket and launches complete buckets *in order*.
+
+    Bucket ``i`` is launched only after buckets ``0..i-1``: collectives are matched by the order
+    in which ranks issue them, so every rank must issue them in the same order even if its
+    autograd happens to finish the buckets in another (PyTorch's Reducer does the same).
+    """
+
+    def __init__(self, sizes: Sequence[int], launch: Callable[[int], None]):
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"every bucket needs at least one tensor, got sizes {list(sizes)}")
+        self.sizes, self.launch = list(sizes), launch
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = list(self.sizes)
+        self.next = 0
+
+    def arrive(self, bucket: int) -> bool:
+        """One more tensor of ``bucket`` is ready; returns True if that completed the bucket."""
+        if self.pending[bucket] <= 0:
+            raise RuntimeError(f"bucket {bucket} received more tensors than it holds")
+        self.pending[bucket] -= 1
+        while self.next < len(self.sizes) and self.pending[self.next] == 0:
+            self.next += 1
+            self.launch(self.next - 1)
+        return self.pending[bucket] == 0
+
+    @property
+    def all_launched(self) -> bool:
+        return self.next == len(self.sizes)
+
+
+def register_grad_ready_hooks(params: Sequence[torch.Tensor], owner: object,
+                              method: str) -> list[torch.utils.hooks.RemovableHandle]:
+    """Call ``owner.<method>(p)`` each time ``p.grad`` has been fully accumulated in a backward.
+
+    ``register_post_accumulate_grad_hook`` fires after the gradient of a leaf is final for this
+    backward (once per backward even for a tied weight used twice). The owner is held weakly so
+    that a dropped wrapper does not stay alive through its parameters' hooks.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(p: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(p)
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]

@@ -208,6 +208,11 @@ def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
             matrices.append((m, r))
         else:
             vectors.append(g)
+    # same-shaped matrices next to each other, as PyTorch lays out (and draws random) Q and P
+    first_seen = {}
+    for m, _ in matrices:
+        first_seen.setdefault(m.shape, len(first_seen))
+    matrices.sort(key=lambda mr: first_seen[mr[0].shape])
     uncompressed = torch.cat([v.reshape(-1) for v in vectors]) if vectors else buf.new_zeros(0)
     p_flat = buf.new_empty(sum(m.shape[0] * r for m, r in matrices))
     q_sizes = [m.shape[1] * r for m, r in matrices]
@@ -242,10 +247,9 @@ def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
             torch.matmul(m.t(), p, out=q)  # this rank's Q_i = M_i^T P
         if state.error_feedback:
             # the local error of the paper (Alg. 2): M_i - P Q_i^T, with this rank's own Q_i
+            # (vectors still hold their local values: they were sent exactly, no residual)
             for (m, _), p, q in zip(matrices, ps, qs):
                 m.copy_(p @ q.t())
-            for v in vectors:
-                v.zero_()  # sent exactly: no residual
             state.errors[b] = local - buf
         if hasattr(bucket, "log"):
             bucket.log("all_reduce", q_flat)

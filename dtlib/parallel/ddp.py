@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dtlib.parallel.buckets import MB, FlatLayout, assign_buckets, unique_parameters
+from dtlib.parallel.buckets import (MB, FlatLayout, InOrderLauncher, assign_buckets,
+                                    register_grad_ready_hooks, unique_parameters)
 from dtlib.parallel.collectives import broadcast_coalesced, ring_bytes_sent
 
 __all__ = ["NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord", "CommHook"]
@@ -63,7 +64,6 @@ class GradBucket:
         self.reset()
 
     def reset(self) -> None:
-        self.pending = len(self._params)          # gradients still to arrive in this backward
         self.used = [False] * len(self._params)   # this rank had a gradient for the parameter
         self.ready = [False] * len(self._params)
         self.work: Any = None                     # what the hook returned (has .wait())
@@ -191,15 +191,8 @@ class _DataParallel(nn.Module):
         # first guess of the order in which gradients become ready: reverse of registration
         self._build_buckets(list(reversed(range(len(self._params)))))
 
-        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
-
-        def hook(p: torch.Tensor) -> None:
-            wrapper = me()
-            if wrapper is not None:
-                wrapper._grad_ready(p)
-
-        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
-        module._dtlib_ddp = me
+        self._handles = register_grad_ready_hooks(self._params, self, "_grad_ready")
+        module._dtlib_ddp = weakref.ref(self)
         self._sync_enabled = True   # False inside no_sync()
         self._armed = False         # a forward asked for a synchronised backward
         self._hook: CommHook | None = None
@@ -214,6 +207,8 @@ class _DataParallel(nn.Module):
         groups = assign_buckets(ordered, self._cap)
         self.buckets = [GradBucket(b, [ordered[j] for j in idx], [self._names[order[j]] for j in idx],
                                    is_last=b == len(groups) - 1) for b, idx in enumerate(groups)]
+        self._launcher = InOrderLauncher([len(b.parameters()) for b in self.buckets],
+                                         lambda i: self._launch(self.buckets[i]))
         # parameter index -> (bucket, slot)
         self._slot = {}
         for b in self.buckets:
@@ -258,7 +253,7 @@ class _DataParallel(nn.Module):
     def _prepare_for_backward(self, out: Any, start: float) -> None:
         for b in self.buckets:
             b.reset()
-        self._next_bucket = 0
+        self._launcher.reset()
         self._ready_order: list[int] = []
         n = len(self.buckets)
         self._record = SyncRecord(self.world_size, start, time.perf_counter(),
@@ -299,15 +294,10 @@ class _DataParallel(nn.Module):
             view.copy_(p.grad)
             bucket.used[slot] = True
         bucket.ready[slot] = True
-        bucket.pending -= 1
         self._ready_order.append(i)
-        if bucket.pending == 0:
-            self._record.bucket_ready[bucket.index()] = time.perf_counter()
-            # launch in bucket order only: every rank must issue the same collectives in the
-            # same sequence, whatever order autograd happened to finish the buckets in
-            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-                self._launch(self.buckets[self._next_bucket])
-                self._next_bucket += 1
+        now = time.perf_counter()
+        if self._launcher.arrive(bucket.index()):  # launches complete buckets, in bucket order
+            self._record.bucket_ready[bucket.index()] = now
 
     def _launch(self, bucket: GradBucket) -> None:
         self._record.bucket_issued[bucket.index()] = time.perf_counter()

@@ -1,0 +1,151 @@
+"""The ``dtlib`` command line, and the table of bad inputs: each gives a ValueError saying what is
+wrong and what would be valid, and the command line prints one line and exits 2."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dtlib.cli import build_parser, main
+from dtlib.comm import collective_time
+from dtlib.flops import flops_report
+from dtlib.memory import GiB, memory_per_gpu
+from dtlib.models import get_preset
+from dtlib.parallelism import Parallelism
+from dtlib.precision import precision
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_memory_table_and_json(capsys):
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--zero", "3")
+    assert code == 0 and "optimizer" in out and "GiB" in out and "h100-sxm memory" in out
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--json")
+    per_gpu = json.loads(out)["per_gpu"]
+    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3), precision=precision("bf16-mixed"))
+    assert per_gpu["total"] == expected.total and per_gpu["activations"] == expected.activations
+    assert per_gpu["parameters"] + per_gpu["gradients"] + per_gpu["optimizer"] == expected.model_states
+
+
+def test_memory_with_a_bare_parameter_count_has_null_activations(capsys):
+    code, out, _ = run(capsys, "memory", "--params", "7.5e9", "--dp", "64", "--zero", "1",
+                       "--convention", "zero", "--json")
+    per_gpu = json.loads(out)["per_gpu"]
+    assert code == 0 and per_gpu["activations"] is None
+    assert per_gpu["total"] / 1e9 == pytest.approx(31.4, abs=0.05)  # ZeRO paper
+
+
+def test_custom_shape_and_options(capsys):
+    code, out, _ = run(capsys, "memory", "--layers", "4", "--hidden", "256", "--heads", "8",
+                       "--kv-heads", "2", "--ffn", "1024", "--vocab", "1000", "--seq", "128",
+                       "--activation", "swiglu", "--tp", "2", "--pp", "2", "--dp", "2",
+                       "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
+                       "--sequence-parallel", "--recompute", "selective", "--precision", "fp16-mixed",
+                       "--grad-dtype", "fp32", "--optimizer", "sgd-momentum", "--zero", "1",
+                       "--offload", "optimizer", "--overhead", "1GiB", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["per_gpu"]["overhead"] == GiB and d["cpu_per_gpu"] > 0
+
+
+def test_flops_json_gives_korthikanti_mfu(capsys):
+    code, out, _ = run(capsys, "flops", "--model", "megatron-22b", "--tp", "8", "--micro-batch", "4",
+                       "--gpu", "a100-80gb", "--step-time", "1.10", "--recompute", "selective", "--json")
+    d = json.loads(out)
+    assert code == 0 and 100 * d["mfu"] == pytest.approx(41.5, abs=0.2)
+    assert d["model_flops_per_step"] == flops_report(get_preset("megatron-22b"), 4)["model_flops_per_step"]
+    assert d["hardware_flops_per_step"] > d["model_flops_per_step"]
+    code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--batch", "16", "--attention-flops", "causal")
+    assert code == 0 and "model FLOPs per step" in out and "\nMFU" not in out  # no step time
+
+
+def test_comm_single_collective_and_model_volumes(capsys):
+    code, out, _ = run(capsys, "comm", "--collective", "all-reduce", "--bytes", "1GiB", "--ranks", "16",
+                       "--link", "nvlink4", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["algorithms"]["ring"]["time"] == collective_time("all-reduce", GiB, 16, "nvlink4")
+    assert d["hierarchical"]["total"] > 0  # 16 ranks = 2 nodes of 8
+    code, out, _ = run(capsys, "comm", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--gpus", "64",
+                       "--microbatches", "8")
+    assert code == 0 and "tp_activations" in out and "pp_activations" in out and "dp_grad_all_reduce" in out
+
+
+def test_python_dash_m_and_help():
+    r = subprocess.run([sys.executable, "-m", "dtlib.cli", "memory", "--model", "llama3-8b", "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "per_gpu" in json.loads(r.stdout)
+    assert main(["--help"]) == 0
+    assert {"memory", "flops", "comm"} <= set(build_parser()._subparsers._group_actions[0].choices)
+
+
+BAD_CLI = [
+    (["memory", "--model", "llama3-8b", "--tp", "3"], "tp=3 must divide the 32 attention heads; valid tp: 1, 2, 4, 8"),
+    (["memory", "--model", "llama3-8b", "--tp", "16"], "must divide the 8 KV heads"),
+    (["memory", "--model", "llama3-8b", "--pp", "40"], "exceed the 32 layers"),
+    (["memory", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--dp", "2"], "= 16 but there are 8 GPUs"),
+    (["memory", "--model", "llama3-8b", "--gpus", "12", "--tp", "8"], "not divisible by tp\\*pp\\*cp = 8"),
+    (["memory", "--model", "llama3-8b", "--cp", "3"], "cp=3 must divide the sequence length 8192"),
+    (["memory", "--layers", "0", "--hidden", "64", "--heads", "4"], "layers must be a positive integer"),
+    (["memory", "--layers", "2", "--hidden", "-64", "--heads", "4"], "hidden must be a positive integer"),
+    (["memory", "--layers", "2", "--hidden", "64", "--heads", "5"], "hidden \\(64\\) must be divisible by heads"),
+    (["memory", "--layers", "2", "--hidden", "64"], "needs all of --layers, --hidden and --heads"),
+    (["memory"], "give exactly one of --model"),
+    (["memory", "--model", "llama3-8b", "--params", "7e9"], "give exactly one of"),
+    (["memory", "--model", "gpt5"], "unknown model preset 'gpt5'; valid presets: gpt3-175b"),
+    (["memory", "--model", "llama3-8b", "--gpu", "v100"], "unknown GPU 'v100'; valid: a100-40gb"),
+    (["memory", "--params", "0"], "positive parameter count"),
+    (["memory", "--params", "-5"], "cannot read size '-5'"),
+    (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "micro_batch must be >= 1"),
+    (["memory", "--model", "llama3-8b", "--zero", "5"], "invalid choice: '?5'? \\(choose from 0, 1, 2, 3\\)"),
+    (["memory", "--model", "llama3-8b", "--zero", "2", "--offload", "params"], "needs ZeRO stage 3"),
+    (["memory", "--model", "llama3-8b", "--virtual-stages", "2"], "needs schedule='interleaved'"),
+    (["memory", "--model", "llama3-8b", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--microbatches", "6"], "multiple of pp=4"),
+    (["memory", "--model", "llama3-8b", "--dp", "2", "--ep", "2"], "needs an MoE model"),
+    (["flops", "--model", "llama3-8b", "--step-time", "-1"], "step_time must be a positive number"),
+    (["flops", "--params", "7e9"], "needs seq"),
+    (["flops", "--model", "llama3-8b", "--gpu", "a100-80gb", "--dtype", "fp8", "--step-time", "1"], "no fp8 peak"),
+    (["comm", "--collective", "all-reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
+    (["comm", "--bytes", "1GiB", "--ranks", "0"], "ranks must be a positive integer"),
+    (["comm", "--bytes", "1GiB", "--ranks", "8", "--link", "nvlink9"], "unknown link 'nvlink9'; valid: nvlink3"),
+    (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read size"),
+    (["comm", "--collective", "gossip", "--bytes", "1", "--ranks", "2"], "invalid choice: 'gossip'"),
+    ([], "required: command"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_CLI)
+def test_bad_input_prints_one_line_and_exits_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("dtlib: error: ")
+    assert re.search(message, err), err
+
+
+BAD_API = [
+    (lambda: Parallelism(dp=0), "dp must be >= 1"),
+    (lambda: Parallelism(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
+    (lambda: Parallelism(schedule="zigzag"), "schedule must be one of \\('gpipe', '1f1b', 'interleaved'\\)"),
+    (lambda: Parallelism(recompute="some"), "recompute must be one of"),
+    (lambda: Parallelism(dp=4, shard_group=3), "shard_group=3 must divide the 4 replicas"),
+    (lambda: Parallelism(dp=2.0), "dp must be an integer"),
+    (lambda: memory_per_gpu("llama3-8b", Parallelism(tp=3)), "valid tp: 1, 2, 4, 8"),
+    (lambda: memory_per_gpu("llama3-8b", Parallelism(dp=4), gpus=8), "= 4 but there are 8 GPUs"),
+    (lambda: memory_per_gpu(-1), "positive parameter count"),
+    (lambda: memory_per_gpu("llama3-8b", seq=0), "seq must be a positive integer"),
+    (lambda: memory_per_gpu("llama3-8b", precision="int3"), "unknown precision 'int3'; valid: zero"),
+    (lambda: memory_per_gpu(7e9, Parallelism(dp=2, ep=2)), "bare parameter count cannot be split"),
+    (lambda: precision("fp32", grad_dtype="bf16"), "fp32 training has fp32 gradients"),
+    (lambda: flops_report(get_preset("llama3-8b"), batch=0), "batch must be a positive integer"),
+    (lambda: flops_report(get_preset("llama3-8b"), batch=1, gpu="tpu"), "unknown GPU 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("call,message", BAD_API)
+def test_bad_input_raises_a_helpful_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -1,0 +1,69 @@
+"""Hardware catalogue: every figure sourced and plausible, look-ups explain bad names, clusters,
+and measuring the local CPU."""
+import pytest
+
+from dtlib.hardware import (ACCELERATORS, DTYPES, LINKS, Accelerator, Cluster, add_accelerator,
+                            cluster, get_gpu, get_link, measure_cpu)
+
+REQUIRED = {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"}
+
+
+def test_catalogue_covers_the_required_parts_with_sources():
+    assert REQUIRED <= set(ACCELERATORS)
+    assert {"nvlink3", "nvlink4", "nvlink5", "pcie4", "pcie5", "ib-hdr", "ib-ndr", "ib-xdr", "roce-400g"} <= set(LINKS)
+    for acc in ACCELERATORS.values():
+        assert acc.source and acc.memory_bytes > 0 and acc.memory_bandwidth > 0
+    for link in LINKS.values():
+        assert link.source and link.bandwidth > 0 and 0 < link.latency < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_peaks_are_ordered_as_the_hardware(name):
+    acc = get_gpu(name)
+    assert acc.peak("bf16") == acc.peak("fp16") > acc.peak("tf32") > acc.peak("fp32")
+    if acc.peaks["fp8"]:
+        assert acc.peak("fp8") == pytest.approx(2 * acc.peak("bf16"), rel=0.01)
+
+
+def test_published_datasheet_figures():
+    assert get_gpu("a100-80gb").peak("bf16") == 312e12          # A100 datasheet, dense
+    assert get_gpu("h100-sxm").peak("bf16") == pytest.approx(989.5e12, rel=1e-3)  # 1979 sparse / 2
+    assert get_gpu("mi300x").memory_bytes == 192 * 2 ** 30
+    assert get_link("ib-ndr").bandwidth == 50e9                # 400 Gb/s
+    assert get_link("nvlink4").bandwidth == 450e9              # 900 GB/s bidirectional
+
+
+def test_lookups_list_valid_names():
+    assert get_gpu(" H100-SXM ") is ACCELERATORS["h100-sxm"]
+    with pytest.raises(ValueError, match="unknown GPU 'v100'; valid: a100-40gb"):
+        get_gpu("v100")
+    with pytest.raises(ValueError, match="unknown link"):
+        get_link("ethernet")
+    with pytest.raises(ValueError, match="has no fp8 peak; supported: fp32, tf32, bf16, fp16"):
+        get_gpu("a100-40gb").peak("fp8")
+    with pytest.raises(ValueError, match="unknown dtype 'int4'; valid: " + ", ".join(DTYPES)):
+        get_gpu("h100-sxm").peak("int4")
+
+
+def test_cluster_shares_nics():
+    c = cluster("h100-sxm", nodes=4, gpus_per_node=8)
+    assert c.world_size == 32 and c.intra.name == "nvlink4" and c.nics_per_node == 8
+    assert c.inter_bandwidth_per_gpu == get_link("ib-ndr").bandwidth
+    assert cluster("h100-sxm", 4, 8, nics_per_node=2).inter_bandwidth_per_gpu == 50e9 / 4
+    assert cluster("mi300x").intra.name == "infinity-fabric"
+    with pytest.raises(ValueError, match="nodes must be a positive integer"):
+        Cluster(get_gpu("h100-sxm"), 0, 8, get_link("nvlink4"), get_link("ib-ndr"))
+
+
+def test_measure_and_add_the_local_cpu():
+    cpu = measure_cpu(n=128, repeats=2, name="cpu-test")
+    try:
+        assert 1e8 < cpu.peak("fp32") < 1e14 and "measured" in cpu.source
+        add_accelerator(cpu)
+        assert get_gpu("cpu-test") is cpu
+        with pytest.raises(ValueError, match="has no bf16 peak"):
+            cpu.peak("bf16")
+    finally:
+        ACCELERATORS.pop("cpu-test", None)
+    with pytest.raises(ValueError, match="needs a source"):
+        add_accelerator(Accelerator("x", {"fp32": 1.0}, 1, 1.0, ""))

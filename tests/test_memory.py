@@ -1,0 +1,168 @@
+"""Memory per GPU: published checks (ZeRO paper, DeepSpeed estimator, Korthikanti et al. 2022),
+the paper's closed forms, parallel division rules, and a real AdamW step of TinyGPT on CPU."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtlib.activations import layer_bytes
+from dtlib.measure import model_state_bytes_held, saved_activation_bytes
+from dtlib.memory import GB, GiB, memory_per_gpu, stage_parameters, model_numbers
+from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
+from dtlib.parallelism import Parallelism, in_flight
+from dtlib.precision import CONVENTIONS, precision
+
+
+# ---- published checks ------------------------------------------------------------------------
+@pytest.mark.parametrize("stage,published_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_7_5b_on_64_gpus(stage, published_gb):
+    """Rajbhandari et al. 2020, Fig. 1 / Table 1: Psi = 7.5B, N_d = 64, K = 12. The paper rounds to
+    0.1 GB, so the tolerance is 0.05 GB."""
+    m = memory_per_gpu(7.5e9, Parallelism(dp=64, zero=stage), precision="zero")
+    assert m.model_states / GB == pytest.approx(published_gb, abs=0.05)
+    assert m.activations is None
+
+
+def test_zero_shards_over_the_data_parallel_group_not_all_gpus():
+    m = memory_per_gpu(7.5e9, Parallelism(dp=64, tp=2, zero=1), precision="zero", gpus=128)
+    assert m.optimizer == pytest.approx(12 * 7.5e9 / 2 / 64)
+
+
+def test_deepspeed_zero3_estimator_2851m_on_8_gpus():
+    """DeepSpeed ``estimate_zero3_model_states_mem_needs`` (deepspeed/runtime/zero/stage3.py):
+    18 bytes/param / total GPUs + 4 x largest layer; DeepSpeed's docs print 6.09 GB (GiB) per GPU
+    for 2851M parameters, 32M largest layer, 1 node x 8 GPUs, no offload. Printed to 0.01, so the
+    tolerance is 0.005 GiB."""
+    layout = Parallelism(dp=8, zero=3)
+    m = memory_per_gpu(2851e6, layout, precision="megatron-bf16", largest_layer_params=32e6, gpus=8)
+    assert m.total / GiB == pytest.approx(6.09, abs=0.005)
+    # and the offload branches of the same estimator, exactly
+    opt = memory_per_gpu(2851e6, layout.with_(offload="optimizer"), precision="megatron-bf16",
+                         largest_layer_params=32e6)
+    assert opt.total == pytest.approx(4 * 32e6 + int(2 * 2851e6 / 8))
+    par = memory_per_gpu(2851e6, layout.with_(offload="params"), precision="megatron-bf16",
+                         largest_layer_params=32e6)
+    assert par.total == pytest.approx(4 * 32e6)
+    assert par.cpu == pytest.approx(18 * 2851e6 / 8)
+
+
+def test_korthikanti_22b_activations():
+    """Korthikanti et al. 2022, Table 3/4 setting: 22B, s=2048, b=4, t=8: 59.25 GiB of layer
+    activations without recompute and 9.5625 GiB with sequence parallelism + selective recompute.
+    Both are exact arithmetic, so the tolerance is 1e-9 relative."""
+    cfg = get_preset("megatron-22b")
+    base = Parallelism(tp=8, micro_batch=4)
+    none = memory_per_gpu(cfg, base, gpus=8).activation_detail["layers"]
+    sel = memory_per_gpu(cfg, base.with_(sequence_parallel=True, recompute="selective")).activation_detail["layers"]
+    assert none / GiB == pytest.approx(59.25, rel=1e-9)
+    assert sel / GiB == pytest.approx(9.5625, rel=1e-9)
+
+
+@pytest.mark.parametrize("s,b,h,a,t", [(2048, 4, 6144, 64, 8), (4096, 1, 12288, 96, 4), (1024, 3, 1024, 16, 2)])
+def test_layer_formula_reduces_to_the_papers_table_2(s, b, h, a, t):
+    sbh = s * b * h
+    kw = dict(seq=s, micro_batch=b, hidden=h, heads=a, kv_heads=a, ffn=4 * h)
+    paper = {  # Korthikanti et al. 2022, Table 2
+        ("none", 1, False): sbh * (34 + 5 * a * s / h),
+        ("none", t, False): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        ("none", t, True): sbh / t * (34 + 5 * a * s / h),
+        ("selective", t, False): sbh * (10 + 24 / t),
+        ("selective", t, True): sbh * 34 / t,
+        ("full", 1, False): 2 * sbh,
+        ("full", t, True): 2 * sbh / t,
+    }
+    for (recompute, tp, sp), expected in paper.items():
+        got = layer_bytes(tp=tp, sequence_parallel=sp, recompute=recompute, **kw)
+        assert got == pytest.approx(expected, rel=1e-12), (recompute, tp, sp)
+
+
+def test_pipeline_in_flight_microbatches():
+    assert [float(x) for x in in_flight("gpipe", 4, 16)] == [16, 16]
+    assert [float(x) for x in in_flight("1f1b", 4, 16)] == [4, 1]
+    assert [float(x) for x in in_flight("1f1b", 4, 2)] == [2, 1]
+    first, _ = in_flight("interleaved", 4, 16, 2)  # Korthikanti Sec. 4.2.3: 1 + (p-1)/(p v)
+    assert float(first) == pytest.approx(4 * (1 + 3 / 8))
+    assert [float(x) for x in in_flight("gpipe", 1, 16)] == [1, 1]  # no pipeline: accumulation
+
+
+def test_pipeline_stages_split_the_parameters():
+    for name, tied in (("llama3-8b", False), ("gpt3-175b", True)):
+        cfg = get_preset(name)
+        st = stage_parameters(**model_numbers(cfg), pp=2)
+        extra = tied * cfg.vocab * cfg.hidden  # a tied head is a second copy on the last stage
+        assert st["first"]["dense"] + st["last"]["dense"] == cfg.num_parameters() + extra
+    one = memory_per_gpu("llama3-70b", Parallelism(pp=1), precision="zero")
+    assert one.parameters == 2 * get_preset("llama3-70b").num_parameters()
+
+
+def test_tensor_parallel_shards_all_but_norms_and_row_biases():
+    cfg = tiny_gpt_config(layers=3)
+    model = TinyGPT(cfg)
+    replicated = sum(p.numel() for n, p in model.named_parameters()
+                     if "norm" in n or n.endswith(("proj.bias", "down.bias")) or n.startswith("wpe"))
+    for tp in (2, 4):
+        st = stage_parameters(**model_numbers(cfg), tp=tp)["first"]["dense"]
+        assert tp * st == cfg.num_parameters() + (tp - 1) * replicated
+
+
+def test_zero_stages_shrink_memory_and_offload_moves_it_to_cpu():
+    cfg = get_preset("llama3-8b")
+    totals = [memory_per_gpu(cfg, Parallelism(dp=8, zero=z)).model_states for z in range(4)]
+    assert all(a > b for a, b in zip(totals, totals[1:]))
+    on_gpu = memory_per_gpu(cfg, Parallelism(dp=8, zero=2))
+    off = memory_per_gpu(cfg, Parallelism(dp=8, zero=2, offload="optimizer"))
+    assert off.optimizer == 0 and off.gradients == 0 and off.cpu == pytest.approx(on_gpu.optimizer + on_gpu.gradients)
+
+
+def test_conventions_bytes_per_parameter():
+    assert {k: v.total for k, v in CONVENTIONS.items()} == {
+        "zero": 16, "megatron-bf16": 18, "megatron-fp16": 20, "fp32": 16, "sgd-momentum": 12, "adam-8bit": 10}
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        precision(optimizer="lion")
+
+
+def test_most_loaded_gpu_is_reported():
+    cfg = get_preset("llama3-8b")
+    # long vocabulary, few micro-batches: the last stage (LM head + fp32 logits) is the heavier
+    m = memory_per_gpu(cfg, Parallelism(pp=4, microbatches=1, recompute="full"))
+    assert m.stage == 3 and m.activation_detail["output"] > 0
+    m = memory_per_gpu(cfg, Parallelism(pp=4, microbatches=16))
+    assert m.stage == 0
+
+
+# ---- measured: a real AdamW step of TinyGPT on CPU ------------------------------------------------
+def _train_step(cfg, batch, dropout):
+    torch.manual_seed(0)
+    model = TinyGPT(cfg, dropout=dropout).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq))
+
+    def forward():
+        return F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+
+    saved = saved_activation_bytes(model, forward)
+    saved["result"].backward()
+    opt.step()
+    return model, opt, saved["bytes"]
+
+
+@pytest.mark.parametrize("overrides,dropout", [
+    (dict(), 0.0),
+    (dict(layers=3, tied_embeddings=True), 0.1),
+    (dict(activation="swiglu", norm="rmsnorm", position="rope", kv_heads=2, bias=False), 0.0),
+])
+def test_predictions_match_a_real_adamw_step(overrides, dropout):
+    cfg = tiny_gpt_config(**overrides)
+    model, opt, saved = _train_step(cfg, batch=4, dropout=dropout)
+    held = model_state_bytes_held(model, opt)
+    pred = memory_per_gpu(cfg, Parallelism(micro_batch=4), precision=precision("fp32", optimizer="adamw"),
+                          dropout=dropout > 0,
+                          mask_bytes=4,  # CPU dropout keeps a float mask (native_dropout is GPU-only)
+                          norm_saved=2 if cfg.norm == "rmsnorm" else 1)  # composite nn.RMSNorm
+    # model states: exact
+    assert pred.parameters == held["parameters"]
+    assert pred.gradients == held["gradients"]
+    assert pred.optimizer == held["optimizer"]
+    assert held["optimizer_scalars"] == 4 * len(list(model.parameters()))  # Adam's 'step' counters
+    # activations: within 10% of the storages autograd saved
+    assert pred.activations == pytest.approx(saved, rel=0.10)

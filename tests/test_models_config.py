@@ -1,0 +1,131 @@
+"""Transformer descriptions: exact parameter counts (vs a real TinyGPT), published preset sizes,
+validation messages, and TinyGPT's attention against PyTorch's reference implementation."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtlib.models import PRESETS, TinyGPT, TransformerConfig, get_preset, num_parameters, tiny_gpt_config
+from dtlib.models.gpt import Attention
+
+VARIANTS = [dict(activation=a, kv_heads=kv, bias=b, norm=n, position=p, tied_embeddings=t)
+            for a, kv, b, n, p, t in itertools.product(
+                ("gelu", "swiglu"), (4, 1), (True, False), ("layernorm", "rmsnorm"),
+                ("learned", "rope", "alibi"), (True, False))]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS + [dict(embedding_norm=True, ffn=100, layers=3),
+                                                  dict(hidden=96, heads=6, kv_heads=2, vocab=77, seq=9)])
+def test_parameter_count_is_exact(overrides):
+    cfg = tiny_gpt_config(**overrides)
+    model = TinyGPT(cfg)
+    assert cfg.num_parameters() == num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+# Published totals. Exact where the source gives an exact count; BERT's count leaves out the
+# token-type table (2 x h) and pooler (h^2 + h) of HF's BertModel (see presets.py).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800, "bloom-176b": 176_247_271_424,
+    "bert-base": 109_482_240 - 2 * 768 - (768 ** 2 + 768),
+    "bert-large": 335_141_888 - 2 * 1024 - (1024 ** 2 + 1024),
+}
+APPROXIMATE = {"gpt3-175b": (175e9, 0.005), "megatron-22b": (22e9, 0.01), "capstone-10b": (10e9, 0.03)}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_match_published_sizes(name):
+    cfg = get_preset(name)
+    assert cfg.source, f"{name} has no source"
+    if name in PUBLISHED:
+        assert cfg.num_parameters() == PUBLISHED[name]
+    else:
+        value, rel = APPROXIMATE[name]
+        assert cfg.num_parameters() == pytest.approx(value, rel=rel)
+
+
+def test_get_preset_is_case_insensitive_and_lists_valid_names():
+    assert get_preset(" Llama3-8B ") is PRESETS["llama3-8b"]
+    with pytest.raises(ValueError, match="valid presets: .*llama3-70b"):
+        get_preset("llama-9")
+
+
+def test_defaults_and_moe_counts():
+    gelu = tiny_gpt_config()
+    assert gelu.kv_heads == gelu.heads and gelu.ffn == 4 * gelu.hidden
+    assert get_preset("llama2-7b").with_(ffn=None).ffn == 11008  # Llama's SwiGLU rounding rule
+    moe = tiny_gpt_config(moe_experts=8, moe_top_k=2, bias=False)
+    dense = tiny_gpt_config(bias=False)
+    mlp = 2 * 64 * 256
+    assert moe.num_parameters() - dense.num_parameters() == 2 * (7 * mlp + 64 * 8)
+    assert moe.active_parameters() == moe.num_parameters() - 2 * 6 * mlp
+
+
+BAD_SHAPES = [
+    (dict(hidden=65), "hidden \\(65\\) must be divisible by heads \\(4\\)"),
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(layers=0), "layers must be a positive integer"),
+    (dict(vocab=-5), "vocab must be a positive integer"),
+    (dict(seq=2.5), "seq must be a positive integer"),
+    (dict(activation="relu"), "activation must be one of \\('gelu', 'swiglu'\\)"),
+    (dict(norm="batchnorm"), "norm must be one of"),
+    (dict(position="sinusoidal"), "position must be one of"),
+    (dict(moe_experts=1), "moe_experts must be 0 \\(dense\\) or an integer >= 2"),
+    (dict(moe_experts=4, moe_top_k=5), "moe_top_k must be in 1..4"),
+    (dict(moe_top_k=2), "needs moe_experts >= 2"),
+    (dict(hidden=60, heads=4, position="rope", kv_heads=4), "rope needs an even head dimension"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SHAPES)
+def test_bad_shapes_say_what_is_wrong(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_gpt_config(**overrides)
+
+
+def test_config_is_frozen_and_hashable():
+    cfg = tiny_gpt_config()
+    with pytest.raises(Exception):
+        cfg.layers = 3
+    assert cfg == tiny_gpt_config() and hash(cfg) == hash(tiny_gpt_config())
+
+
+@pytest.mark.parametrize("kv_heads,position", [(4, "learned"), (2, "rope"), (1, "learned")])
+def test_attention_matches_pytorch_sdpa(kv_heads, position):
+    torch.manual_seed(0)
+    cfg = tiny_gpt_config(kv_heads=kv_heads, position=position)
+    attn = Attention(cfg, dropout=0.0)
+    x = torch.randn(2, cfg.seq, cfg.hidden)
+    b, s, h, d = *x.shape, cfg.head_dim
+    q, k, v = attn.qkv(x).split([h, kv_heads * d, kv_heads * d], dim=-1)
+    q = q.view(b, s, cfg.heads, d).transpose(1, 2)
+    k, v = (t.view(b, s, kv_heads, d).transpose(1, 2) for t in (k, v))
+    if position == "rope":
+        q, k = attn._rope(q, s), attn._rope(k, s)
+    groups = cfg.heads // kv_heads  # head j uses KV head j // groups
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+    torch.testing.assert_close(attn(x), attn.proj(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_tinygpt_forward_and_errors():
+    model = TinyGPT(tiny_gpt_config(), dropout=0.1)
+    idx = torch.randint(0, 256, (3, 20))
+    assert model(idx).shape == (3, 20, 256)
+    model.eval()
+    torch.testing.assert_close(model(idx), model(idx))  # no dropout in eval
+    with pytest.raises(ValueError, match="exceeds the configured seq=32"):
+        model(torch.randint(0, 256, (1, 33)))
+    with pytest.raises(ValueError, match="LongTensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        TinyGPT(tiny_gpt_config(moe_experts=4, moe_top_k=1))
+    with pytest.raises(ValueError, match="dropout must be in"):
+        TinyGPT(tiny_gpt_config(), dropout=1.5)
+
+
+def test_tied_embeddings_share_storage():
+    model = TinyGPT(tiny_gpt_config(tied_embeddings=True))
+    assert model.lm_head.weight is model.wte.weight
+    assert isinstance(TransformerConfig(layers=1, hidden=8, heads=2, vocab=10, seq=4), TransformerConfig)

@@ -1,0 +1,85 @@
+"""The vectorised path gives the scalar path's numbers, and flags exactly the configurations the
+scalar path rejects."""
+import numpy as np
+import pytest
+
+from dtlib.flops import flops_report
+from dtlib.memory import memory_per_gpu
+from dtlib.models import get_preset, tiny_gpt_config
+from dtlib.parallelism import Parallelism
+from dtlib.vectorised import flops_batch, memory_batch
+
+FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporary", "total", "cpu")
+
+
+def _random_layouts(rng, n):
+    pick = lambda options: rng.choice(options, n)  # noqa: E731
+    return dict(dp=pick([1, 2, 4, 8]), tp=pick([1, 2, 3, 4, 8]), pp=pick([1, 2, 4, 5]),
+                cp=pick([1, 2]), zero=pick([0, 1, 2, 3]), micro_batch=pick([1, 2, 4]),
+                microbatches=pick([1, 4, 8]), sequence_parallel=pick([False, True]))
+
+
+@pytest.mark.parametrize("model,options", [
+    ("llama3-8b", dict(recompute="selective", schedule="1f1b", offload="none")),
+    ("gpt3-175b", dict(recompute="none", schedule="gpipe", offload="none")),
+    ("capstone-10b", dict(recompute="full", schedule="interleaved", offload="optimizer")),
+    ("tiny", dict(recompute="none", schedule="1f1b", offload="params")),
+])
+def test_vector_path_equals_scalar_path_on_random_configs(model, options):
+    rng = np.random.default_rng(sum(map(ord, model)))  # fixed seed per case
+    n = 150
+    cfg = tiny_gpt_config(layers=4) if model == "tiny" else get_preset(model)
+    layouts = _random_layouts(rng, n)
+    if options["schedule"] == "interleaved":
+        layouts["virtual_stages"] = rng.choice([1, 2], n)
+    out = memory_batch(cfg, precision="megatron-bf16", on_invalid="nan", **options, **layouts)
+    checked = 0
+    for i in range(n):
+        kw = {k: (bool(v[i]) if k == "sequence_parallel" else int(v[i])) for k, v in layouts.items()}
+        try:
+            scalar = memory_per_gpu(cfg, Parallelism(**kw, **options), precision="megatron-bf16")
+        except ValueError:
+            assert not out["valid"][i], f"scalar rejects {kw} but the vector path accepted it"
+            assert np.isnan(out["total"][i])
+            continue
+        assert out["valid"][i], f"vector path rejects {kw}"
+        for f in FIELDS:
+            assert out[f][i] == pytest.approx(getattr(scalar, f), rel=1e-12), (f, kw)
+        assert out["stage"][i] == scalar.stage
+        checked += 1
+    assert checked >= 10 and (~out["valid"]).sum() >= 10  # both branches exercised
+
+
+def test_raise_mode_names_the_first_bad_index():
+    cfg = get_preset("llama3-8b")
+    with pytest.raises(ValueError, match=r"configuration \(2,\): tensor parallel size tp=3 must divide"):
+        memory_batch(cfg, tp=np.array([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="unknown fields \\['tpp'\\]"):
+        memory_batch(cfg, tpp=2)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        memory_batch(cfg, recompute="most")
+
+
+def test_bare_parameter_counts_and_model_width_arrays():
+    params = np.array([7.5e9, 70e9, 405e9])
+    out = memory_batch(params=params, dp=64, zero=2)
+    for p, total in zip(params, out["total"]):
+        assert total == pytest.approx(memory_per_gpu(float(p), Parallelism(dp=64, zero=2)).total)
+    assert out["activations"] is None
+    cfg = tiny_gpt_config()
+    widths = memory_batch(cfg, hidden=np.array([64, 128]), ffn=np.array([256, 512]), micro_batch=2)
+    for i, h in enumerate((64, 128)):
+        scalar = memory_per_gpu(cfg.with_(hidden=h, ffn=4 * h), Parallelism(micro_batch=2))
+        assert widths["total"][i] == pytest.approx(scalar.total, rel=1e-12)
+
+
+def test_flops_batch_equals_flops_report():
+    cfg = get_preset("llama3-70b")
+    batch, seq = np.array([8, 16, 32]), np.array([2048, 4096, 8192])
+    out = flops_batch(cfg, batch=batch, seq=seq, step_time=np.array([1.0, 2.0, 4.0]), gpus=64,
+                      recompute="selective")
+    for i in range(3):
+        r = flops_report(cfg, int(batch[i]), seq=int(seq[i]), step_time=[1.0, 2.0, 4.0][i], gpus=64,
+                         recompute="selective")
+        for k in ("model_flops_per_step", "hardware_flops_per_step", "mfu", "hfu"):
+            assert out[k][i] == pytest.approx(r[k], rel=1e-12)
