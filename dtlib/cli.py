@@ -17,10 +17,10 @@ from dtlib.flops import ATTENTION, flops_report
 from dtlib.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.memory import GiB, memory_per_gpu, resolve_model
 from dtlib.models.config import ACTIVATIONS, TransformerConfig
-from dtlib.parallelism import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism
+from dtlib.parallelism import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
 from dtlib.precision import CONVENTIONS, DTYPES, OPTIMIZERS, get_precision, precision
 
-__all__ = ["main", "build_parser", "COMMANDS", "parse_size"]
+__all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,24 +30,36 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see '{self.prog} --help')")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "k": 1e3, "m": 1e6,
-          "g": 1e9, "t": 1e12}
+_BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # 7B = 7 billion parameters
+
+
+def _parse(text: str, units: dict[str, float], example: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}")
+    try:
+        return float(m.group(1)) * units[m.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}") from None
 
 
 def parse_size(text: str) -> float:
-    """``"1e9"``, ``"256MiB"``, ``"7B"`` (billions when used for parameters are written ``7e9``)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; write e.g. 1e9, 512MiB, 4GB")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    """Bytes: ``"1e9"``, ``"512MiB"``, ``"4GB"``."""
+    return _parse(text, _BYTES, "1e9, 512MiB, 4GB")
+
+
+def parse_count(text: str) -> float:
+    """A count: ``"7e9"``, ``"7B"`` (billions), ``"350M"``."""
+    return _parse(text, _COUNTS, "7e9, 7B, 350M")
 
 
 # ---- shared options -------------------------------------------------------------------------------
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
     g.add_argument("--model", help="preset name, e.g. llama3-8b")
-    g.add_argument("--params", type=parse_size, help="bare parameter count, e.g. 7e9")
+    g.add_argument("--params", type=parse_count, help="bare parameter count, e.g. 7e9 or 7B")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn"):
         g.add_argument(f"--{name}", type=int)
     g.add_argument("--vocab", type=int, default=None, help="vocabulary (default 50257 for a custom shape)")
@@ -113,6 +125,14 @@ def _layout(args: argparse.Namespace) -> Parallelism:
                        microbatches=args.microbatches, recompute=args.recompute, offload=args.offload)
 
 
+def _checked_layout(args: argparse.Namespace, model: "TransformerConfig | float") -> Parallelism:
+    """The layout, checked against the model shape and the GPU count (as memory_per_gpu does)."""
+    layout = _layout(args)
+    shape = model.numbers(args.seq) if isinstance(model, TransformerConfig) else {}
+    check_layout(layout.numbers(**shape, gpus=args.gpus), layout.schedule, layout.offload)
+    return layout
+
+
 def _precision(args: argparse.Namespace):
     if args.convention:
         return get_precision(args.convention)
@@ -138,7 +158,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
 def add_memory_command(sub: Any) -> None:
     p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)")
     _model_args(p), _layout_args(p), _precision_args(p)
-    p.add_argument("--largest-layer", type=parse_size, help="ZeRO-3 gather unit in parameters")
+    p.add_argument("--largest-layer", type=parse_count, help="ZeRO-3 gather unit in parameters, e.g. 32M")
     p.add_argument("--overhead", type=parse_size, default=0.0, help="framework overhead bytes, e.g. 2GiB")
     p.add_argument("--no-dropout", action="store_true", help="model trained without dropout")
     p.add_argument("--json", action="store_true")
@@ -171,8 +191,9 @@ def add_flops_command(sub: Any) -> None:
 
 
 def run_flops(args: argparse.Namespace) -> int:
-    layout = _layout(args)
-    r = flops_report(_model(args), args.batch or layout.global_batch, seq=args.seq,
+    model = _model(args)
+    layout = _checked_layout(args, model)
+    r = flops_report(model, args.batch or layout.global_batch, seq=args.seq,
                      step_time=args.step_time, gpus=args.gpus or layout.gpus, gpu=args.gpu,
                      dtype=args.dtype, recompute=args.recompute, attention=args.attention_flops,
                      count_logits=not args.no_logits)
@@ -223,7 +244,7 @@ def _comm_volumes(args: argparse.Namespace) -> int:
     cfg = _model(args)
     if not isinstance(cfg, TransformerConfig):
         raise ValueError("per-strategy volumes need a model shape (--model or --layers/--hidden/--heads)")
-    v = strategy_volumes(cfg, _layout(args), _precision(args), seq=args.seq)
+    v = strategy_volumes(cfg, _checked_layout(args, cfg), _precision(args), seq=args.seq)
     rows = [(k, f"{d['collective']:<15} {d['calls']:6.0f} x {d['bytes'] / 2**20:10.1f} MiB over "
                 f"{d['ranks']:4d} ranks -> {d['bytes_sent_per_gpu'] / GiB:8.2f} GiB sent/GPU")
             for k, d in v.items()]

@@ -114,10 +114,8 @@ def utilization(flops_per_step: Any, step_time: Any, gpus: Any, gpu: "str | Acce
 
 
 def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
-    """The numbers :func:`forward_flops_per_token` reads from a config."""
-    return dict(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                ffn=cfg.ffn, vocab=cfg.vocab, seq=seq or cfg.seq, mlp_matrices=cfg.mlp_matrices,
-                experts=cfg.moe_experts, top_k=cfg.moe_top_k)
+    """The numbers :func:`forward_flops_per_token` reads from a config (:meth:`TransformerConfig.numbers`)."""
+    return cfg.numbers(seq)
 
 
 def _positive(name: str, value: Any, integer: bool = False) -> None:

@@ -37,13 +37,8 @@ GiB, GB = 2 ** 30, 1e9
 
 
 def model_numbers(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
-    """The numbers the formulas read from a config (booleans as 0/1)."""
-    return dict(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                ffn=cfg.ffn, vocab=cfg.vocab, seq=seq or cfg.seq, mlp_matrices=cfg.mlp_matrices,
-                bias=int(cfg.bias), norm_has_bias=int(cfg.norm_has_bias), experts=cfg.moe_experts,
-                learned_positions=int(cfg.position == "learned"),
-                embedding_norm=int(cfg.embedding_norm), tied=int(cfg.tied_embeddings),
-                swiglu=int(cfg.activation == "swiglu"))
+    """The numbers the formulas read from a config (:meth:`TransformerConfig.numbers`)."""
+    return cfg.numbers(seq)
 
 
 def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias,

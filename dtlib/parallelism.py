@@ -14,7 +14,7 @@ import numpy as np
 
 from dtlib.models.config import SHAPE_RULES
 
-__all__ = ["Parallelism", "SCHEDULES", "RECOMPUTE", "OFFLOAD", "RULES", "check_layout",
+__all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "OFFLOAD", "RULES", "check_layout",
            "broken_rules", "stage_layers", "in_flight"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -60,13 +60,16 @@ class Parallelism:
         for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
-        if self.shard_group is None:
-            object.__setattr__(self, "shard_group", self.dp * self.cp)
         check_layout(self.numbers(), self.schedule, self.offload)
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO/FSDP shard over: ``shard_group``, or all ``dp*cp`` replicas by default."""
+        return self.dp * self.cp if self.shard_group is None else self.shard_group
 
     @property
     def global_batch(self) -> int:
@@ -77,11 +80,30 @@ class Parallelism:
         """The numeric fields (what the formulas and :data:`RULES` read), plus ``extra``."""
         d = {k: v for k, v in asdict(self).items() if k not in ("schedule", "recompute", "offload")}
         d["sequence_parallel"] = bool(self.sequence_parallel)
+        d["shard_group"] = self.shard_size
         d.update(extra)
         return d
 
     def with_(self, **changes: Any) -> "Parallelism":
         return replace(self, **changes)
+
+
+# PyTorch FSDP ShardingStrategy -> (ZeRO stage, hybrid?) (torch.distributed.fsdp docs; Zhao et al.
+# 2023, "PyTorch FSDP", Sec. 3.2): hybrid strategies shard within a group and replicate across groups.
+FSDP_STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
+                   "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
+
+
+def fsdp(strategy: str, dp: int, shard_group: int | None = None, **layout: Any) -> Parallelism:
+    """The :class:`Parallelism` of an FSDP sharding strategy over ``dp`` ranks; hybrid strategies
+    shard within ``shard_group`` ranks (typically the GPUs of a node)."""
+    key = strategy.upper()
+    if key not in FSDP_STRATEGIES:
+        raise ValueError(f"unknown FSDP strategy {strategy!r}; valid: {', '.join(FSDP_STRATEGIES)}")
+    zero, hybrid = FSDP_STRATEGIES[key]
+    if hybrid and shard_group is None:
+        raise ValueError(f"{key} shards within a group: give shard_group (e.g. GPUs per node)")
+    return Parallelism(dp=dp, zero=zero, shard_group=shard_group if hybrid else None, **layout)
 
 
 Rule = tuple[tuple[str, ...], Callable[..., Any], Callable[..., str]]
@@ -94,10 +116,10 @@ def _positive_rule(field: str) -> Rule:
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
 # comparisons so they work on numpy arrays; a rule is skipped when one of its fields is absent.
 RULES: list[Rule] = [
-    *SHAPE_RULES,
     *[_positive_rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch",
                                   "microbatches", "shard_group", "layers", "hidden", "heads",
                                   "kv_heads", "ffn", "vocab", "seq")],
+    *SHAPE_RULES,
     (("zero",), lambda zero: (zero >= 0) & (zero <= 3),
      lambda zero: f"ZeRO stage must be 0, 1, 2 or 3, got {zero}"),
     (("heads", "tp"), lambda heads, tp: heads % tp == 0,
@@ -159,7 +181,9 @@ def broken_rules(numbers: dict[str, Any], schedule: str = "1f1b", offload: str =
     """Yield ``(valid_mask, message_fn, fields)`` for every applicable rule (arrays or scalars)."""
     for fields, ok, message in _rules_for(schedule, offload):
         if all(f in numbers and numbers[f] is not None for f in fields):
-            yield np.asarray(ok(**{f: numbers[f] for f in fields})), message, fields
+            with np.errstate(divide="ignore", invalid="ignore"):  # x % 0 on rows already invalid
+                valid = np.asarray(ok(**{f: numbers[f] for f in fields}))
+            yield valid, message, fields
 
 
 def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none") -> None:

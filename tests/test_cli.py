@@ -33,7 +33,7 @@ def test_memory_table_and_json(capsys):
 
 
 def test_memory_with_a_bare_parameter_count_has_null_activations(capsys):
-    code, out, _ = run(capsys, "memory", "--params", "7.5e9", "--dp", "64", "--zero", "1",
+    code, out, _ = run(capsys, "memory", "--params", "7.5B", "--dp", "64", "--zero", "1",
                        "--convention", "zero", "--json")
     per_gpu = json.loads(out)["per_gpu"]
     assert code == 0 and per_gpu["activations"] is None
@@ -98,7 +98,8 @@ BAD_CLI = [
     (["memory", "--model", "gpt5"], "unknown model preset 'gpt5'; valid presets: gpt3-175b"),
     (["memory", "--model", "llama3-8b", "--gpu", "v100"], "unknown GPU 'v100'; valid: a100-40gb"),
     (["memory", "--params", "0"], "positive parameter count"),
-    (["memory", "--params", "-5"], "cannot read size '-5'"),
+    (["memory", "--params", "-5"], "cannot read '-5'; write e.g. 7e9, 7B"),
+    (["memory", "--params", "7GB"], "cannot read '7GB'"),
     (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "micro_batch must be >= 1"),
     (["memory", "--model", "llama3-8b", "--zero", "5"], "invalid choice: '?5'? \\(choose from 0, 1, 2, 3\\)"),
     (["memory", "--model", "llama3-8b", "--zero", "2", "--offload", "params"], "needs ZeRO stage 3"),
@@ -107,12 +108,16 @@ BAD_CLI = [
       "--microbatches", "6"], "multiple of pp=4"),
     (["memory", "--model", "llama3-8b", "--dp", "2", "--ep", "2"], "needs an MoE model"),
     (["flops", "--model", "llama3-8b", "--step-time", "-1"], "step_time must be a positive number"),
+    (["flops", "--model", "llama3-8b", "--tp", "3"], "valid tp: 1, 2, 4, 8"),
+    (["flops", "--model", "llama3-8b", "--gpus", "8", "--dp", "2"], "= 2 but there are 8 GPUs"),
+    (["comm", "--model", "llama3-8b", "--pp", "64"], "exceed the 32 layers"),
     (["flops", "--params", "7e9"], "needs seq"),
     (["flops", "--model", "llama3-8b", "--gpu", "a100-80gb", "--dtype", "fp8", "--step-time", "1"], "no fp8 peak"),
     (["comm", "--collective", "all-reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
     (["comm", "--bytes", "1GiB", "--ranks", "0"], "ranks must be a positive integer"),
     (["comm", "--bytes", "1GiB", "--ranks", "8", "--link", "nvlink9"], "unknown link 'nvlink9'; valid: nvlink3"),
-    (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read size"),
+    (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read '12parsecs'; write e.g. 1e9, 512MiB"),
+    (["comm", "--bytes", "1.2.3", "--ranks", "2"], "cannot read '1.2.3'"),
     (["comm", "--collective", "gossip", "--bytes", "1", "--ranks", "2"], "invalid choice: 'gossip'"),
     ([], "required: command"),
 ]

@@ -94,3 +94,19 @@ def test_bare_parameter_count_uses_6n():
     assert r["hardware_flops_per_step"] == 8 * 7e9 * 2048
     with pytest.raises(ValueError, match="needs seq"):
         flops_report(7e9, batch=2)
+
+
+def test_full_recompute_hardware_flops_match_a_checkpointed_tinygpt():
+    """Hardware FLOPs with full recompute = FlopCounterMode on TinyGPT(checkpoint=True). PyTorch's
+    non-reentrant checkpoint stops recomputing early by default (it skips each block's last matmul,
+    whose output nothing saves), so the comparison turns that off to recompute whole blocks."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    cfg = tiny_gpt_config(layers=3)
+    model = TinyGPT(cfg, checkpoint=True)
+    idx = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    with set_checkpoint_early_stop(False), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    f = step_flops(2 * cfg.seq, recompute="full", **shape_of(cfg))
+    assert f["hardware"] == pytest.approx(counter.get_total_flops(), rel=0.02)
+    assert f["hardware"] > 1.25 * f["model"]

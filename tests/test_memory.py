@@ -1,6 +1,5 @@
 """Memory per GPU: published checks (ZeRO paper, DeepSpeed estimator, Korthikanti et al. 2022),
 the paper's closed forms, parallel division rules, and a real AdamW step of TinyGPT on CPU."""
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +8,7 @@ from dtlib.activations import layer_bytes
 from dtlib.measure import model_state_bytes_held, saved_activation_bytes
 from dtlib.memory import GB, GiB, memory_per_gpu, stage_parameters, model_numbers
 from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
-from dtlib.parallelism import Parallelism, in_flight
+from dtlib.parallelism import Parallelism, fsdp, in_flight
 from dtlib.precision import CONVENTIONS, precision
 
 
@@ -26,6 +25,14 @@ def test_zero_paper_7_5b_on_64_gpus(stage, published_gb):
 def test_zero_shards_over_the_data_parallel_group_not_all_gpus():
     m = memory_per_gpu(7.5e9, Parallelism(dp=64, tp=2, zero=1), precision="zero", gpus=128)
     assert m.optimizer == pytest.approx(12 * 7.5e9 / 2 / 64)
+    # the group follows dp when a layout is changed; FSDP hybrid sharding uses a smaller group
+    assert memory_per_gpu(7.5e9, Parallelism(dp=8, zero=1).with_(dp=16)).optimizer == 12 * 7.5e9 / 16
+    hybrid = memory_per_gpu(7.5e9, fsdp("HYBRID_SHARD", dp=16, shard_group=8))
+    assert hybrid.parameters == 2 * 7.5e9 / 8
+    assert memory_per_gpu(7.5e9, fsdp("full_shard", dp=16)).parameters == 2 * 7.5e9 / 16
+    assert memory_per_gpu(7.5e9, fsdp("SHARD_GRAD_OP", dp=16)).parameters == 2 * 7.5e9
+    with pytest.raises(ValueError, match="valid: FULL_SHARD, SHARD_GRAD_OP"):
+        fsdp("HALF_SHARD", dp=4)
 
 
 def test_deepspeed_zero3_estimator_2851m_on_8_gpus():
@@ -166,3 +173,23 @@ def test_predictions_match_a_real_adamw_step(overrides, dropout):
     assert held["optimizer_scalars"] == 4 * len(list(model.parameters()))  # Adam's 'step' counters
     # activations: within 10% of the storages autograd saved
     assert pred.activations == pytest.approx(saved, rel=0.10)
+
+
+def test_full_recompute_matches_checkpointed_tinygpt():
+    """torch.utils.checkpoint per block keeps only block inputs: the 'full' formula. The rebuilt
+    layer (``recompute_buffer``) lives only during backward, so it is not among the saved tensors."""
+    cfg = tiny_gpt_config(layers=4)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq))
+    saved = {}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT(cfg, checkpoint=ck)
+        r = saved_activation_bytes(model, lambda: F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()))
+        r["result"].backward()
+        saved[ck] = (r["bytes"], model.lm_head.weight.grad.clone())
+    torch.testing.assert_close(saved[True][1], saved[False][1])  # same gradients
+    pred = memory_per_gpu(cfg, Parallelism(micro_batch=4, recompute="full"), precision=precision("fp32"),
+                          dropout=False)
+    kept = pred.activations - pred.activation_detail["recompute_buffer"]
+    assert kept == pytest.approx(saved[True][0], rel=0.10)
+    assert saved[True][0] < saved[False][0] / 5

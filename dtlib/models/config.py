@@ -172,6 +172,17 @@ class TransformerConfig:
             self.hidden, self.ffn, self.mlp_matrices, self.bias)
         return self.num_parameters() - self.layers * unused
 
+    def numbers(self, seq: int | None = None) -> dict[str, Any]:
+        """The numbers the formulas of :mod:`dtlib.memory` and :mod:`dtlib.flops` read (booleans
+        as 0/1), so that :mod:`dtlib.vectorised` can replace any of them by an array."""
+        return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                    ffn=self.ffn, vocab=self.vocab, seq=seq or self.seq, mlp_matrices=self.mlp_matrices,
+                    bias=int(self.bias), norm_has_bias=int(self.norm_has_bias),
+                    experts=self.moe_experts, top_k=self.moe_top_k,
+                    learned_positions=int(self.position == "learned"),
+                    embedding_norm=int(self.embedding_norm), tied=int(self.tied_embeddings),
+                    swiglu=int(self.activation == "swiglu"))
+
     def with_(self, **changes: Any) -> "TransformerConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from dtlib.models.config import TransformerConfig
 
@@ -147,17 +148,18 @@ class TinyGPT(nn.Module):
 
     ``dropout`` (default 0.0) applies to the embeddings, attention probabilities and both residual
     branches, as in GPT-2 and Korthikanti et al.'s activation count; at 0 the dropout calls are
-    skipped entirely, so no masks are saved.
+    skipped entirely, so no masks are saved. ``checkpoint=True`` recomputes each block in backward
+    (``torch.utils.checkpoint``, non-reentrant): only block inputs are kept ("full" recompute).
     """
 
-    def __init__(self, cfg: TransformerConfig, dropout: float = 0.0):
+    def __init__(self, cfg: TransformerConfig, dropout: float = 0.0, checkpoint: bool = False):
         super().__init__()
         if cfg.moe_experts:
             raise NotImplementedError(f"TinyGPT has no mixture-of-experts layers (moe_experts="
                                       f"{cfg.moe_experts}); use a dense config (moe_experts=0)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.cfg, self.dropout = cfg, dropout
+        self.cfg, self.dropout, self.checkpoint = cfg, dropout, checkpoint
         self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
         self.wpe = nn.Embedding(cfg.seq, cfg.hidden) if cfg.position == "learned" else None
         self.emb_norm = _norm(cfg) if cfg.embedding_norm else None
@@ -190,5 +192,8 @@ class TinyGPT(nn.Module):
         if self.dropout > 0:
             x = F.dropout(x, self.dropout, self.training)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                x = _checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.norm_f(x))

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from dtlib.parallel.buckets import shard_bounds
 
-__all__ = ["ring_schedule", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+__all__ = ["ring_schedule", "ring_progress", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "hierarchical_all_reduce", "node_groups", "broadcast_coalesced", "all_gather_into",
-           "reduce_scatter_into", "ring_bytes_sent", "bus_bandwidth"]
+           "reduce_scatter_into"]
 
 Step = list[tuple[int, int, int]]  # (sender, receiver, chunk index) for every rank in one step
 
@@ -62,6 +62,26 @@ def ring_schedule(world_size: int, phase: str) -> list[Step]:
         raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
     n = world_size
     return [[(r, (r + 1) % n, (r - s - shift[phase]) % n) for r in range(n)] for s in range(n - 1)]
+
+
+def ring_progress(world_size: int, steps: int) -> list[list[frozenset[int]]]:
+    """Which ranks' inputs each rank's copy of each chunk holds after ``steps`` steps of a ring
+    all-reduce (reduce-scatter steps first, then all-gather): ``out[rank][chunk]``.
+
+    Replays :func:`ring_schedule`, so a drawing of it shows what the code does. After
+    ``n - 1`` steps chunk ``r`` of rank ``r`` holds all ``n`` inputs; after ``2 (n - 1)`` all do.
+    """
+    n = world_size
+    if not 0 <= steps <= 2 * (n - 1):
+        raise ValueError(f"steps must be in [0, {2 * (n - 1)}] for world_size={n}, got {steps}")
+    held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    plan = ring_schedule(n, "reduce_scatter") + ring_schedule(n, "all_gather")
+    for s, step in enumerate(plan[:steps]):
+        sent = [(dst, chunk, held[src][chunk]) for src, dst, chunk in step]  # simultaneous
+        for dst, chunk, contrib in sent:
+            # reduce-scatter adds the incoming partial sum; all-gather overwrites with the result
+            held[dst][chunk] = held[dst][chunk] | contrib if s < n - 1 else contrib
+    return held
 
 
 def _check(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
@@ -266,38 +286,3 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor,
     """The backend's sum reduce-scatter of ``flat`` (``n * output.numel()``) into ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-# ---- what the ring sends, and bandwidth as nccl-tests reports it ------------------------------
-def ring_bytes_sent(collective: str, numel: int, world_size: int, element_size: int = 4) -> list[int]:
-    """Bytes each rank sends in our ring ``collective`` on ``numel`` elements (counted from the
-    schedule, so uneven chunks are exact). For ``"all_gather"``, ``numel`` is the output size."""
-    phases = {"reduce_scatter": ["reduce_scatter"], "all_gather": ["all_gather"],
-              "all_reduce": ["reduce_scatter", "all_gather"]}
-    if collective not in phases:
-        raise ValueError(f"collective must be one of {sorted(phases)}, got {collective!r}")
-    bounds = shard_bounds(numel, world_size)
-    sent = [0] * world_size
-    for phase in phases[collective]:
-        for step in ring_schedule(world_size, phase):
-            for src, _, chunk in step:
-                sent[src] += (bounds[chunk][1] - bounds[chunk][0]) * element_size
-    return sent
-
-
-# nccl-tests, doc/PERFORMANCE.md: busbw = algbw * factor, so that busbw is comparable with the
-# link's bandwidth whatever the number of ranks
-_BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
-
-
-def bus_bandwidth(collective: str, nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
-    """``(algbw, busbw)`` in bytes/s as nccl-tests defines them: ``algbw = nbytes / seconds``
-    (``nbytes`` = the full buffer: all-reduce input, all-gather output, reduce-scatter input),
-    ``busbw = algbw * 2(n-1)/n`` for all-reduce and ``* (n-1)/n`` for all-gather/reduce-scatter."""
-    if collective not in _BUS_FACTOR:
-        raise ValueError(f"collective must be one of {sorted(_BUS_FACTOR)}, got {collective!r}")
-    if seconds <= 0 or world_size < 1:
-        raise ValueError(f"need seconds > 0 and world_size >= 1, got {seconds}, {world_size}")
-    algbw = nbytes / seconds
-    return algbw, algbw * _BUS_FACTOR[collective](world_size)

@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_leaves
 
 from dtlib.parallel.buckets import (MB, FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
-from dtlib.parallel.collectives import broadcast_coalesced, ring_bytes_sent
+from dtlib.comm import bytes_sent_per_rank
+from dtlib.parallel.collectives import broadcast_coalesced
 
 __all__ = ["NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord", "CommHook"]
 
@@ -122,12 +123,13 @@ class SyncRecord:
         return sum(n * es for _, _, n, es in self.comm)
 
     @property
-    def wire_bytes(self) -> int:
-        """Bytes this rank sends if every collective runs as a ring (the busiest rank's share)."""
-        total = 0
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends if every collective runs as a ring (:mod:`dtlib.comm`'s model;
+        an all-gather's buffer is the gathered output, ``world_size`` times our input)."""
+        total = 0.0
         for _, coll, n, es in self.comm:
-            numel = n * self.world_size if coll == "all_gather" else n
-            total += max(ring_bytes_sent(coll, numel, self.world_size, es))
+            nbytes = n * es * (self.world_size if coll == "all_gather" else 1)
+            total += bytes_sent_per_rank(coll.replace("_", "-"), nbytes, self.world_size)
         return total
 
     @property

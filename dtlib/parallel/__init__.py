@@ -1,0 +1,32 @@
+"""The data-parallel family, written from scratch and checked against PyTorch's own.
+
+One concept per module:
+
+* :mod:`~dtlib.parallel.collectives` - ring reduce-scatter / all-gather / all-reduce from
+  point-to-point messages, and the two-level hierarchical all-reduce;
+* :mod:`~dtlib.parallel.ddp` - :class:`NaiveDDP` and :class:`BucketedDDP` (buckets, overlap,
+  ``no_sync``, unused parameters, a recorded timeline);
+* :mod:`~dtlib.parallel.compression` - communication hooks: fp16/bf16, top-k, PowerSGD;
+* :mod:`~dtlib.parallel.zero` - :class:`ShardedOptimizer` (ZeRO stages 1 and 2);
+* :mod:`~dtlib.parallel.fsdp` - :class:`FSDP`, a toy ZeRO-3;
+* :mod:`~dtlib.parallel.buckets` - the flat-buffer and bucket bookkeeping they share.
+"""
+from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
+from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
+                                        ring_reduce_scatter, ring_schedule)
+from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook,
+                                        bf16_compress_hook, fp16_compress_hook, powersgd_hook,
+                                        topk_hook)
+from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
+from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.zero import ShardedOptimizer
+
+__all__ = [
+    "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_schedule",
+    "hierarchical_all_reduce",
+    "NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord",
+    "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
+    "PowerSGDState", "powersgd_hook",
+    "ShardedOptimizer", "FSDP",
+    "FlatLayout", "assign_buckets", "shard_bounds",
+]

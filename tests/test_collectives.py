@@ -1,0 +1,187 @@
+"""Ring collectives from send/recv and the hierarchical all-reduce, against torch.distributed."""
+import pytest
+import torch
+import torch.distributed as dist
+from matplotlib.figure import Figure
+
+from dtlib.comm import bytes_sent_per_rank
+from dtlib.launcher import RankFailedError, launch
+from dtlib.parallel import collectives as C
+from dtlib.viz.parallel import plot_bandwidth, plot_ring_all_reduce
+
+TIMEOUT = 30
+SIZES = [0, 1, 3, 7, 64, 1001]  # includes sizes < world size and not divisible by it
+
+
+def _inputs(rank, numel, dtype):
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-50, 50, (numel,), generator=g, dtype=dtype)
+
+
+def _check_against_dist(rank, world_size):
+    """Returns a list of (case, ok) so the test names the failing case."""
+    results = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        for numel in SIZES:
+            x = _inputs(rank, numel, dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)  # the backend's own
+            # floats: the ring adds in another order than gloo; integers must match exactly
+            tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
+                   torch.int64: dict(rtol=0, atol=0)}[dtype]
+            got = C.ring_all_reduce(x.clone())
+            results.append((f"all_reduce {dtype} {numel}", torch.allclose(got, expected, **tol)))
+            # this rank's chunk, as torch.tensor_split would cut it
+            chunk = C.ring_reduce_scatter(x)
+            mine = torch.tensor_split(expected, world_size)[rank]
+            results.append((f"reduce_scatter {dtype} {numel}", torch.allclose(chunk, mine, **tol)))
+            results.append((f"input untouched {numel}", torch.equal(x, _inputs(rank, numel, dtype))))
+            gathered = C.ring_all_gather(torch.tensor_split(x, world_size)[rank], numel)
+            everyone = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(everyone, x)
+            ref = torch.cat([torch.tensor_split(e, world_size)[r] for r, e in enumerate(everyone)])
+            results.append((f"all_gather {dtype} {numel}", torch.equal(gathered, ref)))
+    # 2-D, non-contiguous, MAX and AVG
+    m = _inputs(rank, 35, torch.float32).view(5, 7).t()
+    expected = m.clone()
+    dist.all_reduce(expected)
+    got = C.ring_all_reduce(m.clone())
+    results.append(("non-contiguous", torch.allclose(got, expected, atol=1e-5)))
+    got = C.ring_all_reduce(m.clone(), op=dist.ReduceOp.AVG)
+    results.append(("avg", torch.allclose(got, expected / world_size, atol=1e-5)))
+    mx = m.clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    results.append(("max", torch.equal(C.ring_all_reduce(m.clone(), op=dist.ReduceOp.MAX), mx)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_collectives_equal_torch_distributed(world_size):
+    for rank_results in launch(_check_against_dist, world_size, timeout=TIMEOUT):
+        failed = [case for case, ok in rank_results if not ok]
+        assert not failed, failed
+
+
+def _hierarchical(rank, world_size):
+    out = {}
+    for node_size in (1, 2, 4):
+        for numel in (1, 5, 1000):
+            x = _inputs(rank, numel, torch.float32)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            got = C.hierarchical_all_reduce(x.clone(), node_size)
+            out[(node_size, numel)] = torch.allclose(got, expected, atol=1e-5)
+        avg = C.hierarchical_all_reduce(x.clone(), node_size, op=dist.ReduceOp.AVG)
+        out[(node_size, "avg")] = torch.allclose(avg, expected / world_size, atol=1e-5)
+    try:
+        C.hierarchical_all_reduce(torch.ones(4), 3)
+        out["bad node_size"] = "no error"
+    except ValueError as e:
+        out["bad node_size"] = str(e)
+    return out
+
+
+def test_hierarchical_all_reduce_equals_all_reduce():
+    for res in launch(_hierarchical, 4, timeout=TIMEOUT):
+        assert "valid: [1, 2, 4]" in res.pop("bad node_size")
+        assert all(res.values()), res
+
+
+def _count_bytes_sent(rank, world_size, numel, node_size):
+    """Patch isend to count the bytes this rank sends, and to whom."""
+    sent = {}
+    real = dist.isend
+
+    def counting(tensor, dst, *args, **kwargs):
+        sent[dst] = sent.get(dst, 0) + tensor.numel() * tensor.element_size()
+        return real(tensor, dst, *args, **kwargs)
+
+    dist.isend = counting
+    try:
+        C.ring_all_reduce(torch.ones(numel))
+        ring = dict(sent)
+        sent.clear()
+        C.hierarchical_all_reduce(torch.ones(numel), node_size)
+    finally:
+        dist.isend = real
+    node = rank // node_size
+    across = sum(b for dst, b in sent.items() if dst // node_size != node)
+    return sum(ring.values()), across
+
+
+def test_ring_sends_what_the_cost_model_says():
+    world, numel, node_size = 4, 4096, 2
+    nbytes = numel * 4
+    for ring, across in launch(_count_bytes_sent, world, args=(numel, node_size), timeout=TIMEOUT):
+        assert ring == bytes_sent_per_rank("all-reduce", nbytes, world)  # 2(n-1)/n S
+        # hierarchical: only the 1/node_size shard crosses nodes, all-reduced among the nodes
+        assert across == bytes_sent_per_rank("all-reduce", nbytes / node_size, world // node_size)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_ring_schedule_and_progress(n):
+    for phase in ("reduce_scatter", "all_gather"):
+        for step in C.ring_schedule(n, phase):
+            assert sorted(s for s, _, _ in step) == list(range(n))  # everyone sends once
+            assert sorted(d for _, d, _ in step) == list(range(n))  # and receives once
+            assert all(d == (s + 1) % n for s, d, _ in step)
+    everyone = frozenset(range(n))
+    after_rs = C.ring_progress(n, n - 1)
+    assert all(after_rs[r][r] == everyone for r in range(n))  # rank r owns reduced chunk r
+    if n > 1:
+        assert all(after_rs[r][c] != everyone for r in range(n) for c in range(n) if c != r)
+    done = C.ring_progress(n, 2 * (n - 1))
+    assert all(cell == everyone for row in done for cell in row)
+    with pytest.raises(ValueError, match="steps must be in"):
+        C.ring_progress(n, 2 * n)
+
+
+def _bad_inputs(rank, world_size):
+    errors = {}
+    for name, call in {
+        "meta device": lambda: C.ring_all_reduce(torch.ones(4, device="meta")),
+        "op": lambda: C.ring_all_reduce(torch.ones(4), op=dist.ReduceOp.BAND),
+        "avg int": lambda: C.ring_all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG),
+        "shard size": lambda: C.ring_all_gather(torch.ones(3), numel=10),
+        "not tensor": lambda: C.ring_all_reduce([1.0, 2.0]),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_bad_input_gives_clear_errors():
+    errors = launch(_bad_inputs, 2, timeout=TIMEOUT)[0]
+    assert "CPU tensors" in errors["meta device"]
+    assert "op must be one of" in errors["op"]
+    assert "floating-point" in errors["avg int"]
+    assert "shard_bounds" in errors["shard size"] and errors["shard size"].startswith("ValueError")
+    assert errors["not tensor"].startswith("TypeError")
+    with pytest.raises(ValueError, match="phase must be"):
+        C.ring_schedule(2, "all_to_all")
+
+
+def test_plots_return_figures():
+    assert isinstance(plot_ring_all_reduce(4, 3), Figure)
+    rows = [{"impl": i, "bytes": b, "busbw": b / 1e-3, "algbw": b / 2e-3}
+            for i in ("ring", "gloo") for b in (1024, 4096)]
+    fig = plot_bandwidth(rows)
+    assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 2
+    with pytest.raises(ValueError):
+        plot_bandwidth(rows, metric="latency")
+
+
+def test_failure_in_a_ring_is_reported_not_hung():
+    # a rank that skips the collective must surface as an error within the timeout
+    def worker(rank, world_size):
+        if rank == 1:
+            raise RuntimeError("rank 1 gave up")
+        C.ring_all_reduce(torch.ones(8))
+
+    with pytest.raises(RankFailedError, match="rank 1 gave up"):
+        launch(worker, 2, timeout=TIMEOUT)

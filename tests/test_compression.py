@@ -1,0 +1,243 @@
+"""Communication hooks: fp16/bf16, top-k with error feedback, PowerSGD (vs PyTorch's powerSGD_hook)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from dtlib.launcher import launch
+from dtlib.models import MnistCNN
+from dtlib.parallel import (BucketedDDP, GradBucket, PowerSGDState, TopKState, allreduce_hook,
+                            bf16_compress_hook, fp16_compress_hook, powersgd_hook, topk_hook)
+from dtlib.viz.parallel import plot_compression_tradeoff
+
+TIMEOUT = 60
+torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # import torch._dynamo before forking
+
+
+def _bucket(shapes, rank, step=0):
+    """A bucket over fresh parameters, its buffer filled with this rank's 'gradient'."""
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    bucket = GradBucket(0, params, [f"p{i}" for i in range(len(shapes))], is_last=True)
+    g = torch.Generator().manual_seed(10 * rank + step)
+    bucket.buffer().copy_(torch.randn(bucket.buffer().numel(), generator=g))
+    return bucket
+
+
+def _mean_over_ranks(t):
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    return torch.stack(everyone).mean(0)
+
+
+def _casts(rank, world_size):
+    out = {}
+    for name, hook, tol in [("fp16", fp16_compress_hook, 2e-3), ("bf16", bf16_compress_hook, 2e-2),
+                            ("none", allreduce_hook, 1e-6)]:
+        bucket = _bucket([(16, 8), (8,)], rank)
+        expected = _mean_over_ranks(bucket.buffer().clone())
+        got = hook(None, bucket).wait()
+        out[name] = (torch.allclose(got, expected, atol=tol, rtol=tol), bucket.comm)
+    return out
+
+
+def test_fp16_and_bf16_halve_the_bytes_and_keep_the_average():
+    numel = 16 * 8 + 8
+    for res in launch(_casts, 2, timeout=TIMEOUT):
+        for name, (ok, comm) in res.items():
+            assert ok, name
+            elem = 4 if name == "none" else 2
+            assert comm == [("all_reduce", numel, elem)], name
+
+
+def _topk(rank, world_size, ratio):
+    state = TopKState(ratio=ratio)
+    shapes = [(32, 16), (16,)]
+    old_err = torch.zeros(32 * 16 + 16)
+    checks = []
+    for step in range(3):
+        bucket = _bucket(shapes, rank, step)
+        wanted = bucket.buffer().clone() + old_err  # gradient + what was held back last time
+        got = topk_hook(state, bucket).wait()
+        new_err = state.errors[0]
+        # error feedback loses nothing: average sent + average kept = average wanted
+        checks.append(torch.allclose(got + _mean_over_ranks(new_err), _mean_over_ranks(wanted), atol=1e-5))
+        checks.append(int((new_err != 0).sum()) == wanted.numel() - math.ceil(ratio * wanted.numel()))
+        old_err = new_err.clone()
+    return checks, bucket.comm
+
+
+def test_topk_error_feedback_conserves_the_gradient():
+    numel = 32 * 16 + 16
+    for checks, comm in launch(_topk, 2, args=(0.1,), timeout=TIMEOUT):
+        assert all(checks), checks
+        k = math.ceil(0.1 * numel)
+        assert comm == [("all_gather", k, 4), ("all_gather", k, 4)]  # fp32 values + int32 indices
+
+
+def _topk_full(rank, world_size):
+    bucket = _bucket([(8, 4)], rank)
+    expected = _mean_over_ranks(bucket.buffer().clone())
+    return torch.allclose(topk_hook(TopKState(ratio=1.0), bucket).wait(), expected, atol=1e-6)
+
+
+def test_topk_with_ratio_one_is_exact():
+    assert launch(_topk_full, 3, timeout=TIMEOUT) == [True] * 3
+
+
+def _powersgd_exact_and_conserving(rank, world_size):
+    out = {}
+    # rank >= min(n, m): the low-rank approximation is exact (min_compression_rate=0 forces it)
+    bucket = _bucket([(6, 4), (5,)], rank)
+    expected = _mean_over_ranks(bucket.buffer().clone())
+    state = PowerSGDState(rank=4, start_iter=0, min_compression_rate=0, error_feedback=False)
+    out["full rank exact"] = torch.allclose(powersgd_hook(state, bucket).wait(), expected, atol=1e-5)
+    # rank 1 with error feedback: average sent + average kept = average wanted, every step
+    state = PowerSGDState(rank=1, start_iter=0)
+    old_err = torch.zeros(20 * 10 + 10)
+    conserved = []
+    for step in range(3):
+        bucket = _bucket([(20, 10), (10,)], rank, step)
+        wanted = bucket.buffer().clone() + old_err
+        got = powersgd_hook(state, bucket).wait()
+        conserved.append(torch.allclose(got + _mean_over_ranks(state.errors[0]),
+                                        _mean_over_ranks(wanted), atol=1e-5))
+        old_err = state.errors[0].clone()
+    out["conserved"] = all(conserved)
+    out["comm"] = bucket.comm
+    return out
+
+
+def test_powersgd_is_exact_at_full_rank_and_error_feedback_conserves():
+    for out in launch(_powersgd_exact_and_conserving, 2, timeout=TIMEOUT):
+        assert out["full rank exact"] and out["conserved"]
+        # the 20x10 matrix goes as P (20x1) and Q (10x1); the 10-vector uncompressed
+        assert sorted(out["comm"]) == sorted([("all_reduce", 10, 4), ("all_reduce", 20, 4),
+                                              ("all_reduce", 10, 4)])
+
+
+def _warm_start(rank, world_size, warm):
+    # the same gradient every step: warm-started power iteration converges to the best rank-1
+    g = torch.Generator().manual_seed(rank)
+    u, v = torch.randn(40, 3, generator=g), torch.randn(3, 30, generator=g)
+    matrix = u @ torch.diag(torch.tensor([5.0, 2.0, 1.0])) @ v
+    target = _mean_over_ranks(matrix.reshape(-1)).view(40, 30)
+    s = torch.linalg.svdvals(target)
+    best = s[1:].square().sum().sqrt().item()  # Eckart-Young: error of the best rank-1
+    state = PowerSGDState(rank=1, start_iter=0, error_feedback=False, warm_start=warm)
+    errors = []
+    for _ in range(8):
+        bucket = GradBucket(0, [nn.Parameter(torch.zeros(40, 30))], ["w"], is_last=True)
+        bucket.buffer().copy_(matrix.reshape(-1))
+        got = powersgd_hook(state, bucket).wait().view(40, 30)
+        errors.append((got - target).norm().item())
+    return errors, best
+
+
+def test_warm_start_converges_to_the_best_low_rank_approximation():
+    warm, best = launch(_warm_start, 2, args=(True,), timeout=TIMEOUT)[0]
+    cold, _ = launch(_warm_start, 2, args=(False,), timeout=TIMEOUT)[0]
+    assert warm[-1] <= 1.01 * best  # warm start: power iteration across steps
+    assert warm[-1] < warm[0]
+    assert min(cold) > 1.01 * best  # a fresh random Q every step never gets there
+
+
+def _vs_torch(rank, world_size, error_feedback, warm_start, steps=6):
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g))
+            for _ in range(steps)]
+    torch.manual_seed(0)
+    ours_model = MnistCNN()
+    torch.manual_seed(0)
+    torch_model = MnistCNN()
+    ours = BucketedDDP(ours_model)
+    ours.register_comm_hook(PowerSGDState(rank=2, start_iter=2, error_feedback=error_feedback,
+                                          warm_start=warm_start), powersgd_hook)
+    theirs = nn.parallel.DistributedDataParallel(torch_model)
+    theirs.register_comm_hook(torch_powersgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+        use_error_feedback=error_feedback, warm_start=warm_start), torch_powersgd.powerSGD_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    diffs = []
+    for x, y in data:
+        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        for opt in opts:
+            opt.zero_grad()
+        F.cross_entropy(ours(x), y).backward()
+        ours.finish_gradient_synchronization()
+        F.cross_entropy(theirs(x), y).backward()
+        diffs.append(max((a.grad - b.grad).abs().max().item()
+                         for a, b in zip(ours_model.parameters(), torch_model.parameters())))
+        for opt in opts:
+            opt.step()
+    return diffs
+
+
+@pytest.mark.parametrize("error_feedback,warm_start", [(True, True), (False, False)])
+def test_powersgd_matches_pytorchs_powersgd_hook(error_feedback, warm_start):
+    # same random Q (numpy RandomState seeds), same layout: the same gradients step after step
+    for diffs in launch(_vs_torch, 2, args=(error_feedback, warm_start), timeout=TIMEOUT):
+        assert max(diffs) < 1e-5, diffs
+
+
+def _train(rank, world_size, which, steps=25):
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(10, 1, 28, 28, generator=g)
+    labels = torch.randint(0, 10, (steps, 32), generator=g)
+    torch.manual_seed(0)
+    model = MnistCNN()
+    ddp = BucketedDDP(model)
+    hooks = {"fp16": (None, fp16_compress_hook), "topk": (TopKState(ratio=0.05), topk_hook),
+             "powersgd": (PowerSGDState(rank=2, start_iter=2), powersgd_hook)}
+    if which in hooks:
+        ddp.register_comm_hook(*hooks[which])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for y in labels:
+        x = centers[y] + 0.5 * torch.randn(32, 1, 28, 28, generator=g)
+        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+        losses.append(loss.item())
+    y_test = torch.randint(0, 10, (200,), generator=g)
+    with torch.no_grad():
+        pred = model(centers[y_test] + 0.5 * torch.randn(200, 1, 28, 28, generator=g)).argmax(1)
+    return losses, ddp.last_record.wire_bytes, (pred == y_test).float().mean().item()
+
+
+def test_compressed_training_still_learns_with_fewer_bytes():
+    _, base_bytes, base_accuracy = launch(_train, 2, args=("none",), timeout=TIMEOUT)[0]
+    assert base_accuracy > 0.9
+    rows = []
+    for which in ("fp16", "topk", "powersgd"):
+        losses, wire, accuracy = launch(_train, 2, args=(which,), timeout=TIMEOUT)[0]
+        assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, which
+        assert accuracy > 0.8, which
+        assert wire < base_bytes, which
+        rows.append({"method": which, "bytes_per_step": wire, "accuracy": accuracy})
+    assert isinstance(plot_compression_tradeoff(rows), Figure)
+
+
+def test_bad_hook_settings():
+    with pytest.raises(ValueError, match="ratio must be in"):
+        TopKState(ratio=0)
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        PowerSGDState(rank=0)
+
+    def late(rank, world_size):
+        ddp = BucketedDDP(nn.Linear(2, 2))
+        ddp(torch.ones(1, 2)).sum().backward()
+        ddp.finish_gradient_synchronization()
+        try:
+            ddp.register_comm_hook(None, fp16_compress_hook)
+        except RuntimeError as e:
+            return str(e)
+
+    assert "before the first forward" in launch(late, 2, timeout=TIMEOUT)[0]

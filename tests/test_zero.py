@@ -1,0 +1,150 @@
+"""ShardedOptimizer (ZeRO-1/2): the unsharded optimizer's results with 1/N of its state."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from dtlib.launcher import launch
+from dtlib.measure import model_state_bytes_held
+from dtlib.memory import model_state_bytes
+from dtlib.parallel import BucketedDDP, ShardedOptimizer
+from dtlib.precision import get_precision
+from dtlib.viz.parallel import plot_rank_memory
+
+TIMEOUT = 60
+torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # import torch._dynamo before forking
+
+
+def _model():
+    torch.manual_seed(0)  # odd sizes: nothing divides evenly by the world size
+    return nn.Sequential(nn.Linear(12, 37), nn.GELU(), nn.Linear(37, 29), nn.GELU(), nn.Linear(29, 5))
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _data(steps=10, batch=12):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def _step(model, sync, opt, x, y, accum):
+    opt.zero_grad()
+    for mx, my in zip(torch.tensor_split(x, accum), torch.tensor_split(y, accum)):
+        (F.cross_entropy(model(mx), my) / accum).backward()
+        if sync is not None:
+            sync.finish_gradient_synchronization()
+    opt.step()
+
+
+def _zero_vs_unsharded(rank, world_size, stage, bucket_mb, accum):
+    """10 AdamW steps: ShardedOptimizer vs plain AdamW on the same averaged gradients."""
+    ref = _model()
+    ref_ddp = BucketedDDP(ref)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    model = _model()
+    ddp = BucketedDDP(model) if stage == 1 else None  # stage 2 reduces gradients itself
+    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, stage=stage, bucket_size_mb=bucket_mb,
+                           lr=1e-2)
+    zro_model = _model()  # PyTorch's own ZeRO-1, in the same run
+    zro_ddp = nn.parallel.DistributedDataParallel(zro_model)
+    zro = ZeroRedundancyOptimizer(zro_model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    for x, y in _data():
+        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        _step(ref_ddp, ref_ddp, ref_opt, x, y, accum)
+        _step(ddp or model, ddp or opt, opt, x, y, accum)
+        if stage == 1:
+            opt.zero_grad()
+            _step(zro_ddp, None, zro, x, y, 1)
+
+    def diff(a, b):
+        return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+    return {"vs_adamw": diff(model, ref), "buckets": len(opt.buckets),
+            "zro_vs_adamw_no_groups": diff(zro_model, ref) if stage == 1 else None}
+
+
+@pytest.mark.parametrize("world_size,stage,bucket_mb,accum", [
+    (2, 1, 25.0, 1), (2, 2, 25.0, 1), (2, 2, 0.001, 1), (2, 2, 0.001, 2), (3, 1, 0.001, 1),
+    (3, 2, 0.002, 2)])
+def test_equals_unsharded_adamw_over_10_steps(world_size, stage, bucket_mb, accum):
+    for out in launch(_zero_vs_unsharded, world_size, args=(stage, bucket_mb, accum), timeout=TIMEOUT):
+        # identical averaged gradients and element-wise updates: equal to float rounding
+        assert out["vs_adamw"] < 1e-6, out
+        assert out["buckets"] == (2 if bucket_mb == 25.0 else out["buckets"])  # one per group
+        if bucket_mb < 1:
+            assert out["buckets"] > 2
+
+
+def _memory(rank, world_size, stage):
+    model = _model()
+    ddp = BucketedDDP(model) if stage == 1 else None
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x, y = _data(1)[0]
+    for m, o, sync in ((ddp or model, opt, ddp or opt), (ref, ref_opt, None)):
+        o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        if sync is not None:
+            sync.finish_gradient_synchronization()
+        grads = opt.grad_bytes() if o is opt else None
+        full_grads_left = [p.grad is not None for p in model.parameters()] if o is opt else None
+        o.step()
+        if o is opt:
+            ours = {"grads": grads, "full_grads_left": full_grads_left, "state": opt.state_bytes()}
+    held = model_state_bytes_held(ref, ref_opt)
+    return ours, held, sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_state_bytes_per_rank_are_one_nth(stage):
+    world_size = 4
+    results = launch(_memory, world_size, args=(stage,), timeout=TIMEOUT)
+    per_rank = {}
+    for ours, held, n_params in results:
+        unsharded_state = held["optimizer"] + held["optimizer_scalars"]
+        predicted = model_state_bytes(n_params, 0, 0, get_precision("fp32"), zero=stage,
+                                      shard_group=world_size)
+        # Adam's two fp32 moments of a 1/N shard (+ padding to a multiple of N, + step scalars)
+        assert abs(ours["state"] - unsharded_state / world_size) <= 8 * world_size + 4 * 2
+        assert abs(ours["state"] - predicted["optimizer"]) <= 8 * world_size + 4 * 2
+        if stage == 2:  # after backward only this rank's gradient shard is left
+            assert not any(ours["full_grads_left"])
+            assert abs(ours["grads"] - predicted["gradients"]) <= 4 * world_size
+        else:
+            assert all(ours["full_grads_left"]) and ours["grads"] == held["gradients"]
+        per_rank.setdefault(f"ZeRO-{stage}", []).append(
+            {"parameters": held["parameters"], "gradients": ours["grads"], "optimizer": ours["state"]})
+    assert plot_rank_memory(per_rank) is not None
+
+
+def _misuse(rank, world_size):
+    errors = {}
+    params = list(_model().parameters())
+    for name, call in {
+        "stage 3": lambda: ShardedOptimizer(params, torch.optim.AdamW, stage=3),
+        "stage 0": lambda: ShardedOptimizer(params, torch.optim.AdamW, stage=0),
+        "not a class": lambda: ShardedOptimizer(params, torch.optim.AdamW(params)),
+        "bucket": lambda: ShardedOptimizer(params, torch.optim.AdamW, bucket_size_mb=0),
+        "empty": lambda: ShardedOptimizer([], torch.optim.AdamW),
+    }.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_bad_input_gives_clear_errors():
+    errors = launch(_misuse, 2, timeout=TIMEOUT)[0]
+    assert "ValueError" in errors["stage 3"] and "FSDP" in errors["stage 3"]
+    assert "stage must be 1" in errors["stage 0"]
+    assert errors["not a class"].startswith("TypeError") and "torch.optim.AdamW" in errors["not a class"]
+    assert "bucket_size_mb must be a number > 0" in errors["bucket"]
+    assert "empty" in errors["empty"]
