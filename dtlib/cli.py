@@ -76,7 +76,9 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{name}", type=int, default=1)
     g.add_argument("--dp", type=int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation (Korthikanti et al. 2022); 'selective' drops the "
+                        "s^2 attention terms, which is also FlashAttention's memory footprint")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -210,7 +212,8 @@ def run_flops(args: argparse.Namespace) -> int:
 
 def add_comm_command(sub: Any) -> None:
     p = sub.add_parser("comm", help="collective cost (alpha-beta) or per-strategy volumes of a model")
-    p.add_argument("--collective", choices=COLLECTIVES, default="all-reduce")
+    p.add_argument("--collective", choices=COLLECTIVES, default="all-reduce",
+                   type=lambda s: s.replace("_", "-"))  # torch spells them all_reduce
     p.add_argument("--bytes", type=parse_size, help="buffer size, e.g. 1GiB")
     p.add_argument("--ranks", type=int, help="ranks in the collective")
     p.add_argument("--link", default="nvlink4", help=f"one of {', '.join(LINKS)}")

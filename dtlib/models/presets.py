@@ -60,8 +60,9 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
 
 
 def get_preset(name: str) -> TransformerConfig:
-    """The preset called ``name`` (case-insensitive)."""
-    key = name.strip().lower()
-    if key not in PRESETS:
+    """The preset called ``name``, ignoring case, '-', '_' and spaces ("Llama-3 8B" -> llama3-8b)."""
+    squash = lambda s: "".join(ch for ch in s.lower() if ch.isalnum())  # noqa: E731
+    key = {squash(k): k for k in PRESETS}.get(squash(name))
+    if key is None:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
     return PRESETS[key]

@@ -119,11 +119,24 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
         w.wait()
 
 
+_WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable receive buffer: a fresh large CPU allocation is zero-filled by the OS page by
+    page on first touch, which for big messages costs as much as the transfer itself."""
+    key = (like.dtype, like.device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
 def _ring_reduce_scatter_(flat: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
     """In place on a contiguous 1-D buffer: afterwards this rank's chunk holds the reduction."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     bounds = shard_bounds(flat.numel(), n)
-    incoming = torch.empty(max(e - s for s, e in bounds), dtype=flat.dtype, device=flat.device)
+    incoming = _workspace(max(e - s for s, e in bounds), flat)
     for step in ring_schedule(n, "reduce_scatter"):
         _, right, send_c = step[rank]
         left, _, recv_c = step[(rank - 1) % n]

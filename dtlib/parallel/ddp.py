@@ -292,8 +292,13 @@ class _DataParallel(nn.Module):
         view = bucket._views[slot]
         if p.grad is None:
             view.zero_()
+        elif self._hook is None:
+            # average while copying into the bucket: one pass over the gradient instead of two
+            # (PyTorch's Reducer does the same); the sum of these over ranks is the mean
+            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+            bucket.used[slot] = True
         else:
-            view.copy_(p.grad)
+            view.copy_(p.grad)  # hooks get the raw local gradient, as in PyTorch
             bucket.used[slot] = True
         bucket.ready[slot] = True
         self._ready_order.append(i)
@@ -306,8 +311,7 @@ class _DataParallel(nn.Module):
         if self._hook is not None:
             bucket.work = self._hook(self._hook_state, bucket)
         else:
-            buf = bucket.buffer()
-            buf.div_(self.world_size)  # divide first, as PyTorch does: no fp16 overflow in the sum
+            buf = bucket.buffer()  # already divided by the world size (no fp16 overflow in the sum)
             bucket.log("all_reduce", buf)
             bucket.work = _Pending(dist.all_reduce(buf, group=self.process_group, async_op=True), buf)
 

@@ -1,0 +1,112 @@
+"""Step time of our BucketedDDP vs torch.nn.parallel.DistributedDataParallel, same model, same run.
+
+Both wrap identical copies of a TinyGPT (default ~14.7M parameters, so that the gradient
+all-reduce, ~59 MB per step, matters next to compute), see the same batches, use the same
+bucket size, and run *alternately* step by step, so drifts of the machine hit both alike. A step
+is forward + backward + synchronisation + AdamW; its time is the slowest rank's, median over the
+steps after warm-up. ``ratio`` = ours / PyTorch (target: <= 1.10).
+
+    python benchmarks/bench_ddp.py --quick
+    python benchmarks/bench_ddp.py --world-sizes 2 4 --steps 20 --plot docs/img/ddp_timeline.png
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dtlib
+from dtlib.models import TinyGPT, tiny_gpt_config
+from dtlib.parallel import BucketedDDP, NaiveDDP
+
+
+def _step(model, opt, x, y, ours) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    logits = model(x)
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    if ours:
+        model.finish_gradient_synchronization()
+    opt.step()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, steps: int, warmup: int,
+           bucket_mb: float, naive: bool) -> dict:
+    cfg = tiny_gpt_config(**cfg_kwargs)
+    impls = {}
+    for name in ["BucketedDDP", "torch DDP"] + (["NaiveDDP"] if naive else []):
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        wrapped = {"BucketedDDP": lambda m: BucketedDDP(m, bucket_size_mb=bucket_mb),
+                   "NaiveDDP": NaiveDDP,
+                   "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_mb)}[name](model)
+        impls[name] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4), name != "torch DDP")
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
+    times = {name: [] for name in impls}
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        for name, (model, opt, ours) in impls.items():  # alternate: same conditions for all
+            t = _step(model, opt, x, y, ours)
+            if step >= warmup:
+                times[name].append(t)
+    rec = impls["BucketedDDP"][0].last_record
+    same = all(torch.equal(a, b) for a, b in zip(impls["BucketedDDP"][0].parameters(),
+                                                  impls["torch DDP"][0].parameters()))
+    return {"median": {n: statistics.median(t) for n, t in times.items()},
+            "params": sum(p.numel() for p in impls["torch DDP"][0].parameters()),
+            "buckets": len(impls["BucketedDDP"][0].buckets), "overlapped": rec.overlapped_buckets,
+            "wait_after_backward_ms": 1e3 * (rec.finish_end - rec.backward_end),
+            "identical_params": same, "record": rec}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--naive", action="store_true", help="also time NaiveDDP (one all-reduce per tensor)")
+    p.add_argument("--quick", action="store_true", help="6 timed steps after 2 warm-up steps")
+    p.add_argument("--plot", help="save the overlap timeline of our last step (largest world size)")
+    a = p.parse_args()
+    if a.quick:
+        a.steps, a.warmup = 6, 2
+    cfg = dict(layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab, seq=a.seq,
+               tied_embeddings=True)
+    print(f"TinyGPT {cfg}, {a.batch} sequences per rank, bucket {a.bucket_mb} MiB, gloo on CPU")
+    last = None
+    for ws in a.world_sizes:
+        out = dtlib.launch(worker, ws, args=(cfg, a.batch, a.steps, a.warmup, a.bucket_mb, a.naive),
+                           timeout=1800, output="none")[0]
+        med = out["median"]
+        print(f"\n{ws} ranks, {out['params'] / 1e6:.1f}M parameters, {out['buckets']} buckets "
+              f"({out['overlapped']} issued before backward ended; waited "
+              f"{out['wait_after_backward_ms']:.0f} ms after it); identical weights after the run: "
+              f"{out['identical_params']}")
+        for name, t in med.items():
+            print(f"  {name:<12} {1e3 * t:8.1f} ms/step   ratio vs torch DDP {t / med['torch DDP']:.3f}")
+        last = out["record"]
+    if a.plot and last is not None:
+        from dtlib.viz.parallel import plot_overlap_timeline
+        plot_overlap_timeline({f"BucketedDDP, {a.world_sizes[-1]} ranks": last}).savefig(a.plot, dpi=120)
+        print(f"plot saved to {a.plot}")
+
+
+if __name__ == "__main__":
+    main()
