@@ -173,31 +173,22 @@ class _OutputPump:
         self.path = os.path.join(workdir, "out0.txt")
         self.offset = 0
 
-    def pump(self) -> None:
+    def pump(self, whole_lines_only: bool = True) -> None:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 chunk = f.read()
         except FileNotFoundError:
             return
-        # Only emit whole lines so output is never split mid-line between two reads.
-        end = chunk.rfind(b"\n") + 1
+        # While ranks run, emit whole lines only, so a line is never split between two reads.
+        end = chunk.rfind(b"\n") + 1 if whole_lines_only else len(chunk)
         if end:
             sys.stdout.write(chunk[:end].decode(errors="replace"))
             sys.stdout.flush()
             self.offset += end
 
     def flush_rest(self) -> None:
-        self.pump()
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                rest = f.read()
-        except FileNotFoundError:
-            return
-        if rest:
-            sys.stdout.write(rest.decode(errors="replace"))
-            sys.stdout.flush()
+        self.pump(whole_lines_only=False)
 
 
 def _read_output(workdir: str, rank: int) -> str:
