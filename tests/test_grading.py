@@ -27,18 +27,19 @@ def test_unsolved_exercise_runs_and_reports_failures(path):
         assert "failed" in shown.lower() or "❌" in shown, shown[:500]
 
 
-def test_batch_grading_solved_full_unsolved_zero(tmp_path):
+@pytest.mark.parametrize("master", grading.masters(), ids=lambda p: p.stem)
+def test_batch_grading_solved_full_unsolved_zero(tmp_path, master):
     subs = tmp_path / "submissions"
     subs.mkdir()
-    (subs / "solved.ipynb").write_text((ROOT / "solutions" / "01_data_parallel.ipynb").read_text())
-    (subs / "stub.ipynb").write_text((ROOT / "exercises" / "01_data_parallel.ipynb").read_text())
+    (subs / "solved.ipynb").write_text((ROOT / "solutions" / master.name).read_text())
+    (subs / "stub.ipynb").write_text((ROOT / "exercises" / master.name).read_text())
     out = tmp_path / "grades.csv"
-    assert grading.main(["grade", str(subs), "--lesson", "01", "--out", str(out)]) == 0
+    assert grading.main(["grade", str(subs), "--lesson", master.name[:2], "--out", str(out)]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(out.open())}
     assert set(rows) == {"solved.ipynb", "stub.ipynb"}
     assert float(rows["solved.ipynb"]["total"]) == float(rows["solved.ipynb"]["possible"]) > 0
     assert float(rows["stub.ipynb"]["total"]) == 0
-    assert {"q1", "q2", "q3"} <= set(rows["solved.ipynb"])
+    assert "q1" in rows["solved.ipynb"]
 
 
 def test_grading_bad_input(tmp_path, capsys):
