@@ -2,7 +2,8 @@
 
 Both wrap identical copies of a TinyGPT (default ~14.7M parameters, so that the gradient
 all-reduce, ~59 MB per step, matters next to compute), see the same batches, use the same
-bucket size, and run *alternately* step by step, so drifts of the machine hit both alike. A step
+bucket size, and run *alternately* step by step (who goes first alternates too), so drifts of
+the machine hit both alike. A step
 is forward + backward + synchronisation + AdamW; its time is the slowest rank's, median over the
 steps after warm-up. ``ratio`` = ours / PyTorch (target: <= 1.10).
 
@@ -46,27 +47,34 @@ def worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, steps: int,
     for name in ["BucketedDDP", "torch DDP"] + (["NaiveDDP"] if naive else []):
         torch.manual_seed(0)
         model = TinyGPT(cfg)
-        wrapped = {"BucketedDDP": lambda m: BucketedDDP(m, bucket_size_mb=bucket_mb),
-                   "NaiveDDP": NaiveDDP,
-                   "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_mb)}[name](model)
+        if name == "BucketedDDP":
+            wrapped = BucketedDDP(model, bucket_size_mb=bucket_mb)
+        elif name == "NaiveDDP":
+            wrapped = NaiveDDP(model)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         impls[name] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4), name != "torch DDP")
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
     times = {name: [] for name in impls}
     for step in range(warmup + steps):
         tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        for name, (model, opt, ours) in impls.items():  # alternate: same conditions for all
+        names = list(impls) if step % 2 == 0 else list(reversed(impls))  # who goes first alternates
+        for name in names:
+            model, opt, ours = impls[name]
             t = _step(model, opt, x, y, ours)
             if step >= warmup:
                 times[name].append(t)
     rec = impls["BucketedDDP"][0].last_record
-    same = all(torch.equal(a, b) for a, b in zip(impls["BucketedDDP"][0].parameters(),
-                                                  impls["torch DDP"][0].parameters()))
+    # same data and weights: the two should agree to float rounding (bucket layouts may differ,
+    # which changes the order in which the ring adds up more than two ranks' values)
+    max_diff = max((a - b).abs().max().item() for a, b in zip(impls["BucketedDDP"][0].parameters(),
+                                                              impls["torch DDP"][0].parameters()))
     return {"median": {n: statistics.median(t) for n, t in times.items()},
             "params": sum(p.numel() for p in impls["torch DDP"][0].parameters()),
             "buckets": len(impls["BucketedDDP"][0].buckets), "overlapped": rec.overlapped_buckets,
             "wait_after_backward_ms": 1e3 * (rec.finish_end - rec.backward_end),
-            "identical_params": same, "record": rec}
+            "max_weight_diff": max_diff, "record": rec}
 
 
 def main() -> None:
@@ -97,8 +105,8 @@ def main() -> None:
         med = out["median"]
         print(f"\n{ws} ranks, {out['params'] / 1e6:.1f}M parameters, {out['buckets']} buckets "
               f"({out['overlapped']} issued before backward ended; waited "
-              f"{out['wait_after_backward_ms']:.0f} ms after it); identical weights after the run: "
-              f"{out['identical_params']}")
+              f"{out['wait_after_backward_ms']:.0f} ms after it); max |w_ours - w_torch| after the "
+              f"run: {out['max_weight_diff']:.1e}")
         for name, t in med.items():
             print(f"  {name:<12} {1e3 * t:8.1f} ms/step   ratio vs torch DDP {t / med['torch DDP']:.3f}")
         last = out["record"]

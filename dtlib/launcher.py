@@ -102,6 +102,21 @@ def _default_start_method(backend: str) -> str:
     return "spawn"
 
 
+_prewarmed = False
+
+
+def _prewarm_before_fork() -> None:
+    """Pay, once in the parent, for lazy imports every rank would otherwise repeat after fork.
+
+    Building the first ``torch.optim`` optimizer of a process imports ``torch._dynamo`` (seconds);
+    forked ranks inherit the parent's modules, so importing it here makes every launch start fast.
+    """
+    global _prewarmed
+    if not _prewarmed:
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        _prewarmed = True
+
+
 def _to_cpu(obj: Any) -> Any:
     """Move tensors in (nested) results to CPU so the caller never needs a GPU to read them."""
     if isinstance(obj, torch.Tensor):
@@ -261,6 +276,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
         ) from exc
     # Forked children inherit the objects themselves; spawned ones need the bytes.
     payload = (fn, tuple(args)) if start_method == "fork" else blob
+    if start_method == "fork":
+        _prewarm_before_fork()
 
     workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,

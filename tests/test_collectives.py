@@ -140,7 +140,9 @@ def test_ring_schedule_and_progress(n):
 
 def _bad_inputs(rank, world_size):
     errors = {}
+    only_rank0 = dist.new_group([0])  # every rank must take part in creating it
     for name, call in {
+        "not member": lambda: C.ring_all_reduce(torch.ones(4), group=only_rank0) if rank else None,
         "meta device": lambda: C.ring_all_reduce(torch.ones(4, device="meta")),
         "op": lambda: C.ring_all_reduce(torch.ones(4), op=dist.ReduceOp.BAND),
         "avg int": lambda: C.ring_all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG),
@@ -156,7 +158,8 @@ def _bad_inputs(rank, world_size):
 
 
 def test_bad_input_gives_clear_errors():
-    errors = launch(_bad_inputs, 2, timeout=TIMEOUT)[0]
+    errors, errors1 = launch(_bad_inputs, 2, timeout=TIMEOUT)
+    assert errors["not member"] is None and "not a member" in errors1["not member"]
     assert "CPU tensors" in errors["meta device"]
     assert "op must be one of" in errors["op"]
     assert "floating-point" in errors["avg int"]

@@ -12,11 +12,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from dtlib.launcher import launch
 from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, GradBucket, PowerSGDState, TopKState, allreduce_hook,
-                            bf16_compress_hook, fp16_compress_hook, powersgd_hook, topk_hook)
+                            bf16_compress_hook, fp16_compress_hook, powersgd_hook, powersgd_plan,
+                            topk_hook)
 from dtlib.viz.parallel import plot_compression_tradeoff
 
 TIMEOUT = 60
-torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # import torch._dynamo before forking
 
 
 def _bucket(shapes, rank, step=0):
@@ -118,6 +118,13 @@ def test_powersgd_is_exact_at_full_rank_and_error_feedback_conserves():
         # the 20x10 matrix goes as P (20x1) and Q (10x1); the 10-vector uncompressed
         assert sorted(out["comm"]) == sorted([("all_reduce", 10, 4), ("all_reduce", 20, 4),
                                               ("all_reduce", 10, 4)])
+
+
+def test_powersgd_plan_compresses_only_what_pays():
+    # n x m sent as (n + m) r numbers, only if that is < n m / 2
+    assert powersgd_plan([(20, 10), (10,), (4, 4), (8, 1, 3, 3), (64, 784), ()], rank=2) == \
+        [2, None, None, 2, 2, None]  # 4x4: 16 < 2*(4+4)*2; conv 8x9: 72 > 68
+    assert powersgd_plan([(4, 4)], rank=8, min_compression_rate=0) == [4]  # capped at min(n, m)
 
 
 def _warm_start(rank, world_size, warm):

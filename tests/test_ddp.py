@@ -15,9 +15,6 @@ from dtlib.parallel.buckets import MB
 from dtlib.viz.parallel import plot_overlap_timeline
 
 TIMEOUT = 60
-# The first optimizer built in a process imports torch._dynamo (seconds). Pay it once here: the
-# forked ranks inherit the loaded modules instead of each importing them again.
-torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
 # ---- models and data (seeded: identical on every rank and in the reference) ----------------------
@@ -290,14 +287,17 @@ def _odd(rank, world_size, find_unused):
     frozen0 = model.frozen.weight.detach().clone()
     for _ in range(2):
         opt_ref.zero_grad()
-        sum(F.cross_entropy(ref(idx[r], use[r]), idx[r]) for r in range(world_size)).div(world_size).backward()
+        losses = [F.cross_entropy(ref(idx[r], use[r]), idx[r]) for r in range(world_size)]
+        (sum(losses) / world_size).backward()
         opt.zero_grad()
         F.cross_entropy(ddp(idx[rank], use[rank]), idx[rank]).backward()
         try:
             ddp.finish_gradient_synchronization()
         except RuntimeError as e:
             return str(e)
-        grads_ok = all((p.grad is None) == (q.grad is None) and (p.grad is None or torch.allclose(p.grad, q.grad, atol=1e-6))
+        grads_ok = all(p.grad is None and q.grad is None
+                       or p.grad is not None and q.grad is not None
+                       and torch.allclose(p.grad, q.grad, atol=1e-6)
                        for p, q in zip(model.parameters(), ref.parameters()))
         opt_ref.step()
         opt.step()
@@ -305,8 +305,10 @@ def _odd(rank, world_size, find_unused):
             "never_grad_none": model.never.weight.grad is None,
             "extra_has_grad": model.extra.weight.grad is not None,
             "frozen_unchanged": torch.equal(model.frozen.weight, frozen0),
-            "params_match": all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref.parameters())),
-            "order": [n for n, _ in ddp.named_parameters()] == ["module." + n for n, _ in model.named_parameters()]}
+            "params_match": all(torch.allclose(p, q, atol=1e-6)
+                                for p, q in zip(model.parameters(), ref.parameters())),
+            "order": [n for n, _ in ddp.named_parameters()]
+                     == ["module." + n for n, _ in model.named_parameters()]}
 
 
 def test_frozen_unused_partly_used_and_tied_parameters():
@@ -335,7 +337,8 @@ def _side_by_side(rank, world_size, steps=4):
                               for a, b in zip(ours.parameters(), theirs.parameters())))
         for opt in opts:
             opt.step()
-    return grad_diffs, max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    param_diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return grad_diffs, param_diff
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -14,11 +15,44 @@ from dtlib.launcher import launch
 from dtlib.measure import model_state_bytes_held
 from dtlib.memory import model_state_bytes
 from dtlib.parallel import BucketedDDP, ShardedOptimizer
+from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.precision import get_precision
 from dtlib.viz.parallel import plot_rank_memory
 
 TIMEOUT = 60
-torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # import torch._dynamo before forking
+
+
+# ---- the flat-buffer arithmetic shared by DDP, ZeRO and FSDP --------------------------------------
+@pytest.mark.parametrize("numel", [0, 1, 5, 7, 64, 1001])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_shard_bounds_cut_like_tensor_split(numel, n):
+    sizes = [len(c) for c in torch.tensor_split(torch.arange(numel), n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    assert shard_bounds(numel, n) == [(s, s + k) for s, k in zip(starts, sizes)]
+
+
+def test_flat_layout_round_trip_padding_and_shards():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
+    layout = FlatLayout.of(tensors, world_size=4)
+    assert layout.numel == 30 and layout.padded_numel == 32 and layout.shard_numel == 8
+    flat = layout.flatten(tensors)
+    assert torch.equal(flat[30:], torch.zeros(2))  # padding is zero (it is summed by reduce-scatters)
+    views = layout.views(flat)
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors))
+    views[1].fill_(1.0)  # views, not copies
+    assert torch.equal(flat[15:22], torch.ones(7))
+    assert [layout.shard_range(r) for r in range(4)] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert torch.equal(layout.flatten([None, tensors[1], None])[15:22], tensors[1])
+    with pytest.raises(ValueError, match="rank must be in"):
+        layout.shard_range(4)
+
+
+def test_bucket_assignment_matches_torch_with_mixed_dtypes():
+    ts = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(30),
+          torch.zeros(5, dtype=torch.float64), torch.zeros(1)]
+    for cap in (0, 40, 100, 10_000):
+        assert assign_buckets(ts, cap) == dist._compute_bucket_assignment_by_size(ts, [cap])[0], cap
 
 
 def _model():

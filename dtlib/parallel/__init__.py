@@ -16,7 +16,7 @@ from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather
                                         ring_reduce_scatter, ring_schedule)
 from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook,
                                         bf16_compress_hook, fp16_compress_hook, powersgd_hook,
-                                        topk_hook)
+                                        powersgd_plan, topk_hook)
 from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.zero import ShardedOptimizer
@@ -26,7 +26,7 @@ __all__ = [
     "hierarchical_all_reduce",
     "NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord",
     "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
-    "PowerSGDState", "powersgd_hook",
+    "PowerSGDState", "powersgd_hook", "powersgd_plan",
     "ShardedOptimizer", "FSDP",
     "FlatLayout", "assign_buckets", "shard_bounds",
 ]

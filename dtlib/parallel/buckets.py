@@ -9,8 +9,8 @@ Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2 "FlatParameter").
 
 This module holds the pieces they all need:
 
-* :func:`assign_buckets` - group tensors, in a given order, into buckets of at most ~cap bytes
-  (the same rule as ``torch.distributed``'s ``_compute_bucket_assignment_by_size``);
+* :func:`assign_buckets` - group tensors, in a given order, into buckets that close once they
+  hold ~cap bytes (the rule of ``torch.distributed``'s ``_compute_bucket_assignment_by_size``);
 * :class:`FlatLayout` - where each tensor lives inside a flat buffer, the padding that makes the
   buffer divisible by the number of shards, and the bounds of each shard;
 * :func:`shard_bounds` - an uneven split into ``n`` near-equal chunks (for collectives on sizes
@@ -54,8 +54,8 @@ def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
     """Group ``tensors`` (in the order given) into buckets; return lists of indices into ``tensors``.
 
-    A bucket is closed as soon as it holds at least ``cap_bytes`` (so one tensor larger than the
-    cap gets a bucket of its own, and ``cap_bytes=0`` gives one bucket per tensor). Tensors of a
+    A bucket is closed as soon as it holds at least ``cap_bytes`` (so its last tensor may take it
+    over the cap, and ``cap_bytes=0`` gives one bucket per tensor). Tensors of a
     different dtype or device go into a separate open bucket, because a bucket is one flat
     buffer and a collective moves a single dtype. This is ``torch.distributed``'s rule
     (``_compute_bucket_assignment_by_size``), so bucket counts can be compared with PyTorch's.

@@ -24,7 +24,7 @@ near-equal chunks (so sizes not divisible by the world size, and even sizes < wo
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,13 +84,16 @@ def ring_progress(world_size: int, steps: int) -> list[list[frozenset[int]]]:
     return held
 
 
-def _check(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
+def _check(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if op not in _COMBINE:
         raise ValueError(f"op must be one of dist.ReduceOp.SUM, AVG, PRODUCT, MAX, MIN; got {op}")
     if op == dist.ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of this group: only the ranks "
+                         "passed to dist.new_group may call its collectives")
     backend = dist.get_backend(group)
     if backend == "nccl" and tensor.device.type != "cuda":
         raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}; "
@@ -132,7 +135,8 @@ def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _ring_reduce_scatter_(flat: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
+def _ring_reduce_scatter_(flat: torch.Tensor, op: dist.ReduceOp,
+                          group: dist.ProcessGroup | None) -> None:
     """In place on a contiguous 1-D buffer: afterwards this rank's chunk holds the reduction."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     bounds = shard_bounds(flat.numel(), n)
@@ -157,7 +161,7 @@ def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> No
         _exchange(flat[s0:s1], right, flat[r0:r1], left, group)  # received straight into place
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM,
+def ring_reduce_scatter(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's chunk of the flattened result.
 
@@ -194,7 +198,7 @@ def ring_all_gather(shard: torch.Tensor, numel: int | None = None,
     return flat
 
 
-def ring_all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM,
+def ring_all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce ``tensor`` in place (like ``dist.all_reduce``) with a ring; returns it."""
     _check(tensor, op, group)
@@ -242,7 +246,7 @@ def node_groups(node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, node_size: int,
-                            op: object = dist.ReduceOp.SUM) -> torch.Tensor:
+                            op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Two-level all-reduce of ``tensor`` in place over the default group; returns it.
 
     1. ring reduce-scatter inside the node (fast link): local rank ``l`` owns chunk ``l``;
@@ -251,7 +255,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, node_size: int,
     3. ring all-gather inside the node.
     """
     _check(tensor, op, None)
-    if op in (dist.ReduceOp.AVG,):
+    if op == dist.ReduceOp.AVG:
         hierarchical_all_reduce(tensor, node_size, dist.ReduceOp.SUM)
         return tensor.div_(dist.get_world_size())
     intra, inter = node_groups(node_size)
@@ -288,14 +292,14 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
-                    group: dist.ProcessGroup | None = None, async_op: bool = False):
+                    group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """The backend's all-gather of equal shards into one flat ``output`` (``n * shard.numel()``)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
     return fn(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor,
-                        group: dist.ProcessGroup | None = None, async_op: bool = False):
+                        group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """The backend's sum reduce-scatter of ``flat`` (``n * output.numel()``) into ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

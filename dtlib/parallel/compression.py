@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dtlib.parallel.collectives import all_gather_into
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
-           "PowerSGDState", "powersgd_hook", "orthogonalize"]
+           "PowerSGDState", "powersgd_hook", "powersgd_plan", "orthogonalize"]
 
 
 class _Deferred:
@@ -155,6 +155,24 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     return matrix
 
 
+def powersgd_plan(shapes: Sequence[Sequence[int]], rank: int,
+                  min_compression_rate: float = 2.0) -> list[int | None]:
+    """For each gradient shape, the rank PowerSGD sends it at, or None if it goes uncompressed.
+
+    A tensor is viewed as a ``shape[0] x rest`` matrix and compressed at rank
+    ``r = min(n, m, rank)`` only if ``n m > min_compression_rate * (n + m) r`` (PyTorch's
+    ``_should_compress``): P and Q then carry ``(n + m) r`` numbers instead of ``n m``.
+    Biases and norms (vectors) never pass. Pure: a lesson can count bytes per rank with it.
+    """
+    plan = []
+    for shape in shapes:
+        n = shape[0] if len(shape) else 1
+        m = math.prod(shape[1:]) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        plan.append(r if n * m > min_compression_rate * (n + m) * r else None)
+    return plan
+
+
 @dataclass
 class PowerSGDState:
     """Configuration and memory of :func:`powersgd_hook` (names as in PyTorch's PowerSGDState).
@@ -199,15 +217,14 @@ def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
         if err is not None and err.shape == buf.shape:
             buf += err
         local = buf.clone()  # M_i + e_i: what this rank wanted to send
-    # which tensors are worth compressing: PyTorch's _should_compress
+    grads = bucket.gradients()
     matrices, vectors = [], []
-    for g in bucket.gradients():
-        m = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
-        r = min(*m.shape, state.rank)
-        if m.numel() > state.min_compression_rate * (m.shape[0] + m.shape[1]) * r:
-            matrices.append((m, r))
-        else:
+    for g, r in zip(grads, powersgd_plan([g.shape for g in grads], state.rank,
+                                         state.min_compression_rate)):
+        if r is None:
             vectors.append(g)
+        else:
+            matrices.append((g.view(g.shape[0], -1), r))
     # same-shaped matrices next to each other, as PyTorch lays out (and draws random) Q and P
     first_seen = {}
     for m, _ in matrices:

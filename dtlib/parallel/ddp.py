@@ -237,7 +237,7 @@ class _DataParallel(nn.Module):
 
     # ---- forward / backward -----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._armed and any(b.work is not None for b in self.buckets):
+        if self._armed and self._record.first_grad is not None:  # a backward ran, no finish
             raise RuntimeError("the previous backward's gradients were never synchronised: call "
                                "finish_gradient_synchronization() after backward() and before "
                                "optimizer.step()")

@@ -72,6 +72,10 @@ class _Unit:
     def __init__(self, owner: "FSDP", name: str, module: nn.Module, params: list[nn.Parameter],
                  aliases: list[list[tuple[str, nn.Module, str]]]):
         self.owner, self.name, self.module, self.aliases = owner, name, module, aliases
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ValueError(f"unit {name or '(root)'!r} mixes parameter dtypes/devices "
+                             f"{sorted({(str(p.dtype), str(p.device)) for p in params})}: one flat "
+                             "buffer holds one dtype; convert the model first (e.g. model.float())")
         self.layout = FlatLayout.of(params, owner.world_size)
         lo, hi = self.layout.shard_range(owner.rank)
         with torch.no_grad():

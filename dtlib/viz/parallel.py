@@ -130,16 +130,18 @@ def plot_overlap_timeline(records: "SyncRecord | Mapping[str, SyncRecord]") -> F
 def plot_compression_tradeoff(rows: Sequence[Mapping]) -> Figure:
     """Final accuracy against bytes sent per rank per step (log scale), one point per method.
 
-    ``rows``: dicts with ``method``, ``bytes_per_step`` and ``accuracy`` (0-1), e.g. from
-    ``benchmarks/bench_compression.py``.
+    ``rows``: dicts with ``method``, ``bytes_per_step`` and ``accuracy`` (0-1), optionally
+    ``accuracy_std`` (drawn as an error bar), e.g. from ``benchmarks/bench_compression.py``.
     """
     if not rows:
         raise ValueError("nothing to plot: rows is empty")
     fig = Figure(figsize=(6.5, 3.8))
     ax = fig.add_subplot()
     for i, r in enumerate(rows):
-        ax.scatter(r["bytes_per_step"], 100 * r["accuracy"], color=_COLORS[i % len(_COLORS)], s=40,
-                   label=r["method"], zorder=3)
+        # colours repeat after 8 methods; the marker changes so that every point stays distinct
+        ax.errorbar(r["bytes_per_step"], 100 * r["accuracy"], yerr=100 * r.get("accuracy_std", 0.0),
+                    color=_COLORS[i % len(_COLORS)], marker="os^D"[i // len(_COLORS) % 4], ms=6,
+                    capsize=3, ls="none", label=r["method"], zorder=3)
     ax.set_xscale("log")
     ax.set(xlabel="bytes sent per rank per step (ring model)", ylabel="final accuracy (%)",
            title="gradient compression: bytes saved vs accuracy")
