@@ -37,7 +37,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200_000, help="configurations for the vectorised path")
     ap.add_argument("--scalar-n", type=int, default=2_000, help="configurations for the scalar path")
     ap.add_argument("--model", default="llama3-70b")
+    ap.add_argument("--quick", action="store_true", help="20,000 vectorised / 500 scalar configurations")
     args = ap.parse_args()
+    if args.quick:
+        args.n, args.scalar_n = 20_000, 500
     cfg = get_preset(args.model)
     opts = dict(recompute="selective", schedule="1f1b")
     big, small = random_layouts(args.n), random_layouts(args.scalar_n, seed=1)
