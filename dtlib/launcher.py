@@ -17,6 +17,7 @@ The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -136,6 +137,9 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    # If this rank is still running just before the parent's deadline, write where it is stuck
+    # (every thread's Python stack) into its output, which the timeout error then shows.
+    faulthandler.dump_traceback_later(0.9 * timeout, file=log)
     code = 1
     try:
         fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
@@ -169,6 +173,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
         report = (time.time(), traceback.format_exc(), exc_blob)
         _atomic_write(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
         log.flush()
@@ -326,13 +331,21 @@ def _wait(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float,
         if time.monotonic() > deadline:
             unfinished = [r for r, c in enumerate(codes) if c is None]
             done = [r for r, c in enumerate(codes) if c == 0]
+            where = "".join(f"\n--- where rank {r} was ---\n{_stuck_at(workdir, r)}" for r in unfinished)
             raise LaunchTimeoutError(
                 f"ranks {unfinished} did not finish within {timeout:g} s (finished: {done}). "
                 "A rank that skips a collective, or calls them in a different order, waits "
-                "forever for its peers; raise `timeout` if the work is simply long.",
+                "forever for its peers; raise `timeout` if the work is simply long.\n" + where,
                 unfinished,
             )
         time.sleep(0.01)
+
+
+def _stuck_at(workdir: str, rank: int, limit: int = 1500) -> str:
+    """The Python stacks faulthandler wrote for a rank near the deadline, innermost frames first."""
+    out = _read_output(workdir, rank)
+    start = out.rfind("Timeout (")
+    return (out[start:start + limit] if start >= 0 else out[-limit:]) or "(no output)\n"
 
 
 def _raise_first_failure(procs: Sequence[mp.process.BaseProcess], workdir: str,

@@ -102,6 +102,9 @@ def test_hanging_rank_times_out_and_nothing_is_left(tmp_path):
         launch(_hang_on_rank1, 2, args=(tmp_path,), timeout=3)
     assert time.monotonic() - t0 < 8
     assert 1 in info.value.unfinished and "did not finish within 3 s" in str(info.value)
+    # and it says where each stuck rank was: rank 1 sleeping, rank 0 in the barrier
+    assert "where rank 1 was" in str(info.value) and "_hang_on_rank1" in str(info.value)
+    assert "barrier" in str(info.value)
     time.sleep(0.2)
     pids = _read_pids(tmp_path)
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
