@@ -9,7 +9,8 @@ does not have). Here:
   and start in milliseconds (torch is already imported);
 * elsewhere, and for NCCL (CUDA cannot be used after fork), the workers are *spawned* and the
   function travels by value with ``cloudpickle``;
-* every launch hosts its own ``TCPStore`` on a port the OS picks, so launches never collide;
+* every launch hosts its own ``TCPStore`` on a port the OS picks, so launches never collide
+  (started after the ranks are forked, and its port sent to them through a pipe);
 * a rank that raises, hangs or is interrupted brings the whole launch down: no process is left.
 
 The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
@@ -129,8 +130,8 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float, workdir: str,
-            payload: Any) -> None:
+def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: float,
+            workdir: str, payload: Any) -> None:
     """Body of one rank: redirect output, join the process group, run ``fn``, report back."""
     os.setpgrp()  # own process group, so the parent can kill this rank *and* anything it started
     log = open(os.path.join(workdir, f"out{rank}.txt"), "w", buffering=1)
@@ -152,7 +153,9 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
         torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+        if not port_conn.poll(timeout):
+            raise TimeoutError("the launcher never sent the rendezvous port")
+        store = dist.TCPStore("127.0.0.1", port_conn.recv(), world_size, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -285,18 +288,24 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
         _prewarm_before_fork()
 
     workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=timeout))
     ctx = mp.get_context(start_method)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, name=f"dtlib-rank{r}",
-                         args=(r, world_size, backend, store.port, timeout, workdir, payload))
+                         args=(r, world_size, backend, pipes[r][0], timeout, workdir, payload))
              for r in range(world_size)]
     pump = _OutputPump(workdir) if output != "none" else None
+    store = None
     try:
         sys.stdout.flush()
         sys.stderr.flush()
         for p in procs:
             p.start()
+        # The store's server thread is started only after every fork: a child forked while that
+        # thread holds a lock can deadlock before running a line of its own (seen with gloo).
+        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=timeout))
+        for _, writer in pipes:
+            writer.send(store.port)
         _wait(procs, workdir, timeout, pump)
         if pump:
             pump.flush_rest()
