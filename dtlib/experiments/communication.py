@@ -1,0 +1,183 @@
+"""Lesson 2 (communication): the experiments the lesson runs on real ranks.
+
+Experiments (gloo on CPU, ranks started with :func:`dtlib.launch`):
+
+* :func:`time_all_reduce` - our ring all-reduce and the backend's, timed as nccl-tests does
+  (median over iterations of the slowest rank), with algbw and busbw from :mod:`dtlib.comm`;
+* :func:`fit_alpha_beta` - the latency alpha and bandwidth B that best explain those times in the
+  ring model ``t = 2(n-1) alpha + 2(n-1)/n S/B`` (Thakur et al. 2005, Sec. 4);
+* :func:`overlap_records` - one real training step of :class:`~dtlib.parallel.BucketedDDP` /
+  :class:`~dtlib.parallel.NaiveDDP`, with its recorded timeline (buckets issued vs backward);
+* :func:`compression_runs` - MNIST training with each communication hook: bytes on the wire
+  per step and final accuracy.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtlib.comm import algbw, busbw, collective_time
+from dtlib.data import Digits, global_batches, load_mnist, shard_batch
+from dtlib.hardware import Link
+from dtlib.launcher import launch
+from dtlib.models import MnistCNN
+from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
+                            powersgd_hook, ring_all_reduce, topk_hook)
+
+__all__ = ["time_all_reduce", "fit_alpha_beta", "overlap_model", "overlap_records", "compression_runs", "COMPRESSION_METHODS"]
+
+KiB, MiB = 2 ** 10, 2 ** 20
+
+
+# ---- timing collectives ---------------------------------------------------------------------------
+def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -> list[dict]:
+    impls: dict[str, Callable[[torch.Tensor], Any]] = {
+        "ring (dtlib, send/recv)": ring_all_reduce, "built-in (dist.all_reduce)": dist.all_reduce}
+    rows = []
+    for nbytes in sizes:
+        x = torch.randn(max(1, nbytes // 4))
+        n_iter = max(3, min(iters, int(iters * 2 ** 20 / nbytes)))  # fewer for big messages
+        for impl, fn in impls.items():
+            fn(x)  # warm-up
+            times = torch.zeros(n_iter)
+            for i in range(n_iter):
+                dist.barrier()
+                start = time.perf_counter()
+                fn(x)
+                times[i] = time.perf_counter() - start
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+            t = statistics.median(times.tolist())
+            size = x.numel() * 4
+            rows.append({"impl": impl, "collective": "all-reduce", "bytes": size, "seconds": t,
+                         "algbw": algbw(size, t), "busbw": busbw("all-reduce", size, t, world_size),
+                         "world_size": world_size})
+    return rows
+
+
+def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10) -> list[dict]:
+    """Time our ring all-reduce and ``dist.all_reduce`` on float32 messages of ``sizes`` bytes.
+
+    Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (median over
+    iterations of the slowest rank), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
+    definitions, :mod:`dtlib.comm`), ``world_size``.
+    """
+    if not sizes or min(sizes) < 4:
+        raise ValueError(f"sizes must be message sizes in bytes (>= 4), got {sizes!r}")
+    return launch(_time_worker, world_size, args=(list(sizes), iters), timeout=120, output="none")[0]
+
+
+def fit_alpha_beta(rows: Sequence[Mapping], impl: str) -> Link:
+    """The ring all-reduce model ``t = 2(n-1) alpha + 2(n-1)/n S/B`` fitted to ``rows`` of ``impl``.
+
+    A least-squares fit of ``t = a + b S`` in *relative* error (the sizes span decades), then
+    ``alpha = a / (2(n-1))`` and ``B = 2(n-1)/n / b``. Returns a :class:`~dtlib.hardware.Link` that
+    :func:`dtlib.comm.collective_time` accepts.
+    """
+    pts = [(r["bytes"], r["seconds"], r["world_size"]) for r in rows if r["impl"] == impl]
+    if len(pts) < 2:
+        raise ValueError(f"need measurements of {impl!r} at two sizes at least; impls in rows: "
+                         f"{sorted({r['impl'] for r in rows})}")
+    n = pts[0][2]
+    S, t = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+    A = np.stack([np.ones_like(S), S], axis=1) / t[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if a <= 0 or b <= 0:
+        raise ValueError(f"the times of {impl!r} do not grow like a + bS (a={a:.3g}, b={b:.3g}): "
+                         "measure more sizes, or more iterations")
+    return Link(f"fitted: {impl}", bandwidth=float(2 * (n - 1) / n / b), latency=float(a / (2 * (n - 1))),
+                source=f"least-squares fit of the ring model to {len(pts)} measured sizes on {n} ranks")
+
+
+# ---- bucketing and overlap ------------------------------------------------------------------------
+def overlap_model(layers: int = 6, width: int = 512, seed: int = 0) -> nn.Sequential:
+    """``layers`` x (Linear(width, width), Tanh): one ``width^2 x 4``-byte weight per layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def _overlap_worker(rank: int, world_size: int, configs: Mapping[str, float | None], layers: int,
+                    width: int, batch: int, iters: int) -> dict[str, dict]:
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, bucket_mb in configs.items():
+        model = overlap_model(layers, width)
+        ddp = NaiveDDP(model) if bucket_mb is None else BucketedDDP(model, bucket_size_mb=bucket_mb)
+        for _ in range(iters):  # the first iteration also rebuilds the buckets in ready order
+            ddp(x).square().mean().backward()
+            ddp.finish_gradient_synchronization()
+        out[name] = {"record": ddp.last_record, "buckets": ddp.bucket_summary()}
+        ddp.remove_hooks()
+    return out
+
+
+def overlap_records(configs: Mapping[str, float | None], world_size: int = 2, layers: int = 6,
+                    width: int = 512, batch: int = 128, iters: int = 3) -> dict[str, dict]:
+    """Train :func:`overlap_model` with each DDP of ``configs`` (``{name: bucket MiB, or None for
+    NaiveDDP}``); return rank 0's ``{name: {"record": SyncRecord, "buckets": bucket_summary()}}``
+    of the last iteration (times from :attr:`BucketedDDP.records`)."""
+    return launch(_overlap_worker, world_size, args=(dict(configs), layers, width, batch, iters),
+                  timeout=120, output="none")[0]
+
+
+# ---- gradient compression ------------------------------------------------------------------------
+COMPRESSION_METHODS: dict[str, tuple[Callable[[], Any] | None, Callable | None]] = {
+    "none (fp32 all-reduce)": (None, None),
+    "fp16 cast": (lambda: None, fp16_compress_hook),
+    "top-k 1% + error feedback": (lambda: TopKState(ratio=0.01), topk_hook),
+    "PowerSGD rank 1": (lambda: PowerSGDState(rank=1, start_iter=10), powersgd_hook),
+    "PowerSGD rank 4": (lambda: PowerSGDState(rank=4, start_iter=10), powersgd_hook),
+}
+
+
+def _compression_worker(rank: int, world_size: int, methods: Sequence[str], steps: int, batch: int,
+                        lr: float, seed: int, train: Digits, test: Digits) -> list[dict]:
+    order = [b for epoch in range(steps * batch // len(train) + 1)
+             for b in global_batches(len(train), batch, epoch=epoch, seed=seed)][:steps]
+    rows = []
+    for name in methods:
+        make_state, hook = COMPRESSION_METHODS[name]
+        torch.manual_seed(seed)
+        model = MnistCNN()
+        ddp = BucketedDDP(model)
+        if hook is not None:
+            ddp.register_comm_hook(make_state(), hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        losses = []
+        for idx in order:
+            idx = shard_batch(idx, rank, world_size)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(train.images[idx]), train.labels[idx])
+            loss.backward()
+            ddp.finish_gradient_synchronization()
+            opt.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            accuracy = (model(test.images).argmax(1) == test.labels).float().mean().item()
+        rec = ddp.last_record  # the steady state (PowerSGD compresses after start_iter steps)
+        rows.append({"method": name, "payload_bytes": rec.payload_bytes,
+                     "bytes_per_step": rec.wire_bytes, "accuracy": accuracy, "losses": losses})
+    return rows
+
+
+def compression_runs(methods: Sequence[str] = tuple(COMPRESSION_METHODS), steps: int = 80,
+                     world_size: int = 2, batch: int = 32, lr: float = 0.02, seed: int = 0,
+                     train: Digits | None = None, test: Digits | None = None) -> list[dict]:
+    """Train the MNIST CNN with :class:`BucketedDDP` and each hook of ``methods`` (keys of
+    :data:`COMPRESSION_METHODS`), same data order and initial weights; per method return
+    ``method``, ``bytes_per_step`` (what a rank sends per step if the collectives run as rings,
+    :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracy`` and rank 0's ``losses``."""
+    unknown = [m for m in methods if m not in COMPRESSION_METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; valid: {list(COMPRESSION_METHODS)}")
+    train = train if train is not None else load_mnist("train", verbose=False)
+    test = test if test is not None else load_mnist("test", verbose=False)
+    return launch(_compression_worker, world_size,
+                  args=(list(methods), steps, batch, lr, seed, train, test),
+                  timeout=300, output="none")[0]

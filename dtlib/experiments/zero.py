@@ -1,0 +1,236 @@
+"""Lesson 4 (ZeRO and FSDP): the experiments the lesson runs on real ranks.
+
+* :func:`measure_zero_stages` - one TinyGPT trained under DDP (stage 0: BucketedDDP + AdamW),
+  ZeRO-1 (BucketedDDP + ShardedOptimizer), ZeRO-2 (ShardedOptimizer stage 2) and the toy FSDP
+  (stage 3) of :mod:`dtlib.parallel`: bytes of parameters, gradients and optimizer
+  state each rank holds, and the bytes it hands to collectives in a step - next to
+  :func:`dtlib.memory.memory_per_gpu` and :func:`dtlib.comm.strategy_volumes`' predictions;
+* :func:`compare_fully_shard` - the toy FSDP and PyTorch's ``fully_shard`` (FSDP2) on the same
+  model, data and ranks: final parameters and parameter memory per rank.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dtlib.checks.lesson04 import optimizer_state_bytes
+from dtlib.comm import bytes_sent_per_rank, strategy_volumes
+from dtlib.launcher import launch
+from dtlib.memory import memory_per_gpu
+from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
+from dtlib.models.config import TransformerConfig
+from dtlib.models.gpt import Block
+from dtlib.parallel import FSDP, BucketedDDP, ShardedOptimizer
+from dtlib.parallelism import Parallelism
+from dtlib.precision import Precision, precision
+
+__all__ = ["FP32_ADAMW", "measure_zero_stages", "predict_zero_stages", "compare_fully_shard", "collective_counter"]
+
+FP32_ADAMW: Precision = precision("fp32", optimizer="adamw")  # 4 + 4 + 8 bytes per parameter
+_LR = 1e-3
+
+
+# ---- counting what goes on the wire ------------------------------------------------------------
+# name in torch.distributed -> (collective in dtlib.comm's terms, index of the full-size buffer)
+_COUNTED = {"all_reduce": ("all-reduce", 0), "broadcast": ("broadcast", 0),
+            "all_gather_single": ("all-gather", 0), "all_gather_into_tensor": ("all-gather", 0),
+            "reduce_scatter_single": ("reduce-scatter", 1),
+            "reduce_scatter_tensor": ("reduce-scatter", 1)}
+
+
+@contextmanager
+def collective_counter() -> Iterator[list[tuple[str, int]]]:
+    """Record ``(collective, bytes of the full buffer S)`` for every backend collective called
+    through ``torch.distributed`` inside the block (S as nccl-tests counts it: the all-gather's
+    output, the reduce-scatter's input)."""
+    calls: list[tuple[str, int]] = []
+    saved = {}
+    for name, (op, arg) in _COUNTED.items():
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+        saved[name] = real
+
+        def counting(*args: Any, _real=real, _op=op, _arg=arg, **kwargs: Any) -> Any:
+            t = args[_arg]
+            calls.append((_op, t.numel() * t.element_size()))
+            return _real(*args, **kwargs)
+        setattr(dist, name, counting)
+    try:
+        yield calls
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+# ---- the four stages, measured -----------------------------------------------------------------
+def _batches(cfg: TransformerConfig, steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(steps)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _setup(stage: int, model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    """(what to call forward on, the optimizer, what to call finish_gradient_synchronization on)."""
+    if stage == 0:
+        ddp = BucketedDDP(model, broadcast_buffers=False)  # the buffers are constant masks
+        return ddp, torch.optim.AdamW(model.parameters(), lr=_LR), ddp
+    if stage == 1:
+        ddp = BucketedDDP(model, broadcast_buffers=False)
+        return ddp, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=1, lr=_LR), ddp
+    if stage == 2:  # no DDP: stage 2 reduce-scatters the gradients itself
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=_LR)
+        return model, opt, opt
+    fsdp = FSDP(model, unit_types=(Block,))
+    return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=_LR), fsdp
+
+
+def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: TransformerConfig,
+                  steps: int, batch: int) -> dict[int, dict]:
+    data = _batches(cfg, steps, batch)
+    out = {}
+    for stage in stages:
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        wrapped, opt, sync = _setup(stage, model)
+        params = list(wrapped.parameters()) if stage == 3 else list(model.parameters())
+        for step, (x, y) in enumerate(data):
+            xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+            opt.zero_grad()
+            with collective_counter() as calls:
+                _loss(wrapped, xs, ys).backward()
+                sync.finish_gradient_synchronization()
+                grads = (opt.grad_bytes() if stage == 2 else
+                         sum(p.grad.nbytes for p in params if p.grad is not None))
+                opt.step()
+        inner = opt.optim if stage in (1, 2) else opt
+        measured = {"parameters": sum(p.nbytes for p in params), "gradients": grads,
+                    "optimizer": optimizer_state_bytes(inner)}
+        # the full parameters at the end (gather_full_params is a collective: every rank calls it)
+        final = list((wrapped.gather_full_params() if stage == 3 else model.state_dict()).values())
+        out[stage] = {"measured": measured, "calls": calls,
+                      "gathered_peak": wrapped.memory_stats()["peak_unsharded_bytes"] if stage == 3 else 0,
+                      "final": [t.detach().clone() for t in final] if rank == 0 else None}
+    return out
+
+
+def predict_zero_stages(cfg: TransformerConfig | str | float, world_size: int,
+                        stages: Sequence[int] = (0, 1, 2, 3),
+                        prec: Precision | str = FP32_ADAMW) -> dict[int, dict[str, float]]:
+    """Per stage, :func:`dtlib.memory.memory_per_gpu`'s parameters / gradients / optimizer /
+    temporary bytes on one rank, and (for a model shape or preset name) the bytes one rank sends
+    per step by :func:`dtlib.comm.strategy_volumes` (``sent``)."""
+    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    out = {}
+    for z in stages:
+        layout = Parallelism(dp=world_size, zero=z)
+        m = memory_per_gpu(cfg, layout, precision=prec)
+        row = {"parameters": m.parameters, "gradients": m.gradients, "optimizer": m.optimizer,
+               "temporary": m.temporary}
+        if isinstance(cfg, TransformerConfig):
+            row["sent"] = sum(v["bytes_sent_per_gpu"]
+                              for v in strategy_volumes(cfg, layout, precision=prec).values())
+        out[z] = row
+    return out
+
+
+def measure_zero_stages(world_size: int = 2, stages: Sequence[int] = (0, 1, 2, 3),
+                        cfg: TransformerConfig | None = None, steps: int = 2,
+                        batch: int = 8) -> dict[int, dict]:
+    """Train ``cfg`` (default: a 4-layer TinyGPT) for ``steps`` AdamW steps under each ZeRO stage.
+
+    Per stage: ``per_rank`` (each rank's measured ``parameters``, ``gradients``, ``optimizer``
+    bytes - fp32 AdamW, so 4 + 4 + 8 bytes per parameter unsharded), ``predicted`` (one rank, by
+    :func:`predict_zero_stages`), ``calls`` (rank 0's collectives in the last step:
+    ``(collective, S bytes)``), ``sent`` (bytes rank 0 sends in that step if they run as rings),
+    ``gathered_peak`` (stage 3: the most gathered parameter bytes alive at once) and
+    ``max_diff_vs_ddp`` (largest difference of the final parameters from stage 0's, when stage 0
+    is measured: every stage computes the same training).
+    """
+    cfg = cfg or tiny_gpt_config(layers=4, hidden=128, heads=4)
+    ranks = launch(_stage_worker, world_size, args=(list(stages), cfg, steps, batch), timeout=120,
+                   output="none")
+    predicted = predict_zero_stages(cfg, world_size, stages)
+    out = {}
+    for z in stages:
+        r0 = ranks[0][z]
+        row = {"per_rank": [r[z]["measured"] for r in ranks], "predicted": predicted[z],
+               "calls": r0["calls"], "gathered_peak": r0["gathered_peak"],
+               "sent": sum(bytes_sent_per_rank(op, s, world_size) for op, s in r0["calls"])}
+        if 0 in stages:
+            row["max_diff_vs_ddp"] = max((a - b).abs().max().item()
+                                         for a, b in zip(r0["final"], ranks[0][0]["final"]))
+        out[z] = row
+    return out
+
+
+# ---- next to PyTorch's fully_shard ----------------------------------------------------------------
+def _fully_shard_worker(rank: int, world_size: int, cfg: TransformerConfig, steps: int,
+                        batch: int) -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    data = _batches(cfg, steps, batch)
+    torch.manual_seed(0)
+    ours = FSDP(TinyGPT(cfg), unit_types=(Block,))
+    opt = torch.optim.AdamW(ours.parameters(), lr=_LR)
+    torch.manual_seed(0)
+    theirs = TinyGPT(cfg)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in theirs.blocks:  # one unit per block, then the root: as unit_types=(Block,)
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=_LR)
+    tracker = FSDPMemTracker(theirs, their_opt)
+    for step, (x, y) in enumerate(data):
+        xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+        opt.zero_grad()
+        _loss(ours, xs, ys).backward()
+        ours.finish_gradient_synchronization()
+        opt.step()
+        their_opt.zero_grad()
+        if step == steps - 1:  # track the last step (the first allocates the optimizer state)
+            tracker.track_inputs((xs,))
+            with tracker:
+                _loss(theirs, xs, ys).backward()
+                their_opt.step()
+        else:
+            _loss(theirs, xs, ys).backward()
+            their_opt.step()
+    mine = ours.gather_full_params()
+    their_state = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    kinds = ("SHARDED_PARAM", "UNSHARDED_PARAM", "ALL_GATHER", "SHARDED_GRAD", "OPT")
+    torch_bytes = {k: 0 for k in kinds}
+    for key, value in peak.items():
+        name = str(key).split(".")[-1]
+        if name in torch_bytes:
+            torch_bytes[name] += value
+    return {"max_param_diff": max((mine[k] - v).abs().max().item() for k, v in their_state.items()),
+            "ours": ours.memory_stats(), "torch": torch_bytes,
+            "units": len(ours.units)}
+
+
+def compare_fully_shard(world_size: int = 2, cfg: TransformerConfig | None = None, steps: int = 3,
+                        batch: int = 8) -> dict[str, Any]:
+    """Train the toy :class:`~dtlib.parallel.FSDP` and ``torch.distributed.fsdp.fully_shard`` on the
+    same TinyGPT, data and ranks (gloo, CPU), each block its own unit.
+
+    Returns rank 0's ``max_param_diff`` (final parameters, ours vs theirs), ``ours``
+    (:meth:`FSDP.memory_stats`) and ``torch`` (peak bytes by category from PyTorch's
+    ``FSDPMemTracker``, a private tool of ``torch.distributed._tools``, during the last step).
+    """
+    cfg = cfg or tiny_gpt_config(layers=4, hidden=128, heads=4)
+    return launch(_fully_shard_worker, world_size, args=(cfg, steps, batch), timeout=120,
+                  output="none")[0]
