@@ -13,6 +13,7 @@ from dtlib.models import MnistCNN, TinyGPT, tiny_gpt_config
 from dtlib.parallel import BucketedDDP, NaiveDDP
 from dtlib.parallel.buckets import MB
 from dtlib.viz.parallel import plot_overlap_timeline
+from workloads import loss_fn, make_batches
 
 TIMEOUT = 60
 
@@ -27,17 +28,7 @@ def _model(kind, seed=0):
 
 
 def _batches(kind, steps, batch):
-    g = torch.Generator().manual_seed(123)
-    if kind == "cnn":
-        return [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
-                for _ in range(steps)]
-    tokens = [torch.randint(0, 64, (batch, 17), generator=g) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _loss(model, x, y):
-    out = model(x)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return make_batches(kind, steps, batch, seed=123)
 
 
 def _make_ddp(name, model, bucket_mb):
@@ -52,7 +43,7 @@ def _train_like_single_process(rank, world_size, kind, configs, steps=3, batch=8
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     for x, y in data:  # one process, full batch
         ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
+        loss_fn(ref, x, y).backward()
         ref_opt.step()
     out = {}
     for name, bucket_mb, accum in configs:
@@ -67,9 +58,9 @@ def _train_like_single_process(rank, world_size, kind, configs, steps=3, batch=8
             for i, (mx, my) in enumerate(micro):
                 if i < accum - 1:
                     with ddp.no_sync():
-                        (_loss(ddp, mx, my) / accum).backward()
+                        (loss_fn(ddp, mx, my) / accum).backward()
                 else:
-                    (_loss(ddp, mx, my) / accum).backward()
+                    (loss_fn(ddp, mx, my) / accum).backward()
             ddp.finish_gradient_synchronization()
             opt.step()
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
@@ -330,9 +321,9 @@ def _side_by_side(rank, world_size, steps=4):
         xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
         for opt in opts:
             opt.zero_grad()
-        _loss(ddp, xs, ys).backward()
+        loss_fn(ddp, xs, ys).backward()
         ddp.finish_gradient_synchronization()
-        _loss(tddp, xs, ys).backward()
+        loss_fn(tddp, xs, ys).backward()
         grad_diffs.append(max((a.grad - b.grad).abs().max().item()
                               for a, b in zip(ours.parameters(), theirs.parameters())))
         for opt in opts:

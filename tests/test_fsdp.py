@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from dtlib.launcher import launch
@@ -12,6 +11,7 @@ from dtlib.models.gpt import Block
 from dtlib.parallel import FSDP
 from dtlib.parallel import fsdp as fsdp_module
 from dtlib.precision import get_precision
+from workloads import loss_fn, make_batches
 
 TIMEOUT = 60
 GPT = dict(layers=3, hidden=32, heads=2, vocab=64, seq=16, tied_embeddings=True)
@@ -23,17 +23,7 @@ def _model(kind):
 
 
 def _data(kind, steps, batch=8):
-    g = torch.Generator().manual_seed(5)
-    if kind == "cnn":
-        return [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
-                for _ in range(steps)]
-    tokens = [torch.randint(0, 64, (batch, 17), generator=g) for _ in range(steps)]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _loss(model, x, y):
-    out = model(x).float()
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return make_batches(kind, steps, batch, seed=5)
 
 
 def _vs_single_process(rank, world_size, kind, steps=3):
@@ -50,16 +40,16 @@ def _vs_single_process(rank, world_size, kind, steps=3):
     for x, y in data:
         opt.zero_grad()
         xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-        _loss(fsdp, xs, ys).backward()
+        loss_fn(fsdp, xs, ys).backward()
         fsdp.finish_gradient_synchronization()
         grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.parameters())
         opt.step()
         micro_opt.zero_grad()
         for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
-            (_loss(micro, mx, my) / world_size).backward()
+            (loss_fn(micro, mx, my) / world_size).backward()
         micro_opt.step()
         full_opt.zero_grad()
-        _loss(full, x, y).backward()
+        loss_fn(full, x, y).backward()
         full_opt.step()
     state = fsdp.gather_full_params()
     ref = micro.state_dict()
@@ -122,7 +112,7 @@ def _memory_and_fully_shard(rank, world_size):
         fsdp_module.all_gather_into = counting
         try:
             phase[0] = "forward"
-            loss = _loss(fsdp, x, y)
+            loss = loss_fn(fsdp, x, y)
             if step == 0:
                 live_after_forward = fsdp._live_bytes  # every unit freed once its forward ended
                 gathers_fwd = dict(gathers)
@@ -136,10 +126,10 @@ def _memory_and_fully_shard(rank, world_size):
         if step == 0:
             tracker.track_inputs((x,))
             with tracker:
-                _loss(theirs, x, y).backward()
+                loss_fn(theirs, x, y).backward()
                 their_opt.step()
         else:
-            _loss(theirs, x, y).backward()
+            loss_fn(theirs, x, y).backward()
             their_opt.step()
     ours_state = fsdp.gather_full_params()
     their_state = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
@@ -194,7 +184,7 @@ def _gathers_in_backward(rank, world_size):
     model = _model("gpt")
     fsdp = FSDP(model, unit_types=(Block,))
     x, y = _data("gpt", 1)[0]
-    loss = _loss(fsdp, x, y)
+    loss = loss_fn(fsdp, x, y)
     counts = []
     real = fsdp_module.all_gather_into
     fsdp_module.all_gather_into = lambda *a, **k: (counts.append(1), real(*a, **k))[1]
@@ -222,7 +212,7 @@ def _bf16(rank, world_size):
         for x, y in _data("gpt", 3):
             opt.zero_grad()
             xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-            loss = _loss(fsdp, xs, ys)
+            loss = loss_fn(fsdp, xs, ys)
             loss.backward()
             fsdp.finish_gradient_synchronization()
             opt.step()

@@ -14,6 +14,7 @@ from matplotlib.patches import Rectangle
 
 from dtlib.comm import bus_factor
 from dtlib.parallel.collectives import ring_progress, ring_schedule
+from dtlib.viz import set_log_axes
 
 __all__ = ["plot_ring_steps", "plot_alpha_beta", "plot_curves"]
 
@@ -117,12 +118,7 @@ def plot_curves(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabe
         if len(ys) != len(x):
             raise ValueError(f"series {label!r} has {len(ys)} values for {len(x)} x values")
         ax.plot(x, [scale * y for y in ys], "o-", ms=3, color=_COLORS[i % len(_COLORS)], label=label)
-    if logx:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(x), [f"{v:g}" for v in x])
-        ax.minorticks_off()
-    if logy:
-        ax.set_yscale("log")
+    set_log_axes(ax, x, logx, logy)
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)

@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 
 from dtlib.memory import GiB
 from dtlib.precision import Precision
+from dtlib.viz import set_log_axes
 
 __all__ = ["plot_bytes_per_param", "plot_memory_curves", "plot_recompute_tradeoff",
            "plot_predicted_vs_measured"]
@@ -65,13 +66,8 @@ def plot_memory_curves(x: Sequence[float], series: Mapping[str, Sequence[float]]
     if gpu_memory:
         ax.axhline(gpu_memory / GiB, color="black", linestyle="--", linewidth=1)
         ax.text(x[0], gpu_memory / GiB, f" {gpu_name}: {gpu_memory / GiB:.0f} GiB", va="bottom", fontsize=8)
-    if logx:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(x), [f"{v:g}" for v in x])
-        ax.minorticks_off()
-    if logy:
-        ax.set_yscale("log")
-    else:
+    set_log_axes(ax, x, logx, logy)
+    if not logy:
         ax.set_ylim(bottom=0)
     ax.set(xlabel=xlabel, ylabel="GiB per GPU")
     ax.set_title(title, fontsize=10)
