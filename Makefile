@@ -6,6 +6,10 @@ PY     := $(VENV)/bin/python
 # The CPU build of PyTorch by default; on a GPU machine use e.g. `make test TORCH=torch`.
 TORCH  ?= torch==2.13.0
 FIRST_LESSON := notebooks/00_collectives.ipynb
+# Jupyter refuses to start as root (containers, cloud notebooks) unless told so. root_dir keeps
+# the whole course (notebooks/, exercises/) in the file browser while lesson 0 opens.
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS ?=
 
 .PHONY: install lab test exercises check-exercises grade benchmarks clean
 
@@ -19,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: install
-	$(VENV)/bin/jupyter lab $(FIRST_LESSON)
+	$(VENV)/bin/jupyter lab $(AS_ROOT) --ServerApp.root_dir=$(CURDIR) $(LAB_ARGS) $(FIRST_LESSON)
 
 # The library's tests, then every lesson and every solved exercise executed under nbval.
 test: install

@@ -3,6 +3,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # conda-forge names that differ from PyPI's
 CONDA_TO_PYPI = {"pytorch-cpu": "torch", "pytorch": "torch"}
@@ -33,3 +35,47 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert "make test" in ci and "make test" in readme and "make lab" in readme
+
+
+def test_make_lab_serves_the_first_lesson():
+    """The README's other command starts JupyterLab (as root too) with the course at its root."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    venv = ROOT / ".venv"
+    if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".installed").exists():
+        pytest.skip("runs under `make test` (the .venv that `make lab` uses)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "dtlib-test"
+    args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"
+    proc = subprocess.Popen(["make", "-C", str(ROOT), "lab", f"LAB_ARGS={args}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    url = f"http://127.0.0.1:{port}/api/contents/notebooks/00_collectives.ipynb?token={token}&content=0"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"`make lab` exited: {proc.stdout.read()[-2000:]}"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except urllib.error.HTTPError:
+                raise
+            except OSError:  # not listening yet
+                assert time.monotonic() < deadline, "JupyterLab did not answer within 60 s"
+                time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
