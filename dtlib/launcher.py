@@ -11,7 +11,8 @@ does not have). Here:
   function travels by value with ``cloudpickle``;
 * every launch hosts its own ``TCPStore`` on a port the OS picks, so launches never collide
   (started after the ranks are forked, and its port sent to them through a pipe);
-* a rank that raises, hangs or is interrupted brings the whole launch down: no process is left.
+* a rank that raises, hangs or is interrupted brings the whole launch down, and a launching
+  process that dies (a restarted kernel) takes its ranks with it: no process is left.
 
 The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
 :func:`init_from_env`) from the script, as PyTorch's own examples do with ``env://``.
@@ -130,10 +131,34 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank if the launching process dies (a killed kernel must not leave ranks behind).
+
+    Linux: the kernel sends SIGKILL on the parent's death (``prctl(PR_SET_PDEATHSIG)``, as
+    torchrun's workers do); elsewhere a daemon thread polls the parent's pid.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    else:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the guard was in place
+        os._exit(1)
+
+
 def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: float,
-            workdir: str, payload: Any) -> None:
+            workdir: str, payload: Any, parent_pid: int) -> None:
     """Body of one rank: redirect output, join the process group, run ``fn``, report back."""
     os.setpgrp()  # own process group, so the parent can kill this rank *and* anything it started
+    _die_with_parent(parent_pid)
     log = open(os.path.join(workdir, f"out{rank}.txt"), "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -291,7 +316,8 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
     ctx = mp.get_context(start_method)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, name=f"dtlib-rank{r}",
-                         args=(r, world_size, backend, pipes[r][0], timeout, workdir, payload))
+                         args=(r, world_size, backend, pipes[r][0], timeout, workdir, payload,
+                               os.getpid()))
              for r in range(world_size)]
     pump = _OutputPump(workdir) if output != "none" else None
     store = None

@@ -227,3 +227,68 @@ def test_fork_after_the_parent_used_its_thread_pool():
     for _ in range(3):
         x = torch.tanh(x @ x)
     assert launch(_matmul_sum, 1, timeout=20) == [1.0]
+
+
+def test_ranks_die_with_a_killed_launching_process(tmp_path):
+    # A restarted kernel is a SIGKILLed parent: its ranks must not live on, orphaned.
+    code = ("import os, time, dtlib\n"
+            "def f(r, w, d):\n"
+            "    open(os.path.join(d, f'pid{r}'), 'w').write(str(os.getpid())); time.sleep(300)\n"
+            f"dtlib.launch(f, 2, args=({str(tmp_path)!r},), timeout=120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while len(_read_pids(tmp_path)) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.2)  # let both pid files be written completely
+        pids = _read_pids(tmp_path)
+        assert all(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "ranks outlived the process that launched them"
+
+
+def _record_destroy(monkeypatch, tmp_path):
+    """Forked ranks inherit this wrapper: each writes a marker when it destroys its group."""
+    real = dist.destroy_process_group
+
+    def destroy(*a, **k):
+        (tmp_path / f"destroyed{dist.get_rank()}").write_text("")
+        return real(*a, **k)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    return lambda: sorted(p.name for p in tmp_path.glob("destroyed*"))
+
+
+def test_every_rank_destroys_its_process_group(monkeypatch, tmp_path):
+    destroyed = _record_destroy(monkeypatch, tmp_path / "ok")
+    (tmp_path / "ok").mkdir()
+    launch(_sum_ranks, 3, args=(1.0,), timeout=20)
+    assert destroyed() == ["destroyed0", "destroyed1", "destroyed2"]
+    # and when a rank raises, the one that raised tears down its group as well
+    destroyed = _record_destroy(monkeypatch, tmp_path / "err")
+    (tmp_path / "err").mkdir()
+    with pytest.raises(RankFailedError):
+        launch(_raise_on_rank1, 2, args=(tmp_path,), timeout=20)
+    assert "destroyed1" in destroyed()
+
+
+def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from dtlib import launcher
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(launcher, "_gpu_count", lambda: 2)
+    assert launcher.resolve_backend("auto", 2) == "nccl"
+    assert launcher.resolve_backend("auto", 3) == "gloo"  # not enough GPUs: every rank on CPU
+    assert launcher.resolve_backend("gloo", 2) == "gloo"
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        launcher.resolve_backend("nccl", 3)
+    monkeypatch.setattr(launcher, "_gpu_count", lambda: 0)
+    assert launcher.resolve_backend("auto", 1) == "gloo"
+    with pytest.raises(ValueError, match="backend must be"):
+        launcher.resolve_backend("mpi", 1)
