@@ -148,27 +148,44 @@ def _network_reachable(host: str, timeout: float = 2.0) -> bool:
     return bool(ok)
 
 
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read()
+
+
 def _download(dest: Path) -> bool:
-    """Fetch the four .gz files into ``dest``, verifying SHA-256; False if the network is unreachable."""
+    """Fetch the four .gz files into ``dest``, verifying SHA-256; False if no mirror could serve them.
+
+    A mirror that is unreachable or fails mid-way is skipped for the next one. A file whose digest
+    differs is never kept; if no mirror served the right files, that is an error (not a silent
+    fallback), since it means tampering or a broken mirror.
+    """
     global _offline_checked
     if os.environ.get("DTLIB_OFFLINE") or _offline_checked is False:
         return False
+    mismatch = None
     for mirror in MNIST_MIRRORS:
-        host = mirror.split("/")[2]
-        if not _network_reachable(host):
+        if not _network_reachable(mirror.split("/")[2]):
             continue
         dest.mkdir(parents=True, exist_ok=True)
-        for name, digest in MNIST_SHA256.items():
-            target = dest / name
-            if target.exists() and _sha256(target) == digest:
-                continue
-            with urllib.request.urlopen(mirror + name, timeout=30) as r:
-                blob = r.read()
-            if hashlib.sha256(blob).hexdigest() != digest:
-                raise IdxFormatError(f"{mirror + name}: SHA-256 mismatch; the mirror served a "
-                                     "different file. Download it by hand into $DTLIB_MNIST_DIR.")
-            target.write_bytes(blob)
-        return True
+        try:
+            for name, digest in MNIST_SHA256.items():
+                target = dest / name
+                if target.exists() and _sha256(target) == digest:
+                    continue
+                blob = _fetch(mirror + name)
+                if hashlib.sha256(blob).hexdigest() != digest:
+                    mismatch = f"{mirror + name}: SHA-256 mismatch; the mirror served a different file"
+                    break
+                tmp = target.with_suffix(".part")
+                tmp.write_bytes(blob)
+                os.replace(tmp, target)  # never leave a half-written file under the real name
+            else:
+                return True
+        except OSError as exc:  # URLError, HTTPError and timeouts are OSErrors
+            print(f"dtlib.data: download from {mirror} failed ({exc}); trying the next source")
+    if mismatch:
+        raise IdxFormatError(mismatch + ". Download MNIST by hand into $DTLIB_MNIST_DIR.")
     _offline_checked = False
     return False
 

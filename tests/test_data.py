@@ -1,5 +1,6 @@
 """dtlib.data: the IDX parser on files the tests write, the fallback, and sharding."""
 import gzip
+import hashlib
 
 import numpy as np
 import pytest
@@ -105,3 +106,87 @@ def test_global_batches_split_into_rank_slices():
     assert len(global_batches(50, 16, drop_last=False)) == 4
     parts = [shard_batch(batches[0], r, 3) for r in range(3)]
     assert torch.equal(torch.cat(parts), batches[0]) and [len(p) for p in parts] == [6, 5, 5]
+
+
+def _gz_mnist(tmp_path):
+    """The four published file names, holding small fake MNIST, and their SHA-256 digests."""
+    src = tmp_path / "served"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 20), ("test", 8)):
+        images, labels = data.MNIST_FILES[split]
+        write_idx(src / f"{images}.gz", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(src / f"{labels}.gz", rng.integers(0, 10, n).astype(np.uint8))
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    return files, {name: hashlib.sha256(blob).hexdigest() for name, blob in files.items()}
+
+
+@pytest.fixture
+def online(monkeypatch, tmp_path):
+    """A reachable 'network' whose mirrors serve the files in ``served`` (what the test sets)."""
+    monkeypatch.delenv("DTLIB_OFFLINE", raising=False)
+    monkeypatch.delenv("DTLIB_MNIST_DIR", raising=False)
+    monkeypatch.setattr(data, "_offline_checked", None)
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(data, "_network_reachable", lambda host, timeout=2.0: True)
+    files, digests = _gz_mnist(tmp_path)
+    monkeypatch.setattr(data, "MNIST_SHA256", digests)
+    served = {"files": files, "fetched": []}
+
+    def fetch(url):
+        served["fetched"].append(url)
+        blob = served["files"][url.rsplit("/", 1)[1]]
+        if isinstance(blob, Exception):
+            raise blob
+        return blob
+
+    monkeypatch.setattr(data, "_fetch", fetch)
+    return served
+
+
+def test_download_is_verified_cached_and_loaded(online, tmp_path, capsys):
+    d = data.load_mnist("train")
+    assert len(d) == 20 and "using MNIST from" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(data.MNIST_SHA256)
+    n = len(online["fetched"])
+    data.load_mnist("test")  # cached: nothing fetched again
+    assert len(online["fetched"]) == n == 4
+
+
+def test_download_with_a_wrong_digest_is_an_error_and_keeps_nothing(online, tmp_path):
+    name = "train-images-idx3-ubyte.gz"
+    online["files"][name] = online["files"][name][:-10]  # a truncated / tampered file
+    with pytest.raises(IdxFormatError, match="SHA-256 mismatch"):
+        data.load_mnist("train")
+    assert not (tmp_path / "cache" / name).exists()
+
+
+def test_http_failure_falls_back_to_the_bundled_digits(online, capsys):
+    import urllib.error
+
+    online["files"]["train-labels-idx1-ubyte.gz"] = urllib.error.URLError("403 Forbidden")
+    d = data.load_mnist("train")
+    out = capsys.readouterr().out
+    assert "failed" in out and "scikit-learn bundled" in out and len(d) == 1437
+
+
+def test_unreachable_network_falls_back_fast(monkeypatch, tmp_path, capsys):
+    import time
+
+    monkeypatch.delenv("DTLIB_OFFLINE", raising=False)
+    monkeypatch.delenv("DTLIB_MNIST_DIR", raising=False)
+    monkeypatch.setattr(data, "_offline_checked", None)
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(data, "MNIST_MIRRORS", ("https://127.0.0.1/mnist/",))  # nothing listens
+    t0 = time.monotonic()
+    d = data.load_mnist("test")
+    assert time.monotonic() - t0 < 6 and "scikit-learn bundled" in capsys.readouterr().out
+    assert len(d) == 360
+
+
+def test_mnist_dir_from_the_environment(monkeypatch, tmp_path, capsys):
+    _fake_mnist(tmp_path / "mine")
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "empty")
+    monkeypatch.setenv("DTLIB_MNIST_DIR", str(tmp_path / "mine"))
+    assert len(data.load_mnist("test", download=False)) == 12
+    assert str(tmp_path / "mine") in capsys.readouterr().out
