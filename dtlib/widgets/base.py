@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import ipywidgets as W
-from IPython.display import clear_output, display
+from IPython.display import Image, display
 from matplotlib.figure import Figure
+
+from dtlib.viz import _figure_png
 
 REGISTRY: dict[str, Callable[[], "Explorer"]] = {}
 
@@ -29,7 +31,8 @@ class Explorer:
     """Controls -> ``compute`` -> ``plot``, redrawn on every change.
 
     Attributes after each update: ``result`` (what ``compute`` returned), ``figure`` (what ``plot``
-    returned, or None), ``updates`` (how many times it has been computed).
+    returned, or None), ``error`` (the message of the ``ValueError`` an impossible setting raised,
+    shown instead of a figure, or None), ``updates`` (how many times it has been computed).
     """
 
     def __init__(self, controls: dict[str, W.ValueWidget], compute: Callable[..., Any],
@@ -40,6 +43,7 @@ class Explorer:
         self.plot = plot
         self.result: Any = None
         self.figure: Figure | None = None
+        self.error: str | None = None
         self.updates = 0
         self.out = W.Output()
         items = list(controls.values())
@@ -54,12 +58,21 @@ class Explorer:
         return {name: c.value for name, c in self.controls.items()}
 
     def update(self) -> None:
-        self.result = self.compute(**self.values())
-        self.figure = self.plot(self.result) if self.plot else None
+        try:
+            self.result = self.compute(**self.values())
+            self.figure = self.plot(self.result) if self.plot else None
+            self.error = None
+        except ValueError as exc:  # an impossible setting (dtlib says why): keep the widget alive
+            self.result, self.figure, self.error = None, None, str(exc)
         self.updates += 1
-        with self.out:
-            clear_output(wait=True)
-            display(self.figure if self.figure is not None else self.result)
+        # One assignment of the outputs, so the old picture is replaced without a flicker; the
+        # figure goes as PNG bytes, which every frontend (and a test without a kernel) shows.
+        self.out.outputs = ()
+        if self.error is not None:
+            self.out.append_stdout(f"Not a valid setting: {self.error}\n")
+        else:
+            self.out.append_display_data(Image(_figure_png(self.figure)) if self.figure is not None
+                                         else self.result)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
