@@ -17,24 +17,28 @@ TIMEOUT = 60
 GPT = dict(layers=3, hidden=32, heads=2, vocab=64, seq=16, tied_embeddings=True)
 
 
-def _model(kind):
+def _model(kind, frozen=False):
     torch.manual_seed(0)
-    return MnistCNN() if kind == "cnn" else TinyGPT(tiny_gpt_config(**GPT))
+    model = MnistCNN() if kind == "cnn" else TinyGPT(tiny_gpt_config(**GPT))
+    if frozen:  # a frozen layer inside a unit (GPT: block 1's qkv) or in the root (CNN: conv 1)
+        layer = model.features[0] if kind == "cnn" else model.blocks[1].attn.qkv
+        layer.requires_grad_(False)
+    return model
 
 
 def _data(kind, steps, batch=8):
     return make_batches(kind, steps, batch, seed=5)
 
 
-def _vs_single_process(rank, world_size, kind, steps=3):
+def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
     torch.use_deterministic_algorithms(True)
     data = _data(kind, steps)
-    model = _model(kind)
+    model = _model(kind, frozen)
     fsdp = FSDP(model, unit_types=(Block,) if kind == "gpt" else ())
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
     # references: the same micro-batches accumulated in one process (the same arithmetic, so
     # equal bit for bit), and the full batch in one go (equal up to rounding)
-    micro, full = _model(kind), _model(kind)
+    micro, full = _model(kind, frozen), _model(kind, frozen)
     micro_opt, full_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (micro, full))
     grad_shapes_ok = True
     for x, y in data:
@@ -42,7 +46,7 @@ def _vs_single_process(rank, world_size, kind, steps=3):
         xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
         loss_fn(fsdp, xs, ys).backward()
         fsdp.finish_gradient_synchronization()
-        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.parameters())
+        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.flat_shards)
         opt.step()
         micro_opt.zero_grad()
         for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
@@ -53,21 +57,33 @@ def _vs_single_process(rank, world_size, kind, steps=3):
         full_opt.step()
     state = fsdp.gather_full_params()
     ref = micro.state_dict()
+    frozen_names = [n for n, p in micro.named_parameters() if not p.requires_grad]
     return {"keys": list(state) == list(ref),
+            "frozen_unchanged": frozen_names == [n for n, p in _model(kind, frozen).named_parameters()
+                                                 if not p.requires_grad]
+            and all(torch.equal(state[n], _model(kind).state_dict()[n]) for n in frozen_names),
+            "n_frozen": len(frozen_names),
             "exact": all(torch.equal(state[k], ref[k]) for k in ref),
             "full_batch": max((state[k] - v).abs().max().item() for k, v in full.state_dict().items()
                               if v.is_floating_point()),
             "grad_shapes": grad_shapes_ok,
-            "shards_1d": all(p.dim() == 1 for p in fsdp.parameters()),
-            "shard_numel": sum(p.numel() for p in fsdp.parameters())}
+            "shards_1d": all(p.dim() == 1 for p in fsdp.flat_shards),
+            "trainable_are_shards": {id(p) for p in fsdp.parameters() if p.requires_grad}
+            == {id(p) for p in fsdp.flat_shards},
+            "shard_numel": sum(p.numel() for p in fsdp.flat_shards)}
 
 
 @pytest.mark.parametrize("kind", ["gpt", "cnn"])
 def test_fp32_equals_single_process_exactly(kind):
-    n_params = sum(p.numel() for p in _model(kind).parameters())
-    for out in launch(_vs_single_process, 2, args=(kind,), timeout=TIMEOUT):
+    # with a frozen layer: it stays an ordinary replicated parameter, is not sharded, is not
+    # updated, and gather_full_params() returns it under its original name
+    model = _model(kind, frozen=True)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_frozen = sum(not p.requires_grad for p in model.parameters())
+    for out in launch(_vs_single_process, 2, args=(kind, 3, True), timeout=TIMEOUT):
         assert out["keys"] and out["exact"] and out["grad_shapes"] and out["shards_1d"], out
-        assert out["full_batch"] < 1e-5, out
+        assert out["trainable_are_shards"] and out["full_batch"] < 1e-5, out
+        assert out["n_frozen"] == n_frozen > 0 and out["frozen_unchanged"], out
         assert n_params / 2 <= out["shard_numel"] <= n_params / 2 + 2 * 4  # 1/N (+ padding)
 
 

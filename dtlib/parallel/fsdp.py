@@ -263,8 +263,11 @@ class FSDP(nn.Module):
             for owners, view in zip(u.aliases, u.layout.views(full)):
                 for name, _, _ in owners:
                     values[name] = view.clone()
-        buffers = {n: b for n, b in self.module.named_buffers(remove_duplicate=False)}
-        return {k: values[k] if k in values else buffers[k].detach().clone()
+        # the rest is replicated and kept whole on every rank: buffers, and frozen parameters
+        # (requires_grad=False), which stay ordinary parameters of their modules
+        replicated = dict(self.module.named_buffers(remove_duplicate=False))
+        replicated.update(self.module.named_parameters(remove_duplicate=False))
+        return {k: values[k] if k in values else replicated[k].detach().clone()
                 for k in self._state_keys}
 
     def sharded_param_bytes(self) -> int:
