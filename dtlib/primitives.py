@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from dtlib.launcher import launch
 
-__all__ = ["COLLECTIVES", "initial_values", "run_collective", "expected_result"]
+__all__ = ["COLLECTIVES", "initial_values", "run_collective", "expected_result", "two_phase_all_reduce",
+           "all_reduce_in_two_phases"]
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -59,6 +60,24 @@ def run_collective(name: str, world_size: int = 4, timeout: float = 30.0) -> dic
     out = launch(_worker, world_size, args=(name,), timeout=timeout, output="none")
     return {"name": name, "world_size": world_size,
             "before": [o["before"] for o in out], "after": [o["after"] for o in out]}
+
+
+def two_phase_all_reduce(rank: int, world_size: int) -> dict:
+    """All-reduce as reduce-scatter, then all-gather (Patarasuk & Yuan 2009), next to ``all_reduce``."""
+    x = initial_values(rank, world_size)
+    chunk = torch.empty(1)
+    _reduce_scatter_single(chunk, x.clone())  # phase 1: my chunk of the sum (dist.reduce_scatter_tensor)
+    full = torch.empty(world_size)
+    _all_gather_single(full, chunk)  # phase 2: every rank's reduced chunk (dist.all_gather_into_tensor)
+    reference = x.clone()
+    dist.all_reduce(reference)
+    return {"two_phase": full, "all_reduce": reference}
+
+
+def all_reduce_in_two_phases(world_size: int = 4, timeout: float = 30.0) -> dict:
+    """Run :func:`two_phase_all_reduce` on ``world_size`` ranks; per-rank results of both routes."""
+    out = launch(two_phase_all_reduce, world_size, timeout=timeout, output="none")
+    return {key: [o[key] for o in out] for key in ("two_phase", "all_reduce")}
 
 
 def expected_result(name: str, world_size: int) -> list[torch.Tensor]:

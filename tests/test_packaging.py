@@ -24,6 +24,11 @@ def test_environment_yml_matches_pyproject():
         if m and m.group(1) not in ("python", "pip"):
             conda.add(CONDA_TO_PYPI.get(m.group(1), m.group(1)).lower())
     assert conda == set(pypi), f"only in environment.yml: {conda - set(pypi)}, only in pyproject: {set(pypi) - conda}"
+    # conda-forge is the channel, the package itself comes from this checkout, the Pythons agree
+    assert re.search(r"channels:\s*\n\s+- conda-forge", text), "environment.yml must use conda-forge"
+    assert re.search(r"- pip:\s*\n(\s+- .*\n)*\s+- -e \.", text), "environment.yml must pip-install this package"
+    python = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert f"- python{python}" in text, f"environment.yml's python should be {python}"
     # and the version floors agree
     for name, spec in pypi.items():
         floor = re.search(r">=([\d.]+)", spec)

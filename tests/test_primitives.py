@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dtlib.primitives import COLLECTIVES, expected_result, run_collective
+from dtlib.primitives import COLLECTIVES, all_reduce_in_two_phases, expected_result, run_collective
 from dtlib.viz.collectives import plot_collective
 
 
@@ -14,10 +14,12 @@ def test_collective_matches_semantics(name, world_size):
         assert torch.equal(got, want)
 
 
-def test_all_reduce_is_reduce_scatter_then_all_gather():
-    n = 4
-    scattered = torch.cat(expected_result("reduce_scatter", n))
-    assert torch.equal(scattered, expected_result("all_reduce", n)[0])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_is_reduce_scatter_then_all_gather(world_size):
+    out = all_reduce_in_two_phases(world_size)
+    expected = expected_result("all_reduce", world_size)
+    for two_phase, all_reduce, want in zip(out["two_phase"], out["all_reduce"], expected):
+        assert torch.equal(two_phase, want) and torch.equal(all_reduce, want)
 
 
 def test_plot_and_bad_name():
