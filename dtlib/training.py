@@ -64,8 +64,8 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
     optimizer step (e.g. :func:`average_gradients`), ``"ddp"`` to wrap the model in
     ``torch.nn.parallel.DistributedDataParallel`` instead, or None (single process).
     With ``base_batch`` set, the learning rate follows :func:`lr_at_step`.
-    Returns the final ``state`` dict, per-step ``losses`` (this rank's) and the median
-    ``seconds_per_step``.
+    Returns the final ``state`` dict, per-step ``losses`` (this rank's) and learning rates
+    (``lrs``), and the median ``seconds_per_step``.
     """
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} must be divisible by world_size={world_size} "
@@ -77,7 +77,7 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
     batches = global_batches(len(data), global_batch, seed=seed)
     if not batches:
         raise ValueError(f"global_batch={global_batch} is larger than the dataset ({len(data)})")
-    losses, step_times = [], []
+    losses, lrs, step_times = [], [], []
     for step in range(steps):
         start = time.perf_counter()
         if base_batch is not None:
@@ -91,13 +91,14 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
             sync(model, world_size)
         opt.step()
         losses.append(loss.item())
+        lrs.append(opt.param_groups[0]["lr"])
         step_times.append(time.perf_counter() - start)
     # median of the steps after the first (which pays for allocations and the first connections)
     timed = step_times[1:] or step_times
     seconds = float(torch.tensor(timed).median()) if timed else 0.0
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-            "losses": losses, "seconds_per_step": seconds}
+            "losses": losses, "lrs": lrs, "seconds_per_step": seconds}
 
 
 @torch.no_grad()

@@ -85,3 +85,15 @@ def test_lr_and_efficiency_checks():
     checks.check_scaling_efficiency(scaling_efficiency)
     with pytest.raises(AssertionError):
         checks.check_scaling_efficiency(lambda t: {n: v / t[1] for n, v in t.items()})
+
+
+def test_train_follows_the_scaled_schedule_with_warm_up():
+    from dtlib.data import load_mnist
+    from dtlib.viz.scaling import plot_lr_schedules
+
+    data = load_mnist("train", verbose=False).subset(256)
+    run = train(0, 1, data, steps=6, global_batch=128, lr=0.01, sync=None, base_batch=32, warmup_steps=4)
+    want = [lr_at_step(s, 0.01, 32, 128, warmup_steps=4) for s in range(6)]
+    assert run["lrs"] == pytest.approx(want) and run["lrs"][0] == 0.01 and run["lrs"][-1] == pytest.approx(0.04)
+    assert train(0, 1, data, steps=2, global_batch=128, lr=0.01, sync=None)["lrs"] == [0.01, 0.01]
+    assert len(plot_lr_schedules({"rule": want}, {"run": run["lrs"]}).axes[0].lines) == 2

@@ -1,4 +1,4 @@
-"""Lesson 1 plots: scaling efficiency, and loss curves of several runs side by side."""
+"""Lesson 1 plots: scaling efficiency, loss curves side by side, learning-rate schedules."""
 from __future__ import annotations
 
 from matplotlib.figure import Figure
@@ -29,5 +29,19 @@ def plot_losses(runs: dict[str, list[float]]) -> Figure:
         ax.plot(losses, ls=["-", "--", ":", "-."][i % 4], lw=2, label=name)
     ax.set(xlabel="step", ylabel="loss", title="same data, same steps")
     ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_lr_schedules(schedules: dict[str, list[float]], used: dict[str, list[float]] | None = None) -> Figure:
+    """Learning rate per step for named schedules (lines), and the rates a real run used (dots)."""
+    fig = Figure(figsize=(6, 3.2))
+    ax = fig.subplots()
+    for name, lrs in schedules.items():
+        ax.plot(lrs, lw=2, label=name)
+    for name, lrs in (used or {}).items():
+        ax.plot(lrs, "o", ms=4, color="black", label=name)
+    ax.set(xlabel="step", ylabel="learning rate", title="linear scaling rule with warm-up (Goyal et al. 2017)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
