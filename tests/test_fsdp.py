@@ -59,9 +59,8 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
     ref = micro.state_dict()
     frozen_names = [n for n, p in micro.named_parameters() if not p.requires_grad]
     return {"keys": list(state) == list(ref),
-            "frozen_unchanged": frozen_names == [n for n, p in _model(kind, frozen).named_parameters()
-                                                 if not p.requires_grad]
-            and all(torch.equal(state[n], _model(kind).state_dict()[n]) for n in frozen_names),
+            "frozen_unchanged": all(torch.equal(state[n], _model(kind).state_dict()[n])
+                                    for n in frozen_names),
             "n_frozen": len(frozen_names),
             "exact": all(torch.equal(state[k], ref[k]) for k in ref),
             "full_batch": max((state[k] - v).abs().max().item() for k, v in full.state_dict().items()

@@ -120,6 +120,74 @@ def test_equals_unsharded_adamw_over_10_steps(world_size, stage, bucket_mb, accu
             assert out["buckets"] > 2
 
 
+class _SometimesUnused(nn.Module):
+    """``skip`` is registered first, so it lands in the *last* bucket (reverse registration order)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.skip = nn.Linear(12, 5)
+        self.body = _model()
+
+    def forward(self, x, use_skip):
+        return self.body(x) + (self.skip(x) if use_skip else 0)
+
+
+def _unused_in_a_step(rank, world_size, stage, bucket_mb):
+    """A parameter without a gradient in a step: ShardedOptimizer vs AdamW fed a zero gradient
+    (the documented behaviour, as DeepSpeed's) and vs AdamW skipping it (torch's)."""
+    models = {k: _SometimesUnused() for k in ("zero", "adamw_zero_grad", "adamw_skip")}
+    ddps = {k: BucketedDDP(m, find_unused_parameters=True) for k, m in models.items()
+            if k != "zero" or stage == 1}  # stage 2 reduces the gradients itself
+    opts = {k: torch.optim.AdamW(_groups(m) if bucket_mb == 25.0 else m.parameters(), weight_decay=0.1,
+                                 lr=1e-2) for k, m in models.items() if k != "zero"}
+    # one param group with tiny buckets: skip's weight and bias form the last bucket, which some
+    # steps leave without any gradient on one rank or on all
+    params = _groups(models["zero"]) if bucket_mb == 25.0 else models["zero"].parameters()
+    opts["zero"] = ShardedOptimizer(params, torch.optim.AdamW, stage=stage, bucket_size_mb=bucket_mb,
+                                    weight_decay=0.1, lr=1e-2)
+    grads_none = []
+    for step, (x, y) in enumerate(_data(6)):
+        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        for k, m in models.items():
+            sync = ddps.get(k, opts[k])
+            opts[k].zero_grad()
+            # skip is used by every rank, by rank 0 only, by no rank, in turn
+            use_skip = step % 3 == 0 or (step % 3 == 1 and rank == 0)
+            F.cross_entropy(ddps.get(k, m)(x, use_skip=use_skip), y).backward()
+            sync.finish_gradient_synchronization()
+            if k == "adamw_zero_grad":
+                grads_none.append(m.skip.weight.grad is None)
+                for p in m.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            opts[k].step()
+
+    def diff(a, b):
+        return max((p - q).abs().max().item() for p, q in zip(models[a].parameters(),
+                                                               models[b].parameters()))
+
+    return {"vs_zero_grad": diff("zero", "adamw_zero_grad"), "vs_skip": diff("zero", "adamw_skip"),
+            "grads_none": grads_none, "buckets": len(opts["zero"].buckets),
+            "last_bucket_is_skip": {id(p) for p in opts["zero"].buckets[-1].params}
+            == {id(p) for p in models["zero"].skip.parameters()}}
+
+
+@pytest.mark.parametrize("stage,bucket_mb", [(1, 25.0), (2, 25.0), (2, 0.0001)])
+def test_param_without_grad_is_updated_as_if_its_grad_were_zero(stage, bucket_mb):
+    # DeepSpeed ZeRO-1/2 do the same (stage_1_and_2.py get_flat_partition: a missing grad is
+    # torch.zeros_like); torch.optim.AdamW skips such a parameter instead (weight decay 0.1 and
+    # the momentum of the previous step move it here, so the two differ)
+    for out in launch(_unused_in_a_step, 2, args=(stage, bucket_mb), timeout=TIMEOUT):
+        assert out["grads_none"] == [False, False, True] * 2, out  # really unused in steps 2, 5
+        assert out["vs_zero_grad"] < 1e-6, out
+        assert out["vs_skip"] > 1e-4, out
+        if bucket_mb == 25.0:
+            assert out["buckets"] == 2, out  # one per param group
+        else:
+            assert out["buckets"] > 2 and out["last_bucket_is_skip"], out
+
+
 def _memory(rank, world_size, stage):
     model = _model()
     ddp = BucketedDDP(model) if stage == 1 else None

@@ -19,7 +19,13 @@ into these flat buffers, so the all-gather after the step writes straight into t
 optimizer is an ordinary ``optimizer_cls`` over one flat shard per bucket, so any *element-wise*
 optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) gives exactly the unsharded results; ones
 that look at a whole tensor (LAMB/LARS trust ratios, Adafactor) would see a shard instead.
-A parameter whose gradient is ``None`` in a step is updated as if its gradient were zero.
+A parameter whose gradient is ``None`` in a step is updated as if its gradient were zero (so
+AdamW's weight decay and momentum still move it; ``torch.optim.AdamW`` would skip it). This is
+DeepSpeed's ZeRO-1/2 behaviour: ``DeepSpeedZeroOptimizer.get_flat_partition``
+(``deepspeed/runtime/zero/stage_1_and_2.py``) uses ``torch.zeros_like`` for a missing gradient and
+``step()`` runs the wrapped optimizer on the whole flat partition. In stage 2 every backward
+launches every bucket (those left incomplete at ``finish_gradient_synchronization``, or when the
+next backward starts), so a bucket that got no gradient on some rank cannot desynchronise ranks.
 """
 from __future__ import annotations
 
@@ -112,7 +118,9 @@ class ShardedOptimizer:
     # ---- stage 2: reduce-scatter during backward ---------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
         b, s = self._where[id(p)]
-        if self._ready[b][s]:  # a new backward began before the previous one was complete
+        if self._ready[b][s] or b < self._launcher.next:
+            # a new backward began (accumulation) while the previous one left buckets incomplete:
+            # p was already counted, or its bucket already launched, in that backward
             self._flush()
         self._ready[b][s] = True
         self._launcher.arrive(b)
@@ -144,7 +152,9 @@ class ShardedOptimizer:
         """Stage 2: wait for the reduce-scatters and accumulate them into the gradient shards."""
         if self.stage != 2:
             return
-        if any(any(r) for r in self._ready):
+        if self._launcher.next > 0 or any(any(r) for r in self._ready):
+            # this backward left buckets unlaunched (parameters without a gradient, possibly a
+            # whole bucket): launch them now, so that every rank issues every reduce-scatter
             self._flush()
         for bucket in self.buckets:
             for work, received in bucket.in_flight:
