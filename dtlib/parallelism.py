@@ -155,25 +155,43 @@ RULES: list[Rule] = [
                                   f"{gpus / (tp * pp * cp):g}"),
 ]
 
-# rules that depend on the categorical options (checked with the option as a Python value)
-_OPTION_RULES = {
-    "interleaved": (("microbatches", "pp"), lambda microbatches, pp: microbatches % pp == 0,
-                    lambda microbatches, pp: f"the interleaved schedule needs microbatches "
-                                             f"({microbatches}) to be a multiple of pp={pp} (Megatron-LM)"),
-    "not-interleaved": (("virtual_stages",), lambda virtual_stages: virtual_stages == 1,
-                        lambda virtual_stages: f"virtual_stages={virtual_stages} needs "
-                                               f"schedule='interleaved'; use 1 otherwise"),
-    "params": (("zero",), lambda zero: zero == 3,
-               lambda zero: f"offloading parameters needs ZeRO stage 3 (params sharded), got {zero}"),
-    "optimizer": (("zero",), lambda zero: zero >= 1,
-                  lambda zero: f"offloading the optimizer needs ZeRO stage >= 1 (ZeRO-Offload), got {zero}"),
+# rules that depend on the categorical options (checked with the option as a Python value).
+# Interleaving (Narayanan et al. 2021, Sec. 2.2) as Megatron-LM implements it: the interleaved
+# schedule runs only with virtual_pipeline_model_parallel_size > 1 (``get_forward_backward_func``
+# falls back to plain 1F1B otherwise), only with pipeline_model_parallel_size > 1
+# (``parallel_state.initialize_model_parallel``: "pipeline-model-parallel size should be greater
+# than 1 with interleaved schedule"), and only when the micro-batches are a multiple of pp
+# (``forward_backward_pipelining_with_interleaving``).
+_OPTION_RULES: dict[str, list[Rule]] = {
+    "interleaved": [
+        (("virtual_stages",), lambda virtual_stages: virtual_stages >= 2,
+         lambda virtual_stages: f"the interleaved schedule needs virtual_stages >= 2, got "
+                                f"{virtual_stages} (Megatron-LM interleaves only with "
+                                f"virtual_pipeline_model_parallel_size > 1); use schedule='1f1b' "
+                                f"for one chunk per rank"),
+        (("pp",), lambda pp: pp >= 2,
+         lambda pp: f"the interleaved schedule needs pipeline parallelism, pp >= 2, got pp={pp} "
+                    f"(Megatron-LM); use schedule='1f1b' without a pipeline"),
+        (("microbatches", "pp"), lambda microbatches, pp: microbatches % pp == 0,
+         lambda microbatches, pp: f"the interleaved schedule needs microbatches "
+                                  f"({microbatches}) to be a multiple of pp={pp} (Megatron-LM); "
+                                  f"valid: {pp}, {2 * pp}, {3 * pp}, ..."),
+    ],
+    "not-interleaved": [
+        (("virtual_stages",), lambda virtual_stages: virtual_stages == 1,
+         lambda virtual_stages: f"virtual_stages={virtual_stages} needs schedule='interleaved'; "
+                                f"use 1 otherwise"),
+    ],
+    "params": [(("zero",), lambda zero: zero == 3,
+                lambda zero: f"offloading parameters needs ZeRO stage 3 (params sharded), got {zero}")],
+    "optimizer": [(("zero",), lambda zero: zero >= 1,
+                   lambda zero: f"offloading the optimizer needs ZeRO stage >= 1 (ZeRO-Offload), got {zero}")],
 }
 
 
 def _rules_for(schedule: str, offload: str) -> list[Rule]:
-    extra = [_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"]]
-    if offload in _OPTION_RULES:
-        extra.append(_OPTION_RULES[offload])
+    extra = list(_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"])
+    extra += _OPTION_RULES.get(offload, [])
     return RULES + extra
 
 
@@ -208,10 +226,15 @@ def in_flight(schedule: str, pp: Any, microbatches: Any, virtual_stages: Any = 1
     GPipe (Huang et al. 2019) keeps all m; 1F1B (Narayanan et al. 2021, Sec. 2.2) keeps min(m, p) on
     the first rank and 1 on the last; interleaved 1F1B keeps, on rank r, (p-r-1)*2 + (v-1)*p + 1
     model chunks (Megatron-LM ``schedules.py`` warm-up count), i.e. 1 + (p-1)/(p*v) of the rank's
-    layers on rank 0 (Korthikanti et al. 2022, Sec. 4.2.3). Without pipelining (p = 1) one
-    micro-batch is in flight at a time.
+    layers on rank 0 (Korthikanti et al. 2022, Sec. 4.2.3); it needs v >= 2 (with v = 1 the
+    warm-up count is not 1F1B's, and Megatron-LM runs plain 1F1B instead), so v < 2 raises.
+    Without pipelining (p = 1) one micro-batch is in flight at a time.
     """
     m, p, v = microbatches, pp, virtual_stages
+    if schedule == "interleaved" and np.any(np.asarray(v) < 2):
+        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages} "
+                         f"(with one chunk per rank it is 1F1B; Megatron-LM interleaves only with "
+                         f"virtual_pipeline_model_parallel_size > 1)")
     if schedule == "gpipe":
         first, last = m, m
     elif schedule == "1f1b":

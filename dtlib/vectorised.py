@@ -60,9 +60,10 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
             raise ValueError(f"configuration {i}: " + message(**{f: n[f][i].item() for f in fields}))
         valid &= ok
     if not valid.all():  # keep the arithmetic finite on rows that come back as NaN anyway
+        safe = dict(_SAFE, virtual_stages=2 if schedule == "interleaved" else 1)
         for k, v in n.items():
-            if v is not None and _SAFE.get(k) is not None:
-                n[k] = np.where(valid, v, _SAFE[k])
+            if v is not None and safe.get(k) is not None:
+                n[k] = np.where(valid, v, safe[k])
     return n, valid
 
 

@@ -1,5 +1,6 @@
 """Memory per GPU: published checks (ZeRO paper, DeepSpeed estimator, Korthikanti et al. 2022),
 the paper's closed forms, parallel division rules, and a real AdamW step of TinyGPT on CPU."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,61 @@ def test_pipeline_in_flight_microbatches():
     first, _ = in_flight("interleaved", 4, 16, 2)  # Korthikanti Sec. 4.2.3: 1 + (p-1)/(p v)
     assert float(first) == pytest.approx(4 * (1 + 3 / 8))
     assert [float(x) for x in in_flight("gpipe", 1, 16)] == [1, 1]  # no pipeline: accumulation
+
+
+def test_interleaving_needs_two_virtual_stages_and_a_pipeline():
+    """Megatron-LM interleaves only with virtual_pipeline_model_parallel_size > 1 and
+    pipeline_model_parallel_size > 1; with one chunk per rank the warm-up count would claim 7
+    micro-batches in flight on rank 0 (p = 4) where 1F1B holds 4, for the same bubble."""
+    with pytest.raises(ValueError, match="interleaved schedule needs virtual_stages >= 2, got 1"):
+        in_flight("interleaved", 4, 8, 1)
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        in_flight("interleaved", 4, 8, np.array([2, 1]))
+    with pytest.raises(ValueError, match="interleaved schedule needs virtual_stages >= 2, got 1"):
+        Parallelism(pp=4, microbatches=8, schedule="interleaved")
+    with pytest.raises(ValueError, match="needs pipeline parallelism, pp >= 2, got pp=1"):
+        Parallelism(virtual_stages=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="multiple of pp=4 .*valid: 4, 8, 12"):
+        Parallelism(pp=4, virtual_stages=2, microbatches=6, schedule="interleaved")
+    ok = memory_per_gpu("llama3-8b", Parallelism(pp=4, virtual_stages=2, microbatches=8, schedule="interleaved"))
+    plain = memory_per_gpu("llama3-8b", Parallelism(pp=4, microbatches=8, schedule="1f1b"))
+    assert ok.activations < 1.5 * plain.activations  # 1 + (p-1)/(p v) of the layers, not 7/4
+
+
+# ---- the memory calculator widget ------------------------------------------------------------
+def test_calculator_keeps_the_pipeline_controls_consistent():
+    pytest.importorskip("ipywidgets")
+    from dtlib.widgets.memory import memory_calculator, pipeline_controls
+
+    assert pipeline_controls("schedule", "interleaved", 1, 1) == {"schedule": "interleaved", "virtual_stages": 2, "pp": 2}
+    assert pipeline_controls("schedule", "gpipe", 4, 8) == {"schedule": "gpipe", "virtual_stages": 1, "pp": 8}
+    assert pipeline_controls("virtual_stages", "1f1b", 4, 1) == {"schedule": "interleaved", "virtual_stages": 4, "pp": 2}
+    assert pipeline_controls("virtual_stages", "interleaved", 1, 4) == {"schedule": "1f1b", "virtual_stages": 1, "pp": 4}
+    assert pipeline_controls("pp", "interleaved", 2, 1) == {"schedule": "1f1b", "virtual_stages": 1, "pp": 1}
+    with pytest.raises(ValueError, match="changed must be 'schedule', 'virtual_stages' or 'pp'"):
+        pipeline_controls("dp", "1f1b", 1, 1)
+
+    explorer = memory_calculator()
+    c = explorer.controls
+    for control, value, expect in [("schedule", "interleaved", ("interleaved", 2, 2)),
+                                   ("pp", 1, ("1f1b", 1, 1)),
+                                   ("virtual_stages", 4, ("interleaved", 4, 2)),
+                                   ("virtual_stages", 1, ("1f1b", 1, 2)),
+                                   ("schedule", "interleaved", ("interleaved", 2, 2)),
+                                   ("schedule", "gpipe", ("gpipe", 1, 2))]:
+        updates = explorer.updates
+        c[control].value = value
+        assert (c["schedule"].value, c["virtual_stages"].value, c["pp"].value) == expect, (control, value)
+        assert explorer.updates == updates + 1, f"{control}={value!r} should redraw once"
+        assert explorer.error is None and explorer.result.total > 0
+        assert "image/png" in explorer.out.outputs[0]["data"]
+    # a configuration that is still impossible shows dtlib's message as text, not a traceback
+    c["schedule"].value = "interleaved"
+    c["microbatches"].value = 7
+    assert "multiple of pp=2" in explorer.error
+    assert "multiple of pp=2" in explorer.out.outputs[0]["text"]
+    c["microbatches"].value = 8
+    assert explorer.error is None and "image/png" in explorer.out.outputs[0]["data"]
 
 
 def test_pipeline_stages_split_the_parameters():

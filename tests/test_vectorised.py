@@ -83,3 +83,24 @@ def test_flops_batch_equals_flops_report():
                          recompute="selective")
         for k in ("model_flops_per_step", "hardware_flops_per_step", "mfu", "hfu"):
             assert out[k][i] == pytest.approx(r[k], rel=1e-12)
+
+
+def test_both_paths_reject_the_same_interleaved_layouts():
+    """Megatron-LM interleaves only with v >= 2 virtual stages, pp >= 2 and m a multiple of pp:
+    the rules live in dtlib.parallelism, so the scalar and the vector path agree row by row."""
+    cfg = get_preset("llama3-8b")
+    pp = np.array([4, 4, 1, 4, 2, 8])
+    v = np.array([2, 1, 2, 2, 4, 2])
+    m = np.array([8, 8, 8, 6, 2, 16])
+    out = memory_batch(cfg, schedule="interleaved", on_invalid="nan", pp=pp, virtual_stages=v, microbatches=m)
+    assert out["valid"].tolist() == [True, False, False, False, True, True]
+    for i in range(len(pp)):
+        kw = dict(pp=int(pp[i]), virtual_stages=int(v[i]), microbatches=int(m[i]), schedule="interleaved")
+        try:
+            scalar = memory_per_gpu(cfg, Parallelism(**kw))
+        except ValueError:
+            assert not out["valid"][i] and np.isnan(out["total"][i]), kw
+            continue
+        assert out["total"][i] == pytest.approx(scalar.total, rel=1e-12)
+    with pytest.raises(ValueError, match=r"configuration \(1,\): the interleaved schedule needs virtual_stages >= 2"):
+        memory_batch(cfg, schedule="interleaved", pp=pp[:2], virtual_stages=v[:2], microbatches=m[:2])

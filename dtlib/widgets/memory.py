@@ -1,6 +1,22 @@
 """The memory calculator: model, layout and GPU controls -> :func:`dtlib.memory.memory_per_gpu`
--> :func:`dtlib.viz.memory.plot_memory_breakdown`. Impossible combinations show the error text."""
+-> :func:`dtlib.viz.memory.plot_memory_breakdown`.
+
+An impossible combination raises dtlib's ``ValueError``, which the :class:`Explorer` shows as text
+in place of the figure. The pipeline controls move together so that the schedule never
+contradicts them (Megatron-LM interleaves only with ``virtual_pipeline_model_parallel_size > 1``
+and ``pipeline_model_parallel_size > 1``; see :data:`dtlib.parallelism.RULES`):
+
+* picking ``interleaved`` raises ``virtual`` to 2 and ``PP`` to 2 where they are 1;
+* picking another schedule sets ``virtual`` back to 1;
+* picking ``virtual`` >= 2 selects ``interleaved`` (and ``PP`` >= 2), ``virtual`` = 1 leaves it
+  for ``1f1b``;
+* picking ``PP`` = 1 while interleaved falls back to ``1f1b`` with ``virtual`` = 1.
+
+Each change still recomputes exactly once, with the controls already consistent.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import ipywidgets as W
 from matplotlib.figure import Figure
@@ -11,7 +27,7 @@ from dtlib.parallelism import RECOMPUTE, SCHEDULES, Parallelism
 from dtlib.viz.memory import plot_memory_breakdown, plot_message
 from dtlib.widgets.base import Explorer, register
 
-__all__ = ["memory_calculator", "calculator_compute", "calculator_plot", "MODELS"]
+__all__ = ["memory_calculator", "calculator_compute", "calculator_plot", "pipeline_controls", "MODELS"]
 
 MODELS = ("llama3-8b", "llama3-70b", "llama3-405b")
 
@@ -19,24 +35,66 @@ MODELS = ("llama3-8b", "llama3-70b", "llama3-405b")
 def calculator_compute(model: str, gpu: str, dp: int, tp: int, pp: int, cp: int, zero: int,
                        recompute: str, schedule: str, virtual_stages: int, micro_batch: int,
                        microbatches: int, sequence_parallel: bool,
-                       overhead_gib: float) -> "MemoryBreakdown | str":
-    """The breakdown, or the error message of an impossible configuration."""
-    try:
-        layout = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
-                             schedule=schedule, virtual_stages=virtual_stages,
-                             micro_batch=micro_batch, microbatches=microbatches,
-                             sequence_parallel=sequence_parallel)
-        return memory_per_gpu(model, layout, precision="megatron-bf16", gpu=gpu, dropout=False,
-                              overhead_bytes=overhead_gib * GiB)
-    except ValueError as exc:
-        return f"Impossible configuration: {exc}"
+                       overhead_gib: float) -> MemoryBreakdown:
+    """The breakdown; an impossible configuration raises ValueError saying what is wrong."""
+    layout = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
+                         schedule=schedule, virtual_stages=virtual_stages,
+                         micro_batch=micro_batch, microbatches=microbatches,
+                         sequence_parallel=sequence_parallel)
+    return memory_per_gpu(model, layout, precision="megatron-bf16", gpu=gpu, dropout=False,
+                          overhead_bytes=overhead_gib * GiB)
 
 
 def calculator_plot(result: "MemoryBreakdown | str") -> Figure:
-    if isinstance(result, str):
+    if isinstance(result, str):  # a message (kept for callers that pass one)
         return plot_message(result)
     title = f"{result.total / GiB:.1f} GiB on the most loaded GPU (stage {result.stage})"
     return plot_memory_breakdown(result, title=title)
+
+
+def pipeline_controls(changed: str, schedule: str, virtual_stages: int, pp: int) -> dict[str, Any]:
+    """The (schedule, virtual_stages, pp) the calculator moves to after the user set ``changed``
+    (one of those three names): the user's choice stays, the other two follow it."""
+    s, v, p = schedule, virtual_stages, pp
+    if changed == "schedule":
+        v, p = (max(v, 2), max(p, 2)) if s == "interleaved" else (1, p)
+    elif changed == "virtual_stages":
+        s, p = ("interleaved", max(p, 2)) if v >= 2 else ("1f1b" if s == "interleaved" else s, p)
+    elif changed == "pp":
+        s, v = ("1f1b", 1) if p < 2 and s == "interleaved" else (s, v)
+    else:
+        raise ValueError(f"changed must be 'schedule', 'virtual_stages' or 'pp', got {changed!r}")
+    return {"schedule": s, "virtual_stages": v, "pp": p}
+
+
+class _CoupledExplorer(Explorer):
+    """An :class:`Explorer` whose ``update`` is held while the pipeline controls are made
+    consistent, so that a user's change redraws once, with every control already in place."""
+    held = False
+
+    def update(self) -> None:
+        if not self.held:
+            super().update()
+
+
+def _couple(controls: dict[str, W.ValueWidget], holder: list[_CoupledExplorer]) -> None:
+    """Observe the pipeline controls; registered before the Explorer's own observers, so the
+    correction happens (without a redraw) before the Explorer's one redraw."""
+    names = ("schedule", "virtual_stages", "pp")
+
+    def follow(changed: str) -> None:
+        if not holder or holder[0].held:  # building, or our own correction
+            return
+        target = pipeline_controls(changed, *(controls[n].value for n in names))
+        holder[0].held = True
+        try:
+            for name, value in target.items():
+                controls[name].value = value
+        finally:
+            holder[0].held = False
+
+    for name in names:
+        controls[name].observe(lambda _change, name=name: follow(name), names="value")
 
 
 @register("memory_calculator")
@@ -60,5 +118,8 @@ def memory_calculator() -> Explorer:
         "sequence_parallel": W.Checkbox(value=False, description="sequence parallel"),
         "overhead_gib": W.FloatSlider(value=0.0, min=0.0, max=8.0, step=0.5, description="overhead GiB"),
     }
-    return Explorer(controls, calculator_compute, calculator_plot,
-                    title="Memory per GPU: where it goes, and does it fit?")
+    holder: list[_CoupledExplorer] = []
+    _couple(controls, holder)  # before the Explorer observes them: correct first, then redraw
+    holder.append(_CoupledExplorer(controls, calculator_compute, calculator_plot,
+                                   title="Memory per GPU: where it goes, and does it fit?"))
+    return holder[0]
