@@ -1,9 +1,12 @@
 """Hardware catalogue: every figure sourced and plausible, look-ups explain bad names, clusters,
 and measuring the local CPU."""
+import re
+import time
+
 import pytest
 
-from dtlib.hardware import (ACCELERATORS, DTYPES, LINKS, Accelerator, Cluster, add_accelerator,
-                            cluster, get_gpu, get_link, measure_cpu)
+from dtlib.hardware import (ACCELERATORS, DTYPES, LINKS, MAX_COPY_BYTES, Accelerator, Cluster, _l3_bytes,
+                            add_accelerator, cluster, get_gpu, get_link, measure_cpu)
 
 REQUIRED = {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"}
 
@@ -56,9 +59,16 @@ def test_cluster_shares_nics():
 
 
 def test_measure_and_add_the_local_cpu():
+    start = time.perf_counter()
     cpu = measure_cpu(n=128, repeats=2, name="cpu-test")
+    elapsed = time.perf_counter() - start
     try:
         assert 1e8 < cpu.peak("fp32") < 1e14 and "measured" in cpu.source
+        # main memory, not a cache: the copy is at least 256 MiB and 4 x L3, and says so
+        copied = float(re.search(r"from a ([0-9.]+) MiB torch copy", cpu.source).group(1))
+        assert copied >= 256 and copied * 2 ** 20 >= min(4 * (_l3_bytes() or 0), MAX_COPY_BYTES)
+        assert 1e8 < cpu.memory_bandwidth < 1e13
+        assert elapsed < 10  # about 0.3 s on 2 cores; generous for a loaded machine
         add_accelerator(cpu)
         assert get_gpu("cpu-test") is cpu
         with pytest.raises(ValueError, match="has no bf16 peak"):
@@ -67,3 +77,10 @@ def test_measure_and_add_the_local_cpu():
         ACCELERATORS.pop("cpu-test", None)
     with pytest.raises(ValueError, match="needs a source"):
         add_accelerator(Accelerator("x", {"fp32": 1.0}, 1, 1.0, ""))
+    with pytest.raises(ValueError, match="copy_bytes must be an integer >= 1 MiB"):
+        measure_cpu(n=16, repeats=1, copy_bytes=8 * 2 ** 10)
+
+
+def test_l3_size_is_read_or_unknown():
+    l3 = _l3_bytes()
+    assert l3 is None or 2 ** 16 <= l3 <= 2 ** 32  # 64 KiB .. 4 GiB
