@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any, Callable
 
 from dtlib.comm import ALGORITHMS, COLLECTIVES, comm_report, hierarchical_time, strategy_volumes
 from dtlib.flops import ATTENTION, flops_report
-from dtlib.hardware import ACCELERATORS, LINKS, cluster
+from dtlib.hardware import ACCELERATORS, LINKS, Link, cluster, get_link
 from dtlib.memory import GiB, memory_per_gpu, resolve_model
 from dtlib.models.config import ACTIVATIONS, TransformerConfig
 from dtlib.parallelism import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
@@ -35,55 +36,80 @@ _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 _COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # 7B = 7 billion parameters
 
 
-def _parse(text: str, units: dict[str, float], example: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+def _parse(text: str, units: dict[str, float], example: str, positive: bool = False) -> float:
+    """A number with a unit; never negative, and > 0 when ``positive``."""
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in units:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}")
     try:
-        return float(m.group(1)) * units[m.group(2).lower()]
+        value = float(m.group(1)) * units[m.group(2).lower()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}") from None
+    if value < 0 or (positive and value == 0):
+        what = "positive" if positive else "zero or positive"
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}; write e.g. {example}")
+    return value
 
 
 def parse_size(text: str) -> float:
-    """Bytes: ``"1e9"``, ``"512MiB"``, ``"4GB"``."""
+    """Bytes >= 0: ``"1e9"``, ``"512MiB"``, ``"4GB"``."""
     return _parse(text, _BYTES, "1e9, 512MiB, 4GB")
 
 
 def parse_count(text: str) -> float:
-    """A count: ``"7e9"``, ``"7B"`` (billions), ``"350M"``."""
+    """A count >= 0: ``"7e9"``, ``"7B"`` (billions), ``"350M"``."""
     return _parse(text, _COUNTS, "7e9, 7B, 350M")
+
+
+def _parameter_count(text: str) -> float:
+    """``--params``: a count > 0."""
+    return _parse(text, _COUNTS, "7e9, 7B, 350M", positive=True)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, widths): checked here, before any division by it."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 # ---- shared options -------------------------------------------------------------------------------
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
     g.add_argument("--model", help="preset name, e.g. llama3-8b")
-    g.add_argument("--params", type=parse_count, help="bare parameter count, e.g. 7e9 or 7B")
+    g.add_argument("--params", type=_parameter_count, help="bare parameter count, e.g. 7e9 or 7B")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn"):
-        g.add_argument(f"--{name}", type=int)
-    g.add_argument("--vocab", type=int, default=None, help="vocabulary (default 50257 for a custom shape)")
-    g.add_argument("--activation", choices=ACTIVATIONS, default="gelu")
-    g.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+        g.add_argument(f"--{name}", type=positive_int)
+    g.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary (default 50257 for a custom shape)")
+    g.add_argument("--activation", choices=ACTIVATIONS, help="MLP activation of a custom shape (default gelu)")
+    g.add_argument("--seq", type=positive_int, help="sequence length (default: the model's; 2048 for a custom shape)")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout")
-    g.add_argument("--gpus", type=int, help="total GPUs (default dp*tp*pp*cp)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpus", type=positive_int, help="total GPUs (default dp*tp*pp*cp)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8)
     g.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
     for name in ("tp", "pp", "cp", "ep"):
-        g.add_argument(f"--{name}", type=int, default=1)
-    g.add_argument("--dp", type=int, help="data parallel size (default gpus/(tp*pp*cp))")
+        g.add_argument(f"--{name}", type=positive_int, default=1)
+    g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--recompute", choices=RECOMPUTE, default="none",
                    help="activation recomputation (Korthikanti et al. 2022); 'selective' drops the "
                         "s^2 attention terms, which is also FlashAttention's memory footprint")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    g.add_argument("--virtual-stages", type=int, default=1)
-    g.add_argument("--micro-batch", type=int, default=1)
-    g.add_argument("--microbatches", type=int, default=1)
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
+                        "--microbatches a multiple of --pp (Megatron-LM)")
+    g.add_argument("--virtual-stages", type=positive_int, default=1,
+                   help="model chunks per pipeline rank (interleaved schedule only)")
+    g.add_argument("--micro-batch", type=positive_int, default=1)
+    g.add_argument("--microbatches", type=positive_int, default=1)
     g.add_argument("--offload", choices=OFFLOAD, default="none")
 
 
@@ -101,22 +127,42 @@ def _model(args: argparse.Namespace) -> "TransformerConfig | float":
     given = sum(x is not None for x in (args.model, args.params)) + any(v is not None for v in shape)
     if given != 1:
         raise ValueError("give exactly one of --model PRESET, --params N, or --layers/--hidden/--heads")
-    if args.model:
+    custom_only = {"--kv-heads": args.kv_heads, "--ffn": args.ffn, "--vocab": args.vocab,
+                   "--activation": args.activation}
+    if args.model is not None or args.params is not None:
+        ignored = [flag for flag, value in custom_only.items() if value is not None]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only describe a custom shape (--layers/--hidden/"
+                             f"--heads); a preset or a bare parameter count has its own")
+    if args.model is not None:
         return resolve_model(args.model)
     if args.params is not None:
         return resolve_model(args.params)
     if None in shape:
         raise ValueError("a custom shape needs all of --layers, --hidden and --heads")
     return TransformerConfig(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab or 50257,
-                             seq=args.seq or 2048, activation=args.activation)
+                             kv_heads=args.kv_heads, ffn=args.ffn,
+                             vocab=50257 if args.vocab is None else args.vocab,
+                             seq=2048 if args.seq is None else args.seq,
+                             activation=args.activation or "gelu")
+
+
+def _check_sizes(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Every size that is divided by must be an integer >= 1 (argparse checks the command line;
+    this also covers a Namespace built by hand)."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
 
 
 def _layout(args: argparse.Namespace) -> Parallelism:
+    _check_sizes(args, ("tp", "pp", "cp", "ep", "dp", "gpus", "gpus_per_node"))
     model_parallel = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
-        gpus = args.gpus or model_parallel
+        gpus = model_parallel if args.gpus is None else args.gpus
         if gpus % model_parallel:
             raise ValueError(f"--gpus {gpus} is not divisible by tp*pp*cp = {model_parallel}; "
                              f"valid --gpus are multiples of {model_parallel}")
@@ -157,21 +203,44 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
 
 
 # ---- subcommands ---------------------------------------------------------------------------------
+_MEMORY_DESCRIPTION = """\
+Bytes on the most loaded GPU: parameters, gradients, optimizer states, activations, temporary
+buffers and overhead.
+
+Activations: the default follows Korthikanti et al. 2022 (Sec. 4) for *explicit* attention,
+which stores the s x s attention scores (softmax output, its dropout mask and the dropped-out
+scores: the 5as/h term of Table 2) and the block's dropout masks: the paper's GPT convention.
+For a Llama-style model trained with FlashAttention (which never stores the s^2 scores) and
+without dropout, the realistic setting is --recompute selective --no-dropout: selective
+recompute drops exactly the s^2 terms.
+"""
+
+
 def add_memory_command(sub: Any) -> None:
-    p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)")
+    p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)",
+                       description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p), _layout_args(p), _precision_args(p)
-    p.add_argument("--largest-layer", type=parse_count, help="ZeRO-3 gather unit in parameters, e.g. 32M")
+    p.add_argument("--largest-layer", type=parse_count,
+                   help="ZeRO-3 gather unit in parameters, e.g. 32M (needed with --params: a bare "
+                        "count has no layers, so the gather buffer is 0 without it)")
     p.add_argument("--overhead", type=parse_size, default=0.0, help="framework overhead bytes, e.g. 2GiB")
-    p.add_argument("--no-dropout", action="store_true", help="model trained without dropout")
+    p.add_argument("--no-dropout", action="store_true",
+                   help="model trained without dropout (Llama): no dropout masks; the default keeps "
+                        "1-byte masks as Korthikanti et al. do")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_memory)
 
 
 def run_memory(args: argparse.Namespace) -> int:
     layout = _layout(args)
-    m = memory_per_gpu(_model(args), layout, precision=_precision(args), gpu=args.gpu,
+    model = _model(args)
+    m = memory_per_gpu(model, layout, precision=_precision(args), gpu=args.gpu,
                        gpus=args.gpus, seq=args.seq, dropout=not args.no_dropout,
                        largest_layer_params=args.largest_layer, overhead_bytes=args.overhead)
+    if layout.zero == 3 and not isinstance(model, TransformerConfig) and args.largest_layer is None:
+        m.notes.append("temporary: the ZeRO-3 gather buffer is counted as 0 because a bare parameter "
+                       "count has no layer sizes; give --largest-layer N (DeepSpeed budgets 4 bytes x "
+                       "the largest layer's parameters) or a model shape")
     rows = [(k, _gib(v)) for k, v in m.to_dict()["per_gpu"].items()]
     rows += [("offloaded to CPU", _gib(m.cpu)), (f"{m.gpu.name} memory", _gib(m.gpu.memory_bytes)),
              ("fits", "yes" if m.fits else "NO")]
@@ -183,7 +252,8 @@ def run_memory(args: argparse.Namespace) -> int:
 def add_flops_command(sub: Any) -> None:
     p = sub.add_parser("flops", help="FLOPs per step, MFU and HFU")
     _model_args(p), _layout_args(p)
-    p.add_argument("--batch", type=int, help="global batch in sequences (default dp*micro_batch*microbatches)")
+    p.add_argument("--batch", type=positive_int,
+                   help="global batch in sequences (default dp*micro_batch*microbatches)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (gives MFU/HFU)")
     p.add_argument("--attention-flops", choices=ATTENTION, default="full")
     p.add_argument("--no-logits", action="store_true", help="leave out the vocabulary projection")
@@ -195,8 +265,9 @@ def add_flops_command(sub: Any) -> None:
 def run_flops(args: argparse.Namespace) -> int:
     model = _model(args)
     layout = _checked_layout(args, model)
-    r = flops_report(model, args.batch or layout.global_batch, seq=args.seq,
-                     step_time=args.step_time, gpus=args.gpus or layout.gpus, gpu=args.gpu,
+    r = flops_report(model, layout.global_batch if args.batch is None else args.batch, seq=args.seq,
+                     step_time=args.step_time, gpus=layout.gpus if args.gpus is None else args.gpus,
+                     gpu=args.gpu,
                      dtype=args.dtype, recompute=args.recompute, attention=args.attention_flops,
                      count_logits=not args.no_logits)
     rows = [("tokens per step", f"{r['tokens_per_step']:,}"),
@@ -211,36 +282,81 @@ def run_flops(args: argparse.Namespace) -> int:
 
 
 def add_comm_command(sub: Any) -> None:
-    p = sub.add_parser("comm", help="collective cost (alpha-beta) or per-strategy volumes of a model")
+    p = sub.add_parser(
+        "comm", help="collective cost (alpha-beta) or per-strategy volumes of a model",
+        description="Either one collective (--bytes and --ranks) or the per-step volumes of a model "
+                    "(--model, --params or --layers/--hidden/--heads), not both. Ranks beyond "
+                    "--gpus-per-node span nodes: the flat ring/tree rows are then timed on the "
+                    "inter-node link (their slowest hop) and a hierarchical row is added.")
     p.add_argument("--collective", choices=COLLECTIVES, default="all-reduce",
                    type=lambda s: s.replace("_", "-"))  # torch spells them all_reduce
     p.add_argument("--bytes", type=parse_size, help="buffer size, e.g. 1GiB")
-    p.add_argument("--ranks", type=int, help="ranks in the collective")
-    p.add_argument("--link", default="nvlink4", help=f"one of {', '.join(LINKS)}")
-    p.add_argument("--inter-link", default="ib-ndr", help="inter-node link (hierarchical)")
+    p.add_argument("--ranks", type=positive_int, help="ranks in the collective")
+    p.add_argument("--link", default="nvlink4", help=f"intra-node link, one of {', '.join(LINKS)}")
+    p.add_argument("--inter-link", default="ib-ndr",
+                   help="inter-node link (one NIC per GPU), used when --ranks exceeds --gpus-per-node")
     p.add_argument("--algorithm", choices=ALGORITHMS + ("both",), default="both")
     _model_args(p), _layout_args(p), _precision_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_comm)
 
 
+def _flat_link(intra: Link, inter_bandwidth: float, inter: Link) -> Link:
+    """The link that bounds a flat ring (or tree) whose ranks span nodes.
+
+    Each step of the ring (Thakur, Rabenseifner & Gropp 2005, Sec. 4) waits for every rank's send,
+    so the slowest hop sets its pace: the inter-node hop, at the NIC bandwidth per GPU and the
+    network latency. NCCL's tuning model does the same for rings over more than two nodes
+    (``src/graph/tuning.cc``, ``ncclTopoTuneModel``: ``bw = graphs[a]->bwInter``).
+    """
+    return Link(inter.name, min(intra.bandwidth, inter_bandwidth), max(intra.latency, inter.latency),
+                f"slowest hop of a ring spanning nodes ({intra.name} within, {inter.name} across): "
+                + inter.source)
+
+
 def run_comm(args: argparse.Namespace) -> int:
     algs = ALGORITHMS if args.algorithm == "both" else (args.algorithm,)
-    if any(x is not None for x in (args.model, args.params, args.layers)):
+    if any(getattr(args, x) is not None for x in ("model", "params", "layers", "hidden", "heads")):
+        if args.bytes is not None or args.ranks is not None:
+            raise ValueError("give either --bytes and --ranks (one collective) or a model (--model, "
+                             "--params or --layers/--hidden/--heads: per-strategy volumes), not both")
         return _comm_volumes(args)
     if args.bytes is None or args.ranks is None:
         raise ValueError("comm needs --bytes and --ranks (a single collective) or a model (--model ...)")
-    r = comm_report(args.collective, args.bytes, args.ranks, args.link, algs)
-    rows = [(alg, f"{v['time'] * 1e6:12.1f} us   algbw {(v['algbw'] or 0) / 1e9:8.2f} GB/s   "
-                  f"busbw {(v['busbw'] or 0) / 1e9:8.2f} GB/s") for alg, v in r["algorithms"].items()]
-    if args.ranks > args.gpus_per_node and args.ranks % args.gpus_per_node == 0 and \
-            args.collective in ("all-reduce", "reduce-scatter", "all-gather"):
-        cl = cluster(args.gpu, args.ranks // args.gpus_per_node, args.gpus_per_node, args.link, args.inter_link)
-        r["hierarchical"] = hierarchical_time(args.collective, args.bytes, cl, algs[0])
-        rows.append(("hierarchical", f"{r['hierarchical']['total'] * 1e6:12.1f} us "
-                                     f"({cl.nodes} nodes x {cl.gpus_per_node}, {args.inter_link})"))
-    title = f"{r['collective']} of {r['bytes']:,.0f} B over {r['ranks']} ranks on {r['link']}"
-    return _emit(args, r, _table(rows, title))
+    _check_sizes(args, ("ranks", "gpus_per_node"))
+    intra, inter = get_link(args.link), get_link(args.inter_link)
+    g, n = args.gpus_per_node, args.ranks
+    nodes = -(-n // g)
+    notes: list[str] = []
+    if nodes == 1:
+        flat = intra
+        label = {alg: alg for alg in algs}
+        title = f"{args.collective} of {args.bytes:,.0f} B over {n} ranks in one node on {intra.name}"
+    else:
+        cl = cluster(args.gpu, nodes, g, intra.name, inter.name)
+        flat = _flat_link(intra, cl.inter_bandwidth_per_gpu, inter)
+        label = {alg: f"flat {alg} (bounded by {inter.name})" for alg in algs}
+        title = (f"{args.collective} of {args.bytes:,.0f} B over {n} ranks on {nodes} nodes "
+                 f"({intra.name} within a node, {inter.name} across)")
+        notes.append(f"flat rows: one {'/'.join(algs)} over all {n} ranks; every step waits for its "
+                     f"slowest hop, the {inter.name} link between nodes "
+                     f"({flat.bandwidth / 1e9:g} GB/s per GPU, {flat.latency * 1e6:g} us)")
+    r = comm_report(args.collective, args.bytes, n, flat, algs)
+    r.update(intra_link=intra.name, inter_link=inter.name, gpus_per_node=g, nodes=nodes)
+    rows = [(label[alg], f"{v['time'] * 1e6:12.1f} us   algbw {(v['algbw'] or 0) / 1e9:8.2f} GB/s   "
+                         f"busbw {(v['busbw'] or 0) / 1e9:8.2f} GB/s") for alg, v in r["algorithms"].items()]
+    if nodes > 1:
+        if n % g:
+            notes.append(f"no hierarchical row: {n} ranks are not whole nodes of {g} GPUs")
+        elif args.collective not in ("all-reduce", "reduce-scatter", "all-gather"):
+            notes.append("no hierarchical row: it covers all-reduce, reduce-scatter and all-gather")
+        else:
+            r["hierarchical"] = hierarchical_time(args.collective, args.bytes, cl, algs[0])
+            rows.append((f"hierarchical {algs[0]}",
+                         f"{r['hierarchical']['total'] * 1e6:12.1f} us   ({nodes} nodes x {g}: "
+                         f"{intra.name} within, {inter.name} across)"))
+    r["notes"] = notes
+    return _emit(args, r, "\n".join([_table(rows, title)] + notes))
 
 
 def _comm_volumes(args: argparse.Namespace) -> int:
@@ -270,12 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtlib`` console script; returns the exit status."""
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the try
+        return code
     except ValueError as exc:
         print(f"dtlib: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except BrokenPipeError:
+        # the reader went away (``dtlib ... | head``): the Python docs' recipe (library/signal,
+        # "Note on SIGPIPE"): point stdout at devnull so the flush at exit cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The ``dtlib`` command line, and the table of bad inputs: each gives a ValueError saying what is
 wrong and what would be valid, and the command line prints one line and exits 2."""
+import argparse
 import json
 import re
 import subprocess
@@ -7,13 +8,15 @@ import sys
 
 import pytest
 
-from dtlib.cli import build_parser, main
-from dtlib.comm import collective_time
+from dtlib.cli import _layout, build_parser, main
+from dtlib.comm import collective_time, hierarchical_time
+from dtlib.hardware import cluster, measure_cpu
 from dtlib.flops import flops_report
 from dtlib.memory import GiB, memory_per_gpu
 from dtlib.models import get_preset
-from dtlib.parallelism import Parallelism
+from dtlib.parallelism import Parallelism, in_flight
 from dtlib.precision import precision
+from dtlib.vectorised import memory_batch
 
 
 def run(capsys, *argv):
@@ -64,14 +67,82 @@ def test_flops_json_gives_korthikanti_mfu(capsys):
 
 
 def test_comm_single_collective_and_model_volumes(capsys):
-    code, out, _ = run(capsys, "comm", "--collective", "all-reduce", "--bytes", "1GiB", "--ranks", "16",
+    code, out, _ = run(capsys, "comm", "--collective", "all-reduce", "--bytes", "1GiB", "--ranks", "8",
                        "--link", "nvlink4", "--json")
-    d = json.loads(out)
-    assert code == 0 and d["algorithms"]["ring"]["time"] == collective_time("all-reduce", GiB, 16, "nvlink4")
-    assert d["hierarchical"]["total"] > 0  # 16 ranks = 2 nodes of 8
+    d = json.loads(out)  # one node: the flat rows run on the intra-node link
+    assert code == 0 and d["algorithms"]["ring"]["time"] == collective_time("all-reduce", GiB, 8, "nvlink4")
+    assert d["nodes"] == 1 and "hierarchical" not in d and d["notes"] == []
     code, out, _ = run(capsys, "comm", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--gpus", "64",
                        "--microbatches", "8")
     assert code == 0 and "tp_activations" in out and "pp_activations" in out and "dp_grad_all_reduce" in out
+
+
+@pytest.mark.parametrize("nbytes", ["256MiB", "1GiB", "8GiB"])
+def test_comm_flat_rows_spanning_nodes_run_at_the_inter_node_link(capsys, nbytes):
+    """16 ranks at 8 GPUs per node span 2 nodes: a flat ring's slowest hop is the InfiniBand one, so
+    it is timed on ib-ndr (NCCL's model for rings over nodes is bounded by the network bandwidth),
+    and the hierarchical all-reduce, which sends only S/8 per GPU across nodes, beats it."""
+    code, out, _ = run(capsys, "comm", "--bytes", nbytes, "--ranks", "16", "--link", "nvlink4", "--json")
+    d = json.loads(out)
+    S = d["bytes"]
+    ring = d["algorithms"]["ring"]["time"]
+    assert code == 0 and d["nodes"] == 2 and d["link"] == "ib-ndr" and d["link_bandwidth"] == 50e9
+    assert ring == collective_time("all-reduce", S, 16, "ib-ndr")
+    assert ring > collective_time("all-reduce", S, 16, "nvlink4") * 5  # not one NVLink domain
+    assert d["algorithms"]["ring"]["busbw"] <= 50e9  # cannot beat the NIC
+    assert ring >= d["hierarchical"]["total"]
+    assert d["hierarchical"] == hierarchical_time("all-reduce", S, cluster("h100-sxm", 2, 8, "nvlink4", "ib-ndr"))
+    code, out, _ = run(capsys, "comm", "--bytes", nbytes, "--ranks", "16")
+    assert "flat ring (bounded by ib-ndr)" in out and "hierarchical ring" in out and "2 nodes" in out
+    # ranks that are not whole nodes: flat rows still bounded by the network, no hierarchical row
+    code, out, _ = run(capsys, "comm", "--bytes", nbytes, "--ranks", "12", "--json")
+    d = json.loads(out)
+    assert d["algorithms"]["ring"]["time"] == collective_time("all-reduce", S, 12, "ib-ndr")
+    assert "hierarchical" not in d and "not whole nodes of 8" in d["notes"][-1]
+
+
+def test_zero3_with_a_bare_parameter_count_says_the_gather_buffer_is_missing(capsys):
+    argv = ["memory", "--params", "7B", "--dp", "8", "--zero", "3"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "ZeRO-3 gather buffer is counted as 0" in out and "--largest-layer" in out
+    code, out, _ = run(capsys, *argv, "--json")
+    d = json.loads(out)
+    assert d["per_gpu"]["temporary"] == 0 and any("--largest-layer" in n for n in d["notes"])
+    code, out, _ = run(capsys, *argv, "--largest-layer", "200M", "--json")
+    d = json.loads(out)
+    assert d["per_gpu"]["temporary"] > 0 and not any("gather buffer" in n for n in d["notes"])
+
+
+def test_zero_and_explicit_defaults_are_not_replaced(capsys):
+    shape = ["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--json"]
+    code, out, _ = run(capsys, *shape)
+    default = json.loads(out)["per_gpu"]["parameters"]
+    code, out, _ = run(capsys, *shape, "--vocab", "50257", "--seq", "2048")
+    assert code == 0 and json.loads(out)["per_gpu"]["parameters"] == default  # the documented defaults
+    code, out, _ = run(capsys, *shape, "--vocab", "1000")
+    assert json.loads(out)["per_gpu"]["parameters"] < default
+    code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--batch", "3", "--json")
+    assert code == 0 and json.loads(out)["tokens_per_step"] == 3 * 8192
+
+
+def test_piping_into_head_prints_no_traceback():
+    """The reader closes the pipe first (as ``| head -1`` does once it has its line)."""
+    r = subprocess.run(f"{sys.executable} -m dtlib.cli memory --model llama3-8b --json | head -c 1",
+                       shell=True, capture_output=True, text=True, timeout=60)
+    assert r.stdout == "{" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+    p = subprocess.Popen([sys.executable, "-m", "dtlib.cli", "comm", "--model", "llama3-70b", "--tp", "8",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # nobody reads: every write fails with EPIPE
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and b"Traceback" not in err, err
+
+
+def test_memory_help_explains_the_activation_convention(capsys):
+    assert main(["memory", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "s x s attention scores" in out and "--recompute selective --no-dropout" in out
+    assert "FlashAttention" in out
+    assert main(["memory", "--model", "llama3-8b", "--recompute", "selective", "--no-dropout"]) == 0
 
 
 def test_python_dash_m_and_help():
@@ -89,18 +160,18 @@ BAD_CLI = [
     (["memory", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--dp", "2"], "= 16 but there are 8 GPUs"),
     (["memory", "--model", "llama3-8b", "--gpus", "12", "--tp", "8"], "not divisible by tp\\*pp\\*cp = 8"),
     (["memory", "--model", "llama3-8b", "--cp", "3"], "cp=3 must divide the sequence length 8192"),
-    (["memory", "--layers", "0", "--hidden", "64", "--heads", "4"], "layers must be a positive integer"),
-    (["memory", "--layers", "2", "--hidden", "-64", "--heads", "4"], "hidden must be a positive integer"),
+    (["memory", "--layers", "0", "--hidden", "64", "--heads", "4"], "--layers: must be an integer >= 1, got '0'"),
+    (["memory", "--layers", "2", "--hidden", "-64", "--heads", "4"], "--hidden: must be an integer >= 1, got '-64'"),
     (["memory", "--layers", "2", "--hidden", "64", "--heads", "5"], "hidden \\(64\\) must be divisible by heads"),
     (["memory", "--layers", "2", "--hidden", "64"], "needs all of --layers, --hidden and --heads"),
     (["memory"], "give exactly one of --model"),
     (["memory", "--model", "llama3-8b", "--params", "7e9"], "give exactly one of"),
     (["memory", "--model", "gpt5"], "unknown model preset 'gpt5'; valid presets: gpt3-175b"),
     (["memory", "--model", "llama3-8b", "--gpu", "v100"], "unknown GPU 'v100'; valid: a100-40gb"),
-    (["memory", "--params", "0"], "positive parameter count"),
-    (["memory", "--params", "-5"], "cannot read '-5'; write e.g. 7e9, 7B"),
+    (["memory", "--params", "0"], "--params: must be positive, got '0'; write e.g. 7e9, 7B"),
+    (["memory", "--params", "-5"], "--params: must be positive, got '-5'; write e.g. 7e9, 7B"),
     (["memory", "--params", "7GB"], "cannot read '7GB'"),
-    (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "micro_batch must be >= 1"),
+    (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "--micro-batch: must be an integer >= 1, got '0'"),
     (["memory", "--model", "llama3-8b", "--zero", "5"], "invalid choice: '?5'? \\(choose from 0, 1, 2, 3\\)"),
     (["memory", "--model", "llama3-8b", "--zero", "2", "--offload", "params"], "needs ZeRO stage 3"),
     (["memory", "--model", "llama3-8b", "--virtual-stages", "2"], "needs schedule='interleaved'"),
@@ -114,12 +185,45 @@ BAD_CLI = [
     (["flops", "--params", "7e9"], "needs seq"),
     (["flops", "--model", "llama3-8b", "--gpu", "a100-80gb", "--dtype", "fp8", "--step-time", "1"], "no fp8 peak"),
     (["comm", "--collective", "all-reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
-    (["comm", "--bytes", "1GiB", "--ranks", "0"], "ranks must be a positive integer"),
+    (["comm", "--bytes", "1GiB", "--ranks", "0"], "--ranks: must be an integer >= 1, got '0'"),
     (["comm", "--bytes", "1GiB", "--ranks", "8", "--link", "nvlink9"], "unknown link 'nvlink9'; valid: nvlink3"),
     (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read '12parsecs'; write e.g. 1e9, 512MiB"),
     (["comm", "--bytes", "1.2.3", "--ranks", "2"], "cannot read '1.2.3'"),
     (["comm", "--collective", "gossip", "--bytes", "1", "--ranks", "2"], "invalid choice: 'gossip'"),
     ([], "required: command"),
+    # zero or negative sizes: rejected before anything divides by them
+    *[([cmd, "--model", "llama3-8b", f"--{size}", value], f"--{size}: must be an integer >= 1, got '{value}'")
+      for cmd in ("memory", "flops", "comm") for size in ("tp", "pp", "cp", "ep", "dp") for value in ("0", "-2")],
+    (["memory", "--model", "llama3-8b", "--gpus", "-8"], "--gpus: must be an integer >= 1, got '-8'"),
+    (["memory", "--model", "llama3-8b", "--gpus", "0"], "--gpus: must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--gpus", "0"], "--gpus: must be an integer >= 1, got '0'"),
+    (["memory", "--model", "llama3-8b", "--gpus", "4", "--tp", "8"], "--gpus 4 is not divisible by tp\\*pp\\*cp = 8"),
+    (["comm", "--bytes", "1GB", "--ranks", "16", "--gpus-per-node", "0"], "--gpus-per-node: must be an integer >= 1"),
+    (["comm", "--bytes", "1GB", "--ranks", "-16"], "--ranks: must be an integer >= 1, got '-16'"),
+    (["comm", "--bytes", "1GB", "--ranks", "16", "--inter-link", "carrier-pigeon"], "unknown link 'carrier-pigeon'"),
+    (["memory", "--model", "llama3-8b", "--virtual-stages", "0"], "--virtual-stages: must be an integer >= 1"),
+    (["memory", "--model", "llama3-8b", "--microbatches", "0"], "--microbatches: must be an integer >= 1"),
+    # zero values are errors, not "use the default"
+    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "0"], "--vocab: must be an integer >= 1, got '0'"),
+    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "0"], "--seq: must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--seq", "0"], "--seq: must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--batch", "0"], "--batch: must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--batch", "-4"], "--batch: must be an integer >= 1, got '-4'"),
+    (["memory", "--model", "llama3-8b", "--overhead=-1GiB"], "--overhead: must be zero or positive, got '-1GiB'"),
+    (["memory", "--params", "7B", "--zero", "3", "--largest-layer=-1M"], "--largest-layer: must be zero or positive"),
+    (["comm", "--bytes=-1GB", "--ranks", "2"], "--bytes: must be zero or positive, got '-1GB'"),
+    (["comm", "--bytes", "0", "--ranks", "2"], "bytes must be positive, got 0"),
+    # options that would be silently ignored
+    (["memory", "--model", "llama3-8b", "--vocab", "1000"], "--vocab only describe a custom shape"),
+    (["memory", "--params", "7B", "--kv-heads", "8", "--activation", "swiglu"], "--kv-heads, --activation only describe"),
+    (["comm", "--model", "llama3-8b", "--bytes", "1GB"], "give either --bytes and --ranks .* or a model .*, not both"),
+    (["comm", "--model", "llama3-8b", "--ranks", "8"], "not both"),
+    # the interleaved schedule: Megatron-LM needs v >= 2, pp >= 2 and m a multiple of pp
+    (["memory", "--model", "llama3-8b", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved"],
+     "interleaved schedule needs virtual_stages >= 2, got 1"),
+    (["memory", "--model", "llama3-8b", "--schedule", "interleaved", "--virtual-stages", "2"], "needs pipeline parallelism, pp >= 2"),
+    (["flops", "--model", "llama3-8b", "--pp", "4", "--schedule", "interleaved"], "virtual_stages >= 2"),
+    (["comm", "--model", "llama3-8b", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved"], "virtual_stages >= 2"),
 ]
 
 
@@ -147,6 +251,16 @@ BAD_API = [
     (lambda: precision("fp32", grad_dtype="bf16"), "fp32 training has fp32 gradients"),
     (lambda: flops_report(get_preset("llama3-8b"), batch=0), "batch must be a positive integer"),
     (lambda: flops_report(get_preset("llama3-8b"), batch=1, gpu="tpu"), "unknown GPU 'tpu'"),
+    (lambda: Parallelism(pp=4, microbatches=8, schedule="interleaved"), "interleaved schedule needs virtual_stages >= 2"),
+    (lambda: Parallelism(virtual_stages=2, schedule="interleaved"), "interleaved schedule needs pipeline parallelism"),
+    (lambda: in_flight("interleaved", 4, 8, 1), "interleaved schedule needs virtual_stages >= 2, got 1"),
+    (lambda: memory_batch(get_preset("llama3-8b"), schedule="interleaved", pp=4, microbatches=8),
+     "configuration \\(\\): the interleaved schedule needs virtual_stages >= 2"),
+    (lambda: _layout(argparse.Namespace(tp=0, pp=1, cp=1, ep=1, dp=None, gpus=8, gpus_per_node=8)),
+     "--tp must be an integer >= 1, got 0"),
+    (lambda: _layout(argparse.Namespace(tp=1, pp=1, cp=1, ep=1, dp=None, gpus=-8, gpus_per_node=8)),
+     "--gpus must be an integer >= 1, got -8"),
+    (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1 MiB"),
 ]
 
 
