@@ -147,7 +147,9 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     from dtlib.memory import memory_per_gpu  # params per rank; local import avoids a cycle
 
     prec = get_precision(precision)
-    s = seq or cfg.seq
+    s = cfg.seq if seq is None else seq
+    if s < 1:
+        raise ValueError(f"seq must be >= 1 tokens, got {seq}")
     L, h, m, b = cfg.layers, cfg.hidden, layout.microbatches, layout.micro_batch
     layers_here = -(-L // layout.pp)
     unsharded = layout.with_(zero=0, offload="none")

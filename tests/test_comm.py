@@ -101,3 +101,11 @@ def test_comm_report_rows():
     assert ring["busbw"] == pytest.approx(ring["algbw"] * 2 * 7 / 8)
     with pytest.raises(ValueError, match="unknown link 'nvlink9'"):
         comm_report("all-reduce", 1e9, 8, "nvlink9")
+
+
+def test_zero_sequence_is_an_error_not_the_default():
+    cfg = get_preset("llama3-8b")
+    with pytest.raises(ValueError, match="seq must be >= 1"):
+        strategy_volumes(cfg, Parallelism(dp=8), seq=0)
+    with pytest.raises(ValueError, match="seq must be >= 1"):
+        cfg.numbers(seq=0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 __all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS",
            "norm_params", "attention_params", "mlp_params", "layer_params", "embedding_params",
            "swiglu_ffn", "SHAPE_RULES"]
@@ -175,8 +177,10 @@ class TransformerConfig:
     def numbers(self, seq: int | None = None) -> dict[str, Any]:
         """The numbers the formulas of :mod:`dtlib.memory` and :mod:`dtlib.flops` read (booleans
         as 0/1), so that :mod:`dtlib.vectorised` can replace any of them by an array."""
+        if seq is not None and np.any(np.asarray(seq) < 1):
+            raise ValueError(f"seq must be >= 1 tokens, got {seq}")
         return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                    ffn=self.ffn, vocab=self.vocab, seq=seq or self.seq, mlp_matrices=self.mlp_matrices,
+                    ffn=self.ffn, vocab=self.vocab, seq=self.seq if seq is None else seq, mlp_matrices=self.mlp_matrices,
                     bias=int(self.bias), norm_has_bias=int(self.norm_has_bias),
                     experts=self.moe_experts, top_k=self.moe_top_k,
                     learned_positions=int(self.position == "learned"),
