@@ -44,6 +44,13 @@ def test_flat_layout_round_trip_padding_and_shards():
     assert torch.equal(flat[15:22], torch.ones(7))
     assert [layout.shard_range(r) for r in range(4)] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     assert torch.equal(layout.flatten([None, tensors[1], None])[15:22], tensors[1])
+    for lo, hi in [(0, 8), (8, 16), (13, 24), (24, 32), (29, 32), (5, 5), (0, 32)]:
+        # a shard (or any range) alone, padding and None included, without the whole buffer
+        assert torch.equal(layout.flatten_range(tensors, lo, hi), layout.flatten(tensors)[lo:hi]), (lo, hi)
+        assert torch.equal(layout.flatten_range([None, tensors[1], None], lo, hi),
+                           layout.flatten([None, tensors[1], None])[lo:hi]), (lo, hi)
+    with pytest.raises(ValueError, match="lo <= hi"):
+        layout.flatten_range(tensors, 8, 33)
     with pytest.raises(ValueError, match="rank must be in"):
         layout.shard_range(4)
 

@@ -6,10 +6,14 @@
   state each rank holds, and the bytes it hands to collectives in a step - next to
   :func:`dtlib.memory.memory_per_gpu` and :func:`dtlib.comm.strategy_volumes`' predictions;
 * :func:`compare_fully_shard` - the toy FSDP and PyTorch's ``fully_shard`` (FSDP2) on the same
-  model, data and ranks: final parameters and parameter memory per rank.
+  model, data and ranks: final parameters and parameter memory per rank;
+* :func:`setup_stage` / :func:`setup_torch_stage` - a model wrapped for one stage by dtlib or by
+  PyTorch itself (DDP, ``ZeroRedundancyOptimizer``, ``fully_shard``), and
+  :func:`single_process_final` - the one-process training all of them must reproduce.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -29,7 +33,8 @@ from dtlib.parallel import FSDP, BucketedDDP, ShardedOptimizer
 from dtlib.parallelism import Parallelism
 from dtlib.precision import Precision, precision
 
-__all__ = ["FP32_ADAMW", "measure_zero_stages", "predict_zero_stages", "compare_fully_shard", "collective_counter"]
+__all__ = ["FP32_ADAMW", "measure_zero_stages", "predict_zero_stages", "compare_fully_shard",
+           "collective_counter", "setup_stage", "setup_torch_stage", "single_process_final"]
 
 FP32_ADAMW: Precision = precision("fp32", optimizer="adamw")  # 4 + 4 + 8 bytes per parameter
 _LR = 1e-3
@@ -80,8 +85,10 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _setup(stage: int, model: nn.Module) -> tuple[nn.Module, Any, Any]:
-    """(what to call forward on, the optimizer, what to call finish_gradient_synchronization on)."""
+def setup_stage(stage: int, model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    """dtlib's ZeRO ``stage`` (0 = DDP, 1, 2, 3 = FSDP with one unit per :class:`Block`) around
+    ``model`` with AdamW: (what to call forward on, the optimizer, what to call
+    ``finish_gradient_synchronization()`` on after backward). Call inside :func:`dtlib.launch`."""
     if stage == 0:
         ddp = BucketedDDP(model, broadcast_buffers=False)  # the buffers are constant masks
         return ddp, torch.optim.AdamW(model.parameters(), lr=_LR), ddp
@@ -91,8 +98,38 @@ def _setup(stage: int, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     if stage == 2:  # no DDP: stage 2 reduce-scatters the gradients itself
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=_LR)
         return model, opt, opt
+    if stage != 3:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     fsdp = FSDP(model, unit_types=(Block,))
     return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=_LR), fsdp
+
+
+def setup_torch_stage(stage: int, model: nn.Module) -> tuple[nn.Module, Any]:
+    """PyTorch's own counterpart of :func:`setup_stage` (AdamW, same learning rate): stage 0 =
+    ``DistributedDataParallel``; 1 = DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer``;
+    3 = ``torch.distributed.fsdp.fully_shard`` on every :class:`Block`, then the root (as
+    ``unit_types=(Block,)``), on a CPU/gloo mesh. PyTorch has no ZeRO-2 of its own (stage 2 raises).
+    Returns (what to call forward on, the optimizer); nothing to wait for after backward."""
+    if stage in (0, 1):
+        ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)  # as setup_stage
+        if stage == 0:
+            return ddp, torch.optim.AdamW(ddp.parameters(), lr=_LR)
+        with warnings.catch_warnings():  # torch.distributed.optim imports the deprecated torch.jit
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=_LR)
+    if stage == 3:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        device = next(model.parameters()).device.type
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        for module in model.modules():
+            if isinstance(module, Block):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=_LR)
+    raise ValueError(f"PyTorch has a counterpart for stages 0, 1 and 3 only, got {stage!r}")
 
 
 def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: TransformerConfig,
@@ -102,7 +139,7 @@ def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: Transf
     for stage in stages:
         torch.manual_seed(0)
         model = TinyGPT(cfg)
-        wrapped, opt, sync = _setup(stage, model)
+        wrapped, opt, sync = setup_stage(stage, model)
         params = list(wrapped.parameters()) if stage == 3 else list(model.parameters())
         for step, (x, y) in enumerate(data):
             xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
@@ -122,6 +159,26 @@ def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: Transf
                       "gathered_peak": wrapped.memory_stats()["peak_unsharded_bytes"] if stage == 3 else 0,
                       "final": [t.detach().clone() for t in final] if rank == 0 else None}
     return out
+
+
+def single_process_final(cfg: TransformerConfig, world_size: int, steps: int, batch: int) -> list[torch.Tensor]:
+    """The parameters (state-dict order) after ``steps`` AdamW steps in *one* process, on the same
+    batches cut into the same ``world_size`` micro-batches, each loss divided by ``world_size``
+    and accumulated: the arithmetic data parallelism reproduces (the ranks' averaged gradients),
+    also when ``batch`` does not divide evenly."""
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=_LR)
+    for x, y in _batches(cfg, steps, batch):
+        opt.zero_grad()
+        for xs, ys in zip(x.tensor_split(world_size), y.tensor_split(world_size)):
+            (_loss(model, xs, ys) / world_size).backward()
+        opt.step()
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b) if x.is_floating_point())
 
 
 def predict_zero_stages(cfg: TransformerConfig | str | float, world_size: int,
@@ -153,23 +210,25 @@ def measure_zero_stages(world_size: int = 2, stages: Sequence[int] = (0, 1, 2, 3
     bytes - fp32 AdamW, so 4 + 4 + 8 bytes per parameter unsharded), ``predicted`` (one rank, by
     :func:`predict_zero_stages`), ``calls`` (rank 0's collectives in the last step:
     ``(collective, S bytes)``), ``sent`` (bytes rank 0 sends in that step if they run as rings),
-    ``gathered_peak`` (stage 3: the most gathered parameter bytes alive at once) and
-    ``max_diff_vs_ddp`` (largest difference of the final parameters from stage 0's, when stage 0
-    is measured: every stage computes the same training).
+    ``gathered_peak`` (stage 3: the most gathered parameter bytes alive at once),
+    ``max_diff_vs_single`` (largest difference of the final parameters from
+    :func:`single_process_final`'s) and ``max_diff_vs_ddp`` (from stage 0's, when stage 0 is
+    measured): every stage computes the same training.
     """
     cfg = cfg or tiny_gpt_config(layers=4, hidden=128, heads=4)
     ranks = launch(_stage_worker, world_size, args=(list(stages), cfg, steps, batch), timeout=120,
                    output="none")
     predicted = predict_zero_stages(cfg, world_size, stages)
+    single = single_process_final(cfg, world_size, steps, batch)
     out = {}
     for z in stages:
         r0 = ranks[0][z]
         row = {"per_rank": [r[z]["measured"] for r in ranks], "predicted": predicted[z],
                "calls": r0["calls"], "gathered_peak": r0["gathered_peak"],
-               "sent": sum(bytes_sent_per_rank(op, s, world_size) for op, s in r0["calls"])}
+               "sent": sum(bytes_sent_per_rank(op, s, world_size) for op, s in r0["calls"]),
+               "max_diff_vs_single": _max_diff(r0["final"], single)}
         if 0 in stages:
-            row["max_diff_vs_ddp"] = max((a - b).abs().max().item()
-                                         for a, b in zip(r0["final"], ranks[0][0]["final"]))
+            row["max_diff_vs_ddp"] = _max_diff(r0["final"], ranks[0][0]["final"])
         out[z] = row
     return out
 
@@ -178,20 +237,12 @@ def measure_zero_stages(world_size: int = 2, stages: Sequence[int] = (0, 1, 2, 3
 def _fully_shard_worker(rank: int, world_size: int, cfg: TransformerConfig, steps: int,
                         batch: int) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     data = _batches(cfg, steps, batch)
     torch.manual_seed(0)
-    ours = FSDP(TinyGPT(cfg), unit_types=(Block,))
-    opt = torch.optim.AdamW(ours.parameters(), lr=_LR)
+    ours, opt, _ = setup_stage(3, TinyGPT(cfg))
     torch.manual_seed(0)
-    theirs = TinyGPT(cfg)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in theirs.blocks:  # one unit per block, then the root: as unit_types=(Block,)
-        fully_shard(block, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=_LR)
+    theirs, their_opt = setup_torch_stage(3, TinyGPT(cfg))  # one unit per block, then the root
     tracker = FSDPMemTracker(theirs, their_opt)
     for step, (x, y) in enumerate(data):
         xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]

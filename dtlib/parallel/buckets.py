@@ -160,6 +160,25 @@ class FlatLayout:
         out[self.numel:].zero_()  # padding must be zero: it is summed by reduce-scatters
         return out
 
+    def flatten_range(self, tensors: Sequence[torch.Tensor | None], lo: int, hi: int,
+                      dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of what :meth:`flatten` returns, without building the rest (a
+        rank's shard of the flat gradients costs a shard of memory, not a whole bucket)."""
+        if not 0 <= lo <= hi <= self.padded_numel:
+            raise ValueError(f"need 0 <= lo <= hi <= {self.padded_numel}, got [{lo}, {hi})")
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"layout has {len(self.shapes)} tensors, got {len(tensors)}")
+        ref = next((t for t in tensors if t is not None), None)
+        if ref is None and (dtype is None or device is None):
+            raise ValueError("all tensors are None: pass dtype and device")
+        out = torch.zeros(hi - lo, dtype=dtype or ref.dtype, device=device or ref.device)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            a, b = max(lo, off), min(hi, off + n)
+            if t is not None and a < b:
+                out[a - lo:b - lo].copy_(t.reshape(-1)[a - off:b - off])
+        return out
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like the original tensors (no copy).
 

@@ -177,10 +177,10 @@ class ShardedOptimizer:
             self.finish_gradient_synchronization()
         for bucket in self.buckets:
             if self.stage == 1:
-                lo, hi = bucket.layout.shard_range(self.rank)
-                full = bucket.layout.flatten([p.grad for p in bucket.params],
-                                             dtype=bucket.flat.dtype, device=bucket.flat.device)
-                bucket.shard.grad = full[lo:hi].clone()
+                lo, hi = bucket.layout.shard_range(self.rank)  # only our shard is copied
+                bucket.shard.grad = bucket.layout.flatten_range([p.grad for p in bucket.params], lo, hi,
+                                                                dtype=bucket.flat.dtype,
+                                                                device=bucket.flat.device)
             else:
                 bucket.shard.grad = bucket.grad_shard
         self.optim.step()
