@@ -248,3 +248,19 @@ def test_bad_hook_settings():
             return str(e)
 
     assert "before the first forward" in launch(late, 2, timeout=TIMEOUT)[0]
+
+
+def test_compression_method_names_used_by_the_lesson_widget():
+    from dtlib.experiments.communication import COMPRESSION_METHODS, compression_method, compression_runs
+
+    assert compression_method("fp16 cast") is COMPRESSION_METHODS["fp16 cast"]
+    make_state, hook = compression_method("PowerSGD rank 8")
+    assert hook is powersgd_hook and make_state().rank == 8 and make_state().start_iter == 10
+    make_state, hook = compression_method("top-k 0.5% + error feedback")
+    assert hook is topk_hook and make_state().ratio == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        compression_method("PowerSGD rank 0")
+    with pytest.raises(ValueError, match=r"top-k share must be in \(0, 100\]"):
+        compression_method("top-k 150% + error feedback")
+    with pytest.raises(ValueError, match="unknown method"):
+        compression_runs(["PowerSGD"])  # refused before any rank starts

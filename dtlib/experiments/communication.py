@@ -13,6 +13,7 @@ Experiments (gloo on CPU, ranks started with :func:`dtlib.launch`):
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -31,7 +32,8 @@ from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
                             powersgd_hook, ring_all_reduce, topk_hook)
 
-__all__ = ["time_all_reduce", "fit_alpha_beta", "overlap_model", "overlap_records", "compression_runs", "COMPRESSION_METHODS"]
+__all__ = ["time_all_reduce", "fit_alpha_beta", "overlap_model", "overlap_records", "compression_runs",
+           "compression_method", "COMPRESSION_METHODS"]
 
 KiB, MiB = 2 ** 10, 2 ** 20
 
@@ -136,13 +138,32 @@ COMPRESSION_METHODS: dict[str, tuple[Callable[[], Any] | None, Callable | None]]
 }
 
 
+def compression_method(name: str) -> tuple[Callable[[], Any] | None, Callable | None]:
+    """``(make_state, hook)`` for a method name: a key of :data:`COMPRESSION_METHODS`, or any
+    ``"PowerSGD rank R"`` (R >= 1) or ``"top-k P% + error feedback"`` (0 < P <= 100)."""
+    if name in COMPRESSION_METHODS:
+        return COMPRESSION_METHODS[name]
+    if m := re.fullmatch(r"PowerSGD rank (\d+)", name):
+        rank = int(m.group(1))
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        return (lambda: PowerSGDState(rank=rank, start_iter=10)), powersgd_hook
+    if m := re.fullmatch(r"top-k ([0-9.]+)% \+ error feedback", name):
+        percent = float(m.group(1))
+        if not 0 < percent <= 100:
+            raise ValueError(f"top-k share must be in (0, 100] %, got {percent:g}%")
+        return (lambda: TopKState(ratio=percent / 100)), topk_hook
+    raise ValueError(f"unknown method {name!r}; valid: {list(COMPRESSION_METHODS)}, "
+                     "'PowerSGD rank R' or 'top-k P% + error feedback'")
+
+
 def _compression_worker(rank: int, world_size: int, methods: Sequence[str], steps: int, batch: int,
                         lr: float, seed: int, train: Digits, test: Digits) -> list[dict]:
     order = [b for epoch in range(steps * batch // len(train) + 1)
              for b in global_batches(len(train), batch, epoch=epoch, seed=seed)][:steps]
     rows = []
     for name in methods:
-        make_state, hook = COMPRESSION_METHODS[name]
+        make_state, hook = compression_method(name)
         torch.manual_seed(seed)
         model = MnistCNN()
         ddp = BucketedDDP(model)
@@ -170,12 +191,13 @@ def compression_runs(methods: Sequence[str] = tuple(COMPRESSION_METHODS), steps:
                      world_size: int = 2, batch: int = 32, lr: float = 0.02, seed: int = 0,
                      train: Digits | None = None, test: Digits | None = None) -> list[dict]:
     """Train the MNIST CNN with :class:`BucketedDDP` and each hook of ``methods`` (keys of
-    :data:`COMPRESSION_METHODS`), same data order and initial weights; per method return
+    :data:`COMPRESSION_METHODS`, or names :func:`compression_method` understands, e.g.
+    ``"PowerSGD rank 8"``), same data order and initial weights; per method return
     ``method``, ``bytes_per_step`` (what a rank sends per step if the collectives run as rings,
-    :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracy`` and rank 0's ``losses``."""
-    unknown = [m for m in methods if m not in COMPRESSION_METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; valid: {list(COMPRESSION_METHODS)}")
+    :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracy`` and rank 0's ``losses``.
+    ``train`` may be a subset (e.g. ``load_mnist("train").subset(256)``) for a quick run."""
+    for m in methods:
+        compression_method(m)  # a ValueError naming the valid methods, before any rank starts
     train = train if train is not None else load_mnist("train", verbose=False)
     test = test if test is not None else load_mnist("test", verbose=False)
     return launch(_compression_worker, world_size,
