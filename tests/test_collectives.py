@@ -51,9 +51,14 @@ def _check_against_dist(rank, world_size):
     results.append(("non-contiguous", torch.allclose(got, expected, atol=1e-5)))
     got = C.ring_all_reduce(m.clone(), op=dist.ReduceOp.AVG)
     results.append(("avg", torch.allclose(got, expected / world_size, atol=1e-5)))
-    mx = m.clone()
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    results.append(("max", torch.equal(C.ring_all_reduce(m.clone(), op=dist.ReduceOp.MAX), mx)))
+    for name, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+        expected = m.clone()
+        dist.all_reduce(expected, op=op)
+        results.append((name, torch.equal(C.ring_all_reduce(m.clone(), op=op), expected)))
+    expected = m.clone()
+    dist.all_reduce(expected, op=dist.ReduceOp.PRODUCT)
+    got = C.ring_all_reduce(m.clone(), op=dist.ReduceOp.PRODUCT)
+    results.append(("product", torch.allclose(got, expected, rtol=1e-5, atol=0)))
     return results
 
 
@@ -62,6 +67,57 @@ def test_ring_collectives_equal_torch_distributed(world_size):
     for rank_results in launch(_check_against_dist, world_size, timeout=TIMEOUT):
         failed = [case for case, ok in rank_results if not ok]
         assert not failed, failed
+
+
+OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+       "product": dist.ReduceOp.PRODUCT}
+
+
+def _same(got, expected):
+    if expected.is_floating_point():  # float64: only the order of the operations differs
+        return torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+    return torch.equal(got, expected)
+
+
+def _larger_worlds(rank, world_size):
+    """Every op on 5 or 6 ranks, sizes below and not divisible by the world size; at 6 ranks the
+    two-level all-reduce with 3 nodes of 2 and 2 nodes of 3."""
+    results = []
+    for dtype in (torch.float64, torch.int64):  # ints in [-50, 50]: a product of 6 fits int64
+        for numel in (0, 1, 4, 7, 1001):
+            x = _inputs(rank, numel, dtype)
+            for name, op in OPS.items():
+                expected = x.clone()
+                dist.all_reduce(expected, op=op)
+                results.append((f"all_reduce {name} {dtype} {numel}",
+                                _same(C.ring_all_reduce(x.clone(), op=op), expected)))
+                results.append((f"reduce_scatter {name} {dtype} {numel}",
+                                _same(C.ring_reduce_scatter(x, op=op),
+                                      torch.tensor_split(expected, world_size)[rank])))
+            everyone = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(everyone, x)
+            ref = torch.cat([torch.tensor_split(e, world_size)[r] for r, e in enumerate(everyone)])
+            gathered = C.ring_all_gather(torch.tensor_split(x, world_size)[rank], numel)
+            results.append((f"all_gather {dtype} {numel}", torch.equal(gathered, ref)))
+    if world_size == 6:
+        for node_size in (2, 3):
+            for numel in (1, 5, 1001):
+                x = _inputs(rank, numel, torch.float64)
+                for name in ("sum", "min"):
+                    expected = x.clone()
+                    dist.all_reduce(expected, op=OPS[name])
+                    got = C.hierarchical_all_reduce(x.clone(), node_size, op=OPS[name])
+                    results.append((f"hierarchical {name} node_size {node_size} {numel}",
+                                    _same(got, expected)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [5, 6])
+def test_ring_and_hierarchical_on_five_and_six_ranks(world_size):
+    for rank_results in launch(_larger_worlds, world_size, timeout=TIMEOUT):
+        failed = [case for case, ok in rank_results if not ok]
+        assert not failed, failed
+        assert len(rank_results) == 2 * 5 * (2 * len(OPS) + 1) + (12 if world_size == 6 else 0)
 
 
 def _hierarchical(rank, world_size):

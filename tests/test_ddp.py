@@ -338,6 +338,32 @@ def test_same_gradients_as_torch_ddp_in_the_same_run(world_size):
         assert max(grad_diffs) < 1e-6 and param_diff < 1e-6, (grad_diffs, param_diff)
 
 
+def _state_at_construction(rank, world_size, name):
+    torch.manual_seed(rank)  # different weights on every rank ...
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    bn = model[1]
+    with torch.no_grad():  # ... and different BatchNorm statistics (buffers)
+        bn.running_mean.fill_(rank + 1.0)
+        bn.running_var.fill_(10.0 * (rank + 1))
+        bn.num_batches_tracked.fill_(rank + 7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # broadcast_buffers=False: only the construction can have synchronised them (no forward here)
+    (NaiveDDP if name == "naive" else BucketedDDP)(model, broadcast_buffers=False)
+    return before, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["naive", "bucketed"])
+def test_construction_broadcasts_parameters_and_buffers_from_rank_0(name):
+    results = launch(_state_at_construction, 3, args=(name,), timeout=TIMEOUT)
+    rank0_before = results[0][0]
+    assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(rank0_before)
+    for rank, (before, after) in enumerate(results):
+        if rank:  # the inputs really differed
+            assert not torch.equal(before["1.running_mean"], rank0_before["1.running_mean"])
+            assert not torch.equal(before["0.weight"], rank0_before["0.weight"])
+        assert all(torch.equal(after[k], rank0_before[k]) for k in rank0_before), rank
+
+
 # ---- misuse ---------------------------------------------------------------------------------------
 def _misuse(rank, world_size):
     errors = {}
