@@ -1,4 +1,6 @@
 """Toy FSDP (ZeRO-3): exact single-process results, sharded gradients, memory vs fully_shard."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,8 +130,14 @@ def _memory_and_fully_shard(rank, world_size):
         try:
             phase[0] = "forward"
             loss = loss_fn(fsdp, x, y)
-            if step == 0:
-                live_after_forward = fsdp._live_bytes  # every unit freed once its forward ended
+            if step == 0:  # every unit freed once its forward ended ...
+                # ... once gloo's worker thread has dropped its reference to the output of the
+                # last all-gather, which it does just *after* waking the caller (in some runs on a
+                # busy machine one block was still held here, by nothing on the Python side)
+                deadline = time.monotonic() + 2.0
+                while fsdp._live_bytes and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                live_after_forward = fsdp._live_bytes
                 gathers_fwd = dict(gathers)
             phase[0] = "backward"
             loss.backward()
@@ -252,7 +260,10 @@ def _misuse(rank, world_size):
     for name, call in {"int dtype": lambda: FSDP(nn.Linear(2, 2), compute_dtype=torch.int32),
                        "unit types": lambda: FSDP(nn.Linear(2, 2), unit_types=("Block",)),
                        "module": lambda: FSDP("model"),
-                       "mixed": lambda: FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+                       "mixed": lambda: FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
+                       "frozen fp32 with bf16": lambda: FSDP(
+                           nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).requires_grad_(False)),
+                           compute_dtype=torch.bfloat16)
                        }.items():
         try:
             call()
@@ -268,3 +279,4 @@ def test_bad_input_gives_clear_errors():
     assert errors["unit types"].startswith("TypeError")
     assert errors["module"].startswith("TypeError")
     assert "mixes parameter dtypes" in errors["mixed"]
+    assert "frozen parameters ['1.weight', '1.bias']" in errors["frozen fp32 with bf16"]

@@ -24,7 +24,9 @@ reduce-scatter) and Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p)
 
 Not done, to stay readable: prefetching the next unit's all-gather (PyTorch overlaps it), keeping
 the root gathered between forward and backward, CPU offload, and per-unit mixed precision
-settings. Parameters with ``requires_grad=False`` stay ordinary, replicated parameters.
+settings. Parameters with ``requires_grad=False`` stay ordinary, replicated parameters (not
+sharded, not cast: with ``compute_dtype`` they must already have that dtype), and
+:meth:`FSDP.gather_full_params` returns them with the rest.
 """
 from __future__ import annotations
 
@@ -162,6 +164,13 @@ class FSDP(nn.Module):
             if backend == "nccl" and p.device.type != "cuda":
                 raise ValueError(f"{name} is on {p.device} but the backend is NCCL: move the model "
                                  "to dtlib.launcher.get_device() first")
+        if compute_dtype is not None:  # frozen parameters are not gathered, so never cast
+            frozen = [n for n, p in module.named_parameters()
+                      if not p.requires_grad and p.is_floating_point() and p.dtype != compute_dtype]
+            if frozen:
+                raise ValueError(f"frozen parameters {frozen[:4]}{' ...' if len(frozen) > 4 else ''} "
+                                 f"are not {compute_dtype}: with compute_dtype they meet inputs cast to "
+                                 f"it; convert the frozen modules first (e.g. .to({compute_dtype}))")
         self.module, self.process_group, self.compute_dtype = module, process_group, compute_dtype
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
