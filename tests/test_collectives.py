@@ -231,6 +231,10 @@ def test_plots_return_figures():
             for i in ("ring", "gloo") for b in (1024, 4096)]
     fig = plot_bandwidth(rows)
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 2
+    three = [{**r, "collective": c} for c in ("all-reduce", "reduce-scatter", "all-gather") for r in rows]
+    fig = plot_bandwidth(three, "algbw")  # one panel per collective, as bench_collectives plots
+    assert [ax.get_title() for ax in fig.axes] == ["all-reduce", "reduce-scatter", "all-gather"]
+    assert all(len(ax.lines) == 2 for ax in fig.axes)
     with pytest.raises(ValueError):
         plot_bandwidth(rows, metric="latency")
 

@@ -55,30 +55,43 @@ def plot_ring_all_reduce(world_size: int, step: int) -> Figure:
 
 
 def plot_bandwidth(rows: Sequence[Mapping], metric: str = "busbw") -> Figure:
-    """Bandwidth (GB/s) against message size, one line per implementation.
+    """Bandwidth (GB/s) against message size, one line per implementation, one panel per
+    collective.
 
     ``rows``: dicts with ``impl``, ``bytes`` and ``metric`` (bytes/s), e.g. from
-    ``benchmarks/bench_collectives.py``; optional ``collective`` and ``world_size`` go in the title.
+    ``benchmarks/bench_collectives.py``; rows with different ``collective`` values go to side-by-side
+    panels (same y axis), and ``world_size`` goes in the title.
     """
     if metric not in ("busbw", "algbw"):
         raise ValueError(f"metric must be 'busbw' or 'algbw', got {metric!r}")
     if not rows:
         raise ValueError("nothing to plot: rows is empty")
-    fig = Figure(figsize=(6.5, 3.8))
-    ax = fig.add_subplot()
+    collectives = list(dict.fromkeys(r.get("collective") for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    for i, impl in enumerate(impls):
-        pts = sorted((r["bytes"], r[metric]) for r in rows if r["impl"] == impl)
-        ax.plot([b for b, _ in pts], [v / 1e9 for _, v in pts], "o-", ms=3,
-                color=_COLORS[i % len(_COLORS)], label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set(xlabel="message size (bytes)", ylabel=f"{metric} (GB/s)")
-    extra = [f"{k}={rows[0][k]}" for k in ("collective", "world_size") if k in rows[0]]
-    ax.set_title(f"{metric} as nccl-tests defines it" + (f" ({', '.join(extra)})" if extra else ""),
-                 fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    fig = Figure(figsize=(max(6.5, 4.3 * len(collectives)), 3.8))
+    axes = fig.subplots(1, len(collectives), sharey=True, squeeze=False)[0]
+    for ax, collective in zip(axes, collectives):
+        for i, impl in enumerate(impls):  # the same colour for an implementation in every panel
+            pts = sorted((r["bytes"], r[metric]) for r in rows
+                         if r["impl"] == impl and r.get("collective") == collective)
+            if pts:
+                ax.plot([b for b, _ in pts], [v / 1e9 for _, v in pts], "o-", ms=3,
+                        color=_COLORS[i % len(_COLORS)], label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(xlabel="message size (bytes)")
+        if len(collectives) > 1:
+            ax.set_title(str(collective), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"{metric} (GB/s)")
+    extra = [f"{k}={rows[0][k]}" for k in ("collective", "world_size")
+             if k in rows[0] and (k != "collective" or len(collectives) == 1)]
+    title = f"{metric} as nccl-tests defines it" + (f" ({', '.join(extra)})" if extra else "")
+    if len(collectives) > 1:
+        fig.suptitle(title, fontsize=10)
+    else:
+        axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
