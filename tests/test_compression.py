@@ -262,5 +262,9 @@ def test_compression_method_names_used_by_the_lesson_widget():
         compression_method("PowerSGD rank 0")
     with pytest.raises(ValueError, match=r"top-k share must be in \(0, 100\]"):
         compression_method("top-k 150% + error feedback")
-    with pytest.raises(ValueError, match="unknown method"):
-        compression_runs(["PowerSGD"])  # refused before any rank starts
+    with pytest.raises(ValueError, match="unknown method 'PowerSGD'"):
+        compression_method("PowerSGD")
+    with pytest.raises(ValueError, match=r"unknown methods \['PowerSGD'\]"):
+        compression_runs(["fp16 cast", "PowerSGD"])  # refused before any rank starts
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        compression_runs(["PowerSGD rank 0"])

@@ -138,9 +138,9 @@ COMPRESSION_METHODS: dict[str, tuple[Callable[[], Any] | None, Callable | None]]
 }
 
 
-def compression_method(name: str) -> tuple[Callable[[], Any] | None, Callable | None]:
-    """``(make_state, hook)`` for a method name: a key of :data:`COMPRESSION_METHODS`, or any
-    ``"PowerSGD rank R"`` (R >= 1) or ``"top-k P% + error feedback"`` (0 < P <= 100)."""
+def _method_spec(name: str) -> tuple[Callable[[], Any] | None, Callable | None] | None:
+    """``(make_state, hook)`` for a known name, None for an unknown one; ValueError for a known
+    form with an impossible setting."""
     if name in COMPRESSION_METHODS:
         return COMPRESSION_METHODS[name]
     if m := re.fullmatch(r"PowerSGD rank (\d+)", name):
@@ -153,8 +153,20 @@ def compression_method(name: str) -> tuple[Callable[[], Any] | None, Callable | 
         if not 0 < percent <= 100:
             raise ValueError(f"top-k share must be in (0, 100] %, got {percent:g}%")
         return (lambda: TopKState(ratio=percent / 100)), topk_hook
-    raise ValueError(f"unknown method {name!r}; valid: {list(COMPRESSION_METHODS)}, "
-                     "'PowerSGD rank R' or 'top-k P% + error feedback'")
+    return None
+
+
+_VALID = (f"valid: {list(COMPRESSION_METHODS)}, 'PowerSGD rank R' (R >= 1) or "
+          "'top-k P% + error feedback' (0 < P <= 100)")
+
+
+def compression_method(name: str) -> tuple[Callable[[], Any] | None, Callable | None]:
+    """``(make_state, hook)`` for a method name: a key of :data:`COMPRESSION_METHODS`, or any
+    ``"PowerSGD rank R"`` (R >= 1) or ``"top-k P% + error feedback"`` (0 < P <= 100)."""
+    spec = _method_spec(name)
+    if spec is None:
+        raise ValueError(f"unknown method {name!r}; {_VALID}")
+    return spec
 
 
 def _compression_worker(rank: int, world_size: int, methods: Sequence[str], steps: int, batch: int,
@@ -196,8 +208,9 @@ def compression_runs(methods: Sequence[str] = tuple(COMPRESSION_METHODS), steps:
     ``method``, ``bytes_per_step`` (what a rank sends per step if the collectives run as rings,
     :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracy`` and rank 0's ``losses``.
     ``train`` may be a subset (e.g. ``load_mnist("train").subset(256)``) for a quick run."""
-    for m in methods:
-        compression_method(m)  # a ValueError naming the valid methods, before any rank starts
+    unknown = [m for m in methods if _method_spec(m) is None]  # checked before any rank starts
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; {_VALID}")
     train = train if train is not None else load_mnist("train", verbose=False)
     test = test if test is not None else load_mnist("test", verbose=False)
     return launch(_compression_worker, world_size,
