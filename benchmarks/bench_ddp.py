@@ -14,30 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import dtlib
+from _timing import time_alternating  # benchmarks/_timing.py, beside this script
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.parallel import BucketedDDP, NaiveDDP
-
-
-def _step(model, opt, x, y, ours) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    logits = model(x)
-    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    if ours:
-        model.finish_gradient_synchronization()
-    opt.step()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, steps: int, warmup: int,
@@ -54,17 +38,8 @@ def worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, steps: int,
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
         impls[name] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4), name != "torch DDP")
-    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
-    times = {name: [] for name in impls}
-    for step in range(warmup + steps):
-        tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        names = list(impls) if step % 2 == 0 else list(reversed(impls))  # who goes first alternates
-        for name in names:
-            model, opt, ours = impls[name]
-            t = _step(model, opt, x, y, ours)
-            if step >= warmup:
-                times[name].append(t)
+    times = time_alternating({name: (m, opt, m if ours else None) for name, (m, opt, ours) in impls.items()},
+                             cfg.vocab, cfg.seq, batch, rank, warmup, steps)
     rec = impls["BucketedDDP"][0].last_record
     # same data and weights: the two should agree to float rounding (bucket layouts may differ,
     # which changes the order in which the ring adds up more than two ranks' values)

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import dtlib
+from _timing import time_alternating  # benchmarks/_timing.py, beside this script
 from dtlib.experiments.zero import (compare_fully_shard, measure_zero_stages, predict_zero_stages,
                                     setup_stage, setup_torch_stage)
 from dtlib.models import TinyGPT, tiny_gpt_config
@@ -86,20 +84,6 @@ def fsdp_peak(world_size: int, cfg, steps: int, batch: int) -> None:
 
 
 # ---- 3: step time --------------------------------------------------------------------------------
-def _step(model, opt, sync, x, y) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    logits = model(x)
-    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    if sync is not None:
-        sync.finish_gradient_synchronization()
-    opt.step()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def _full_params(model, impl: str, stage: int) -> list[torch.Tensor]:
     if stage == 3:  # both collectives: every rank calls them
         state = model.gather_full_params() if impl == "ours" else \
@@ -120,17 +104,8 @@ def timing_worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, step
         else:
             (model, opt), sync = setup_torch_stage(stage, TinyGPT(cfg)), None
         impls[(label, impl)] = (model, opt, sync, stage)
-    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
-    times = {k: [] for k in impls}
-    for step in range(warmup + steps):
-        tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        order = list(impls) if step % 2 == 0 else list(reversed(impls))
-        for key in order:
-            model, opt, sync, _ = impls[key]
-            t = _step(model, opt, sync, x, y)
-            if step >= warmup:
-                times[key].append(t)
+    times = time_alternating({k: (m, opt, sync) for k, (m, opt, sync, _) in impls.items()},
+                             cfg.vocab, cfg.seq, batch, rank, warmup, steps)
     finals = {k: _full_params(m, k[1], stage) for k, (m, _, _, stage) in impls.items()}
     ref = {"ZeRO-1": finals[("ZeRO-1", "torch")], "ZeRO-2": finals[("ZeRO-1", "torch")],
            "FSDP": finals[("FSDP", "torch")]}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.comm import algbw, busbw, collective_time
+from dtlib.comm import algbw, busbw
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
 from dtlib.hardware import Link
 from dtlib.launcher import launch
