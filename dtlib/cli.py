@@ -314,6 +314,10 @@ def _flat_link(intra: Link, inter_bandwidth: float, inter: Link) -> Link:
                 + inter.source)
 
 
+_SINGLE_COLLECTIVE_OPTIONS = {"collective", "bytes", "ranks", "link", "inter_link", "gpus_per_node",
+                              "algorithm", "json", "command", "run"}
+
+
 def run_comm(args: argparse.Namespace) -> int:
     algs = ALGORITHMS if args.algorithm == "both" else (args.algorithm,)
     if any(getattr(args, x) is not None for x in ("model", "params", "layers", "hidden", "heads")):
@@ -323,6 +327,16 @@ def run_comm(args: argparse.Namespace) -> int:
         return _comm_volumes(args)
     if args.bytes is None or args.ranks is None:
         raise ValueError("comm needs --bytes and --ranks (a single collective) or a model (--model ...)")
+    # layout and precision options only shape a model's volumes: a single collective ignoring
+    # them silently would answer a question the user did not ask
+    defaults = vars(build_parser().parse_args(["comm"]))
+    ignored = sorted(k for k, v in vars(args).items() if k not in _SINGLE_COLLECTIVE_OPTIONS
+                     and k in defaults and v != defaults[k])
+    if ignored:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in ignored)}: layout and "
+                         "precision options describe a model, not a single collective, which takes "
+                         "--collective, --bytes, --ranks, --link, --inter-link, --gpus-per-node and "
+                         "--algorithm")
     _check_sizes(args, ("ranks", "gpus_per_node"))
     intra, inter = get_link(args.link), get_link(args.inter_link)
     g, n = args.gpus_per_node, args.ranks
@@ -340,7 +354,9 @@ def run_comm(args: argparse.Namespace) -> int:
                  f"({intra.name} within a node, {inter.name} across)")
         notes.append(f"flat rows: one {'/'.join(algs)} over all {n} ranks; every step waits for its "
                      f"slowest hop, the {inter.name} link between nodes "
-                     f"({flat.bandwidth / 1e9:g} GB/s per GPU, {flat.latency * 1e6:g} us)")
+                     f"({flat.bandwidth / 1e9:g} GB/s per GPU, {flat.latency * 1e6:g} us). That is "
+                     "a single topology-unaware ring; NCCL runs one ring per NIC (channels) laid out "
+                     "along the topology, which brings it close to the hierarchical row")
     r = comm_report(args.collective, args.bytes, n, flat, algs)
     r.update(intra_link=intra.name, inter_link=inter.name, gpus_per_node=g, nodes=nodes)
     rows = [(label[alg], f"{v['time'] * 1e6:12.1f} us   algbw {(v['algbw'] or 0) / 1e9:8.2f} GB/s   "

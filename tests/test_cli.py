@@ -154,6 +154,8 @@ def test_python_dash_m_and_help():
 
 
 BAD_CLI = [
+    (["comm", "--bytes", "1GiB", "--ranks", "8", "--tp", "2", "--zero", "3"],
+     "--tp, --zero: layout and precision options describe a model, not a single collective"),
     (["memory", "--model", "llama3-8b", "--tp", "3"], "tp=3 must divide the 32 attention heads; valid tp: 1, 2, 4, 8"),
     (["memory", "--model", "llama3-8b", "--tp", "16"], "must divide the 8 KV heads"),
     (["memory", "--model", "llama3-8b", "--pp", "40"], "exceed the 32 layers"),
