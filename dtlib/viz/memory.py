@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from dtlib.memory import GiB, MemoryBreakdown
 
-__all__ = ["plot_memory_breakdown", "plot_message", "COMPONENTS"]
+__all__ = ["plot_memory_breakdown", "COMPONENTS"]
 
 # (attribute, label, colour) bottom to top
 COMPONENTS = [("parameters", "parameters", "#4c72b0"), ("gradients", "gradients", "#55a868"),
@@ -53,15 +53,4 @@ def plot_memory_breakdown(breakdowns: "MemoryBreakdown | Mapping[str, MemoryBrea
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    return fig
-
-
-def plot_message(text: str, title: str = "") -> Figure:
-    """A figure that only shows ``text`` (e.g. why a configuration is impossible)."""
-    fig = Figure(figsize=(6, 1.6))
-    ax = fig.add_subplot()
-    ax.axis("off")
-    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, color="#b22222")
-    if title:
-        ax.set_title(title, fontsize=10)
     return fig

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from dtlib.hardware import ACCELERATORS
 from dtlib.memory import GiB, MemoryBreakdown, memory_per_gpu
 from dtlib.parallelism import RECOMPUTE, SCHEDULES, Parallelism
-from dtlib.viz.memory import plot_memory_breakdown, plot_message
+from dtlib.viz.memory import plot_memory_breakdown
 from dtlib.widgets.base import Explorer, register
 
 __all__ = ["memory_calculator", "calculator_compute", "calculator_plot", "pipeline_controls", "MODELS"]
@@ -45,9 +45,7 @@ def calculator_compute(model: str, gpu: str, dp: int, tp: int, pp: int, cp: int,
                           overhead_bytes=overhead_gib * GiB)
 
 
-def calculator_plot(result: "MemoryBreakdown | str") -> Figure:
-    if isinstance(result, str):  # a message (kept for callers that pass one)
-        return plot_message(result)
+def calculator_plot(result: MemoryBreakdown) -> Figure:
     title = f"{result.total / GiB:.1f} GiB on the most loaded GPU (stage {result.stage})"
     return plot_memory_breakdown(result, title=title)
 
