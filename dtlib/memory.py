@@ -17,7 +17,6 @@ accepts numpy arrays: :mod:`dtlib.vectorised` calls :func:`per_gpu_bytes` on arr
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,9 +172,6 @@ class MemoryBreakdown:
         if self.gpu is not None:
             d["gpu"] = {"name": self.gpu.name, "memory": self.gpu.memory_bytes, "fits": self.fits}
         return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 def resolve_model(model: "TransformerConfig | str | float | int") -> TransformerConfig | float:
