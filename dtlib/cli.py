@@ -13,9 +13,10 @@ import re
 import sys
 from typing import Any, Callable
 
-from dtlib.comm import ALGORITHMS, COLLECTIVES, comm_report, hierarchical_time, strategy_volumes
+from dtlib.comm import (ALGORITHMS, COLLECTIVES, comm_report, flat_link, hierarchical_time,
+                        strategy_volumes)
 from dtlib.flops import ATTENTION, flops_report
-from dtlib.hardware import ACCELERATORS, LINKS, Link, cluster, get_link
+from dtlib.hardware import ACCELERATORS, LINKS, cluster, get_link
 from dtlib.memory import GiB, memory_per_gpu, resolve_model
 from dtlib.models.config import ACTIVATIONS, TransformerConfig
 from dtlib.parallelism import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
@@ -301,19 +302,6 @@ def add_comm_command(sub: Any) -> None:
     p.set_defaults(run=run_comm)
 
 
-def _flat_link(intra: Link, inter_bandwidth: float, inter: Link) -> Link:
-    """The link that bounds a flat ring (or tree) whose ranks span nodes.
-
-    Each step of the ring (Thakur, Rabenseifner & Gropp 2005, Sec. 4) waits for every rank's send,
-    so the slowest hop sets its pace: the inter-node hop, at the NIC bandwidth per GPU and the
-    network latency. NCCL's tuning model does the same for rings over more than two nodes
-    (``src/graph/tuning.cc``, ``ncclTopoTuneModel``: ``bw = graphs[a]->bwInter``).
-    """
-    return Link(inter.name, min(intra.bandwidth, inter_bandwidth), max(intra.latency, inter.latency),
-                f"slowest hop of a ring spanning nodes ({intra.name} within, {inter.name} across): "
-                + inter.source)
-
-
 _SINGLE_COLLECTIVE_OPTIONS = {"collective", "bytes", "ranks", "link", "inter_link", "gpus_per_node",
                               "algorithm", "json", "command", "run"}
 
@@ -348,7 +336,7 @@ def run_comm(args: argparse.Namespace) -> int:
         title = f"{args.collective} of {args.bytes:,.0f} B over {n} ranks in one node on {intra.name}"
     else:
         cl = cluster(args.gpu, nodes, g, intra.name, inter.name)
-        flat = _flat_link(intra, cl.inter_bandwidth_per_gpu, inter)
+        flat = flat_link(cl)
         label = {alg: f"flat {alg} (bounded by {inter.name})" for alg in algs}
         title = (f"{args.collective} of {args.bytes:,.0f} B over {n} ranks on {nodes} nodes "
                  f"({intra.name} within a node, {inter.name} across)")

@@ -32,6 +32,7 @@ from dtlib.parallelism import Parallelism, SCHEDULES
 from dtlib.precision import Precision, get_precision
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
+           "flat_link", "flat_vs_hierarchical",
            "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
            "comm_report"]
 
@@ -119,6 +120,31 @@ def hierarchical_time(op: str, nbytes: float, cluster: Cluster, algorithm: str =
         phases["intra all-gather"] = collective_time("all-gather", nbytes, g, cluster.intra, algorithm)
     phases["total"] = sum(phases.values())
     return phases
+
+
+def flat_link(cluster: Cluster) -> Link:
+    """The link that paces one flat ring (or tree) over every GPU of ``cluster``, unaware of nodes.
+
+    In one node it is the intra-node link. Across nodes each step of the ring waits for every
+    rank's send (Thakur, Rabenseifner & Gropp 2005, Sec. 4), so the slowest hop sets the pace: the
+    inter-node hop, at the NIC bandwidth per GPU and the network's latency. NCCL avoids this by
+    running one ring per NIC along the topology (its channels, ``src/graph/tuning.cc``), which
+    brings it close to :func:`hierarchical_time`.
+    """
+    if cluster.nodes == 1:
+        return cluster.intra
+    intra, inter = cluster.intra, cluster.inter
+    return Link(inter.name, min(intra.bandwidth, cluster.inter_bandwidth_per_gpu),
+                max(intra.latency, inter.latency),
+                f"slowest hop of a ring spanning nodes ({intra.name} within, {inter.name} across): "
+                + inter.source)
+
+
+def flat_vs_hierarchical(op: str, nbytes: float, clusters: "list[Cluster]",
+                         algorithm: str = "ring") -> dict[str, list[float]]:
+    """Seconds of ``op`` on each cluster: one flat collective (:func:`flat_link`) vs two-level."""
+    return {"flat": [collective_time(op, nbytes, c.world_size, flat_link(c), algorithm) for c in clusters],
+            "hierarchical": [hierarchical_time(op, nbytes, c, algorithm)["total"] for c in clusters]}
 
 
 def bubble_fraction(pp: Any, microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:

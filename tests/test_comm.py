@@ -109,3 +109,20 @@ def test_zero_sequence_is_an_error_not_the_default():
         strategy_volumes(cfg, Parallelism(dp=8), seq=0)
     with pytest.raises(ValueError, match="seq must be >= 1"):
         cfg.numbers(seq=0)
+
+
+def test_flat_ring_across_nodes_is_paced_by_its_slowest_hop():
+    from dtlib.comm import flat_link, flat_vs_hierarchical
+
+    one, two = cluster("h100-sxm", nodes=1), cluster("h100-sxm", nodes=2)
+    assert flat_link(one) is one.intra
+    link = flat_link(two)
+    assert link.bandwidth == two.inter_bandwidth_per_gpu < two.intra.bandwidth
+    assert link.latency == max(two.intra.latency, two.inter.latency)
+    shared = cluster("h100-sxm", nodes=2, nics_per_node=4)  # two GPUs per NIC: half the bandwidth
+    assert flat_link(shared).bandwidth == pytest.approx(link.bandwidth / 2)
+    t = flat_vs_hierarchical("all-reduce", 2 ** 30, [one, two, cluster("h100-sxm", nodes=16)])
+    assert t["flat"][0] == pytest.approx(collective_time("all-reduce", 2 ** 30, 8, one.intra))
+    # in one node the two plans are the same ring; across nodes the flat ring pays InfiniBand on every hop
+    assert t["hierarchical"][0] == pytest.approx(t["flat"][0], rel=0.25)
+    assert all(f > 4 * h for f, h in zip(t["flat"][1:], t["hierarchical"][1:]))
