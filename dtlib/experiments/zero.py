@@ -9,12 +9,15 @@
   model, data and ranks: final parameters and parameter memory per rank;
 * :func:`setup_stage` / :func:`setup_torch_stage` - a model wrapped for one stage by dtlib or by
   PyTorch itself (DDP, ``ZeroRedundancyOptimizer``, ``fully_shard``), and
-  :func:`single_process_final` - the one-process training all of them must reproduce.
+  :func:`single_process_final` - the one-process training all of them must reproduce;
+* :func:`smallest_fitting_stage` - the choice the lesson ends on: the smallest ZeRO stage whose
+  predicted model states fit on a GPU.
 """
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+import numbers
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -34,7 +37,8 @@ from dtlib.parallelism import Parallelism
 from dtlib.precision import Precision, precision
 
 __all__ = ["FP32_ADAMW", "measure_zero_stages", "predict_zero_stages", "compare_fully_shard",
-           "collective_counter", "setup_stage", "setup_torch_stage", "single_process_final"]
+           "collective_counter", "setup_stage", "setup_torch_stage", "single_process_final",
+           "smallest_fitting_stage"]
 
 FP32_ADAMW: Precision = precision("fp32", optimizer="adamw")  # 4 + 4 + 8 bytes per parameter
 _LR = 1e-3
@@ -285,3 +289,37 @@ def compare_fully_shard(world_size: int = 2, cfg: TransformerConfig | None = Non
     cfg = cfg or tiny_gpt_config(layers=4, hidden=128, heads=4)
     return launch(_fully_shard_worker, world_size, args=(cfg, steps, batch), timeout=120,
                   output="none")[0]
+
+
+# ---- choosing a stage -----------------------------------------------------------------------------
+def smallest_fitting_stage(model: TransformerConfig | str | float, dp: int, gpu_memory_bytes: float, *,
+                           headroom: float = 0.8, prec: Precision | str = "zero") -> int | None:
+    """The smallest ZeRO stage (0 = DDP, 1, 2, 3 = FSDP) whose model states fit on one GPU.
+
+    The rule: take the stages in order 0, 1, 2, 3 and return the first whose parameters +
+    gradients + optimizer states per GPU (:func:`dtlib.memory.memory_per_gpu` for
+    ``Parallelism(dp=dp, zero=stage)``, ``.model_states``) are at most ``headroom *
+    gpu_memory_bytes``; ``None`` when even stage 3 does not fit (add GPUs, or split the model with
+    tensor/pipeline parallelism). ``headroom`` in (0, 1] is the share of the memory the model states
+    may take; the rest is left for activations, temporary buffers and the framework (default 0.8:
+    20% left over). It follows the course's advice (lesson 4, Sec. 5) "start with DDP, add
+    sharding only when memory demands it": each further stage costs something (ZeRO-3 gathers the parameters in every
+    forward and backward, 1.5x DDP's communication; Rajbhandari et al. 2020, Sec. 7), so no more
+    sharding than needed.
+
+    ``model``: a :class:`TransformerConfig`, a preset name or a parameter count; ``prec``: a
+    :class:`Precision` or convention name (default ``"zero"``: 2 + 2 + 12 bytes per parameter).
+    Raises ``ValueError`` for a ``headroom`` outside (0, 1] or a non-positive ``gpu_memory_bytes``;
+    :class:`Parallelism` rejects a bad ``dp``.
+    """
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be a fraction in (0, 1] of the GPU memory the model states "
+                         f"may use, got {headroom!r}")
+    if (isinstance(gpu_memory_bytes, bool) or not isinstance(gpu_memory_bytes, numbers.Real)
+            or not gpu_memory_bytes > 0):
+        raise ValueError(f"gpu_memory_bytes must be a positive number of bytes, got {gpu_memory_bytes!r}")
+    budget = headroom * gpu_memory_bytes
+    for stage in range(4):
+        if memory_per_gpu(model, Parallelism(dp=dp, zero=stage), precision=prec).model_states <= budget:
+            return stage
+    return None
