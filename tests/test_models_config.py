@@ -91,7 +91,32 @@ def test_config_is_frozen_and_hashable():
     assert cfg == tiny_gpt_config() and hash(cfg) == hash(tiny_gpt_config())
 
 
-@pytest.mark.parametrize("kv_heads,position", [(4, "learned"), (2, "rope"), (1, "learned")])
+def rope_reference(x, base=10000.0):
+    """Rotary embeddings written independently of dtlib, in the complex form of Llama's
+    ``apply_rotary_emb`` (Su et al. 2021, eq. 34): a pair of channels is one complex number,
+    multiplied by exp(i * pos * theta_k), theta_k = base^(-2k/d). dtlib pairs channel k with
+    channel k + d/2 (the half-split "rotate_half" layout of GPT-NeoX and Hugging Face's Llama),
+    not adjacent channels (2k, 2k+1) as Meta's original Llama code does; the pairing here is
+    the half-split one. ``x``: [..., s, d]; computed in float64."""
+    s, d = x.shape[-2], x.shape[-1]
+    theta = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+    angles = torch.arange(s, dtype=torch.float64)[:, None] * theta[None, :]  # [s, d/2]
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double()) * torch.polar(
+        torch.ones_like(angles), angles)
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def alibi_bias(heads, s):
+    """ALiBi (Press et al. 2022, Sec. 3): head h adds slope_h * (j - i) to the score of query i
+    on key j; for n heads (a power of 2) the slopes are the geometric sequence that starts at
+    2^(-8/n) with that same ratio, i.e. slope_h = 2^(-8 (h+1) / n)."""
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+    pos = torch.arange(s, dtype=torch.float32)
+    return slopes[:, None, None] * (pos[None, :] - pos[:, None])  # [heads, s, s]
+
+
+@pytest.mark.parametrize("kv_heads,position", [(4, "learned"), (2, "rope"), (1, "learned"), (4, "rope"),
+                                               (4, "alibi"), (2, "alibi")])
 def test_attention_matches_pytorch_sdpa(kv_heads, position):
     torch.manual_seed(0)
     cfg = tiny_gpt_config(kv_heads=kv_heads, position=position)
@@ -102,11 +127,34 @@ def test_attention_matches_pytorch_sdpa(kv_heads, position):
     q = q.view(b, s, cfg.heads, d).transpose(1, 2)
     k, v = (t.view(b, s, kv_heads, d).transpose(1, 2) for t in (k, v))
     if position == "rope":
-        q, k = attn._rope(q, s), attn._rope(k, s)
+        q, k = rope_reference(q), rope_reference(k)
     groups = cfg.heads // kv_heads  # head j uses KV head j // groups
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+    if position == "alibi":  # the ALiBi bias plus the causal mask, as one additive float mask
+        causal = torch.full((s, s), float("-inf")).triu(1)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(cfg.heads, s) + causal)
+    else:
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = ref.transpose(1, 2).reshape(b, s, h)
     torch.testing.assert_close(attn(x), attn.proj(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_the_distance():
+    """The defining property of RoPE (Su et al. 2021, Sec. 3.2): with the same query and key
+    content at every position, q_i . k_j is a function of i - j only, and it does vary with it."""
+    torch.manual_seed(0)
+    cfg = tiny_gpt_config(position="rope")
+    attn = Attention(cfg, dropout=0.0)
+    s, d = cfg.seq, cfg.head_dim
+    q = attn._rope(torch.randn(d).expand(s, d), s)
+    k = attn._rope(torch.randn(d).expand(s, d), s)
+    scores = q @ k.T
+    for offset in range(-(s - 1), s):
+        diagonal = scores.diagonal(offset)
+        torch.testing.assert_close(diagonal, diagonal[:1].expand_as(diagonal), atol=1e-4, rtol=1e-4)
+    by_distance = torch.stack([scores.diagonal(o)[0] for o in range(s)])
+    assert (by_distance.max() - by_distance.min()) > 0.1 * by_distance.abs().max()
+    torch.testing.assert_close(q.norm(dim=-1), torch.full((s,), float(q[0].norm())))  # a rotation
 
 
 def test_tinygpt_forward_and_errors():
