@@ -224,6 +224,20 @@ class PerParameter(MiniDDP):
         self.reset()
 
 
+class WaitsInHook(MiniDDP):
+    def _grad_ready(self, p):
+        b = self._copy_in(p, 1 / self.world_size)
+        if self.missing[b] == 0:  # async, but waited for at once: no overlap
+            self.works[b] = dist.all_reduce(self.flat[b], async_op=True)
+            self.works[b].wait()
+
+
+class NeverWaits(MiniDDP):
+    def finish(self):
+        self.works = [None] * len(self.works)  # drops the work objects unwaited
+        super().finish()
+
+
 class Stub(MiniDDP):
     def _grad_ready(self, p):
         ...
@@ -243,6 +257,8 @@ def test_ddp_check_accepts_the_solution():
     (NoCopyBack, "different weights from rank 0"),
     (PerParameter, "one per parameter"),
     (Stub, "issued no all_reduce"),
+    (WaitsInHook, "waited for before backward\\(\\) returned"),
+    (NeverWaits, "never waited for"),
 ])
 def test_ddp_check_rejects_classic_mistakes(cls, message):
     with pytest.raises(AssertionError, match=message):
@@ -253,7 +269,8 @@ def test_learners_timeline_is_drawn_with_the_lesson_plot():
     rec = checks.record_timeline(MiniDDP, bucket_cap_mb=1.0, layers=3, width=512, batch=16)
     assert len(rec.bucket_issued) == 3 and rec.overlapped_buckets == 3
     assert all(d is not None and d >= i for i, d in zip(rec.bucket_issued, rec.bucket_done))
-    assert isinstance(plot_overlap_timeline({"mine": rec}), Figure)
+    fig = plot_overlap_timeline({"mine": rec})
+    assert len(fig.axes) == 1 and "mine" in fig.axes[0].get_title()
     with pytest.raises(AssertionError, match="raised on rank"):
         checks.record_timeline(lambda model, cap: 1 / 0)
 
@@ -301,13 +318,16 @@ def test_compression_runs_report_bytes_and_accuracy():
 
 
 def test_plots_build():
-    assert isinstance(viz.plot_ring_steps(3), Figure)
+    ring = viz.plot_ring_steps(3)  # 2(n-1) steps of the ring, one panel each, ranks drawn in each
+    assert len(ring.axes) >= 2 * (3 - 1) and all(ax.patches or ax.texts for ax in ring.axes if ax.axison)
     sizes = [1024, 2 ** 20]
     measured = [{"impl": "x", "bytes": 1024, "seconds": 1e-4},
                 {"impl": "x", "bytes": 2 ** 20, "seconds": 2e-3}]
     fig = viz.plot_alpha_beta(sizes, {"m": [1e-4, 1e-3]}, 2, measured=measured, mark=1024)
     assert len(fig.axes) == 2
-    assert isinstance(viz.plot_curves([1, 2], {"a": [1.0, 2.0]}, "x", "y", logx=True), Figure)
+    curves = viz.plot_curves([1, 2], {"a": [1.0, 2.0], "b": [2.0, 3.0]}, "x", "y", logx=True)
+    assert [line.get_label() for line in curves.axes[0].get_lines()] == ["a", "b"]
+    assert list(curves.axes[0].get_lines()[1].get_ydata()) == [2.0, 3.0]
     with pytest.raises(ValueError, match="between 2 and 8"):
         viz.plot_ring_steps(9)
     with pytest.raises(ValueError, match="2 values for 3"):

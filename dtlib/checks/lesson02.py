@@ -294,7 +294,8 @@ class _TimedWork:
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         out = self._work.wait(*args, **kwargs)
-        self._done[self._index] = time.perf_counter()
+        if self._done[self._index] is None:  # the first wait is the one that blocked
+            self._done[self._index] = time.perf_counter()
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -338,9 +339,12 @@ def _ddp_step(ddp: Any, x: torch.Tensor, y: torch.Tensor, world_size: int) -> di
                         bucket_done=done,
                         comm=[(i, "all_reduce", c["numel"], c["bytes"] // max(c["numel"], 1))
                               for i, c in enumerate(calls)])
+    waits = [d for c, d in zip(calls, done) if c["async"]]
     return {"calls": len(calls), "before_end": sum(c["t"] < backward_end for c in calls),
             "all_async": all(c["async"] for c in calls), "numels": [c["numel"] for c in calls],
-            "record": record}
+            # an async all-reduce waited for inside the hook blocks backward like a sync one
+            "waited_in_backward": sum(d is not None and d < backward_end for d in waits),
+            "never_waited": sum(d is None for d in waits), "record": record}
 
 
 def _ddp_worker(rank: int, world_size: int, cls: type, cap_mb: float, steps: int,
@@ -433,6 +437,17 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                         f"{setting}, the all-reduces are blocking: pass async_op=True, keep the "
                         "returned work objects and wait() for them in finish(); a blocking call in "
                         "the hook stalls backward until the communication is over")
+                if st["waited_in_backward"]:
+                    raise AssertionError(
+                        f"{setting}, {st['waited_in_backward']} all-reduce(s) were waited for "
+                        "before backward() returned: wait() inside the hook blocks backward just "
+                        "like a synchronous call, so nothing overlaps; keep the work objects and "
+                        "wait() for them in finish()")
+                if st["never_waited"]:
+                    raise AssertionError(
+                        f"{setting}, {st['never_waited']} all-reduce(s) were never waited for: "
+                        "call wait() on each bucket's work in finish() before copying its values "
+                        "back, or the optimizer may read a buffer the all-reduce is still writing")
         ref = ranks[0]
         for rank, out in enumerate(ranks[1:], start=1):
             if _max_diff(out["params"], ref["params"]) > 1e-6:
