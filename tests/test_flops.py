@@ -1,8 +1,11 @@
 """FLOPs and MFU: the analytic count against FlopCounterMode on TinyGPT, the published formulas,
 Korthikanti et al.'s 22B MFU, and the conventions."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtlib.flops import (flops_report, forward_flops_per_token, matmul_params_per_layer,
@@ -50,7 +53,11 @@ def test_korthikanti_22b_mfu():
     r = flops_report(get_preset("megatron-22b"), batch=4, step_time=1.10, gpus=8, gpu="a100-80gb",
                      recompute="selective")
     assert 100 * r["mfu"] == pytest.approx(41.5, abs=0.2)
-    assert r["hfu"] > r["mfu"]
+    # selective recompute repeats QK^T and A.V: 2 products x 2 s h FLOPs per token and layer
+    cfg = get_preset("megatron-22b")
+    extra = 4 * cfg.seq * (4 * cfg.seq * cfg.hidden * cfg.layers)  # batch 4 x seq tokens
+    assert r["hardware_flops_per_step"] - r["model_flops_per_step"] == pytest.approx(extra, rel=1e-12)
+    assert r["hfu"] / r["mfu"] == pytest.approx(1 + extra / r["model_flops_per_step"], rel=1e-12)
 
 
 def test_conventions_causal_and_logits():
@@ -69,6 +76,9 @@ def test_recompute_adds_hardware_flops_only():
     none, sel, full = (step_flops(1000, recompute=r, **shape) for r in ("none", "selective", "full"))
     assert none["model"] == sel["model"] == full["model"] == none["hardware"]
     assert none["hardware"] < sel["hardware"] < full["hardware"]
+    # Korthikanti et al. 2022, Sec. 5: selective recompute repeats the forward attention products
+    # QK^T and A.V, 2 x 2 s h FLOPs per token and layer (full score matrix, docs/analytic.md)
+    assert sel["hardware"] - none["hardware"] == 1000 * 2 * 2 * shape["seq"] * shape["hidden"] * shape["layers"]
     with pytest.raises(ValueError, match="recompute must be one of"):
         step_flops(1000, recompute="some", **shape)
 
@@ -110,3 +120,39 @@ def test_full_recompute_hardware_flops_match_a_checkpointed_tinygpt():
     f = step_flops(2 * cfg.seq, recompute="full", **shape_of(cfg))
     assert f["hardware"] == pytest.approx(counter.get_total_flops(), rel=0.02)
     assert f["hardware"] > 1.25 * f["model"]
+
+
+def _attention_core_recomputed(ctx, op, *args, **kwargs):
+    """Selective recompute policy (Korthikanti et al. 2022, Sec. 5): QK^T and A.V (the batched
+    matmuls), the mask and the softmax are recomputed in backward; everything else is kept."""
+    aten = torch.ops.aten
+    recompute = (aten.bmm.default, aten._softmax.default, aten.masked_fill.Scalar)
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in recompute else CheckpointPolicy.MUST_SAVE
+
+
+class _SelectiveBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, _attention_core_recomputed))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(layers=3, kv_heads=2, position="rope", seq=48)])
+def test_selective_recompute_hardware_flops_match_a_tinygpt_that_recomputes_attention(overrides):
+    """Hardware FLOPs with selective recompute = FlopCounterMode on a TinyGPT whose blocks run
+    under torch.utils.checkpoint with a selective policy that recomputes only the attention core."""
+    cfg = tiny_gpt_config(**overrides)
+    model = TinyGPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    with FlopCounterMode(display=False) as plain:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    model.blocks = torch.nn.ModuleList(_SelectiveBlock(b) for b in model.blocks)
+    with FlopCounterMode(display=False) as selective:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    f = step_flops(2 * cfg.seq, recompute="selective", **shape_of(cfg))
+    assert selective.get_total_flops() > plain.get_total_flops()  # the policy did recompute
+    assert f["model"] == pytest.approx(plain.get_total_flops(), rel=1e-9)
+    assert f["hardware"] == pytest.approx(selective.get_total_flops(), rel=1e-9)
