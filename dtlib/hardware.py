@@ -118,11 +118,11 @@ MIN_COPY_BYTES = 256 * 2 ** 20  # far beyond any L2 and most L3 caches
 MAX_COPY_BYTES = 2 ** 30        # bounds memory (two buffers) and time (~0.2 s a copy at 10 GB/s)
 
 
-def _l3_bytes() -> int | None:
+def _l3_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """Size of the L3 cache that CPU 0 sees (Linux sysfs), or None where it cannot be read."""
     import glob
 
-    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+    for index in sorted(glob.glob(f"{cache_dir}/index*")):
         try:
             with open(f"{index}/level") as f:
                 if f.read().strip() != "3":

@@ -81,6 +81,18 @@ def test_measure_and_add_the_local_cpu():
         measure_cpu(n=16, repeats=1, copy_bytes=8 * 2 ** 10)
 
 
-def test_l3_size_is_read_or_unknown():
-    l3 = _l3_bytes()
-    assert l3 is None or 2 ** 16 <= l3 <= 2 ** 32  # 64 KiB .. 4 GiB
+def test_l3_size_is_read_from_sysfs(tmp_path):
+    def index(i, level, size):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{i}" / "size").write_text(f"{size}\n")
+
+    index(0, 1, "48K")
+    index(2, 2, "2048K")
+    assert _l3_bytes(str(tmp_path)) is None  # no level-3 cache
+    index(3, 3, "32768K")
+    assert _l3_bytes(str(tmp_path)) == 32 * 2 ** 20
+    (tmp_path / "index3" / "size").write_text("big\n")
+    assert _l3_bytes(str(tmp_path)) is None
+    l3 = _l3_bytes()  # this machine: read if sysfs has it
+    assert l3 is None or 2 ** 16 <= l3 <= 2 ** 32

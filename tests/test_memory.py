@@ -114,7 +114,6 @@ def test_interleaving_needs_two_virtual_stages_and_a_pipeline():
 
 # ---- the memory calculator widget ------------------------------------------------------------
 def test_calculator_keeps_the_pipeline_controls_consistent():
-    pytest.importorskip("ipywidgets")
     from dtlib.widgets.memory import memory_calculator, pipeline_controls
 
     assert pipeline_controls("schedule", "interleaved", 1, 1) == {"schedule": "interleaved", "virtual_stages": 2, "pp": 2}
