@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch
 
 from dtlib.comm import bytes_sent_per_rank
 from dtlib.launcher import RankFailedError, launch
@@ -225,8 +226,34 @@ def test_bad_input_gives_clear_errors():
         C.ring_schedule(2, "all_to_all")
 
 
+def _ring_cells(fig, n):
+    """{(rank, chunk): inputs summed} read back from the cell labels "k/n" of the ring plot."""
+    (ax,) = fig.axes
+    cells = {}
+    for t in ax.texts:
+        if t.get_text().endswith(f"/{n}"):
+            x, y = t.get_position()
+            cells[(n - 1 - int(y), int(x))] = int(t.get_text().split("/")[0])
+    return cells
+
+
+def test_ring_plot_shows_the_all_reduce_progress():
+    n = 4
+    arrows = lambda fig: sum(isinstance(p, FancyArrowPatch) for p in fig.axes[0].patches)
+    start, end_rs, done = (plot_ring_all_reduce(n, s) for s in (0, n - 1, 2 * (n - 1)))
+    assert _ring_cells(start, n) == {(r, c): 1 for r in range(n) for c in range(n)}
+    assert arrows(start) == n  # every rank sends one chunk per step
+    # after the reduce-scatter each rank holds 1, 2, ..., n inputs in its chunks, and each chunk
+    # is complete on exactly one rank
+    cells = _ring_cells(end_rs, n)
+    assert all(sorted(cells[(r, c)] for c in range(n)) == list(range(1, n + 1)) for r in range(n))
+    assert sorted(c for (r, c), k in cells.items() if k == n) == list(range(n))
+    assert arrows(end_rs) == n
+    assert _ring_cells(done, n) == {(r, c): n for r in range(n) for c in range(n)}
+    assert arrows(done) == 0 and "done" in done.axes[0].get_title()
+
+
 def test_plots_return_figures():
-    assert isinstance(plot_ring_all_reduce(4, 3), Figure)
     rows = [{"impl": i, "bytes": b, "busbw": b / 1e-3, "algbw": b / 2e-3}
             for i in ("ring", "gloo") for b in (1024, 4096)]
     fig = plot_bandwidth(rows)

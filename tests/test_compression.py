@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
@@ -229,7 +228,11 @@ def test_compressed_training_still_learns_with_fewer_bytes():
         assert accuracy > 0.8, which
         assert wire < base_bytes, which
         rows.append({"method": which, "bytes_per_step": wire, "accuracy": accuracy})
-    assert isinstance(plot_compression_tradeoff(rows), Figure)
+    fig = plot_compression_tradeoff(rows)
+    (ax,) = fig.axes  # one point per method at (bytes per step, accuracy in %)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fp16", "topk", "powersgd"]
+    points = [xy for c in ax.containers for xy in (c.lines[0].get_xdata()[0], c.lines[0].get_ydata()[0])]
+    assert points == pytest.approx([xy for r in rows for xy in (r["bytes_per_step"], 100 * r["accuracy"])])
 
 
 def test_bad_hook_settings():

@@ -5,7 +5,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from matplotlib.figure import Figure
 
 from dtlib.checks import lesson04 as checks
 from dtlib.models import TinyGPT, tiny_gpt_config
@@ -148,7 +147,26 @@ def test_measured_bytes_per_rank_match_the_prediction():
     for z in (0, 2, 3):
         assert out[z]["sent"] == pytest.approx(out[z]["predicted"]["sent"], rel=1e-3)
     assert out[1]["sent"] == pytest.approx(1.5 * out[1]["predicted"]["sent"], rel=1e-3)
-    assert isinstance(viz.plot_zero_stages(out), Figure)
+    fig = viz.plot_zero_stages(out)
+    left, right = fig.axes
+    parts = ("parameters", "gradients", "optimizer")
+    # left: one stacked bar per rank and stage, in a power-of-1024 unit; one dashed prediction each
+    measured = [rank[p] for z in out for rank in out[z]["per_rank"] for p in parts]
+    heights = [p.get_height() for p in left.patches]
+    unit = sum(measured) / sum(heights)
+    assert min(abs(unit - 1024 ** k) for k in range(4)) < 1e-6 * unit
+    assert [h * unit for h in heights] == pytest.approx(measured)
+    assert len(left.collections) == len(out)
+    assert [t.get_text() for t in left.get_legend().get_texts()] == [*parts, "predicted"]
+    labels = [t.get_text() for t in left.get_xticklabels()]
+    assert len(labels) == 4 and labels[0].startswith("DDP")
+    assert all(f"ZeRO-{z}" in labels[z] for z in (1, 2, 3))
+    # right: measured and predicted bytes sent, side by side for each stage
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["measured", "predicted"]
+    sent = [p.get_height() for p in right.patches]
+    assert len(sent) == 2 * len(out)
+    assert [m / p for m, p in zip(sent[:4], sent[4:])] == pytest.approx(
+        [out[z]["sent"] / out[z]["predicted"]["sent"] for z in out], rel=1e-6)
 
 
 def test_predictions_follow_the_zero_paper():
@@ -181,7 +199,11 @@ def test_plots_build_and_refuse_empty_input():
     fig = viz.plot_stage_costs(per_rank, predicted={"DDP": per_rank["DDP"][0]},
                                sent={"DDP": {"measured": 1.0, "predicted": 1.0}}, gpu_memory=20.0)
     assert len(fig.axes) == 2
-    assert isinstance(viz.plot_side_by_side({"a": {"x": 1.0, "y": 2.0}}), Figure)
+    fig = viz.plot_side_by_side({"a": {"x": 1.0, "y": 2.0}, "b": {"x": 3.0}}, scale=1.0)
+    (ax,) = fig.axes  # bars grouped by key, one series per inner key (a missing value is 0)
+    assert [p.get_height() for p in ax.patches] == [1.0, 3.0, 2.0, 0.0]  # series x, then y
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["x", "y"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b"]
     with pytest.raises(ValueError, match="nothing to plot"):
         viz.plot_stage_costs({})
     with pytest.raises(ValueError, match="nothing to plot"):

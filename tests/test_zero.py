@@ -235,7 +235,13 @@ def test_optimizer_state_bytes_per_rank_are_one_nth(stage):
             assert all(ours["full_grads_left"]) and ours["grads"] == held["gradients"]
         per_rank.setdefault(f"ZeRO-{stage}", []).append(
             {"parameters": held["parameters"], "gradients": ours["grads"], "optimizer": ours["state"]})
-    assert plot_rank_memory(per_rank) is not None
+    fig = plot_rank_memory(per_rank)
+    (ax,) = fig.axes  # one stacked bar per rank: parameters, gradients, optimizer (MiB)
+    parts = ["parameters", "gradients", "optimizer"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == parts
+    assert [p.get_height() for p in ax.patches] == pytest.approx(
+        [d[part] / 2 ** 20 for d in per_rank[f"ZeRO-{stage}"] for part in parts])
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == [f"ZeRO-{stage}"]
 
 
 def _misuse(rank, world_size):
