@@ -11,7 +11,8 @@ reduce-scatter) and Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p)
   gradients are all 1/N;
 * just before a unit's forward its shards are all-gathered (in ``compute_dtype`` if given) and
   the module's parameters are bound to views of the full buffer; right after its forward they are
-  unbound and the buffer is freed;
+  unbound and the buffer's storage is freed (resized to 0, as PyTorch FSDP's ``_free_storage``,
+  so the memory goes at once even if the backend still holds the tensor object);
 * tensors that autograd saves for backward and that are views of a gathered buffer are not kept:
   a ``saved_tensors_hooks`` pack hook replaces them by (unit, size, stride, offset), and the unpack
   hook all-gathers the unit *again* just before its backward needs it (the "all-gather before
@@ -30,7 +31,6 @@ sharded, not cast: with ``compute_dtype`` they must already have that dtype), an
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 import torch
@@ -108,7 +108,13 @@ class _Unit:
         for owners in self.aliases:
             for _, mod, attr in owners:
                 setattr(mod, attr, None)
-        self.full = None  # the storage goes once autograd drops the views it still uses
+        if self.full is not None:
+            # Release the memory now, whoever still holds the tensor object (e.g. the backend's
+            # worker thread, for a moment after the collective): PyTorch FSDP's ``_free_storage``.
+            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes).
+            self.owner._released(self.full.untyped_storage().nbytes())
+            self.full.untyped_storage().resize_(0)
+            self.full = None
 
     def reduce_scatter_grad(self, grad_full: torch.Tensor) -> None:
         grad = grad_full.contiguous() / self.owner.world_size  # average; divide first (fp16)
@@ -236,18 +242,12 @@ class FSDP(nn.Module):
         return x
 
     def _allocated(self, full: torch.Tensor) -> None:
-        """Account a gathered buffer until its storage is really released (weakref finalizer:
-        every view keeps its base alive, so the base dies with the last view)."""
-        nbytes = full.untyped_storage().nbytes()
-        self._live_bytes += nbytes
+        """Account a gathered buffer from its all-gather until :meth:`_Unit.free` releases it."""
+        self._live_bytes += full.untyped_storage().nbytes()
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self._live_bytes)
-        weakref.finalize(full, FSDP._released, weakref.ref(self), nbytes)
 
-    @staticmethod
-    def _released(ref: "weakref.ref[FSDP]", nbytes: int) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._live_bytes -= nbytes
+    def _released(self, nbytes: int) -> None:
+        self._live_bytes -= nbytes
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradient reduce-scatters; accumulate them into the shards' ``.grad``."""
