@@ -152,8 +152,8 @@ def measure_cpu(n: int = 512, repeats: int = 5, name: str = "cpu-local",
 
     if n < 16 or repeats < 1:
         raise ValueError(f"need n >= 16 and repeats >= 1, got n={n}, repeats={repeats}")
+    l3 = _l3_bytes()
     if copy_bytes is None:
-        l3 = _l3_bytes()
         copy_bytes = min(max(MIN_COPY_BYTES, 4 * (l3 or 0)), MAX_COPY_BYTES)
     if isinstance(copy_bytes, bool) or not isinstance(copy_bytes, int) or copy_bytes < 2 ** 20:
         raise ValueError(f"copy_bytes must be an integer >= 1 MiB (default: 4 x L3, at least "
@@ -170,7 +170,6 @@ def measure_cpu(n: int = 512, repeats: int = 5, name: str = "cpu-local",
     del src, dst
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     peaks = {"fp32": flops, "tf32": None, "bf16": None, "fp16": None, "fp8": None}
-    l3 = _l3_bytes()
     cache = f"L3 {l3 / 2 ** 20:g} MiB" if l3 else "L3 size unknown"
     src_text = (f"measured by dtlib.hardware.measure_cpu on {platform.node() or 'this machine'} "
                 f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads): "

@@ -15,9 +15,9 @@
 """
 from __future__ import annotations
 
+import numbers
 import warnings
 from contextlib import contextmanager
-import numbers
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -303,9 +303,9 @@ def smallest_fitting_stage(model: TransformerConfig | str | float, dp: int, gpu_
     tensor/pipeline parallelism). ``headroom`` in (0, 1] is the share of the memory the model states
     may take; the rest is left for activations, temporary buffers and the framework (default 0.8:
     20% left over). It follows the course's advice (lesson 4, Sec. 5) "start with DDP, add
-    sharding only when memory demands it": each further stage costs something (ZeRO-3 gathers the parameters in every
-    forward and backward, 1.5x DDP's communication; Rajbhandari et al. 2020, Sec. 7), so no more
-    sharding than needed.
+    sharding only when memory demands it": each further stage costs something (ZeRO-3 gathers
+    the parameters in every forward and backward, 1.5x DDP's communication; Rajbhandari et al.
+    2020, Sec. 7), so no more sharding than needed.
 
     ``model``: a :class:`TransformerConfig`, a preset name or a parameter count; ``prec``: a
     :class:`Precision` or convention name (default ``"zero"``: 2 + 2 + 12 bytes per parameter).
