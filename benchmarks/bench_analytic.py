@@ -12,18 +12,18 @@ import time
 
 import numpy as np
 
-from dtlib.flops import flops_report
-from dtlib.memory import memory_per_gpu
+from dtlib.analytic.flops import flops_report
+from dtlib.analytic.memory import memory_per_gpu
 from dtlib.models import get_preset
-from dtlib.parallelism import Parallelism
-from dtlib.vectorised import flops_batch, memory_batch
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.vectorised import flops_batch, memory_batch
 
 
 def random_layouts(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return dict(dp=rng.choice([1, 2, 4, 8, 16, 32, 64], n), tp=rng.choice([1, 2, 4, 8], n),
                 pp=rng.choice([1, 2, 4, 8], n), cp=rng.choice([1, 2], n), zero=rng.integers(0, 4, n),
-                micro_batch=rng.choice([1, 2, 4], n), microbatches=rng.choice([1, 8, 32], n))
+                micro_batch_size=rng.choice([1, 2, 4], n), num_microbatches=rng.choice([1, 8, 32], n))
 
 
 def _rate(fn, count: int) -> float:
@@ -52,10 +52,10 @@ def main() -> None:
 
     def scalar_flops():
         for kw in rows:
-            flops_report(cfg, kw["dp"] * kw["micro_batch"] * kw["microbatches"], step_time=1.0,
+            flops_report(cfg, kw["dp"] * kw["micro_batch_size"] * kw["num_microbatches"], step_time=1.0,
                          gpus=kw["dp"] * kw["tp"] * kw["pp"] * kw["cp"])
 
-    batch = big["dp"] * big["micro_batch"] * big["microbatches"]
+    batch = big["dp"] * big["micro_batch_size"] * big["num_microbatches"]
     gpus = big["dp"] * big["tp"] * big["pp"] * big["cp"]
     results = {
         "memory, scalar": _rate(scalar_memory, args.scalar_n),

@@ -3,7 +3,7 @@
 For each message size (1 KiB .. 64 MiB of float32) and collective, time ``--iters`` calls after
 ``--warmup`` and report, as nccl-tests does (doc/PERFORMANCE.md): time = median over iterations of
 the slowest rank, algbw = S / time, busbw = algbw x (2(n-1)/n for all-reduce, (n-1)/n for
-reduce-scatter and all-gather), computed by :mod:`dtlib.comm`. ``ratio`` = ours / built-in busbw.
+reduce-scatter and all-gather), computed by :mod:`dtlib.analytic.comm`. ``ratio`` = ours / built-in busbw.
 
     python benchmarks/bench_collectives.py --quick
     python benchmarks/bench_collectives.py --world-size 4 --plot docs/img/busbw.png
@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 import dtlib
-from dtlib.comm import algbw, busbw
+from dtlib.analytic.comm import algbw, busbw
 from dtlib.parallel import collectives as C
 
 # (collective, ours, built-in), each a function of (full buffer, rank's shard) for one call
 CASES = {
-    "all-reduce": (lambda full, shard: C.ring_all_reduce(full),
+    "all_reduce": (lambda full, shard: C.ring_all_reduce(full),
                    lambda full, shard: dist.all_reduce(full)),
-    "reduce-scatter": (lambda full, shard: C.ring_reduce_scatter(full),
+    "reduce_scatter": (lambda full, shard: C.ring_reduce_scatter(full),
                        lambda full, shard: C.reduce_scatter_into(shard, full)),
-    "all-gather": (lambda full, shard: C.ring_all_gather(shard),
+    "all_gather": (lambda full, shard: C.ring_all_gather(shard),
                    lambda full, shard: C.all_gather_into(full, shard)),
 }
 
@@ -99,7 +99,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     if a.plot:  # one panel per collective
-        from dtlib.viz.parallel import plot_bandwidth
+        from dtlib.viz.comm import plot_bandwidth
         plot_bandwidth(rows).savefig(a.plot, dpi=120)
         print(f"plot saved to {a.plot}")
 

@@ -7,7 +7,7 @@ fallback, named in the output) with BucketedDDP and each communication hook of
 
 Bytes: per rank per step in the steady state (after PowerSGD's uncompressed warm-up steps):
 ``payload`` = sizes handed to collectives, ``wire`` = bytes a rank sends if they run as rings
-(:func:`dtlib.comm.bytes_sent_per_rank`). For PyTorch's hook the all-reduces it issues are
+(:func:`dtlib.analytic.comm.bytes_sent_per_rank`). For PyTorch's hook the all-reduces it issues are
 counted by wrapping ``torch.distributed.all_reduce``.
 
     python benchmarks/bench_compression.py --quick
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import dtlib
-from dtlib.comm import bytes_sent_per_rank
+from dtlib.analytic.comm import bytes_sent_per_rank
 from dtlib.data import global_batches, load_mnist, shard_batch
 from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, PowerSGDState, TopKState, bf16_compress_hook,
@@ -103,7 +103,7 @@ def worker(rank: int, world_size: int, steps: int, batch: int, lr: float, start_
             numel = sum(p.numel() for p in model.parameters())
             counted = sent if hook is not None else [4 * numel]  # no hook: one fp32 all-reduce
             payload = sum(counted)
-            wire = sum(bytes_sent_per_rank("all-reduce", b, world_size) for b in counted)
+            wire = sum(bytes_sent_per_rank("all_reduce", b, world_size) for b in counted)
         with torch.no_grad():
             accuracy = (model(test.images).argmax(1) == test.labels).float().mean().item()
         rows.append({"method": name, "payload_bytes": payload, "bytes_per_step": wire,
@@ -147,7 +147,7 @@ def main() -> None:
               f"{100 * r['accuracy_std']:>7.2f}{100 * (r['accuracy'] - base['accuracy']):>+8.2f}"
               f"{r['ms_per_step']:>9.1f}")
     if a.plot:
-        from dtlib.viz.parallel import plot_compression_tradeoff
+        from dtlib.viz.comm import plot_compression_tradeoff
         plot_compression_tradeoff(rows).savefig(a.plot, dpi=120)
         print(f"plot saved to {a.plot}")
 

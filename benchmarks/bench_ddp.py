@@ -86,7 +86,7 @@ def main() -> None:
             print(f"  {name:<12} {1e3 * t:8.1f} ms/step   ratio vs torch DDP {t / med['torch DDP']:.3f}")
         last = out["record"]
     if a.plot and last is not None:
-        from dtlib.viz.parallel import plot_overlap_timeline
+        from dtlib.viz.timeline import plot_overlap_timeline
         plot_overlap_timeline({f"BucketedDDP, {a.world_sizes[-1]} ranks": last}).savefig(a.plot, dpi=120)
         print(f"plot saved to {a.plot}")
 

@@ -5,10 +5,10 @@ Three parts, each on real ranks (gloo on CPU):
 1. Model states per rank (:func:`dtlib.experiments.zero.measure_zero_stages`): bytes of
    parameters, gradients (held after the gradient synchronisation) and AdamW state that each
    rank holds under DDP (unsharded), ZeRO-1, ZeRO-2 and the toy FSDP, the ratio of the optimizer
-   state to 1/N of the unsharded one, :func:`dtlib.memory.memory_per_gpu`'s prediction, and the
+   state to 1/N of the unsharded one, :func:`dtlib.analytic.memory.memory_per_gpu`'s prediction, and the
    largest difference of the final weights from one process doing the same training
    (:func:`~dtlib.experiments.zero.single_process_final`).
-2. Peak parameter memory of the toy FSDP vs ``fully_shard`` (FSDP2) vs dtlib.memory's ZeRO-3
+2. Peak parameter memory of the toy FSDP vs ``fully_shard`` (FSDP2) vs dtlib.analytic.memory's ZeRO-3
    model (:func:`~dtlib.experiments.zero.compare_fully_shard`; PyTorch's side is measured by its
    ``FSDPMemTracker`` at the moment of its peak total memory), and the largest weight difference.
 3. Step time (forward + backward + synchronisation + AdamW; slowest rank, median over the steps
@@ -46,7 +46,7 @@ def model_states(world_size: int, cfg, steps: int, batch: int) -> None:
     n_params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     unsharded_opt = out[0]["per_rank"][0]["optimizer"]
     print(f"\n1. Model states per rank: TinyGPT {n_params:,} parameters, {world_size} ranks, fp32 AdamW, "
-          f"{steps} steps (bytes; max over ranks; 'predicted' = dtlib.memory.memory_per_gpu)")
+          f"{steps} steps (bytes; max over ranks; 'predicted' = dtlib.analytic.memory.memory_per_gpu)")
     print(f"{'':<17}{'params':>10}{'grads held':>12}{'predicted':>11}{'optimizer':>11}{'predicted':>11}"
           f"{'opt / (unsharded/N)':>21}{'max |w - 1 process|':>21}")
     for z, name in STAGES.items():
@@ -64,21 +64,21 @@ def fsdp_peak(world_size: int, cfg, steps: int, batch: int) -> None:
     cmp = compare_fully_shard(world_size, cfg=cfg, steps=steps, batch=batch)
     pred = predict_zero_stages(cfg, world_size, stages=(3,))[3]
     ours, theirs = cmp["ours"], cmp["torch"]
-    unit = pred["temporary"] / 2  # dtlib.memory's temporary = one unit's parameters + gradients
+    unit = pred["temporary"] / 2  # dtlib.analytic.memory's temporary = one unit's parameters + gradients
     model = TinyGPT(cfg)
     in_blocks = sum(p.numel() for m in model.modules() if isinstance(m, Block) for p in m.parameters())
     root = sum(p.numel() for p in model.parameters()) - in_blocks
-    print(f"\n2. Peak parameter memory per rank, toy FSDP vs fully_shard vs dtlib.memory (ZeRO-3), "
+    print(f"\n2. Peak parameter memory per rank, toy FSDP vs fully_shard vs dtlib.analytic.memory (ZeRO-3), "
           f"{world_size} ranks, one unit per block + root (bytes)")
     print(f"{'':<34}{'sharded':>10}{'unsharded at peak':>19}{'all-gather buffers':>20}{'total':>10}")
     rows = [("toy FSDP (measured)", ours["sharded_param_bytes"], ours["peak_unsharded_bytes"], 0),
             ("fully_shard (FSDPMemTracker)", theirs["SHARDED_PARAM"], theirs["UNSHARDED_PARAM"],
              theirs["ALL_GATHER"]),
-            ("dtlib.memory (one unit gathered)", pred["parameters"], unit, 0)]
+            ("dtlib.analytic.memory (one unit gathered)", pred["parameters"], unit, 0)]
     for name, sharded, unsharded, gather in rows:
         print(f"{name:<34}{sharded:>10,.0f}{unsharded:>19,.0f}{gather:>20,.0f}"
               f"{sharded + unsharded + gather:>10,.0f}")
-    print(f"toy - dtlib.memory = {ours['peak_param_bytes'] - pred['parameters'] - unit:,.0f} B; the root "
+    print(f"toy - dtlib.analytic.memory = {ours['peak_param_bytes'] - pred['parameters'] - unit:,.0f} B; the root "
           f"unit ({root:,} parameters, {4 * root:,} B unpadded) stays gathered while a block is")
     print(f"max |w_toy - w_fully_shard| after {steps} AdamW steps: {cmp['max_param_diff']:.1e}")
 

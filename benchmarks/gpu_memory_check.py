@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_memory_check.py [--layers 8 --hidden 1024 --heads 16 --seq 1024 --batch 8]
 
-Prints ``dtlib.memory.memory_per_gpu``'s breakdown (fp32 weights, AdamW, GPU dropout masks of 1
+Prints ``dtlib.analytic.memory.memory_per_gpu``'s breakdown (fp32 weights, AdamW, GPU dropout masks of 1
 byte) next to ``torch.cuda.max_memory_allocated`` over the second step (the first allocates the
 optimizer states). At the peak (end of forward) the gradients of the previous step are freed
 (``zero_grad(set_to_none=True)``), so the measurement is compared with the total minus gradients
@@ -15,10 +15,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from dtlib.memory import GiB, memory_per_gpu
+from dtlib.analytic.memory import GiB, memory_per_gpu
 from dtlib.models import TinyGPT, tiny_gpt_config
-from dtlib.parallelism import Parallelism
-from dtlib.precision import precision
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.precision import precision
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
-    pred = memory_per_gpu(cfg, Parallelism(micro_batch=args.batch), precision=precision("fp32", optimizer="adamw"),
+    pred = memory_per_gpu(cfg, Parallelism(micro_batch_size=args.batch), precision=precision("fp32", optimizer="adamw"),
                           dropout=args.dropout > 0, mask_bytes=1)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for k, v in pred.to_dict()["per_gpu"].items():

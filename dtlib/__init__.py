@@ -1,10 +1,19 @@
 """dtlib: learn and plan distributed training of large models by running it.
 
 Start here: ``dtlib.launch`` (N ranks from a notebook cell), ``dtlib.data``, ``dtlib.models``,
-``dtlib.memory`` / ``dtlib.flops`` / ``dtlib.comm`` (the arithmetic), ``dtlib.parallel`` (toy but
-correct DDP, ZeRO, FSDP, tensor and pipeline parallelism).
+``dtlib.analytic`` (memory, FLOPs, communication: the arithmetic, no processes) and
+``dtlib.parallel`` (toy but correct DDP, ZeRO and FSDP, written from scratch).
 """
-from dtlib.launcher import LaunchError, LaunchTimeoutError, RankFailedError, launch
+from typing import Any
 
 __all__ = ["launch", "LaunchError", "RankFailedError", "LaunchTimeoutError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The launcher (and torch) load on first use, so that the analytic core and the CLI import
+    # nothing heavy: `import dtlib.analytic` works without torch.
+    if name in __all__:
+        from dtlib import launcher
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'dtlib' has no attribute {name!r}")

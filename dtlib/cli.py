@@ -13,14 +13,14 @@ import re
 import sys
 from typing import Any, Callable
 
-from dtlib.comm import (ALGORITHMS, COLLECTIVES, comm_report, flat_link, hierarchical_time,
+from dtlib.analytic.comm import (ALGORITHMS, COLLECTIVES, comm_report, flat_link, hierarchical_time,
                         strategy_volumes)
-from dtlib.flops import ATTENTION, flops_report
-from dtlib.hardware import ACCELERATORS, LINKS, cluster, get_link
-from dtlib.memory import GiB, memory_per_gpu, resolve_model
-from dtlib.models.config import ACTIVATIONS, TransformerConfig
-from dtlib.parallelism import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
-from dtlib.precision import CONVENTIONS, DTYPES, OPTIMIZERS, get_precision, precision
+from dtlib.analytic.flops import ATTENTION, flops_report
+from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster, get_link
+from dtlib.analytic.memory import GiB, memory_per_gpu, resolve_model
+from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
+from dtlib.analytic.precision import CONVENTIONS, PRECISIONS, OPTIMIZERS, get_precision, precision
 
 __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
@@ -109,14 +109,16 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
                         "--microbatches a multiple of --pp (Megatron-LM)")
     g.add_argument("--virtual-stages", type=positive_int, default=1,
                    help="model chunks per pipeline rank (interleaved schedule only)")
-    g.add_argument("--micro-batch", type=positive_int, default=1)
-    g.add_argument("--microbatches", type=positive_int, default=1)
+    g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=1,
+                   help="sequences per micro-batch per replica (Megatron's --micro-batch-size)")
+    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=1,
+                   help="micro-batches per step per pipeline (Megatron's num_microbatches)")
     g.add_argument("--offload", choices=OFFLOAD, default="none")
 
 
 def _precision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
-    g.add_argument("--precision", choices=DTYPES, default="bf16-mixed")
+    g.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     g.add_argument("--fp32-grad-copy", action="store_true", help="Megatron fp16: +4 bytes/param")
@@ -170,8 +172,8 @@ def _layout(args: argparse.Namespace) -> Parallelism:
         dp = gpus // model_parallel
     return Parallelism(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
-                       virtual_stages=args.virtual_stages, micro_batch=args.micro_batch,
-                       microbatches=args.microbatches, recompute=args.recompute, offload=args.offload)
+                       virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
+                       num_microbatches=args.num_microbatches, recompute=args.recompute, offload=args.offload)
 
 
 def _checked_layout(args: argparse.Namespace, model: "TransformerConfig | float") -> Parallelism:
@@ -254,7 +256,7 @@ def add_flops_command(sub: Any) -> None:
     p = sub.add_parser("flops", help="FLOPs per step, MFU and HFU")
     _model_args(p), _layout_args(p)
     p.add_argument("--batch", type=positive_int,
-                   help="global batch in sequences (default dp*micro_batch*microbatches)")
+                   help="global batch in sequences (default dp*micro_batch_size*num_microbatches)")
     p.add_argument("--step-time", type=float, help="measured seconds per step (gives MFU/HFU)")
     p.add_argument("--attention-flops", choices=ATTENTION, default="full")
     p.add_argument("--no-logits", action="store_true", help="leave out the vocabulary projection")
@@ -289,8 +291,8 @@ def add_comm_command(sub: Any) -> None:
                     "(--model, --params or --layers/--hidden/--heads), not both. Ranks beyond "
                     "--gpus-per-node span nodes: the flat ring/tree rows are then timed on the "
                     "inter-node link (their slowest hop) and a hierarchical row is added.")
-    p.add_argument("--collective", choices=COLLECTIVES, default="all-reduce",
-                   type=lambda s: s.replace("_", "-"))  # torch spells them all_reduce
+    p.add_argument("--collective", choices=COLLECTIVES, default="all_reduce",
+                   type=lambda s: s.replace("-", "_"))  # "all-reduce" reads as all_reduce
     p.add_argument("--bytes", type=parse_size, help="buffer size, e.g. 1GiB")
     p.add_argument("--ranks", type=positive_int, help="ranks in the collective")
     p.add_argument("--link", default="nvlink4", help=f"intra-node link, one of {', '.join(LINKS)}")
@@ -352,7 +354,7 @@ def run_comm(args: argparse.Namespace) -> int:
     if nodes > 1:
         if n % g:
             notes.append(f"no hierarchical row: {n} ranks are not whole nodes of {g} GPUs")
-        elif args.collective not in ("all-reduce", "reduce-scatter", "all-gather"):
+        elif args.collective not in ("all_reduce", "reduce_scatter", "all_gather"):
             notes.append("no hierarchical row: it covers all-reduce, reduce-scatter and all-gather")
         else:
             r["hierarchical"] = hierarchical_time(args.collective, args.bytes, cl, algs[0])

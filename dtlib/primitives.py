@@ -1,4 +1,4 @@
-"""The five collectives of lesson 0, run live on N ranks so their before/after can be drawn.
+"""The five collectives, run live on N ranks so their before/after can be drawn.
 
 Semantics follow the NCCL User Guide ("Collective Operations") and ``torch.distributed``: each
 rank starts with ``world_size`` numbers, ``10 * rank + i``, so every value says where it came from.
@@ -9,15 +9,13 @@ import torch
 import torch.distributed as dist
 
 from dtlib.launcher import launch
+from dtlib.parallel.collectives import all_gather_into, reduce_scatter_into
 
 __all__ = ["COLLECTIVES", "initial_values", "run_collective", "expected_result", "two_phase_all_reduce",
            "all_reduce_in_two_phases"]
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
-# torch >= 2.12 renamed the tensor forms; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def initial_values(rank: int, world_size: int) -> torch.Tensor:
@@ -34,11 +32,11 @@ def _apply(name: str, x: torch.Tensor, rank: int, world_size: int) -> torch.Tens
         return x
     if name == "reduce_scatter":  # element-wise sum, rank r keeps chunk r
         out = torch.empty(1)
-        _reduce_scatter_single(out, x)
+        reduce_scatter_into(out, x)
         return out
     if name == "all_gather":  # rank r contributes its chunk r; everyone gets all chunks
         out = torch.empty(world_size)
-        _all_gather_single(out, x[rank:rank + 1].clone())
+        all_gather_into(out, x[rank:rank + 1].clone())
         return out
     if name == "all_to_all":  # rank r sends its chunk j to rank j: a transpose across ranks
         out = torch.empty(world_size)
@@ -66,9 +64,9 @@ def two_phase_all_reduce(rank: int, world_size: int) -> dict:
     """All-reduce as reduce-scatter, then all-gather (Patarasuk & Yuan 2009), next to ``all_reduce``."""
     x = initial_values(rank, world_size)
     chunk = torch.empty(1)
-    _reduce_scatter_single(chunk, x.clone())  # phase 1: my chunk of the sum (dist.reduce_scatter_tensor)
+    reduce_scatter_into(chunk, x.clone())  # phase 1: my chunk of the sum (dist.reduce_scatter_tensor)
     full = torch.empty(world_size)
-    _all_gather_single(full, chunk)  # phase 2: every rank's reduced chunk (dist.all_gather_into_tensor)
+    all_gather_into(full, chunk)  # phase 2: every rank's reduced chunk (dist.all_gather_into_tensor)
     reference = x.clone()
     dist.all_reduce(reference)
     return {"two_phase": full, "all_reduce": reference}

@@ -1,4 +1,4 @@
-"""Data-parallel training by hand (lesson 1): one loop that runs on 1 rank or N.
+"""Data-parallel training by hand: one loop that runs on 1 rank or N.
 
 The rule every data-parallel framework follows (PyTorch DDP, Li et al. 2020, VLDB; Horovod):
 each rank computes gradients on its slice of the global batch, the gradients (never the weights)

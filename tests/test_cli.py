@@ -9,14 +9,14 @@ import sys
 import pytest
 
 from dtlib.cli import _layout, build_parser, main
-from dtlib.comm import collective_time, hierarchical_time
-from dtlib.hardware import cluster, measure_cpu
-from dtlib.flops import flops_report
-from dtlib.memory import GiB, memory_per_gpu
+from dtlib.analytic.comm import collective_time, hierarchical_time
+from dtlib.analytic.hardware import cluster, measure_cpu
+from dtlib.analytic.flops import flops_report
+from dtlib.analytic.memory import GiB, memory_per_gpu
 from dtlib.models import get_preset
-from dtlib.parallelism import Parallelism, in_flight
-from dtlib.precision import precision
-from dtlib.vectorised import memory_batch
+from dtlib.analytic.layout import Parallelism, in_flight
+from dtlib.analytic.precision import precision
+from dtlib.analytic.vectorised import memory_batch
 
 
 def run(capsys, *argv):
@@ -67,10 +67,10 @@ def test_flops_json_gives_korthikanti_mfu(capsys):
 
 
 def test_comm_single_collective_and_model_volumes(capsys):
-    code, out, _ = run(capsys, "comm", "--collective", "all-reduce", "--bytes", "1GiB", "--ranks", "8",
+    code, out, _ = run(capsys, "comm", "--collective", "all_reduce", "--bytes", "1GiB", "--ranks", "8",
                        "--link", "nvlink4", "--json")
     d = json.loads(out)  # one node: the flat rows run on the intra-node link
-    assert code == 0 and d["algorithms"]["ring"]["time"] == collective_time("all-reduce", GiB, 8, "nvlink4")
+    assert code == 0 and d["algorithms"]["ring"]["time"] == collective_time("all_reduce", GiB, 8, "nvlink4")
     assert d["nodes"] == 1 and "hierarchical" not in d and d["notes"] == []
     code, out, _ = run(capsys, "comm", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--gpus", "64",
                        "--microbatches", "8")
@@ -87,17 +87,17 @@ def test_comm_flat_rows_spanning_nodes_run_at_the_inter_node_link(capsys, nbytes
     S = d["bytes"]
     ring = d["algorithms"]["ring"]["time"]
     assert code == 0 and d["nodes"] == 2 and d["link"] == "ib-ndr" and d["link_bandwidth"] == 50e9
-    assert ring == collective_time("all-reduce", S, 16, "ib-ndr")
-    assert ring > collective_time("all-reduce", S, 16, "nvlink4") * 5  # not one NVLink domain
+    assert ring == collective_time("all_reduce", S, 16, "ib-ndr")
+    assert ring > collective_time("all_reduce", S, 16, "nvlink4") * 5  # not one NVLink domain
     assert d["algorithms"]["ring"]["busbw"] <= 50e9  # cannot beat the NIC
     assert ring >= d["hierarchical"]["total"]
-    assert d["hierarchical"] == hierarchical_time("all-reduce", S, cluster("h100-sxm", 2, 8, "nvlink4", "ib-ndr"))
+    assert d["hierarchical"] == hierarchical_time("all_reduce", S, cluster("h100-sxm", 2, 8, "nvlink4", "ib-ndr"))
     code, out, _ = run(capsys, "comm", "--bytes", nbytes, "--ranks", "16")
     assert "flat ring (bounded by ib-ndr)" in out and "hierarchical ring" in out and "2 nodes" in out
     # ranks that are not whole nodes: flat rows still bounded by the network, no hierarchical row
     code, out, _ = run(capsys, "comm", "--bytes", nbytes, "--ranks", "12", "--json")
     d = json.loads(out)
-    assert d["algorithms"]["ring"]["time"] == collective_time("all-reduce", S, 12, "ib-ndr")
+    assert d["algorithms"]["ring"]["time"] == collective_time("all_reduce", S, 12, "ib-ndr")
     assert "hierarchical" not in d and "not whole nodes of 8" in d["notes"][-1]
 
 
@@ -186,7 +186,7 @@ BAD_CLI = [
     (["comm", "--model", "llama3-8b", "--pp", "64"], "exceed the 32 layers"),
     (["flops", "--params", "7e9"], "needs seq"),
     (["flops", "--model", "llama3-8b", "--gpu", "a100-80gb", "--dtype", "fp8", "--step-time", "1"], "no fp8 peak"),
-    (["comm", "--collective", "all-reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
+    (["comm", "--collective", "all_reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
     (["comm", "--bytes", "1GiB", "--ranks", "0"], "--ranks: must be an integer >= 1, got '0'"),
     (["comm", "--bytes", "1GiB", "--ranks", "8", "--link", "nvlink9"], "unknown link 'nvlink9'; valid: nvlink3"),
     (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read '12parsecs'; write e.g. 1e9, 512MiB"),
@@ -242,7 +242,7 @@ BAD_API = [
     (lambda: Parallelism(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
     (lambda: Parallelism(schedule="zigzag"), "schedule must be one of \\('gpipe', '1f1b', 'interleaved'\\)"),
     (lambda: Parallelism(recompute="some"), "recompute must be one of"),
-    (lambda: Parallelism(dp=4, shard_group=3), "shard_group=3 must divide the 4 replicas"),
+    (lambda: Parallelism(dp=4, shard_size=3), "shard_size=3 must divide the 4 replicas"),
     (lambda: Parallelism(dp=2.0), "dp must be an integer"),
     (lambda: memory_per_gpu("llama3-8b", Parallelism(tp=3)), "valid tp: 1, 2, 4, 8"),
     (lambda: memory_per_gpu("llama3-8b", Parallelism(dp=4), gpus=8), "= 4 but there are 8 GPUs"),
@@ -253,10 +253,10 @@ BAD_API = [
     (lambda: precision("fp32", grad_dtype="bf16"), "fp32 training has fp32 gradients"),
     (lambda: flops_report(get_preset("llama3-8b"), batch=0), "batch must be a positive integer"),
     (lambda: flops_report(get_preset("llama3-8b"), batch=1, gpu="tpu"), "unknown GPU 'tpu'"),
-    (lambda: Parallelism(pp=4, microbatches=8, schedule="interleaved"), "interleaved schedule needs virtual_stages >= 2"),
+    (lambda: Parallelism(pp=4, num_microbatches=8, schedule="interleaved"), "interleaved schedule needs virtual_stages >= 2"),
     (lambda: Parallelism(virtual_stages=2, schedule="interleaved"), "interleaved schedule needs pipeline parallelism"),
     (lambda: in_flight("interleaved", 4, 8, 1), "interleaved schedule needs virtual_stages >= 2, got 1"),
-    (lambda: memory_batch(get_preset("llama3-8b"), schedule="interleaved", pp=4, microbatches=8),
+    (lambda: memory_batch(get_preset("llama3-8b"), schedule="interleaved", pp=4, num_microbatches=8),
      "configuration \\(\\): the interleaved schedule needs virtual_stages >= 2"),
     (lambda: _layout(argparse.Namespace(tp=0, pp=1, cp=1, ep=1, dp=None, gpus=8, gpus_per_node=8)),
      "--tp must be an integer >= 1, got 0"),

@@ -5,10 +5,11 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch
 
-from dtlib.comm import bytes_sent_per_rank
+from dtlib.analytic.comm import bytes_sent_per_rank
 from dtlib.launcher import RankFailedError, launch
 from dtlib.parallel import collectives as C
-from dtlib.viz.parallel import plot_bandwidth, plot_ring_all_reduce
+from dtlib.viz.comm import plot_bandwidth
+from dtlib.viz.ring import plot_ring_all_reduce
 
 TIMEOUT = 30
 SIZES = [0, 1, 3, 7, 64, 1001]  # includes sizes < world size and not divisible by it
@@ -172,9 +173,9 @@ def test_ring_sends_what_the_cost_model_says():
     world, numel, node_size = 4, 4096, 2
     nbytes = numel * 4
     for ring, across in launch(_count_bytes_sent, world, args=(numel, node_size), timeout=TIMEOUT):
-        assert ring == bytes_sent_per_rank("all-reduce", nbytes, world)  # 2(n-1)/n S
+        assert ring == bytes_sent_per_rank("all_reduce", nbytes, world)  # 2(n-1)/n S
         # hierarchical: only the 1/node_size shard crosses nodes, all-reduced among the nodes
-        assert across == bytes_sent_per_rank("all-reduce", nbytes / node_size, world // node_size)
+        assert across == bytes_sent_per_rank("all_reduce", nbytes / node_size, world // node_size)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -258,9 +259,9 @@ def test_plots_return_figures():
             for i in ("ring", "gloo") for b in (1024, 4096)]
     fig = plot_bandwidth(rows)
     assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 2
-    three = [{**r, "collective": c} for c in ("all-reduce", "reduce-scatter", "all-gather") for r in rows]
+    three = [{**r, "collective": c} for c in ("all_reduce", "reduce_scatter", "all_gather") for r in rows]
     fig = plot_bandwidth(three, "algbw")  # one panel per collective, as bench_collectives plots
-    assert [ax.get_title() for ax in fig.axes] == ["all-reduce", "reduce-scatter", "all-gather"]
+    assert [ax.get_title() for ax in fig.axes] == ["all_reduce", "reduce_scatter", "all_gather"]
     assert all(len(ax.lines) == 2 for ax in fig.axes)
     with pytest.raises(ValueError):
         plot_bandwidth(rows, metric="latency")

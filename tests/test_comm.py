@@ -3,11 +3,11 @@ volumes and pipeline bubbles."""
 import numpy as np
 import pytest
 
-from dtlib.comm import (COLLECTIVES, bubble_fraction, bus_factor, busbw, bytes_sent_per_rank,
+from dtlib.analytic.comm import (COLLECTIVES, bubble_fraction, bus_factor, busbw, bytes_sent_per_rank,
                         collective_time, comm_report, hierarchical_time, strategy_volumes)
-from dtlib.hardware import Link, cluster, get_link
+from dtlib.analytic.hardware import Link, cluster, get_link
 from dtlib.models import get_preset
-from dtlib.parallelism import Parallelism
+from dtlib.analytic.layout import Parallelism
 
 LINK = Link("test", bandwidth=100e9, latency=5e-6, source="test link")
 
@@ -15,8 +15,8 @@ LINK = Link("test", bandwidth=100e9, latency=5e-6, source="test link")
 def test_bus_factors_are_nccl_tests():
     """nccl-tests doc/PERFORMANCE.md, Summary."""
     n = 8
-    assert bus_factor("all-reduce", n) == 2 * 7 / 8
-    for op in ("reduce-scatter", "all-gather", "all-to-all"):
+    assert bus_factor("all_reduce", n) == 2 * 7 / 8
+    for op in ("reduce_scatter", "all_gather", "all_to_all"):
         assert bus_factor(op, n) == 7 / 8
     assert bus_factor("broadcast", n) == bus_factor("p2p", n) == 1
 
@@ -30,40 +30,40 @@ def test_busbw_reaches_link_bandwidth_for_large_ring_collectives(op):
 
 
 def test_small_messages_pay_latency_per_step():
-    assert collective_time("all-reduce", 0, 8, LINK, "ring") == pytest.approx(14 * 5e-6)
-    assert collective_time("all-reduce", 0, 8, LINK, "tree") == pytest.approx(6 * 5e-6)
+    assert collective_time("all_reduce", 0, 8, LINK, "ring") == pytest.approx(14 * 5e-6)
+    assert collective_time("all_reduce", 0, 8, LINK, "tree") == pytest.approx(6 * 5e-6)
     assert collective_time("broadcast", 0, 8, LINK, "tree") == pytest.approx(3 * 5e-6)
     assert collective_time("p2p", 1e9, 2, LINK) == pytest.approx(5e-6 + 1e9 / 100e9)
-    assert collective_time("all-reduce", 1e9, 1, LINK) == 0.0
+    assert collective_time("all_reduce", 1e9, 1, LINK) == 0.0
     # tree wins on small messages at scale, never loses bandwidth for all-reduce
-    small = [collective_time("all-reduce", 1e3, 512, LINK, alg) for alg in ("ring", "tree")]
+    small = [collective_time("all_reduce", 1e3, 512, LINK, alg) for alg in ("ring", "tree")]
     assert small[1] < small[0] / 10
 
 
 def test_times_are_vectorised_and_validated():
-    t = collective_time("all-gather", np.array([1e6, 1e9]), np.array([4, 16]), LINK)
+    t = collective_time("all_gather", np.array([1e6, 1e9]), np.array([4, 16]), LINK)
     assert t.shape == (2,) and t[1] > t[0]
-    with pytest.raises(ValueError, match="unknown collective 'allreduce'; valid: all-reduce"):
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'; valid: all_reduce"):
         collective_time("allreduce", 1, 2, LINK)
     with pytest.raises(ValueError, match="unknown algorithm"):
-        collective_time("all-reduce", 1, 2, LINK, "butterfly")
+        collective_time("all_reduce", 1, 2, LINK, "butterfly")
     with pytest.raises(ValueError, match="ranks >= 1"):
-        collective_time("all-reduce", 1, 0, LINK)
+        collective_time("all_reduce", 1, 0, LINK)
 
 
 def test_hierarchical_all_reduce():
     c = cluster("h100-sxm", nodes=4, gpus_per_node=8)
-    phases = hierarchical_time("all-reduce", 1e9, c)
+    phases = hierarchical_time("all_reduce", 1e9, c)
     intra, inter = get_link("nvlink4"), get_link("ib-ndr")
-    assert phases["intra reduce-scatter"] == pytest.approx(collective_time("reduce-scatter", 1e9, 8, intra))
-    assert phases["inter all-reduce"] == pytest.approx(collective_time("all-reduce", 1e9 / 8, 4, inter))
+    assert phases["intra reduce_scatter"] == pytest.approx(collective_time("reduce_scatter", 1e9, 8, intra))
+    assert phases["inter all_reduce"] == pytest.approx(collective_time("all_reduce", 1e9 / 8, 4, inter))
     assert phases["total"] == pytest.approx(sum(v for k, v in phases.items() if k != "total"))
     # fewer NICs than GPUs: they share, so the inter-node phase slows down
-    shared = hierarchical_time("all-reduce", 1e9, cluster("h100-sxm", 4, 8, nics_per_node=2))
-    assert shared["inter all-reduce"] > 3 * phases["inter all-reduce"]
-    # on one node, hierarchical = intra reduce-scatter + all-gather = flat ring all-reduce
-    one = hierarchical_time("all-reduce", 1e9, cluster("h100-sxm", 1, 8))
-    assert one["total"] == pytest.approx(collective_time("all-reduce", 1e9, 8, intra))
+    shared = hierarchical_time("all_reduce", 1e9, cluster("h100-sxm", 4, 8, nics_per_node=2))
+    assert shared["inter all_reduce"] > 3 * phases["inter all_reduce"]
+    # on one node, hierarchical = intra reduce_scatter + all-gather = flat ring all-reduce
+    one = hierarchical_time("all_reduce", 1e9, cluster("h100-sxm", 1, 8))
+    assert one["total"] == pytest.approx(collective_time("all_reduce", 1e9, 8, intra))
 
 
 def test_bubble_fractions():
@@ -84,23 +84,23 @@ def test_strategy_volumes():
     z3 = strategy_volumes(cfg, Parallelism(dp=8, zero=3), "zero")
     z3_sent = sum(v["bytes_sent_per_gpu"] for v in z3.values())
     assert z3_sent == pytest.approx(1.5 * ddp["dp_grad_all_reduce"]["bytes_sent_per_gpu"])  # ZeRO Sec. 7
-    tp = strategy_volumes(cfg, Parallelism(tp=4, microbatches=2, micro_batch=1), "zero")
+    tp = strategy_volumes(cfg, Parallelism(tp=4, num_microbatches=2, micro_batch_size=1), "zero")
     act = cfg.seq * cfg.hidden * 2
     assert tp["tp_activations"]["calls"] == 4 * cfg.layers * 2
     assert tp["tp_activations"]["bytes"] == act
     assert "dp_grad_all_reduce" not in tp  # dp = 1: nothing to reduce
-    pp = strategy_volumes(cfg, Parallelism(pp=4, microbatches=8), "zero")
+    pp = strategy_volumes(cfg, Parallelism(pp=4, num_microbatches=8), "zero")
     assert pp["pp_activations"]["bytes_sent_per_gpu"] == 2 * 8 * act
-    assert bytes_sent_per_rank("all-to-all", 8.0, 4) == 6.0
+    assert bytes_sent_per_rank("all_to_all", 8.0, 4) == 6.0
 
 
 def test_comm_report_rows():
-    r = comm_report("all-reduce", 1e9, 8, "nvlink4")
+    r = comm_report("all_reduce", 1e9, 8, "nvlink4")
     assert set(r["algorithms"]) == {"ring", "tree"}
     ring = r["algorithms"]["ring"]
     assert ring["busbw"] == pytest.approx(ring["algbw"] * 2 * 7 / 8)
     with pytest.raises(ValueError, match="unknown link 'nvlink9'"):
-        comm_report("all-reduce", 1e9, 8, "nvlink9")
+        comm_report("all_reduce", 1e9, 8, "nvlink9")
 
 
 def test_zero_sequence_is_an_error_not_the_default():
@@ -112,7 +112,7 @@ def test_zero_sequence_is_an_error_not_the_default():
 
 
 def test_flat_ring_across_nodes_is_paced_by_its_slowest_hop():
-    from dtlib.comm import flat_link, flat_vs_hierarchical
+    from dtlib.analytic.comm import flat_link, flat_vs_hierarchical
 
     one, two = cluster("h100-sxm", nodes=1), cluster("h100-sxm", nodes=2)
     assert flat_link(one) is one.intra
@@ -121,8 +121,8 @@ def test_flat_ring_across_nodes_is_paced_by_its_slowest_hop():
     assert link.latency == max(two.intra.latency, two.inter.latency)
     shared = cluster("h100-sxm", nodes=2, nics_per_node=4)  # two GPUs per NIC: half the bandwidth
     assert flat_link(shared).bandwidth == pytest.approx(link.bandwidth / 2)
-    t = flat_vs_hierarchical("all-reduce", 2 ** 30, [one, two, cluster("h100-sxm", nodes=16)])
-    assert t["flat"][0] == pytest.approx(collective_time("all-reduce", 2 ** 30, 8, one.intra))
+    t = flat_vs_hierarchical("all_reduce", 2 ** 30, [one, two, cluster("h100-sxm", nodes=16)])
+    assert t["flat"][0] == pytest.approx(collective_time("all_reduce", 2 ** 30, 8, one.intra))
     # in one node the two plans are the same ring; across nodes the flat ring pays InfiniBand on every hop
     assert t["hierarchical"][0] == pytest.approx(t["flat"][0], rel=0.25)
     assert all(f > 4 * h for f, h in zip(t["flat"][1:], t["hierarchical"][1:]))

@@ -13,7 +13,7 @@ from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, GradBucket, PowerSGDState, TopKState, allreduce_hook,
                             bf16_compress_hook, fp16_compress_hook, powersgd_hook, powersgd_plan,
                             topk_hook)
-from dtlib.viz.parallel import plot_compression_tradeoff
+from dtlib.viz.comm import plot_compression_tradeoff
 
 TIMEOUT = 60
 

@@ -11,8 +11,8 @@ from torch import nn
 from dtlib.launcher import launch
 from dtlib.models import MnistCNN, TinyGPT, tiny_gpt_config
 from dtlib.parallel import BucketedDDP, NaiveDDP
-from dtlib.parallel.buckets import MB
-from dtlib.viz.parallel import plot_overlap_timeline
+from dtlib.analytic.units import MiB
+from dtlib.viz.timeline import plot_overlap_timeline
 from workloads import loss_fn, make_batches
 
 TIMEOUT = 60
@@ -113,7 +113,7 @@ def _bucket_layouts(rank, world_size, caps_mb):
     for cap in caps_mb:
         ddp = BucketedDDP(Chain(), bucket_size_mb=cap)
         params = list(reversed(list(ddp.module.parameters())))  # order of readiness
-        torch_buckets = dist._compute_bucket_assignment_by_size(params, [int(cap * MB)])[0]
+        torch_buckets = dist._compute_bucket_assignment_by_size(params, [int(cap * MiB)])[0]
         out[cap] = ([b["params"] for b in ddp.bucket_summary()],
                     [[f"l{3 - i}.weight" for i in b] for b in torch_buckets])
         ddp.remove_hooks()

@@ -1,5 +1,5 @@
 """dtlib.experiments.memory.recompute_tradeoff (lesson 3): gradient checkpointing measured on a
-tiny TinyGPT keeps matching dtlib.memory's prediction, and saves memory. Timings are not asserted."""
+tiny TinyGPT keeps matching dtlib.analytic.memory's prediction, and saves memory. Timings are not asserted."""
 import pytest
 import torch
 

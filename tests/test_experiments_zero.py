@@ -1,9 +1,9 @@
 """dtlib.experiments.zero.smallest_fitting_stage (lesson 4, Sec. 5): the smallest ZeRO stage whose
-model states fit, per dtlib.memory."""
+model states fit, per dtlib.analytic.memory."""
 import pytest
 
 from dtlib.experiments.zero import smallest_fitting_stage
-from dtlib.hardware import get_gpu
+from dtlib.analytic.hardware import get_gpu
 
 H100 = get_gpu("h100-sxm").memory_bytes  # 80 GiB
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtlib.flops import (flops_report, forward_flops_per_token, matmul_params_per_layer,
+from dtlib.analytic.flops import (flops_report, forward_flops_per_token, matmul_params_per_layer,
                          megatron_flops_per_step, palm_flops_per_token, shape_of, step_flops, utilization)
-from dtlib.hardware import get_gpu
+from dtlib.analytic.hardware import get_gpu
 from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
 
 

@@ -7,12 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.launcher import launch
-from dtlib.memory import model_numbers, model_state_bytes, stage_parameters
+from dtlib.analytic.memory import model_numbers, model_state_bytes, stage_parameters
 from dtlib.models import MnistCNN, TinyGPT, tiny_gpt_config
 from dtlib.models.gpt import Block
 from dtlib.parallel import FSDP
 from dtlib.parallel import fsdp as fsdp_module
-from dtlib.precision import get_precision
+from dtlib.analytic.precision import get_precision
 from workloads import loss_fn, make_batches
 
 TIMEOUT = 60
@@ -174,14 +174,14 @@ def test_peak_parameter_memory_vs_prediction_and_fully_shard():
         assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
         assert out["live_after_forward"] == 0
         assert out["gathers_fwd"] == {"forward": out["units"], "backward": 0}
-        # dtlib.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
+        # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
         cfg = tiny_gpt_config(**GPT)
         n = stage_parameters(**model_numbers(cfg))["first"]
         predicted = model_state_bytes(n["dense"], 0, n["unit"], get_precision("fp32"), zero=3,
-                                      shard_group=world_size)
+                                      shard_size=world_size)
         assert n["dense"] == total
         assert abs(ours["sharded_param_bytes"] - predicted["parameters"]) <= 4 * 4
-        unit_bytes = predicted["temporary"] / 2  # dtlib.memory counts params + grads of a unit
+        unit_bytes = predicted["temporary"] / 2  # dtlib.analytic.memory counts params + grads of a unit
         assert ours["peak_param_bytes"] <= predicted["parameters"] + unit_bytes + 4 * root + 16
         # PyTorch's fully_shard on the same model, same data, same run
         assert out["same_as_fully_shard"] < 1e-5

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dtlib.hardware import (ACCELERATORS, DTYPES, LINKS, MAX_COPY_BYTES, Accelerator, Cluster, _l3_bytes,
+from dtlib.analytic.hardware import (ACCELERATORS, COMPUTE_DTYPES, LINKS, MAX_COPY_BYTES, Accelerator, Cluster, _l3_bytes,
                             add_accelerator, cluster, get_gpu, get_link, measure_cpu)
 
 REQUIRED = {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"}
@@ -44,7 +44,7 @@ def test_lookups_list_valid_names():
         get_link("ethernet")
     with pytest.raises(ValueError, match="has no fp8 peak; supported: fp32, tf32, bf16, fp16"):
         get_gpu("a100-40gb").peak("fp8")
-    with pytest.raises(ValueError, match="unknown dtype 'int4'; valid: " + ", ".join(DTYPES)):
+    with pytest.raises(ValueError, match="unknown dtype 'int4'; valid: " + ", ".join(COMPUTE_DTYPES)):
         get_gpu("h100-sxm").peak("int4")
 
 

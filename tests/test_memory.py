@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtlib.activations import layer_bytes
+from dtlib.analytic.activations import layer_bytes
 from dtlib.measure import model_state_bytes_held, saved_activation_bytes
-from dtlib.memory import GB, GiB, memory_per_gpu, stage_parameters, model_numbers
+from dtlib.analytic.memory import GB, GiB, memory_per_gpu, stage_parameters, model_numbers
 from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
-from dtlib.parallelism import Parallelism, fsdp, in_flight
-from dtlib.precision import CONVENTIONS, precision
+from dtlib.analytic.layout import Parallelism, fsdp, in_flight
+from dtlib.analytic.precision import CONVENTIONS, precision
 
 
 # ---- published checks ------------------------------------------------------------------------
@@ -28,7 +28,7 @@ def test_zero_shards_over_the_data_parallel_group_not_all_gpus():
     assert m.optimizer == pytest.approx(12 * 7.5e9 / 2 / 64)
     # the group follows dp when a layout is changed; FSDP hybrid sharding uses a smaller group
     assert memory_per_gpu(7.5e9, Parallelism(dp=8, zero=1).with_(dp=16)).optimizer == 12 * 7.5e9 / 16
-    hybrid = memory_per_gpu(7.5e9, fsdp("HYBRID_SHARD", dp=16, shard_group=8))
+    hybrid = memory_per_gpu(7.5e9, fsdp("HYBRID_SHARD", dp=16, shard_size=8))
     assert hybrid.parameters == 2 * 7.5e9 / 8
     assert memory_per_gpu(7.5e9, fsdp("full_shard", dp=16)).parameters == 2 * 7.5e9 / 16
     assert memory_per_gpu(7.5e9, fsdp("SHARD_GRAD_OP", dp=16)).parameters == 2 * 7.5e9
@@ -59,7 +59,7 @@ def test_korthikanti_22b_activations():
     activations without recompute and 9.5625 GiB with sequence parallelism + selective recompute.
     Both are exact arithmetic, so the tolerance is 1e-9 relative."""
     cfg = get_preset("megatron-22b")
-    base = Parallelism(tp=8, micro_batch=4)
+    base = Parallelism(tp=8, micro_batch_size=4)
     none = memory_per_gpu(cfg, base, gpus=8).activation_detail["layers"]
     sel = memory_per_gpu(cfg, base.with_(sequence_parallel=True, recompute="selective")).activation_detail["layers"]
     assert none / GiB == pytest.approx(59.25, rel=1e-9)
@@ -69,7 +69,7 @@ def test_korthikanti_22b_activations():
 @pytest.mark.parametrize("s,b,h,a,t", [(2048, 4, 6144, 64, 8), (4096, 1, 12288, 96, 4), (1024, 3, 1024, 16, 2)])
 def test_layer_formula_reduces_to_the_papers_table_2(s, b, h, a, t):
     sbh = s * b * h
-    kw = dict(seq=s, micro_batch=b, hidden=h, heads=a, kv_heads=a, ffn=4 * h)
+    kw = dict(seq=s, micro_batch_size=b, hidden=h, heads=a, kv_heads=a, ffn=4 * h)
     paper = {  # Korthikanti et al. 2022, Table 2
         ("none", 1, False): sbh * (34 + 5 * a * s / h),
         ("none", t, False): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
@@ -102,13 +102,13 @@ def test_interleaving_needs_two_virtual_stages_and_a_pipeline():
     with pytest.raises(ValueError, match="virtual_stages >= 2"):
         in_flight("interleaved", 4, 8, np.array([2, 1]))
     with pytest.raises(ValueError, match="interleaved schedule needs virtual_stages >= 2, got 1"):
-        Parallelism(pp=4, microbatches=8, schedule="interleaved")
+        Parallelism(pp=4, num_microbatches=8, schedule="interleaved")
     with pytest.raises(ValueError, match="needs pipeline parallelism, pp >= 2, got pp=1"):
         Parallelism(virtual_stages=2, schedule="interleaved")
     with pytest.raises(ValueError, match="multiple of pp=4 .*valid: 4, 8, 12"):
-        Parallelism(pp=4, virtual_stages=2, microbatches=6, schedule="interleaved")
-    ok = memory_per_gpu("llama3-8b", Parallelism(pp=4, virtual_stages=2, microbatches=8, schedule="interleaved"))
-    plain = memory_per_gpu("llama3-8b", Parallelism(pp=4, microbatches=8, schedule="1f1b"))
+        Parallelism(pp=4, virtual_stages=2, num_microbatches=6, schedule="interleaved")
+    ok = memory_per_gpu("llama3-8b", Parallelism(pp=4, virtual_stages=2, num_microbatches=8, schedule="interleaved"))
+    plain = memory_per_gpu("llama3-8b", Parallelism(pp=4, num_microbatches=8, schedule="1f1b"))
     assert ok.activations < 1.5 * plain.activations  # 1 + (p-1)/(p v) of the layers, not 7/4
 
 
@@ -140,10 +140,10 @@ def test_calculator_keeps_the_pipeline_controls_consistent():
         assert "image/png" in explorer.out.outputs[0]["data"]
     # a configuration that is still impossible shows dtlib's message as text, not a traceback
     c["schedule"].value = "interleaved"
-    c["microbatches"].value = 7
+    c["num_microbatches"].value = 7
     assert "multiple of pp=2" in explorer.error
     assert "multiple of pp=2" in explorer.out.outputs[0]["text"]
-    c["microbatches"].value = 8
+    c["num_microbatches"].value = 8
     assert explorer.error is None and "image/png" in explorer.out.outputs[0]["data"]
 
 
@@ -186,9 +186,9 @@ def test_conventions_bytes_per_parameter():
 def test_most_loaded_gpu_is_reported():
     cfg = get_preset("llama3-8b")
     # long vocabulary, few micro-batches: the last stage (LM head + fp32 logits) is the heavier
-    m = memory_per_gpu(cfg, Parallelism(pp=4, microbatches=1, recompute="full"))
+    m = memory_per_gpu(cfg, Parallelism(pp=4, num_microbatches=1, recompute="full"))
     assert m.stage == 3 and m.activation_detail["output"] > 0
-    m = memory_per_gpu(cfg, Parallelism(pp=4, microbatches=16))
+    m = memory_per_gpu(cfg, Parallelism(pp=4, num_microbatches=16))
     assert m.stage == 0
 
 
@@ -217,7 +217,7 @@ def test_predictions_match_a_real_adamw_step(overrides, dropout):
     cfg = tiny_gpt_config(**overrides)
     model, opt, saved = _train_step(cfg, batch=4, dropout=dropout)
     held = model_state_bytes_held(model, opt)
-    pred = memory_per_gpu(cfg, Parallelism(micro_batch=4), precision=precision("fp32", optimizer="adamw"),
+    pred = memory_per_gpu(cfg, Parallelism(micro_batch_size=4), precision=precision("fp32", optimizer="adamw"),
                           dropout=dropout > 0,
                           mask_bytes=4,  # CPU dropout keeps a float mask (native_dropout is GPU-only)
                           norm_saved=2 if cfg.norm == "rmsnorm" else 1)  # composite nn.RMSNorm
@@ -243,7 +243,7 @@ def test_full_recompute_matches_checkpointed_tinygpt():
         r["result"].backward()
         saved[ck] = (r["bytes"], model.lm_head.weight.grad.clone())
     torch.testing.assert_close(saved[True][1], saved[False][1])  # same gradients
-    pred = memory_per_gpu(cfg, Parallelism(micro_batch=4, recompute="full"), precision=precision("fp32"),
+    pred = memory_per_gpu(cfg, Parallelism(micro_batch_size=4, recompute="full"), precision=precision("fp32"),
                           dropout=False)
     kept = pred.activations - pred.activation_detail["recompute_buffer"]
     assert kept == pytest.approx(saved[True][0], rel=0.10)

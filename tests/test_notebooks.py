@@ -36,7 +36,7 @@ def test_dtlib_figures_render_as_pictures_in_a_kernel():
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "from dtlib.viz.scaling import plot_losses\nplot_losses({'run': [3.0, 2.0, 1.0]})")])
+        "from dtlib.viz.training import plot_losses\nplot_losses({'run': [3.0, 2.0, 1.0]})")])
     NotebookClient(nb, timeout=60, kernel_name="python3").execute()
     outputs = nb.cells[0].outputs
     assert len(outputs) == 1 and "image/png" in outputs[0]["data"]

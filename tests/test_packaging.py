@@ -84,3 +84,26 @@ def test_make_lab_serves_the_first_lesson():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_layout_by_concept_and_a_pure_analytic_core():
+    """No module is named by lesson number, library code never imports a grader, and the analytic
+    core loads without torch (numbers in, numbers out)."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "dtlib"
+    numbered = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if re.search(r"lesson\d", p.name))
+    assert not numbered, f"modules named by lesson number: {numbered}"
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "grading" not in p.parts
+                       and re.search(r"^\s*(from|import) dtlib\.grading", p.read_text(), re.M))
+    assert not importers, f"library modules that import a grader: {importers}"
+    code = ("import sys, pkgutil, importlib, dtlib.analytic as a\n"
+            "[importlib.import_module(m.name) for m in pkgutil.iter_modules(a.__path__, 'dtlib.analytic.')]\n"
+            "import dtlib.cli\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('dtlib.parallel')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -3,11 +3,11 @@ scalar path rejects."""
 import numpy as np
 import pytest
 
-from dtlib.flops import flops_report
-from dtlib.memory import memory_per_gpu
+from dtlib.analytic.flops import flops_report
+from dtlib.analytic.memory import memory_per_gpu
 from dtlib.models import get_preset, tiny_gpt_config
-from dtlib.parallelism import Parallelism
-from dtlib.vectorised import flops_batch, memory_batch
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.vectorised import flops_batch, memory_batch
 
 FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporary", "total", "cpu")
 
@@ -15,8 +15,8 @@ FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporary", "t
 def _random_layouts(rng, n):
     pick = lambda options: rng.choice(options, n)  # noqa: E731
     return dict(dp=pick([1, 2, 4, 8]), tp=pick([1, 2, 3, 4, 8]), pp=pick([1, 2, 4, 5]),
-                cp=pick([1, 2]), zero=pick([0, 1, 2, 3]), micro_batch=pick([1, 2, 4]),
-                microbatches=pick([1, 4, 8]), sequence_parallel=pick([False, True]))
+                cp=pick([1, 2]), zero=pick([0, 1, 2, 3]), micro_batch_size=pick([1, 2, 4]),
+                num_microbatches=pick([1, 4, 8]), sequence_parallel=pick([False, True]))
 
 
 @pytest.mark.parametrize("model,options", [
@@ -67,9 +67,9 @@ def test_bare_parameter_counts_and_model_width_arrays():
         assert total == pytest.approx(memory_per_gpu(float(p), Parallelism(dp=64, zero=2)).total)
     assert out["activations"] is None
     cfg = tiny_gpt_config()
-    widths = memory_batch(cfg, hidden=np.array([64, 128]), ffn=np.array([256, 512]), micro_batch=2)
+    widths = memory_batch(cfg, hidden=np.array([64, 128]), ffn=np.array([256, 512]), micro_batch_size=2)
     for i, h in enumerate((64, 128)):
-        scalar = memory_per_gpu(cfg.with_(hidden=h, ffn=4 * h), Parallelism(micro_batch=2))
+        scalar = memory_per_gpu(cfg.with_(hidden=h, ffn=4 * h), Parallelism(micro_batch_size=2))
         assert widths["total"][i] == pytest.approx(scalar.total, rel=1e-12)
 
 
@@ -87,15 +87,15 @@ def test_flops_batch_equals_flops_report():
 
 def test_both_paths_reject_the_same_interleaved_layouts():
     """Megatron-LM interleaves only with v >= 2 virtual stages, pp >= 2 and m a multiple of pp:
-    the rules live in dtlib.parallelism, so the scalar and the vector path agree row by row."""
+    the rules live in dtlib.analytic.layout, so the scalar and the vector path agree row by row."""
     cfg = get_preset("llama3-8b")
     pp = np.array([4, 4, 1, 4, 2, 8])
     v = np.array([2, 1, 2, 2, 4, 2])
     m = np.array([8, 8, 8, 6, 2, 16])
-    out = memory_batch(cfg, schedule="interleaved", on_invalid="nan", pp=pp, virtual_stages=v, microbatches=m)
+    out = memory_batch(cfg, schedule="interleaved", on_invalid="nan", pp=pp, virtual_stages=v, num_microbatches=m)
     assert out["valid"].tolist() == [True, False, False, False, True, True]
     for i in range(len(pp)):
-        kw = dict(pp=int(pp[i]), virtual_stages=int(v[i]), microbatches=int(m[i]), schedule="interleaved")
+        kw = dict(pp=int(pp[i]), virtual_stages=int(v[i]), num_microbatches=int(m[i]), schedule="interleaved")
         try:
             scalar = memory_per_gpu(cfg, Parallelism(**kw))
         except ValueError:
@@ -103,4 +103,4 @@ def test_both_paths_reject_the_same_interleaved_layouts():
             continue
         assert out["total"][i] == pytest.approx(scalar.total, rel=1e-12)
     with pytest.raises(ValueError, match=r"configuration \(1,\): the interleaved schedule needs virtual_stages >= 2"):
-        memory_batch(cfg, schedule="interleaved", pp=pp[:2], virtual_stages=v[:2], microbatches=m[:2])
+        memory_batch(cfg, schedule="interleaved", pp=pp[:2], virtual_stages=v[:2], num_microbatches=m[:2])

@@ -13,11 +13,12 @@ with warnings.catch_warnings():  # torch.distributed.optim still uses the deprec
 
 from dtlib.launcher import launch
 from dtlib.measure import model_state_bytes_held
-from dtlib.memory import model_state_bytes
+from dtlib.analytic.memory import model_state_bytes
 from dtlib.parallel import BucketedDDP, ShardedOptimizer
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
-from dtlib.precision import get_precision
-from dtlib.viz.parallel import plot_rank_memory
+from dtlib.analytic.precision import get_precision
+from dtlib.analytic.units import binary_unit
+from dtlib.viz.zero import plot_stage_costs
 
 TIMEOUT = 60
 
@@ -224,7 +225,7 @@ def test_optimizer_state_bytes_per_rank_are_one_nth(stage):
     for ours, held, n_params in results:
         unsharded_state = held["optimizer"] + held["optimizer_scalars"]
         predicted = model_state_bytes(n_params, 0, 0, get_precision("fp32"), zero=stage,
-                                      shard_group=world_size)
+                                      shard_size=world_size)
         # Adam's two fp32 moments of a 1/N shard (+ padding to a multiple of N, + step scalars)
         assert abs(ours["state"] - unsharded_state / world_size) <= 8 * world_size + 4 * 2
         assert abs(ours["state"] - predicted["optimizer"]) <= 8 * world_size + 4 * 2
@@ -235,12 +236,14 @@ def test_optimizer_state_bytes_per_rank_are_one_nth(stage):
             assert all(ours["full_grads_left"]) and ours["grads"] == held["gradients"]
         per_rank.setdefault(f"ZeRO-{stage}", []).append(
             {"parameters": held["parameters"], "gradients": ours["grads"], "optimizer": ours["state"]})
-    fig = plot_rank_memory(per_rank)
-    (ax,) = fig.axes  # one stacked bar per rank: parameters, gradients, optimizer (MiB)
+    fig = plot_stage_costs(per_rank)
+    (ax,) = fig.axes  # one stacked bar per rank: parameters, gradients, optimizer
     parts = ["parameters", "gradients", "optimizer"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == parts
+    scale, unit = binary_unit(max(sum(d.values()) for d in per_rank[f"ZeRO-{stage}"]))
+    assert ax.get_ylabel() == f"{unit} per rank"
     assert [p.get_height() for p in ax.patches] == pytest.approx(
-        [d[part] / 2 ** 20 for d in per_rank[f"ZeRO-{stage}"] for part in parts])
+        [d[part] / scale for d in per_rank[f"ZeRO-{stage}"] for part in parts])
     assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == [f"ZeRO-{stage}"]
 
 

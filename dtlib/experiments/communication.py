@@ -1,9 +1,9 @@
-"""Lesson 2 (communication): the experiments the lesson runs on real ranks.
+"""Communication: the experiments a lesson runs on real ranks.
 
 Experiments (gloo on CPU, ranks started with :func:`dtlib.launch`):
 
 * :func:`time_all_reduce` - our ring all-reduce and the backend's, timed as nccl-tests does
-  (median over iterations of the slowest rank), with algbw and busbw from :mod:`dtlib.comm`;
+  (median over iterations of the slowest rank), with algbw and busbw from :mod:`dtlib.analytic.comm`;
 * :func:`fit_alpha_beta` - the latency alpha and bandwidth B that best explain those times in the
   ring model ``t = 2(n-1) alpha + 2(n-1)/n S/B`` (Thakur et al. 2005, Sec. 4);
 * :func:`overlap_records` - one real training step of :class:`~dtlib.parallel.BucketedDDP` /
@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.comm import algbw, busbw
+from dtlib.analytic.units import KiB, MiB
+from dtlib.analytic.comm import algbw, busbw
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
-from dtlib.hardware import Link
+from dtlib.analytic.hardware import Link
 from dtlib.launcher import launch
 from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
@@ -35,7 +36,6 @@ from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp1
 __all__ = ["time_all_reduce", "fit_alpha_beta", "overlap_model", "overlap_records", "compression_runs",
            "compression_method", "COMPRESSION_METHODS"]
 
-KiB, MiB = 2 ** 10, 2 ** 20
 
 
 # ---- timing collectives ---------------------------------------------------------------------------
@@ -57,8 +57,8 @@ def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
             t = statistics.median(times.tolist())
             size = x.numel() * 4
-            rows.append({"impl": impl, "collective": "all-reduce", "bytes": size, "seconds": t,
-                         "algbw": algbw(size, t), "busbw": busbw("all-reduce", size, t, world_size),
+            rows.append({"impl": impl, "collective": "all_reduce", "bytes": size, "seconds": t,
+                         "algbw": algbw(size, t), "busbw": busbw("all_reduce", size, t, world_size),
                          "world_size": world_size})
     return rows
 
@@ -68,7 +68,7 @@ def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10) 
 
     Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (median over
     iterations of the slowest rank), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
-    definitions, :mod:`dtlib.comm`), ``world_size``.
+    definitions, :mod:`dtlib.analytic.comm`), ``world_size``.
     """
     if not sizes or min(sizes) < 4:
         raise ValueError(f"sizes must be message sizes in bytes (>= 4), got {sizes!r}")
@@ -79,8 +79,8 @@ def fit_alpha_beta(rows: Sequence[Mapping], impl: str) -> Link:
     """The ring all-reduce model ``t = 2(n-1) alpha + 2(n-1)/n S/B`` fitted to ``rows`` of ``impl``.
 
     A least-squares fit of ``t = a + b S`` in *relative* error (the sizes span decades), then
-    ``alpha = a / (2(n-1))`` and ``B = 2(n-1)/n / b``. Returns a :class:`~dtlib.hardware.Link` that
-    :func:`dtlib.comm.collective_time` accepts.
+    ``alpha = a / (2(n-1))`` and ``B = 2(n-1)/n / b``. Returns a :class:`~dtlib.analytic.hardware.Link` that
+    :func:`dtlib.analytic.comm.collective_time` accepts.
     """
     pts = [(r["bytes"], r["seconds"], r["world_size"]) for r in rows if r["impl"] == impl]
     if len(pts) < 2:

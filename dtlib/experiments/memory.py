@@ -1,9 +1,9 @@
-"""Lesson 3 (memory): the measurements the lesson runs on one process (CPU or GPU).
+"""Memory: the measurements a lesson runs on one process (CPU or GPU).
 
 * :func:`recompute_tradeoff` - one TinyGPT with and without gradient checkpointing: the bytes
   autograd saves for backward (:func:`dtlib.measure.saved_activation_bytes`), the time of a
-  training step (``torch.utils.benchmark``) and what :func:`dtlib.memory.memory_per_gpu` predicts
-  (Korthikanti et al. 2022, Sec. 4, via :mod:`dtlib.activations`).
+  training step (``torch.utils.benchmark``) and what :func:`dtlib.analytic.memory.memory_per_gpu` predicts
+  (Korthikanti et al. 2022, Sec. 4, via :mod:`dtlib.analytic.activations`).
 """
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
 from dtlib.measure import saved_activation_bytes
-from dtlib.memory import memory_per_gpu
+from dtlib.analytic.memory import memory_per_gpu
 from dtlib.models import TinyGPT
-from dtlib.models.config import TransformerConfig
-from dtlib.parallelism import Parallelism
-from dtlib.precision import precision
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.precision import precision
 
 __all__ = ["RECOMPUTE_RUNS", "recompute_tradeoff"]
 
-# run name -> whether every block is wrapped in torch.utils.checkpoint (dtlib.memory's "full")
+# run name -> whether every block is wrapped in torch.utils.checkpoint (dtlib.analytic.memory's "full")
 RECOMPUTE_RUNS: dict[str, bool] = {"store everything": False, "checkpoint each block": True}
 
 
@@ -36,10 +36,10 @@ def recompute_tradeoff(cfg: TransformerConfig, batch: int = 8, *, min_run_time: 
     * ``saved_bytes``: bytes of the distinct storages autograd saves for backward during the
       forward pass and the loss (:func:`dtlib.measure.saved_activation_bytes`; the model's own
       parameters and buffers excluded);
-    * ``predicted_bytes``: :func:`dtlib.memory.memory_per_gpu`'s activations for
-      ``Parallelism(micro_batch=batch, recompute="none" | "full")``, fp32 activations, no dropout
+    * ``predicted_bytes``: :func:`dtlib.analytic.memory.memory_per_gpu`'s activations for
+      ``Parallelism(micro_batch_size=batch, recompute="none" | "full")``, fp32 activations, no dropout
       masks - the tensor-by-tensor count of Korthikanti et al. 2022, "Reducing Activation
-      Recomputation in Large Transformer Models", Sec. 4 (:mod:`dtlib.activations`); with full
+      Recomputation in Large Transformer Models", Sec. 4 (:mod:`dtlib.analytic.activations`); with full
       recompute only each layer's input is kept (their Sec. 4.3). The formula's
       ``recompute_buffer`` (one layer rebuilt during backward) is subtracted: it lives only in
       backward, so it is never among the tensors saved by the forward pass;
@@ -70,7 +70,7 @@ def recompute_tradeoff(cfg: TransformerConfig, batch: int = 8, *, min_run_time: 
         saved = saved_activation_bytes(model, loss_fn)["bytes"]
         step = Timer("loss_fn().backward()", globals={"loss_fn": loss_fn}).blocked_autorange(
             min_run_time=min_run_time)
-        pred = memory_per_gpu(cfg, Parallelism(micro_batch=batch, recompute="full" if ck else "none"),
+        pred = memory_per_gpu(cfg, Parallelism(micro_batch_size=batch, recompute="full" if ck else "none"),
                               precision=precision("fp32"), dropout=False)
         kept = pred.activations - pred.activation_detail["recompute_buffer"]
         runs[name] = {"saved_bytes": saved, "predicted_bytes": float(kept),

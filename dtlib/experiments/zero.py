@@ -1,10 +1,10 @@
-"""Lesson 4 (ZeRO and FSDP): the experiments the lesson runs on real ranks.
+"""ZeRO and FSDP: the experiments a lesson runs on real ranks.
 
 * :func:`measure_zero_stages` - one TinyGPT trained under DDP (stage 0: BucketedDDP + AdamW),
   ZeRO-1 (BucketedDDP + ShardedOptimizer), ZeRO-2 (ShardedOptimizer stage 2) and the toy FSDP
   (stage 3) of :mod:`dtlib.parallel`: bytes of parameters, gradients and optimizer
   state each rank holds, and the bytes it hands to collectives in a step - next to
-  :func:`dtlib.memory.memory_per_gpu` and :func:`dtlib.comm.strategy_volumes`' predictions;
+  :func:`dtlib.analytic.memory.memory_per_gpu` and :func:`dtlib.analytic.comm.strategy_volumes`' predictions;
 * :func:`compare_fully_shard` - the toy FSDP and PyTorch's ``fully_shard`` (FSDP2) on the same
   model, data and ranks: final parameters and parameter memory per rank;
 * :func:`setup_stage` / :func:`setup_torch_stage` - a model wrapped for one stage by dtlib or by
@@ -17,64 +17,30 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.checks.lesson04 import optimizer_state_bytes
-from dtlib.comm import bytes_sent_per_rank, strategy_volumes
+from dtlib.analytic.comm import COLLECTIVES, bytes_sent_per_rank, strategy_volumes
 from dtlib.launcher import launch
-from dtlib.memory import memory_per_gpu
+from dtlib.analytic.memory import memory_per_gpu
+from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 from dtlib.models import TinyGPT, get_preset, tiny_gpt_config
-from dtlib.models.config import TransformerConfig
+from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import Block
 from dtlib.parallel import FSDP, BucketedDDP, ShardedOptimizer
-from dtlib.parallelism import Parallelism
-from dtlib.precision import Precision, precision
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.precision import Precision, precision
 
 __all__ = ["FP32_ADAMW", "measure_zero_stages", "predict_zero_stages", "compare_fully_shard",
-           "collective_counter", "setup_stage", "setup_torch_stage", "single_process_final",
+           "setup_stage", "setup_torch_stage", "single_process_final",
            "smallest_fitting_stage"]
 
 FP32_ADAMW: Precision = precision("fp32", optimizer="adamw")  # 4 + 4 + 8 bytes per parameter
 _LR = 1e-3
-
-
-# ---- counting what goes on the wire ------------------------------------------------------------
-# name in torch.distributed -> (collective in dtlib.comm's terms, index of the full-size buffer)
-_COUNTED = {"all_reduce": ("all-reduce", 0), "broadcast": ("broadcast", 0),
-            "all_gather_single": ("all-gather", 0), "all_gather_into_tensor": ("all-gather", 0),
-            "reduce_scatter_single": ("reduce-scatter", 1),
-            "reduce_scatter_tensor": ("reduce-scatter", 1)}
-
-
-@contextmanager
-def collective_counter() -> Iterator[list[tuple[str, int]]]:
-    """Record ``(collective, bytes of the full buffer S)`` for every backend collective called
-    through ``torch.distributed`` inside the block (S as nccl-tests counts it: the all-gather's
-    output, the reduce-scatter's input)."""
-    calls: list[tuple[str, int]] = []
-    saved = {}
-    for name, (op, arg) in _COUNTED.items():
-        real = getattr(dist, name, None)
-        if real is None:
-            continue
-        saved[name] = real
-
-        def counting(*args: Any, _real=real, _op=op, _arg=arg, **kwargs: Any) -> Any:
-            t = args[_arg]
-            calls.append((_op, t.numel() * t.element_size()))
-            return _real(*args, **kwargs)
-        setattr(dist, name, counting)
-    try:
-        yield calls
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
 
 
 # ---- the four stages, measured -----------------------------------------------------------------
@@ -148,7 +114,7 @@ def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: Transf
         for step, (x, y) in enumerate(data):
             xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
             opt.zero_grad()
-            with collective_counter() as calls:
+            with CollectiveCounter() as counter:
                 _loss(wrapped, xs, ys).backward()
                 sync.finish_gradient_synchronization()
                 grads = (opt.grad_bytes() if stage == 2 else
@@ -156,10 +122,10 @@ def _stage_worker(rank: int, world_size: int, stages: Sequence[int], cfg: Transf
                 opt.step()
         inner = opt.optim if stage in (1, 2) else opt
         measured = {"parameters": sum(p.nbytes for p in params), "gradients": grads,
-                    "optimizer": optimizer_state_bytes(inner)}
+                    "optimizer": optimizer_state_bytes(inner)["optimizer"]}
         # the full parameters at the end (gather_full_params is a collective: every rank calls it)
         final = list((wrapped.gather_full_params() if stage == 3 else model.state_dict()).values())
-        out[stage] = {"measured": measured, "calls": calls,
+        out[stage] = {"measured": measured, "calls": counter.calls,
                       "gathered_peak": wrapped.memory_stats()["peak_unsharded_bytes"] if stage == 3 else 0,
                       "final": [t.detach().clone() for t in final] if rank == 0 else None}
     return out
@@ -188,9 +154,9 @@ def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
 def predict_zero_stages(cfg: TransformerConfig | str | float, world_size: int,
                         stages: Sequence[int] = (0, 1, 2, 3),
                         prec: Precision | str = FP32_ADAMW) -> dict[int, dict[str, float]]:
-    """Per stage, :func:`dtlib.memory.memory_per_gpu`'s parameters / gradients / optimizer /
+    """Per stage, :func:`dtlib.analytic.memory.memory_per_gpu`'s parameters / gradients / optimizer /
     temporary bytes on one rank, and (for a model shape or preset name) the bytes one rank sends
-    per step by :func:`dtlib.comm.strategy_volumes` (``sent``)."""
+    per step by :func:`dtlib.analytic.comm.strategy_volumes` (``sent``)."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     out = {}
     for z in stages:
@@ -229,7 +195,7 @@ def measure_zero_stages(world_size: int = 2, stages: Sequence[int] = (0, 1, 2, 3
         r0 = ranks[0][z]
         row = {"per_rank": [r[z]["measured"] for r in ranks], "predicted": predicted[z],
                "calls": r0["calls"], "gathered_peak": r0["gathered_peak"],
-               "sent": sum(bytes_sent_per_rank(op, s, world_size) for op, s in r0["calls"]),
+               "sent": sum(bytes_sent_per_rank(op, s, world_size) for op, s in r0["calls"] if op in COLLECTIVES),
                "max_diff_vs_single": _max_diff(r0["final"], single)}
         if 0 in stages:
             row["max_diff_vs_ddp"] = _max_diff(r0["final"], ranks[0][0]["final"])
@@ -297,12 +263,12 @@ def smallest_fitting_stage(model: TransformerConfig | str | float, dp: int, gpu_
     """The smallest ZeRO stage (0 = DDP, 1, 2, 3 = FSDP) whose model states fit on one GPU.
 
     The rule: take the stages in order 0, 1, 2, 3 and return the first whose parameters +
-    gradients + optimizer states per GPU (:func:`dtlib.memory.memory_per_gpu` for
+    gradients + optimizer states per GPU (:func:`dtlib.analytic.memory.memory_per_gpu` for
     ``Parallelism(dp=dp, zero=stage)``, ``.model_states``) are at most ``headroom *
     gpu_memory_bytes``; ``None`` when even stage 3 does not fit (add GPUs, or split the model with
     tensor/pipeline parallelism). ``headroom`` in (0, 1] is the share of the memory the model states
     may take; the rest is left for activations, temporary buffers and the framework (default 0.8:
-    20% left over). It follows the course's advice (lesson 4, Sec. 5) "start with DDP, add
+    20% left over). It follows the course's advice (the ZeRO/FSDP lesson) "start with DDP, add
     sharding only when memory demands it": each further stage costs something (ZeRO-3 gathers
     the parameters in every forward and backward, 1.5x DDP's communication; Rajbhandari et al.
     2020, Sec. 7), so no more sharding than needed.

@@ -1,7 +1,7 @@
 """TinyGPT: a small, readable decoder-only transformer (in the spirit of Karpathy's nanoGPT).
 
-It is built from a :class:`~dtlib.models.config.TransformerConfig`, so the same description drives
-the analytic formulas (:mod:`dtlib.memory`, :mod:`dtlib.flops`) and a real model to check them on.
+It is built from a :class:`~dtlib.analytic.config.TransformerConfig`, so the same description drives
+the analytic formulas (:mod:`dtlib.analytic.memory`, :mod:`dtlib.analytic.flops`) and a real model to check them on.
 
 Attention is written out as explicit matrix products (``q @ k^T``, softmax, dropout, ``@ v``)
 instead of ``F.scaled_dot_product_attention``. This is deliberate: fused kernels save different
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from dtlib.models.config import TransformerConfig
+from dtlib.analytic.config import TransformerConfig
 
 __all__ = ["TinyGPT", "tiny_gpt_config"]
 

@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["MB", "assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters",
+__all__ = ["assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters",
            "InOrderLauncher", "register_grad_ready_hooks"]
 
-MB = 1024 * 1024  # PyTorch's bucket_cap_mb is in MiB ("MB" in its docs); so is ours
+# PyTorch's bucket_cap_mb is in MiB ("MB" in its docs); so is our bucket_size_mb.
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ of workstations"; the algorithm NCCL and Horovod use for large messages): split 
   independent of ``n`` for large ``n`` - why the ring is bandwidth-optimal.
 
 :func:`ring_schedule` is the single source of truth for who sends which chunk when: the
-collectives below execute it and :mod:`dtlib.viz.parallel` draws it.
+collectives below execute it and :mod:`dtlib.viz.ring` draws it.
 
 :func:`hierarchical_all_reduce` is the two-level scheme used across nodes (e.g. Jia et al. 2018,
 "Highly Scalable Deep Learning Training System with Mixed-Precision", Sec. 3.3; NCCL's tree/ring
@@ -294,7 +294,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor,
                     group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """The backend's all-gather of equal shards into one flat ``output`` (``n * shard.numel()``)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.12
     return fn(output, shard, group=group, async_op=async_op)
 
 

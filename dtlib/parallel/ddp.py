@@ -25,7 +25,7 @@ Unlike PyTorch, waiting for the all-reduces is explicit: call
 :meth:`finish_gradient_synchronization` after ``backward()`` and before ``optimizer.step()``.
 Forgetting it is detected at the next forward. Every synchronised iteration leaves a
 :class:`SyncRecord` (when each bucket was ready, issued, finished; when backward ended; bytes
-moved) in ``.records``, so overlap can be tested and drawn (:mod:`dtlib.viz.parallel`).
+moved) in ``.records``, so overlap can be tested and drawn (:mod:`dtlib.viz.timeline`).
 """
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dtlib.parallel.buckets import (MB, FlatLayout, InOrderLauncher, assign_buckets,
+from dtlib.analytic.units import MiB
+from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
-from dtlib.comm import bytes_sent_per_rank
+from dtlib.analytic.comm import bytes_sent_per_rank
 from dtlib.parallel.collectives import broadcast_coalesced
 
 __all__ = ["NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord", "CommHook"]
@@ -124,12 +125,12 @@ class SyncRecord:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes this rank sends if every collective runs as a ring (:mod:`dtlib.comm`'s model;
+        """Bytes this rank sends if every collective runs as a ring (:mod:`dtlib.analytic.comm`'s model;
         an all-gather's buffer is the gathered output, ``world_size`` times our input)."""
         total = 0.0
         for _, coll, n, es in self.comm:
             nbytes = n * es * (self.world_size if coll == "all_gather" else 1)
-            total += bytes_sent_per_rank(coll.replace("_", "-"), nbytes, self.world_size)
+            total += bytes_sent_per_rank(coll, nbytes, self.world_size)
         return total
 
     @property
@@ -453,5 +454,5 @@ class BucketedDDP(_DataParallel):
                 or not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be a number > 0 (MiB per bucket; PyTorch's "
                              f"default is 25), got {bucket_size_mb!r}")
-        super().__init__(module, int(bucket_size_mb * MB), process_group, find_unused_parameters,
+        super().__init__(module, int(bucket_size_mb * MiB), process_group, find_unused_parameters,
                          broadcast_buffers, rebuild_buckets)

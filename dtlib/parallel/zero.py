@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib.parallel.buckets import (MB, FlatLayout, InOrderLauncher, assign_buckets,
+from dtlib.analytic.units import MiB
+from dtlib.measure import optimizer_state_bytes
+from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
 from dtlib.parallel.collectives import all_gather_into, broadcast_coalesced, reduce_scatter_into
 
@@ -99,7 +101,7 @@ class ShardedOptimizer:
         for g in groups:
             ps = list(reversed(g["params"]))  # gradients arrive roughly in reverse order
             bucket_ids = []
-            for idx in assign_buckets(ps, int(bucket_size_mb * MB)):
+            for idx in assign_buckets(ps, int(bucket_size_mb * MiB)):
                 self.buckets.append(_FlatBucket([ps[i] for i in idx], self.world_size, self.rank))
                 bucket_ids.append(len(self.buckets) - 1)
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -217,8 +219,8 @@ class ShardedOptimizer:
     # ---- what it costs -------------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (tensors in the inner optimizer's state)."""
-        return sum(v.nbytes for s in self.optim.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor))
+        held = optimizer_state_bytes(self.optim)
+        return held["optimizer"] + held["optimizer_scalars"]
 
     def grad_bytes(self) -> int:
         """Bytes of gradients held by this rank right now (full ``.grad``s plus shards)."""

@@ -9,16 +9,6 @@ import io
 from matplotlib.figure import Figure
 
 
-def set_log_axes(ax, x, logx: bool, logy: bool) -> None:
-    """Log scales shared by the sweep plots: base-2 x with the swept values as tick labels."""
-    if logx:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(x), [f"{v:g}" for v in x])
-        ax.minorticks_off()
-    if logy:
-        ax.set_yscale("log")
-
-
 def _figure_png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight", dpi=90)

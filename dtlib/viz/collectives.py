@@ -4,7 +4,8 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
+from dtlib.viz.style import colour
+
 _MIXED = "#bbbbbb"  # a value that combines several ranks (a reduction)
 _REDUCTIONS = ("all_reduce", "reduce_scatter")
 
@@ -14,7 +15,7 @@ def _draw_buffers(ax, buffers, world_size: int, title: str, reduced: bool) -> No
         y = world_size - 1 - rank
         for i, v in enumerate(buf.tolist()):
             # inputs are 10*rank + i, so a non-reduced value names its origin rank
-            color = _MIXED if reduced else _COLORS[int(v) // 10 % len(_COLORS)]
+            color = _MIXED if reduced else colour(int(v) // 10)
             ax.add_patch(Rectangle((i, y + 0.1), 0.9, 0.8, facecolor=color, edgecolor="black", lw=0.6))
             ax.text(i + 0.45, y + 0.5, f"{v:g}", ha="center", va="center", fontsize=9)
         ax.text(-0.2, y + 0.5, f"rank {rank}", ha="right", va="center", fontsize=9)

@@ -1,10 +1,10 @@
-"""The memory calculator: model, layout and GPU controls -> :func:`dtlib.memory.memory_per_gpu`
+"""The memory calculator: model, layout and GPU controls -> :func:`dtlib.analytic.memory.memory_per_gpu`
 -> :func:`dtlib.viz.memory.plot_memory_breakdown`.
 
 An impossible combination raises dtlib's ``ValueError``, which the :class:`Explorer` shows as text
 in place of the figure. The pipeline controls move together so that the schedule never
 contradicts them (Megatron-LM interleaves only with ``virtual_pipeline_model_parallel_size > 1``
-and ``pipeline_model_parallel_size > 1``; see :data:`dtlib.parallelism.RULES`):
+and ``pipeline_model_parallel_size > 1``; see :data:`dtlib.analytic.layout.RULES`):
 
 * picking ``interleaved`` raises ``virtual`` to 2 and ``PP`` to 2 where they are 1;
 * picking another schedule sets ``virtual`` back to 1;
@@ -21,9 +21,9 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from dtlib.hardware import ACCELERATORS
-from dtlib.memory import GiB, MemoryBreakdown, memory_per_gpu
-from dtlib.parallelism import RECOMPUTE, SCHEDULES, Parallelism
+from dtlib.analytic.hardware import ACCELERATORS
+from dtlib.analytic.memory import GiB, MemoryBreakdown, memory_per_gpu
+from dtlib.analytic.layout import RECOMPUTE, SCHEDULES, Parallelism
 from dtlib.viz.memory import plot_memory_breakdown
 from dtlib.widgets.base import Explorer, register
 
@@ -33,13 +33,13 @@ MODELS = ("llama3-8b", "llama3-70b", "llama3-405b")
 
 
 def calculator_compute(model: str, gpu: str, dp: int, tp: int, pp: int, cp: int, zero: int,
-                       recompute: str, schedule: str, virtual_stages: int, micro_batch: int,
-                       microbatches: int, sequence_parallel: bool,
+                       recompute: str, schedule: str, virtual_stages: int, micro_batch_size: int,
+                       num_microbatches: int, sequence_parallel: bool,
                        overhead_gib: float) -> MemoryBreakdown:
     """The breakdown; an impossible configuration raises ValueError saying what is wrong."""
     layout = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
                          schedule=schedule, virtual_stages=virtual_stages,
-                         micro_batch=micro_batch, microbatches=microbatches,
+                         micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                          sequence_parallel=sequence_parallel)
     return memory_per_gpu(model, layout, precision="megatron-bf16", gpu=gpu, dropout=False,
                           overhead_bytes=overhead_gib * GiB)
@@ -111,8 +111,8 @@ def memory_calculator() -> Explorer:
         "recompute": W.Dropdown(options=RECOMPUTE, value="selective", description="recompute"),
         "schedule": W.Dropdown(options=SCHEDULES, value="1f1b", description="schedule"),
         "virtual_stages": ints([1, 2, 4, 8], 1, "virtual"),
-        "micro_batch": W.IntSlider(value=1, min=1, max=16, description="micro-batch"),
-        "microbatches": W.IntSlider(value=8, min=1, max=64, description="micro-batches"),
+        "micro_batch_size": W.IntSlider(value=1, min=1, max=16, description="micro-batch"),
+        "num_microbatches": W.IntSlider(value=8, min=1, max=64, description="micro-batches"),
         "sequence_parallel": W.Checkbox(value=False, description="sequence parallel"),
         "overhead_gib": W.FloatSlider(value=0.0, min=0.0, max=8.0, step=0.5, description="overhead GiB"),
     }

@@ -1,0 +1,230 @@
+"""Communication: an alpha-beta cost model, nccl-tests bandwidths, and what each strategy moves.
+
+Time of a collective of ``S`` bytes over ``n`` ranks on a link of latency alpha (s per step) and
+bandwidth B (bytes/s per rank per direction), Thakur, Rabenseifner & Gropp 2005, "Optimization of
+Collective Communication Operations in MPICH", Sec. 4 (``lg`` = ceil(log2 n)):
+
+=================  ===========================================  ==================================
+collective         ring (bandwidth-optimal)                     tree (latency-optimal)
+=================  ===========================================  ==================================
+all-reduce         2(n-1) alpha + 2(n-1)/n S/B                  2 lg alpha + 2(n-1)/n S/B (Rabenseifner)
+reduce-scatter     (n-1) alpha + (n-1)/n S/B                    lg alpha + (n-1)/n S/B (rec. halving)
+all-gather         (n-1) alpha + (n-1)/n S/B                    lg alpha + (n-1)/n S/B (rec. doubling)
+all-to-all         (n-1) alpha + (n-1)/n S/B (pairwise)         lg alpha + lg S/(2B) (Bruck)
+broadcast          (n-1) alpha + S/B (pipelined chain)          lg (alpha + S/B) (binomial tree)
+p2p                alpha + S/B                                  same
+=================  ===========================================  ==================================
+
+``S`` is the full buffer, as nccl-tests counts it (for all-gather the gathered output, for
+reduce-scatter the input). algbw = S/t and busbw = algbw x factor, factors from nccl-tests
+``doc/PERFORMANCE.md``: all-reduce 2(n-1)/n; reduce-scatter, all-gather, all-to-all (n-1)/n;
+broadcast, reduce, p2p 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic.hardware import Cluster, Link, get_link
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.layout import Parallelism, SCHEDULES
+from dtlib.analytic.precision import Precision, get_precision
+
+__all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
+           "flat_link", "flat_vs_hierarchical",
+           "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
+           "comm_report"]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+ALGORITHMS = ("ring", "tree")
+
+
+def _check(op: str, algorithm: str = "ring") -> None:
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(COLLECTIVES)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+
+
+def _link(link: "Link | str") -> Link:
+    return get_link(link) if isinstance(link, str) else link
+
+
+def collective_time(op: str, nbytes: Any, ranks: Any, link: "Link | str",
+                    algorithm: str = "ring") -> Any:
+    """Alpha-beta time (s) of ``op`` on ``nbytes`` over ``ranks`` (see the module table).
+    One rank takes no time; arrays broadcast."""
+    _check(op, algorithm)
+    lk = _link(link)
+    a, B, n, S = lk.latency, lk.bandwidth, np.asarray(ranks), np.asarray(nbytes, dtype=float)
+    if np.any(n < 1) or np.any(S < 0):
+        raise ValueError(f"need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
+    lg = np.ceil(np.log2(np.maximum(n, 1)))
+    frac = (n - 1) / n
+    if op == "p2p":
+        t = a + S / B
+    elif algorithm == "ring":
+        steps = {"all_reduce": 2 * (n - 1), "broadcast": n - 1}.get(op, n - 1)
+        volume = {"all_reduce": 2 * frac * S, "broadcast": S}.get(op, frac * S)
+        t = steps * a + volume / B
+    else:
+        t = {"all_reduce": 2 * lg * a + 2 * frac * S / B,
+             "reduce_scatter": lg * a + frac * S / B, "all_gather": lg * a + frac * S / B,
+             "all_to_all": lg * a + lg * S / (2 * B), "broadcast": lg * (a + S / B)}[op]
+    t = np.where((n == 1) & (op != "p2p"), 0.0, t)
+    return float(t) if t.ndim == 0 else t
+
+
+def bytes_sent_per_rank(op: str, nbytes: Any, ranks: Any) -> Any:
+    """Bytes each rank sends with the ring algorithm (bandwidth term x B)."""
+    _check(op)
+    n = ranks
+    return {"all_reduce": 2 * (n - 1) / n * nbytes, "broadcast": (n > 1) * nbytes,
+            "p2p": nbytes}.get(op, (n - 1) / n * nbytes)
+
+
+def bus_factor(op: str, ranks: Any) -> Any:
+    """nccl-tests' busbw / algbw factor (doc/PERFORMANCE.md, "Summary")."""
+    _check(op)
+    n = ranks
+    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}.get(op, (n - 1) / n)
+
+
+def algbw(nbytes: Any, seconds: Any) -> Any:
+    """nccl-tests algorithm bandwidth S / t (bytes/s)."""
+    return nbytes / seconds
+
+
+def busbw(op: str, nbytes: Any, seconds: Any, ranks: Any) -> Any:
+    """nccl-tests bus bandwidth: algbw x :func:`bus_factor`."""
+    return algbw(nbytes, seconds) * bus_factor(op, ranks)
+
+
+def hierarchical_time(op: str, nbytes: float, cluster: Cluster, algorithm: str = "ring") -> dict[str, float]:
+    """Two-level collective over the whole cluster (as NCCL/Horovod hierarchical all-reduce):
+    all-reduce = intra-node reduce-scatter, inter-node all-reduce of S/g per GPU (the g GPUs of a
+    node in parallel, sharing its NICs), intra-node all-gather. reduce-scatter / all-gather use
+    the matching half. Returns the time of each phase and the total."""
+    _check(op, algorithm)
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"hierarchical collectives cover all-reduce, reduce-scatter and all-gather, not {op!r}")
+    g, nodes = cluster.gpus_per_node, cluster.nodes
+    inter = Link(cluster.inter.name, cluster.inter_bandwidth_per_gpu, cluster.inter.latency,
+                 cluster.inter.source + "; shared by the GPUs of a node")
+    phases = {}
+    if op in ("all_reduce", "reduce_scatter"):
+        phases["intra reduce_scatter"] = collective_time("reduce_scatter", nbytes, g, cluster.intra, algorithm)
+    phases[f"inter {op}"] = collective_time(op, nbytes / g, nodes, inter, algorithm)
+    if op in ("all_reduce", "all_gather"):
+        phases["intra all_gather"] = collective_time("all_gather", nbytes, g, cluster.intra, algorithm)
+    phases["total"] = sum(phases.values())
+    return phases
+
+
+def flat_link(cluster: Cluster) -> Link:
+    """The link that paces one flat ring (or tree) over every GPU of ``cluster``, unaware of nodes.
+
+    In one node it is the intra-node link. Across nodes each step of the ring waits for every
+    rank's send (Thakur, Rabenseifner & Gropp 2005, Sec. 4), so the slowest hop sets the pace: the
+    inter-node hop, at the NIC bandwidth per GPU and the network's latency. NCCL avoids this by
+    running one ring per NIC along the topology (its channels, ``src/graph/tuning.cc``), which
+    brings it close to :func:`hierarchical_time`.
+    """
+    if cluster.nodes == 1:
+        return cluster.intra
+    intra, inter = cluster.intra, cluster.inter
+    return Link(inter.name, min(intra.bandwidth, cluster.inter_bandwidth_per_gpu),
+                max(intra.latency, inter.latency),
+                f"slowest hop of a ring spanning nodes ({intra.name} within, {inter.name} across): "
+                + inter.source)
+
+
+def flat_vs_hierarchical(op: str, nbytes: float, clusters: "list[Cluster]",
+                         algorithm: str = "ring") -> dict[str, list[float]]:
+    """Seconds of ``op`` on each cluster: one flat collective (:func:`flat_link`) vs two-level."""
+    return {"flat": [collective_time(op, nbytes, c.world_size, flat_link(c), algorithm) for c in clusters],
+            "hierarchical": [hierarchical_time(op, nbytes, c, algorithm)["total"] for c in clusters]}
+
+
+def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:
+    """Pipeline bubble time / ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved
+    (Narayanan et al. 2021, Sec. 2.2)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    v = virtual_stages if schedule == "interleaved" else 1
+    return (pp - 1) / (v * num_microbatches)
+
+
+def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
+                     precision: "Precision | str" = "zero", seq: int | None = None) -> dict[str, dict[str, float]]:
+    """Per step, for each strategy: the collective, its buffer size S per call, calls per step,
+    group size, and bytes each GPU sends (ring). Sizes in bytes; gradients/params in the working
+    dtype, activations in the activation dtype.
+
+    DP: one gradient all-reduce (ZeRO 1/2: reduce-scatter + all-gather of the updated parameters,
+    same volume; ZeRO-3: parameters all-gathered in forward and again in backward plus a gradient
+    reduce-scatter, 1.5x: Rajbhandari et al. 2020, Sec. 7). TP: 2 all-reduces per layer forward and
+    2 backward on b*s*h activations, +2 with full recompute (Shoeybi et al. 2019, Sec. 3;
+    all-gather + reduce-scatter with sequence parallelism, same volume). PP: each boundary sends activations forward and gradients
+    back per micro-batch (x v interleaved). CP: K and V all-gathered per layer forward and their
+    gradients reduce-scattered in backward. EP: 2 all-to-alls per MoE layer forward, 2 backward.
+    """
+    from dtlib.analytic.memory import memory_per_gpu  # params per rank; local import avoids a cycle
+
+    prec = get_precision(precision)
+    s = cfg.seq if seq is None else seq
+    if s < 1:
+        raise ValueError(f"seq must be >= 1 tokens, got {seq}")
+    L, h, m, b = cfg.layers, cfg.hidden, layout.num_microbatches, layout.micro_batch_size
+    layers_here = -(-L // layout.pp)
+    unsharded = layout.with_(zero=0, offload="none")
+    params_rank = memory_per_gpu(cfg, unsharded, precision=prec, seq=s).parameters / prec.param
+    act = b * (s / layout.cp) * h * prec.activation  # one micro-batch's b x s x h activations
+    d = layout.dp * layout.cp  # gradients are reduced over the dp x cp replicas
+    out: dict[str, dict[str, float]] = {}
+
+    def add(name, op, size, calls, ranks):
+        if ranks < 2 or calls == 0:  # this strategy is not in use
+            return
+        sent = bytes_sent_per_rank(op, size, ranks) * calls
+        out[name] = {"collective": op, "bytes": float(size), "calls": float(calls), "ranks": int(ranks),
+                     "bytes_sent_per_gpu": float(sent)}
+
+    grads = params_rank * prec.grad
+    if layout.zero == 3:
+        add("dp_param_gather", "all_gather", params_rank * prec.param, 2, d)
+        add("dp_grad_reduce_scatter", "reduce_scatter", grads, 1, d)
+    elif layout.zero in (1, 2):
+        add("dp_grad_reduce_scatter", "reduce_scatter", grads, 1, d)
+        add("dp_param_all_gather", "all_gather", params_rank * prec.param, 1, d)
+    else:
+        add("dp_grad_all_reduce", "all_reduce", grads, 1, d)
+    # full recompute repeats the forward, and with it the 2 forward all-reduces per layer
+    tp_calls = (4 + 2 * (layout.recompute == "full")) * layers_here * m
+    add("tp_activations", "all_reduce", act, tp_calls, layout.tp)
+    boundaries = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    add("pp_activations", "p2p", act / layout.tp if layout.sequence_parallel else act,
+        2 * boundaries * m * (layout.pp > 1), 2)
+    kv = 2 * b * s * cfg.kv_heads * cfg.head_dim * prec.activation / layout.tp
+    add("cp_kv", "all_gather", kv, 2 * layers_here * m, layout.cp)
+    if cfg.moe_experts:
+        add("ep_tokens", "all_to_all", act * cfg.moe_top_k, 4 * layers_here * m, layout.ep)
+    return out
+
+
+def comm_report(op: str, nbytes: float, ranks: int, link: "Link | str",
+                algorithms: tuple[str, ...] = ALGORITHMS) -> dict[str, Any]:
+    """Time, algbw and busbw of one collective for each algorithm (the ``dtlib comm`` table)."""
+    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
+        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+    if not nbytes > 0:
+        raise ValueError(f"bytes must be positive, got {nbytes!r}")
+    lk = _link(link)
+    rows = {}
+    for alg in algorithms:
+        t = collective_time(op, nbytes, ranks, lk, alg)
+        rows[alg] = {"time": t, "algbw": algbw(nbytes, t) if t > 0 else None,
+                     "busbw": busbw(op, nbytes, t, ranks) if t > 0 else None}
+    return {"collective": op, "bytes": nbytes, "ranks": ranks, "link": lk.name,
+            "link_bandwidth": lk.bandwidth, "link_latency": lk.latency, "algorithms": rows}

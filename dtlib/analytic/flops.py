@@ -1,0 +1,165 @@
+"""FLOPs per token and per step, model vs hardware FLOPs, and MFU/HFU.
+
+The general count (:func:`forward_flops_per_token`) counts matrix multiplications, 2 FLOPs per
+multiply-add, as ``torch.utils.flop_counter.FlopCounterMode`` does: the weight matmuls of every
+layer, the attention products ``QK^T`` and ``A V``, and the vocabulary projection. Backward costs
+twice the forward (Kaplan et al. 2020, Sec. 2.1), so a training step is 3x forward ("model FLOPs");
+recomputation adds forward work the hardware really does ("hardware FLOPs", Chowdhery et al. 2022,
+App. B; Korthikanti et al. 2022, Sec. 6).
+
+Conventions (explicit options):
+
+* ``attention="full"`` (default) counts the whole s x s score matrix, as the Megatron-LM and PaLM
+  formulas and FlopCounterMode do; ``"causal"`` halves it (only the unmasked half is useful work).
+* ``count_logits=True`` (default) counts the vocabulary projection (Megatron-LM formula);
+  the input embedding is a lookup and never counts. ``False`` gives the "non-embedding" 6N.
+
+For GPT blocks the general count equals Narayanan et al. 2021 eq. (3) exactly (tests check it).
+MFU divides model FLOPs by ``step_time * gpus * peak`` with the peak from :mod:`dtlib.analytic.hardware`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dtlib.analytic.hardware import Accelerator, get_gpu
+from dtlib.analytic.config import TransformerConfig
+
+__all__ = ["matmul_params_per_layer", "forward_flops_per_token", "attention_flops_per_token",
+           "step_flops", "recompute_flops_per_token", "megatron_flops_per_step", "palm_flops_per_token", "six_n_flops_per_token",
+           "utilization", "flops_report", "shape_of", "ATTENTION"]
+
+ATTENTION = ("full", "causal")
+
+
+def _attention_factor(attention: str) -> float:
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    return 0.5 if attention == "causal" else 1.0
+
+
+def matmul_params_per_layer(hidden: Any, heads: Any, kv_heads: Any, ffn: Any, mlp_matrices: Any,
+                            experts: Any = 0, top_k: Any = 0) -> Any:
+    """Weights a token is multiplied by in one layer: Q, O (h x h), K, V (h x kv*d), the MLP
+    (``top_k`` experts of an MoE layer) and the h x E router."""
+    kv_dim = kv_heads * (hidden // heads)
+    active = top_k + (experts == 0)  # dense: one MLP
+    return 2 * hidden * hidden + 2 * hidden * kv_dim + active * mlp_matrices * hidden * ffn + hidden * experts
+
+
+def attention_flops_per_token(seq: Any, hidden: Any, layers: Any, attention: str = "full") -> Any:
+    """Forward FLOPs of ``QK^T`` and ``A V`` per token: ``2 * 2 * s * h`` per layer (Narayanan et al.
+    2021, Sec. 5.1; ``h`` = heads x head_dim), halved for ``attention="causal"``."""
+    return 4 * seq * hidden * layers * _attention_factor(attention)
+
+
+def forward_flops_per_token(*, layers: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
+                            vocab: Any, seq: Any, mlp_matrices: Any = 2, experts: Any = 0,
+                            top_k: Any = 0, attention: str = "full", count_logits: bool = True,
+                            **_unused: Any) -> Any:
+    """Forward FLOPs per token: 2 x matmul weights + attention + (optionally) the 2hV logits."""
+    weights = layers * matmul_params_per_layer(hidden, heads, kv_heads, ffn, mlp_matrices, experts, top_k)
+    return 2 * weights + attention_flops_per_token(seq, hidden, layers, attention) + \
+        count_logits * 2 * hidden * vocab
+
+
+def recompute_flops_per_token(recompute: str, layers_forward: Any, attention_forward: Any) -> Any:
+    """Forward FLOPs per token done again in backward: full recompute repeats the transformer
+    layers (not the logits: Narayanan et al. 2021 eq. 3 counts layers 4x, logits 3x); selective
+    repeats the attention products (Korthikanti et al. 2022, Sec. 5)."""
+    extra = {"none": 0 * layers_forward, "selective": attention_forward, "full": layers_forward}
+    if recompute not in extra:
+        raise ValueError(f"recompute must be one of {tuple(extra)}, got {recompute!r}")
+    return extra[recompute]
+
+
+def step_flops(tokens: Any, *, recompute: str = "none", attention: str = "full",
+               count_logits: bool = True, **shape: Any) -> dict[str, Any]:
+    """Model FLOPs (3 x forward) and hardware FLOPs (+ recomputation) of a step of ``tokens``."""
+    fwd = forward_flops_per_token(attention=attention, count_logits=count_logits, **shape)
+    layers_fwd = fwd - count_logits * 2 * shape["hidden"] * shape["vocab"]
+    attn_fwd = attention_flops_per_token(shape["seq"], shape["hidden"], shape["layers"], attention)
+    extra = recompute_flops_per_token(recompute, layers_fwd, attn_fwd)
+    return {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
+
+
+def megatron_flops_per_step(batch: float, seq: float, layers: float, hidden: float, vocab: float,
+                            recompute: bool = True) -> float:
+    """Narayanan et al. 2021, eq. (3): ``96 B s l h^2 (1 + s/6h + V/16lh)`` with full activation
+    recompute; without it (their Sec. 5.1 derivation, Korthikanti et al. 2022 App.) ``72 B s l h^2
+    (1 + s/6h + V/12lh)``. GPT blocks only (ffn = 4h, MHA)."""
+    b, s, l, h, v = batch, seq, layers, hidden, vocab
+    if recompute:
+        return 96 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def palm_flops_per_token(non_embedding_params: float, layers: float, heads: float, head_dim: float,
+                         seq: float) -> float:
+    """Chowdhery et al. 2022 (PaLM), App. B: ``6N + 12 L H Q T`` training FLOPs per token
+    (N non-embedding parameters, attention not halved for causality)."""
+    return 6 * non_embedding_params + 12 * layers * heads * head_dim * seq
+
+
+def six_n_flops_per_token(params: float) -> float:
+    """The 6N rule (Kaplan et al. 2020, Sec. 2.1): training FLOPs per token without attention."""
+    return 6 * params
+
+
+def utilization(flops_per_step: Any, step_time: Any, gpus: Any, gpu: "str | Accelerator",
+                dtype: str = "bf16") -> Any:
+    """``flops / (step_time * gpus * peak)``: MFU with model FLOPs, HFU with hardware FLOPs
+    (Chowdhery et al. 2022, App. B). The peak is the catalogue's dense ``dtype`` peak."""
+    acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    return flops_per_step / (step_time * gpus * acc.peak(dtype))
+
+
+def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
+    """The numbers :func:`forward_flops_per_token` reads from a config (:meth:`TransformerConfig.numbers`)."""
+    return cfg.numbers(seq)
+
+
+def _positive(name: str, value: Any, integer: bool = False) -> None:
+    kind = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        raise ValueError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+
+
+def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | None = None,
+                 step_time: float | None = None, gpus: int = 1, gpu: "str | Accelerator" = "h100-sxm",
+                 dtype: str = "bf16", recompute: str = "none", attention: str = "full",
+                 count_logits: bool = True) -> dict[str, Any]:
+    """FLOPs of a step of ``batch`` sequences; with ``step_time`` (s) also MFU and HFU.
+
+    ``model`` is a config, or a bare parameter count (then ``seq`` is required and the count is
+    6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing)."""
+    _positive("batch", batch, integer=True)
+    _positive("gpus", gpus, integer=True)
+    if seq is not None:
+        _positive("seq", seq, integer=True)
+    if isinstance(model, TransformerConfig):
+        shape = shape_of(model, seq)
+        tokens = batch * shape["seq"]
+        f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits, **shape)
+        name = model.name
+    else:
+        _positive("params", model)
+        if seq is None:
+            raise ValueError("a bare parameter count needs seq (tokens per sequence) to count FLOPs per step")
+        _attention_factor(attention)
+        tokens, fwd = batch * seq, six_n_flops_per_token(model) / 3
+        extra = recompute_flops_per_token(recompute, fwd, 0 * fwd)
+        f = {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
+        name = f"{model:.4g} parameters"
+    acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    peak = acc.peak(dtype)
+    out = {"model": name, "tokens_per_step": tokens, "flops_per_token": 3 * f["forward_per_token"],
+           "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],
+           "gpu": acc.name, "dtype": dtype, "peak_flops_per_gpu": peak, "gpus": gpus,
+           "ideal_step_time": f["model"] / (gpus * peak),
+           "conventions": {"attention": attention, "count_logits": count_logits, "recompute": recompute}}
+    if step_time is not None:
+        _positive("step_time", step_time)
+        out.update(step_time=step_time, mfu=utilization(f["model"], step_time, gpus, acc, dtype),
+                   hfu=utilization(f["hardware"], step_time, gpus, acc, dtype),
+                   tokens_per_second=tokens / step_time)
+    return out

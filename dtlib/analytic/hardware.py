@@ -1,0 +1,228 @@
+"""Accelerators, links and clusters, each figure with its source.
+
+Peaks are *dense* tensor-core throughput (no 2:4 sparsity), in FLOP/s; ``fp32`` is the non-tensor
+FP32 rate and ``tf32`` the dense TF32 tensor-core rate. Memory sizes are the marketed capacity read
+as GiB (HBM stacks are binary-sized; e.g. an "80GB" H100 reports ~79.6 GiB usable). Link bandwidth
+is *per GPU, per direction* (what nccl-tests' busbw approaches); latency is NCCL's per-hop model.
+
+The local CPU can be measured and added: ``add_accelerator(measure_cpu())`` (matmul peak, and
+main-memory bandwidth from a copy at least 4 x the L3 cache and 256 MiB).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+from dtlib.analytic.units import GiB, TFLOPS
+
+__all__ = ["Accelerator", "Link", "Cluster", "ACCELERATORS", "LINKS", "COMPUTE_DTYPES", "get_gpu",
+           "get_link", "add_accelerator", "measure_cpu", "cluster"]
+
+COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+T = TFLOPS
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device: dense peaks (FLOP/s; None = unsupported), memory (bytes), HBM bandwidth (B/s)."""
+    name: str
+    peaks: dict[str, float | None]
+    memory_bytes: int
+    memory_bandwidth: float
+    source: str
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for ``dtype`` (one of :data:`COMPUTE_DTYPES`)."""
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(COMPUTE_DTYPES)}")
+        value = self.peaks.get(dtype)
+        if value is None:
+            supported = [d for d in COMPUTE_DTYPES if self.peaks.get(d)]
+            raise ValueError(f"{self.name} has no {dtype} peak; supported: {', '.join(supported)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect: bandwidth per GPU per direction (B/s) and per-hop latency (s)."""
+    name: str
+    bandwidth: float
+    latency: float
+    source: str
+
+
+def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source) -> Accelerator:
+    peaks = {"fp32": fp32 * T, "tf32": tf32 and tf32 * T, "bf16": bf16 and bf16 * T,
+             "fp16": fp16 * T, "fp8": fp8 and fp8 * T}
+    return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source)
+
+
+_NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense"
+_NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), dense = half the 'with sparsity' figures"
+ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
+    _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100),
+    _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100),
+    _acc("h100-sxm", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _NV_H100 + ", H100 SXM"),
+    _acc("h100-pcie", 51, 378, 756.5, 756.5, 1513, 80, 2.0, _NV_H100 + ", H100 PCIe"),
+    _acc("h200", 67, 494.5, 989.5, 989.5, 1979, 141, 4.8,
+         "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense"),
+    _acc("b200", 75, 1125, 2250, 2250, 4500, 180, 8.0,
+         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2"),
+    _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
+         "AMD Instinct MI300X data sheet (2023), dense matrix peaks"),
+]}
+
+_NCCL_LAT = "latency: NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol"
+LINKS: dict[str, Link] = {l.name: l for l in [
+    Link("nvlink3", 300e9, 3.4e-6, "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional; " + _NCCL_LAT),
+    Link("nvlink4", 450e9, 3.4e-6, "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional; " + _NCCL_LAT),
+    Link("nvlink5", 900e9, 3.4e-6, "NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s bidirectional; " + _NCCL_LAT),
+    Link("infinity-fabric", 64e9, 3.4e-6,
+         "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; NCCL NVLink latency as proxy"),
+    Link("pcie4", 32e9, 5.7e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b ~ 31.5 GB/s per direction; " + _NCCL_LAT),
+    Link("pcie5", 64e9, 5.7e-6, "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes ~ 63 GB/s per direction; " + _NCCL_LAT),
+    Link("ib-hdr", 25e9, 14e-6, "NVIDIA ConnectX-6 HDR InfiniBand: 200 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
+    Link("ib-ndr", 50e9, 14e-6, "NVIDIA ConnectX-7 NDR InfiniBand: 400 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
+    Link("ib-xdr", 100e9, 14e-6, "NVIDIA ConnectX-8 XDR InfiniBand: 800 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
+    Link("roce-400g", 50e9, 14e-6, "400 GbE RoCEv2 NIC (e.g. ConnectX-7 Ethernet): 400 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
+]}
+
+
+def _lookup(kind: str, table: dict, name: str):
+    key = name.strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(table)}")
+    return table[key]
+
+
+def get_gpu(name: str) -> Accelerator:
+    """The catalogue entry called ``name`` (case-insensitive)."""
+    return _lookup("GPU", ACCELERATORS, name)
+
+
+def get_link(name: str) -> Link:
+    """The link called ``name`` (case-insensitive)."""
+    return _lookup("link", LINKS, name)
+
+
+def add_accelerator(acc: Accelerator) -> Accelerator:
+    """Add (or replace) an entry of the catalogue, e.g. the measured local CPU."""
+    if not acc.source:
+        raise ValueError(f"accelerator {acc.name!r} needs a source (datasheet or measurement)")
+    ACCELERATORS[acc.name.lower()] = acc
+    return acc
+
+
+MIN_COPY_BYTES = 256 * 2 ** 20  # far beyond any L2 and most L3 caches
+MAX_COPY_BYTES = 2 ** 30        # bounds memory (two buffers) and time (~0.2 s a copy at 10 GB/s)
+
+
+def _l3_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Size of the L3 cache that CPU 0 sees (Linux sysfs), or None where it cannot be read."""
+    import glob
+
+    for index in sorted(glob.glob(f"{cache_dir}/index*")):
+        try:
+            with open(f"{index}/level") as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(f"{index}/size") as f:
+                text = f.read().strip().upper()
+        except OSError:
+            return None
+        scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        return int(digits) * scale if digits.isdigit() else None
+    return None
+
+
+def measure_cpu(n: int = 512, repeats: int = 5, name: str = "cpu-local",
+                copy_bytes: int | None = None) -> Accelerator:
+    """Measure this machine's fp32 matmul throughput (best of ``repeats``; 2n^3 FLOPs per n x n
+    matmul) and its *main-memory* copy bandwidth, and describe it as an :class:`Accelerator`.
+
+    The copy moves ``copy_bytes`` (default: 4 x the L3 cache read from sysfs, at least 256 MiB and
+    at most 1 GiB) from one preallocated, already-touched buffer to another, so neither a cache nor
+    page faults are timed; bandwidth counts the bytes read plus the bytes written, as the STREAM
+    "Copy" kernel does (McCalpin 1995). torch runs the copy on all its threads. About 0.3 s with
+    the default 256 MiB on a 2-core machine.
+    """
+    import torch
+
+    if n < 16 or repeats < 1:
+        raise ValueError(f"need n >= 16 and repeats >= 1, got n={n}, repeats={repeats}")
+    l3 = _l3_bytes()
+    if copy_bytes is None:
+        copy_bytes = min(max(MIN_COPY_BYTES, 4 * (l3 or 0)), MAX_COPY_BYTES)
+    if isinstance(copy_bytes, bool) or not isinstance(copy_bytes, int) or copy_bytes < 2 ** 20:
+        raise ValueError(f"copy_bytes must be an integer >= 1 MiB (default: 4 x L3, at least "
+                         f"256 MiB, so the copy leaves the caches), got {copy_bytes!r}")
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up (thread pool, caches)
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    flops = 2 * n ** 3 / best
+    src = torch.ones(copy_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touches every page of dst, so the timed copies take no page faults
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    bandwidth = 2 * src.nbytes / copy  # read + write
+    del src, dst
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    peaks = {"fp32": flops, "tf32": None, "bf16": None, "fp16": None, "fp8": None}
+    cache = f"L3 {l3 / 2 ** 20:g} MiB" if l3 else "L3 size unknown"
+    src_text = (f"measured by dtlib.analytic.hardware.measure_cpu on {platform.node() or 'this machine'} "
+                f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads): "
+                f"torch fp32 {n}x{n} matmul, best of {repeats}; memory bandwidth from a "
+                f"{copy_bytes / 2 ** 20:g} MiB torch copy ({cache}; read + write counted, STREAM "
+                f"Copy convention), best of {repeats}")
+    return Accelerator(name, peaks, int(mem), bandwidth, src_text)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - start, 1e-9)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` accelerators; ``intra`` links GPUs in a node, ``inter`` is one
+    NIC's link and ``nics_per_node`` NICs share the node's inter-node traffic."""
+    gpu: Accelerator
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    nics_per_node: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.nics_per_node == 0:  # default: one NIC per GPU (DGX/HGX A100, H100 layout)
+            object.__setattr__(self, "nics_per_node", self.gpus_per_node)
+        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
+            raise ValueError(f"nics_per_node must be a positive integer, got {self.nics_per_node!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def inter_bandwidth_per_gpu(self) -> float:
+        """Inter-node bandwidth per GPU when all GPUs of a node talk at once (NICs shared)."""
+        return self.inter.bandwidth * min(self.nics_per_node, self.gpus_per_node) / self.gpus_per_node
+
+
+def cluster(gpu: str = "h100-sxm", nodes: int = 1, gpus_per_node: int = 8, intra: str | None = None,
+            inter: str = "ib-ndr", nics_per_node: int = 0) -> Cluster:
+    """A :class:`Cluster` from catalogue names; ``intra`` defaults to the GPU's usual link."""
+    acc = get_gpu(gpu)
+    default_intra = {"a100": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4", "b200": "nvlink5",
+                     "mi300x": "infinity-fabric", "h100-pcie": "pcie5"}
+    if intra is None:
+        intra = next((v for k, v in default_intra.items() if acc.name.startswith(k)), "pcie4")
+    return Cluster(acc, nodes, gpus_per_node, get_link(intra), get_link(inter), nics_per_node)

@@ -1,0 +1,248 @@
+"""How a training run is laid out on GPUs, and the rules that make a layout possible.
+
+:class:`Parallelism` gathers the knobs shared by :mod:`dtlib.analytic.memory`, :mod:`dtlib.analytic.flops` and
+:mod:`dtlib.analytic.comm`. The validity rules live once, in :data:`RULES`: each is a vectorisable predicate
+plus a message saying what is wrong and what would be valid. The scalar path raises the first broken
+rule; :mod:`dtlib.analytic.vectorised` evaluates the same predicates on arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from dtlib.analytic.config import SHAPE_RULES
+
+__all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "OFFLOAD", "RULES", "check_layout",
+           "broken_rules", "stage_layers", "in_flight"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer", "params")
+
+
+def _divisors(n: int, limit: int = 12) -> str:
+    ds = [d for d in range(1, int(n) + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A layout: data (dp), tensor (tp), pipeline (pp), context (cp) and expert (ep) parallel sizes,
+    ZeRO stage, sequence parallelism, pipeline schedule, batch split and recompute/offload choices.
+
+    ``micro_batch_size`` is sequences per micro-batch per model replica; ``num_microbatches`` is micro-batches
+    per step (pipeline micro-batches, or gradient-accumulation steps when ``pp == 1``).
+    ``shard_size`` (default: all ``dp*cp`` replicas) shards ZeRO/FSDP state over fewer ranks, as
+    FSDP's HYBRID_SHARD does within a node. ``ep`` is carved out of ``dp`` (Megatron, DeepSpeed-MoE).
+    """
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    recompute: str = "none"
+    offload: str = "none"
+    shard_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "zero", "virtual_stages", "micro_batch_size", "num_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+        check_layout(self.numbers(), self.schedule, self.offload)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sharded_over(self) -> int:
+        """Ranks ZeRO/FSDP shard over: ``shard_size``, or all ``dp*cp`` replicas by default."""
+        return self.dp * self.cp if self.shard_size is None else self.shard_size
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    def numbers(self, **extra: Any) -> dict[str, Any]:
+        """The numeric fields (what the formulas and :data:`RULES` read), plus ``extra``."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("schedule", "recompute", "offload")}
+        d["sequence_parallel"] = bool(self.sequence_parallel)
+        d["shard_size"] = self.sharded_over
+        d.update(extra)
+        return d
+
+    def with_(self, **changes: Any) -> "Parallelism":
+        return replace(self, **changes)
+
+
+# PyTorch FSDP ShardingStrategy -> (ZeRO stage, hybrid?) (torch.distributed.fsdp docs; Zhao et al.
+# 2023, "PyTorch FSDP", Sec. 3.2): hybrid strategies shard within a group and replicate across groups.
+FSDP_STRATEGIES = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
+                   "HYBRID_SHARD": (3, True), "_HYBRID_SHARD_ZERO2": (2, True)}
+
+
+def fsdp(strategy: str, dp: int, shard_size: int | None = None, **layout: Any) -> Parallelism:
+    """The :class:`Parallelism` of an FSDP sharding strategy over ``dp`` ranks; hybrid strategies
+    shard within ``shard_size`` ranks (typically the GPUs of a node)."""
+    key = strategy.upper()
+    if key not in FSDP_STRATEGIES:
+        raise ValueError(f"unknown FSDP strategy {strategy!r}; valid: {', '.join(FSDP_STRATEGIES)}")
+    zero, hybrid = FSDP_STRATEGIES[key]
+    if hybrid and shard_size is None:
+        raise ValueError(f"{key} shards within a group: give shard_size (e.g. GPUs per node)")
+    return Parallelism(dp=dp, zero=zero, shard_size=shard_size if hybrid else None, **layout)
+
+
+Rule = tuple[tuple[str, ...], Callable[..., Any], Callable[..., str]]
+
+
+def _positive_rule(field: str) -> Rule:
+    return ((field,), lambda **n: n[field] >= 1, lambda **n: f"{field} must be >= 1, got {n[field]}")
+
+
+# (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
+# comparisons so they work on numpy arrays; a rule is skipped when one of its fields is absent.
+RULES: list[Rule] = [
+    *[_positive_rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
+                                  "num_microbatches", "shard_size", "layers", "hidden", "heads",
+                                  "kv_heads", "ffn", "vocab", "seq")],
+    *SHAPE_RULES,
+    (("zero",), lambda zero: (zero >= 0) & (zero <= 3),
+     lambda zero: f"ZeRO stage must be 0, 1, 2 or 3, got {zero}"),
+    (("heads", "tp"), lambda heads, tp: heads % tp == 0,
+     lambda heads, tp: f"tensor parallel size tp={tp} must divide the {heads} attention heads; "
+                       f"valid tp: {_divisors(heads)}"),
+    (("kv_heads", "tp"), lambda kv_heads, tp: kv_heads % tp == 0,
+     lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide the {kv_heads} KV heads; "
+                          f"valid tp: {_divisors(kv_heads)}"),
+    (("ffn", "tp"), lambda ffn, tp: ffn % tp == 0,
+     lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn}"),
+    (("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers,
+     lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
+                                        f"exceed the {layers} layers; valid: pp x virtual_stages <= {layers}"),
+    (("seq", "cp"), lambda seq, cp: seq % cp == 0,
+     lambda seq, cp: f"context parallel size cp={cp} must divide the sequence length {seq}; "
+                     f"valid cp: {_divisors(seq)}"),
+    (("seq", "cp", "tp", "sequence_parallel"),
+     lambda seq, cp, tp, sequence_parallel: ~np.asarray(sequence_parallel, bool) | ((seq // cp) % tp == 0),
+     lambda seq, cp, tp, sequence_parallel: f"sequence parallelism splits the {seq // cp} tokens per "
+                                            f"context shard over tp={tp}; tp must divide {seq // cp}"),
+    (("dp", "ep"), lambda dp, ep: dp % ep == 0,
+     lambda dp, ep: f"expert parallel size ep={ep} must divide dp={dp} (experts are sharded inside "
+                    f"the data-parallel group); valid ep: {_divisors(dp)}"),
+    (("experts", "ep"), lambda experts, ep: (ep == 1) | ((experts > 0) & (experts % np.maximum(ep, 1) == 0)),
+     lambda experts, ep: f"expert parallel size ep={ep} needs an MoE model whose expert count "
+                         f"({experts}) it divides; use ep=1 for a dense model"),
+    (("dp", "cp", "shard_size"), lambda dp, cp, shard_size: (dp * cp) % shard_size == 0,
+     lambda dp, cp, shard_size: f"shard_size={shard_size} must divide the {dp * cp} replicas "
+                                 f"(dp x cp); valid: {_divisors(dp * cp)}"),
+    (("gpus", "dp", "tp", "pp", "cp"), lambda gpus, dp, tp, pp, cp: dp * tp * pp * cp == gpus,
+     lambda gpus, dp, tp, pp, cp: f"dp x tp x pp x cp = {dp}x{tp}x{pp}x{cp} = {dp * tp * pp * cp} "
+                                  f"but there are {gpus} GPUs; e.g. dp = {gpus}/(tp*pp*cp) = "
+                                  f"{gpus / (tp * pp * cp):g}"),
+]
+
+# rules that depend on the categorical options (checked with the option as a Python value).
+# Interleaving (Narayanan et al. 2021, Sec. 2.2) as Megatron-LM implements it: the interleaved
+# schedule runs only with virtual_pipeline_model_parallel_size > 1 (``get_forward_backward_func``
+# falls back to plain 1F1B otherwise), only with pipeline_model_parallel_size > 1
+# (``parallel_state.initialize_model_parallel``: "pipeline-model-parallel size should be greater
+# than 1 with interleaved schedule"), and only when the micro-batches are a multiple of pp
+# (``forward_backward_pipelining_with_interleaving``).
+_OPTION_RULES: dict[str, list[Rule]] = {
+    "interleaved": [
+        (("virtual_stages",), lambda virtual_stages: virtual_stages >= 2,
+         lambda virtual_stages: f"the interleaved schedule needs virtual_stages >= 2, got "
+                                f"{virtual_stages} (Megatron-LM interleaves only with "
+                                f"virtual_pipeline_model_parallel_size > 1); use schedule='1f1b' "
+                                f"for one chunk per rank"),
+        (("pp",), lambda pp: pp >= 2,
+         lambda pp: f"the interleaved schedule needs pipeline parallelism, pp >= 2, got pp={pp} "
+                    f"(Megatron-LM); use schedule='1f1b' without a pipeline"),
+        (("num_microbatches", "pp"), lambda num_microbatches, pp: num_microbatches % pp == 0,
+         lambda num_microbatches, pp: f"the interleaved schedule needs num_microbatches "
+                                  f"({num_microbatches}) to be a multiple of pp={pp} (Megatron-LM); "
+                                  f"valid: {pp}, {2 * pp}, {3 * pp}, ..."),
+    ],
+    "not-interleaved": [
+        (("virtual_stages",), lambda virtual_stages: virtual_stages == 1,
+         lambda virtual_stages: f"virtual_stages={virtual_stages} needs schedule='interleaved'; "
+                                f"use 1 otherwise"),
+    ],
+    "params": [(("zero",), lambda zero: zero == 3,
+                lambda zero: f"offloading parameters needs ZeRO stage 3 (params sharded), got {zero}")],
+    "optimizer": [(("zero",), lambda zero: zero >= 1,
+                   lambda zero: f"offloading the optimizer needs ZeRO stage >= 1 (ZeRO-Offload), got {zero}")],
+}
+
+
+def _rules_for(schedule: str, offload: str) -> list[Rule]:
+    extra = list(_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"])
+    extra += _OPTION_RULES.get(offload, [])
+    return RULES + extra
+
+
+def broken_rules(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none"):
+    """Yield ``(valid_mask, message_fn, fields)`` for every applicable rule (arrays or scalars)."""
+    for fields, ok, message in _rules_for(schedule, offload):
+        if all(f in numbers and numbers[f] is not None for f in fields):
+            with np.errstate(divide="ignore", invalid="ignore"):  # x % 0 on rows already invalid
+                valid = np.asarray(ok(**{f: numbers[f] for f in fields}))
+            yield valid, message, fields
+
+
+def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none") -> None:
+    """Raise ValueError for the first rule that ``numbers`` (scalars) break."""
+    for valid, message, fields in broken_rules(numbers, schedule, offload):
+        if not bool(valid):
+            raise ValueError(message(**{f: numbers[f] for f in fields}))
+
+
+# ---- pipeline bookkeeping (scalars or arrays) ----------------------------------------------------
+def stage_layers(layers: Any, pp: Any, virtual_stages: Any = 1) -> tuple[Any, Any]:
+    """Layers on the first and on the last pipeline rank. Uneven splits give the extra layers to
+    the first ranks (conservative for memory); each rank holds ``virtual_stages`` chunks."""
+    chunks = pp * virtual_stages
+    return virtual_stages * -(-layers // chunks), virtual_stages * (layers // chunks)
+
+
+def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any = 1) -> tuple[Any, Any]:
+    """Micro-batches whose activations the first and last pipeline ranks hold at the peak, in units
+    of "the rank's whole share of layers".
+
+    GPipe (Huang et al. 2019) keeps all m; 1F1B (Narayanan et al. 2021, Sec. 2.2) keeps min(m, p) on
+    the first rank and 1 on the last; interleaved 1F1B keeps, on rank r, (p-r-1)*2 + (v-1)*p + 1
+    model chunks (Megatron-LM ``schedules.py`` warm-up count), i.e. 1 + (p-1)/(p*v) of the rank's
+    layers on rank 0 (Korthikanti et al. 2022, Sec. 4.2.3); it needs v >= 2 (with v = 1 the
+    warm-up count is not 1F1B's, and Megatron-LM runs plain 1F1B instead), so v < 2 raises.
+    Without pipelining (p = 1) one micro-batch is in flight at a time.
+    """
+    m, p, v = num_microbatches, pp, virtual_stages
+    if schedule == "interleaved" and np.any(np.asarray(v) < 2):
+        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages} "
+                         f"(with one chunk per rank it is 1F1B; Megatron-LM interleaves only with "
+                         f"virtual_pipeline_model_parallel_size > 1)")
+    if schedule == "gpipe":
+        first, last = m, m
+    elif schedule == "1f1b":
+        first, last = np.minimum(m, p), 1
+    elif schedule == "interleaved":
+        chunks = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
+        first, last = chunks / v, np.minimum(m * v, (v - 1) * p + 1) / v
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    no_pipeline = p == 1
+    return np.where(no_pipeline, 1, first), np.where(no_pipeline, 1, last)

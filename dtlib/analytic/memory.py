@@ -1,0 +1,235 @@
+"""Memory per GPU during training, on the most loaded GPU.
+
+``memory_per_gpu(model, layout)`` breaks the bytes down into parameters, gradients, optimizer
+states, activations, and (separately labelled) temporary buffers and framework overhead:
+
+* model states follow a :class:`~dtlib.analytic.precision.Precision` convention (ZeRO paper 16 B/param by
+  default); ZeRO stage 1/2/3 shard optimizer / +gradients / +parameters over the *data-parallel*
+  group (Rajbhandari et al. 2020, Sec. 5, eq. for Pos, Pos+g, Pos+g+p), never the whole GPU count;
+* tensor parallelism splits weight matrices and the vocabulary, replicating norms and row-parallel
+  biases (Megatron-LM, Shoeybi et al. 2019, Sec. 3); pipeline stages hold their layers, the first
+  the embedding and the last the LM head (Narayanan et al. 2021); experts are split over ``ep``;
+* activations follow :mod:`dtlib.analytic.activations` (Korthikanti et al. 2022) with the micro-batches
+  in flight of the pipeline schedule.
+
+The first and the last pipeline rank are both evaluated and the larger is reported. Every formula
+accepts numpy arrays: :mod:`dtlib.analytic.vectorised` calls :func:`per_gpu_bytes` on arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic.units import GB, GiB
+from dtlib.analytic.activations import activation_breakdown
+from dtlib.analytic.hardware import Accelerator, get_gpu
+from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
+from dtlib.analytic.presets import get_preset
+from dtlib.analytic.layout import Parallelism, check_layout, in_flight, stage_layers
+from dtlib.analytic.precision import Precision, get_precision
+
+__all__ = ["memory_per_gpu", "MemoryBreakdown", "per_gpu_bytes", "stage_parameters",
+           "model_state_bytes", "model_numbers", "GiB", "GB"]
+
+
+
+def model_numbers(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
+    """The numbers the formulas read from a config (:meth:`TransformerConfig.numbers`)."""
+    return cfg.numbers(seq)
+
+
+def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias,
+                     experts, learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1,
+                     virtual_stages=1, **_unused) -> dict[str, dict[str, Any]]:
+    """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
+    ZeRO over dp), ``expert`` (sharded over dp/ep) and ``unit`` (largest block gathered at once by
+    ZeRO-3/FSDP with per-block wrapping)."""
+    norm = norm_params(hidden, norm_has_bias)
+    attn = attention_params(hidden, heads, kv_heads, bias)
+    mlp = mlp_params(hidden, ffn, mlp_matrices, bias)
+    dense_mlp = experts == 0
+    # replicated across TP: both norms, the row-parallel biases (attention out, MLP down), router
+    replicated = 2 * norm + bias * hidden * (1 + dense_mlp) + hidden * experts
+    dense_layer = (2 * norm + attn + dense_mlp * mlp + hidden * experts - replicated) / tp + replicated
+    expert_layer = experts * ((mlp - bias * hidden) / tp + bias * hidden) / ep
+    vocab_rows = -(-vocab // tp)  # vocab-parallel embedding, padded to a multiple of tp
+    embedding = vocab_rows * hidden + learned_positions * seq * hidden + embedding_norm * norm
+    # the last stage holds the LM head; a tied head is a second copy when pp > 1 (Megatron-LM)
+    head = norm + ((1 - tied) + tied * (pp > 1)) * vocab_rows * hidden
+    single = pp == 1
+    lf, ll = stage_layers(layers, pp, virtual_stages)
+    unit = np.maximum(np.maximum(dense_layer + expert_layer, embedding), head)
+    first = {"dense": embedding + lf * dense_layer + single * head, "expert": lf * expert_layer}
+    last = {"dense": ll * dense_layer + head + single * embedding, "expert": ll * expert_layer}
+    first["unit"] = last["unit"] = unit
+    return {"first": first, "last": last}
+
+
+def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1,
+                      offload: str = "none") -> dict[str, Any]:
+    """GPU and CPU bytes of parameters, gradients and optimizer for ZeRO ``zero`` (0-3).
+
+    Stage >= 1 divides the optimizer, >= 2 also the gradients, 3 also the parameters, by the
+    sharding group (Rajbhandari et al. 2020, Sec. 5.1-5.3); expert weights by ``shard_size/ep``.
+    ZeRO-3 gathers one unit (parameters + their gradients, in the working dtype) at a time: the
+    ``temporary`` term, DeepSpeed's ``4 * largest_layer_params`` for 2-byte weights
+    (``estimate_zero3_model_states_mem_needs``). Offloading (Ren et al. 2021, ZeRO-Offload) moves the
+    optimizer and the gradient shards to CPU; ``params`` also the parameter shards (ZeRO-Infinity).
+    """
+    def count(min_stage):
+        on = zero >= min_stage
+        return dense / np.where(on, shard_size, 1) + expert / np.where(on, np.maximum(shard_size / ep, 1), 1)
+
+    params, grads, optim = prec.param * count(3), prec.grad * count(2), prec.optimizer * count(1)
+    temporary = np.where(zero == 3, 2 * prec.param * unit, 0)
+    cpu = 0 * params
+    if offload in ("optimizer", "params"):
+        cpu = optim + prec.grad * count(1)
+        optim, grads = 0 * optim, 0 * grads
+    if offload == "params":
+        cpu, params = cpu + params, 0 * params
+    return {"parameters": params, "gradients": grads, "optimizer": optim, "temporary": temporary,
+            "cpu": cpu}
+
+
+def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none",
+                  schedule: str = "1f1b", offload: str = "none", dropout: bool = True,
+                  mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
+                  overhead_bytes: Any = 0.0) -> dict[str, Any]:
+    """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
+
+    ``n`` holds layout numbers (``dp tp pp cp ep zero sequence_parallel virtual_stages micro_batch_size
+    num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
+    (a bare parameter count: no activations) with optional ``largest_layer``.
+    """
+    shaped = n.get("hidden") is not None
+    if shaped:
+        stages = stage_parameters(**n)
+    else:
+        dense = n["params"] / (n["tp"] * n["pp"])
+        stages = {s: {"dense": dense, "expert": 0 * dense, "unit": 0 * dense} for s in ("first", "last")}
+    if n.get("largest_layer") is not None:
+        for s in stages.values():
+            s["unit"] = n["largest_layer"] + 0 * s["dense"]
+    out = {}
+    if shaped:
+        lf, ll = stage_layers(n["layers"], n["pp"], n["virtual_stages"])
+        ff, fl = in_flight(schedule, n["pp"], n["num_microbatches"], n["virtual_stages"])
+        act = activation_breakdown(
+            seq=n["seq"], micro_batch_size=n["micro_batch_size"], hidden=n["hidden"], heads=n["heads"],
+            kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"], layers_first=lf, layers_last=ll,
+            in_flight_first=ff, in_flight_last=fl, tp=n["tp"], cp=n["cp"], pp=n["pp"],
+            sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
+            dropout=dropout, act_bytes=prec.activation, mask_bytes=mask_bytes,
+            logits_bytes=logits_bytes, norm_saved=norm_saved)
+    for s in ("first", "last"):
+        st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
+                               zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], offload=offload)
+        st["activations"] = act[s]["total"] if shaped else None
+        st["overhead"] = overhead_bytes + 0 * st["parameters"]
+        st["total"] = (st["parameters"] + st["gradients"] + st["optimizer"] + st["temporary"]
+                       + st["overhead"] + (st["activations"] if shaped else 0))
+        if shaped:
+            st.update({f"activations.{k}": v for k, v in act[s].items() if k != "total"})
+        out[s] = st
+    last_is_max = out["last"]["total"] > out["first"]["total"]
+    picked = {k: (None if v is None else np.where(last_is_max, out["last"][k], v))
+              for k, v in out["first"].items()}
+    picked["stage"] = np.where(n["pp"] == 1, 0, np.where(last_is_max, n["pp"] - 1, 0))
+    return picked
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes on the most loaded GPU (``stage``: its pipeline stage index)."""
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float | None
+    temporary: float
+    overhead: float
+    total: float
+    cpu: float
+    stage: int
+    activation_detail: dict[str, float] = field(default_factory=dict)
+    gpu: Accelerator | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu is None else self.total <= self.gpu.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("parameters", "gradients", "optimizer", "activations", "temporary", "overhead", "total")
+        d = {"per_gpu": {k: getattr(self, k) for k in keys}, "cpu_per_gpu": self.cpu,
+             "stage": self.stage, "activation_detail": self.activation_detail, "notes": self.notes}
+        if self.gpu is not None:
+            d["gpu"] = {"name": self.gpu.name, "memory": self.gpu.memory_bytes, "fits": self.fits}
+        return d
+
+
+def resolve_model(model: "TransformerConfig | str | float | int") -> TransformerConfig | float:
+    """A config (or preset name) or a bare parameter count."""
+    if isinstance(model, TransformerConfig):
+        return model
+    if isinstance(model, str):
+        return get_preset(model)
+    if isinstance(model, bool) or not isinstance(model, (int, float)) or not model > 0:
+        raise ValueError(f"model must be a TransformerConfig, a preset name or a positive parameter "
+                         f"count, got {model!r}")
+    return float(model)
+
+
+def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism | None = None, *,
+                   precision: "Precision | str" = "zero", gpu: "str | Accelerator | None" = None,
+                   gpus: int | None = None, seq: int | None = None, dropout: bool = True,
+                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
+                   largest_layer_params: float | None = None,
+                   overhead_bytes: float = 0.0) -> MemoryBreakdown:
+    """Bytes per GPU on the most loaded GPU of ``layout`` training ``model``.
+
+    ``model``: a :class:`TransformerConfig`, a preset name, or a parameter count (then activations
+    are None and tensor/pipeline parallelism divide the count evenly). ``precision``: a
+    :class:`Precision` or convention name (default ``"zero"``: 2+2+12 bytes/param, 16-bit
+    activations). ``gpus``: if given, must equal dp*tp*pp*cp. ``dropout``/``mask_bytes``/
+    ``logits_bytes``/``norm_saved``: activation conventions (see :mod:`dtlib.analytic.activations`).
+    ``overhead_bytes``: framework overhead (CUDA context, NCCL buffers, fragmentation; default 0,
+    typically 1-3 GiB on a GPU). ``largest_layer_params`` overrides the ZeRO-3 gather unit.
+    """
+    layout = layout or Parallelism()
+    prec = get_precision(precision)
+    cfg = resolve_model(model)
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    if largest_layer_params is not None and not largest_layer_params >= 0:
+        raise ValueError(f"largest_layer_params must be >= 0, got {largest_layer_params!r}")
+    if not overhead_bytes >= 0:
+        raise ValueError(f"overhead_bytes must be >= 0, got {overhead_bytes!r}")
+    acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if isinstance(cfg, TransformerConfig):
+        n = layout.numbers(**model_numbers(cfg, seq), gpus=gpus, largest_layer=largest_layer_params)
+    else:
+        if layout.ep > 1:
+            raise ValueError("expert parallelism needs a model shape with moe_experts; "
+                             "a bare parameter count cannot be split into experts")
+        n = layout.numbers(params=cfg, gpus=gpus, largest_layer=largest_layer_params)
+    check_layout(n, layout.schedule, layout.offload)
+    r = per_gpu_bytes(n, prec, recompute=layout.recompute, schedule=layout.schedule,
+                      offload=layout.offload, dropout=dropout, mask_bytes=mask_bytes,
+                      logits_bytes=logits_bytes, norm_saved=norm_saved, overhead_bytes=overhead_bytes)
+    detail = {k.split(".", 1)[1]: float(v) for k, v in r.items() if k.startswith("activations.")}
+    notes = [f"precision: {prec.name} ({prec.total:g} bytes/param before sharding)"]
+    if r["activations"] is None:
+        notes.append("activations: not computed (bare parameter count; give a model shape)")
+    return MemoryBreakdown(
+        parameters=float(r["parameters"]), gradients=float(r["gradients"]),
+        optimizer=float(r["optimizer"]),
+        activations=None if r["activations"] is None else float(r["activations"]),
+        temporary=float(r["temporary"]), overhead=float(r["overhead"]), total=float(r["total"]),
+        cpu=float(r["cpu"]), stage=int(r["stage"]), activation_detail=detail, gpu=acc, notes=notes)

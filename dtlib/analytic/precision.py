@@ -1,0 +1,97 @@
+"""Bytes per parameter of the model states: the precision conventions, as explicit options.
+
+Calculators disagree mostly because they count different things. Each :class:`Precision` says
+what it counts: the working parameters, their gradients, and what the optimizer keeps (fp32
+master weights, an fp32 gradient copy, and its states).
+
+======================  =====  =====  ============================  =====  ==========================
+convention              param  grad   optimizer                     total  source
+======================  =====  =====  ============================  =====  ==========================
+``zero``                2      2      4 master + 8 Adam             16     ZeRO paper, Sec. 3.1 (K=12)
+``megatron-bf16``       2      4      4 master + 8 Adam             18     Megatron-LM distrib_optimizer.md
+``megatron-fp16``       2      2      4 master + 4 grad copy + 8    20     Megatron-LM distrib_optimizer.md
+``fp32``                4      4      8 Adam                        16     Megatron-LM distrib_optimizer.md
+``sgd-momentum``        2      2      4 master + 4 momentum         12     (mixed precision SGD)
+``adam-8bit``           2      2      4 master + 2 (two 8-bit)      10     Dettmers et al. 2022
+======================  =====  =====  ============================  =====  ==========================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Precision", "precision", "get_precision", "CONVENTIONS", "PRECISIONS", "OPTIMIZERS"]
+
+PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit")
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# bytes of optimizer state per parameter: Adam keeps m and v in fp32 (Kingma & Ba 2015);
+# 8-bit Adam keeps both in one byte (Dettmers et al. 2022; per-block absmax ignored, < 0.2%).
+_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adam-8bit": 2}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter (``param``, ``grad``; the optimizer's ``master`` weights, ``grad_copy``
+    and ``states``) and bytes per activation element."""
+    name: str
+    param: float
+    grad: float
+    master: float
+    grad_copy: float
+    states: float
+    activation: float
+    source: str = ""
+
+    @property
+    def optimizer(self) -> float:
+        """Everything the optimizer owns (what ZeRO stage 1 shards)."""
+        return self.master + self.grad_copy + self.states
+
+    @property
+    def total(self) -> float:
+        return self.param + self.grad + self.optimizer
+
+
+def precision(dtype: str = "bf16-mixed", grad_dtype: str | None = None, optimizer: str = "adam",
+              fp32_grad_copy: bool = False) -> Precision:
+    """Build a convention: ``dtype`` of the working weights/activations, ``grad_dtype`` of the
+    gradients (default: the weights' dtype), ``optimizer``; ``fp32_grad_copy`` adds the fp32 copy of
+    the gradients that Megatron's fp16 optimizer keeps. Mixed precision adds 4-byte master weights
+    (Micikevicius et al. 2018)."""
+    if dtype not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {dtype!r}")
+    if optimizer not in _STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    weight = "fp32" if dtype == "fp32" else dtype.split("-")[0]
+    grad_dtype = grad_dtype or weight
+    if grad_dtype not in _BYTES:
+        raise ValueError(f"grad_dtype must be one of {tuple(_BYTES)}, got {grad_dtype!r}")
+    if dtype == "fp32" and grad_dtype != "fp32":
+        raise ValueError(f"fp32 training has fp32 gradients; got grad_dtype={grad_dtype!r}")
+    mixed = dtype != "fp32"
+    name = f"{dtype}/{grad_dtype} grads/{optimizer}" + ("/fp32 grad copy" if fp32_grad_copy else "")
+    return Precision(name=name, param=_BYTES[weight], grad=_BYTES[grad_dtype],
+                     master=4 if mixed else 0, grad_copy=4 if fp32_grad_copy else 0,
+                     states=_STATE_BYTES[optimizer], activation=_BYTES[weight],
+                     source="dtlib.analytic.precision.precision(): see the module table")
+
+
+CONVENTIONS: dict[str, Precision] = {
+    "zero": precision("fp16-mixed", "fp16", "adam"),
+    "megatron-bf16": precision("bf16-mixed", "fp32", "adam"),
+    "megatron-fp16": precision("fp16-mixed", "fp16", "adam", fp32_grad_copy=True),
+    "fp32": precision("fp32", "fp32", "adam"),
+    "sgd-momentum": precision("bf16-mixed", "bf16", "sgd-momentum"),
+    "adam-8bit": precision("bf16-mixed", "bf16", "adam-8bit"),
+}
+
+
+def get_precision(spec: "Precision | str") -> Precision:
+    """A :class:`Precision`, a convention name from :data:`CONVENTIONS`, or a dtype name."""
+    if isinstance(spec, Precision):
+        return spec
+    if spec in CONVENTIONS:
+        return CONVENTIONS[spec]
+    if spec in PRECISIONS:
+        return precision(spec)
+    raise ValueError(f"unknown precision {spec!r}; valid: {', '.join(CONVENTIONS)} or {', '.join(PRECISIONS)}")

@@ -1,0 +1,68 @@
+"""Published model shapes, each with where the numbers come from.
+
+Counts are of the decoder description in :mod:`dtlib.analytic.config`; the tests compare each
+preset's ``num_parameters()`` with its published total.
+"""
+from __future__ import annotations
+
+from dtlib.analytic.config import TransformerConfig
+
+__all__ = ["PRESETS", "get_preset"]
+
+_LLAMA = dict(activation="swiglu", bias=False, norm="rmsnorm", position="rope", tied_embeddings=False)
+
+PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
+    TransformerConfig(name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048,
+                      tied_embeddings=True,
+                      source="Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 "
+                             "(GPT-2 vocabulary 50257, tied embeddings)"),
+    TransformerConfig(name="megatron-22b", layers=48, hidden=6144, heads=64, vocab=51200, seq=2048,
+                      tied_embeddings=True,
+                      source="Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large "
+                             "Transformer Models', Table 3 (22B)"),
+    TransformerConfig(name="llama2-7b", layers=32, hidden=4096, heads=32, vocab=32000, seq=4096,
+                      ffn=11008, **_LLAMA,
+                      source="Touvron et al. 2023, 'Llama 2', Table 1; HF meta-llama/Llama-2-7b-hf "
+                             "config.json (6,738,415,616 parameters)"),
+    TransformerConfig(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256,
+                      seq=8192, ffn=14336, **_LLAMA,
+                      source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3; HF "
+                             "meta-llama/Meta-Llama-3-8B config.json"),
+    TransformerConfig(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, vocab=128256,
+                      seq=8192, ffn=28672, **_LLAMA,
+                      source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3; HF "
+                             "meta-llama/Meta-Llama-3-70B config.json"),
+    TransformerConfig(name="llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
+                      vocab=128256, seq=8192, ffn=53248, **_LLAMA,
+                      source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3 (pre-training "
+                             "seq 8192); HF meta-llama/Llama-3.1-405B config.json"),
+    TransformerConfig(name="bloom-176b", layers=70, hidden=14336, heads=112, vocab=250880, seq=2048,
+                      position="alibi", tied_embeddings=True, embedding_norm=True,
+                      source="BigScience 2022, 'BLOOM', Table 3; HF bigscience/bloom config.json "
+                             "(176,247,271,424 parameters)"),
+    # BERT is an encoder; the decoder description matches its parameter layout except the 2 x h
+    # token-type table and the pooler (h^2 + h), which it leaves out (BERT's embedding LayerNorm
+    # stands in for the final norm: same size).
+    TransformerConfig(name="bert-base", layers=12, hidden=768, heads=12, vocab=30522, seq=512,
+                      tied_embeddings=True,
+                      source="Devlin et al. 2019, 'BERT', Sec. 3 (110M); HF bert-base-uncased "
+                             "(BertModel 109,482,240 incl. token types and pooler)"),
+    TransformerConfig(name="bert-large", layers=24, hidden=1024, heads=16, vocab=30522, seq=512,
+                      tied_embeddings=True,
+                      source="Devlin et al. 2019, 'BERT', Sec. 3 (340M); HF bert-large-uncased "
+                             "(BertModel 335,141,888 incl. token types and pooler)"),
+    # The capstone's model: Llama-2-13B widths with 36 layers -> ~10.2B; heads 40 and kv_heads 8
+    # allow TP 1/2/4/8, 36 layers allow PP 1/2/3/4/6/9/12.
+    TransformerConfig(name="capstone-10b", layers=36, hidden=5120, heads=40, kv_heads=8, vocab=32000,
+                      seq=4096, ffn=13824, **_LLAMA,
+                      source="dtlib capstone design (Llama-2 13B widths, 36 layers, GQA 8)"),
+]}
+
+
+def get_preset(name: str) -> TransformerConfig:
+    """The preset called ``name``, ignoring case, '-', '_' and spaces ("Llama-3 8B" -> llama3-8b)."""
+    squash = lambda s: "".join(ch for ch in s.lower() if ch.isalnum())  # noqa: E731
+    key = {squash(k): k for k in PRESETS}.get(squash(name))
+    if key is None:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[key]

@@ -1,0 +1,180 @@
+"""Lesson 3's graded checks accept the correct answers (dtlib's and the hand-written formulas of the
+solution) and reject the classic mistakes with a message naming the term and the cause; the
+lesson's plots build."""
+import math
+
+import pytest
+from matplotlib.figure import Figure
+
+from dtlib.grading.checks import memory as checks
+from dtlib.analytic.memory import GB, GiB
+from dtlib.analytic.precision import CONVENTIONS
+
+
+# ---- the solution's formulas, as a learner writes them -----------------------------------------
+def states(params, prec, zero, dp, tp=1, pp=1, *, optimizer=None, divide=None, stage_shift=0,
+           mp_split=True):
+    """Correct by default; the keyword arguments inject one mistake at a time."""
+    base = params / (tp * pp) if mp_split else params
+    group = dp if divide is None else divide
+    opt = prec.master + prec.grad_copy + prec.states if optimizer is None else optimizer(prec)
+    z = zero + stage_shift
+    return {"parameters": prec.param * base / (group if z >= 3 else 1),
+            "gradients": prec.grad * base / (group if z >= 2 else 1),
+            "optimizer": opt * base / (group if z >= 1 else 1)}
+
+
+def layer(s, b, h, a, t=1, sequence_parallel=False, recompute="none", *, score_div=None,
+          outside_div=None, inside_div=None, keep_scores=False, full_div=None):
+    sp = t if sequence_parallel else 1
+    if recompute == "full":
+        return 2 * s * b * h / (sp if full_div is None else full_div(t, sp))
+    rest = s * b * h * (10 / (sp if outside_div is None else outside_div(t, sp))
+                        + 24 / (t if inside_div is None else inside_div(t, sp)))
+    scores = 5 * a * s * s * b / (t if score_div is None else score_div(t, sp))
+    return rest + (scores if recompute == "none" or keep_scores else 0)
+
+
+def first_stage(per_layer, layers, pp, num_microbatches, schedule, *, flight=None, split=None):
+    lf = math.ceil(layers / pp) if split is None else split(layers, pp)
+    if flight is not None:
+        n = flight(pp, num_microbatches, schedule)
+    elif pp == 1:
+        n = 1
+    else:
+        n = num_microbatches if schedule == "gpipe" else min(num_microbatches, pp)
+    return per_layer * lf * n
+
+
+# ---- q1 -------------------------------------------------------------------------------------
+def test_model_state_checks_accept_reference_and_formula():
+    for fn in (checks.reference_model_state_bytes, states):
+        checks.check_zero_paper(fn)
+        checks.check_model_state_bytes(fn)
+
+
+def test_reference_reproduces_the_zero_paper():
+    got = [sum(checks.reference_model_state_bytes(7.5e9, CONVENTIONS["zero"], z, 64).values()) / GB
+           for z in range(4)]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (dict(divide="total"), r"optimizer .*total GPU count dp\*tp\*pp = 128.*data-parallel group only"),
+    (dict(optimizer=lambda p: p.grad_copy + p.states), r"optimizer .*forgot the fp32 master copy"),
+    (dict(optimizer=lambda p: p.states), r"optimizer .*(forgot the fp32 master copy|more than Adam)"),
+    (dict(optimizer=lambda p: p.total), r"optimizer .*not the whole bytes/param"),
+    (dict(stage_shift=1), r"at ZeRO stage \d the (gradients|parameters) are not sharded \(they are from stage"),
+    (dict(stage_shift=-1), r"ZeRO stage \d shards the (optimizer|gradients) over dp"),
+    (dict(mp_split=False), r"parameters .*tensor and pipeline parallelism split the model"),
+])
+def test_model_state_check_names_the_classic_mistakes(mistake, message):
+    if mistake.get("divide") == "total":
+        def fn(params, prec, zero, dp, tp, pp):
+            return states(params, prec, zero, dp, tp, pp, divide=dp * tp * pp)
+    else:
+        def fn(params, prec, zero, dp, tp, pp):
+            return states(params, prec, zero, dp, tp, pp, **mistake)
+    with pytest.raises(AssertionError, match=message):
+        checks.check_model_state_bytes(fn)
+
+
+def test_megatron_grad_copy_and_fp32_gradients_are_checked():
+    with pytest.raises(AssertionError, match="zero=1, dp=64.*fp32 copy per parameter is missing"):
+        checks.check_model_state_bytes(lambda *a: states(*a, optimizer=lambda p: p.master + p.states))
+    with pytest.raises(AssertionError, match="gradients .*prec.grad = 4"):
+        checks.check_model_state_bytes(
+            lambda params, prec, zero, dp, tp, pp: {**states(params, prec, zero, dp, tp, pp),
+                                                    "gradients": states(params, prec, zero, dp, tp, pp)[
+                                                        "gradients"] * prec.param / prec.grad})
+
+
+def test_model_state_check_rejects_stubs_and_bad_returns():
+    with pytest.raises(AssertionError, match="returned None .*fill in the function"):
+        checks.check_zero_paper(lambda *a: None)
+    with pytest.raises(AssertionError, match="return a dict with keys"):
+        checks.check_zero_paper(lambda *a: 16 * a[0])
+    with pytest.raises(AssertionError, match="return bytes, not GiB or GB"):
+        checks.check_zero_paper(lambda *a: {k: v / GiB for k, v in states(*a).items()})
+    with pytest.raises(AssertionError, match="params=7,500,000,000.*zero=0, dp=64"):
+        checks.check_zero_paper(lambda *a: {k: 0.0 for k in checks.TERMS})
+
+
+# ---- q2 -------------------------------------------------------------------------------------
+def test_layer_checks_accept_reference_and_formula():
+    for fn in (checks.reference_layer_activation_bytes, layer):
+        checks.check_layer_activation_bytes(fn, parallel=False)
+        checks.check_layer_activation_bytes(fn)
+
+
+def test_reference_reduces_to_korthikanti_22b():
+    per_layer = checks.reference_layer_activation_bytes(2048, 4, 6144, 64, 8)
+    assert 48 * per_layer / GiB == pytest.approx(59.25, rel=1e-12)
+    per_layer = checks.reference_layer_activation_bytes(2048, 4, 6144, 64, 8, True, "selective")
+    assert 48 * per_layer / GiB == pytest.approx(9.5625, rel=1e-12)
+
+
+@pytest.mark.parametrize("mistake,parallel,message", [
+    (dict(score_div=lambda t, sp: math.inf), False, r"attention-score term .*5\*a\*s\^2\*b/t is missing"),
+    (dict(score_div=lambda t, sp: t * sp), True, r"sequence_parallel=True.*divided the attention-score term by t twice"),
+    (dict(score_div=lambda t, sp: 1), True, r"t=8.*heads, so each GPU keeps 5\*a\*s\^2\*b/t"),
+    (dict(keep_scores=True), False, r"recompute='selective'.*selective recompute drops exactly this term"),
+    (dict(outside_div=lambda t, sp: t), True, r"sequence_parallel=False.*10\*s\*b\*h outside .*replicated"),
+    (dict(outside_div=lambda t, sp: 1), True, r"sequence_parallel=True.*split over the sequence too"),
+    (dict(inside_div=lambda t, sp: 1), True, r"24\*s\*b\*h inside attention and MLP: divide"),
+    (dict(full_div=lambda t, sp: t), True, r"recompute='full'.*every TP rank keeps the whole layer input"),
+    (dict(full_div=lambda t, sp: 1), True, r"recompute='full'.*kept layer input is split"),
+])
+def test_layer_check_names_the_classic_mistakes(mistake, parallel, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_layer_activation_bytes(lambda *a: layer(*a, **mistake), parallel=parallel)
+
+
+def test_layer_check_full_recompute_and_stubs():
+    def keeps_everything(s, b, h, a, t, sp, recompute):
+        return layer(s, b, h, a, t, sp, "selective" if recompute == "full" else recompute)
+    with pytest.raises(AssertionError, match="keeps only each layer's input"):
+        checks.check_layer_activation_bytes(keeps_everything, parallel=False)
+    with pytest.raises(AssertionError, match="returned None"):
+        checks.check_layer_activation_bytes(lambda *a: None, parallel=False)
+    with pytest.raises(AssertionError, match="s=2048, b=1, h=4096, a=32, t=1"):
+        checks.check_layer_activation_bytes(lambda *a: 2 * layer(*a), parallel=False)
+
+
+# ---- q3 -------------------------------------------------------------------------------------
+def test_pipeline_check_accepts_reference_and_formula():
+    checks.check_first_stage_activations(checks.reference_first_stage_activations)
+    checks.check_first_stage_activations(first_stage)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (dict(flight=lambda p, m, s: m), r"pp=1.*gradient-accumulation steps .*1 in flight"),
+    (dict(flight=lambda p, m, s: 1 if p == 1 else min(m, p)), r"schedule='gpipe'.*GPipe runs all m forwards"),
+    (dict(flight=lambda p, m, s: 1 if p == 1 else m), r"schedule='1f1b'.*min\(m, p\) micro-batches"),
+    (dict(flight=lambda p, m, s: 1 if p == 1 else (m if s == "gpipe" else p)), r"only m = 4 micro-batches"),
+    (dict(split=lambda l, p: l / p), r"layers=30, pp=4.*do not split evenly"),
+    (dict(split=lambda l, p: l // p), r"ceil\(layers/pp\) = 8, not floor"),
+])
+def test_pipeline_check_names_the_classic_mistakes(mistake, message):
+    with pytest.raises(AssertionError, match=message):
+        checks.check_first_stage_activations(lambda *a: first_stage(*a, **mistake))
+
+
+# ---- the lesson's plots -----------------------------------------------------------------------
+def test_memory_plots_build_figures():
+    from dtlib.viz import memory as viz
+    figs = [
+        viz.plot_bytes_per_param(CONVENTIONS),
+        viz.plot_memory_curves([1, 2, 4], {"a": [GiB, 2 * GiB, 4 * GiB], "b": [GiB] * 3},
+                               xlabel="x", gpu_memory=80 * GiB, gpu_name="H100"),
+        viz.plot_recompute_tradeoff({"stored": {"saved_bytes": 6e7, "step_seconds": 0.3},
+                                     "recomputed": {"saved_bytes": 5e6, "step_seconds": 0.45}}),
+        viz.plot_predicted_vs_measured({"parameters": 10.0, "activations": 100.0},
+                                       {"parameters": 10.0, "activations": 98.0}),
+    ]
+    for fig in figs:
+        assert isinstance(fig, Figure) and fig.axes
+    with pytest.raises(ValueError, match="same components"):
+        viz.plot_predicted_vs_measured({"a": 1.0}, {"b": 1.0})
+    with pytest.raises(ValueError, match="one value per x"):
+        viz.plot_memory_curves([1, 2], {"a": [1.0]})
