@@ -10,7 +10,7 @@ from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 from dtlib.parallel import assign_buckets, ring_all_reduce
 from dtlib.analytic.units import MiB
-from dtlib.viz import comm as viz_comm, ring as viz_ring
+from dtlib.viz import charts, comm as viz, ring as viz_ring
 from dtlib.viz.timeline import plot_overlap_timeline
 from dtlib.experiments import communication as experiments
 
@@ -325,12 +325,12 @@ def test_plots_build():
                 {"impl": "x", "bytes": 2 ** 20, "seconds": 2e-3}]
     fig = viz.plot_alpha_beta(sizes, {"m": [1e-4, 1e-3]}, 2, measured=measured, mark=1024)
     assert len(fig.axes) == 2
-    curves = viz_comm.plot_curves([1, 2], {"a": [1.0, 2.0], "b": [2.0, 3.0]}, "x", "y", logx=True)
+    curves = charts.plot_curves([1, 2], {"a": [1.0, 2.0], "b": [2.0, 3.0]}, "x", "y", logx=True)
     assert [line.get_label() for line in curves.axes[0].get_lines()] == ["a", "b"]
     assert list(curves.axes[0].get_lines()[1].get_ydata()) == [2.0, 3.0]
     with pytest.raises(ValueError, match="between 2 and 8"):
         viz_ring.plot_ring_steps(9)
     with pytest.raises(ValueError, match="2 values for 3"):
-        viz_comm.plot_curves([1, 2, 3], {"a": [1.0, 2.0]}, "x", "y")
+        charts.plot_curves([1, 2, 3], {"a": [1.0, 2.0]}, "x", "y")
     with pytest.raises(ValueError, match="nothing to plot"):
         viz.plot_alpha_beta(sizes, {}, 2)

@@ -5,6 +5,7 @@ Each function takes data and returns a ``matplotlib`` Figure built with ``Figure
 """
 from __future__ import annotations
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
