@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
 from dtlib.launcher import launch
@@ -193,7 +192,9 @@ def test_communication_starts_before_backward_ends(name):
     assert out["calls_before_end"] >= nb - 2
     assert out["issued_before_backward_end"] >= nb - 2
     assert out["ready_before_issue"]
-    assert isinstance(plot_overlap_timeline({name: out["record"]}), Figure)
+    (ax,) = plot_overlap_timeline({name: out["record"]}).axes  # the run's timeline, drawn
+    assert ax.get_title().endswith(f"{out['record'].overlapped_buckets}/{nb} buckets issued before backward ended")
+    assert [t.get_text() for t in ax.get_yticklabels()][:nb] == [f"bucket {b}" for b in reversed(range(nb))]
 
 
 # ---- what is averaged --------------------------------------------------------------------------
