@@ -27,6 +27,7 @@ from dtlib.launcher import launch
 from dtlib.measure import CollectiveCounter, saved_activation_bytes
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.parallel import BucketedDDP, tensor_parallel
+from dtlib.parallel.dtensor import dtensor_full_grads, parallelize_tinygpt
 from dtlib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                    allreduce_sequence_parallel_grads, full_grad_dict,
                                    full_state_dict, initialize_model_parallel,
@@ -149,71 +150,36 @@ def _block_behaviour(name, sp, group):
 
 
 # ---- PyTorch's own TP on the same model ------------------------------------------------------------
-def _dtensor_model(name, mesh, sp):
-    """TinyGPT under parallelize_module (torchtitan's plan, with local tensors between modules:
-    TinyGPT's residual adds mix in plain tensors). The fused QKV weight is reordered
-    so that each rank's contiguous block of rows is [its Q heads; its K heads; its V heads], as
-    ColwiseParallel shards rows contiguously (Megatron stores QKV per head group for this)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-    cfg, t = _cfg(name), mesh.size()
-    model = _model(name)
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=Shard(1) if sp else Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                       output_layouts=Replicate())}
-    if sp:
-        plan["norm_f"] = SequenceParallel(use_local_output=True)
-    for i, block in enumerate(model.blocks):
-        w = block.attn.qkv.weight.data
-        q, k, v = w.split([cfg.hidden, kv_dim, kv_dim])
-        block.attn.qkv.weight.data = torch.cat([torch.cat([q.chunk(t)[r], k.chunk(t)[r], v.chunk(t)[r]])
-                                                for r in range(t)])
-        if block.attn.qkv.bias is not None:
-            q, k, v = block.attn.qkv.bias.data.split([cfg.hidden, kv_dim, kv_dim])
-            block.attn.qkv.bias.data = torch.cat([torch.cat([q.chunk(t)[r], k.chunk(t)[r], v.chunk(t)[r]])
-                                                  for r in range(t)])
-        block.attn.heads, block.attn.kv_heads = cfg.heads // t, cfg.kv_heads // t
-        out = Shard(1) if sp else Replicate()
-        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                     f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=out),
-                     f"blocks.{i}.mlp.up": ColwiseParallel(),
-                     f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=out)})
-        if cfg.activation == "swiglu":
-            plan[f"blocks.{i}.mlp.gate"] = ColwiseParallel()
-        if sp:
-            plan.update({f"blocks.{i}.norm1": SequenceParallel(use_local_output=True),
-                         f"blocks.{i}.norm2": SequenceParallel(use_local_output=True),
-                         f"blocks.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                desired_input_layouts=(Replicate(),)),
-                         f"blocks.{i}.mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                               desired_input_layouts=(Replicate(),))})
-    return parallelize_module(model, mesh, plan)
-
-
 def _ours_vs_dtensor(name, sp, group, mesh, tokens):
     """Loss and full gradients of our TP and of DTensor TP on the same batch."""
-    from torch.distributed.tensor import DTensor
-    cfg = _cfg(name)
     ours = tensor_parallel(_model(name), group, sequence_parallel=sp)
     ours_loss = _tp_step(ours, tokens, group)
-    ours_grads = full_grad_dict(ours, group)
-    theirs = _dtensor_model(name, mesh, sp)
+    theirs = parallelize_tinygpt(_model(name), mesh, sequence_parallel=sp)
     logits = theirs(tokens[:, :-1])
     theirs_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     theirs_loss.backward()
-    grads = {}
-    for k, p in theirs.named_parameters(remove_duplicate=False):
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        if k.endswith("attn.qkv.weight") or k.endswith("attn.qkv.bias"):  # undo the row reorder
-            t, kv_dim = mesh.size(), cfg.kv_heads * cfg.head_dim
-            per_rank = [c.split([cfg.hidden // t, kv_dim // t, kv_dim // t]) for c in g.chunk(t)]
-            g = torch.cat([torch.cat([r[i] for r in per_rank]) for i in range(3)])
-        grads[k] = g
-    return {"loss": abs(ours_loss.item() - theirs_loss.item()), "grads": _max_diff(ours_grads, grads)}
+    return {"loss": abs(ours_loss.item() - theirs_loss.item()),
+            "grads": _max_diff(full_grad_dict(ours, group), dtensor_full_grads(theirs, mesh))}
+
+
+def _layers(rank, world_size):
+    """ColumnParallelLinear(gather_output=True) -> RowParallelLinear(input_is_parallel=False)
+    against the two nn.Linear they were cut from: output, input gradient, weight gradients."""
+    torch.manual_seed(3)
+    built = ColumnParallelLinear(8, 12)  # same seed: the slice of nn.Linear(8, 12)
+    torch.manual_seed(3)
+    first, second = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8, bias=False)
+    col = ColumnParallelLinear.from_linear(first, gather_output=True)
+    row = RowParallelLinear.from_linear(second, input_is_parallel=False)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    row(col(x)).square().sum().backward()
+    second(first(x_ref)).square().sum().backward()
+    return max((x.grad - x_ref.grad).abs().max().item(),
+               (col.weight.grad - first.weight.grad.chunk(world_size)[rank]).abs().max().item(),
+               (col.bias.grad - first.bias.grad.chunk(world_size)[rank]).abs().max().item(),
+               (row.weight.grad - second.weight.grad.chunk(world_size, 1)[rank]).abs().max().item(),
+               (built.weight - first.weight.chunk(world_size)[rank]).abs().max().item())
 
 
 # ---- the launches ------------------------------------------------------------------------------------
@@ -230,6 +196,7 @@ def _two_ranks(rank, world_size):
     for name, sp in [("gelu-mha-learned", False), ("swiglu-gqa-rope", False), ("swiglu-gqa-rope", True)]:
         out["dtensor"][name, sp] = _ours_vs_dtensor(name, sp, None, mesh, _batches(_cfg(name))[0])
     out["errors"] = _bad_input(rank)
+    out["layers"] = _layers(rank, world_size)
     return out
 
 
@@ -360,6 +327,11 @@ def test_same_loss_and_gradients_as_dtensor_parallelize_module(two):
         for key, d in res["dtensor"].items():
             assert d["loss"] < LOSS_TOL, key
             assert d["grads"] < GRAD_TOL, key
+
+
+def test_column_then_row_layers_equal_the_linears_they_were_cut_from(two):
+    for res in two:
+        assert res["layers"] < GRAD_TOL
 
 
 # ---- behaviour -----------------------------------------------------------------------------------------
