@@ -7,9 +7,9 @@ compute the loss on vocabulary-sharded logits (ours: ``vocab_parallel_cross_entr
 alternates too). A step is forward + backward + AdamW; its time is the slowest rank's, median over
 the steps after warm-up. ``ratio`` = ours / DTensor (target: <= 1.10).
 
-Communication of our step: each collective's size is recorded (``dtlib.measure.CollectiveLog``)
+Communication of our step: each collective's size is recorded (``dtlib.measure.CollectiveCounter``)
 and its time measured by ``torch.profiler`` (the ``gloo:*`` events, i.e. the time gloo spent in
-collectives); the prediction is ``dtlib.comm.collective_time`` of the same collectives on the
+collectives); the prediction is ``dtlib.analytic.comm.collective_time`` of the same collectives on the
 link fitted, as in lesson 2, to all-reduces timed on these ranks just before
 (``dtlib.experiments.communication.fit_alpha_beta``).
 
@@ -27,9 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import dtlib
 from _timing import time_alternating  # benchmarks/_timing.py, beside this script
-from dtlib.comm import collective_time
+from dtlib.analytic.comm import collective_time
 from dtlib.experiments.communication import fit_alpha_beta, time_all_reduce
-from dtlib.measure import CollectiveLog
+from dtlib.measure import CollectiveCounter
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.parallel import tensor_parallel, vocab_parallel_cross_entropy
 from dtlib.parallel.dtensor import parallelize_tinygpt
@@ -65,7 +65,7 @@ def worker(rank: int, world_size: int, cfg_kwargs: dict, batch: int, steps: int,
     times = time_alternating(impls, cfg.vocab, cfg.seq, batch, 0, warmup, steps)
 
     tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
-    with CollectiveLog() as log, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with CollectiveCounter() as log, profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(PROFILED_STEPS):
             ours_backward(ours(tokens[:, :-1]), tokens[:, 1:])
     gloo_us = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith("gloo:"))

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlib.activations import layer_bytes
-from dtlib.comm import strategy_volumes
+from dtlib.analytic.activations import layer_bytes
+from dtlib.analytic.comm import strategy_volumes
 from dtlib.launcher import launch
 from dtlib.measure import CollectiveCounter, saved_activation_bytes
 from dtlib.models import TinyGPT, tiny_gpt_config
@@ -32,8 +32,8 @@ from dtlib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                    allreduce_sequence_parallel_grads, full_grad_dict,
                                    full_state_dict, initialize_model_parallel,
                                    model_parallel_ranks, vocab_parallel_cross_entropy)
-from dtlib.parallelism import Parallelism
-from dtlib.precision import get_precision
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.precision import get_precision
 
 TIMEOUT = 120
 LOSS_TOL, GRAD_TOL, STATE_TOL = 1e-6, 1e-6, 5e-6
@@ -131,7 +131,7 @@ def _block_input(cfg, t, sp, rank):
 
 
 def _block_behaviour(name, sp, group):
-    """Collectives (CommDebugMode's counts, CollectiveLog's sizes) and saved bytes of block 0."""
+    """Collectives (CommDebugMode's counts, CollectiveCounter's sizes) and saved bytes of block 0."""
     from torch.distributed.tensor.debug import CommDebugMode
     cfg, t, rank = _cfg(name), dist.get_world_size(group), dist.get_rank(group)
     model = tensor_parallel(_model(name), group, sequence_parallel=sp)
@@ -337,7 +337,7 @@ def test_column_then_row_layers_equal_the_linears_they_were_cut_from(two):
 # ---- behaviour -----------------------------------------------------------------------------------------
 def _expected_bytes(name):
     cfg = _cfg(name)
-    volume = strategy_volumes(cfg, Parallelism(tp=2, micro_batch=BATCH), precision=get_precision("fp32"))
+    volume = strategy_volumes(cfg, Parallelism(tp=2, micro_batch_size=BATCH), precision=get_precision("fp32"))
     assert volume["tp_activations"]["bytes"] == BATCH * cfg.seq * cfg.hidden * 4
     return volume["tp_activations"]["bytes"]
 
@@ -351,7 +351,7 @@ def test_without_sp_two_all_reduces_forward_and_two_backward_per_block(world, tw
         assert b["fwd"] == [("all_reduce", size)] * 2, name
         assert b["bwd"] == [("all_reduce", size)] * 2, name
         assert b["fwd_counts"] == {"allreduce_": 2} and b["bwd_counts"] == {"allreduce_": 2}
-        # dtlib.comm's TP count: 4 all-reduces per layer per micro-batch
+        # dtlib.analytic.comm's TP count: 4 all-reduces per layer per micro-batch
         assert strategy_volumes(_cfg(name), Parallelism(tp=world))["tp_activations"]["calls"] \
             == 4 * _cfg(name).layers
 
