@@ -14,7 +14,8 @@ link fitted, as in lesson 2, to all-reduces timed on these ranks just before
 (``dtlib.experiments.communication.fit_alpha_beta``).
 
     python benchmarks/bench_tensor_parallel.py --quick
-    python benchmarks/bench_tensor_parallel.py --world-sizes 2 4 --steps 20 --sequence-parallel
+    python benchmarks/bench_tensor_parallel.py --world-sizes 2 4 --steps 20
+    python benchmarks/bench_tensor_parallel.py --sequence-parallel --position rope
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per step (every TP rank sees them)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--sequence-parallel", action="store_true", help="time both with sequence parallelism")
+    p.add_argument("--position", choices=["learned", "rope"], default="learned")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="time both with sequence parallelism (needs --position rope)")
     p.add_argument("--quick", action="store_true", help="6 timed steps after 2 warm-up steps, 2 layers")
     a = p.parse_args()
     if a.quick:
@@ -96,7 +99,11 @@ def main() -> None:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0 or min(a.world_sizes) < 2:
         p.error("--warmup must be >= 0 and every --world-sizes entry >= 2 (TP needs two ranks)")
-    cfg = dict(layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab, seq=a.seq)
+    if a.sequence_parallel and a.position != "rope":
+        p.error("--sequence-parallel needs --position rope: DTensor's SequenceParallel plan cannot "
+                "add TinyGPT's learned position table (a plain tensor) to the sharded sequence")
+    cfg = dict(layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab, seq=a.seq,
+               position=a.position)
     try:  # the TP divisibility rules, checked before any process starts
         tiny_gpt_config(**cfg)
         for ws in a.world_sizes:
@@ -114,7 +121,7 @@ def main() -> None:
         out = dtlib.launch(worker, ws, args=(cfg, a.batch, a.steps, a.warmup, a.sequence_parallel),
                            timeout=1800, output="none")[0]
         med = out["median"]
-        predicted = sum(collective_time(op.replace("_", "-"), size, ws, link) for op, size in out["calls"])
+        predicted = sum(collective_time(op, size, ws, link) for op, size in out["calls"])
         kinds = sorted({op for op, _ in out["calls"]})
         print(f"\n{ws} ranks, {out['params'] / 1e6:.1f}M parameters; fitted link "
               f"{link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us per step")

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlib.analytic.activations import layer_bytes
 from dtlib.analytic.comm import strategy_volumes
+from dtlib.experiments.tensor import block_behaviour, predicted_layer_bytes
 from dtlib.launcher import launch
 from dtlib.measure import CollectiveCounter, saved_activation_bytes
 from dtlib.models import TinyGPT, tiny_gpt_config
@@ -124,29 +124,18 @@ def _vs_single_process(name, sp, group, batches):
 
 
 # ---- behaviour: collectives and activation memory of one block ------------------------------------
-def _block_input(cfg, t, sp, rank):
-    torch.manual_seed(2)
-    x = torch.randn(BATCH, cfg.seq, cfg.hidden)
-    return (x.chunk(t, 1)[rank] if sp else x).clone().requires_grad_()
-
-
 def _block_behaviour(name, sp, group):
-    """Collectives (CommDebugMode's counts, CollectiveCounter's sizes) and saved bytes of block 0."""
+    """dtlib.experiments.tensor.block_behaviour (CollectiveCounter), and PyTorch's CommDebugMode
+    counting a forward and backward of the same block."""
     from torch.distributed.tensor.debug import CommDebugMode
-    cfg, t, rank = _cfg(name), dist.get_world_size(group), dist.get_rank(group)
+    cfg, t = _cfg(name), dist.get_world_size(group)
     model = tensor_parallel(_model(name), group, sequence_parallel=sp)
-    block = model.blocks[0]
-    x = _block_input(cfg, t, sp, rank)
-    with CommDebugMode() as fwd_mode, CollectiveCounter() as fwd_log:
-        y = block(x)
-    with CommDebugMode() as bwd_mode, CollectiveCounter() as bwd_log:
-        y.square().sum().backward()
-    saved = saved_activation_bytes(model, lambda: block(_block_input(cfg, t, sp, rank)))["bytes"]
-
-    def counts(mode):
-        return {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
-    return {"fwd_counts": counts(fwd_mode), "bwd_counts": counts(bwd_mode),
-            "fwd": fwd_log.calls, "bwd": bwd_log.calls, "saved": saved}
+    out = block_behaviour(model, BATCH)
+    x = torch.randn(BATCH, cfg.seq // t if sp else cfg.seq, cfg.hidden, requires_grad=True)
+    with CommDebugMode() as mode:
+        model.blocks[0](x).sum().backward()
+    out["comm_debug_counts"] = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+    return out
 
 
 # ---- PyTorch's own TP on the same model ------------------------------------------------------------
@@ -348,9 +337,9 @@ def test_without_sp_two_all_reduces_forward_and_two_backward_per_block(world, tw
     for name in CONFIGS:
         b = results[0]["behaviour"][name, False]
         size = _expected_bytes(name)
-        assert b["fwd"] == [("all_reduce", size)] * 2, name
-        assert b["bwd"] == [("all_reduce", size)] * 2, name
-        assert b["fwd_counts"] == {"allreduce_": 2} and b["bwd_counts"] == {"allreduce_": 2}
+        assert b["forward"] == [("all_reduce", size)] * 2, name
+        assert b["backward"] == [("all_reduce", size)] * 2, name
+        assert b["comm_debug_counts"] == {"allreduce_": 4}  # PyTorch's own count agrees
         # dtlib.analytic.comm's TP count: 4 all-reduces per layer per micro-batch
         assert strategy_volumes(_cfg(name), Parallelism(tp=world))["tp_activations"]["calls"] \
             == 4 * _cfg(name).layers
@@ -366,23 +355,9 @@ def test_with_sp_gathers_and_reduce_scatters_and_no_all_reduce(world, two, four)
         b = results[0]["behaviour"][name, True]
         size = _expected_bytes(name)
         ag, rs = ("all_gather", size), ("reduce_scatter", size)
-        assert b["fwd"] == [ag, rs, ag, rs], name
-        assert sorted(b["bwd"]) == sorted([ag, ag, rs, ag, ag, rs]), name
-        assert "allreduce_" not in b["fwd_counts"] and "allreduce_" not in b["bwd_counts"]
-        assert b["fwd_counts"] == {"_allgather_base_": 2, "_reduce_scatter_base_": 2}
-
-
-def _predicted_block_bytes(name, t, sp):
-    """Korthikanti et al. Table 2 via dtlib.activations.layer_bytes (fp32, no dropout), plus the
-    per-token statistics the paper neglects: LayerNorm saves mean and 1/std, RMSNorm 1/std
-    (4 bytes each per token, for both norms, on the rank's sequence positions)."""
-    cfg = _cfg(name)
-    rmsnorm = cfg.norm == "rmsnorm"
-    formula = layer_bytes(cfg.seq, BATCH, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn, tp=t,
-                          sequence_parallel=sp, swiglu=cfg.activation == "swiglu", dropout=False,
-                          act_bytes=4, norm_saved=2 if rmsnorm else 1)
-    stats = 2 * (1 if rmsnorm else 2) * 4 * BATCH * cfg.seq / (t if sp else 1)
-    return formula + stats
+        assert b["forward"] == [ag, rs, ag, rs], name
+        assert sorted(b["backward"]) == sorted([ag, ag, rs, ag, ag, rs]), name
+        assert b["comm_debug_counts"] == {"_allgather_base_": 6, "_reduce_scatter_base_": 4}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -391,11 +366,11 @@ def test_activation_memory_per_rank_equals_table_2(world, sp, two, four):
     results = two if world == 2 else four
     for rank, res in enumerate(results):
         for name in CONFIGS:
-            saved = res["behaviour"][name, sp]["saved"]
-            assert saved == _predicted_block_bytes(name, world, sp), (name, rank)
+            saved = res["behaviour"][name, sp]["saved_bytes"]
+            assert saved == predicted_layer_bytes(_cfg(name), BATCH, world, sp), (name, rank)
     # SP saves what TP alone replicates: 10 sbh of the 34 (Korthikanti Sec. 4.2.2)
-    assert results[0]["behaviour"]["gelu-mha-learned", True]["saved"] \
-        < results[0]["behaviour"]["gelu-mha-learned", False]["saved"]
+    assert results[0]["behaviour"]["gelu-mha-learned", True]["saved_bytes"] \
+        < results[0]["behaviour"]["gelu-mha-learned", False]["saved_bytes"]
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
@@ -423,3 +398,29 @@ def test_bad_input_is_refused_with_a_clear_message_before_any_collective(two):
         assert rank1[key] is not None and re.search(pattern, rank1[key]), (key, rank1[key])
     # rank 0 is in its own one-rank group: that is valid there
     assert two[0]["errors"]["group"] is None
+
+
+# ---- what lesson 05 runs ---------------------------------------------------------------------------------
+def test_measure_tensor_parallel_reports_what_the_lesson_shows():
+    from dtlib.experiments.tensor import measure_tensor_parallel
+    cfg = _cfg("gelu-mha-learned")
+    r = measure_tensor_parallel(cfg, world_size=2, sequence_parallel=True, micro_batch_size=BATCH)
+    assert abs(r["loss"] - r["single_process_loss"]) < LOSS_TOL
+    assert r["max_grad_diff"] < GRAD_TOL
+    assert r["saved_bytes"] == r["predicted_bytes"] == predicted_layer_bytes(cfg, BATCH, 2, True)
+    assert [name for name, _ in r["forward"]] == ["all_gather", "reduce_scatter"] * 2
+    assert r["parameters"] == sum(p.numel() for p in TinyGPT(cfg).parameters())
+    assert r["local_parameters"] < r["parameters"] / 2 + 2000  # matrices halved, norms replicated
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=3), r"heads \(4\) must be divisible by the tensor-parallel degree 3"),
+    (dict(world_size=1), r"world_size must be an integer in 2..8"),
+    (dict(micro_batch_size=0), r"micro_batch_size must be a positive integer"),
+    (dict(cfg="gpt"), r"cfg must be a TransformerConfig"),
+])
+def test_measure_tensor_parallel_refuses_bad_input_before_launching(kwargs, match):
+    from dtlib.experiments.tensor import measure_tensor_parallel
+    args = {"cfg": _cfg("gelu-mha-learned"), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        measure_tensor_parallel(**args)

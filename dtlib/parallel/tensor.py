@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
 from dtlib.parallel.collectives import all_gather_into, reduce_scatter_into
 
@@ -51,7 +52,7 @@ __all__ = [
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelMLP",
-    "vocab_parallel_cross_entropy", "tensor_parallel", "allreduce_sequence_parallel_grads",
+    "vocab_parallel_cross_entropy", "check_tensor_parallel_sizes", "tensor_parallel", "allreduce_sequence_parallel_grads",
     "full_state_dict", "full_grad_dict", "model_parallel_ranks", "initialize_model_parallel",
     "TensorParallelState",
 ]
@@ -517,6 +518,15 @@ class TensorParallelState:
     sequence_parallel: bool
 
 
+def check_tensor_parallel_sizes(cfg: TransformerConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise ``ValueError`` naming the first size of ``cfg`` that ``tp`` does not divide: heads
+    and K/V heads (split by head), ffn, vocab, and with sequence parallelism seq."""
+    sizes = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab}
+    if sequence_parallel:
+        sizes["seq"] = cfg.seq
+    _check_divides(sizes, tp)
+
+
 def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool = False) -> TinyGPT:
     """Convert ``model`` in place to tensor (and sequence) parallelism over ``group``; return it.
 
@@ -541,10 +551,7 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
                          "use dropout=0.0")
     group = _check_group(group)
     cfg, t, rank = model.cfg, _size(group), dist.get_rank(group)
-    sizes = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab}
-    if sequence_parallel:
-        sizes["seq"] = cfg.seq
-    _check_divides(sizes, t)  # everything is checked before the first collective
+    check_tensor_parallel_sizes(cfg, t, sequence_parallel)  # before the first collective
     sp = sequence_parallel
     kv_dim = cfg.kv_heads * cfg.head_dim
 
