@@ -89,7 +89,8 @@ def _reference(name, batches):
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         if i == 0:
-            first = loss.item(), {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)}
+            grads = {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)}
+            first = loss.item(), grads
         opt.step()
     return first[0], first[1], {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -238,12 +239,14 @@ def _bad_input(rank):
     messages["heads"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(heads=1, hidden=32))))
     messages["vocab"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(vocab=63))))
     messages["ffn"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(ffn=63))))
-    messages["seq"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(seq=15)), sequence_parallel=True))
+    messages["seq"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(seq=15)),
+                                                      sequence_parallel=True))
     mine = dist.new_group([0])
     messages["group"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config()), mine))
     messages["group_type"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config()), [0, 1]))
     twice = tensor_parallel(TinyGPT(tiny_gpt_config()))
     messages["twice"] = message(lambda: tensor_parallel(twice))
+    messages["other_group"] = message(lambda: full_state_dict(twice, group=mine))
     messages["unconverted"] = message(lambda: full_state_dict(TinyGPT(tiny_gpt_config())))
     messages["dropout"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(), dropout=0.1)))
     messages["row_sp"] = message(lambda: RowParallelLinear(8, 4, sequence_parallel=True))
@@ -306,7 +309,8 @@ def test_model_parallel_ranks_put_tp_ranks_side_by_side():
     assert model_parallel_ranks(4, 2) == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
     assert model_parallel_ranks(8, 4) == {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]],
                                           "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size must divide the world size 6; valid: \[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size must divide the world size "
+                                         r"6; valid: \[1, 2, 3, 6\]"):
         model_parallel_ranks(6, 4)
 
 
@@ -376,12 +380,14 @@ def test_activation_memory_per_rank_equals_table_2(world, sp, two, four):
 # ---- bad input -------------------------------------------------------------------------------------------
 EXPECTED_MESSAGES = {
     "heads": r"heads \(1\) must be divisible by the tensor-parallel degree 2; valid degrees for it: \[1\]",
-    "vocab": r"vocab \(63\) must be divisible by the tensor-parallel degree 2; valid .*\[1, 3, 7, 9, 21, 63\]",
+    "vocab": r"vocab \(63\) must be divisible by the tensor-parallel degree 2; "
+             r"valid .*\[1, 3, 7, 9, 21, 63\]",
     "ffn": r"ffn \(63\) must be divisible",
     "seq": r"seq \(15\) must be divisible by the tensor-parallel degree 2",
     "group": r"rank 1 is not a member of the tensor-parallel group",
     "group_type": r"group must be a torch.distributed.ProcessGroup .* got list",
     "twice": r"already tensor-parallel",
+    "other_group": r"full_state_dict: group is not the group the model was converted with",
     "unconverted": r"full_state_dict needs a model converted by tensor_parallel",
     "dropout": r"dropout=0.1: tensor parallelism needs Megatron's RNG tracker",
     "row_sp": r"sequence_parallel=True needs input_is_parallel=True",

@@ -10,8 +10,10 @@ One concept per module:
 * :mod:`~dtlib.parallel.zero` - :class:`ShardedOptimizer` (ZeRO stages 1 and 2);
 * :mod:`~dtlib.parallel.fsdp` - :class:`FSDP`, a toy ZeRO-3;
 * :mod:`~dtlib.parallel.buckets` - the flat-buffer and bucket bookkeeping they share;
-* :mod:`~dtlib.parallel.tensor` - tensor and sequence parallelism (Megatron-LM's column- and
-  row-parallel layers), :func:`tensor_parallel` to split a TinyGPT.
+* :mod:`~dtlib.parallel.tensor_regions` - the f/g operators of tensor and sequence parallelism;
+* :mod:`~dtlib.parallel.tensor` - Megatron-LM's column- and row-parallel layers, vocabulary-parallel
+  embedding and loss, :func:`tensor_parallel` to split a TinyGPT;
+* :mod:`~dtlib.parallel.dtensor` - PyTorch's own TP on a TinyGPT, the reference for the above.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,

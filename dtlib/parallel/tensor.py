@@ -6,32 +6,19 @@ ranks of a group. A linear layer ``Y = X A`` is split either by *columns* of ``A
 *rows* (:class:`RowParallelLinear`: every rank holds a slice of ``X`` and a partial sum of ``Y``).
 A column-parallel layer followed by a row-parallel one needs no communication in between: an MLP
 or an attention block (split by heads) costs one all-reduce in forward and one in backward.
-They are the two conjugate operators of Sec. 3, Fig. 3:
-
-* ``f`` = :func:`copy_to_tensor_model_parallel_region`: identity forward, all-reduce backward;
-* ``g`` = :func:`reduce_from_tensor_model_parallel_region`: all-reduce forward, identity backward.
-
-Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) shards the rest of the block (norms,
-residual adds, dropouts) along the sequence, and replaces ``g`` and ``f`` by
-
-* ``g-bar`` = :func:`reduce_scatter_to_sequence_parallel_region`: reduce-scatter forward,
-  all-gather backward;
-* ``f-bar`` = :func:`gather_from_sequence_parallel_region`: all-gather forward, reduce-scatter
-  backward;
-
-the same volume (an all-reduce *is* a reduce-scatter plus an all-gather) and activations ``1/t``
-the size outside the tensor-parallel regions. As in Megatron-LM, a column-parallel layer under SP
-keeps only its sequence shard of the input for backward and gathers it again there
-(Sec. 4.2.2, last paragraph), which is what makes Table 2's ``/t`` exact.
+The communication sits in two conjugate operators, ``f`` (identity forward, all-reduce
+backward) before the column-parallel layer and ``g`` (all-reduce forward, identity backward)
+after the row-parallel one; sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) shards the
+rest of the block (norms, residual adds) along the sequence and turns them into an all-gather and
+a reduce-scatter of the same volume (:mod:`dtlib.parallel.tensor_regions`, re-exported here).
+As in Megatron-LM, a column-parallel layer under SP keeps only its sequence shard of the input for
+backward and gathers it again there (Sec. 4.2.2), which is what makes Table 2's ``/t`` exact.
 
 The rest follows Megatron-LM's ``core/tensor_parallel``: :class:`VocabParallelEmbedding`,
 :func:`vocab_parallel_cross_entropy` (Sec. 3, last paragraph: fuse the output layer with the loss
 so the ``b x s x v`` logits are never gathered), :func:`tensor_parallel` to convert a
 :class:`~dtlib.models.gpt.TinyGPT`, :func:`full_state_dict` to gather it back, and
 :func:`initialize_model_parallel` for data x tensor parallelism (TP ranks adjacent).
-
-Tensors are batch-first ``[b, s, h]`` as in TinyGPT, so the sequence dimension is 1 (Megatron uses
-``[s, b, h]`` and dimension 0).
 """
 from __future__ import annotations
 
@@ -45,186 +32,24 @@ from torch import nn
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
-from dtlib.parallel.collectives import all_gather_into, reduce_scatter_into
+from dtlib.parallel.tensor_regions import (SEQ_DIM, SequenceParallelLinear, rank_chunk,
+                                           copy_to_tensor_model_parallel_region,
+                                           gather_from_sequence_parallel_region,
+                                           gather_from_tensor_model_parallel_region,
+                                           reduce_from_tensor_model_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region,
+                                           scatter_to_tensor_model_parallel_region)
 
 __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelMLP",
-    "vocab_parallel_cross_entropy", "check_tensor_parallel_sizes", "tensor_parallel", "allreduce_sequence_parallel_grads",
+    "vocab_parallel_cross_entropy", "check_tensor_parallel_sizes", "tensor_parallel",
+    "allreduce_sequence_parallel_grads",
     "full_state_dict", "full_grad_dict", "model_parallel_ranks", "initialize_model_parallel",
     "TensorParallelState",
 ]
-
-SEQ_DIM = 1  # [batch, seq, hidden]
-
-
-# ---- collectives on a dimension (helpers of the operators) ------------------------------------
-def _size(group: Any) -> int:
-    return dist.get_world_size(group)
-
-
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    out = x.contiguous().clone()  # never reduce autograd's own buffer in place
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
-    x0 = x.movedim(dim, 0).contiguous()  # the backend gathers along dimension 0
-    out = x0.new_empty((_size(group) * x0.shape[0], *x0.shape[1:]))
-    all_gather_into(out, x0, group)
-    return out.movedim(0, dim).contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's chunk along ``dim``."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // _size(group), *x0.shape[1:]))
-    reduce_scatter_into(out, x0, group)
-    return out.movedim(0, dim).contiguous()
-
-
-def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """This rank's chunk of ``x`` along ``dim`` (no communication)."""
-    return x.chunk(_size(group), dim)[dist.get_rank(group)].contiguous()
-
-
-# ---- the conjugate operators (Shoeybi et al. Sec. 3; Korthikanti et al. Sec. 4.2.2) ------------
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """f-bar: all-gather along ``dim`` forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """g-bar: reduce-scatter along ``dim`` forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension forward, all-gather it backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather the last dimension forward, keep this rank's slice backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
-
-
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """``f``: enter a tensor-parallel region with a replicated input; the input's gradient is the
-    sum of every rank's contribution, so backward all-reduces it."""
-    return _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """``g``: leave a tensor-parallel region by summing the partial outputs (all-reduce); the
-    gradient of a sum reaches every term unchanged, so backward is the identity."""
-    return _ReduceFromRegion.apply(x, group)
-
-
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Any = None,
-                                         dim: int = SEQ_DIM) -> torch.Tensor:
-    """``f-bar``: sequence shards -> the full sequence (all-gather); backward reduce-scatters."""
-    return _GatherFromSequenceRegion.apply(x, group, dim)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Any = None,
-                                               dim: int = SEQ_DIM) -> torch.Tensor:
-    """``g-bar``: partial sums of the full sequence -> this rank's summed shard (reduce-scatter);
-    backward all-gathers."""
-    return _ReduceScatterToSequenceRegion.apply(x, group, dim)
-
-
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension (input of a row-parallel layer that was given
-    the full input); backward all-gathers the slices."""
-    return _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """All-gather the last dimension (a column-parallel layer's ``gather_output``)."""
-    return _GatherFromRegion.apply(x, group)
-
-
-class _SequenceParallelLinear(torch.autograd.Function):
-    """``all_gather(x) @ W^T + b`` saving only the local shard of ``x``; backward gathers it again
-    for the weight gradient and reduce-scatters the input gradient (Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication`` with ``sequence_parallel=True``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(_all_gather(x, SEQ_DIM, group), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        full = _all_gather(x, SEQ_DIM, ctx.group)
-        grad_input = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
-        grad_weight = grad.flatten(0, -2).T @ full.flatten(0, -2)
-        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
 
 
 # ---- layers --------------------------------------------------------------------------------------
@@ -299,7 +124,7 @@ class ColumnParallelLinear(nn.Module):
     def _setup(self, full: nn.Linear, gather_output: bool, sequence_parallel: bool, group: Any,
                split_sizes: list[int] | None) -> None:
         self.group = _check_group(group)
-        t, rank = _size(group), dist.get_rank(group)
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
         split_sizes = list(split_sizes or [full.out_features])
         if sum(split_sizes) != full.out_features:
             raise ValueError(f"split_sizes {split_sizes} must add up to out_features "
@@ -323,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
+            y = SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
         else:
             y = F.linear(copy_to_tensor_model_parallel_region(x, self.group), self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
@@ -362,7 +187,7 @@ class RowParallelLinear(nn.Module):
     def _setup(self, full: nn.Linear, input_is_parallel: bool, sequence_parallel: bool,
                group: Any) -> None:
         self.group = _check_group(group)
-        t, rank = _size(group), dist.get_rank(group)
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
         _check_divides({"in_features": full.in_features}, t)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of a "
@@ -403,7 +228,7 @@ class VocabParallelEmbedding(nn.Module):
                  reduce_scatter_embeddings: bool = False):
         super().__init__()
         self.group = _check_group(group)
-        t, rank = _size(group), dist.get_rank(group)
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
         _check_divides({"vocab": embedding.num_embeddings}, t)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.vocab_start = rank * embedding.num_embeddings // t
@@ -414,7 +239,7 @@ class VocabParallelEmbedding(nn.Module):
         _mark(self.weight, 0)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = _size(self.group)
+        t = dist.get_world_size(self.group)
         if self.reduce_scatter_embeddings and idx.shape[SEQ_DIM] % t:
             raise ValueError(f"sequence parallelism needs the sequence length ({idx.shape[SEQ_DIM]})"
                              f" to be divisible by the tensor-parallel degree {t}")
@@ -431,7 +256,7 @@ class _SequenceShardPositions(nn.Embedding):
     the rows it never touches get no gradient here, so the gradient is summed over the group."""
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return super().forward(_split(positions, 0, self.group))
+        return super().forward(rank_chunk(positions, 0, self.group))
 
 
 class ParallelMLP(nn.Module):
@@ -550,7 +375,7 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
                          "(different masks per rank inside TP regions), which dtlib does not have; "
                          "use dropout=0.0")
     group = _check_group(group)
-    cfg, t, rank = model.cfg, _size(group), dist.get_rank(group)
+    cfg, t, rank = model.cfg, dist.get_world_size(group), dist.get_rank(group)
     check_tensor_parallel_sizes(cfg, t, sequence_parallel)  # before the first collective
     sp = sequence_parallel
     kv_dim = cfg.kv_heads * cfg.head_dim
