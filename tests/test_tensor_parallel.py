@@ -54,9 +54,9 @@ def _cfg(name):
     return tiny_gpt_config(**BASE, **CONFIGS[name])
 
 
-def _model(name):
+def _model(name, checkpoint=False):
     torch.manual_seed(0)
-    return TinyGPT(_cfg(name))
+    return TinyGPT(_cfg(name), checkpoint=checkpoint)
 
 
 def _batches(cfg, batch=BATCH, steps=STEPS):
@@ -103,10 +103,10 @@ def _tp_step(model, tokens, group):
     return loss
 
 
-def _vs_single_process(name, sp, group, batches):
+def _vs_single_process(name, sp, group, batches, checkpoint=False):
     """Our TP run of config ``name``: diffs against one process, and the logits' shape."""
     ref_loss, ref_grads, ref_state = _reference(name, batches)
-    model = tensor_parallel(_model(name), group, sequence_parallel=sp)
+    model = tensor_parallel(_model(name, checkpoint), group, sequence_parallel=sp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {}
     for i, tokens in enumerate(batches):
@@ -185,6 +185,10 @@ def _two_ranks(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     for name, sp in [("gelu-mha-learned", False), ("swiglu-gqa-rope", False), ("swiglu-gqa-rope", True)]:
         out["dtensor"][name, sp] = _ours_vs_dtensor(name, sp, None, mesh, _batches(_cfg(name))[0])
+    out["checkpoint"] = {sp: _vs_single_process("swiglu-gqa-rope", sp, None,
+                                                _batches(_cfg("swiglu-gqa-rope")), checkpoint=True)
+                         for sp in (False, True)}
+    out["recompute_all_reduces"] = _recompute_all_reduces()
     out["errors"] = _bad_input(rank)
     out["layers"] = _layers(rank, world_size)
     return out
@@ -222,6 +226,22 @@ def _dp_tp(rank, sp):
         opt.step()
     return {"state": _max_diff(full_state_dict(model, tp_group), ref_state),  # bias=False
             "buckets": len(ddp.buckets), "dp_size": dist.get_world_size(dp_group)}
+
+
+def _recompute_all_reduces():
+    """All-reduces of a whole training step (forward + backward): without recompute, with full
+    recompute (TinyGPT(checkpoint=True) runs each block's forward again in backward) as Megatron
+    does it (the whole block), and with torch.utils.checkpoint's default early stop."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    tokens = _batches(_cfg("gelu-mha-learned"))[0]
+    out = {}
+    for run, checkpoint, early_stop in (("none", False, True), ("full", True, False),
+                                        ("early stop", True, True)):
+        model = tensor_parallel(_model("gelu-mha-learned", checkpoint))
+        with set_checkpoint_early_stop(early_stop), CollectiveCounter() as counter:
+            _tp_step(model, tokens, None)
+        out[run] = counter.counts["all_reduce"]
+    return out
 
 
 def _bad_input(rank):
@@ -303,6 +323,22 @@ def test_dp2_x_tp2_equals_single_process_on_the_full_batch(four):
         for sp, d in res["dp_tp"].items():
             assert d["dp_size"] == 2
             assert d["state"] < STATE_TOL, f"sp={sp}"
+
+
+def test_full_recompute_equals_single_process_and_repeats_the_forward_all_reduces(two):
+    """Checkpointed blocks under TP: same gradients and parameters; backward re-runs each block's
+    forward, 2 more all-reduces per layer, as dtlib.analytic.comm counts for recompute="full".
+    torch.utils.checkpoint stops recomputing by default once the tensors backward needs exist
+    again: the MLP's all-reduce (its output is only added to the residual) is then skipped."""
+    cfg = _cfg("gelu-mha-learned")
+    predicted = {r: strategy_volumes(cfg, Parallelism(tp=2, recompute=r))["tp_activations"]["calls"]
+                 for r in ("none", "full")}
+    for res in two:
+        for sp, d in res["checkpoint"].items():
+            assert d["loss"] < LOSS_TOL and d["grads"] < GRAD_TOL and d["state"] < STATE_TOL, sp
+        counts = res["recompute_all_reduces"]
+        assert counts["full"] - counts["none"] == predicted["full"] - predicted["none"] == 2 * cfg.layers
+        assert counts["early stop"] - counts["none"] == cfg.layers
 
 
 def test_model_parallel_ranks_put_tp_ranks_side_by_side():
