@@ -415,9 +415,10 @@ def test_activation_memory_per_rank_equals_table_2(world, sp, two, four):
 
 # ---- bad input -------------------------------------------------------------------------------------------
 EXPECTED_MESSAGES = {
-    "heads": r"heads \(1\) must be divisible by the tensor-parallel degree 2; valid degrees for it: \[1\]",
+    "heads": r"heads \(1\) must be divisible by the tensor-parallel degree 2; valid degrees for "
+             r"heads: \[1\]; valid degrees for this model: \[1\]",
     "vocab": r"vocab \(63\) must be divisible by the tensor-parallel degree 2; "
-             r"valid .*\[1, 3, 7, 9, 21, 63\]",
+             r"valid degrees for vocab: \[1, 3, 7, 9, 21, 63\]; valid degrees for this model: \[1\]",
     "ffn": r"ffn \(63\) must be divisible",
     "seq": r"seq \(15\) must be divisible by the tensor-parallel degree 2",
     "group": r"rank 1 is not a member of the tensor-parallel group",
@@ -427,7 +428,8 @@ EXPECTED_MESSAGES = {
     "unconverted": r"full_state_dict needs a model converted by tensor_parallel",
     "dropout": r"dropout=0.1: tensor parallelism needs Megatron's RNG tracker",
     "row_sp": r"sequence_parallel=True needs input_is_parallel=True",
-    "col_out": r"out_features \(5\) must be divisible by the tensor-parallel degree 2",
+    "col_out": r"out_features \(5\) must be divisible by the tensor-parallel degree 2; "
+               r"valid degrees for out_features: \[1, 5\]$",
     "sp_seq_at_forward": r"sequence length \(15\) to be divisible by the tensor-parallel degree 2",
     "ce_shape": r"targets \(2,\) must be local_logits' shape",
 }

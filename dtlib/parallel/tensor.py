@@ -22,6 +22,7 @@ so the ``b x s x v`` logits are never gathered), :func:`tensor_parallel` to conv
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +69,19 @@ def _check_group(group: Any) -> Any:
     return group
 
 
-def _check_divides(what: dict[str, int], t: int) -> None:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_divides(what: dict[str, int], t: int, whole: str = "") -> None:
+    """Raise naming the first size that ``t`` does not divide, the degrees that would divide it
+    and (``whole``: what the sizes belong to) the degrees that divide them all."""
     for name, value in what.items():
         if value % t:
-            valid = [d for d in range(1, value + 1) if value % d == 0]
+            common = _divisors(math.gcd(*what.values()))
+            also = f"; valid degrees for {whole}: {common}" if whole else ""
             raise ValueError(f"{name} ({value}) must be divisible by the tensor-parallel degree "
-                             f"{t}; valid degrees for it: {valid}")
+                             f"{t}; valid degrees for {name}: {_divisors(value)}{also}")
 
 
 def _segments(split_sizes: list[int], t: int, rank: int) -> list[slice]:
@@ -129,8 +137,8 @@ class ColumnParallelLinear(nn.Module):
         if sum(split_sizes) != full.out_features:
             raise ValueError(f"split_sizes {split_sizes} must add up to out_features "
                              f"{full.out_features}")
-        _check_divides({f"output features ({s})" if len(split_sizes) > 1 else "out_features": s
-                        for s in split_sizes}, t)
+        _check_divides({f"split_sizes[{i}]" if len(split_sizes) > 1 else "out_features": s
+                        for i, s in enumerate(split_sizes)}, t)
         if gather_output and len(split_sizes) > 1:
             raise ValueError("gather_output=True with a fused weight (split_sizes) would interleave "
                              "segments of different ranks; gather the segments separately")
@@ -349,7 +357,7 @@ def check_tensor_parallel_sizes(cfg: TransformerConfig, tp: int, sequence_parall
     sizes = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "vocab": cfg.vocab}
     if sequence_parallel:
         sizes["seq"] = cfg.seq
-    _check_divides(sizes, tp)
+    _check_divides(sizes, tp, whole="this model")
 
 
 def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool = False) -> TinyGPT:
