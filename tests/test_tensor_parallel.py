@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from dtlib.analytic.comm import strategy_volumes
 from dtlib.experiments.tensor import block_behaviour, predicted_layer_bytes
 from dtlib.launcher import launch
-from dtlib.measure import CollectiveCounter, saved_activation_bytes
+from dtlib.measure import CollectiveCounter
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.parallel import BucketedDDP, tensor_parallel
 from dtlib.parallel.dtensor import dtensor_full_grads, parallelize_tinygpt
