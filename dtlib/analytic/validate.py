@@ -1,0 +1,147 @@
+"""The checks every public function of dtlib runs on the numbers it is given: one place, one wording.
+
+A bad value raises :class:`InvalidArgument` (a ``ValueError``) whose one-line message names the
+argument and the valid range, e.g. ``params must be a finite number > 0, got nan``. Python
+functions name their parameters; the command line re-words the same error with its flag
+(``--step-time`` for ``step_time``) through :attr:`InvalidArgument.name` (``dtlib.cli``).
+
+* :func:`integer` - a count or a size: a real integer (not ``True``, not ``2.0``) in a range;
+* :func:`number` - a finite real number in a range (never NaN or infinite);
+* :func:`boolean` - ``True`` or ``False`` itself (``'no'`` is an error, not a truthy string);
+* :func:`one_of` - one of a few names;
+* :func:`array` - :func:`integer` or :func:`number` on every element of an array (first bad one named);
+* :func:`rule` - the same integer/number checks as a vectorisable layout rule
+  (:data:`dtlib.analytic.layout.RULES`), for the numpy path of :mod:`dtlib.analytic.vectorised`.
+
+Pure Python and numpy: no torch, so the analytic core, the CLI and the launcher can all use it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+__all__ = ["InvalidArgument", "integer", "number", "boolean", "one_of", "rule", "array", "requirement"]
+
+
+class InvalidArgument(ValueError):
+    """A bad argument: ``name`` (the parameter), ``requirement`` (what is valid) and ``value``."""
+
+    def __init__(self, name: str, requirement: str, value: Any):
+        self.name, self.requirement, self.value = name, requirement, value
+        super().__init__(f"{name} must be {requirement}, got {_show(value)}")
+
+    def renamed(self, name: str) -> "InvalidArgument":
+        """The same error for another name (the command line's flag)."""
+        return InvalidArgument(name, self.requirement, self.value)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return repr(bool(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))  # 2.0 stays 2.0: the message must show why it is not an integer
+    if isinstance(value, (int, np.integer)):
+        digits = str(int(value))
+        return digits if len(digits) <= 20 else f"an integer of {len(digits)} digits"
+    return repr(value)
+
+
+def requirement(*, integer: bool = False, minimum: float | None = None, exclusive: bool = False,
+                maximum: float | None = None) -> str:
+    """The words for a range: ``"an integer >= 1"``, ``"a finite number > 0"``,
+    ``"an integer from 0 to 3"``, ``"a finite number > 0 and <= 604800"``."""
+    kind = "an integer" if integer else "a finite number"
+    if integer and minimum is not None and maximum is not None:
+        return f"{kind} from {minimum:g} to {maximum:g}"
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>' if exclusive else '>='} {minimum:g}")
+    if maximum is not None:
+        bounds.append(f"<= {maximum:g}")
+    return f"{kind} {' and '.join(bounds)}" if bounds else kind
+
+
+def _in_range(x: Any, minimum: float | None, exclusive: bool, maximum: float | None) -> Any:
+    """Elementwise: ``x`` lies in the range (NaN never does). Works on scalars and arrays."""
+    ok = np.isfinite(x)
+    if minimum is not None:
+        ok = ok & ((x > minimum) if exclusive else (x >= minimum))
+    if maximum is not None:
+        ok = ok & (x <= maximum)
+    return ok
+
+
+def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None) -> int:
+    """``value`` as an ``int``, if it is an integer (Python or numpy, not bool) in the range."""
+    need = requirement(integer=True, minimum=minimum, maximum=maximum)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(name, need, value)
+    if not _in_range(int(value), minimum, False, maximum):
+        raise InvalidArgument(name, need, value)
+    return int(value)
+
+
+def number(name: str, value: Any, *, minimum: float | None = 0, exclusive: bool = True,
+           maximum: float | None = None) -> float:
+    """``value`` as a ``float``, if it is a finite real number (not bool) in the range;
+    by default ``> 0``."""
+    need = requirement(minimum=minimum, exclusive=exclusive, maximum=maximum)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgument(name, need, value)
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        raise InvalidArgument(name, need, value) from None
+    if not math.isfinite(as_float) or not _in_range(as_float, minimum, exclusive, maximum):
+        raise InvalidArgument(name, need, value)
+    return as_float
+
+
+def boolean(name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False`` (numpy's too); strings and numbers are errors."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(name, "True or False", value)
+    return bool(value)
+
+
+def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """``value`` if it is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise InvalidArgument(name, f"one of {', '.join(map(repr, choices))}", value)
+    return value
+
+
+Rule = tuple[tuple[str, ...], Callable[..., Any], Callable[..., str]]
+
+
+def rule(field: str, *, integer: bool = True, minimum: float | None = 1, exclusive: bool = False,
+         maximum: float | None = None) -> Rule:
+    """A layout rule ``(fields, predicate, message)`` checking ``field`` elementwise, with the
+    same wording as :func:`integer` / :func:`number` (predicates must work on numpy arrays)."""
+    need = requirement(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
+
+    def ok(**n: Any) -> Any:
+        x = np.asarray(n[field])
+        if x.dtype.kind not in "iuf":  # bool, strings, objects: never a size
+            return np.zeros(x.shape, dtype=bool)
+        valid = _in_range(x, minimum, exclusive, maximum)
+        return valid & (np.floor(np.where(valid, x, 0)) == np.where(valid, x, 0)) if integer else valid
+
+    return (field,), ok, lambda **n: f"{field} must be {need}, got {_show(n[field])}"
+
+
+def array(name: str, value: Any, *, integer: bool = False, minimum: float | None = 0,
+          exclusive: bool = True, maximum: float | None = None) -> None:
+    """Check every element of ``value`` (a scalar or an array) as :func:`rule` does; the error
+    shows the first bad element (by default a finite number > 0)."""
+    spec = dict(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument(name, requirement(**spec), value)
+    _, ok, _ = rule(name, **spec)
+    valid = np.asarray(ok(**{name: value}))
+    if not valid.all():
+        first = tuple(np.argwhere(~valid)[0]) if valid.ndim else ()
+        raise InvalidArgument(name, requirement(**spec), np.asarray(value)[first] if valid.ndim else value)
