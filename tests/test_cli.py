@@ -264,7 +264,7 @@ BAD_API = [
      "^tp must be an integer >= 1, got 0"),
     (lambda: _layout(argparse.Namespace(tp=1, pp=1, cp=1, ep=1, dp=None, gpus=-8, gpus_per_node=8)),
      "^gpus must be an integer >= 1, got -8"),
-    (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1 MiB"),
+    (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1048576, got 1024"),
 ]
 
 

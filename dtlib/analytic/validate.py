@@ -48,18 +48,23 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def _bound(x: float) -> str:
+    """A range's bound as written: 604800, 1048576, 0.5 (no exponent for whole numbers)."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 def requirement(*, integer: bool = False, minimum: float | None = None, exclusive: bool = False,
                 maximum: float | None = None) -> str:
     """The words for a range: ``"an integer >= 1"``, ``"a finite number > 0"``,
     ``"an integer from 0 to 3"``, ``"a finite number > 0 and <= 604800"``."""
     kind = "an integer" if integer else "a finite number"
     if integer and minimum is not None and maximum is not None:
-        return f"{kind} from {minimum:g} to {maximum:g}"
+        return f"{kind} from {_bound(minimum)} to {_bound(maximum)}"
     bounds = []
     if minimum is not None:
-        bounds.append(f"{'>' if exclusive else '>='} {minimum:g}")
+        bounds.append(f"{'>' if exclusive else '>='} {_bound(minimum)}")
     if maximum is not None:
-        bounds.append(f"<= {maximum:g}")
+        bounds.append(f"<= {_bound(maximum)}")
     return f"{kind} {' and '.join(bounds)}" if bounds else kind
 
 
