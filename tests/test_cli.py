@@ -272,3 +272,60 @@ BAD_API = [
 def test_bad_input_raises_a_helpful_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ---- what a new user hits first (issue 8, section 5) ---------------------------------------------
+def test_version(capsys):
+    import dtlib
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dtlib {dtlib.__version__}"
+
+
+def test_model_as_a_positional_argument_and_presets_in_help(capsys):
+    _, positional, _ = run(capsys, "memory", "llama3-8b", "--gpus", "8", "--json")
+    _, flag, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
+    assert positional == flag and json.loads(positional)["per_gpu"]["activations"] > 0
+    code, _, err = run(capsys, "memory", "llama3-8b", "--model", "gpt3-175b")
+    assert code == 2 and "two models given" in err
+    assert main(["memory", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in ("gpt3-175b", "llama3-8b", "llama3-405b", "capstone-10b"))
+
+
+def test_gpu_count_suggestion_satisfies_every_rule(capsys):
+    # tp=3 cannot split 32 heads: suggesting --gpus 9 (a multiple of 3) only moved the error
+    code, _, err = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--tp", "3")
+    assert code == 2 and "no GPU count fixes this layout: tensor parallel size tp=3 must divide the 32" in err
+    code, _, err = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "9", "--tp", "2")
+    suggested = re.search(r"the next valid count is --gpus (\d+)", err).group(1)
+    assert suggested == "10" and run(capsys, "memory", "--model", "llama3-8b", "--gpus", suggested, "--tp", "2")[0] == 0
+
+
+def test_huge_numbers_print_without_float_noise(capsys):
+    code, out, _ = run(capsys, "memory", "--params", "1e30")
+    assert code == 0 and "1.863e+21 GiB  (2e+30 B)" in out
+    assert not re.search(r"\d{17,}", out.replace(",", ""))  # no digits beyond a double's precision
+
+
+def test_a_preset_is_counted_as_its_model_was_trained(capsys):
+    """Llama: FlashAttention-style attention (no s^2 scores: selective recompute's footprint) and no
+    dropout, said in the output; --recompute none --dropout gives the paper's GPT convention."""
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0 and "recompute=selective" in out
+    assert "assuming llama3-8b as trained: FlashAttention-style attention" in out and "no dropout" in out
+    assert "--recompute none --dropout for the paper's GPT convention" in out
+    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
+    realistic = memory_per_gpu("llama3-8b", Parallelism(dp=8, recompute="selective"), dropout=False,
+                               precision=precision("bf16-mixed"))
+    assert json.loads(out)["per_gpu"]["activations"] == realistic.activations
+    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--recompute", "none",
+                    "--dropout", "--json")
+    paper = memory_per_gpu("llama3-8b", Parallelism(dp=8), precision=precision("bf16-mixed"))
+    d = json.loads(out)
+    assert d["per_gpu"]["activations"] == paper.activations > 8 * realistic.activations
+    assert not any("assuming" in note for note in d["notes"])
+    # GPT-3 was trained with explicit attention and dropout: nothing to assume, nothing said
+    _, out, _ = run(capsys, "memory", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--json")
+    d = json.loads(out)
+    gpt = memory_per_gpu("gpt3-175b", Parallelism(tp=8, pp=8), precision=precision("bf16-mixed"))
+    assert d["per_gpu"]["activations"] == gpt.activations and not any("assuming" in n for n in d["notes"])

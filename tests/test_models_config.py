@@ -183,3 +183,14 @@ def test_tied_embeddings_share_storage():
     untied = tiny_gpt_config(tied_embeddings=False)
     assert num_parameters(tied) == sum(p.numel() for p in model.parameters())
     assert num_parameters(untied) - num_parameters(tied) == untied.vocab * untied.hidden
+
+
+def test_presets_say_how_their_models_were_trained():
+    from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, TRAINING, training_of
+
+    assert set(TRAINING) <= set(PRESETS)
+    for name in ("llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "capstone-10b"):
+        t = training_of(name)
+        assert t.flash_attention and not t.dropout and t.recompute == "selective" and "LLaMA" in t.source
+    assert training_of("gpt3-175b") is GPT_CONVENTION and GPT_CONVENTION.recompute == "none"
+    assert GPT_CONVENTION.dropout and not training_of("bloom-176b").dropout

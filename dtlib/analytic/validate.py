@@ -83,9 +83,10 @@ def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | No
     need = requirement(integer=True, minimum=minimum, maximum=maximum)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(name, need, value)
-    if not _in_range(int(value), minimum, False, maximum):
+    as_int = int(value)  # Python ints have no NaN or infinity, and may exceed any numpy type
+    if (minimum is not None and as_int < minimum) or (maximum is not None and as_int > maximum):
         raise InvalidArgument(name, need, value)
-    return int(value)
+    return as_int
 
 
 def number(name: str, value: Any, *, minimum: float | None = 0, exclusive: bool = True,
