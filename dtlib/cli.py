@@ -23,7 +23,7 @@ from dtlib.analytic.memory import GiB, memory_per_gpu, resolve_model
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.precision import CONVENTIONS, PRECISIONS, OPTIMIZERS, get_precision, precision
-from dtlib.analytic.presets import PRESETS, training_of
+from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
 
 __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Python parameters whose flag is not "--" + name with "-" for "_" (see _flag).
 _FLAGS = {"nbytes": "--bytes", "overhead_bytes": "--overhead", "largest_layer_params": "--largest-layer",
-          "micro_batch_size": "--micro-batch", "num_microbatches": "--microbatches", "model": "--params"}
+          "micro_batch_size": "--micro-batch", "num_microbatches": "--microbatches"}
 
 
 def _flag(name: str) -> str:
@@ -248,25 +248,23 @@ def _checked_layout(args: argparse.Namespace, model: "TransformerConfig | float"
 
 def _training_defaults(args: argparse.Namespace, model: "TransformerConfig | float") -> list[str]:
     """Fill ``--recompute`` and ``--dropout`` left unset with how the preset was trained
-    (:func:`dtlib.analytic.presets.training_of`); the note says what was assumed."""
-    trained = training_of(model) if args.model is not None else None
-    notes = []
-    if trained is not None and (args.recompute is None or getattr(args, "dropout", False) is None):
-        assumed = []
-        if args.recompute is None and trained.flash_attention:
+    (:func:`dtlib.analytic.presets.training_of`; the paper's GPT convention for a custom shape or
+    a bare count). Returns the note saying what was assumed, if anything differs from the paper."""
+    trained = training_of(model) if args.model is not None else GPT_CONVENTION
+    assumed = []
+    if args.recompute is None:
+        args.recompute = trained.recompute
+        if trained.flash_attention:
             assumed.append("FlashAttention-style attention (the s x s scores are not stored: counted "
                            "as --recompute selective)")
-        if getattr(args, "dropout", False) is None and not trained.dropout:
+    if getattr(args, "dropout", False) is None:  # only `memory` has --dropout
+        args.dropout = trained.dropout
+        if not trained.dropout:
             assumed.append("no dropout")
-        if assumed:
-            notes.append(f"assuming {model.name} as trained: {' and '.join(assumed)} "
-                         f"({trained.source}); --recompute none --dropout for the paper's GPT "
-                         "convention")
-    if args.recompute is None:
-        args.recompute = trained.recompute if trained else "none"
-    if getattr(args, "dropout", False) is None:
-        args.dropout = trained.dropout if trained else True
-    return notes
+    if not assumed:
+        return []
+    return [f"assuming {model.name} as trained: {' and '.join(assumed)} ({trained.source}); "
+            "--recompute none --dropout for the paper's GPT convention"]
 
 
 def _precision(args: argparse.Namespace):
@@ -410,7 +408,7 @@ _SINGLE_COLLECTIVE_OPTIONS = {"collective", "bytes", "ranks", "link", "inter_lin
 
 def run_comm(args: argparse.Namespace) -> int:
     algs = ALGORITHMS if args.algorithm == "both" else (args.algorithm,)
-    if any(getattr(args, x) is not None for x in ("model", "params", "layers", "hidden", "heads")):
+    if any(getattr(args, x) is not None for x in ("preset", "model", "params", "layers", "hidden", "heads")):
         if args.bytes is not None or args.ranks is not None:
             raise ValueError("give either --bytes and --ranks (one collective) or a model (--model, "
                              "--params or --layers/--hidden/--heads: per-strategy volumes), not both")

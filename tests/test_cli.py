@@ -285,6 +285,9 @@ def test_model_as_a_positional_argument_and_presets_in_help(capsys):
     _, positional, _ = run(capsys, "memory", "llama3-8b", "--gpus", "8", "--json")
     _, flag, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
     assert positional == flag and json.loads(positional)["per_gpu"]["activations"] > 0
+    _, positional, _ = run(capsys, "comm", "llama3-8b", "--tp", "2", "--gpus", "8", "--json")
+    _, flag, _ = run(capsys, "comm", "--model", "llama3-8b", "--tp", "2", "--gpus", "8", "--json")
+    assert positional == flag and "tp_activations" in json.loads(positional)["volumes"]
     code, _, err = run(capsys, "memory", "llama3-8b", "--model", "gpt3-175b")
     assert code == 2 and "two models given" in err
     assert main(["memory", "--help"]) == 0

@@ -52,7 +52,7 @@ API = {
     "step_time 0": (lambda: utilization(1e15, 0, 8, "h100-sxm"), "step_time must be a finite number > 0, got 0"),
     "gpus -1": (lambda: utilization(1e15, 1.0, -1, "h100-sxm"), "gpus must be an integer >= 1, got -1"),
     "MFU > 100%": (lambda: flops_report(LLAMA, 8, gpus=8, step_time=0.001),
-                   r"step_time must be at least 0.4795 s .*MFU of 47,946 %, impossible"),
+                   r"step_time must be at least 0.4795 s .*an MFU of 47,946 %; impossible on this hardware"),
     "ranks 0": (lambda: bytes_sent_per_rank("all_reduce", 1e9, 0), "ranks must be an integer >= 1, got 0"),
     "pp 0": (lambda: bubble_fraction(0, 4), "pp must be an integer >= 1, got 0"),
     "interleaved v=1": (lambda: bubble_fraction(4, 8, 1, "interleaved"),

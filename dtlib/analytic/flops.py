@@ -164,9 +164,9 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         if step_time < fastest:  # HFU > 100%, and MFU <= HFU
             raise validate.InvalidArgument(
                 "step_time", f"at least {fastest:.4g} s ({gpus} {acc.name} GPUs at their dense "
-                f"{dtype} peak need that long for the {f['hardware']:.4g} FLOPs of this step; a "
-                f"step of {step_time:g} s would mean an MFU of "
-                f"{100 * f['model'] / (step_time * gpus * peak):,.0f} %, impossible on this hardware)",
+                f"{dtype} peak need that long for the {f['hardware']:.4g} FLOPs of this step: "
+                f"{step_time:g} s would need {100 * fastest / step_time:,.0f} % of the peak, an MFU "
+                f"of {100 * f['model'] / (step_time * gpus * peak):,.0f} %; impossible on this hardware)",
                 step_time)
         out.update(step_time=step_time, mfu=utilization(f["model"], step_time, gpus, acc, dtype),
                    hfu=utilization(f["hardware"], step_time, gpus, acc, dtype),
