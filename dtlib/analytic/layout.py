@@ -207,7 +207,7 @@ def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str =
     """Raise ValueError for the first rule that ``numbers`` break (scalars, or arrays: the message
     shows the first bad element)."""
     for valid, message, fields in broken_rules(numbers, schedule, offload):
-        if not np.all(valid):
+        if not (valid.all() if valid.ndim else valid):
             first = tuple(np.argwhere(~valid)[0]) if valid.ndim else ()
             raise ValueError(message(**{f: np.broadcast_to(numbers[f], valid.shape)[first].item()
                                         for f in fields}))

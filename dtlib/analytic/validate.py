@@ -69,8 +69,8 @@ def requirement(*, integer: bool = False, minimum: float | None = None, exclusiv
 
 
 def _in_range(x: Any, minimum: float | None, exclusive: bool, maximum: float | None) -> Any:
-    """Elementwise: ``x`` lies in the range (NaN never does). Works on scalars and arrays."""
-    ok = np.isfinite(x)
+    """Elementwise on arrays: ``x`` lies in the range (NaN never does)."""
+    ok = np.isfinite(x) if x.dtype.kind == "f" else np.ones(x.shape, dtype=bool)
     if minimum is not None:
         ok = ok & ((x > minimum) if exclusive else (x >= minimum))
     if maximum is not None:
@@ -78,31 +78,40 @@ def _in_range(x: Any, minimum: float | None, exclusive: bool, maximum: float | N
     return ok
 
 
+def _in_range_scalar(x: float, minimum: float | None, exclusive: bool, maximum: float | None) -> bool:
+    if minimum is not None and (x <= minimum if exclusive else x < minimum):
+        return False
+    return maximum is None or x <= maximum
+
+
+def _scalar_ok(x: int | float, integer: bool, minimum: float | None, exclusive: bool,
+               maximum: float | None) -> bool:
+    """A Python int or float lies in the range (and is whole, for ``integer``)."""
+    if type(x) is float and not (math.isfinite(x) and (not integer or x.is_integer())):
+        return False
+    return _in_range_scalar(x, minimum, exclusive, maximum)
+
+
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None) -> int:
     """``value`` as an ``int``, if it is an integer (Python or numpy, not bool) in the range."""
-    need = requirement(integer=True, minimum=minimum, maximum=maximum)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(name, need, value)
-    as_int = int(value)  # Python ints have no NaN or infinity, and may exceed any numpy type
-    if (minimum is not None and as_int < minimum) or (maximum is not None and as_int > maximum):
-        raise InvalidArgument(name, need, value)
-    return as_int
+    if (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+            and _in_range_scalar(int(value), minimum, False, maximum)):
+        return int(value)  # Python ints have no NaN or infinity, and may exceed any numpy type
+    raise InvalidArgument(name, requirement(integer=True, minimum=minimum, maximum=maximum), value)
 
 
 def number(name: str, value: Any, *, minimum: float | None = 0, exclusive: bool = True,
            maximum: float | None = None) -> float:
     """``value`` as a ``float``, if it is a finite real number (not bool) in the range;
     by default ``> 0``."""
-    need = requirement(minimum=minimum, exclusive=exclusive, maximum=maximum)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidArgument(name, need, value)
-    try:
-        as_float = float(value)
-    except OverflowError:  # an int beyond float range, e.g. 10**400
-        raise InvalidArgument(name, need, value) from None
-    if not math.isfinite(as_float) or not _in_range(as_float, minimum, exclusive, maximum):
-        raise InvalidArgument(name, need, value)
-    return as_float
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int beyond float range, e.g. 10**400
+            as_float = math.inf
+        if math.isfinite(as_float) and _in_range_scalar(as_float, minimum, exclusive, maximum):
+            return as_float
+    raise InvalidArgument(name, requirement(minimum=minimum, exclusive=exclusive, maximum=maximum), value)
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -130,11 +139,17 @@ def rule(field: str, *, integer: bool = True, minimum: float | None = 1, exclusi
     need = requirement(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
 
     def ok(**n: Any) -> Any:
-        x = np.asarray(n[field])
+        x = n[field]
+        if type(x) in (int, float):  # plain Python: numpy per scalar costs more than the formulas
+            return _scalar_ok(x, integer, minimum, exclusive, maximum)
+        x = np.asarray(x)
         if x.dtype.kind not in "iuf":  # bool, strings, objects: never a size
             return np.zeros(x.shape, dtype=bool)
         valid = _in_range(x, minimum, exclusive, maximum)
-        return valid & (np.floor(np.where(valid, x, 0)) == np.where(valid, x, 0)) if integer else valid
+        if not integer or x.dtype.kind != "f":
+            return valid
+        whole = np.where(valid, x, 0)  # NaN and inf rows are already invalid
+        return valid & (np.floor(whole) == whole)
 
     return (field,), ok, lambda **n: f"{field} must be {need}, got {_show(n[field])}"
 
@@ -143,11 +158,15 @@ def array(name: str, value: Any, *, integer: bool = False, minimum: float | None
           exclusive: bool = True, maximum: float | None = None) -> None:
     """Check every element of ``value`` (a scalar or an array) as :func:`rule` does; the error
     shows the first bad element (by default a finite number > 0)."""
-    spec = dict(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
-    if isinstance(value, (bool, np.bool_)):
-        raise InvalidArgument(name, requirement(**spec), value)
-    _, ok, _ = rule(name, **spec)
-    valid = np.asarray(ok(**{name: value}))
-    if not valid.all():
-        first = tuple(np.argwhere(~valid)[0]) if valid.ndim else ()
-        raise InvalidArgument(name, requirement(**spec), np.asarray(value)[first] if valid.ndim else value)
+    if type(value) in (int, float):  # the common scalar case, without numpy
+        if _scalar_ok(value, integer, minimum, exclusive, maximum):
+            return
+        bad = value
+    else:
+        valid = np.asarray(rule(name, integer=integer, minimum=minimum, exclusive=exclusive,
+                                maximum=maximum)[1](**{name: value}))
+        if valid.all():  # booleans never are: their dtype is not a number's
+            return
+        bad = np.asarray(value)[tuple(np.argwhere(~valid)[0])] if valid.ndim else value
+    raise InvalidArgument(name, requirement(integer=integer, minimum=minimum, exclusive=exclusive,
+                                            maximum=maximum), bad)
