@@ -441,6 +441,7 @@ def init_from_env(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, 
 
     Returns ``(rank, world_size, device)``; the device is ``cuda:{LOCAL_RANK}`` under NCCL.
     """
+    validate.number("timeout", timeout, maximum=MAX_TIMEOUT)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(

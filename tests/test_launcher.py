@@ -221,6 +221,9 @@ def test_init_from_env_outside_torchrun_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="not started by torchrun"):
         dtlib.launcher.init_from_env()
+    # the collective timeout is checked first (timedelta(seconds=inf) was a raw OverflowError)
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0 and <= 604800, got inf"):
+        dtlib.launcher.init_from_env(timeout=float("inf"))
 
 
 def _matmul_sum(rank, world_size):
