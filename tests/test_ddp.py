@@ -368,7 +368,7 @@ def test_construction_broadcasts_parameters_and_buffers_from_rank_0(name):
 # ---- misuse ---------------------------------------------------------------------------------------
 def _misuse(rank, world_size):
     errors = {}
-    for cap in (0, -1.0, "25", True, float("nan")):
+    for cap in (0, -1.0, "25", True, float("nan"), float("inf")):  # inf was a raw OverflowError
         try:
             BucketedDDP(nn.Linear(2, 2), bucket_size_mb=cap)
         except ValueError as e:
@@ -398,8 +398,8 @@ def _misuse(rank, world_size):
 
 def test_bad_input_gives_clear_errors():
     errors = launch(_misuse, 2, timeout=TIMEOUT)[0]
-    for cap in ("0", "-1.0", "'25'", "True", "nan"):
-        assert "bucket_size_mb must be a number > 0" in errors[cap], cap
+    for cap in ("0", "-1.0", "'25'", "True", "nan", "inf"):
+        assert "bucket_size_mb must be a finite number > 0" in errors[cap], cap
     assert "torch.nn.Module" in errors["module"]
     assert "no parameter that requires a gradient" in errors["frozen"]
     assert "already wrapped" in errors["twice"]

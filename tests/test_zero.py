@@ -255,6 +255,7 @@ def _misuse(rank, world_size):
         "stage 0": lambda: ShardedOptimizer(params, torch.optim.AdamW, stage=0),
         "not a class": lambda: ShardedOptimizer(params, torch.optim.AdamW(params)),
         "bucket": lambda: ShardedOptimizer(params, torch.optim.AdamW, bucket_size_mb=0),
+        "bucket inf": lambda: ShardedOptimizer(params, torch.optim.AdamW, bucket_size_mb=float("inf")),
         "empty": lambda: ShardedOptimizer([], torch.optim.AdamW),
     }.items():
         try:
@@ -269,5 +270,6 @@ def test_bad_input_gives_clear_errors():
     assert "ValueError" in errors["stage 3"] and "FSDP" in errors["stage 3"]
     assert "stage must be 1" in errors["stage 0"]
     assert errors["not a class"].startswith("TypeError") and "torch.optim.AdamW" in errors["not a class"]
-    assert "bucket_size_mb must be a number > 0" in errors["bucket"]
+    assert "bucket_size_mb must be a finite number > 0, got 0" in errors["bucket"]
+    assert "bucket_size_mb must be a finite number > 0, got inf" in errors["bucket inf"]  # was OverflowError
     assert "empty" in errors["empty"]

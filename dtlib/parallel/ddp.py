@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import MiB
 from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
@@ -450,9 +451,6 @@ class BucketedDDP(_DataParallel):
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  rebuild_buckets: bool = True):
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
-                or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be a number > 0 (MiB per bucket; PyTorch's "
-                             f"default is 25), got {bucket_size_mb!r}")
+        validate.number("bucket_size_mb", bucket_size_mb)  # MiB, finite: inf overflowed int()
         super().__init__(module, int(bucket_size_mb * MiB), process_group, find_unused_parameters,
                          broadcast_buffers, rebuild_buckets)

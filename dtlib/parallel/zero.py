@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import MiB
 from dtlib.measure import optimizer_state_bytes
 from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
@@ -84,9 +85,7 @@ class ShardedOptimizer:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as "
                             f"torch.optim.AdamW, got {optimizer_cls!r}")
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
-                or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be a number > 0, got {bucket_size_mb!r}")
+        validate.number("bucket_size_mb", bucket_size_mb)  # MiB, finite: inf overflowed int()
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: run inside dtlib.launch(...)")
         self.stage, self.process_group = stage, process_group
