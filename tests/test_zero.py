@@ -138,12 +138,15 @@ def _sharded(model, stage):
 
 def _idioms_and_checkpoint(rank, world_size):
     """Both zero_grad idioms equal unsharded AdamW; state_dict -> fresh optimizer -> same next step."""
-    data = [(x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]) for x, y in _data(4)]
-    ref = _model()
-    ref_ddp = BucketedDDP(ref)
+    full = _data(4)
+    data = [(x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]) for x, y in full]
+    ref = _model()  # one process: every rank's micro-batch, accumulated, loss / N
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
-    for x, y in data[:3]:
-        _step(ref_ddp, ref_ddp, ref_opt, x, y, 1)
+    for x, y in full[:3]:
+        ref_opt.zero_grad()
+        for mx, my in zip(x.tensor_split(world_size), y.tensor_split(world_size)):
+            (F.cross_entropy(ref(mx), my) / world_size).backward()
+        ref_opt.step()
     out = {}
     for stage in (1, 2):
         model = _model()
@@ -182,7 +185,9 @@ def _idioms_and_checkpoint(rank, world_size):
 def test_zero_grad_idioms_and_state_dict_round_trip():
     for out in launch(_idioms_and_checkpoint, 2, timeout=TIMEOUT):
         for stage in (1, 2):
-            # model.zero_grad() cannot reach ZeRO-2's gradient shards: step() must consume them
+            # model.zero_grad() cannot reach ZeRO-2's gradient shards: step() must consume them.
+            # 1e-6: the ranks' averaged gradient vs one process's accumulation differ in the last
+            # bits, which AdamW's division by sqrt(v) can amplify (main was 0.016 off in stage 2)
             assert out[f"model.zero_grad stage {stage}"] < 1e-6, out
             assert out[f"round trip stage {stage}"] and out[f"moments stage {stage}"], out
             assert "saved with layout" in out[f"mismatch stage {stage}"], out

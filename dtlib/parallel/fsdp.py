@@ -144,7 +144,8 @@ class _Unit:
         if self.full is not None:
             # Release the memory now, whoever still holds the tensor object (e.g. the backend's
             # worker thread, for a moment after the collective): PyTorch FSDP's ``_free_storage``.
-            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes).
+            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes),
+            # and a checkpointed recomputation's views are used up before the unit's reduce-scatter.
             self.owner._released(self.full.untyped_storage().nbytes())
             self.full.untyped_storage().resize_(0)
             self.full = None
