@@ -48,7 +48,7 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
         xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
         loss_fn(fsdp, xs, ys).backward()
         fsdp.finish_gradient_synchronization()
-        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.flat_shards)
+        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.parameters() if p.requires_grad)
         opt.step()
         micro_opt.zero_grad()
         for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
@@ -69,8 +69,12 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
                               if v.is_floating_point()),
             "grad_shapes": grad_shapes_ok,
             "shards_1d": all(p.dim() == 1 for p in fsdp.flat_shards),
-            "trainable_are_shards": {id(p) for p in fsdp.parameters() if p.requires_grad}
-            == {id(p) for p in fsdp.flat_shards},
+            # the model's own parameters, by name, each a 1-D view of its piece of a flat shard
+            "names": [n for n, _ in fsdp.named_parameters()] == [f"module.{n}" for n, _ in micro.named_parameters()],
+            "trainable_are_views": all(p.dim() == 1 and any(
+                p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in fsdp.flat_shards)
+                for p in fsdp.parameters() if p.requires_grad),
+            "piece_numel": sum(p.numel() for p in fsdp.parameters() if p.requires_grad),
             "shard_numel": sum(p.numel() for p in fsdp.flat_shards)}
 
 
@@ -81,11 +85,13 @@ def test_fp32_equals_single_process_exactly(kind):
     model = _model(kind, frozen=True)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_frozen = sum(not p.requires_grad for p in model.parameters())
-    for out in launch(_vs_single_process, 2, args=(kind, 3, True), timeout=TIMEOUT):
+    results = launch(_vs_single_process, 2, args=(kind, 3, True), timeout=TIMEOUT)
+    for out in results:
         assert out["keys"] and out["exact"] and out["grad_shapes"] and out["shards_1d"], out
-        assert out["trainable_are_shards"] and out["full_batch"] < 1e-5, out
+        assert out["names"] and out["trainable_are_views"] and out["full_batch"] < 1e-5, out
         assert out["n_frozen"] == n_frozen > 0 and out["frozen_unchanged"], out
         assert n_params / 2 <= out["shard_numel"] <= n_params / 2 + 2 * 4  # 1/N (+ padding)
+    assert sum(out["piece_numel"] for out in results) == n_params  # every element on one rank
 
 
 def test_four_ranks_equal_single_process():
@@ -282,6 +288,128 @@ def test_bf16_compute_equals_a_single_process_bf16_reference():
     # Two ranks add two bf16 gradients, which is exact in any order, so the match is bit for bit
     # (with 3 ranks the ring's order of bf16 additions differs from the reference's).
     assert launch(_bf16_vs_reference, 2, timeout=TIMEOUT) == [0.0, 0.0]
+
+
+# ---- training loops as PyTorch users write them -------------------------------------------------
+def _configure_optimizers(model, weight_decay=0.1):
+    """nanoGPT's ``configure_optimizers`` groups: decay for matrices, none for norms and biases
+    (built on the model before wrapping, as nanoGPT builds its optimizer before DDP)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _plain_loops(rank, world_size):
+    """``backward(); step()`` with no finish call; activation checkpointing inside and across units;
+    nanoGPT's param groups; all against one process on the same micro-batches."""
+    torch.use_deterministic_algorithms(True)
+    data = _data("gpt", 5)
+    ref = _model("gpt")
+    ref_opt = torch.optim.AdamW(_configure_optimizers(ref), lr=1e-2)
+    for x, y in data:
+        ref_opt.zero_grad()
+        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            (loss_fn(ref, mx, my) / world_size).backward()
+        ref_opt.step()
+    reference = ref.state_dict()
+    out = {}
+    for name, checkpoint, units in [("plain", False, (Block,)), ("checkpoint, root only", True, ()),
+                                    ("checkpoint, block units", True, (Block,))]:
+        torch.manual_seed(0)
+        model = TinyGPT(tiny_gpt_config(**GPT), checkpoint=checkpoint)
+        groups = _configure_optimizers(model)
+        fsdp = FSDP(model, unit_types=units)
+        opt = torch.optim.AdamW(groups, lr=1e-2)
+        start = fsdp.gather_full_params()
+        pending = []
+        for x, y in data:
+            model.zero_grad()  # the model's zero_grad works as well as the optimizer's
+            xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+            loss_fn(fsdp, xs, ys).backward()  # no finish_gradient_synchronization()
+            pending.append(sum(len(u.pending) for u in fsdp.units))
+            opt.step()
+        fsdp.finish_gradient_synchronization()  # still allowed: nothing left to do
+        state = fsdp.gather_full_params()
+        out[name] = {"moved": min((state[k] - start[k]).abs().max().item() for k in reference),
+                     "vs_reference": max((state[k] - reference[k]).abs().max().item() for k in reference),
+                     "pending": pending, "live": fsdp._live_bytes}
+    return out
+
+
+def test_plain_training_loops_checkpointing_and_param_groups_equal_one_process():
+    # fp32, deterministic algorithms, the same micro-batch arithmetic: equal bit for bit
+    for out in launch(_plain_loops, 2, timeout=TIMEOUT):
+        for name, r in out.items():
+            assert r["moved"] > 0, (name, r)  # every parameter trained, without a finish call
+            assert r["vs_reference"] == 0.0, (name, r)
+            assert r["pending"] == [0] * 5 and r["live"] == 0, (name, r)  # nothing piles up
+
+
+def _checkpoint_round_trip(rank, world_size):
+    """save (full model state + per-rank optimizer state) -> fresh model -> identical next step;
+    and keyword inputs are cast to compute_dtype like positional ones."""
+    data = _data("gpt", 3)
+    shards = [(torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank])
+              for x, y in data]
+    built = []
+    for _ in range(2):
+        model = _model("gpt")
+        groups = _configure_optimizers(model)
+        fsdp = FSDP(model, unit_types=(Block,))
+        built.append((fsdp, torch.optim.AdamW(groups, lr=1e-2)))
+    (fsdp, opt), (fresh, fresh_opt) = built
+    for x, y in shards[:2]:
+        opt.zero_grad()
+        loss_fn(fsdp, x, y).backward()
+        opt.step()
+    saved = {"model": fsdp.gather_full_params(), "optim": copy.deepcopy(opt.state_dict())}
+    fresh.load_full_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["optim"])
+    loaded_equal = all(torch.equal(a, b) for a, b in zip(fresh.gather_full_params().values(),
+                                                         saved["model"].values()))
+    for f, o in ((fsdp, opt), (fresh, fresh_opt)):
+        o.zero_grad()
+        loss_fn(f, *shards[2]).backward()
+        o.step()
+    after, fresh_after = fsdp.gather_full_params(), fresh.gather_full_params()
+    out = {"loaded_equal": loaded_equal,
+           "next_step_equal": all(torch.equal(after[k], fresh_after[k]) for k in after),
+           "stepped": any(not torch.equal(after[k], saved["model"][k]) for k in after)}
+    try:
+        fresh.load_full_state_dict({k: v for k, v in saved["model"].items() if k != "norm_f.weight"})
+    except KeyError as e:
+        out["missing"] = str(e)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, *, x):
+            return self.lin(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = Head()
+
+        def forward(self, x):
+            return self.head(x=x)  # a unit called with a keyword argument
+
+    low = FSDP(Outer(), compute_dtype=torch.bfloat16, unit_types=(Head,))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    y = low(x)  # fp32 input passed on by keyword: cast to bf16 by the unit's pre-hook
+    ref = Head().to(torch.bfloat16)(x=x.to(torch.bfloat16))
+    out["kwargs_cast"] = y.dtype == torch.bfloat16 and torch.equal(y, ref)
+    return out
+
+
+def test_full_state_dict_round_trip_and_keyword_inputs():
+    for out in launch(_checkpoint_round_trip, 2, timeout=TIMEOUT):
+        assert out["loaded_equal"] and out["stepped"] and out["next_step_equal"], out
+        assert "missing ['norm_f.weight']" in out["missing"], out
+        assert out["kwargs_cast"], out
 
 
 def _misuse(rank, world_size):
