@@ -6,12 +6,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.experiments.zero import compare_fully_shard
 from dtlib.launcher import launch
+from dtlib.measure import CollectiveCounter
 from dtlib.analytic.memory import model_numbers, model_state_bytes, stage_parameters
 from dtlib.models import MnistCNN, TinyGPT, tiny_gpt_config
 from dtlib.models.gpt import Block
 from dtlib.parallel import FSDP
-from dtlib.parallel import fsdp as fsdp_module
 from dtlib.analytic.precision import get_precision
 from workloads import loss_fn, make_batches
 
@@ -103,126 +104,63 @@ def _padded(numel, n):
     return -(-numel // n) * n
 
 
-def _memory_and_fully_shard(rank, world_size):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    data = _data("gpt", 3)
-    model = _model("gpt")
-    fsdp = FSDP(model, unit_types=(Block,))
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
-    theirs = _model("gpt")
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in theirs.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-
-    gathers = {"forward": 0, "backward": 0}
-    phase = ["forward"]
-    real = fsdp_module.all_gather_into
-
-    def counting(*args, **kwargs):
-        gathers[phase[0]] += 1
-        return real(*args, **kwargs)
-
-    tracker = FSDPMemTracker(theirs, their_opt)
-    live_after_forward = None
-    for step, (x, y) in enumerate(data):
-        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-        opt.zero_grad()
-        fsdp_module.all_gather_into = counting
-        try:
-            phase[0] = "forward"
-            loss = loss_fn(fsdp, x, y)
-            if step == 0:  # every unit freed once its forward ended
-                live_after_forward = fsdp._live_bytes
-                gathers_fwd = dict(gathers)
-            phase[0] = "backward"
-            loss.backward()
-        finally:
-            fsdp_module.all_gather_into = real
-        fsdp.finish_gradient_synchronization()
-        opt.step()
-        their_opt.zero_grad()
-        if step == 0:
-            tracker.track_inputs((x,))
-            with tracker:
-                loss_fn(theirs, x, y).backward()
-                their_opt.step()
-        else:
-            loss_fn(theirs, x, y).backward()
-            their_opt.step()
-    ours_state = fsdp.gather_full_params()
-    their_state = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
-    peak = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    torch_param = {k.split(".")[-1]: v for k, v in peak.items()
-                   if k.split(".")[-1] in ("SHARDED_PARAM", "UNSHARDED_PARAM", "ALL_GATHER")}
-    return {"ours": fsdp.memory_stats(), "torch": torch_param, "live_after_forward": live_after_forward,
-            "gathers_fwd": gathers_fwd, "units": len(fsdp.units),
-            "same_as_fully_shard": max((ours_state[k] - their_state[k]).abs().max().item()
-                                       for k in their_state)}
-
-
 def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     world_size = 2
     ref = _model("gpt")
     block = sum(p.numel() for p in ref.blocks[0].parameters())
     total = sum(p.numel() for p in ref.parameters())
     root = total - GPT["layers"] * block
-    for out in launch(_memory_and_fully_shard, world_size, timeout=TIMEOUT):
-        ours = out["ours"]
-        # persistent: 1/N of every unit (each padded to a multiple of N), fp32
-        padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
-        assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
-        # gathered at most: the root unit (it encloses the blocks) and one block, never two
-        assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
-        assert out["live_after_forward"] == 0
-        assert out["gathers_fwd"] == {"forward": out["units"], "backward": 0}
-        # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
-        cfg = tiny_gpt_config(**GPT)
-        n = stage_parameters(**model_numbers(cfg))["first"]
-        predicted = model_state_bytes(n["dense"], 0, n["unit"], get_precision("fp32"), zero=3,
-                                      shard_size=world_size)
-        assert n["dense"] == total
-        assert abs(ours["sharded_param_bytes"] - predicted["parameters"]) <= 4 * 4
-        unit_bytes = predicted["temporary"] / 2  # dtlib.analytic.memory counts params + grads of a unit
-        assert ours["peak_param_bytes"] <= predicted["parameters"] + unit_bytes + 4 * root + 16
-        # PyTorch's fully_shard on the same model, same data, same run
-        assert out["same_as_fully_shard"] < 1e-5
-        # fully_shard pads each parameter, we pad each unit: the same bytes up to padding
-        torch_mem = out["torch"]
-        close = lambda a, b: abs(a - b) <= 0.05 * a  # noqa: E731
-        assert close(torch_mem["SHARDED_PARAM"], ours["sharded_param_bytes"])
-        # at its peak fully_shard also holds the root and one block unsharded ...
-        assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
-        # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
-        # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
-        assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
-        assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
+    # the toy and PyTorch's fully_shard on the same model, data and ranks, in the same run
+    out = compare_fully_shard(world_size=world_size, cfg=tiny_gpt_config(**GPT), steps=3, batch=8)
+    ours = out["ours"]
+    # persistent: 1/N of every unit (each padded to a multiple of N), fp32
+    padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
+    assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
+    # gathered at most: the root unit (it encloses the blocks) and one block, never two
+    assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
+    # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
+    cfg = tiny_gpt_config(**GPT)
+    n = stage_parameters(**model_numbers(cfg))["first"]
+    predicted = model_state_bytes(n["dense"], 0, n["unit"], get_precision("fp32"), zero=3,
+                                  shard_size=world_size)
+    assert n["dense"] == total
+    assert abs(ours["sharded_param_bytes"] - predicted["parameters"]) <= 4 * 4
+    unit_bytes = predicted["temporary"] / 2  # dtlib.analytic.memory counts params + grads of a unit
+    assert ours["peak_param_bytes"] <= predicted["parameters"] + unit_bytes + 4 * root + 16
+    # PyTorch's fully_shard on the same model, same data, same run
+    assert out["max_param_diff"] < 1e-5
+    # fully_shard pads each parameter, we pad each unit: the same bytes up to padding
+    torch_mem = out["torch"]
+    close = lambda a, b: abs(a - b) <= 0.05 * a  # noqa: E731
+    assert close(torch_mem["SHARDED_PARAM"], ours["sharded_param_bytes"])
+    # at its peak fully_shard also holds the root and one block unsharded ...
+    assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
+    # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
+    # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
+    assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
+    assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
 
 
-def _gathers_in_backward(rank, world_size):
-    model = _model("gpt")
-    fsdp = FSDP(model, unit_types=(Block,))
+def _gathers_per_phase(rank, world_size):
+    fsdp = FSDP(_model("gpt"), unit_types=(Block,))
     x, y = _data("gpt", 1)[0]
-    loss = loss_fn(fsdp, x, y)
-    counts = []
-    real = fsdp_module.all_gather_into
-    fsdp_module.all_gather_into = lambda *a, **k: (counts.append(1), real(*a, **k))[1]
-    try:
-        loss.backward()
-    finally:
-        fsdp_module.all_gather_into = real
-    fsdp.finish_gradient_synchronization()
-    return len(counts), len(fsdp.units), fsdp._live_bytes
+    with CollectiveCounter() as forward:
+        loss = loss_fn(fsdp, x, y)
+    live_after_forward = fsdp._live_bytes
+    with CollectiveCounter() as backward:
+        loss.backward()  # FSDP finishes its gradient synchronisation at the end of backward
+    return {"forward": forward.counts, "backward": backward.counts, "units": len(fsdp.units),
+            "live_after_forward": live_after_forward, "live_after_backward": fsdp._live_bytes}
 
 
-def test_every_unit_is_gathered_again_for_backward_and_freed():
-    for n_gathers, n_units, live in launch(_gathers_in_backward, 2, timeout=TIMEOUT):
-        assert n_gathers == n_units == GPT["layers"] + 1
-        assert live == 0
+def test_every_unit_is_gathered_in_forward_and_again_in_backward_and_freed():
+    for out in launch(_gathers_per_phase, 2, timeout=TIMEOUT):
+        units = out["units"]
+        assert units == GPT["layers"] + 1
+        assert out["forward"] == {"all_gather": units}
+        # backward gathers every unit again and reduce-scatters its gradients
+        assert out["backward"]["all_gather"] == units and out["backward"]["reduce_scatter"] >= units
+        assert out["live_after_forward"] == 0 and out["live_after_backward"] == 0
 
 
 def _bf16(rank, world_size):
