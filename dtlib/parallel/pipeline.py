@@ -250,6 +250,7 @@ class PipelineExecutor:
                 src = stage - 1 if a.kind == "F" else stage + 1
                 dist.recv(received, src=self._peer(src), tag=self._tag(stage, a.microbatch, a.kind == "B"))
             start = time.perf_counter()
+            outgoing = None  # (tensor, destination stage, is a gradient)
             if a.kind == "F":
                 x = xs[a.microbatch] if stage == 0 else received.requires_grad_()
                 self._captured = [] if self.split else None
@@ -259,23 +260,23 @@ class PipelineExecutor:
                     out = self.loss_fn(out, ys[a.microbatch]) / self.m
                     loss_sum += out.item()
                 else:
-                    dst = self._peer(stage + 1)
-                    sends.append((dist.isend(out.detach(), dst, tag=self._tag(stage + 1, a.microbatch, False)), out))
+                    outgoing = (out.detach(), stage + 1, False)
                 store[key] = (x if stage > 0 else None, out, captured)
-                log.held.append((time.perf_counter(), len(store)))
             elif a.kind == "B":
                 x, out, captured = store[key]
                 grad_in = self._backward(key, x, out, captured, received, store)
                 if stage > 0:
-                    dst = self._peer(stage - 1)
-                    sends.append((dist.isend(grad_in, dst, tag=self._tag(stage - 1, a.microbatch, True)), grad_in))
-                if not self.split:
-                    log.held.append((time.perf_counter(), len(store)))
+                    outgoing = (grad_in, stage - 1, True)
             else:
                 self._weight_gradients(*store.pop(key))
+            if a.kind == "F" or a.kind == ("W" if self.split else "B"):
                 log.held.append((time.perf_counter(), len(store)))
-            if self.emulate:
+            if self.emulate:  # the emulated compute ends before the result leaves
                 time.sleep(self.emulate[a.kind])
+            if outgoing is not None:
+                tensor, dst, grad = outgoing
+                work = dist.isend(tensor, self._peer(dst), tag=self._tag(dst, a.microbatch, grad))
+                sends.append((work, tensor))
             log.events.append(Event(self.rank, a, start, time.perf_counter(), wait=start - asked))
         for work, _ in sends:
             work.wait()

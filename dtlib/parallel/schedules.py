@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 from dtlib.parallelism import check_layout
 
 __all__ = ["Action", "SCHEDULE_NAMES", "schedule", "validate", "simulate", "Event", "Timeline",
-           "stage_of", "KIND_NAMES"]
+           "stage_of", "KIND_NAMES", "fit_costs"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient"}
@@ -314,3 +314,23 @@ def simulate(actions: Sequence[Sequence[Action]], t_forward: float = 1.0, t_back
                          f"{peer}, which has not run {_describe(peer, dep)}")
         raise ValueError("deadlock: " + "; ".join(waits))
     return Timeline(events)
+
+
+def fit_costs(timeline: Timeline) -> dict[str, float]:
+    """The :func:`simulate` arguments that describe a measured timeline: the mean time of each kind
+    of action (scaled to a rank's whole share, as :func:`simulate` expects) and ``t_p2p``, the
+    median delay between an action's end and the start of the action on another rank that was
+    already waiting for it when it ended (transfer + wake-up)."""
+    events = [e for ops in timeline.events for e in ops]
+    v = 1 + max(e.action.chunk for e in events)
+    p = timeline.ranks
+
+    def mean(kind: str) -> float:
+        times = [e.end - e.start for e in events if e.action.kind == kind]
+        return v * sum(times) / len(times) if times else 0.0
+    end = {(e.rank, e.action): e.end for e in events}
+    hops = sorted(e.start - end[d] for e in events
+                  for d in _dependencies(e.action, e.rank, p, v)
+                  if d[0] != e.rank and d in end and e.start - e.wait < end[d])
+    return {"t_forward": mean("F"), "t_backward": mean("B"), "t_weight": mean("W"),
+            "t_p2p": max(0.0, hops[len(hops) // 2]) if hops else 0.0}
