@@ -3,7 +3,7 @@ validator's messages, and PyTorch's own schedule validator and dry-run simulator
 import pytest
 
 from dtlib.parallel import Action, schedule, simulate, validate
-from dtlib.parallelism import in_flight
+from dtlib.analytic.layout import in_flight
 
 A = Action
 SIZES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
@@ -44,7 +44,7 @@ def test_in_flight_gpipe_1f1b_zb(p, m):
     assert simulate(schedule("gpipe", p, m)).peak_in_flight == [m] * p
     one = simulate(schedule("1f1b", p, m)).peak_in_flight
     assert one == [min(p - r, m) for r in range(p)]
-    # first and last rank as dtlib.parallelism.in_flight has them (lesson 3's memory formula)
+    # first and last rank as dtlib.analytic.layout.in_flight has them (lesson 3's memory formula)
     assert (one[0], one[-1]) == tuple(int(x) for x in in_flight("1f1b", p, m)) or p == 1
     zb = simulate(schedule("zb-h1", p, m), 1, 1, 1).peak_in_flight
     assert max(zb) <= max(one)
@@ -102,9 +102,9 @@ def test_validator_rejects_with_the_reason(actions, message):
     (lambda: schedule("interleaved", 4, 6, 2), "multiple of pp=4"),
     (lambda: schedule("interleaved", 2, 4, 1), "virtual_stages >= 2"),
     (lambda: schedule("1f1b", 2, 4, 2), "virtual_stages=2 needs schedule='interleaved'"),
-    (lambda: schedule("gpipe", 0, 4), "pp must be >= 1"),
-    (lambda: schedule("gpipe", 2, 0), "microbatches must be >= 1"),
-    (lambda: schedule("gpipe", 2, 2.5), "microbatches must be an integer"),
+    (lambda: schedule("gpipe", 0, 4), "stages must be an integer >= 1, got 0"),
+    (lambda: schedule("gpipe", 2, 0), "microbatches must be an integer >= 1, got 0"),
+    (lambda: schedule("gpipe", 2, 2.5), "microbatches must be an integer >= 1, got 2.5"),
     (lambda: simulate(schedule("gpipe", 2, 2), t_forward=-1), "t_forward must be a finite time >= 0"),
     (lambda: simulate(schedule("gpipe", 2, 2), t_p2p=float("nan")), "t_p2p must be a finite time"),
 ])

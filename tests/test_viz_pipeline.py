@@ -1,10 +1,10 @@
 """Pipeline plots show what they are given: one bar per action at its time, the held counts, the
-bubble points, the activation bars."""
+the activation bars."""
 import pytest
 
 from dtlib.parallel import schedule, simulate
-from dtlib.viz.pipeline import (KIND_COLORS, plot_bubble_vs_microbatches, plot_gantt, plot_in_flight,
-                                plot_measured_vs_ideal, plot_schedule_memory)
+from dtlib.viz.pipeline import (KIND_COLORS, plot_gantt, plot_in_flight, plot_measured_vs_ideal,
+                                plot_schedule_memory)
 from dtlib.widgets.pipeline import explorer_compute
 
 
@@ -41,12 +41,6 @@ def test_in_flight_plot_peaks_at_the_schedule_peak():
     peaks = [max(line.get_ydata()) for line in ax.get_lines()]
     assert peaks == [8, 4]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["gpipe (peak 8)", "1f1b (peak 4)"]
-
-
-def test_bubble_plot_lines():
-    ax = plot_bubble_vs_microbatches([1, 2, 4], [0.9, 0.55, 0.3], [1.0, 0.5, 0.25], 2).axes[0]
-    ys = [list(line.get_ydata()) for line in ax.get_lines()[:3]]
-    assert ys == [[1.0, 0.5, 0.25], [1.0, 0.5, 0.25], [0.9, 0.55, 0.3]]
 
 
 def test_schedule_memory_bars_are_the_activation_bytes():

@@ -26,7 +26,7 @@ from torch import nn
 
 from dtlib.models.gpt import TinyGPT
 from dtlib.parallel.schedules import Action, Event, Timeline, _check_ranks, stage_of, validate
-from dtlib.parallelism import check_layout
+from dtlib.analytic.layout import check_layout
 
 __all__ = ["GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
            "action_seconds"]
@@ -111,7 +111,7 @@ def partition(model: TinyGPT, pp: int, virtual_stages: int = 1,
 
     ``balance``: ``"params"`` (parameter count, embedding counted with the first block and the head
     with the last), ``"time"`` (forward + backward time of each piece measured here), or a list of
-    block counts per stage. The RULES of :mod:`dtlib.parallelism` reject more stages than layers.
+    block counts per stage. The RULES of :mod:`dtlib.analytic.layout` reject more stages than layers.
     """
     layers = model.cfg.layers
     check_layout({"layers": layers, "pp": pp, "virtual_stages": virtual_stages},

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from dtlib.parallelism import check_layout
+from dtlib.analytic.layout import check_layout
 
 __all__ = ["Action", "SCHEDULE_NAMES", "schedule", "validate", "simulate", "Event", "Timeline",
            "stage_of", "KIND_NAMES", "fit_costs"]
@@ -58,15 +58,15 @@ def schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1)
 
     ``name`` is one of :data:`SCHEDULE_NAMES`; ``virtual_stages`` (chunks per rank) is for
     ``interleaved`` only. Invalid combinations raise ``ValueError`` through
-    :data:`dtlib.parallelism.RULES` (interleaved needs ``virtual_stages >= 2``, ``stages >= 2`` and
+    :data:`dtlib.analytic.layout.RULES` (interleaved needs ``virtual_stages >= 2``, ``stages >= 2`` and
     ``microbatches`` a multiple of ``stages``).
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"schedule name must be one of {SCHEDULE_NAMES}, got {name!r}")
     for arg, value in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{arg} must be an integer, got {value!r}")
-    check_layout({"pp": stages, "microbatches": microbatches, "virtual_stages": virtual_stages},
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+    check_layout({"pp": stages, "num_microbatches": microbatches, "virtual_stages": virtual_stages},
                  schedule="interleaved" if name == "interleaved" else "1f1b")
     build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zb_h1}[name]
     return [build(rank, stages, microbatches, virtual_stages) for rank in range(stages)]

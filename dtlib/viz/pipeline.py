@@ -1,5 +1,6 @@
 """Pipeline plots: Gantt charts of a schedule (simulated or measured), activations held over time,
-and the bubble against micro-batches.
+and a schedule beside the activation memory of each rank (the bubble against m is a
+:func:`dtlib.viz.charts.plot_curves`).
 
 Each function takes a :class:`~dtlib.parallel.schedules.Timeline` (from
 :func:`~dtlib.parallel.schedules.simulate` or :func:`~dtlib.parallel.pipeline.timeline_of`) or plain
@@ -14,11 +15,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from dtlib.parallel.schedules import KIND_NAMES, Timeline
+from dtlib.viz.style import FONT, PALETTE, SMALL_FONT
 
-__all__ = ["draw_gantt", "plot_gantt", "plot_measured_vs_ideal", "plot_in_flight", "plot_bubble_vs_microbatches",
-           "plot_schedule_memory"]
+__all__ = ["draw_gantt", "plot_gantt", "plot_measured_vs_ideal", "plot_in_flight", "plot_schedule_memory"]
 
-KIND_COLORS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}
+KIND_COLORS = {"F": PALETTE[0], "B": PALETTE[1], "W": PALETTE[2]}
 
 
 def draw_gantt(ax: Axes, timeline: Timeline, title: str = "", unit: str = "", scale: float = 1.0) -> None:
@@ -34,19 +35,19 @@ def draw_gantt(ax: Axes, timeline: Timeline, title: str = "", unit: str = "", sc
             ax.barh(y, w, left=x, height=0.8, color=KIND_COLORS[e.action.kind], alpha=alpha,
                     edgecolor="white", linewidth=0.5)
             if w > 0:
-                ax.text(x + w / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=7,
+                ax.text(x + w / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=SMALL_FONT,
                         color="white", clip_on=True)
     ax.set_yticks(range(timeline.ranks), [f"rank {r}" for r in reversed(range(timeline.ranks))])
     ax.set_xlim(0, timeline.makespan * scale)
     ax.set_xlabel(f"time{f' ({unit})' if unit else ''}")
     ax.set_title(f"{title}{': ' if title else ''}bubble {timeline.bubble_ratio:.2f} of compute "
-                 f"({100 * timeline.bubble_fraction:.0f}% idle)", fontsize=9)
+                 f"({100 * timeline.bubble_fraction:.0f}% idle)", fontsize=FONT)
 
 
 def _legend(fig: Figure, timeline: Timeline) -> None:
     kinds = sorted({e.action.kind for ops in timeline.events for e in ops}, key="FBW".index)
     fig.legend(handles=[Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds],
-               loc="upper right", fontsize=8, ncols=len(kinds))
+               loc="upper right", fontsize=SMALL_FONT, ncols=len(kinds))
 
 
 def plot_gantt(timeline: Timeline, title: str = "", unit: str = "", scale: float = 1.0) -> Figure:
@@ -80,28 +81,7 @@ def plot_in_flight(timelines: dict[str, Timeline], rank: int = 0) -> Figure:
         ax.step(xs, ys, where="post", label=f"{name} (peak {t.peak_in_flight[rank]})")
     ax.set_xlabel("time (fraction of the step)")
     ax.set_ylabel(f"held on rank {rank}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_bubble_vs_microbatches(microbatches: Sequence[int], measured: Sequence[float],
-                                predicted: Sequence[float], ranks: int) -> Figure:
-    """Measured bubble (idle / compute) against m, the simulator's prediction and (p-1)/m."""
-    fig = Figure(figsize=(6, 3.2))
-    ax = fig.add_subplot()
-    ax.plot(microbatches, [(ranks - 1) / m for m in microbatches], "k--", label="(p-1)/m")
-    ax.plot(microbatches, predicted, "o-", label="simulated (measured costs)")
-    ax.plot(microbatches, measured, "s-", label="measured")
-    ax.axhline(0.2, color="grey", lw=0.8)
-    ax.text(microbatches[-1], 0.21, "20%", ha="right", fontsize=8, color="grey")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(microbatches), [str(m) for m in microbatches])
-    ax.minorticks_off()
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble (idle / compute)")
-    ax.set_title(f"{ranks} pipeline ranks", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL_FONT)
     fig.tight_layout()
     return fig
 
@@ -112,11 +92,11 @@ def plot_schedule_memory(timeline: Timeline, activation_gib: Sequence[float], ti
     gantt, bars = fig.subplots(1, 2, width_ratios=(4, 1), sharey=True)
     draw_gantt(gantt, timeline, title)
     ys = [timeline.ranks - 1 - r for r in range(timeline.ranks)]
-    bars.barh(ys, activation_gib, color="#b07aa1")
+    bars.barh(ys, activation_gib, color=PALETTE[6])
     for y, gib, held in zip(ys, activation_gib, timeline.peak_in_flight):
-        bars.text(gib, y, f" {gib:.1f} ({held})", va="center", fontsize=7)
+        bars.text(gib, y, f" {gib:.1f} ({held})", va="center", fontsize=SMALL_FONT)
     bars.set_xlim(0, 1.35 * max(activation_gib))
-    bars.set_xlabel("peak activations (GiB)\n(micro-batch chunks held)", fontsize=8)
+    bars.set_xlabel("peak activations (GiB)\n(micro-batch chunks held)", fontsize=SMALL_FONT)
     _legend(fig, timeline)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return fig

@@ -1,6 +1,6 @@
 """The pipeline explorer: schedule, p, m, v and the relative cost of F/B/W ->
 :func:`dtlib.parallel.simulate` -> Gantt chart, bubble and the activations each rank holds
-(:func:`dtlib.activations.layer_bytes` per layer, times the layers of a chunk, times the chunks
+(:func:`dtlib.analytic.activations.layer_bytes` per layer, times the layers of a chunk, times the chunks
 in flight), drawn by :func:`dtlib.viz.pipeline.plot_schedule_memory`.
 
 ``v`` (chunks per rank) applies to the interleaved schedule only; an interleaved setting that
@@ -13,8 +13,9 @@ from typing import Any
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from dtlib.activations import layer_bytes
-from dtlib.memory import GiB, resolve_model
+from dtlib.analytic.activations import layer_bytes
+from dtlib.analytic.memory import resolve_model
+from dtlib.analytic.units import GiB
 from dtlib.parallel.schedules import SCHEDULE_NAMES, schedule, simulate
 from dtlib.viz.pipeline import plot_schedule_memory
 from dtlib.widgets.base import Explorer, register
