@@ -14,7 +14,6 @@ PyTorch's.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 

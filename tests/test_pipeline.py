@@ -2,7 +2,6 @@
 as the simulator predicts, W really deferred, a dead rank fails the launch, stage partitioning.
 
 Every configuration of a world size runs in one launch (starting ranks costs seconds)."""
-import copy
 import os
 import time
 
@@ -13,8 +12,8 @@ import torch.nn.functional as F
 
 from dtlib.launcher import LaunchError, launch
 from dtlib.models import TinyGPT, tiny_gpt_config
-from dtlib.parallel import (Action, PipelineExecutor, partition, rank_chunks, schedule, simulate,
-                            timeline_of)
+from dtlib.parallel import Action, PipelineExecutor, partition, rank_chunks, schedule, simulate
+from dtlib.experiments.pipeline import compare_with_single_process, measure_timelines
 from dtlib.parallel.schedules import fit_costs
 
 TIMEOUT = 90
@@ -137,36 +136,15 @@ def test_every_schedule_on_4_ranks_and_pp2_x_dp2_equal_one_process():
     _check([r[1] for r in results], 2, 2, dp_configs)
 
 
-def _bubble(rank, world_size, configs, cost, steps=3):
-    """Event logs of ``steps`` steps per config (after a warm-up step), stages costing ``cost`` s of
-    sleep."""
-    torch.set_num_threads(1)
-    x, y = _batch(0)
-    logs = []
-    for name, m in configs:
-        ex = PipelineExecutor(rank_chunks(partition(_model(), world_size), rank, world_size),
-                              schedule(name, world_size, m), rank, _loss, emulate=cost)
-        ex.step(x, y)
-        steps_logs = []
-        for _ in range(steps):
-            dist.barrier()
-            steps_logs.append(ex.step(x, y))
-        logs.append(steps_logs)
-    return logs
-
-
 def test_measured_bubble_follows_the_simulator():
     # Sleeps stand in for compute, so two ranks on a shared 2-core machine do not steal each
     # other's time; F:B:W = 1:1:1 so ZB-H1's split shows (ideal bubbles: GPipe 1, 1/2, 1/4;
     # 1F1B 1/4; ZB-H1 1/12).
     cost = {"F": 0.04, "B": 0.04, "W": 0.04}
-    configs = [("gpipe", m) for m in (1, 2, 4)] + [("1f1b", 4), ("zb-h1", 4)]
-    logs = launch(_bubble, 2, args=(configs, cost), timeout=TIMEOUT)
+    configs = [("gpipe", m, 1) for m in (1, 2, 4)] + [("1f1b", 4, 1), ("zb-h1", 4, 1)]
+    timelines = measure_timelines(2, configs, cost, cfg_kwargs=CFG, batch=BATCH)
     measured = {}
-    for i, (name, m) in enumerate(configs):
-        # the least disturbed of 3 steps: other processes on the 2 cores delay wake-ups
-        timeline = min((timeline_of([logs[r][i][k] for r in range(2)]) for k in range(3)),
-                       key=lambda t: t.makespan)
+    for (name, m, v), timeline in timelines.items():
         # the simulator fed with the measured mean time of each kind of action and hop latency
         predicted = simulate(schedule(name, 2, m), **fit_costs(timeline))
         measured[name, m] = timeline.bubble_ratio
@@ -178,6 +156,25 @@ def test_measured_bubble_follows_the_simulator():
     assert gpipe == sorted(gpipe, reverse=True)
     assert gpipe[0] == pytest.approx(1.0, abs=0.15) and gpipe[-1] == pytest.approx(1 / 4, abs=0.1)
     assert measured["zb-h1", 4] < measured["1f1b", 4] - 0.05
+
+
+def test_slowest_stage_sets_the_pace():
+    # rank 1 costs twice rank 0: GPipe's step is about (m + p - 1) x the slow stage's F + B
+    slow = {"F": 0.04, "B": 0.04}
+    fast = {"F": 0.02, "B": 0.02}
+    t = measure_timelines(2, [("gpipe", 4, 1)], [fast, slow], steps=2, cfg_kwargs=CFG, batch=BATCH)
+    makespan = t["gpipe", 4, 1].makespan
+    assert makespan == pytest.approx((4 + 1) * 0.08, rel=0.25)
+    assert makespan > (4 + 1) * 0.06  # more than a balanced pipeline with the same total cost
+
+
+def test_bad_experiment_settings_fail_before_launch():
+    with pytest.raises(ValueError, match="multiple of pp=2"):
+        measure_timelines(2, [("interleaved", 3, 2)], {"F": 0.0})
+    with pytest.raises(ValueError, match="batch=16 must be a multiple"):
+        compare_with_single_process(2, [("gpipe", 3, 1)])
+    with pytest.raises(ValueError, match="one per rank"):
+        measure_timelines(2, [("gpipe", 2, 1)], [{"F": 0.0}])
 
 
 def _dies(rank, world_size):
