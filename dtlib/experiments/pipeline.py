@@ -20,23 +20,27 @@ from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks, timeline_of
 from dtlib.parallel.schedules import Timeline, schedule
 
-__all__ = ["measure_timelines", "compare_with_single_process", "DEMO_CONFIG", "Config"]
+__all__ = ["measure_timelines", "compare_with_single_process", "DEMO_CONFIG", "Config", "demo_model",
+           "demo_batch", "lm_loss"]
 
 # (schedule name, micro-batches, chunks per rank)
 Config = tuple[str, int, int]
 DEMO_CONFIG = dict(layers=8, hidden=32, heads=2, vocab=64, seq=16)
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every position, as the single-process reference computes it."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _model(cfg_kwargs: Mapping[str, Any]) -> TinyGPT:
+def demo_model(cfg_kwargs: Mapping[str, Any]) -> TinyGPT:
+    """The same seeded TinyGPT on every rank and in the reference."""
     torch.manual_seed(0)
     return TinyGPT(tiny_gpt_config(**cfg_kwargs))
 
 
-def _batch(cfg_kwargs: Mapping[str, Any], batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def demo_batch(cfg_kwargs: Mapping[str, Any], batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded (inputs, next-token targets) of ``batch`` sequences."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg_kwargs["vocab"], (batch, cfg_kwargs["seq"] + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
@@ -45,12 +49,12 @@ def _batch(cfg_kwargs: Mapping[str, Any], batch: int, seed: int = 0) -> tuple[to
 def _timing_worker(rank: int, world_size: int, configs: Sequence[Config], cost: Any, steps: int,
                    cfg_kwargs: Mapping[str, Any], batch: int) -> list[list[Any]]:
     torch.set_num_threads(1)
-    x, y = _batch(cfg_kwargs, batch)
+    x, y = demo_batch(cfg_kwargs, batch)
     out = []
     for name, m, v in configs:
         rank_cost = cost[rank] if isinstance(cost, (list, tuple)) else cost
-        chunks = rank_chunks(partition(_model(cfg_kwargs), world_size, v), rank, world_size)
-        ex = PipelineExecutor(chunks, schedule(name, world_size, m, v), rank, _loss, emulate=rank_cost)
+        chunks = rank_chunks(partition(demo_model(cfg_kwargs), world_size, v), rank, world_size)
+        ex = PipelineExecutor(chunks, schedule(name, world_size, m, v), rank, lm_loss, emulate=rank_cost)
         ex.step(x, y)  # warm-up
         logs = []
         for _ in range(steps):
@@ -82,16 +86,16 @@ def measure_timelines(pp: int, configs: Sequence[Config], cost: Mapping[str, flo
 
 def _exactness_worker(rank: int, world_size: int, configs: Sequence[Config], cfg_kwargs: Mapping[str, Any],
                       batch: int) -> list[dict[str, float | None]]:
-    x, y = _batch(cfg_kwargs, batch, seed=1)
-    ref = _model(cfg_kwargs)
-    ref_loss = _loss(ref(x), y)
+    x, y = demo_batch(cfg_kwargs, batch, seed=1)
+    ref = demo_model(cfg_kwargs)
+    ref_loss = lm_loss(ref(x), y)
     ref_loss.backward()
     ref_grads = dict(ref.named_parameters())
     out = []
     for name, m, v in configs:
-        model = _model(cfg_kwargs)
+        model = demo_model(cfg_kwargs)
         ex = PipelineExecutor(rank_chunks(partition(model, world_size, v), rank, world_size),
-                              schedule(name, world_size, m, v), rank, _loss)
+                              schedule(name, world_size, m, v), rank, lm_loss)
         log = ex.step(x, y)
         mine = {id(p) for p in ex.parameters()}
         diff = max((p.grad - ref_grads[k].grad).abs().max().item()
