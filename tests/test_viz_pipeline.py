@@ -33,6 +33,7 @@ def test_measured_vs_ideal_draws_both_in_ms():
     assert max(b.get_x() + b.get_width() for b in _bars(top)) == pytest.approx(90)  # 3 x 30 ms
     assert max(b.get_x() + b.get_width() for b in _bars(bottom)) == pytest.approx(60)
     assert "measured" in top.get_title() and "simulated" in bottom.get_title()
+    assert top.get_xlim() == bottom.get_xlim() == pytest.approx((0, 90))  # the longer one is whole
 
 
 def test_in_flight_plot_peaks_at_the_schedule_peak():

@@ -65,6 +65,7 @@ def plot_measured_vs_ideal(measured: Timeline, ideal: Timeline, title: str = "")
     top, bottom = fig.subplots(2, 1, sharex=True)
     draw_gantt(top, measured, f"{title} measured".strip(), "ms", 1e3)
     draw_gantt(bottom, ideal, f"{title} simulated".strip(), "ms", 1e3)
+    bottom.set_xlim(0, 1e3 * max(measured.makespan, ideal.makespan))  # shared: show the longer whole
     _legend(fig, measured)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
