@@ -12,7 +12,7 @@ from typing import Sequence
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
 from dtlib.parallel.schedules import KIND_NAMES, Timeline
 from dtlib.viz.style import FONT, PALETTE, SMALL_FONT
@@ -32,11 +32,12 @@ def draw_gantt(ax: Axes, timeline: Timeline, title: str = "", unit: str = "", sc
             y = timeline.ranks - 1 - e.rank
             x, w = (e.start - t0) * scale, (e.end - e.start) * scale
             alpha = 1.0 - 0.45 * e.action.chunk / max(1, chunks - 1) if chunks > 1 else 1.0
-            ax.barh(y, w, left=x, height=0.8, color=KIND_COLORS[e.action.kind], alpha=alpha,
-                    edgecolor="white", linewidth=0.5)
+            ax.add_patch(Rectangle((x, y - 0.4), w, 0.8, facecolor=KIND_COLORS[e.action.kind], alpha=alpha,
+                                   edgecolor="white", linewidth=0.5))
             if w > 0:
                 ax.text(x + w / 2, y, str(e.action.microbatch), ha="center", va="center", fontsize=SMALL_FONT,
                         color="white", clip_on=True)
+    ax.set_ylim(-0.6, timeline.ranks - 0.4)
     ax.set_yticks(range(timeline.ranks), [f"rank {r}" for r in reversed(range(timeline.ranks))])
     ax.set_xlim(0, timeline.makespan * scale)
     ax.set_xlabel(f"time{f' ({unit})' if unit else ''}")
