@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtlib.experiments.pipeline import compare_with_single_process, measure_timelines
 from dtlib.launcher import LaunchError, launch
 from dtlib.models import TinyGPT, tiny_gpt_config
-from dtlib.parallel import Action, PipelineExecutor, partition, rank_chunks, schedule, simulate
-from dtlib.experiments.pipeline import compare_with_single_process, measure_timelines
-from dtlib.parallel.schedules import fit_costs
+from dtlib.parallel import (Action, PipelineExecutor, fit_costs, partition, rank_chunks, schedule,
+                            simulate)
 
 TIMEOUT = 90
 CFG = dict(layers=8, hidden=32, heads=2, vocab=64, seq=16)

@@ -55,7 +55,6 @@ def _timing_worker(rank: int, world_size: int, configs: Sequence[Config], cost: 
         rank_cost = cost[rank] if isinstance(cost, (list, tuple)) else cost
         chunks = rank_chunks(partition(demo_model(cfg_kwargs), world_size, v), rank, world_size)
         ex = PipelineExecutor(chunks, schedule(name, world_size, m, v), rank, lm_loss, emulate=rank_cost)
-        ex.step(x, y)  # warm-up
         logs = []
         for _ in range(steps):
             dist.barrier()
@@ -68,8 +67,8 @@ def measure_timelines(pp: int, configs: Sequence[Config], cost: Mapping[str, flo
                       steps: int = 3, cfg_kwargs: Mapping[str, Any] = DEMO_CONFIG, batch: int = 16,
                       timeout: float = 120.0) -> dict[Config, Timeline]:
     """The measured timeline of each ``(schedule, m, v)`` on ``pp`` ranks: the step with the
-    shortest makespan of ``steps`` (after a warm-up), so that a busy machine's late wake-ups
-    disturb it least. ``cost``: emulated seconds ``{"F", "B", "W"}`` per micro-batch for a rank's
+    shortest makespan of ``steps``, so that a busy machine's late wake-ups (and the first step's
+    warm-up) disturb it least. ``cost``: emulated seconds ``{"F", "B", "W"}`` per micro-batch for a rank's
     whole share, or one such mapping per rank (e.g. a slower stage)."""
     for name, m, v in configs:
         schedule(name, pp, m, v)  # bad settings fail here, before any process starts

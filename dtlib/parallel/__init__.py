@@ -29,7 +29,7 @@ from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.pipeline import (GPTStage, PipelineExecutor, StepLog, partition, rank_chunks,
                                      timeline_of)
-from dtlib.parallel.schedules import Action, Event, Timeline, schedule, simulate, validate
+from dtlib.parallel.schedules import Action, Event, Timeline, fit_costs, schedule, simulate, validate
 from dtlib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
@@ -44,6 +44,6 @@ __all__ = [
     "tensor_parallel", "full_state_dict", "ColumnParallelLinear", "RowParallelLinear",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "FlatLayout", "assign_buckets", "shard_bounds",
-    "Action", "Event", "Timeline", "schedule", "simulate", "validate",
+    "Action", "Event", "Timeline", "schedule", "simulate", "validate", "fit_costs",
     "GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
 ]
