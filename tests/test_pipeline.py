@@ -259,3 +259,10 @@ def test_executor_rejects_before_running():
     with pytest.raises(ValueError, match="2 chunks per rank but 1 modules"):
         PipelineExecutor(partition(model, 1), [[Action("F", 0), Action("F", 0, 1), Action("B", 0, 1),
                                                 Action("B", 0)]], 0, _loss)
+
+
+def test_compare_with_single_process_for_the_lesson():
+    out = compare_with_single_process(2, [("1f1b", 4, 1), ("interleaved", 2, 2)], cfg_kwargs=CFG, batch=BATCH)
+    for r in out.values():
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+        assert r["max_grad_diff"] <= ATOL  # rounding of the micro-batch sums, nothing more
