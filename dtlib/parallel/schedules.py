@@ -26,6 +26,7 @@ Schedules (``p`` ranks, ``m`` micro-batches):
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -329,8 +330,8 @@ def fit_costs(timeline: Timeline) -> dict[str, float]:
         times = [e.end - e.start for e in events if e.action.kind == kind]
         return v * sum(times) / len(times) if times else 0.0
     end = {(e.rank, e.action): e.end for e in events}
-    hops = sorted(e.start - end[d] for e in events
+    hops = [e.start - end[d] for e in events
                   for d in _dependencies(e.action, e.rank, p, v)
-                  if d[0] != e.rank and d in end and e.start - e.wait < end[d])
+                  if d[0] != e.rank and d in end and e.start - e.wait < end[d]]
     return {"t_forward": mean("F"), "t_backward": mean("B"), "t_weight": mean("W"),
-            "t_p2p": max(0.0, hops[len(hops) // 2]) if hops else 0.0}
+            "t_p2p": max(0.0, statistics.median(hops)) if hops else 0.0}
