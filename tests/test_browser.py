@@ -218,6 +218,9 @@ def _check_widget(box, label: str) -> None:
     """``box`` renders as controls and a picture; moving its first control redraws the picture."""
     controls = box.locator(CONTROL)
     assert controls.count() >= 1, f"{label}: no control rendered: {box.inner_text()[:300]}"
+    cut = box.locator(".widget-label").evaluate_all(
+        "ls => ls.filter(l => l.scrollWidth > l.clientWidth + 1).map(l => l.textContent)")
+    assert cut == [], f"{label}: descriptions cut short: {cut}"
     img = box.locator(".widget-output img").first
     img.wait_for(state="visible", timeout=REDRAW_S * 1000)
     before = img.get_attribute("src")
