@@ -46,8 +46,8 @@ def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4))
         # small messages take microseconds, so one descheduled rank skews a few samples: time them
-        # 5x as often (the median then holds on a busy machine); big ones fewer times
-        n_iter = max(3, min(5 * iters, int(iters * 2 ** 20 / nbytes)))
+        # 3x as often (the median then holds on a busy machine); big ones fewer times
+        n_iter = max(3, min(3 * iters, int(iters * 2 ** 20 / nbytes)))
         for impl, fn in impls.items():
             fn(x)  # warm-up
             times = torch.zeros(n_iter)
@@ -69,7 +69,7 @@ def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10) 
     """Time our ring all-reduce and ``dist.all_reduce`` on float32 messages of ``sizes`` bytes.
 
     Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (median over
-    iterations of the slowest rank: ``5 * iters`` of them up to 200 KiB, fewer above 1 MiB), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
+    iterations of the slowest rank: ``3 * iters`` of them up to 1/3 MiB, fewer above 1 MiB), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
     definitions, :mod:`dtlib.analytic.comm`), ``world_size``.
     """
     if not sizes or min(sizes) < 4:
