@@ -33,7 +33,8 @@ from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
                             powersgd_hook, ring_all_reduce, topk_hook)
 
-__all__ = ["time_all_reduce", "fit_alpha_beta", "fit_misses", "overlap_model", "overlap_records",
+__all__ = ["time_all_reduce", "fit_alpha_beta", "measured_over_model",
+           "overlap_model", "overlap_records",
            "compression_runs", "compression_method", "COMPRESSION_METHODS"]
 
 
@@ -99,10 +100,10 @@ def fit_alpha_beta(rows: Sequence[Mapping], impl: str) -> Link:
                 source=f"least-squares fit of the ring model to {len(pts)} measured sizes on {n} ranks")
 
 
-def fit_misses(rows: Sequence[Mapping], impl: str, link: Link) -> dict[int, float]:
-    """How far the all-reduce model on ``link`` (e.g. :func:`fit_alpha_beta`'s) is from each
-    measurement of ``impl``: ``{bytes: model / measured - 1}`` (+0.5: the model says 50% longer)."""
-    return {r["bytes"]: collective_time("all_reduce", r["bytes"], r["world_size"], link) / r["seconds"] - 1
+def measured_over_model(rows: Sequence[Mapping], impl: str, link: Link) -> dict[int, float]:
+    """Each measured time of ``impl`` divided by the all-reduce model's on ``link`` (e.g.
+    :func:`fit_alpha_beta`'s): ``{bytes: ratio}``, 1.0 where the measurement sits on the line."""
+    return {r["bytes"]: r["seconds"] / collective_time("all_reduce", r["bytes"], r["world_size"], link)
             for r in rows if r["impl"] == impl}
 
 
