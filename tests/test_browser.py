@@ -35,9 +35,9 @@ CHROMIUM = os.environ.get("DTLIB_CHROMIUM") or shutil.which("chromium") or shuti
 HOW = "apt-get install chromium && pip install playwright (CI=true makes this a failure)"
 # How long one step may take before the test fails (a hang fails fast, not at pytest's limit).
 START_S, CELL_S, REDRAW_S = 60, 30, 60
-# A rendered control of each kind ipywidgets draws (dropdowns are <select>, sliders noUiSlider).
 # The outermost box of a widget in an output (an Explorer is a VBox).
 WIDGET = ".jp-OutputArea-output > .widget-vbox"
+# A rendered control of each kind ipywidgets draws (dropdowns are <select>, sliders noUiSlider).
 CONTROL = ".widget-dropdown select, .noUi-handle, .widget-checkbox input"
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,8 +54,7 @@ def _missing() -> str | None:
 
 
 _MISSING = _missing()
-REQUIRED = os.environ.get("CI") == "true"
-if _MISSING and not REQUIRED:  # one line for the whole file (under CI the fixture fails instead)
+if _MISSING and os.environ.get("CI") != "true":  # one line for the file; under CI the fixture fails
     pytest.skip(f"browser test needs {_MISSING}: {HOW}", allow_module_level=True)
 
 
@@ -153,8 +152,10 @@ def browser(lab):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        # --no-sandbox: Chromium's sandbox needs user namespaces, which root in a container lacks
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=START_S * 1000)
+        # --no-sandbox: Chromium's sandbox needs user namespaces, which root in a container lacks;
+        # a container's /dev/shm is often too small for it, so it uses /tmp instead
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"],
+                                     timeout=START_S * 1000)
         try:
             yield chromium
         finally:

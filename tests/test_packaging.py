@@ -40,6 +40,8 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert "make test" in ci and "make test" in readme and "make lab" in readme
+    # and installs the browser that tests/test_browser.py requires under CI
+    assert re.search(r"apt-get install .*chromium", ci) and ci.index("chromium") < ci.index("make test")
 
 
 def test_make_lab_serves_the_first_lesson():
