@@ -21,7 +21,7 @@ from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import PRECISIONS, get_precision
 from dtlib.analytic.units import GiB, MiB
 from dtlib.parallel.ddp import SyncRecord
-from dtlib.viz import charts, collectives, comm, memory, ring, timeline, training, zero
+from dtlib.viz import charts, collectives, comm, memory, ring, tensor, timeline, training, zero
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -94,6 +94,7 @@ FIGURES = {
          "full": {"saved_bytes": 4 * MiB, "step_seconds": 0.13}}),
     "plot_predicted_vs_measured": lambda: memory.plot_predicted_vs_measured(
         {"parameters": 4 * MiB, "activations": 30 * MiB}, {"parameters": 4 * MiB, "activations": 29 * MiB}),
+    "plot_column_row_split": lambda: tensor.plot_column_row_split(4),
     "plot_ring_all_reduce": lambda: ring.plot_ring_all_reduce(4, 2),
     "plot_ring_steps": lambda: ring.plot_ring_steps(4),
     "plot_overlap_timeline": lambda: timeline.plot_overlap_timeline(
