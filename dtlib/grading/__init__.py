@@ -3,6 +3,6 @@ behind each graded exercise (:mod:`dtlib.grading.checks`, one module per exercis
 
 Library code never imports from here; the exercises' test cells do.
 """
-from dtlib.grading.pipeline import assign, check, generate, grade, main, masters, normalise
+from dtlib.grading.pipeline import assign, check, generate, grade, main, masters, masters_dir, normalise
 
-__all__ = ["masters", "assign", "generate", "check", "grade", "normalise", "main"]
+__all__ = ["masters", "masters_dir", "assign", "generate", "check", "grade", "normalise", "main"]
