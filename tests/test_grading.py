@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -134,52 +135,82 @@ def _tiny_course(root: Path) -> Path:
     return root / "masters"
 
 
-def test_batch_grading_gives_every_submission_a_row(tmp_path, capsys):
-    masters = _tiny_course(tmp_path / "course")
-    copies = grading.generate(masters / "99_tiny.ipynb", tmp_path / "generated")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny course's masters folder and its generated learner and solved copies."""
+    root = tmp_path_factory.mktemp("tiny")
+    masters = _tiny_course(root / "course")
+    return masters, grading.generate(masters / "99_tiny.ipynb", root / "generated")
+
+
+def _with_cell(nb, index: int, source: str):
+    changed = nbformat.from_dict(nb)
+    changed.cells.insert(index, nbformat.v4.new_code_cell(source))
+    return changed
+
+
+def _grade_tiny(masters: Path, subs: Path, out: Path, *options: str) -> dict[str, dict]:
+    argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out), *options]
+    assert grading.main(argv) == 0
+    return {r["submission"]: r for r in csv.DictReader(out.open())}
+
+
+def test_batch_grading_gives_every_submission_a_row(tmp_path, capsys, tiny):
+    masters, copies = tiny
     subs = tmp_path / "submissions"
     subs.mkdir()
     nbformat.write(copies["solution"], subs / "good.ipynb")
-    raises = nbformat.from_dict(copies["solution"])
-    raises.cells.insert(1, nbformat.v4.new_code_cell("import no_such_module"))
-    nbformat.write(raises, subs / "raises.ipynb")
-    hangs = nbformat.from_dict(copies["solution"])
-    pid_file = tmp_path / "kernel.pid"
-    hangs.cells.insert(1, nbformat.v4.new_code_cell(
-        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(3600)"))
-    nbformat.write(hangs, subs / "hangs.ipynb")
-    deleted = nbformat.from_dict(copies["solution"])
-    deleted.cells = [c for c in deleted.cells if "half" not in c.source and 'check("q2")' not in c.source]
-    nbformat.write(deleted, subs / "deleted.ipynb")
+    nbformat.write(_with_cell(copies["solution"], 1, "import no_such_module"), subs / "raises.ipynb")
+    nbformat.write(_with_cell(copies["solution"], 1, "import os\nos._exit(1)"), subs / "kills_kernel.ipynb")
+    some_deleted = nbformat.from_dict(copies["solution"])
+    some_deleted.cells = [c for c in some_deleted.cells if "half" not in c.source and 'check("q2")' not in c.source]
+    nbformat.write(some_deleted, subs / "deleted_q2.ipynb")
+    all_deleted = nbformat.from_dict(copies["solution"])
+    all_deleted.cells = []
+    nbformat.write(all_deleted, subs / "deleted_all.ipynb")
     (subs / "notes.txt").write_text("not a notebook")
     (subs / "broken.ipynb").write_text('{"cells": [')
     (subs / ".DS_Store").write_bytes(b"\0\1")
-    out = tmp_path / "grades.csv"
 
-    argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out), "--timeout", "30"]
-    assert grading.main(argv) == 0
-    rows = {r["submission"]: r for r in csv.DictReader(out.open())}
+    rows = _grade_tiny(masters, subs, tmp_path / "grades.csv", "--jobs", "2")
     err = capsys.readouterr().err
-
     expected = {"good.ipynb": ("graded", "3"), "raises.ipynb": ("cell raised", "3"),
-                "hangs.ipynb": ("timed out", "0"), "deleted.ipynb": ("cells missing", "2"),
+                "kills_kernel.ipynb": ("grader failed", "0"), "deleted_q2.ipynb": ("cells missing", "2"),
+                "deleted_all.ipynb": ("cells missing", "0"),
                 "notes.txt": ("not a notebook", "0"), "broken.ipynb": ("not a notebook", "0")}
     assert {name: (r["status"], r["total"]) for name, r in rows.items()} == expected
-    assert "no_such_module" in rows["raises.ipynb"]["error"]
-    assert "30 s" in rows["hangs.ipynb"]["error"] and "q2" in rows["deleted.ipynb"]["error"]
+    assert list(rows) == sorted(expected)  # rows in file order, whatever finished first
+    assert "no_such_module" in rows["raises.ipynb"]["error"] and "Kernel died" in rows["kills_kernel.ipynb"]["error"]
+    assert "q2" in rows["deleted_q2.ipynb"]["error"] and "no code cells" in rows["deleted_all.ipynb"]["error"]
     assert "JSON" in rows["notes.txt"]["error"] and rows["good.ipynb"]["error"] == ""
     assert {r["possible"] for r in rows.values()} == {"3"}
     assert {r["q1"] for r in rows.values()} == {"0", "2"}  # one number format: no "2.0" next to "0"
     # progress names each file and how many are left; no kernel warnings leak into the output
-    assert "[1/6] broken.ipynb" in err and "(5 left after it)" in err and "[6/6] raises.ipynb" in err
+    assert "broken.ipynb: grading" in err and "(6 left after it)" in err and "[7/7]" in err
     assert "encryption" not in err and "WARNING" not in err
-    # the hanging submission's kernel did not outlive its time limit
-    kernel = int(pid_file.read_text())
-    for _ in range(50):
-        if not Path(f"/proc/{kernel}").exists():
-            break
-        subprocess.run(["sleep", "0.1"])
-    assert not Path(f"/proc/{kernel}").exists(), "the hanging kernel was left running"
+
+
+def test_a_hanging_submission_times_out_and_leaves_nothing_running(tmp_path, tiny):
+    # Alone with a short limit: the limit applies to every submission, and a good one takes
+    # 10-40 s on a loaded 2-core machine, so it is graded above under the default limit.
+    masters, copies = tiny
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    pid_file = tmp_path / "kernel.pid"
+    nbformat.write(_with_cell(copies["solution"], 1, f"import os, time\nopen({str(pid_file)!r}, 'w')"
+                              ".write(str(os.getpid()))\ntime.sleep(3600)"), subs / "hangs.ipynb")
+    (subs / "notes.txt").write_text("not a notebook")
+    rows = _grade_tiny(masters, subs, tmp_path / "grades.csv", "--timeout", "8")
+    assert {name: (r["status"], r["total"]) for name, r in rows.items()} == {
+        "hangs.ipynb": ("timed out", "0"), "notes.txt": ("not a notebook", "0")}
+    assert "no result within 8 s" in rows["hangs.ipynb"]["error"]
+    if pid_file.exists():  # the kernel got as far as the hanging cell: it must not outlive the limit
+        kernel = Path(f"/proc/{pid_file.read_text()}")
+        for _ in range(50):
+            if not kernel.exists():
+                break
+            time.sleep(0.1)
+        assert not kernel.exists(), "the hanging kernel was left running"
 
 
 def test_grading_bad_input(tmp_path, capsys):
@@ -190,6 +221,8 @@ def test_grading_bad_input(tmp_path, capsys):
     (tmp_path / "a.ipynb").write_text("{}")
     assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--timeout", "-1"]) == 2
     assert "--timeout must be a positive number" in capsys.readouterr().err
+    assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--jobs", "0"]) == 2
+    assert "--jobs must be an integer >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="valid lessons"):
         grading.pipeline._master_for("99")
 

@@ -12,6 +12,7 @@ deleted), ``not a notebook`` (not JSON, or not nbformat), ``timed out``, ``grade
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import os
@@ -22,12 +23,13 @@ import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import nbformat
 
-__all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_timeout", "grade", "question_points"]
+__all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "grade", "question_points"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
@@ -89,8 +91,9 @@ def _grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> Non
     out_json.write_text(json.dumps(report))
 
 
-def _run_child(autograder_zip: Path, notebook: Path, timeout: float, workdir: Path) -> tuple[dict | None, str]:
-    """Grade ``notebook`` in a child process; returns its report, or ``None`` and why not.
+def _run_child(autograder_zip: Path, notebook: Path, timeout: float,
+               workdir: Path) -> tuple[dict | None, str, str]:
+    """Grade ``notebook`` in a child process: its report, or ``None``, a status and why.
 
     The child runs in a session of its own, so a timeout kills it and everything it started
     (the kernel exits when its parent does; ranks die with the kernel). Its output, otter's and
@@ -106,11 +109,12 @@ def _run_child(autograder_zip: Path, notebook: Path, timeout: float, workdir: Pa
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-            return None, f"no result within {timeout:g} s (a cell that never ends?); raise --timeout if it is just slow"
+            return None, "timed out", (f"no result within {timeout:g} s (a cell that never ends?); "
+                                       "raise --timeout if it is just slow")
     if code == 0 and out_json.exists():
-        return json.loads(out_json.read_text()), ""
+        return json.loads(out_json.read_text()), "graded", ""
     lines = [s for s in log_path.read_text(errors="replace").splitlines() if s.strip()]
-    return None, _first_line(lines[-1] if lines else f"the grader exited with code {code}")
+    return None, "grader failed", _first_line(lines[-1] if lines else f"the grader exited with code {code}")
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
@@ -120,14 +124,16 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
     nb, why = _read_notebook(path)
     if nb is None:
         row.update(status="not a notebook", error=why)
+    elif not any(cell.cell_type == "code" for cell in nb.cells):
+        row.update(status="cells missing", error="no code cells: every cell was deleted")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             # otter grades a notebook named like the master; submissions may be named by student.
             target = Path(tmp) / master_name
             nbformat.write(nb, target)
-            report, why = _run_child(autograder_zip, target, timeout, Path(tmp))
+            report, status, why = _run_child(autograder_zip, target, timeout, Path(tmp))
         if report is None:
-            row.update(status="timed out" if why.startswith("no result") else "grader failed", error=why)
+            row.update(status=status, error=why)
         else:
             scores.update({q: float(s) for q, s in report["scores"].items() if q in scores})
             missing = _missing_checks(nb, list(points))
@@ -151,26 +157,42 @@ def submission_files(submissions: str | os.PathLike) -> list[Path]:
     return files
 
 
-def check_timeout(timeout: float) -> None:
-    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+def check_options(timeout: float, jobs: int) -> None:
+    """Clear errors for a time limit or a number of parallel gradings that cannot work."""
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
+                                         and timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs must be an integer >= 1, got {jobs!r}")
 
 
 def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: str | os.PathLike,
-          timeout: float = DEFAULT_TIMEOUT, progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Grade each of ``files``; write and return one row each (progress on stderr by default)."""
-    check_timeout(timeout)
+          timeout: float = DEFAULT_TIMEOUT, jobs: int = 1,
+          progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Grade each of ``files``, ``jobs`` at a time; write and return one row each, in file order.
+
+    Progress goes to stderr by default: a line when a file starts (how many are left after it)
+    and one with its score and status when it is done.
+    """
+    check_options(timeout, jobs)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     points = question_points(autograder_zip)
-    rows = []
-    for i, path in enumerate(files, start=1):
-        progress(f"[{i}/{len(files)}] {path.name}: grading ({len(files) - i} left after it)")
+    order = itertools.count(1)
+
+    def grade_next(path: Path) -> dict:
+        i = next(order)
+        where = f"[{i}/{len(files)}] {path.name}"
+        progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
         row = _grade_one(path, autograder_zip, master_name, points, timeout)
-        rows.append(row)
         why = f" - {row['error']}" if row["error"] else ""
-        progress(f"[{i}/{len(files)}] {path.name}: {row['total']}/{row['possible']}, {row['status']}"
-                 f"{why} ({time.monotonic() - start:.0f} s)")
+        progress(f"{where}: {row['total']}/{row['possible']}, {row['status']}{why} "
+                 f"({time.monotonic() - start:.0f} s)")
+        return row
+
+    # Threads only wait: each grading runs in a child process of its own.
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        rows = list(pool.map(grade_next, files))
     with open(out_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -130,17 +130,18 @@ def check(folder: str | os.PathLike | None = None) -> list[str]:
 
 
 def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLike,
-          timeout: float = batch.DEFAULT_TIMEOUT, folder: str | os.PathLike | None = None) -> list[dict]:
+          timeout: float = batch.DEFAULT_TIMEOUT, jobs: int = 1,
+          folder: str | os.PathLike | None = None) -> list[dict]:
     """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`)."""
     files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
-    batch.check_timeout(timeout)
+    batch.check_options(timeout, jobs)
     master = _master_for(lesson, folder)
     with tempfile.TemporaryDirectory() as tmp:
         _otter_assign(master, Path(tmp))
         zips = list((Path(tmp) / "autograder").glob("*.zip"))
         if len(zips) != 1:
             raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
-        return batch.grade(files, zips[0], master.name, out_csv, timeout)
+        return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--out", default="grades.csv", help="CSV to write (default grades.csv)")
     p_grade.add_argument("--timeout", type=float, default=batch.DEFAULT_TIMEOUT, metavar="SECONDS",
                          help=f"time limit per submission (default {batch.DEFAULT_TIMEOUT:g})")
+    p_grade.add_argument("--jobs", type=int, default=1, metavar="N",
+                         help="submissions graded at once (default 1; each runs its own kernel and "
+                              "ranks, so keep N below the number of cores)")
     args = parser.parse_args(argv)
     try:
         if args.command == "assign":
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stale: {name} (run `python -m dtlib.grading assign`)")
             return 1 if stale else 0
         else:
-            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.masters)
+            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, args.masters)
             statuses = [row["status"] for row in rows]
             counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
             print(f"wrote {args.out}: {len(rows)} submissions ({counts})")
