@@ -1,5 +1,7 @@
-"""The course's grading: the otter-grader pipeline (:mod:`~dtlib.grading.pipeline`) and the checks
-behind each graded exercise (:mod:`dtlib.grading.checks`, one module per exercise slug).
+"""The course's grading: the otter-grader pipeline (:mod:`~dtlib.grading.pipeline`), batch grading
+of a folder (:mod:`~dtlib.grading.batch`), what a learner reads after a check
+(:mod:`~dtlib.grading.feedback`) and the checks behind each graded exercise
+(:mod:`dtlib.grading.checks`, one module per exercise slug).
 
 Library code never imports from here; the exercises' test cells do.
 """

@@ -145,15 +145,18 @@ def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLik
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--masters", metavar="DIR", default=None,
+    # --masters is accepted before or after the command (SUPPRESS: an absent one sets nothing).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--masters", metavar="DIR", default=argparse.SUPPRESS,
                         help=f"folder of master notebooks (default: ${MASTERS_ENV}, else the source "
                              "checkout's masters/)")
+    parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0],
+                                     parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_assign = sub.add_parser("assign", help="regenerate exercises/ and solutions/ from masters/")
+    p_assign = sub.add_parser("assign", parents=[common], help="regenerate exercises/ and solutions/ from masters/")
     p_assign.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
-    sub.add_parser("check", help="exit 1 if a generated copy is stale")
-    p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks into a CSV")
+    sub.add_parser("check", parents=[common], help="exit 1 if a generated copy is stale")
+    p_grade = sub.add_parser("grade", parents=[common], help="grade a folder of submitted notebooks into a CSV")
     p_grade.add_argument("submissions", help="folder holding the submitted notebooks (every file gets a row)")
     p_grade.add_argument("--lesson", required=True, help="lesson number, e.g. 01")
     p_grade.add_argument("--out", default="grades.csv", help="CSV to write (default grades.csv)")
@@ -163,18 +166,19 @@ def main(argv: list[str] | None = None) -> int:
                          help="submissions graded at once (default 1; each runs its own kernel and "
                               "ranks, so keep N below the number of cores)")
     args = parser.parse_args(argv)
+    folder = getattr(args, "masters", None)
     try:
         if args.command == "assign":
-            selected = [_master_for(lesson, args.masters) for lesson in args.lessons]
-            for path in assign(selected or None, args.masters):
+            selected = [_master_for(lesson, folder) for lesson in args.lessons]
+            for path in assign(selected or None, folder):
                 print(f"wrote {path}")
         elif args.command == "check":
-            stale = check(args.masters)
+            stale = check(folder)
             for name in stale:
                 print(f"stale: {name} (run `python -m dtlib.grading assign`)")
             return 1 if stale else 0
         else:
-            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, args.masters)
+            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, folder)
             statuses = [row["status"] for row in rows]
             counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
             print(f"wrote {args.out}: {len(rows)} submissions ({counts})")
