@@ -220,9 +220,9 @@ def test_grading_bad_input(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "a.ipynb").write_text("{}")
     assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--timeout", "-1"]) == 2
-    assert "--timeout must be a positive number" in capsys.readouterr().err
+    assert "--timeout must be a finite number > 0, got -1" in capsys.readouterr().err
     assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--jobs", "0"]) == 2
-    assert "--jobs must be an integer >= 1" in capsys.readouterr().err
+    assert "--jobs must be an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="valid lessons"):
         grading.pipeline._master_for("99")
 

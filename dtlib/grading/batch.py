@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 import nbformat
+
+from dtlib.analytic import validate
 
 __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "grade", "question_points"]
 
@@ -158,12 +159,12 @@ def submission_files(submissions: str | os.PathLike) -> list[Path]:
 
 
 def check_options(timeout: float, jobs: int) -> None:
-    """Clear errors for a time limit or a number of parallel gradings that cannot work."""
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
-                                         and timeout > 0):
-        raise ValueError(f"--timeout must be a positive number of seconds, got {timeout!r}")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    """Clear errors, naming the flag, for a time limit or a number of parallel gradings that cannot work."""
+    try:
+        validate.number("timeout", timeout)
+        validate.integer("jobs", jobs, minimum=1)
+    except validate.InvalidArgument as exc:
+        raise exc.renamed(f"--{exc.name}") from None
 
 
 def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: str | os.PathLike,
