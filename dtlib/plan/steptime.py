@@ -241,7 +241,8 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
 @dataclass
 class StepTime:
     """One layout's step: ``breakdown`` (seconds per term of :data:`TERMS`, summing to
-    ``step_time``), throughput and utilisation. MFU and HFU are against the dense BF16 peak."""
+    ``step_time``), throughput and utilisation (MFU and HFU against the dense BF16 peak), and
+    ``dp_comm_unhidden``, the data-parallel collectives before overlap."""
     layout: Parallelism
     step_time: float
     breakdown: dict[str, float]
@@ -251,6 +252,7 @@ class StepTime:
     gpus: int
     peak: float
     efficiency: float
+    dp_comm_unhidden: float = 0.0
     sources: dict[str, str] = field(default_factory=lambda: dict(TERMS))
 
     @property
@@ -294,4 +296,5 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
     return StepTime(layout=layout, step_time=float(r["step_time"][0]),
                     breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),
                     model_flops=float(r["model_flops"][0]), hardware_flops=float(r["hardware_flops"][0]),
-                    gpus=layout.gpus, peak=cluster.gpu.peak("bf16"), efficiency=eff)
+                    gpus=layout.gpus, peak=cluster.gpu.peak("bf16"), efficiency=eff,
+                    dp_comm_unhidden=float(r["dp_comm_unhidden"][0]))
