@@ -153,14 +153,20 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
-    rows: list[tuple[float, dict[str, Any]]] = []
+    rows: list[tuple[float, float, dict[str, Any]]] = []
     searched = fitting = 0
     smallest: tuple[float, dict[str, Any]] | None = None
+    broken: str | None = None  # the rule a pinned layout breaks, if every candidate breaks one
     for schedule in schedules:
         grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved")
         if grid["dp"].size == 0:
             continue
         n, valid = layout_arrays(model, grid, schedule, "none", on_invalid="nan")
+        if not valid.any():
+            try:
+                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, "none", on_invalid="raise")
+            except ValueError as exc:
+                broken = broken or str(exc).split(": ", 1)[-1]
         for recompute in recomputes:
             mem = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, dropout=dropout)["total"]
             mem = np.where(valid, mem, np.inf)
@@ -177,26 +183,31 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
                                  dropout=dropout)
             times = np.where(fits, t["step_time"], np.inf)
             best = np.argsort(times, kind="stable")[:top]
-            rows += [(float(times[i]), _row(grid, t, mem, int(i), recompute, peak)) for i in best
-                     if np.isfinite(times[i])]
-    rows.sort(key=lambda x: x[0])
-    configs = [row for _, row in rows[:top]]
-    why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom)
+            rows += [(float(times[i]), float(mem[i]), _row(grid, t, mem, int(i), recompute, peak))
+                     for i in best if np.isfinite(times[i])]
+    rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
+    configs = [row for *_, row in rows[:top]]
+    why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom,
+                                        broken)
     return SearchResult(configs=configs, searched=searched, fitting=fitting,
                         seconds=time.perf_counter() - start, capacity=capacity, why=why)
 
 
 def _why_not(model: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
-             smallest: tuple[float, dict[str, Any]] | None, capacity: float, headroom: float) -> str:
+             smallest: tuple[float, dict[str, Any]] | None, capacity: float, headroom: float,
+             broken: str | None) -> str:
     """One paragraph: no valid layout at all (and the rule in the way), or the smallest memory
     found and what would make it fit."""
     if smallest is None:
         pinned = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
+        gpus = cluster.world_size
+        pinned_mp = fixed.get("tp", 1) * fixed.get("pp", 1) * fixed.get("cp", 1)
+        reason = broken or (
+            f"tp x pp x cp = {pinned_mp} must divide the {gpus} GPUs" if gpus % pinned_mp else
+            f"the global batch {global_batch} must be a multiple of dp x micro-batch, with "
+            f"dp = {gpus} / (tp x pp x cp)")
         return (f"no valid layout of {model.name} on {cluster.world_size} GPUs at global batch "
-                f"{global_batch} (pinned: {pinned}): the global batch must be a multiple of "
-                f"dp x micro-batch, tp must divide the heads ({model.heads}), KV heads "
-                f"({model.kv_heads}) and FFN ({model.ffn}), pp x virtual stages <= layers "
-                f"({model.layers}); change --global-batch, --gpus or the pinned sizes")
+                f"{global_batch} (pinned: {pinned}): {reason}")
     nbytes, layout = smallest
     used = ", ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch_size")) \
         + f", recompute={layout['recompute']}"
