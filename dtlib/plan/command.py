@@ -3,8 +3,8 @@ days, dollars, energy and failures (:mod:`dtlib.plan`).
 
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
 prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
-prints why (the smallest memory found and what to change) and exits 1. Bad input: one line on
-stderr, exit 2 (``dtlib.cli.main``).
+in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
+including pinned flags that no valid layout has: one line on stderr, exit 2 (``dtlib.cli.main``).
 """
 from __future__ import annotations
 
@@ -135,6 +135,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
              if getattr(args, k) is not None}
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
                tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
+    if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
+        raise ValueError(r.why)
     training = None
     if r.configs and args.tokens:
         best = r.configs[0]

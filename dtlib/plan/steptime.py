@@ -215,7 +215,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
                      _hierarchical("reduce_scatter", grads, ranks, local, intra, inter)
                      + np.where(zero == 3, 2 * m, 1)
                      * _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter))
-        dp_comm_raw = dp_comm_raw + np.where(ranks > 1, t, 0)
+        dp_comm_raw = dp_comm_raw + np.where((ranks > 1) & (params > 0), t, 0)  # dense models: no expert part
     per_token_fwd = flops["forward_per_token"]
     backward_share = (2 * per_token_fwd + extra) / (3 * per_token_fwd + extra)
     one_micro = compute / m
