@@ -13,33 +13,39 @@ time of the N-GPU step at the same per-GPU batch (weak scaling, as
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from dtlib.analytic.comm import collective_time, flat_link, hierarchical_time
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.hardware import cluster
+from dtlib.analytic.hardware import Cluster, cluster
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.steptime import StepOptions, step_time
 
-__all__ = ["bucket_exposed_time", "fine_tuning_efficiency", "DDP_BUCKET_BYTES"]
+__all__ = ["bucket_exposed_time", "all_reduce_timer", "fine_tuning_efficiency", "DDP_BUCKET_BYTES"]
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 
 
-def bucket_exposed_time(grad_bytes: float, bucket_bytes: float, backward: float, cl, hierarchical: bool = True) -> float:
-    """Seconds of all-reduce left after backward with DDP buckets (see the module docstring)."""
-    if not grad_bytes > 0 or not bucket_bytes > 0 or backward < 0:
+def bucket_exposed_time(grad_bytes: float, bucket_bytes: float, backward: float,
+                        all_reduce_time: Callable[[float], float]) -> float:
+    """Seconds of all-reduce left after backward with DDP buckets: ``n = ceil(G / bucket)``
+    buckets of ``G / n`` bytes, each taking ``all_reduce_time(G / n)`` (see the module docstring)."""
+    if not grad_bytes > 0 or not bucket_bytes > 0 or not backward >= 0:
         raise ValueError(f"need grad_bytes > 0, bucket_bytes > 0 and backward >= 0, got "
                          f"{grad_bytes!r}, {bucket_bytes!r}, {backward!r}")
     n = math.ceil(grad_bytes / bucket_bytes)
-    size = grad_bytes / n
-    if cl.world_size == 1:
-        return 0.0
-    if hierarchical and cl.nodes > 1:
-        one = hierarchical_time("all_reduce", size, cl)["total"]
-    else:
-        one = collective_time("all_reduce", size, cl.world_size, flat_link(cl))
+    one = all_reduce_time(grad_bytes / n)
     return max(n * one - backward, one)
+
+
+def all_reduce_timer(cl: Cluster, hierarchical: bool = True) -> Callable[[float], float]:
+    """Seconds of an all-reduce of ``nbytes`` over all of ``cl``: two-level
+    (:func:`dtlib.analytic.comm.hierarchical_time`) or one flat ring (:func:`dtlib.analytic.comm.flat_link`)."""
+    if cl.world_size == 1:
+        return lambda nbytes: 0.0
+    if hierarchical and cl.nodes > 1:
+        return lambda nbytes: hierarchical_time("all_reduce", nbytes, cl)["total"]
+    return lambda nbytes: collective_time("all_reduce", nbytes, cl.world_size, flat_link(cl))
 
 
 def fine_tuning_efficiency(model: TransformerConfig, nodes: int, gpus_per_node: int, per_gpu_batch: int, *,
@@ -55,7 +61,7 @@ def fine_tuning_efficiency(model: TransformerConfig, nodes: int, gpus_per_node: 
     backward = compute * 2 / 3  # backward is twice the forward (Kaplan et al. 2020, Sec. 2.1)
     grad_bytes = model.num_parameters() * (2 if fp16_compression else 4)
     cl = cluster(gpu, nodes, gpus_per_node, inter=inter)
-    exposed = bucket_exposed_time(grad_bytes, bucket_bytes, backward, cl, hierarchical)
+    exposed = bucket_exposed_time(grad_bytes, bucket_bytes, backward, all_reduce_timer(cl, hierarchical))
     step = single.step_time + exposed
     efficiency = single.step_time / step
     return {"gpus": cl.world_size, "step_1_gpu_s": single.step_time, "exposed_all_reduce_s": exposed,
