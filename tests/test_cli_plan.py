@@ -70,22 +70,22 @@ def test_nothing_fits_explains_and_exits_1(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "8", "--global-batch", "8"], "give exactly one of --model"),
     (["--model", "llama3-8b", "--global-batch", "8"], "the following arguments are required: --gpus"),
-    (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "--gpus: must be an integer >= 1"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch: must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "--gpus must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch must be an integer >= 1"),
     (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of nodes"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
      "a100-80gb has no fp8 peak"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision: invalid choice"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency: must be a number in (0, 1]"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--price-per-gpu-hour", "nan"], "--price-per-gpu-hour: must be dollars > 0"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency must be a number in (0, 1]"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--price-per-gpu-hour", "nan"], "--price-per-gpu-hour must be dollars > 0"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tokens", "-1T"], "--tokens"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top: must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be an integer >= 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "3"], "tp x pp x cp = 3 must divide the 8 GPUs"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "8", "--pp", "1", "--cp", "1",
       "--ep", "2"], "expert parallel size ep=2 must divide dp=1"),
     (["--params", "7B", "--gpus", "8", "--global-batch", "8"], "plan needs a model shape"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--oversubscription", "0.5"], "--oversubscription: must be a finite number >= 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--oversubscription", "0.5"], "--oversubscription must be a finite number >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "plan", *argv)

@@ -42,8 +42,8 @@ def test_goodput_counts_restarts_and_never_goes_negative():
 @pytest.mark.parametrize("call,match", [
     (lambda: job_mtbf(0, 8), "gpu_mtbf must be a finite number > 0"),
     (lambda: young_interval(-1, 10), "checkpoint_cost must be a finite number > 0"),
-    (lambda: goodput(10, 1, 100, restart=-1), "restart must be >= 0"),
-    (lambda: expected_failures(-1, 10), "duration must be >= 0"),
+    (lambda: goodput(10, 1, 100, restart=-1), "restart must be a finite number >= 0, got -1"),
+    (lambda: expected_failures(-1, 10), "duration must be a finite number >= 0, got -1"),
 ])
 def test_reliability_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
+
 __all__ = ["LLAMA3_GPU_MTBF_HOURS", "job_mtbf", "expected_failures", "young_interval",
            "daly_interval", "goodput", "INTERVALS"]
 
@@ -31,31 +33,24 @@ LLAMA3_GPU_MTBF_HOURS = 54 * 24 * 16384 / 419
 INTERVALS = ("young", "daly")
 
 
-def _positive(name: str, value: Any) -> None:
-    v = np.asarray(value, dtype=float)
-    if not np.all(np.isfinite(v)) or np.any(v <= 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
 def job_mtbf(gpu_mtbf: Any, gpus: Any) -> Any:
     """Mean time between failures of a job on ``gpus`` GPUs (units of ``gpu_mtbf``)."""
-    _positive("gpu_mtbf", gpu_mtbf)
-    _positive("gpus", gpus)
+    validate.array("gpu_mtbf", gpu_mtbf)
+    validate.array("gpus", gpus)
     return gpu_mtbf / gpus
 
 
 def expected_failures(duration: Any, mtbf: Any) -> Any:
     """Failures expected in ``duration`` with a job MTBF ``mtbf`` (same units): a Poisson mean."""
-    _positive("mtbf", mtbf)
-    if np.any(np.asarray(duration, dtype=float) < 0):
-        raise ValueError(f"duration must be >= 0, got {duration!r}")
+    validate.array("mtbf", mtbf)
+    validate.array("duration", duration, exclusive=False)
     return duration / mtbf
 
 
 def young_interval(checkpoint_cost: Any, mtbf: Any) -> Any:
     """Young (1974): ``sqrt(2 C M)``."""
-    _positive("checkpoint_cost", checkpoint_cost)
-    _positive("mtbf", mtbf)
+    validate.array("checkpoint_cost", checkpoint_cost)
+    validate.array("mtbf", mtbf)
     return np.sqrt(2 * checkpoint_cost * mtbf)
 
 
@@ -70,10 +65,9 @@ def daly_interval(checkpoint_cost: Any, mtbf: Any) -> Any:
 def goodput(interval: Any, checkpoint_cost: Any, mtbf: Any, restart: Any = 0.0) -> Any:
     """Fraction of wall-clock time that advances training, ``1 - C/tau - (tau/2 + R)/M``, clipped
     at 0 (a job that fails faster than it can checkpoint makes no progress)."""
-    _positive("interval", interval)
-    _positive("checkpoint_cost", checkpoint_cost)
-    _positive("mtbf", mtbf)
-    if np.any(np.asarray(restart, dtype=float) < 0):
-        raise ValueError(f"restart must be >= 0 seconds, got {restart!r}")
+    validate.array("interval", interval)
+    validate.array("checkpoint_cost", checkpoint_cost)
+    validate.array("mtbf", mtbf)
+    validate.array("restart", restart, exclusive=False)
     waste = checkpoint_cost / interval + (interval / 2 + restart) / mtbf
     return np.maximum(1 - waste, 0.0)

@@ -96,9 +96,10 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--dp-overlap", type=_overlap, default=1.0, help="DP communication hidden by compute")
     m.add_argument("--tp-overlap", type=_overlap, default=0.0, help="TP communication hidden by compute")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
-    m.add_argument("--dropout", action="store_true", help="the model trains with dropout (masks kept)")
-    m.add_argument("--no-flash-attention", action="store_true",
-                   help="attention writes the s x s scores to memory (2021-22 Megatron-LM)")
+    m.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model trains with dropout (default: as the preset was trained; GPT convention otherwise)")
+    m.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention never stores the s x s scores (default: as the preset was trained)")
     t = p.add_argument_group("training plan")
     t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
     t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
@@ -128,7 +129,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     options = StepOptions(dtype=args.precision, efficiency=args.efficiency, attention=args.attention_flops,
                           dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           oversubscription=args.oversubscription,
-                          flash_attention=not args.no_flash_attention)
+                          flash_attention=args.flash_attention)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel")

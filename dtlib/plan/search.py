@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster
 from dtlib.analytic.layout import RECOMPUTE, Parallelism
@@ -28,7 +29,7 @@ from dtlib.analytic.memory import per_gpu_bytes
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
-from dtlib.plan.steptime import TERMS, StepOptions, step_time_arrays
+from dtlib.plan.steptime import TERMS, StepOptions, as_trained, memory_recompute, step_time_arrays
 
 __all__ = ["SearchResult", "search", "FIXABLE", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
@@ -122,28 +123,27 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
 
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
            options: StepOptions = StepOptions(), fixed: dict[str, Any] | None = None,
-           headroom: float = 0.9, tp_within_node: bool = True, dropout: bool = False,
+           headroom: float = 0.9, tp_within_node: bool = True, dropout: bool | None = None,
            top: int = 5) -> SearchResult:
     """Rank every valid, fitting layout of ``model`` on ``cluster`` at ``global_batch`` sequences.
 
     ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
     ``headroom``: fraction of the GPU's memory a layout may use (the rest: CUDA context, NCCL
-    buffers, fragmentation). ``dropout``: whether the model trains with dropout (masks kept; the
-    Korthikanti et al. convention for GPT) -- Llama-style pre-training uses none.
+    buffers, fragmentation). ``dropout`` and ``options.flash_attention``: default, as the model was
+    trained (:func:`dtlib.plan.steptime.as_trained`); with FlashAttention, no recomputation has
+    selective recompute's memory (:func:`dtlib.plan.steptime.memory_recompute`).
     """
     start = time.perf_counter()
     if not isinstance(model, TransformerConfig):
         raise ValueError(f"model must be a TransformerConfig, got {model!r}")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
-        raise ValueError(f"global_batch must be an integer >= 1 (sequences per step), got {global_batch!r}")
-    if not 0 < headroom <= 1:
-        raise ValueError(f"headroom must be a fraction of GPU memory in (0, 1], got {headroom!r}")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be an integer >= 1, got {top!r}")
+    validate.integer("global_batch", global_batch)
+    validate.number("headroom", headroom, maximum=1)
+    validate.integer("top", top)
     fixed = dict(fixed or {})
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
+    options, dropout = as_trained(model, options, dropout)
     prec = get_precision(options.precision)
     capacity = headroom * cluster.gpu.memory_bytes
     peak = cluster.gpu.peak("bf16")
@@ -168,7 +168,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             except ValueError as exc:
                 broken = broken or str(exc).split(": ", 1)[-1]
         for recompute in recomputes:
-            mem = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, dropout=dropout)["total"]
+            mem = per_gpu_bytes(n, prec, recompute=memory_recompute(recompute, options.flash_attention),
+                                schedule=schedule, dropout=dropout)["total"]
             mem = np.where(valid, mem, np.inf)
             fits = mem <= capacity
             searched += int(valid.sum())

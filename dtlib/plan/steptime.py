@@ -14,11 +14,12 @@ Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Na
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.activations import layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time
 from dtlib.analytic.config import TransformerConfig
@@ -28,10 +29,12 @@ from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism, stage_layers
 from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.precision import Precision, get_precision
+from dtlib.analytic.presets import training_of
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import default_efficiency
 
-__all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time"]
+__all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
+           "memory_recompute"]
 
 DTYPES = ("bf16", "fp8")
 
@@ -86,7 +89,8 @@ class StepOptions:
     ``tp_overlap`` / ``cp_overlap``: fraction of that communication hidden behind compute;
     ``oversubscription``: the fabric's over the leaf (bandwidth across nodes divided by it);
     ``flash_attention``: attention never writes the s x s scores to HBM (Dao et al. 2022), as
-    PyTorch's SDPA and Megatron-Core do today; False for 2021-22 Megatron-LM (fused softmax).
+    PyTorch's SDPA and Megatron-Core do today; False for 2021-22 Megatron-LM (fused softmax);
+    None: as the model was trained (:func:`dtlib.analytic.presets.training_of`, see :func:`as_trained`).
     """
     dtype: str = "bf16"
     efficiency: float | None = None
@@ -96,22 +100,36 @@ class StepOptions:
     tp_overlap: float = 0.0
     cp_overlap: float = 0.0
     oversubscription: float = 1.0
-    flash_attention: bool = True
+    flash_attention: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-        if self.efficiency is not None and not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency must be a fraction of peak in (0, 1], got {self.efficiency!r}")
+        validate.one_of("dtype", self.dtype, DTYPES)
+        validate.one_of("attention", self.attention, ATTENTION)
+        if self.efficiency is not None:  # a fraction of peak
+            validate.number("efficiency", self.efficiency, maximum=1)
         for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
-            value = getattr(self, name)
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
-        if not 1 <= self.oversubscription < float("inf"):
-            raise ValueError(f"oversubscription must be a finite number >= 1, got {self.oversubscription!r}")
+            validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
+        validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
         get_precision(self.precision)
+        if self.flash_attention is not None:
+            validate.boolean("flash_attention", self.flash_attention)
+
+
+def as_trained(model: TransformerConfig, options: StepOptions, dropout: bool | None) -> tuple[StepOptions, bool]:
+    """``options`` and ``dropout`` with what is left as None filled in from how ``model`` was
+    trained (:func:`dtlib.analytic.presets.training_of`: Llama-style presets use FlashAttention and
+    no dropout; anything else gets Korthikanti et al.'s GPT convention)."""
+    trained = training_of(model)
+    if options.flash_attention is None:
+        options = replace(options, flash_attention=trained.flash_attention)
+    return options, trained.dropout if dropout is None else validate.boolean("dropout", dropout)
+
+
+def memory_recompute(recompute: str, flash_attention: bool) -> str:
+    """The recompute setting whose activation memory a layout has: FlashAttention never stores the
+    s x s scores, which is selective recompute's footprint (Korthikanti et al. 2022, Sec. 5;
+    :attr:`dtlib.analytic.presets.Training.recompute`)."""
+    return "selective" if flash_attention and recompute == "none" else recompute
 
 
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
@@ -149,9 +167,12 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
                      schedule: str = "1f1b", options: StepOptions = StepOptions(),
                      dropout: bool = False) -> dict[str, Any]:
     """The breakdown for every layout in ``n`` (numbers as :func:`dtlib.analytic.vectorised.layout_arrays`
-    returns them); ``dropout``: the model keeps dropout masks (as the memory model). Returns each
+    returns them); ``dropout``: the model keeps dropout masks (as the memory model);
+    ``options.flash_attention`` must be set (:func:`as_trained`). Returns each
     term of :data:`TERMS` (seconds), ``step_time`` (their sum),
     ``model_flops``, ``hardware_flops`` and ``tokens`` per step, ``gpus``, ``params_per_gpu``."""
+    if options.flash_attention is None:
+        raise ValueError("options.flash_attention must be True or False here; fill it with as_trained(model, ...)")
     gpu, g = cluster.gpu, cluster.gpus_per_node
     prec = get_precision(options.precision)
     eff = default_efficiency(gpu.name) if options.efficiency is None else options.efficiency
@@ -274,14 +295,16 @@ class StepTime:
 
 def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *,
               options: StepOptions = StepOptions(), seq: int | None = None,
-              dropout: bool = False) -> StepTime:
+              dropout: bool | None = None) -> StepTime:
     """The step-time breakdown of ``layout`` training ``model`` on ``cluster`` (see :data:`TERMS`).
 
     The layout must use ``cluster``'s GPUs exactly; the global batch is
     ``dp x micro_batch_size x num_microbatches`` sequences of ``seq`` (default: the model's) tokens.
+    ``dropout`` and ``options.flash_attention`` default to how the model was trained (:func:`as_trained`).
     """
     if not isinstance(model, TransformerConfig):
         raise ValueError(f"model must be a TransformerConfig (a shape: the step time needs layers), got {model!r}")
+    options, dropout = as_trained(model, options, dropout)
     if layout.gpus != cluster.world_size:
         raise ValueError(f"the layout uses dp x tp x pp x cp = {layout.gpus} GPUs but the cluster has "
                          f"{cluster.world_size}; make them equal")

@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster
 from dtlib.analytic.layout import Parallelism
@@ -66,15 +67,11 @@ def fat_tree(endpoints: int, radix: int = 64, link_bandwidth: float = 50e9, over
     """The smallest fat-tree of ``radix``-port switches for ``endpoints`` NICs (e.g. 64 for an
     NVIDIA Quantum-2 NDR switch, 144 for Quantum-X800; ``link_bandwidth`` 50e9 B/s = NDR 400 Gb/s).
     Raises if even three tiers are too few."""
-    for name, value in (("endpoints", endpoints), ("radix", radix)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if radix < 4 or radix % 2:
+    validate.integer("endpoints", endpoints)
+    if validate.integer("radix", radix, minimum=4) % 2:
         raise ValueError(f"radix must be an even number of switch ports >= 4, got {radix}")
-    if not 1 <= oversubscription < float("inf"):
-        raise ValueError(f"oversubscription must be a finite number >= 1, got {oversubscription!r}")
-    if not link_bandwidth > 0:
-        raise ValueError(f"link_bandwidth must be > 0 bytes/s, got {link_bandwidth!r}")
+    validate.number("oversubscription", oversubscription, minimum=1, exclusive=False)
+    validate.number("link_bandwidth", link_bandwidth)
     k, n = radix, endpoints
     down = _down_ports(k, oversubscription)
     up = k - down

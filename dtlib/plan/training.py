@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dtlib.analytic import validate
 from dtlib.analytic.reliability import (INTERVALS, LLAMA3_GPU_MTBF_HOURS, daly_interval, expected_failures,
                                         goodput, job_mtbf, young_interval)
 
@@ -32,12 +33,6 @@ PRICE_RANGE = (1.5, 7.0)
 DEFAULT_PUE = 1.2
 # maximum system power of an 8-GPU DGX, kW (NVIDIA DGX A100 / H100 / H200 / B200 datasheets)
 NODE_POWER_KW = {"a100-40gb": 6.5, "a100-80gb": 6.5, "h100-sxm": 10.2, "h200": 10.2, "b200": 14.3}
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 @dataclass
@@ -76,18 +71,15 @@ def training_plan(*, tokens: float, tokens_per_step: float, step_time: float, gp
     for name, value in (("tokens", tokens), ("tokens_per_step", tokens_per_step), ("step_time", step_time),
                         ("price_per_gpu_hour", price_per_gpu_hour), ("gpu_mtbf_hours", gpu_mtbf_hours),
                         ("checkpoint_cost_s", checkpoint_cost_s)):
-        _positive(name, value)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
-    if not 1 <= pue < float("inf"):
-        raise ValueError(f"pue must be a finite number >= 1 (facility power / IT power), got {pue!r}")
-    if interval not in INTERVALS:
-        raise ValueError(f"interval must be one of {INTERVALS}, got {interval!r}")
-    if not 0 <= restart_s < float("inf"):
-        raise ValueError(f"restart_s must be a finite number >= 0, got {restart_s!r}")
+        validate.number(name, value)
+    validate.integer("gpus", gpus)
+    validate.integer("gpus_per_node", gpus_per_node)
+    validate.number("pue", pue, minimum=1, exclusive=False)  # facility power / IT power
+    validate.one_of("interval", interval, INTERVALS)
+    validate.number("restart_s", restart_s, exclusive=False)
     if node_power_kw is None:
         node_power_kw = NODE_POWER_KW.get(gpu, NODE_POWER_KW["h100-sxm"]) * gpus_per_node / 8
-    _positive("node_power_kw", node_power_kw)
+    validate.number("node_power_kw", node_power_kw)
     steps = tokens / tokens_per_step
     compute_s = steps * step_time
     mtbf_s = job_mtbf(gpu_mtbf_hours, gpus) * 3600
