@@ -91,3 +91,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "plan", *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("dtlib: error: ") and message in err
+
+
+def test_a_positional_model_is_the_same_as_model(capsys):
+    _, by_flag, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json")
+    _, positional, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json")
+    a, b = json.loads(by_flag), json.loads(positional)
+    assert a["configs"] == b["configs"] and a["searched"] == b["searched"]

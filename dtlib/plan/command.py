@@ -184,5 +184,5 @@ def _text(d: dict[str, Any]) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     d = plan_report(args)
-    print(json.dumps(d, indent=2) if args.json else _text(d))
+    print(json.dumps(d, indent=2, allow_nan=False) if args.json else _text(d))  # strict JSON: no NaN or inf
     return 0 if d["configs"] else 1
