@@ -12,14 +12,14 @@ other software stacks: a different framework, kernel library or power limit move
 =============  ========  ==========================================================================
 device         fraction  where it comes from
 =============  ========  ==========================================================================
-a100-40gb      A100      fitted on Narayanan et al. 2021 Table 1 + Korthikanti et al. 2022 Table 5
-a100-80gb      A100      (Megatron-LM on DGX A100, bf16/fp16, 312 TFLOP/s dense peak)
-h100-sxm       H100      fitted on torchtitan's Llama 3.1 8B / 70B runs (FSDP, bf16, eager) on
+a100-40gb      0.56      fitted on Narayanan et al. 2021 Table 1 + Korthikanti et al. 2022 Table 5
+a100-80gb      0.56      (Megatron-LM on DGX A100, bf16/fp16, 312 TFLOP/s dense peak)
+h100-sxm       0.38      fitted on torchtitan's Llama 3.1 8B / 70B runs (FSDP, bf16, eager) on
                          H100 at a 500 W power limit: a lower bound for a 700 W H100 SXM
-h100-pcie      H100      not calibrated: the H100 SXM value
-h200           H100      not calibrated: the H100 SXM value (same tensor cores)
-b200           H100      not calibrated: the H100 SXM value
-mi300x         H100      not calibrated: the H100 SXM value
+h100-pcie      0.38      not calibrated: the H100 SXM value
+h200           0.38      not calibrated: the H100 SXM value (same tensor cores)
+b200           0.38      not calibrated: the H100 SXM value
+mi300x         0.38      not calibrated: the H100 SXM value
 other          0.5       not calibrated: a round guess, stated as such
 =============  ========  ==========================================================================
 """

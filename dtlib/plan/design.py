@@ -75,11 +75,13 @@ def check_design(model: TransformerConfig, layout: Parallelism, cl: Cluster, glo
     best = search(model, cl, global_batch, options=options, headroom=headroom, dropout=dropout, top=1)
     best_mfu = best.configs[0]["mfu"] if best.configs else 0.0
     ok = mine.mfu >= mfu_fraction * best_mfu
-    worst = max(mine.breakdown, key=lambda k: 0 if k == "compute" else mine.breakdown[k])
-    checks.append(DesignCheck("MFU near the best", ok, f"predicted MFU {mine.mfu:.1%} vs the planner's best "
-                              f"{best_mfu:.1%}" + ("" if ok else f" (< {mfu_fraction:.0%} of it): the largest "
-                              f"cost after compute is {worst} = {mine.breakdown[worst]:.3g} s of "
-                              f"{mine.step_time:.3g} s; the best layout is {best.configs[0] and _short(best.configs[0])}")))
+    why = f"predicted MFU {mine.mfu:.1%} vs the planner's best {best_mfu:.1%}"
+    if not ok:  # then a best layout exists, since its MFU beats this one's
+        worst = max(mine.breakdown, key=lambda k: 0 if k == "compute" else mine.breakdown[k])
+        why += (f" (< {mfu_fraction:.0%} of it): the largest cost after compute is {worst} = "
+                f"{mine.breakdown[worst]:.3g} s of {mine.step_time:.3g} s; the best layout is "
+                f"{_short(best.configs[0])}")
+    checks.append(DesignCheck("MFU near the best", ok, why))
     return checks
 
 

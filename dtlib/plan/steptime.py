@@ -249,8 +249,8 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
 
-    out = {"compute": compute, "elementwise": elementwise, "pp_bubble": pp_bubble, "tp_comm": tp_comm, "cp_comm": cp_comm,
-           "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
+    out = {"compute": compute, "elementwise": elementwise, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
+           "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
     out = {k: np.asarray(val, dtype=float) * np.ones_like(compute, dtype=float) for k, val in out.items()}
     out["step_time"] = sum(out[k] for k in TERMS)
     out.update(model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
