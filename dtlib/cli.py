@@ -1,4 +1,4 @@
-"""The ``dtlib`` command: ``dtlib memory|flops|comm ...`` (tables by default, ``--json`` for machines).
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan ...`` (tables by default, ``--json`` for machines).
 
 Each subcommand is a small ``add_*_command(subparsers)`` that registers its options and a
 ``run(args) -> int``; :data:`COMMANDS` lists them, so more can be added without touching the rest.
@@ -24,6 +24,7 @@ from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.precision import CONVENTIONS, PRECISIONS, OPTIMIZERS, get_precision, precision
 from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
+from dtlib.plan.command import add_plan_command
 
 __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
@@ -476,7 +477,8 @@ def _comm_volumes(args: argparse.Namespace) -> int:
     return _emit(args, {"volumes": v}, _table(rows, f"communication per step: {cfg.name}"))
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command]
+COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
+                                          add_plan_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

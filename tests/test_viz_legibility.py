@@ -19,10 +19,13 @@ import dtlib.viz
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import PRECISIONS, get_precision
+from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB, MiB
 from dtlib.parallel.ddp import SyncRecord
 from dtlib.parallel.schedules import schedule, simulate
-from dtlib.viz import charts, collectives, comm, memory, pipeline, ring, tensor, timeline, training, zero
+from dtlib.analytic.hardware import cluster
+from dtlib.plan.search import search
+from dtlib.viz import charts, collectives, comm, memory, pipeline, plan, ring, tensor, timeline, training, zero
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -131,7 +134,16 @@ FIGURES = {
     "calculator, does not fit": _calculator,
     "calculator, fits": lambda: _calculator(zero=3, recompute="full", overhead_gib=4.0),
     "alpha_beta widget": lambda: REGISTRY["alpha_beta"]().figure,
+    "plot_plan": lambda: plan.plot_plan(*_plan()),
+    "plot_plan, nothing fits": lambda: plan.plot_plan(
+        [], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB (dp=1, tp=8) but "
+                          "0.9 x 80 GiB = 72.0 GiB is available on a h100-sxm; use more GPUs"),
 }
+
+
+def _plan():
+    r = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=5)
+    return r.configs, r.capacity
 
 
 def _points(line) -> np.ndarray:

@@ -10,8 +10,10 @@
 * :mod:`~dtlib.analytic.flops` - FLOPs, MFU and HFU;
 * :mod:`~dtlib.analytic.comm` - the alpha-beta cost of collectives and per-strategy volumes;
 * :mod:`~dtlib.analytic.vectorised` - the same formulas over numpy arrays of layouts;
-* :mod:`~dtlib.analytic.validate` - the checks every public function runs on its arguments.
+* :mod:`~dtlib.analytic.validate` - the checks every public function runs on its arguments;
+* :mod:`~dtlib.analytic.reliability` - job MTBF, Young/Daly checkpoint interval, goodput.
 
-The runtime (``dtlib.launcher``, ``dtlib.parallel``, ``dtlib.models``) and the course layer
-(``dtlib.experiments``, ``dtlib.viz``, ``dtlib.widgets``, ``dtlib.grading``) build on it.
+The planner (``dtlib.plan``) joins them into step times and training plans. The runtime
+(``dtlib.launcher``, ``dtlib.parallel``, ``dtlib.models``) and the course layer (``dtlib.experiments``,
+``dtlib.viz``, ``dtlib.widgets``, ``dtlib.grading``) build on it.
 """

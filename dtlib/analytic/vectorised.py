@@ -60,7 +60,10 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
             raise ValueError(f"configuration {i}: " + message(**{f: n[f][i].item() for f in fields}))
         valid &= ok
     if not valid.all():  # keep the arithmetic finite on rows that come back as NaN anyway
-        safe = dict(_SAFE, virtual_stages=2 if schedule == "interleaved" else 1)
+        # the safe row must itself follow the schedule's rules (interleaving: v >= 2, pp >= 2, m
+        # a multiple of pp), since bubble_fraction and in_flight check them on the whole array
+        interleaved = dict(virtual_stages=2, pp=2, num_microbatches=2) if schedule == "interleaved" else {}
+        safe = dict(_SAFE, **interleaved)
         for k, v in n.items():
             if v is not None and safe.get(k) is not None:
                 n[k] = np.where(valid, v, safe[k])

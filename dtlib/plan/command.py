@@ -1,0 +1,188 @@
+"""``dtlib plan``: search the layouts of a model on a cluster, predict step time, MFU, memory,
+days, dollars, energy and failures (:mod:`dtlib.plan`).
+
+Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
+prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
+in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
+including pinned flags that no valid layout has: one line on stderr, exit 2 (``dtlib.cli.main``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.flops import ATTENTION
+from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
+from dtlib.analytic.layout import RECOMPUTE
+from dtlib.analytic.units import GiB
+from dtlib.plan.calibration import default_efficiency, efficiency_source
+from dtlib.plan.search import search
+from dtlib.plan.steptime import DTYPES, TERMS, StepOptions
+from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
+
+__all__ = ["add_plan_command", "run_plan", "plan_report"]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def _overlap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def _at_least_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}") from None
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
+    return value
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be dollars > 0, e.g. 2.5, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be dollars > 0, e.g. 2.5, got {text!r}")
+    return value
+
+
+def add_plan_command(sub: Any) -> None:
+    from dtlib.cli import _model_args, parse_count, positive_int  # the shared flags
+
+    p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(p)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
+    c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
+    c.add_argument("--gpus-per-node", type=positive_int, default=8)
+    c.add_argument("--inter-link", default="ib-ndr", help=f"one NIC per GPU, one of {', '.join(LINKS)}")
+    c.add_argument("--oversubscription", type=_at_least_one, default=1.0,
+                   help="fabric oversubscription above the leaf (bandwidth across nodes / it)")
+    b = p.add_argument_group("batch and precision")
+    b.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    b.add_argument("--precision", choices=DTYPES, default="bf16",
+                   help="matmul precision; with fp8 attention and the LM head stay in bf16")
+    b.add_argument("--attention-flops", choices=ATTENTION, default="full")
+    g = p.add_argument_group("layout (each pins the search; all of them = one configuration)")
+    for name in ("tp", "pp", "dp", "cp", "ep", "virtual-stages"):
+        g.add_argument(f"--{name}", type=positive_int)
+    g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int)
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    g.add_argument("--recompute", choices=RECOMPUTE)
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    m = p.add_argument_group("model of the step")
+    m.add_argument("--efficiency", type=_fraction,
+                   help="achievable fraction of peak (default: the GPU's calibrated value)")
+    m.add_argument("--dp-overlap", type=_overlap, default=1.0, help="DP communication hidden by compute")
+    m.add_argument("--tp-overlap", type=_overlap, default=0.0, help="TP communication hidden by compute")
+    m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
+    m.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="the model trains with dropout (default: as the preset was trained; GPT convention otherwise)")
+    m.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention never stores the s x s scores (default: as the preset was trained)")
+    t = p.add_argument_group("training plan")
+    t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
+    t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
+                   help=f"dollars (default {DEFAULT_PRICE_PER_GPU_HOUR}; H100 rental 2025-26: "
+                        f"{PRICE_RANGE[0]}-{PRICE_RANGE[1]})")
+    t.add_argument("--pue", type=_at_least_one, default=DEFAULT_PUE)
+    t.add_argument("--top", type=positive_int, default=5)
+    t.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_plan)
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON document of ``dtlib plan`` (see the module docstring)."""
+    from dtlib.cli import _model
+
+    model = _model(args)
+    if not isinstance(model, TransformerConfig):
+        raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
+    if args.seq is not None:
+        model = model.with_(seq=args.seq)
+    g = args.gpus_per_node
+    if args.gpus > g and args.gpus % g:
+        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {g}; "
+                         f"valid: multiples of {g} (or at most {g})")
+    nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
+    cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link)
+    options = StepOptions(dtype=args.precision, efficiency=args.efficiency, attention=args.attention_flops,
+                          dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
+                          oversubscription=args.oversubscription,
+                          flash_attention=args.flash_attention)
+    cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
+    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
+                                           "zero", "recompute", "sequence_parallel")
+             if getattr(args, k) is not None}
+    r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
+               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
+    if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
+        raise ValueError(r.why)
+    training = None
+    if r.configs and args.tokens:
+        best = r.configs[0]
+        training = training_plan(tokens=args.tokens, tokens_per_step=best["tokens_per_s"] * best["step_time_s"],
+                                 step_time=best["step_time_s"], gpus=args.gpus, gpus_per_node=per_node,
+                                 gpu=cl.gpu.name, price_per_gpu_hour=args.price_per_gpu_hour,
+                                 pue=args.pue).to_dict()
+    efficiency = default_efficiency(cl.gpu.name) if args.efficiency is None else args.efficiency
+    return {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
+            "global_batch": args.global_batch, "configs": r.configs, "searched": r.searched,
+            "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
+            "efficiency": efficiency,
+            "efficiency_source": "--efficiency" if args.efficiency is not None else efficiency_source(cl.gpu.name),
+            "memory_capacity_bytes": r.capacity}
+
+
+def _text(d: dict[str, Any]) -> str:
+    lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
+             f"{d['global_batch']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
+             f"{d['search_seconds']:.2f} s (fraction of peak {d['efficiency']:.2f}: {d['efficiency_source']})"]
+    if d["why"]:
+        return "\n".join(lines + [d["why"]])
+    lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'v':>2} {'mb':>2} {'m':>4} "
+                 f"{'zero':>4} {'recompute':>9} {'sp':>3} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'GiB/GPU':>8}")
+    for i, c in enumerate(d["configs"], 1):
+        lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2} "
+                     f"{c['virtual_stages']:>2} {c['micro_batch']:>2} {c['microbatches']:>4} {c['zero']:>4} "
+                     f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
+                     f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
+                     f"{c['memory_per_gpu_bytes'] / GiB:>8.1f}")
+    lines.append("breakdown of the step (seconds):")
+    lines.append("   " + " ".join(f"{k:>11}" for k in TERMS))
+    for i, c in enumerate(d["configs"], 1):
+        lines.append(f"{i:>2} " + " ".join(f"{c['breakdown'][k]:>11.4f}" for k in TERMS))
+    t = d["training"]
+    if t:
+        lines.append(f"training {t['tokens']:.3g} tokens with #1: {t['days']:.1f} days ({t['compute_days']:.1f} of "
+                     f"compute / goodput {100 * t['goodput']:.1f}%), {t['gpu_hours']:,.0f} GPU-hours, "
+                     f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
+                     f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
+                     f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    d = plan_report(args)
+    print(json.dumps(d, indent=2, allow_nan=False) if args.json else _text(d))  # strict JSON: no NaN or inf
+    return 0 if d["configs"] else 1

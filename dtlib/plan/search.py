@@ -1,0 +1,219 @@
+"""Search every valid layout of a model on a cluster and rank them by step time (equal global batch).
+
+The candidates are the product of a few options per knob (tensor, pipeline, context and expert
+sizes, micro-batch size, virtual stages, ZeRO stage, sequence parallelism; recomputation and
+schedule are categorical, so one vectorised pass runs per pair). ``dp`` and the number of
+micro-batches follow from the GPU count and the global batch. Each candidate must pass
+:data:`dtlib.analytic.layout.RULES` (through :func:`dtlib.analytic.vectorised.layout_arrays`) and
+fit in ``headroom`` x the GPU's memory by :func:`dtlib.analytic.memory.per_gpu_bytes`; tensor
+parallelism stays inside a node unless ``tp_within_node=False``. GPipe is not searched: it has
+1F1B's bubble with more activations in flight (Narayanan et al. 2021, Sec. 2.2).
+
+Everything runs on numpy arrays: the whole search for a 10B model on 10,000 GPUs is one pass per
+(schedule, recompute) pair (``benchmarks/bench_plan.py``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic import validate
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.hardware import Cluster
+from dtlib.analytic.layout import RECOMPUTE, Parallelism
+from dtlib.analytic.memory import per_gpu_bytes
+from dtlib.analytic.precision import get_precision
+from dtlib.analytic.units import GiB
+from dtlib.analytic.vectorised import layout_arrays
+from dtlib.plan.steptime import TERMS, StepOptions, as_trained, memory_recompute, step_time_arrays
+
+__all__ = ["SearchResult", "search", "FIXABLE", "MICRO_BATCHES", "VIRTUAL_STAGES"]
+
+MICRO_BATCHES = (1, 2, 4, 8)
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+CONTEXT_SIZES = (1, 2, 4, 8)
+# knobs a caller may pin (the command line's layout flags); the rest are searched
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "zero", "recompute",
+           "sequence_parallel")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    """The ``configs`` that fit, fastest first (at most ``top``), how many valid layouts were
+    ``searched`` and how many ``fitting``, the search's wall-clock ``seconds``, and ``why`` when
+    nothing fits (or nothing is valid)."""
+    configs: list[dict[str, Any]]
+    searched: int
+    fitting: int
+    seconds: float
+    capacity: float
+    why: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+          tp_within_node: bool, interleaved: bool) -> dict[str, np.ndarray]:
+    """The candidate product for one schedule, as flat integer arrays."""
+    gpus, g = cluster.world_size, cluster.gpus_per_node
+    tp_options = _divisors(g) if tp_within_node else _divisors(gpus)
+    options = {
+        "tp": tp_options,
+        "pp": [p for p in _divisors(gpus) if p <= cfg.layers],
+        "cp": [c for c in CONTEXT_SIZES if gpus % c == 0],
+        "ep": _divisors(cfg.moe_experts) if cfg.moe_experts else [1],
+        "micro_batch_size": list(MICRO_BATCHES),
+        "virtual_stages": list(VIRTUAL_STAGES) if interleaved else [1],
+        "zero": [0, 1, 2, 3],
+        "sequence_parallel": [0, 1],
+    }
+    for name, value in fixed.items():
+        if name in options:
+            options[name] = [int(value)]
+    cols = np.array(list(itertools.product(*options.values())), dtype=np.int64).reshape(-1, len(options))
+    a = dict(zip(options, cols.T))
+    model_parallel = a["tp"] * a["pp"] * a["cp"]
+    keep = gpus % model_parallel == 0
+    dp = np.where(keep, gpus // np.maximum(model_parallel, 1), 1)
+    per_step = dp * a["micro_batch_size"]
+    keep &= global_batch % per_step == 0
+    keep &= (a["tp"] > 1) | (a["sequence_parallel"] == 0)   # SP means nothing without TP
+    if "dp" in fixed:
+        keep &= dp == fixed["dp"]
+    a = {k: v[keep] for k, v in a.items()}
+    a["dp"] = dp[keep]
+    a["num_microbatches"] = global_batch // (a["dp"] * a["micro_batch_size"])
+    a["gpus"] = np.full(a["dp"].shape, gpus)
+    return a
+
+
+def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i: int, recompute: str,
+         peak: float) -> dict[str, Any]:
+    """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches)."""
+    t = float(r["step_time"][i])
+    gpus = int(r["gpus"][i])
+    return {"dp": int(a["dp"][i]), "tp": int(a["tp"][i]), "pp": int(a["pp"][i]), "cp": int(a["cp"][i]),
+            "ep": int(a["ep"][i]), "virtual_stages": int(a["virtual_stages"][i]),
+            "micro_batch": int(a["micro_batch_size"][i]), "microbatches": int(a["num_microbatches"][i]),
+            "zero": int(a["zero"][i]), "recompute": recompute,
+            "sequence_parallel": bool(a["sequence_parallel"][i]), "step_time_s": t,
+            "tokens_per_s": float(r["tokens"][i]) / t,
+            "model_tflops_per_gpu": float(r["model_flops"][i]) / (t * gpus) / 1e12,
+            "hardware_tflops_per_gpu": float(r["hardware_flops"][i]) / (t * gpus) / 1e12,
+            "mfu": float(r["model_flops"][i]) / (t * gpus * peak),
+            "memory_per_gpu_bytes": float(mem[i]),
+            "breakdown": {k: float(r[k][i]) for k in TERMS}}
+
+
+def to_layout(config: dict[str, Any]) -> Parallelism:
+    """The :class:`Parallelism` of one row of :attr:`SearchResult.configs`."""
+    return Parallelism(dp=config["dp"], tp=config["tp"], pp=config["pp"], cp=config["cp"], ep=config["ep"],
+                       zero=config["zero"], sequence_parallel=config["sequence_parallel"],
+                       schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
+                       virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
+                       num_microbatches=config["microbatches"], recompute=config["recompute"])
+
+
+def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
+           options: StepOptions = StepOptions(), fixed: dict[str, Any] | None = None,
+           headroom: float = 0.9, tp_within_node: bool = True, dropout: bool | None = None,
+           top: int = 5) -> SearchResult:
+    """Rank every valid, fitting layout of ``model`` on ``cluster`` at ``global_batch`` sequences.
+
+    ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
+    ``headroom``: fraction of the GPU's memory a layout may use (the rest: CUDA context, NCCL
+    buffers, fragmentation). ``dropout`` and ``options.flash_attention``: default, as the model was
+    trained (:func:`dtlib.plan.steptime.as_trained`); with FlashAttention, no recomputation has
+    selective recompute's memory (:func:`dtlib.plan.steptime.memory_recompute`).
+    """
+    start = time.perf_counter()
+    if not isinstance(model, TransformerConfig):
+        raise ValueError(f"model must be a TransformerConfig, got {model!r}")
+    validate.integer("global_batch", global_batch)
+    validate.number("headroom", headroom, maximum=1)
+    validate.integer("top", top)
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(FIXABLE)
+    if unknown:
+        raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
+    options, dropout = as_trained(model, options, dropout)
+    prec = get_precision(options.precision)
+    capacity = headroom * cluster.gpu.memory_bytes
+    peak = cluster.gpu.peak("bf16")
+    recomputes = [fixed.pop("recompute")] if "recompute" in fixed else list(RECOMPUTE)
+    for r in recomputes:
+        if r not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
+    v = fixed.get("virtual_stages")
+    schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
+    rows: list[tuple[float, float, dict[str, Any]]] = []
+    searched = fitting = 0
+    smallest: tuple[float, dict[str, Any]] | None = None
+    broken: str | None = None  # the rule a pinned layout breaks, if every candidate breaks one
+    for schedule in schedules:
+        grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved")
+        if grid["dp"].size == 0:
+            continue
+        n, valid = layout_arrays(model, grid, schedule, "none", on_invalid="nan")
+        if not valid.any():
+            try:
+                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, "none", on_invalid="raise")
+            except ValueError as exc:
+                broken = broken or str(exc).split(": ", 1)[-1]
+        for recompute in recomputes:
+            mem = per_gpu_bytes(n, prec, recompute=memory_recompute(recompute, options.flash_attention),
+                                schedule=schedule, dropout=dropout)["total"]
+            mem = np.where(valid, mem, np.inf)
+            fits = mem <= capacity
+            searched += int(valid.sum())
+            fitting += int(fits.sum())
+            if valid.any():
+                i = int(np.argmin(mem))
+                if smallest is None or mem[i] < smallest[0]:
+                    smallest = (float(mem[i]), {k: int(x[i]) for k, x in grid.items()} | {"recompute": recompute})
+            if not fits.any():
+                continue
+            t = step_time_arrays(n, cluster, recompute=recompute, schedule=schedule, options=options,
+                                 dropout=dropout)
+            times = np.where(fits, t["step_time"], np.inf)
+            best = np.argsort(times, kind="stable")[:top]
+            rows += [(float(times[i]), float(mem[i]), _row(grid, t, mem, int(i), recompute, peak))
+                     for i in best if np.isfinite(times[i])]
+    rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
+    configs = [row for *_, row in rows[:top]]
+    why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom,
+                                        broken)
+    return SearchResult(configs=configs, searched=searched, fitting=fitting,
+                        seconds=time.perf_counter() - start, capacity=capacity, why=why)
+
+
+def _why_not(model: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
+             smallest: tuple[float, dict[str, Any]] | None, capacity: float, headroom: float,
+             broken: str | None) -> str:
+    """One paragraph: no valid layout at all (and the rule in the way), or the smallest memory
+    found and what would make it fit."""
+    if smallest is None:
+        pinned = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
+        gpus = cluster.world_size
+        pinned_mp = fixed.get("tp", 1) * fixed.get("pp", 1) * fixed.get("cp", 1)
+        reason = broken or (
+            f"tp x pp x cp = {pinned_mp} must divide the {gpus} GPUs" if gpus % pinned_mp else
+            f"the global batch {global_batch} must be a multiple of dp x micro-batch, with "
+            f"dp = {gpus} / (tp x pp x cp)")
+        return (f"no valid layout of {model.name} on {cluster.world_size} GPUs at global batch "
+                f"{global_batch} (pinned: {pinned}): {reason}")
+    nbytes, layout = smallest
+    used = ", ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch_size")) \
+        + f", recompute={layout['recompute']}"
+    return (f"nothing fits: the smallest memory per GPU found is {nbytes / GiB:.1f} GiB ({used}) but "
+            f"{headroom:g} x {cluster.gpu.memory_bytes / GiB:.0f} GiB = {capacity / GiB:.1f} GiB is "
+            f"available on a {cluster.gpu.name}; use more GPUs (more pipeline or tensor parallelism), "
+            f"a GPU with more memory, a shorter sequence, or unpin the layout flags "
+            f"(ZeRO-3 and full recompute shrink memory most)")

@@ -1,0 +1,323 @@
+"""Time of one training step of a layout on a cluster, as a breakdown that sums to the step time.
+
+Every term is a function of numpy arrays (one entry per layout), so the search
+(:mod:`dtlib.plan.search`) times thousands of layouts in one call; :func:`step_time` is the same
+code on one layout. The terms and their sources are in :data:`TERMS`. Rank placement follows
+Megatron-LM's default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``,
+tensor ranks adjacent): a group lies inside one node while the product of the sizes up to it is at
+most ``gpus_per_node``, otherwise its collectives cross the inter-node fabric, at the NIC
+bandwidth per GPU divided by the fabric's oversubscription.
+
+Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Narayanan et al.
+2021 eq. 3 counts them), and what the terms leave out is in the achievable fraction of peak
+(:mod:`dtlib.plan.calibration`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic import validate
+from dtlib.analytic.activations import layer_bytes
+from dtlib.analytic.comm import bubble_fraction, collective_time
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, matmul_params_per_layer,
+                                  recompute_flops_per_token, step_flops)
+from dtlib.analytic.hardware import Cluster, Link
+from dtlib.analytic.layout import Parallelism, stage_layers
+from dtlib.analytic.memory import stage_parameters
+from dtlib.analytic.precision import Precision, get_precision
+from dtlib.analytic.presets import training_of
+from dtlib.analytic.vectorised import layout_arrays
+from dtlib.plan.calibration import default_efficiency
+
+__all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
+           "memory_recompute"]
+
+DTYPES = ("bf16", "fp8")
+
+TERMS: dict[str, str] = {
+    "compute": "hardware FLOPs (dtlib.analytic.flops: 3x forward + recompute, Narayanan et al. 2021 "
+               "eq. 3 generalised) / (GPUs x peak x achievable fraction); with fp8 the weight matmuls "
+               "run at the FP8 peak, attention products and the LM head stay at the BF16 peak "
+               "(Transformer Engine keeps dot-product attention and, by default, the output layer in "
+               "BF16)",
+    "elementwise": "memory-bound layers (norms, activations, dropout, residual adds, softmax): the "
+                   "tensors Korthikanti et al. 2022 Sec. 4.1 count per layer are written forward, read "
+                   "and their gradients written backward (3 passes; recomputed ones written again), "
+                   "at the HBM bandwidth (roofline, Williams et al. 2009); with flash_attention the "
+                   "s x s scores never reach HBM (Dao et al. 2022)",
+    "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
+                 "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
+                 "TP/CP/EP communication",
+    "tp_comm": "per layer and micro-batch, 2 all-reduces of b s h forward and 2 backward (+2 with full "
+               "recompute) (Shoeybi et al. 2019, Sec. 3; with sequence parallelism the same volume as "
+               "all-gather + reduce-scatter, Korthikanti et al. 2022, Sec. 4.2.2), ring alpha-beta on "
+               "the intra-node link; exposed unless tp_overlap says otherwise",
+    "cp_comm": "ring attention: K and V of the local sequence shard pass around the cp ranks once "
+               "forward, their gradients once backward, per layer and micro-batch (Liu et al. 2023, "
+               "Ring Attention; Megatron-LM context parallelism), exposed unless cp_overlap",
+    "ep_comm": "2 all-to-alls of the routed tokens (b s h x top_k) per MoE layer forward, 2 backward "
+               "(Lepikhin et al. 2021, GShard, Sec. 2; DeepSpeed-MoE)",
+    "pp_p2p": "each stage boundary sends the micro-batch's activations forward and their gradients "
+              "back (x v chunks interleaved), point to point on the link between stages (Narayanan "
+              "et al. 2021, Sec. 4.1), each of the t tensor ranks sending 1/t of it (their "
+              "scatter/gather optimisation; sequence parallelism shards it the same way)",
+    "dp_comm": "gradient reduce over the dp x cp replicas (ZeRO 1/2: reduce-scatter + all-gather, "
+               "ZeRO-3: parameters all-gathered forward and backward per micro-batch + one "
+               "reduce-scatter, Rajbhandari et al. 2020, Sec. 7), hierarchical: intra-node phase on "
+               "NVLink, inter-node phase on the NICs, NCCL's faster of ring and tree (tuning.cc); the "
+               "exposed part is what dp_overlap x (backward of the last micro-batch; + forward of the "
+               "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide "
+               "(PyTorch DDP buckets, Li et al. 2020; Megatron --overlap-grad-reduce)",
+    "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
+                 "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
+                 "(roofline, Williams et al. 2009)",
+}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The conventions of the step-time model; every one is an option.
+
+    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``efficiency``: achievable
+    fraction of peak (None: the calibrated default of the GPU); ``precision``: bytes per
+    parameter (memory, gradient and optimizer traffic; default Megatron bf16 with fp32 gradients,
+    which reduces gradients in fp32 as Megatron and torchtitan do); ``dp_overlap`` /
+    ``tp_overlap`` / ``cp_overlap``: fraction of that communication hidden behind compute;
+    ``oversubscription``: the fabric's over the leaf (bandwidth across nodes divided by it);
+    ``flash_attention``: attention never writes the s x s scores to HBM (Dao et al. 2022), as
+    PyTorch's SDPA and Megatron-Core do today; False for 2021-22 Megatron-LM (fused softmax);
+    None: as the model was trained (:func:`dtlib.analytic.presets.training_of`, see :func:`as_trained`).
+    """
+    dtype: str = "bf16"
+    efficiency: float | None = None
+    precision: "Precision | str" = "megatron-bf16"
+    attention: str = "full"
+    dp_overlap: float = 1.0
+    tp_overlap: float = 0.0
+    cp_overlap: float = 0.0
+    oversubscription: float = 1.0
+    flash_attention: bool | None = None
+
+    def __post_init__(self) -> None:
+        validate.one_of("dtype", self.dtype, DTYPES)
+        validate.one_of("attention", self.attention, ATTENTION)
+        if self.efficiency is not None:  # a fraction of peak
+            validate.number("efficiency", self.efficiency, maximum=1)
+        for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
+            validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
+        validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
+        get_precision(self.precision)
+        if self.flash_attention is not None:
+            validate.boolean("flash_attention", self.flash_attention)
+
+
+def as_trained(model: TransformerConfig, options: StepOptions, dropout: bool | None) -> tuple[StepOptions, bool]:
+    """``options`` and ``dropout`` with what is left as None filled in from how ``model`` was
+    trained (:func:`dtlib.analytic.presets.training_of`: Llama-style presets use FlashAttention and
+    no dropout; anything else gets Korthikanti et al.'s GPT convention)."""
+    trained = training_of(model)
+    if options.flash_attention is None:
+        options = replace(options, flash_attention=trained.flash_attention)
+    return options, trained.dropout if dropout is None else validate.boolean("dropout", dropout)
+
+
+def memory_recompute(recompute: str, flash_attention: bool) -> str:
+    """The recompute setting whose activation memory a layout has: FlashAttention never stores the
+    s x s scores, which is selective recompute's footprint (Korthikanti et al. 2022, Sec. 5;
+    :attr:`dtlib.analytic.presets.Training.recompute`)."""
+    return "selective" if flash_attention and recompute == "none" else recompute
+
+
+def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
+    """One GPU's share of the node's NICs, divided by the fabric's oversubscription."""
+    inter = cluster.inter
+    return Link(inter.name, cluster.inter_bandwidth_per_gpu / oversubscription, inter.latency,
+                inter.source + f"; shared by the node's GPUs; / oversubscription {oversubscription:g}")
+
+
+def _on(inside: Any, op: str, nbytes: Any, ranks: Any, intra: Link, inter: Link) -> Any:
+    """Ring time of ``op`` on the intra-node link where ``inside``, else across nodes."""
+    return np.where(inside, collective_time(op, nbytes, ranks, intra), collective_time(op, nbytes, ranks, inter))
+
+
+def _fastest(op: str, nbytes: Any, ranks: Any, link: Link) -> Any:
+    """NCCL picks the faster of ring and tree for each size (src/graph/tuning.cc)."""
+    return np.minimum(collective_time(op, nbytes, ranks, link, "ring"),
+                      collective_time(op, nbytes, ranks, link, "tree"))
+
+
+def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link) -> Any:
+    """Two-level collective over ``ranks`` of which ``local`` share a node: intra-node
+    reduce-scatter, inter-node ``op`` of S/local, intra-node all-gather (as
+    :func:`dtlib.analytic.comm.hierarchical_time`, on arrays)."""
+    nodes = np.maximum(np.ceil(ranks / local), 1)
+    t = _fastest(op, nbytes / local, nodes, inter)
+    if op in ("all_reduce", "reduce_scatter"):
+        t = t + collective_time("reduce_scatter", nbytes, local, intra)
+    if op in ("all_reduce", "all_gather"):
+        t = t + collective_time("all_gather", nbytes, local, intra)
+    return t
+
+
+def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
+                     schedule: str = "1f1b", options: StepOptions = StepOptions(),
+                     dropout: bool = False) -> dict[str, Any]:
+    """The breakdown for every layout in ``n`` (numbers as :func:`dtlib.analytic.vectorised.layout_arrays`
+    returns them); ``dropout``: the model keeps dropout masks (as the memory model);
+    ``options.flash_attention`` must be set (:func:`as_trained`). Returns each
+    term of :data:`TERMS` (seconds), ``step_time`` (their sum),
+    ``model_flops``, ``hardware_flops`` and ``tokens`` per step, ``gpus``, ``params_per_gpu``."""
+    if options.flash_attention is None:
+        raise ValueError("options.flash_attention must be True or False here; fill it with as_trained(model, ...)")
+    gpu, g = cluster.gpu, cluster.gpus_per_node
+    prec = get_precision(options.precision)
+    eff = default_efficiency(gpu.name) if options.efficiency is None else options.efficiency
+    dp, tp, pp, cp, ep = n["dp"], n["tp"], n["pp"], n["cp"], n["ep"]
+    v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * pp
+    b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
+    gpus = dp * tp * pp * cp
+    tokens = dp * b * m * s
+    full = recompute == "full"
+
+    # ---- compute: hardware FLOPs split by the precision they run in -------------------------
+    shape = {k: n[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq",
+                               "mlp_matrices", "experts", "top_k")}
+    flops = step_flops(tokens, recompute=recompute, attention=options.attention, **shape)
+    weights = 2 * n["layers"] * matmul_params_per_layer(h, n["heads"], n["kv_heads"], n["ffn"],
+                                                        n["mlp_matrices"], n["experts"], n["top_k"])
+    attn = attention_flops_per_token(s, h, n["layers"], options.attention)
+    extra = recompute_flops_per_token(recompute, weights + attn, attn)
+    weight_hw = tokens * (3 * weights + extra - (recompute != "none") * attn)
+    peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
+    compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * eff)
+
+    # ---- model-parallel communication, per layer and micro-batch ---------------------------
+    intra, inter = cluster.intra, _inter_link(cluster, options.oversubscription)
+    layers_here = stage_layers(n["layers"], pp, v)[0]
+    act = b * (s / cp) * h * prec.activation
+    tp_calls = (4 + 2 * full) * layers_here * m
+    tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    kv = 2 * b * (s / cp) * n["kv_heads"] * (h // n["heads"]) * prec.activation / tp
+    cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
+        tp * cp <= g, "all_gather", kv * cp, cp, intra, inter)
+    moe = n["experts"] > 0
+    ep_comm = moe * 4 * layers_here * m * _on(tp * cp * ep <= g, "all_to_all", act * n["top_k"], ep,
+                                             intra, inter)
+    # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
+    per_layer = dict(seq=s, micro_batch_size=b, hidden=h, heads=n["heads"], kv_heads=n["kv_heads"],
+                     ffn=n["ffn"], tp=tp, cp=cp, sequence_parallel=n["sequence_parallel"],
+                     swiglu=n["swiglu"], dropout=dropout, act_bytes=prec.activation)
+    no_scores = layer_bytes(recompute="selective", **per_layer)
+    written = no_scores if options.flash_attention else layer_bytes(recompute="none", **per_layer)
+    rewritten = {"none": 0 * written, "selective": written - no_scores, "full": written}[recompute]
+    elementwise = (3 * written + rewritten) * layers_here * m / gpu.memory_bandwidth
+
+    pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
+    pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
+    boundary = act / tp
+    pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
+
+    # ---- data-parallel gradient reduce, hierarchical, minus what overlaps ------------------
+    stages = stage_parameters(**n)
+    first, last = (stages[k]["dense"] + stages[k]["expert"] for k in ("first", "last"))
+    use_last = last > first
+    dense = np.where(use_last, stages["last"]["dense"], stages["first"]["dense"])
+    expert = np.where(use_last, stages["last"]["expert"], stages["first"]["expert"])
+    zero = n["zero"]
+    dp_comm_raw = 0 * compute
+    for params, ranks in ((dense, dp * cp), (expert, dp * cp / ep)):
+        local = np.where(tp <= g, np.minimum(ranks, np.maximum(g // tp, 1)), 1)
+        grads, weights_bytes = params * prec.grad, params * prec.param
+        t = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter),
+                     _hierarchical("reduce_scatter", grads, ranks, local, intra, inter)
+                     + np.where(zero == 3, 2 * m, 1)
+                     * _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter))
+        dp_comm_raw = dp_comm_raw + np.where((ranks > 1) & (params > 0), t, 0)  # dense models: no expert part
+    per_token_fwd = flops["forward_per_token"]
+    backward_share = (2 * per_token_fwd + extra) / (3 * per_token_fwd + extra)
+    one_micro = compute / m
+    budget = np.where(zero == 3, compute,
+                      one_micro * backward_share + (zero >= 1) * one_micro * (1 - backward_share))
+    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, 0)
+
+    # ---- optimizer step: memory-bound ----------------------------------------------------------
+    owned = (dense + expert) / np.where(zero >= 1, dp * cp, 1)
+    touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
+    optimizer = owned * touched / gpu.memory_bandwidth
+
+    out = {"compute": compute, "elementwise": elementwise, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
+           "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
+    out = {k: np.asarray(val, dtype=float) * np.ones_like(compute, dtype=float) for k, val in out.items()}
+    out["step_time"] = sum(out[k] for k in TERMS)
+    out.update(model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
+               tokens=np.asarray(tokens, float), gpus=np.asarray(gpus), params_per_gpu=dense + expert,
+               dp_comm_unhidden=dp_comm_raw)
+    return out
+
+
+@dataclass
+class StepTime:
+    """One layout's step: ``breakdown`` (seconds per term of :data:`TERMS`, summing to
+    ``step_time``), throughput and utilisation (MFU and HFU against the dense BF16 peak), and
+    ``dp_comm_unhidden``, the data-parallel collectives before overlap."""
+    layout: Parallelism
+    step_time: float
+    breakdown: dict[str, float]
+    tokens_per_step: float
+    model_flops: float
+    hardware_flops: float
+    gpus: int
+    peak: float
+    efficiency: float
+    dp_comm_unhidden: float = 0.0
+    sources: dict[str, str] = field(default_factory=lambda: dict(TERMS))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_time
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / (self.step_time * self.gpus) / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / (self.step_time * self.gpus) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_time * self.gpus * self.peak)
+
+
+def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *,
+              options: StepOptions = StepOptions(), seq: int | None = None,
+              dropout: bool | None = None) -> StepTime:
+    """The step-time breakdown of ``layout`` training ``model`` on ``cluster`` (see :data:`TERMS`).
+
+    The layout must use ``cluster``'s GPUs exactly; the global batch is
+    ``dp x micro_batch_size x num_microbatches`` sequences of ``seq`` (default: the model's) tokens.
+    ``dropout`` and ``options.flash_attention`` default to how the model was trained (:func:`as_trained`).
+    """
+    if not isinstance(model, TransformerConfig):
+        raise ValueError(f"model must be a TransformerConfig (a shape: the step time needs layers), got {model!r}")
+    options, dropout = as_trained(model, options, dropout)
+    if layout.gpus != cluster.world_size:
+        raise ValueError(f"the layout uses dp x tp x pp x cp = {layout.gpus} GPUs but the cluster has "
+                         f"{cluster.world_size}; make them equal")
+    arrays = {k: np.asarray([v]) for k, v in layout.numbers().items()}
+    arrays["gpus"] = np.asarray([cluster.world_size])
+    if seq is not None:
+        arrays["seq"] = np.asarray([seq])
+    n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise")
+    r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
+                         options=options, dropout=dropout)
+    eff = default_efficiency(cluster.gpu.name) if options.efficiency is None else options.efficiency
+    return StepTime(layout=layout, step_time=float(r["step_time"][0]),
+                    breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),
+                    model_flops=float(r["model_flops"][0]), hardware_flops=float(r["hardware_flops"][0]),
+                    gpus=layout.gpus, peak=cluster.gpu.peak("bf16"), efficiency=eff,
+                    dp_comm_unhidden=float(r["dp_comm_unhidden"][0]))

@@ -1,0 +1,100 @@
+"""``dtlib plan``: the JSON keys other tools read, the table, pins, nothing-fits, and bad input
+(one line on stderr, exit 2)."""
+import json
+
+import pytest
+
+from dtlib.analytic.hardware import cluster
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.presets import get_preset
+from dtlib.cli import main
+from dtlib.plan.steptime import TERMS, step_time
+from dtlib.plan.training import training_plan
+
+KEYS = {"dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
+        "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+        "mfu", "memory_per_gpu_bytes", "breakdown"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_the_issue_keys_and_a_training_plan(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "capstone-10b", "--gpus", "128", "--global-batch", "1024",
+                       "--tokens", "1T", "--top", "3", "--json")
+    d = json.loads(out)
+    assert code == 0 and {"configs", "searched", "search_seconds", "training"} <= set(d)
+    assert len(d["configs"]) == 3 and all(set(c) == KEYS for c in d["configs"])
+    assert all(set(c["breakdown"]) == set(TERMS) for c in d["configs"])
+    assert d["searched"] > 1000 and 0 < d["search_seconds"] < 30
+    best = d["configs"][0]
+    expected = training_plan(tokens=1e12, tokens_per_step=1024 * 4096, step_time=best["step_time_s"], gpus=128)
+    assert d["training"]["days"] == pytest.approx(expected.days) and d["training"]["cost_usd"] == pytest.approx(expected.cost_usd)
+
+
+def test_all_layout_flags_evaluate_one_configuration(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32",
+                       "--tp", "2", "--pp", "2", "--dp", "4", "--cp", "1", "--ep", "1", "--virtual-stages", "1",
+                       "--micro-batch", "1", "--zero", "1", "--recompute", "selective", "--sequence-parallel",
+                       "--json")
+    d = json.loads(out)
+    assert code == 0 and d["searched"] == 1 and len(d["configs"]) == 1
+    layout = Parallelism(dp=4, tp=2, pp=2, zero=1, recompute="selective", sequence_parallel=True,
+                         micro_batch_size=1, num_microbatches=8)
+    expected = step_time(get_preset("llama3-8b"), layout, cluster("h100-sxm", 2, 8))
+    assert d["configs"][0]["step_time_s"] == pytest.approx(expected.step_time, rel=1e-12)
+    assert d["configs"][0]["mfu"] == pytest.approx(expected.mfu, rel=1e-12)
+
+
+def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
+    code, out, _ = run(capsys, "plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "1024",
+                       "--gpus", "8", "--global-batch", "64", "--top", "2", "--tokens", "10B")
+    assert code == 0
+    lines = out.splitlines()
+    assert "searched in" in lines[0] and lines[1].split()[:3] == ["#", "dp", "tp"]
+    assert lines[2].startswith(" 1") and lines[3].startswith(" 2") and "breakdown" in lines[4]
+    assert lines[5].split() == list(TERMS) and "training 1e+10 tokens" in out
+
+
+def test_nothing_fits_explains_and_exits_1(capsys):
+    code, out, err = run(capsys, "plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "8")
+    assert code == 1 and err == "" and "nothing fits: the smallest memory per GPU found is" in out
+    code, out, _ = run(capsys, "plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "8", "--json")
+    d = json.loads(out)
+    assert code == 1 and d["configs"] == [] and d["training"] is None and "nothing fits" in d["why"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "8", "--global-batch", "8"], "give exactly one of --model"),
+    (["--model", "llama3-8b", "--global-batch", "8"], "the following arguments are required: --gpus"),
+    (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "--gpus must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of nodes"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
+     "a100-80gb has no fp8 peak"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision: invalid choice"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency must be a number in (0, 1]"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--price-per-gpu-hour", "nan"], "--price-per-gpu-hour must be dollars > 0"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tokens", "-1T"], "--tokens"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be an integer >= 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "3"], "tp x pp x cp = 3 must divide the 8 GPUs"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "8", "--pp", "1", "--cp", "1",
+      "--ep", "2"], "expert parallel size ep=2 must divide dp=1"),
+    (["--params", "7B", "--gpus", "8", "--global-batch", "8"], "plan needs a model shape"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--oversubscription", "0.5"], "--oversubscription must be a finite number >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("dtlib: error: ") and message in err
+
+
+def test_a_positional_model_is_the_same_as_model(capsys):
+    _, by_flag, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json")
+    _, positional, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json")
+    a, b = json.loads(by_flag), json.loads(positional)
+    assert a["configs"] == b["configs"] and a["searched"] == b["searched"]

@@ -1,0 +1,32 @@
+"""The planner's figure: bar segments read back equal each layout's breakdown and memory; no
+layout draws the reason instead."""
+import pytest
+
+from dtlib.analytic.hardware import cluster
+from dtlib.analytic.presets import get_preset
+from dtlib.analytic.units import GiB
+from dtlib.plan.search import search
+from dtlib.plan.steptime import TERMS
+from dtlib.viz.plan import layout_label, plot_plan
+
+
+def test_bars_are_the_breakdown_and_the_memory():
+    r = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=3)
+    fig = plot_plan(r.configs, r.capacity, title="t")
+    time_ax, mem_ax = fig.axes
+    labels = [t.get_text() for t in time_ax.get_yticklabels()]
+    assert labels == [layout_label(c) for c in r.configs][::-1]   # fastest on top
+    drawn = [p for p in time_ax.patches]
+    used = [t for t in TERMS if any(c["breakdown"][t] for c in r.configs)]
+    assert len(drawn) == len(used) * 3
+    for j, term in enumerate(used):
+        widths = [p.get_width() for p in drawn[3 * j: 3 * j + 3]]
+        assert widths == pytest.approx([c["breakdown"][term] for c in r.configs][::-1])
+    assert [p.get_width() for p in mem_ax.patches] == pytest.approx(
+        [c["memory_per_gpu_bytes"] / GiB for c in r.configs][::-1])
+    assert mem_ax.lines[0].get_xdata()[0] == pytest.approx(r.capacity / GiB)
+
+
+def test_nothing_fits_draws_why():
+    fig = plot_plan([], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB")
+    assert "857.6 GiB" in fig.axes[0].texts[0].get_text()
