@@ -198,10 +198,10 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallelism supports dropout=0 and learned or RoPE positions")
         self.cfg, self.qkv, self.proj = attn.cfg, attn.qkv, attn.proj
         self.group, self.zigzag = group, zigzag
-        self.register_buffer("positions", positions, persistent=False)
+        # rank-specific tables: plain attributes, not buffers, so that wrappers which broadcast
+        # a model's buffers from one rank (DDP, FSDP) leave them alone
         if self.cfg.position == "rope":
-            self.register_buffer("cos", attn.cos[positions], persistent=False)
-            self.register_buffer("sin", attn.sin[positions], persistent=False)
+            self.cos, self.sin = attn.cos[positions], attn.sin[positions]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -227,7 +227,7 @@ class _ShardedPositionEmbedding(nn.Module):
     def __init__(self, table: nn.Embedding, positions: torch.Tensor):
         super().__init__()
         self.weight = table.weight
-        self.register_buffer("positions", positions, persistent=False)
+        self.positions = positions  # rank-specific: not a buffer (see ContextParallelAttention)
 
     def forward(self, _local: torch.Tensor) -> torch.Tensor:
         return F.embedding(self.positions, self.weight)
