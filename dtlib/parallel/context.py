@@ -197,6 +197,9 @@ class ContextParallelAttention(nn.Module):
         if getattr(attn, "dropout", 0) > 0 or attn.cfg.position == "alibi":
             raise ValueError("context parallelism supports dropout=0 and learned or RoPE positions")
         self.cfg, self.qkv, self.proj = attn.cfg, attn.qkv, attn.proj
+        # the heads this rank computes: a slice of them under tensor parallelism
+        self.heads = getattr(attn, "heads", attn.cfg.heads)
+        self.kv_heads = getattr(attn, "kv_heads", attn.cfg.kv_heads)
         self.group, self.zigzag = group, zigzag
         # rank-specific tables: plain attributes, not buffers, so that wrappers which broadcast
         # a model's buffers from one rank (DDP, FSDP) leave them alone
@@ -204,19 +207,19 @@ class ContextParallelAttention(nn.Module):
             self.cos, self.sin = attn.cos[positions], attn.sin[positions]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        b, s, _ = x.shape
-        d = cfg.head_dim
-        q, k, v = self.qkv(x).split([cfg.hidden, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
-        q = q.view(b, s, cfg.heads, d).transpose(1, 2)
-        k = k.view(b, s, cfg.kv_heads, d).transpose(1, 2)
-        v = v.view(b, s, cfg.kv_heads, d).transpose(1, 2)
-        if cfg.position == "rope":
+        d, heads, kv_heads = self.cfg.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q = q.view(b, s, heads, d).transpose(1, 2)
+        k = k.view(b, s, kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, kv_heads, d).transpose(1, 2)
+        if self.cfg.position == "rope":
             q, k = (t * self.cos + _rotate_half(t) * self.sin for t in (q, k))
-        groups = cfg.heads // cfg.kv_heads  # GQA: query head i uses KV head i // groups
+        groups = heads // kv_heads  # GQA: query head i uses KV head i // groups
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         y = ring_attention(q, k, v, self.group, self.zigzag)
-        return self.proj(y.transpose(1, 2).reshape(b, s, cfg.hidden))
+        return self.proj(y.transpose(1, 2).reshape(b, s, heads * d))
 
 
 class _ShardedPositionEmbedding(nn.Module):
