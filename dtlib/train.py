@@ -131,6 +131,9 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir and must be >= 0")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
+        if self.resume and not os.path.exists(os.path.join(self.checkpoint_dir, "latest")):
+            raise ValueError(f"nothing to resume in checkpoint_dir={self.checkpoint_dir!r} (no 'latest' "
+                             f"checkpoint there); run once with checkpoint_every first")
         cfg = self.model_config()
         layout = Parallelism(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                              sequence_parallel=self.sequence_parallel,
@@ -168,6 +171,9 @@ _UNSUPPORTED = [
      "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
+    (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
+     "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
+     "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),
     (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1 or c.pp > 1),
      "--sequence-parallel needs --tp >= 2 and composes with dp only here (not with cp or pp)"),
 ]
@@ -307,6 +313,54 @@ class _Run:
         _average([p for p in self.params if id(p) not in self.experts], self.group("dp_cp"), self.replicas)
         _average([p for p in self.params if id(p) in self.experts], self.group("edp"), self.replicas)
 
+    # ---- checkpoints (torch.distributed.checkpoint) ------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """This rank's state under its own key (the shards differ per rank, so nothing may be
+        deduplicated as replicated): its parameters (tensors, loaded in place) and the optimizer
+        state as one opaque blob (it exists only after a first step, so it cannot be preallocated)."""
+        import io
+
+        blob = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), blob)
+        blob.seek(0)
+        return {f"rank{self.rank}": {"params": {str(i): p.detach() for i, p in enumerate(self.params)},
+                                     "optimizer": blob, "step": torch.tensor(self.step_count)}}
+
+    def save(self, directory: str) -> None:
+        """Save with ``dcp.save`` into ``directory/step<N>`` (a collective), then record it as the
+        latest, so a crash during a save leaves the previous checkpoint in use."""
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(directory, f"step{self.step_count}")
+        dcp.save(self._checkpoint_state(), checkpoint_id=path)
+        if self.distributed:
+            dist.barrier()
+        if self.rank == 0:
+            tmp = os.path.join(directory, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(path))
+            os.replace(tmp, os.path.join(directory, "latest"))
+
+    def load(self, directory: str) -> None:
+        """Load the latest checkpoint of ``directory`` (saved by the same layout)."""
+        import io
+
+        import torch.distributed.checkpoint as dcp
+
+        marker = os.path.join(directory, "latest")
+        if not os.path.exists(marker):
+            raise FileNotFoundError(f"no checkpoint to resume from in {directory} (no 'latest' file)")
+        with open(marker) as f:
+            path = os.path.join(directory, f.read().strip())
+        state = self._checkpoint_state()
+        mine = state[f"rank{self.rank}"]
+        mine["optimizer"] = io.BytesIO()
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=path)
+        mine["optimizer"].seek(0)
+        self.optimizer.load_state_dict(torch.load(mine["optimizer"], weights_only=False))
+        self.step_count = int(mine["step"])
+
     def global_loss(self, local: float) -> float:
         """The mean loss over all ranks' tokens: the last pipeline stage's losses (one TP rank
         each) averaged over the dp x cp replicas."""
@@ -364,7 +418,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
           progress: bool = False) -> dict[str, Any]:
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
-    ``steps``, ``losses`` (global mean per step), ``tokens_per_s``, ``mfu``, ``layout``,
+    ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
     ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; ``params`` too with
     ``keep_params``. Other ranks return ``{"rank": rank}``."""
     config.check(world_size)
@@ -375,10 +429,15 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         from tqdm.auto import tqdm
         bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
     tokens = config.global_batch * config.seq
-    for _ in range(config.steps):
+    if config.resume:
+        run.load(config.checkpoint_dir)
+    first = run.step_count
+    for _ in range(first, config.steps):
         start = time.perf_counter()
         losses.append(run.step())
         seconds.append(time.perf_counter() - start)
+        if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
+            run.save(config.checkpoint_dir)
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}")
             bar.update()
@@ -393,9 +452,10 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         peaks = [peak]
     if rank != 0:
         return {"rank": rank}
-    steady = sorted(seconds[1:] or seconds)[len(seconds[1:] or seconds) // 2]  # median, first step aside
-    out = {"steps": config.steps, "losses": losses, "tokens_per_s": tokens / steady,
-           "mfu": _mfu(config, steady, world_size), "layout": asdict(config.layout()),
+    timed = seconds[1:] or seconds
+    steady = sorted(timed)[len(timed) // 2] if timed else None  # median, first step aside
+    out = {"steps": config.steps, "first_step": first, "losses": losses, "tokens_per_s": tokens / steady if steady else None,
+           "mfu": _mfu(config, steady, world_size) if steady else None, "layout": asdict(config.layout()),
            "world_size": world_size, "global_batch": config.global_batch,
            "peak_memory_bytes": peaks, "params_sha256": params_sha256(full)}
     if keep_params:
@@ -457,8 +517,9 @@ def emit(summary: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps({k: v for k, v in summary.items() if k != "params"})
     lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
-    lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%, "
-                 f"params_sha256 {summary['params_sha256']}")
+    if summary["tokens_per_s"] is not None:
+        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
+    lines.append(f"params_sha256 {summary['params_sha256']}")
     return "\n".join(lines)
 
 

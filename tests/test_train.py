@@ -104,6 +104,8 @@ def test_params_sha256_is_canonical():
     (["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4"],
      "num_microbatches (3) to be a multiple of pp=2"),
     (["--resume"], "resume needs a checkpoint_dir"),
+    (["--resume", "--checkpoint-dir", "/nonexistent"], "nothing to resume in checkpoint_dir='/nonexistent'"),
+    (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
@@ -156,3 +158,21 @@ def test_torchrun_two_agents(tmp_path):
     ref = _single(BASE.with_(dp=2, cp=2, steps=2))
     assert summary["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
     assert summary["world_size"] == 4
+
+
+def _resume(rank, world_size, config, directory):
+    whole = train(rank, world_size, config)
+    first = train(rank, world_size, config.with_(steps=2, checkpoint_dir=directory, checkpoint_every=2))
+    rest = train(rank, world_size, config.with_(checkpoint_dir=directory, resume=True))
+    return whole, first, rest
+
+
+@pytest.mark.parametrize("config", [BASE.with_(dp=2, zero=1, optimizer="adamw", lr=1e-2, steps=4),
+                                    BASE.with_(cp=2, zero=3, steps=4)])
+def test_checkpoint_and_resume_is_bit_exact(config, tmp_path):
+    # stop after 2 steps (a DCP checkpoint), resume to 4: the same weights, bit for bit
+    whole, first, rest = launch(_resume, 2, args=(config, str(tmp_path)), timeout=TIMEOUT)[0]
+    assert (tmp_path / "latest").read_text() == "step2"
+    assert rest["first_step"] == 2 and len(rest["losses"]) == 2
+    assert first["losses"] + rest["losses"] == whole["losses"]
+    assert rest["params_sha256"] == whole["params_sha256"] != first["params_sha256"]
