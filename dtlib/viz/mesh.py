@@ -31,10 +31,11 @@ def group_links(layout: ParallelLayout, gpus_per_node: int) -> dict[str, str]:
     return out
 
 
-def plot_rank_grid(layout: ParallelLayout, gpus_per_node: int = 8, color_by: str = "tp") -> Figure:
+def plot_rank_grid(layout: ParallelLayout, gpus_per_node: int = 8, color_by: str = "tp",
+                   note: str = "") -> Figure:
     """One row per node, one cell per GPU: the rank, its (dp, tp, pp, cp) coordinates, and a
     colour per ``color_by`` group (ranks of one group share a colour). The title says over which
-    link that kind of group talks (:func:`group_links`)."""
+    link that kind of group talks (:func:`group_links`); ``note`` is a second title line."""
     if color_by not in AXES:
         raise ValueError(f"color_by must be one of {AXES}, got {color_by!r}")
     links = group_links(layout, gpus_per_node)
@@ -58,8 +59,8 @@ def plot_rank_grid(layout: ParallelLayout, gpus_per_node: int = 8, color_by: str
     ax.set_xlim(-1.2, gpus_per_node)
     ax.set_ylim(0, nodes)
     ax.set_title(f"{layout.describe()} on {nodes} node(s) x {gpus_per_node} GPUs: colour = "
-                 f"{color_by} group ({len(layout.groups[color_by])} groups, {links[color_by]})",
-                 fontsize=FONT)
+                 f"{color_by} group ({len(layout.groups[color_by])} groups, {links[color_by]})"
+                 + (f"\n{note}" if note else ""), fontsize=FONT)
     ax.axis("off")
     fig.tight_layout()
     return fig
