@@ -202,12 +202,12 @@ def _in_stage(name: str, stage: nn.Module) -> bool:
 class _Run:
     """One rank's model, optimizer and step, built from a :class:`TrainConfig`."""
 
-    def __init__(self, rank: int, config: TrainConfig):
+    def __init__(self, rank: int, config: TrainConfig, groups: dict[str, list[list[int]]] | None = None):
         self.config, self.rank = config, rank
         c = config
         self.layout = c.layout()
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.groups = build_groups(self.layout) if self.distributed else None
+        self.groups = build_groups(self.layout, override=groups) if self.distributed else None
         self.coords = self.layout.coordinates(rank)
         self.replicas = c.dp * c.cp  # ranks whose gradients are averaged
         torch.manual_seed(c.seed)
@@ -234,7 +234,7 @@ class _Run:
             self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
             self.executor = PipelineExecutor(self.chunks, schedule(c.schedule, c.pp, c.num_microbatches,
                                                                    c.virtual_stages),
-                                             self.coords["pp"], self.loss, pp_ranks=self.layout.groups_of(rank)["pp"])
+                                             self.coords["pp"], self.loss, pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
         elif c.zero == 3:
             from dtlib.parallel.fsdp import FSDP
@@ -415,14 +415,15 @@ def _average(params: list[torch.Tensor], group: Any, divisor: int) -> None:
 
 
 def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = False,
-          progress: bool = False) -> dict[str, Any]:
+          progress: bool = False, groups: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
     ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
     ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; ``params`` too with
-    ``keep_params``. Other ranks return ``{"rank": rank}``."""
+    ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
+    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`)."""
     config.check(world_size)
-    run = _Run(rank, config)
+    run = _Run(rank, config, groups)
     losses, seconds = [], []
     bar = None
     if progress and rank == 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParallelLayout", "AXES", "ProcessGroups", "build_groups"]
+__all__ = ["ParallelLayout", "AXES", "ProcessGroups", "build_groups", "check_partition"]
 
 # every group kind a layout defines, fastest-varying axis first; "dp_cp" is Megatron's
 # data-parallel group *with* context parallelism (the ranks that all-reduce dense gradients),
@@ -149,18 +149,37 @@ class ProcessGroups:
         return len(self.ranks[kind])
 
 
-def build_groups(layout: ParallelLayout, rank: int | None = None, backend: str | None = None) -> ProcessGroups:
+def check_partition(kind: str, groups: list[list[int]], world_size: int, size: int) -> None:
+    """Raise a one-line ValueError unless ``groups`` splits ranks 0..world_size-1 into groups of
+    ``size`` ranks, each rank in exactly one."""
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(world_size)):
+        raise ValueError(f"the {kind} groups {groups} must hold every rank 0..{world_size - 1} exactly once")
+    if any(len(g) != size for g in groups):
+        raise ValueError(f"the {kind} groups {groups} must each hold {kind}={size} ranks")
+
+
+def build_groups(layout: ParallelLayout, rank: int | None = None, backend: str | None = None,
+                 override: dict[str, list[list[int]]] | None = None) -> ProcessGroups:
     """Create every group of ``layout`` with ``dist.new_group`` (a collective: every rank calls it
     for every group, in the same order, as Megatron's ``initialize_model_parallel`` does) and keep
-    the ones ``rank`` belongs to. Groups of one rank become ``None`` so callers can skip them."""
+    the ones ``rank`` belongs to. Groups of one rank become ``None`` so callers can skip them.
+    ``override`` replaces some kinds' groups (e.g. groups a learner computed), checked to
+    partition the ranks."""
     import torch.distributed as dist
 
     if rank is None:
         rank = dist.get_rank()
     layout.validate(dist.get_world_size())
+    all_groups = dict(layout.groups)
+    for kind, groups in (override or {}).items():
+        if kind not in all_groups:
+            raise ValueError(f"unknown group kind {kind!r}; valid: {', '.join(AXES)}")
+        check_partition(kind, groups, layout.world_size, len(all_groups[kind][0]))
+        all_groups[kind] = sorted(sorted(g) for g in groups)
     handles: dict[str, Any] = {}
     ranks: dict[str, list[int]] = {}
-    for kind, kind_groups in layout.groups.items():
+    for kind, kind_groups in all_groups.items():
         for members in kind_groups:
             group = dist.new_group(members, backend=backend) if len(members) > 1 else None
             if rank in members:
