@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtlib.analytic.activations import layer_bytes
 from dtlib.launcher import launch
-from dtlib.measure import CollectiveCounter
+from dtlib.measure import CollectiveCounter, saved_activation_bytes
 from dtlib.models.gpt import TinyGPT, tiny_gpt_config
 from dtlib.parallel.context import (causal_work, context_parallel, ring_attention, shard_positions,
                                     shard_sequence, unshard_sequence)
@@ -118,3 +119,32 @@ def test_bad_input():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="expand grouped KV heads"):
         ring_attention(q, torch.zeros(1, 1, 4, 8), q, group=None)
+
+
+def _saved_bytes(rank, world_size):
+    cfg = tiny_gpt_config(layers=1, hidden=64, heads=4, vocab=256, seq=64)
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = {}
+    for cp, group in ((1, singles[rank]), (2, pairs[rank // 2]), (4, dist.group.WORLD)):
+        torch.manual_seed(0)
+        model = context_parallel(TinyGPT(cfg), group)
+        block = model.blocks[0]
+        x = torch.randn(2, 64 // cp, 64, requires_grad=True)
+        out[cp] = saved_activation_bytes(block, lambda: block(x))["bytes"]
+    return out
+
+
+def test_activation_memory_per_rank_is_the_cp_term():
+    # what autograd keeps for one block on each rank, against dtlib.analytic.activations with
+    # cp: ring attention keeps no s x s matrix (Korthikanti's "selective" count: norm inputs, QKV
+    # input, Q K V, projection input, MLP input and two f-sized tensors), fp32, no dropout; plus
+    # the softmax log-sum-exp (b x a x s/cp floats) and LayerNorm's mean and rstd (b x s/cp each)
+    b, s, h, a = 2, 64, 64, 4
+    for measured in launch(_saved_bytes, 4, timeout=TIMEOUT):
+        for cp, got in measured.items():
+            predicted = layer_bytes(s, b, h, a, a, 4 * h, cp=cp, recompute="selective", dropout=False,
+                                    act_bytes=4, norm_saved=1)
+            extra = 4 * b * a * s // cp + 2 * 2 * 4 * b * s // cp
+            assert got == predicted + extra, (cp, got, predicted)
+        assert measured[1] == 2 * measured[2] == 4 * measured[4]

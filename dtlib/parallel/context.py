@@ -217,7 +217,8 @@ class ContextParallelAttention(nn.Module):
         if self.cfg.position == "rope":
             q, k = (t * self.cos + _rotate_half(t) * self.sin for t in (q, k))
         groups = heads // kv_heads  # GQA: query head i uses KV head i // groups
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        if groups > 1:  # (with MHA, K and V stay views of the fused QKV output: no extra copy)
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         y = ring_attention(q, k, v, self.group, self.zigzag)
         return self.proj(y.transpose(1, 2).reshape(b, s, heads * d))
 
