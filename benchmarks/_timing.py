@@ -8,19 +8,28 @@ machine hit all of them alike.
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def timed_step(model: torch.nn.Module, opt: Any, sync: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One training step; ``sync.finish_gradient_synchronization()`` is called when ``sync`` is given."""
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def timed_step(model: torch.nn.Module, opt: Any, sync: Any, x: torch.Tensor, y: torch.Tensor,
+               backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> float:
+    """One training step; ``sync.finish_gradient_synchronization()`` is called when ``sync`` is
+    given. ``backward(logits, y)`` computes the loss and its backward (default: cross-entropy)."""
     dist.barrier()
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    if backward is None:
+        _cross_entropy(model(x), y).backward()
+    else:
+        backward(model(x), y)
     if sync is not None:
         sync.finish_gradient_synchronization()
     opt.step()
@@ -29,16 +38,19 @@ def timed_step(model: torch.nn.Module, opt: Any, sync: Any, x: torch.Tensor, y: 
     return elapsed.item()
 
 
-def time_alternating(impls: dict[Hashable, tuple[torch.nn.Module, Any, Any]], vocab: int, seq: int,
+def time_alternating(impls: dict[Hashable, tuple], vocab: int, seq: int,
                      batch: int, rank: int, warmup: int, steps: int) -> dict[Hashable, list[float]]:
-    """Step times after ``warmup`` steps of each ``(model, optimizer, sync)``, on identical batches."""
+    """Step times after ``warmup`` steps of each ``(model, optimizer, sync[, backward])`` (see
+    :func:`timed_step`), on identical batches. ``rank`` seeds the data: ranks that must see the
+    same tokens (a tensor-parallel group) pass the same value."""
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
     times: dict[Hashable, list[float]] = {k: [] for k in impls}
     for step in range(warmup + steps):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
         for key in (list(impls) if step % 2 == 0 else list(reversed(impls))):
-            t = timed_step(*impls[key], x, y)
+            model, opt, sync, *backward = impls[key]
+            t = timed_step(model, opt, sync, x, y, *backward)
             if step >= warmup:
                 times[key].append(t)
     return times

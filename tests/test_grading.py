@@ -46,4 +46,4 @@ def test_grading_bad_input(tmp_path, capsys):
     assert grading.main(["grade", str(tmp_path), "--lesson", "01"]) == 2
     assert "no .ipynb files" in capsys.readouterr().err
     with pytest.raises(ValueError, match="valid lessons"):
-        grading._master_for("99")
+        grading.pipeline._master_for("99")

@@ -34,7 +34,7 @@ from dtlib.analytic.precision import Precision, get_precision
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
            "flat_link", "flat_vs_hierarchical",
            "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
-           "comm_report"]
+           "comm_report", "tp_layer_times"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 ALGORITHMS = ("ring", "tree")
@@ -228,3 +228,32 @@ def comm_report(op: str, nbytes: float, ranks: int, link: "Link | str",
                      "busbw": busbw(op, nbytes, t, ranks) if t > 0 else None}
     return {"collective": op, "bytes": nbytes, "ranks": ranks, "link": lk.name,
             "link_bandwidth": lk.bandwidth, "link_latency": lk.latency, "algorithms": rows}
+
+
+def tp_layer_times(hidden: Any, tp: Any, link: "Link | str", gpu: str = "h100-sxm",
+                   seq: int = 4096, micro_batch_size: int = 1, ffn: Any = None,
+                   act_bytes: int = 2, dtype: str = "bf16") -> dict[str, Any]:
+    """Communication vs computation of one GPT layer (forward + backward) split ``tp`` ways.
+
+    Communication: 4 all-reduces of ``b*s*h`` activations per layer, 2 forward and 2 backward
+    (Shoeybi et al. 2019, Sec. 3), ring time on ``link``. Computation: 3 x the forward matmul
+    FLOPs of the layer (weights ``12h^2`` for a GELU MLP of ``ffn = 4h``, plus attention ``4sh``
+    per token; :mod:`dtlib.analytic.flops`), divided over ``tp`` GPUs at ``gpu``'s dense peak.
+    The ratio grows like ``tp / h``: with a slow link it soon exceeds 1, which is why TP stays
+    within a node's NVLink (Narayanan et al. 2021, Sec. 3.3). Arrays broadcast over ``hidden``
+    and ``tp``; ``tp = 1`` communicates nothing.
+    """
+    from dtlib.analytic.flops import attention_flops_per_token, matmul_params_per_layer
+    from dtlib.analytic.hardware import get_gpu
+    h, t = np.asarray(hidden, dtype=float), np.asarray(tp, dtype=float)
+    if np.any(h < 1) or np.any(t < 1) or seq < 1 or micro_batch_size < 1:
+        raise ValueError(f"hidden, tp, seq and micro_batch_size must be >= 1, got hidden={hidden}, "
+                         f"tp={tp}, seq={seq}, micro_batch_size={micro_batch_size}")
+    f = 4 * h if ffn is None else np.asarray(ffn, dtype=float)
+    tokens = seq * micro_batch_size
+    message = tokens * h * act_bytes
+    comm = 4 * collective_time("all_reduce", message, t, link)
+    forward = 2 * matmul_params_per_layer(h, 1, 1, f, 2) + attention_flops_per_token(seq, h, 1)
+    compute = 3 * forward * tokens / t / get_gpu(gpu).peak(dtype)
+    return {"comm_seconds": comm, "compute_seconds": compute, "ratio": comm / compute,
+            "message_bytes": message}

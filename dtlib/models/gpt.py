@@ -64,6 +64,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig, dropout: float):
         super().__init__()
         self.cfg = cfg
+        # the heads this module computes: all of them here, a slice under tensor parallelism
+        # (dtlib.parallel.tensor splits them by rank and lowers these two counts)
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden, cfg.hidden + 2 * kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
@@ -88,13 +91,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        b, s, h = x.shape
-        kv, d = cfg.kv_heads, cfg.head_dim
-        g = cfg.heads // kv
-        q, k, v = self.qkv(x).split([h, kv * d, kv * d], dim=-1)
+        kv, d = self.kv_heads, cfg.head_dim
+        g = self.heads // kv
+        qkv = self.qkv(x)  # [b, s, (g + 2) * kv * d]; s is the full sequence even if x is a shard
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.split([g * kv * d, kv * d, kv * d], dim=-1)
         q = q.view(b, s, kv, g, d).permute(0, 2, 3, 1, 4)  # [b, kv, g, s, d]
-        k = k.view(b, s, kv, d).transpose(1, 2)             # [b, kv, s, d]
-        v = v.view(b, s, kv, d).transpose(1, 2)
+        # own copies, as matmul makes anyway for kv_heads > 1: with one K/V head (MQA, or one head
+        # per tensor-parallel rank) matmul would save views that keep the whole fused QKV
+        # output alive for backward, Q included
+        k = k.view(b, s, kv, d).transpose(1, 2).contiguous()  # [b, kv, s, d]
+        v = v.view(b, s, kv, d).transpose(1, 2).contiguous()
         if cfg.position == "rope":
             q, k = self._rope(q, s), self._rope(k, s)
         q = q.reshape(b, kv, g * s, d) * (1.0 / math.sqrt(d))
@@ -106,7 +113,7 @@ class Attention(nn.Module):
         if self.dropout > 0:
             att = F.dropout(att, self.dropout, self.training)
         y = att.view(b, kv, g * s, s) @ v                   # [b, kv, g*s, d]
-        y = y.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h)
+        y = y.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, g * kv * d)
         return self.proj(y)
 
 

@@ -1,4 +1,4 @@
-"""The data-parallel family, written from scratch and checked against PyTorch's own.
+"""Parallelism, written from scratch and checked against PyTorch's own.
 
 One concept per module:
 
@@ -9,7 +9,11 @@ One concept per module:
 * :mod:`~dtlib.parallel.compression` - communication hooks: fp16/bf16, top-k, PowerSGD;
 * :mod:`~dtlib.parallel.zero` - :class:`ShardedOptimizer` (ZeRO stages 1 and 2);
 * :mod:`~dtlib.parallel.fsdp` - :class:`FSDP`, a toy ZeRO-3;
-* :mod:`~dtlib.parallel.buckets` - the flat-buffer and bucket bookkeeping they share.
+* :mod:`~dtlib.parallel.buckets` - the flat-buffer and bucket bookkeeping they share;
+* :mod:`~dtlib.parallel.tensor_regions` - the f/g operators of tensor and sequence parallelism;
+* :mod:`~dtlib.parallel.tensor` - Megatron-LM's column- and row-parallel layers, vocabulary-parallel
+  embedding and loss, :func:`tensor_parallel` to split a TinyGPT;
+* :mod:`~dtlib.parallel.dtensor` - PyTorch's own TP on a TinyGPT, the reference for the above.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
@@ -19,6 +23,8 @@ from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook
                                         powersgd_plan, topk_hook)
 from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
 from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
 
 __all__ = [
@@ -28,5 +34,7 @@ __all__ = [
     "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
     "PowerSGDState", "powersgd_hook", "powersgd_plan",
     "ShardedOptimizer", "FSDP",
+    "tensor_parallel", "full_state_dict", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "FlatLayout", "assign_buckets", "shard_bounds",
 ]

@@ -1,0 +1,190 @@
+"""Checks for the tensor-parallel exercise: the learner's f and g operators and a column-then-row
+parallel MLP (Shoeybi et al. 2019, Sec. 3, Fig. 3a).
+
+* :func:`check_f_and_g` - on real ranks: ``f`` is the identity forward and sums the input's
+  gradient over the ranks in backward; ``g`` sums its input over the ranks in forward and passes
+  the gradient through unchanged; ``f``'s forward and ``g``'s backward issue no collective.
+* :func:`check_parallel_mlp` - on real ranks, the learner's MLP from this rank's slices of
+  ``up`` (columns) and ``down`` (rows) gives the output and the input gradient of the full MLP,
+  and each rank's weight gradients are its slices of the full ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlib.grading.checks.feedback import first_line
+from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
+from dtlib.measure import CollectiveCounter
+
+__all__ = ["check_f_and_g", "check_parallel_mlp", "mlp_layers"]
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _run(worker: Callable, world_size: int, args: tuple, timeout: float, what: str) -> list[Any]:
+    try:
+        return launch(worker, world_size, args=args, timeout=timeout, output="none")
+    except LaunchTimeoutError:
+        raise AssertionError(f"the ranks hung (no result in {timeout:g} s): every rank must call "
+                             f"the same collectives in the same order in {what}") from None
+    except RankFailedError as e:
+        raise AssertionError(f"your {what} raised on rank {e.rank} of {world_size}: "
+                             f"{first_line(e)}") from None
+
+
+# ---- q1: f and g -------------------------------------------------------------------------------------
+def _f_g_worker(rank: int, world_size: int, f: type, g: type) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)           # the same on every rank (replicated)
+    upstream = torch.full((3, 4), float(rank + 1))       # a different gradient on every rank
+    with CollectiveCounter() as f_fwd:
+        y = f.apply(x)
+    with CollectiveCounter() as f_bwd:
+        y.backward(upstream)
+    partial = torch.full((3, 4), float(rank + 1), requires_grad=True)  # a different partial per rank
+    with CollectiveCounter() as g_fwd:
+        z = g.apply(partial)
+    with CollectiveCounter() as g_bwd:
+        z.backward(torch.ones(3, 4))
+    return {"f_out": y.detach(), "x": x.detach(), "f_grad": x.grad, "g_out": z.detach(),
+            "g_grad": partial.grad, "upstream": upstream,
+            "calls": {"f forward": len(f_fwd.calls), "f backward": len(f_bwd.calls),
+                      "g forward": len(g_fwd.calls), "g backward": len(g_bwd.calls)}}
+
+
+def check_f_and_g(f: type, g: type, world_size: int = 2, timeout: float = 30.0) -> None:
+    """``f`` and ``g`` are ``torch.autograd.Function`` classes applied as ``f.apply(x)``."""
+    for name, cls in (("f", f), ("g", g)):
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+            raise AssertionError(f"{name} must be a subclass of torch.autograd.Function with static "
+                                 "forward(ctx, x) and backward(ctx, grad) methods")
+    ranks = _run(_f_g_worker, world_size, (f, g), timeout, "f or g")
+    n = world_size
+    total = sum(range(1, n + 1))  # sum over ranks of (rank + 1)
+    setting = f"on {n} ranks"
+    for rank, r in enumerate(ranks):
+        if r["f_grad"] is None or r["g_grad"] is None:
+            raise AssertionError(f"{setting}, no gradient reached the input: backward must return "
+                                 "a tensor (the input's gradient), not None")
+        if not torch.allclose(r["f_out"], r["x"], **TOL):
+            raise AssertionError(f"{setting}, f changed its input in forward: f is the identity "
+                                 "forward (return x, e.g. x.view_as(x)); the input is already "
+                                 "the same on every rank")
+        if r["calls"]["f forward"]:
+            raise AssertionError(f"{setting}, f issued a collective in forward: its forward is "
+                                 "the identity, the all-reduce belongs in its backward")
+        if torch.allclose(r["f_grad"], r["upstream"], **TOL) and n > 1:
+            raise AssertionError(f"{setting}, rank {rank}'s input gradient is only its own: the "
+                                 "backward of f must all-reduce the input gradient (each rank "
+                                 "holds the contribution of its own slice of the layer)")
+        if torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total / n), **TOL):
+            raise AssertionError(f"{setting}, f's backward averaged the gradients: sum them "
+                                 "(dist.all_reduce with the default SUM), do not divide")
+        if not torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total), **TOL):
+            raise AssertionError(f"{setting}, f's backward returned {r['f_grad'].flatten()[0]:g} "
+                                 f"where the sum over ranks is {total}: all-reduce (sum) the "
+                                 "incoming gradient and return it")
+        if torch.allclose(r["g_out"], torch.full_like(r["g_out"], rank + 1.0), **TOL) and n > 1:
+            raise AssertionError(f"{setting}, g returned its input unchanged: g must all-reduce "
+                                 "(sum) the partial outputs in forward")
+        if not torch.allclose(r["g_out"], torch.full_like(r["g_out"], float(total)), **TOL):
+            raise AssertionError(f"{setting}, g's forward gave {r['g_out'].flatten()[0]:g} where "
+                                 f"the sum of the partials is {total}: sum, do not average, and "
+                                 "do not change the input in place (clone it first)")
+        if r["calls"]["g backward"] or not torch.allclose(r["g_grad"], torch.ones(3, 4), **TOL):
+            raise AssertionError(f"{setting}, g's backward is not the identity (gradient "
+                                 f"{r['g_grad'].flatten()[0]:g}, expected 1): every partial sum "
+                                 "gets the full gradient; all-reducing it again multiplies it "
+                                 "by world_size")
+
+
+# ---- q2: the parallel MLP ------------------------------------------------------------------------------
+def mlp_layers(hidden: int = 8, ffn: int = 32, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    """The full ``up`` (h -> 4h) and ``down`` (4h -> h) layers the check splits, with biases."""
+    torch.manual_seed(seed)
+    up, down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+    with torch.no_grad():
+        down.bias.normal_()  # a visible bias: adding it on every rank is then a visible mistake
+    return up, down
+
+
+def _mlp_worker(rank: int, world_size: int, fn: Callable) -> dict:
+    up, down = mlp_layers()
+    ref_up, ref_down = mlp_layers()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 8, generator=g)
+    target = torch.randn(2, 5, 8, generator=g)
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    try:
+        out = fn(x_ours, up, down, rank, world_size)
+    except RuntimeError as e:  # a shape mismatch: every rank raises it before any collective
+        return {"error": first_line(e)}
+    ref = ref_down(F.gelu(ref_up(x_ref)))
+    ((ref - target) ** 2).sum().backward()
+    if isinstance(out, torch.Tensor) and out.shape == ref.shape:
+        ((out - target) ** 2).sum().backward()
+    grads = {n: p.grad for n, p in [*up.named_parameters(prefix="up"), *down.named_parameters(prefix="down")]}
+    return {"out": out.detach() if isinstance(out, torch.Tensor) else out, "ref": ref.detach(),
+            "x_grad": x_ours.grad, "x_grad_ref": x_ref.grad, "grads": grads,
+            "ref_grads": {"up.weight": ref_up.weight.grad.chunk(world_size, 0)[rank],
+                          "up.bias": ref_up.bias.grad.chunk(world_size, 0)[rank],
+                          "down.weight": ref_down.weight.grad.chunk(world_size, 1)[rank],
+                          "down.bias": ref_down.bias.grad},
+            "bias": down.bias.detach()}
+
+
+def _slice_of(full_grad: torch.Tensor | None, name: str, rank: int, n: int) -> torch.Tensor | None:
+    if full_grad is None:
+        return None
+    dim = 1 if name == "down.weight" else 0
+    return full_grad if name == "down.bias" else full_grad.chunk(n, dim)[rank]
+
+
+def check_parallel_mlp(fn: Callable, world_size: int = 2, timeout: float = 30.0) -> None:
+    """``fn(x, up, down, rank, world_size)`` computes ``down(gelu(up(x)))`` with this rank's
+    columns of ``up`` and rows of ``down`` (slices of the full layers, e.g. ``up.weight.chunk``,
+    so the gradients flow back into ``up`` and ``down``), through f and g."""
+    ranks = _run(_mlp_worker, world_size, (fn,), timeout, "parallel_mlp")
+    setting = f"on {world_size} ranks"
+    for rank, r in enumerate(ranks):
+        if "error" in r:
+            raise AssertionError(f"{setting}, your parallel_mlp raised on rank {rank}: {r['error']}. "
+                                 "Keep up's output features (up.weight.chunk(world_size, 0)) and "
+                                 "down's input features (down.weight.chunk(world_size, 1))")
+        out, ref = r["out"], r["ref"]
+        if not isinstance(out, torch.Tensor):
+            raise AssertionError(f"parallel_mlp returned {type(out).__name__}: return the output "
+                                 "tensor (the same shape as x)")
+        if out.shape != ref.shape:
+            raise AssertionError(f"{setting}, the output has shape {tuple(out.shape)}, expected "
+                                 f"{tuple(ref.shape)}: split up by output features (rows of "
+                                 "up.weight) and down by input features (columns of down.weight)")
+        off = out - ref
+        extra_bias = (world_size - 1) * r["bias"]
+        if torch.allclose(off, extra_bias.expand_as(off), **TOL) and world_size > 1:
+            raise AssertionError(f"{setting}, the output is off by (world_size - 1) x down.bias: "
+                                 "the bias was added on every rank before the all-reduce; add it "
+                                 "once, after g")
+        if not torch.allclose(out, ref, **TOL):
+            raise AssertionError(f"{setting}, rank {rank}'s output differs from the full MLP by "
+                                 f"{off.abs().max().item():.2e}: the output of down on one rank is "
+                                 "a partial sum; leave the parallel region with g (all-reduce)")
+        if r["x_grad"] is None:
+            raise AssertionError(f"{setting}, x received no gradient: compute with x (through f), "
+                                 "not a detached copy")
+        if not torch.allclose(r["x_grad"], r["x_grad_ref"], **TOL):
+            raise AssertionError(f"{setting}, x's gradient on rank {rank} is only this rank's "
+                                 "share: enter the parallel region with f, whose backward "
+                                 "all-reduces it")
+        for name, want in r["ref_grads"].items():
+            got = _slice_of(r["grads"][name], name, rank, world_size)
+            if got is None or not torch.allclose(got, want, **TOL):
+                hint = ("did you all-reduce before adding the bias?" if name == "down.bias"
+                        else "use this rank's slice: up.weight.chunk(world_size, 0)[rank], "
+                             "down.weight.chunk(world_size, 1)[rank]")
+                raise AssertionError(f"{setting}, the gradient of {name} on rank {rank} differs "
+                                     f"from the full MLP's: {hint}")
