@@ -49,3 +49,12 @@ def test_groups_accepts_megatron_order():
 def test_groups_rejects_mistakes(wrong, message):
     with pytest.raises(AssertionError, match=message):
         checks.check_groups(wrong, train=False)
+
+
+def test_training_with_the_learners_groups():
+    got = checks.train_with_groups(groups)
+    assert len(got["losses"]) == 2
+    # groups that partition the ranks but swap TP and DP: training no longer equals one process
+    with pytest.raises(AssertionError, match="differ from one process|failed on rank"):
+        checks.train_with_groups(lambda dp, tp, pp: {**groups(dp, tp, pp), "tp": groups(dp, tp, pp)["dp"],
+                                                     "dp": groups(dp, tp, pp)["tp"]})

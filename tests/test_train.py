@@ -55,6 +55,7 @@ LAYOUTS_2 = [
     BASE.with_(dp=2, zero=1, optimizer="adamw", lr=1e-2),
     BASE.with_(cp=2),
     MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
+    BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
 ]
 
 
@@ -66,6 +67,8 @@ LAYOUTS_4 = [
     BASE.with_(dp=2, cp=2),
     BASE.with_(dp=2, cp=2, zero=3),
     MOE.with_(dp=4, ep=2, capacity_factor=1.5),
+    BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
 ]
 
 
