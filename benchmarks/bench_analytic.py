@@ -50,9 +50,12 @@ def main() -> None:
         for kw in rows:
             memory_per_gpu(cfg, Parallelism(**kw, **opts))
 
+    # a step time every sampled layout can reach (shorter than the FLOPs allow is an error)
+    step_time = 1e5
+
     def scalar_flops():
         for kw in rows:
-            flops_report(cfg, kw["dp"] * kw["micro_batch_size"] * kw["num_microbatches"], step_time=1.0,
+            flops_report(cfg, kw["dp"] * kw["micro_batch_size"] * kw["num_microbatches"], step_time=step_time,
                          gpus=kw["dp"] * kw["tp"] * kw["pp"] * kw["cp"])
 
     batch = big["dp"] * big["micro_batch_size"] * big["num_microbatches"]
@@ -61,7 +64,7 @@ def main() -> None:
         "memory, scalar": _rate(scalar_memory, args.scalar_n),
         "memory, vectorised": _rate(lambda: memory_batch(cfg, **opts, **big), args.n),
         "flops, scalar": _rate(scalar_flops, args.scalar_n),
-        "flops, vectorised": _rate(lambda: flops_batch(cfg, batch=batch, step_time=1.0, gpus=gpus), args.n),
+        "flops, vectorised": _rate(lambda: flops_batch(cfg, batch=batch, step_time=step_time, gpus=gpus), args.n),
     }
     # the two paths agree (same formulas)
     out = memory_batch(cfg, **opts, **small)

@@ -13,14 +13,17 @@ import re
 import sys
 from typing import Any, Callable
 
+import dtlib
+from dtlib.analytic import validate
 from dtlib.analytic.comm import (ALGORITHMS, COLLECTIVES, comm_report, flat_link, hierarchical_time,
                         strategy_volumes)
 from dtlib.analytic.flops import ATTENTION, flops_report
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster, get_link
 from dtlib.analytic.memory import GiB, memory_per_gpu, resolve_model
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
-from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, check_layout
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.precision import CONVENTIONS, PRECISIONS, OPTIMIZERS, get_precision, precision
+from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
 
 __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
@@ -29,7 +32,20 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but usage errors become ValueError (one line, exit 2, like every bad input)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        # "argument --tp: must be an integer >= 1, got '0'" -> "--tp must be ...": the wording of
+        # dtlib.analytic.validate, with the flag where Python names the parameter
+        message = re.sub(r"^argument (\S+): must be ", r"\1 must be ", message)
         raise ValueError(f"{message} (see '{self.prog} --help')")
+
+
+# Python parameters whose flag is not "--" + name with "-" for "_" (see _flag).
+_FLAGS = {"nbytes": "--bytes", "overhead_bytes": "--overhead", "largest_layer_params": "--largest-layer",
+          "micro_batch_size": "--micro-batch", "num_microbatches": "--microbatches"}
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a Python parameter: ``step_time`` -> ``--step-time``."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -37,19 +53,24 @@ _BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 _COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # 7B = 7 billion parameters
 
 
+def _checked(check: Callable[[], Any], text: str) -> Any:
+    """Run a :mod:`dtlib.analytic.validate` check for an argparse ``type``; argparse names the flag."""
+    try:
+        return check()
+    except validate.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(f"must be {exc.requirement}, got {text!r}") from None
+
+
 def _parse(text: str, units: dict[str, float], example: str, positive: bool = False) -> float:
-    """A number with a unit; never negative, and > 0 when ``positive``."""
-    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    """A finite number with a unit; never negative, and > 0 when ``positive``."""
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text), re.IGNORECASE)
     if not m or m.group(2).lower() not in units:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}")
     try:
         value = float(m.group(1)) * units[m.group(2).lower()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}") from None
-    if value < 0 or (positive and value == 0):
-        what = "positive" if positive else "zero or positive"
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}; write e.g. {example}")
-    return value
+    return _checked(lambda: validate.number("value", value, minimum=0, exclusive=positive), text)
 
 
 def parse_size(text: str) -> float:
@@ -67,21 +88,42 @@ def _parameter_count(text: str) -> float:
     return _parse(text, _COUNTS, "7e9, 7B, 350M", positive=True)
 
 
+def _seconds(text: str) -> float:
+    """``--step-time``: seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write seconds, e.g. 1.5") from None
+    return _checked(lambda: validate.number("value", value), text)
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (sizes, counts, widths): checked here, before any division by it."""
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+        value = str(text)  # not an integer: validate says what is expected
+    return _checked(lambda: validate.integer("value", value), text)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--params -7B`` -> ``--params=-7B``: argparse takes a value starting with '-' for an
+    option unless it looks like a plain number, so a negative size would be reported as a
+    missing argument instead of a negative one."""
+    out: list[str] = []
+    for tok in argv:
+        if out and re.match(r"^-\.?[0-9]", tok) and re.fullmatch(r"--[a-z][a-z0-9-]*", out[-1]):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
 
 
 # ---- shared options -------------------------------------------------------------------------------
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
-    g.add_argument("--model", help="preset name, e.g. llama3-8b")
+    g.add_argument("preset", nargs="?", metavar="MODEL", help="a preset, as --model")
+    g.add_argument("--model", help=f"preset name, one of: {', '.join(PRESETS)}")
     g.add_argument("--params", type=_parameter_count, help="bare parameter count, e.g. 7e9 or 7B")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn"):
         g.add_argument(f"--{name}", type=positive_int)
@@ -100,9 +142,10 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{name}", type=positive_int, default=1)
     g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+    g.add_argument("--recompute", choices=RECOMPUTE,
                    help="activation recomputation (Korthikanti et al. 2022); 'selective' drops the "
-                        "s^2 attention terms, which is also FlashAttention's memory footprint")
+                        "s^2 attention terms, which is also FlashAttention's memory footprint "
+                        "(default: how the preset was trained, e.g. 'selective' for Llama; else 'none')")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
@@ -126,6 +169,10 @@ def _precision_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace) -> "TransformerConfig | float":
+    if getattr(args, "preset", None) is not None:
+        if args.model is not None and args.model != args.preset:
+            raise ValueError(f"two models given: {args.preset!r} and --model {args.model!r}; give one")
+        args.model = args.preset
     shape = [args.layers, args.hidden, args.heads]
     given = sum(x is not None for x in (args.model, args.params)) + any(v is not None for v in shape)
     if given != 1:
@@ -150,38 +197,74 @@ def _model(args: argparse.Namespace) -> "TransformerConfig | float":
                              activation=args.activation or "gelu")
 
 
-def _check_sizes(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    """Every size that is divided by must be an integer >= 1 (argparse checks the command line;
-    this also covers a Namespace built by hand)."""
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-
-
-def _layout(args: argparse.Namespace) -> Parallelism:
-    _check_sizes(args, ("tp", "pp", "cp", "ep", "dp", "gpus", "gpus_per_node"))
+def _layout(args: argparse.Namespace, shape: dict[str, Any] | None = None) -> Parallelism:
+    """The layout of the flags; ``dp`` defaults to ``--gpus`` / (tp*pp*cp). When ``--gpus`` does
+    not divide, the suggestion is the smallest larger count that satisfies every rule of
+    :data:`~dtlib.analytic.layout.RULES` for this model (``shape``), not only divisibility."""
+    for name in ("tp", "pp", "cp", "ep"):
+        validate.integer(name, getattr(args, name))
     model_parallel = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
-        gpus = model_parallel if args.gpus is None else args.gpus
+        gpus = model_parallel if args.gpus is None else validate.integer("gpus", args.gpus)
         if gpus % model_parallel:
             raise ValueError(f"--gpus {gpus} is not divisible by tp*pp*cp = {model_parallel}; "
-                             f"valid --gpus are multiples of {model_parallel}")
+                             + _suggest_gpus(args, shape or {}, gpus, model_parallel))
         dp = gpus // model_parallel
     return Parallelism(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                        virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
-                       num_microbatches=args.num_microbatches, recompute=args.recompute, offload=args.offload)
+                       num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
+                       offload=args.offload)
+
+
+def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
+                  tries: int = 4096) -> str:
+    """The smallest multiple of tp*pp*cp above ``gpus`` whose layout breaks no rule, or, when none
+    does, the rule that no GPU count can fix (e.g. tp=3 and 32 heads)."""
+    def first_broken(dp: int) -> str | None:
+        n = dict(shape, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+                 sequence_parallel=bool(args.sequence_parallel), virtual_stages=args.virtual_stages,
+                 micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+                 shard_size=dp * args.cp)
+        return next((message(**{f: n[f] for f in fields})
+                     for valid, message, fields in broken_rules(n, args.schedule, args.offload)
+                     if not bool(valid)), None)
+
+    first = -(-gpus // model_parallel)
+    for dp in range(first, first + tries):
+        if first_broken(dp) is None:
+            return f"the next valid count is --gpus {dp * model_parallel}"
+    return f"no GPU count fixes this layout: {first_broken(first)}"
 
 
 def _checked_layout(args: argparse.Namespace, model: "TransformerConfig | float") -> Parallelism:
     """The layout, checked against the model shape and the GPU count (as memory_per_gpu does)."""
-    layout = _layout(args)
     shape = model.numbers(args.seq) if isinstance(model, TransformerConfig) else {}
+    layout = _layout(args, shape)
     check_layout(layout.numbers(**shape, gpus=args.gpus), layout.schedule, layout.offload)
     return layout
+
+
+def _training_defaults(args: argparse.Namespace, model: "TransformerConfig | float") -> list[str]:
+    """Fill ``--recompute`` and ``--dropout`` left unset with how the preset was trained
+    (:func:`dtlib.analytic.presets.training_of`; the paper's GPT convention for a custom shape or
+    a bare count). Returns the note saying what was assumed, if anything differs from the paper."""
+    trained = training_of(model) if args.model is not None else GPT_CONVENTION
+    assumed = []
+    if args.recompute is None:
+        args.recompute = trained.recompute
+        if trained.flash_attention:
+            assumed.append("FlashAttention-style attention (the s x s scores are not stored: counted "
+                           "as --recompute selective)")
+    if getattr(args, "dropout", False) is None:  # only `memory` has --dropout
+        args.dropout = trained.dropout
+        if not trained.dropout:
+            assumed.append("no dropout")
+    if not assumed:
+        return []
+    return [f"assuming {model.name} as trained: {' and '.join(assumed)} ({trained.source}); "
+            "--recompute none --dropout for the paper's GPT convention"]
 
 
 def _precision(args: argparse.Namespace):
@@ -196,12 +279,22 @@ def _table(rows: list[tuple[str, str]], title: str) -> str:
     return "\n".join([title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows])
 
 
+def _bytes(x: float) -> str:
+    """Whole bytes while a float holds them exactly (< 2^53), else 4 significant digits: never
+    the noise digits of a huge float."""
+    return f"{x:,.0f}" if abs(x) < 2 ** 53 else f"{x:.4g}"
+
+
 def _gib(x: float | None) -> str:
-    return "n/a (no model shape)" if x is None else f"{x / GiB:10.2f} GiB  ({x:,.0f} B)"
+    if x is None:
+        return "n/a (no model shape)"
+    gib = f"{x / GiB:10.2f}" if x < 1e6 * GiB else f"{x / GiB:10.4g}"
+    return f"{gib} GiB  ({_bytes(x)} B)"
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
-    print(json.dumps(data, indent=2, default=str) if args.json else text)
+    # allow_nan=False: JSON has no NaN or Infinity, and the inputs are checked so none can arise
+    print(json.dumps(data, indent=2, default=str, allow_nan=False) if args.json else text)
     return 0
 
 
@@ -210,12 +303,13 @@ _MEMORY_DESCRIPTION = """\
 Bytes on the most loaded GPU: parameters, gradients, optimizer states, activations, temporary
 buffers and overhead.
 
-Activations: the default follows Korthikanti et al. 2022 (Sec. 4) for *explicit* attention,
-which stores the s x s attention scores (softmax output, its dropout mask and the dropped-out
-scores: the 5as/h term of Table 2) and the block's dropout masks: the paper's GPT convention.
-For a Llama-style model trained with FlashAttention (which never stores the s^2 scores) and
-without dropout, the realistic setting is --recompute selective --no-dropout: selective
-recompute drops exactly the s^2 terms.
+Activations follow Korthikanti et al. 2022 (Sec. 4). Their GPT convention is *explicit*
+attention, which stores the s x s attention scores (softmax output, its dropout mask and the
+dropped-out scores: the 5as/h term of Table 2), and dropout masks in every block. A preset is
+counted as its model was trained (dtlib.analytic.presets.TRAINING): Llama models use a
+FlashAttention-style kernel, which never stores the s^2 scores (the footprint of --recompute
+selective), and no dropout. The output says what was assumed; --recompute none --dropout gives
+the paper's GPT convention for any model.
 """
 
 
@@ -227,23 +321,25 @@ def add_memory_command(sub: Any) -> None:
                    help="ZeRO-3 gather unit in parameters, e.g. 32M (needed with --params: a bare "
                         "count has no layers, so the gather buffer is 0 without it)")
     p.add_argument("--overhead", type=parse_size, default=0.0, help="framework overhead bytes, e.g. 2GiB")
-    p.add_argument("--no-dropout", action="store_true",
-                   help="model trained without dropout (Llama): no dropout masks; the default keeps "
-                        "1-byte masks as Korthikanti et al. do")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction,
+                   help="1-byte dropout masks as Korthikanti et al. count them (default: as the preset "
+                        "was trained, e.g. none for Llama; with dropout for other models)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_memory)
 
 
 def run_memory(args: argparse.Namespace) -> int:
-    layout = _layout(args)
     model = _model(args)
+    assumed = _training_defaults(args, model)
+    layout = _checked_layout(args, model)
     m = memory_per_gpu(model, layout, precision=_precision(args), gpu=args.gpu,
-                       gpus=args.gpus, seq=args.seq, dropout=not args.no_dropout,
+                       gpus=args.gpus, seq=args.seq, dropout=args.dropout,
                        largest_layer_params=args.largest_layer, overhead_bytes=args.overhead)
     if layout.zero == 3 and not isinstance(model, TransformerConfig) and args.largest_layer is None:
         m.notes.append("temporary: the ZeRO-3 gather buffer is counted as 0 because a bare parameter "
                        "count has no layer sizes; give --largest-layer N (DeepSpeed budgets 4 bytes x "
                        "the largest layer's parameters) or a model shape")
+    m.notes.extend(assumed)
     rows = [(k, _gib(v)) for k, v in m.to_dict()["per_gpu"].items()]
     rows += [("offloaded to CPU", _gib(m.cpu)), (f"{m.gpu.name} memory", _gib(m.gpu.memory_bytes)),
              ("fits", "yes" if m.fits else "NO")]
@@ -257,7 +353,7 @@ def add_flops_command(sub: Any) -> None:
     _model_args(p), _layout_args(p)
     p.add_argument("--batch", type=positive_int,
                    help="global batch in sequences (default dp*micro_batch_size*num_microbatches)")
-    p.add_argument("--step-time", type=float, help="measured seconds per step (gives MFU/HFU)")
+    p.add_argument("--step-time", type=_seconds, help="measured seconds per step (gives MFU/HFU)")
     p.add_argument("--attention-flops", choices=ATTENTION, default="full")
     p.add_argument("--no-logits", action="store_true", help="leave out the vocabulary projection")
     p.add_argument("--dtype", default="bf16", help="peak to compare with: fp32, tf32, bf16, fp16, fp8")
@@ -267,6 +363,7 @@ def add_flops_command(sub: Any) -> None:
 
 def run_flops(args: argparse.Namespace) -> int:
     model = _model(args)
+    assumed = _training_defaults(args, model)
     layout = _checked_layout(args, model)
     r = flops_report(model, layout.global_batch if args.batch is None else args.batch, seq=args.seq,
                      step_time=args.step_time, gpus=layout.gpus if args.gpus is None else args.gpus,
@@ -281,7 +378,8 @@ def run_flops(args: argparse.Namespace) -> int:
             ("step time at 100% MFU", f"{r['ideal_step_time']:.4g} s")]
     if "mfu" in r:
         rows += [("MFU", f"{100 * r['mfu']:.1f} %"), ("HFU", f"{100 * r['hfu']:.1f} %")]
-    return _emit(args, r, _table(rows, f"FLOPs: {r['model']} on {r['gpus']} GPUs"))
+    r["notes"] = assumed
+    return _emit(args, r, "\n".join([_table(rows, f"FLOPs: {r['model']} on {r['gpus']} GPUs")] + assumed))
 
 
 def add_comm_command(sub: Any) -> None:
@@ -310,7 +408,7 @@ _SINGLE_COLLECTIVE_OPTIONS = {"collective", "bytes", "ranks", "link", "inter_lin
 
 def run_comm(args: argparse.Namespace) -> int:
     algs = ALGORITHMS if args.algorithm == "both" else (args.algorithm,)
-    if any(getattr(args, x) is not None for x in ("model", "params", "layers", "hidden", "heads")):
+    if any(getattr(args, x) is not None for x in ("preset", "model", "params", "layers", "hidden", "heads")):
         if args.bytes is not None or args.ranks is not None:
             raise ValueError("give either --bytes and --ranks (one collective) or a model (--model, "
                              "--params or --layers/--hidden/--heads: per-strategy volumes), not both")
@@ -327,7 +425,8 @@ def run_comm(args: argparse.Namespace) -> int:
                          "precision options describe a model, not a single collective, which takes "
                          "--collective, --bytes, --ranks, --link, --inter-link, --gpus-per-node and "
                          "--algorithm")
-    _check_sizes(args, ("ranks", "gpus_per_node"))
+    validate.integer("ranks", args.ranks)
+    validate.integer("gpus_per_node", args.gpus_per_node)
     intra, inter = get_link(args.link), get_link(args.inter_link)
     g, n = args.gpus_per_node, args.ranks
     nodes = -(-n // g)
@@ -335,12 +434,12 @@ def run_comm(args: argparse.Namespace) -> int:
     if nodes == 1:
         flat = intra
         label = {alg: alg for alg in algs}
-        title = f"{args.collective} of {args.bytes:,.0f} B over {n} ranks in one node on {intra.name}"
+        title = f"{args.collective} of {_bytes(args.bytes)} B over {n} ranks in one node on {intra.name}"
     else:
         cl = cluster(args.gpu, nodes, g, intra.name, inter.name)
         flat = flat_link(cl)
         label = {alg: f"flat {alg} (bounded by {inter.name})" for alg in algs}
-        title = (f"{args.collective} of {args.bytes:,.0f} B over {n} ranks on {nodes} nodes "
+        title = (f"{args.collective} of {_bytes(args.bytes)} B over {n} ranks on {nodes} nodes "
                  f"({intra.name} within a node, {inter.name} across)")
         notes.append(f"flat rows: one {'/'.join(algs)} over all {n} ranks; every step waits for its "
                      f"slowest hop, the {inter.name} link between nodes "
@@ -369,6 +468,7 @@ def _comm_volumes(args: argparse.Namespace) -> int:
     cfg = _model(args)
     if not isinstance(cfg, TransformerConfig):
         raise ValueError("per-strategy volumes need a model shape (--model or --layers/--hidden/--heads)")
+    _training_defaults(args, cfg)  # recompute changes TP volumes only when 'full', never by default
     v = strategy_volumes(cfg, _checked_layout(args, cfg), _precision(args), seq=args.seq)
     rows = [(k, f"{d['collective']:<15} {d['calls']:6.0f} x {d['bytes'] / 2**20:10.1f} MiB over "
                 f"{d['ranks']:4d} ranks -> {d['bytes_sent_per_gpu'] / GiB:8.2f} GiB sent/GPU")
@@ -479,6 +579,7 @@ COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dtlib`` parser with every subcommand in :data:`COMMANDS`."""
     parser = _Parser(prog="dtlib", description="Distributed-training arithmetic: memory, FLOPs, communication.")
+    parser.add_argument("--version", action="version", version=f"dtlib {dtlib.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in COMMANDS:
         add(sub)
@@ -488,10 +589,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtlib`` console script; returns the exit status."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the try
         return code
+    except validate.InvalidArgument as exc:  # a Python parameter: say its flag
+        print(f"dtlib: error: {exc.renamed(_flag(exc.name))}".replace("\n", " "), file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"dtlib: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2

@@ -36,6 +36,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from dtlib.analytic import validate
+
 __all__ = [
     "launch",
     "LaunchError",
@@ -262,17 +264,20 @@ def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
             p.join(5)
 
 
+# The longest launch a timeout may ask for. faulthandler's watchdog (armed at 0.9 x timeout in each
+# rank) overflows the platform's time_t near 1e10 s; no lesson or test needs more than a week.
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
 def _validate(fn: Callable, world_size: int, args: Sequence, timeout: float, output: str) -> None:
+    """Every argument checked in the caller's process, before any rank is forked."""
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(rank, world_size, *args), got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    validate.integer("world_size", world_size)
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of extra arguments for fn, got {type(args).__name__}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if output not in _OUTPUT_MODES:
-        raise ValueError(f"output must be one of {_OUTPUT_MODES}, got {output!r}")
+    validate.number("timeout", timeout, maximum=MAX_TIMEOUT)  # seconds; True is not 1 s
+    validate.one_of("output", output, _OUTPUT_MODES)
 
 
 def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
@@ -300,17 +305,19 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
     start_method = start_method or _default_start_method(backend)
     if start_method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method must be 'fork', 'spawn' or 'forkserver', got {start_method!r}")
-    try:
-        blob = cloudpickle.dumps((fn, tuple(args)))
-    except Exception as exc:
-        raise TypeError(
-            f"an argument of launch() cannot be sent to a worker process ({exc}); pass only "
-            "picklable values (tensors, numbers, strings, containers, functions, modules' classes)"
-        ) from exc
-    # Forked children inherit the objects themselves; spawned ones need the bytes.
-    payload = (fn, tuple(args)) if start_method == "fork" else blob
     if start_method == "fork":
+        # Forked children inherit the objects themselves: nothing to pickle (a big dataset in
+        # args or in fn's closure would otherwise be serialised only to be thrown away).
+        payload: Any = (fn, tuple(args))
         _prewarm_before_fork()
+    else:
+        try:
+            payload = cloudpickle.dumps((fn, tuple(args)))
+        except Exception as exc:
+            raise TypeError(
+                f"an argument of launch() cannot be sent to a worker process ({exc}); pass only "
+                "picklable values (tensors, numbers, strings, containers, functions, modules' classes)"
+            ) from exc
 
     workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
     ctx = mp.get_context(start_method)
@@ -339,15 +346,23 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
             for r in range(1, world_size):
                 for line in _read_output(workdir, r).splitlines():
                     print(f"[rank {r}] {line}")
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
-                results.append(cloudpickle.load(f))
-        return results
+        return [_read_result(workdir, r, procs[r].exitcode) for r in range(world_size)]
     finally:
         _kill(procs)
         del store
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _read_result(workdir: str, rank: int, exitcode: int | None) -> Any:
+    """Rank ``rank``'s return value; a rank that ended without writing one (``os._exit(0)`` in
+    ``fn``, or a process killed between its result and its exit) is a clear error."""
+    try:
+        with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
+            return cloudpickle.load(f)
+    except FileNotFoundError:
+        raise RankFailedError(
+            f"rank {rank} exited (code {exitcode}) without returning a result: did fn call "
+            "os._exit() (or exit the process another way) before returning?", rank, "") from None
 
 
 def _wait(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float,
@@ -426,6 +441,7 @@ def init_from_env(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, 
 
     Returns ``(rank, world_size, device)``; the device is ``cuda:{LOCAL_RANK}`` under NCCL.
     """
+    validate.number("timeout", timeout, maximum=MAX_TIMEOUT)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(

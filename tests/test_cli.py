@@ -30,7 +30,9 @@ def test_memory_table_and_json(capsys):
     assert code == 0 and "optimizer" in out and "GiB" in out and "h100-sxm memory" in out
     code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--json")
     per_gpu = json.loads(out)["per_gpu"]
-    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3), precision=precision("bf16-mixed"))
+    # a Llama preset is counted as trained: FlashAttention-style (selective's footprint), no dropout
+    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3, recompute="selective"),
+                              precision=precision("bf16-mixed"), dropout=False)
     assert per_gpu["total"] == expected.total and per_gpu["activations"] == expected.activations
     assert per_gpu["parameters"] + per_gpu["gradients"] + per_gpu["optimizer"] == expected.model_states
 
@@ -140,7 +142,7 @@ def test_piping_into_head_prints_no_traceback():
 def test_memory_help_explains_the_activation_convention(capsys):
     assert main(["memory", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "s x s attention scores" in out and "--recompute selective --no-dropout" in out
+    assert "s x s attention scores" in out and "--recompute none --dropout" in out
     assert "FlashAttention" in out
     assert main(["memory", "--model", "llama3-8b", "--recompute", "selective", "--no-dropout"]) == 0
 
@@ -162,59 +164,59 @@ BAD_CLI = [
     (["memory", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--dp", "2"], "= 16 but there are 8 GPUs"),
     (["memory", "--model", "llama3-8b", "--gpus", "12", "--tp", "8"], "not divisible by tp\\*pp\\*cp = 8"),
     (["memory", "--model", "llama3-8b", "--cp", "3"], "cp=3 must divide the sequence length 8192"),
-    (["memory", "--layers", "0", "--hidden", "64", "--heads", "4"], "--layers: must be an integer >= 1, got '0'"),
-    (["memory", "--layers", "2", "--hidden", "-64", "--heads", "4"], "--hidden: must be an integer >= 1, got '-64'"),
+    (["memory", "--layers", "0", "--hidden", "64", "--heads", "4"], "--layers must be an integer >= 1, got '0'"),
+    (["memory", "--layers", "2", "--hidden", "-64", "--heads", "4"], "--hidden must be an integer >= 1, got '-64'"),
     (["memory", "--layers", "2", "--hidden", "64", "--heads", "5"], "hidden \\(64\\) must be divisible by heads"),
     (["memory", "--layers", "2", "--hidden", "64"], "needs all of --layers, --hidden and --heads"),
     (["memory"], "give exactly one of --model"),
     (["memory", "--model", "llama3-8b", "--params", "7e9"], "give exactly one of"),
     (["memory", "--model", "gpt5"], "unknown model preset 'gpt5'; valid presets: gpt3-175b"),
     (["memory", "--model", "llama3-8b", "--gpu", "v100"], "unknown GPU 'v100'; valid: a100-40gb"),
-    (["memory", "--params", "0"], "--params: must be positive, got '0'; write e.g. 7e9, 7B"),
-    (["memory", "--params", "-5"], "--params: must be positive, got '-5'; write e.g. 7e9, 7B"),
+    (["memory", "--params", "0"], "--params must be a finite number > 0, got '0'"),
+    (["memory", "--params", "-5"], "--params must be a finite number > 0, got '-5'"),
     (["memory", "--params", "7GB"], "cannot read '7GB'"),
-    (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "--micro-batch: must be an integer >= 1, got '0'"),
+    (["memory", "--model", "llama3-8b", "--micro-batch", "0"], "--micro-batch must be an integer >= 1, got '0'"),
     (["memory", "--model", "llama3-8b", "--zero", "5"], "invalid choice: '?5'? \\(choose from 0, 1, 2, 3\\)"),
     (["memory", "--model", "llama3-8b", "--zero", "2", "--offload", "params"], "needs ZeRO stage 3"),
     (["memory", "--model", "llama3-8b", "--virtual-stages", "2"], "needs schedule='interleaved'"),
     (["memory", "--model", "llama3-8b", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
       "--microbatches", "6"], "multiple of pp=4"),
     (["memory", "--model", "llama3-8b", "--dp", "2", "--ep", "2"], "needs an MoE model"),
-    (["flops", "--model", "llama3-8b", "--step-time", "-1"], "step_time must be a positive number"),
+    (["flops", "--model", "llama3-8b", "--step-time", "-1"], "--step-time must be a finite number > 0, got '-1'"),
     (["flops", "--model", "llama3-8b", "--tp", "3"], "valid tp: 1, 2, 4, 8"),
     (["flops", "--model", "llama3-8b", "--gpus", "8", "--dp", "2"], "= 2 but there are 8 GPUs"),
     (["comm", "--model", "llama3-8b", "--pp", "64"], "exceed the 32 layers"),
     (["flops", "--params", "7e9"], "needs seq"),
     (["flops", "--model", "llama3-8b", "--gpu", "a100-80gb", "--dtype", "fp8", "--step-time", "1"], "no fp8 peak"),
     (["comm", "--collective", "all_reduce", "--bytes", "1GiB"], "needs --bytes and --ranks"),
-    (["comm", "--bytes", "1GiB", "--ranks", "0"], "--ranks: must be an integer >= 1, got '0'"),
+    (["comm", "--bytes", "1GiB", "--ranks", "0"], "--ranks must be an integer >= 1, got '0'"),
     (["comm", "--bytes", "1GiB", "--ranks", "8", "--link", "nvlink9"], "unknown link 'nvlink9'; valid: nvlink3"),
     (["comm", "--bytes", "12parsecs", "--ranks", "2"], "cannot read '12parsecs'; write e.g. 1e9, 512MiB"),
     (["comm", "--bytes", "1.2.3", "--ranks", "2"], "cannot read '1.2.3'"),
     (["comm", "--collective", "gossip", "--bytes", "1", "--ranks", "2"], "invalid choice: 'gossip'"),
     ([], "required: command"),
     # zero or negative sizes: rejected before anything divides by them
-    *[([cmd, "--model", "llama3-8b", f"--{size}", value], f"--{size}: must be an integer >= 1, got '{value}'")
+    *[([cmd, "--model", "llama3-8b", f"--{size}", value], f"--{size} must be an integer >= 1, got '{value}'")
       for cmd in ("memory", "flops", "comm") for size in ("tp", "pp", "cp", "ep", "dp") for value in ("0", "-2")],
-    (["memory", "--model", "llama3-8b", "--gpus", "-8"], "--gpus: must be an integer >= 1, got '-8'"),
-    (["memory", "--model", "llama3-8b", "--gpus", "0"], "--gpus: must be an integer >= 1, got '0'"),
-    (["flops", "--model", "llama3-8b", "--gpus", "0"], "--gpus: must be an integer >= 1, got '0'"),
+    (["memory", "--model", "llama3-8b", "--gpus", "-8"], "--gpus must be an integer >= 1, got '-8'"),
+    (["memory", "--model", "llama3-8b", "--gpus", "0"], "--gpus must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--gpus", "0"], "--gpus must be an integer >= 1, got '0'"),
     (["memory", "--model", "llama3-8b", "--gpus", "4", "--tp", "8"], "--gpus 4 is not divisible by tp\\*pp\\*cp = 8"),
-    (["comm", "--bytes", "1GB", "--ranks", "16", "--gpus-per-node", "0"], "--gpus-per-node: must be an integer >= 1"),
-    (["comm", "--bytes", "1GB", "--ranks", "-16"], "--ranks: must be an integer >= 1, got '-16'"),
+    (["comm", "--bytes", "1GB", "--ranks", "16", "--gpus-per-node", "0"], "--gpus-per-node must be an integer >= 1"),
+    (["comm", "--bytes", "1GB", "--ranks", "-16"], "--ranks must be an integer >= 1, got '-16'"),
     (["comm", "--bytes", "1GB", "--ranks", "16", "--inter-link", "carrier-pigeon"], "unknown link 'carrier-pigeon'"),
-    (["memory", "--model", "llama3-8b", "--virtual-stages", "0"], "--virtual-stages: must be an integer >= 1"),
-    (["memory", "--model", "llama3-8b", "--microbatches", "0"], "--microbatches: must be an integer >= 1"),
+    (["memory", "--model", "llama3-8b", "--virtual-stages", "0"], "--virtual-stages must be an integer >= 1"),
+    (["memory", "--model", "llama3-8b", "--microbatches", "0"], "--microbatches must be an integer >= 1"),
     # zero values are errors, not "use the default"
-    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "0"], "--vocab: must be an integer >= 1, got '0'"),
-    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "0"], "--seq: must be an integer >= 1, got '0'"),
-    (["flops", "--model", "llama3-8b", "--seq", "0"], "--seq: must be an integer >= 1, got '0'"),
-    (["flops", "--model", "llama3-8b", "--batch", "0"], "--batch: must be an integer >= 1, got '0'"),
-    (["flops", "--model", "llama3-8b", "--batch", "-4"], "--batch: must be an integer >= 1, got '-4'"),
-    (["memory", "--model", "llama3-8b", "--overhead=-1GiB"], "--overhead: must be zero or positive, got '-1GiB'"),
-    (["memory", "--params", "7B", "--zero", "3", "--largest-layer=-1M"], "--largest-layer: must be zero or positive"),
-    (["comm", "--bytes=-1GB", "--ranks", "2"], "--bytes: must be zero or positive, got '-1GB'"),
-    (["comm", "--bytes", "0", "--ranks", "2"], "bytes must be positive, got 0"),
+    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "0"], "--vocab must be an integer >= 1, got '0'"),
+    (["memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "0"], "--seq must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--seq", "0"], "--seq must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--batch", "0"], "--batch must be an integer >= 1, got '0'"),
+    (["flops", "--model", "llama3-8b", "--batch", "-4"], "--batch must be an integer >= 1, got '-4'"),
+    (["memory", "--model", "llama3-8b", "--overhead=-1GiB"], "--overhead must be a finite number >= 0, got '-1GiB'"),
+    (["memory", "--params", "7B", "--zero", "3", "--largest-layer=-1M"], "--largest-layer must be a finite number >= 0"),
+    (["comm", "--bytes=-1GB", "--ranks", "2"], "--bytes must be a finite number >= 0, got '-1GB'"),
+    (["comm", "--bytes", "0", "--ranks", "2"], "--bytes must be a finite number > 0, got 0"),
     # options that would be silently ignored
     (["memory", "--model", "llama3-8b", "--vocab", "1000"], "--vocab only describe a custom shape"),
     (["memory", "--params", "7B", "--kv-heads", "8", "--activation", "swiglu"], "--kv-heads, --activation only describe"),
@@ -238,20 +240,20 @@ def test_bad_input_prints_one_line_and_exits_2(capsys, argv, message):
 
 
 BAD_API = [
-    (lambda: Parallelism(dp=0), "dp must be >= 1"),
-    (lambda: Parallelism(zero=4), "ZeRO stage must be 0, 1, 2 or 3"),
-    (lambda: Parallelism(schedule="zigzag"), "schedule must be one of \\('gpipe', '1f1b', 'interleaved'\\)"),
+    (lambda: Parallelism(dp=0), "dp must be an integer >= 1, got 0"),
+    (lambda: Parallelism(zero=4), "zero must be an integer from 0 to 3, got 4"),
+    (lambda: Parallelism(schedule="zigzag"), "schedule must be one of 'gpipe', '1f1b', 'interleaved', got 'zigzag'"),
     (lambda: Parallelism(recompute="some"), "recompute must be one of"),
     (lambda: Parallelism(dp=4, shard_size=3), "shard_size=3 must divide the 4 replicas"),
-    (lambda: Parallelism(dp=2.0), "dp must be an integer"),
+    (lambda: Parallelism(dp=2.0), "dp must be an integer >= 1, got 2.0"),
     (lambda: memory_per_gpu("llama3-8b", Parallelism(tp=3)), "valid tp: 1, 2, 4, 8"),
     (lambda: memory_per_gpu("llama3-8b", Parallelism(dp=4), gpus=8), "= 4 but there are 8 GPUs"),
-    (lambda: memory_per_gpu(-1), "positive parameter count"),
-    (lambda: memory_per_gpu("llama3-8b", seq=0), "seq must be a positive integer"),
+    (lambda: memory_per_gpu(-1), "params must be a finite number > 0, got -1"),
+    (lambda: memory_per_gpu("llama3-8b", seq=0), "seq must be an integer >= 1, got 0"),
     (lambda: memory_per_gpu("llama3-8b", precision="int3"), "unknown precision 'int3'; valid: zero"),
     (lambda: memory_per_gpu(7e9, Parallelism(dp=2, ep=2)), "bare parameter count cannot be split"),
     (lambda: precision("fp32", grad_dtype="bf16"), "fp32 training has fp32 gradients"),
-    (lambda: flops_report(get_preset("llama3-8b"), batch=0), "batch must be a positive integer"),
+    (lambda: flops_report(get_preset("llama3-8b"), batch=0), "batch must be an integer >= 1, got 0"),
     (lambda: flops_report(get_preset("llama3-8b"), batch=1, gpu="tpu"), "unknown GPU 'tpu'"),
     (lambda: Parallelism(pp=4, num_microbatches=8, schedule="interleaved"), "interleaved schedule needs virtual_stages >= 2"),
     (lambda: Parallelism(virtual_stages=2, schedule="interleaved"), "interleaved schedule needs pipeline parallelism"),
@@ -259,10 +261,10 @@ BAD_API = [
     (lambda: memory_batch(get_preset("llama3-8b"), schedule="interleaved", pp=4, num_microbatches=8),
      "configuration \\(\\): the interleaved schedule needs virtual_stages >= 2"),
     (lambda: _layout(argparse.Namespace(tp=0, pp=1, cp=1, ep=1, dp=None, gpus=8, gpus_per_node=8)),
-     "--tp must be an integer >= 1, got 0"),
+     "^tp must be an integer >= 1, got 0"),
     (lambda: _layout(argparse.Namespace(tp=1, pp=1, cp=1, ep=1, dp=None, gpus=-8, gpus_per_node=8)),
-     "--gpus must be an integer >= 1, got -8"),
-    (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1 MiB"),
+     "^gpus must be an integer >= 1, got -8"),
+    (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1048576, got 1024"),
 ]
 
 
@@ -270,3 +272,63 @@ BAD_API = [
 def test_bad_input_raises_a_helpful_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ---- what a new user hits first (issue 8, section 5) ---------------------------------------------
+def test_version(capsys):
+    import dtlib
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dtlib {dtlib.__version__}"
+
+
+def test_model_as_a_positional_argument_and_presets_in_help(capsys):
+    _, positional, _ = run(capsys, "memory", "llama3-8b", "--gpus", "8", "--json")
+    _, flag, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
+    assert positional == flag and json.loads(positional)["per_gpu"]["activations"] > 0
+    _, positional, _ = run(capsys, "comm", "llama3-8b", "--tp", "2", "--gpus", "8", "--json")
+    _, flag, _ = run(capsys, "comm", "--model", "llama3-8b", "--tp", "2", "--gpus", "8", "--json")
+    assert positional == flag and "tp_activations" in json.loads(positional)["volumes"]
+    code, _, err = run(capsys, "memory", "llama3-8b", "--model", "gpt3-175b")
+    assert code == 2 and "two models given" in err
+    assert main(["memory", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(name in help_text for name in ("gpt3-175b", "llama3-8b", "llama3-405b", "capstone-10b"))
+
+
+def test_gpu_count_suggestion_satisfies_every_rule(capsys):
+    # tp=3 cannot split 32 heads: suggesting --gpus 9 (a multiple of 3) only moved the error
+    code, _, err = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--tp", "3")
+    assert code == 2 and "no GPU count fixes this layout: tensor parallel size tp=3 must divide the 32" in err
+    code, _, err = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "9", "--tp", "2")
+    suggested = re.search(r"the next valid count is --gpus (\d+)", err).group(1)
+    assert suggested == "10" and run(capsys, "memory", "--model", "llama3-8b", "--gpus", suggested, "--tp", "2")[0] == 0
+
+
+def test_huge_numbers_print_without_float_noise(capsys):
+    code, out, _ = run(capsys, "memory", "--params", "1e30")
+    assert code == 0 and "1.863e+21 GiB  (2e+30 B)" in out
+    assert not re.search(r"\d{17,}", out.replace(",", ""))  # no digits beyond a double's precision
+
+
+def test_a_preset_is_counted_as_its_model_was_trained(capsys):
+    """Llama: FlashAttention-style attention (no s^2 scores: selective recompute's footprint) and no
+    dropout, said in the output; --recompute none --dropout gives the paper's GPT convention."""
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8")
+    assert code == 0 and "recompute=selective" in out
+    assert "assuming llama3-8b as trained: FlashAttention-style attention" in out and "no dropout" in out
+    assert "--recompute none --dropout for the paper's GPT convention" in out
+    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
+    realistic = memory_per_gpu("llama3-8b", Parallelism(dp=8, recompute="selective"), dropout=False,
+                               precision=precision("bf16-mixed"))
+    assert json.loads(out)["per_gpu"]["activations"] == realistic.activations
+    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--recompute", "none",
+                    "--dropout", "--json")
+    paper = memory_per_gpu("llama3-8b", Parallelism(dp=8), precision=precision("bf16-mixed"))
+    d = json.loads(out)
+    assert d["per_gpu"]["activations"] == paper.activations > 8 * realistic.activations
+    assert not any("assuming" in note for note in d["notes"])
+    # GPT-3 was trained with explicit attention and dropout: nothing to assume, nothing said
+    _, out, _ = run(capsys, "memory", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--json")
+    d = json.loads(out)
+    gpt = memory_per_gpu("gpt3-175b", Parallelism(tp=8, pp=8), precision=precision("bf16-mixed"))
+    assert d["per_gpu"]["activations"] == gpt.activations and not any("assuming" in n for n in d["notes"])

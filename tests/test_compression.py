@@ -22,9 +22,20 @@ def _bucket(shapes, rank, step=0):
     """A bucket over fresh parameters, its buffer filled with this rank's 'gradient'."""
     params = [nn.Parameter(torch.zeros(s)) for s in shapes]
     bucket = GradBucket(0, params, [f"p{i}" for i in range(len(shapes))], is_last=True)
+    return _refill(bucket, rank, step)
+
+
+def _refill(bucket, rank, step):
+    """This rank's 'gradient' of ``step`` in the bucket (hooks overwrite it with the average)."""
+    bucket.reset()  # its log lists this step's collectives only
     g = torch.Generator().manual_seed(10 * rank + step)
     bucket.buffer().copy_(torch.randn(bucket.buffer().numel(), generator=g))
     return bucket
+
+
+def _residual(state, bucket):
+    """The bucket's error-feedback memory, gathered from the per-parameter residuals."""
+    return torch.cat([state.errors[p] for p in bucket.parameters()])
 
 
 def _mean_over_ranks(t):
@@ -58,11 +69,12 @@ def _topk(rank, world_size, ratio):
     shapes = [(32, 16), (16,)]
     old_err = torch.zeros(32 * 16 + 16)
     checks = []
+    bucket = _bucket(shapes, rank)  # the same parameters every step: residuals are per parameter
     for step in range(3):
-        bucket = _bucket(shapes, rank, step)
+        _refill(bucket, rank, step)
         wanted = bucket.buffer().clone() + old_err  # gradient + what was held back last time
         got = topk_hook(state, bucket).wait()
-        new_err = state.errors[0]
+        new_err = _residual(state, bucket)
         # error feedback loses nothing: average sent + average kept = average wanted
         checks.append(torch.allclose(got + _mean_over_ranks(new_err), _mean_over_ranks(wanted), atol=1e-5))
         checks.append(int((new_err != 0).sum()) == wanted.numel() - math.ceil(ratio * wanted.numel()))
@@ -93,20 +105,23 @@ def _powersgd_exact_and_conserving(rank, world_size):
     # rank >= min(n, m): the low-rank approximation is exact (min_compression_rate=0 forces it)
     bucket = _bucket([(6, 4), (5,)], rank)
     expected = _mean_over_ranks(bucket.buffer().clone())
-    state = PowerSGDState(rank=4, start_iter=0, min_compression_rate=0, error_feedback=False)
+    state = PowerSGDState(rank=4, start_iter=0, min_compression_rate=0, error_feedback=False,
+                          warm_start=False)
     out["full rank exact"] = torch.allclose(powersgd_hook(state, bucket).wait(), expected, atol=1e-5)
     # rank 1 with error feedback: average sent + average kept = average wanted, every step
-    state = PowerSGDState(rank=1, start_iter=0)
+    # (steps 0 and 1 are plain all-reduces: start_iter must be > 1, as in PyTorch)
+    state = PowerSGDState(rank=1, start_iter=2)
     old_err = torch.zeros(20 * 10 + 10)
     conserved = []
-    for step in range(3):
-        bucket = _bucket([(20, 10), (10,)], rank, step)
+    bucket = _bucket([(20, 10), (10,)], rank)
+    for step in range(5):
+        _refill(bucket, rank, step)
         wanted = bucket.buffer().clone() + old_err
         got = powersgd_hook(state, bucket).wait()
-        conserved.append(torch.allclose(got + _mean_over_ranks(state.errors[0]),
-                                        _mean_over_ranks(wanted), atol=1e-5))
-        old_err = state.errors[0].clone()
-    out["conserved"] = all(conserved)
+        err = _residual(state, bucket) if step >= 2 else torch.zeros_like(old_err)
+        conserved.append(torch.allclose(got + _mean_over_ranks(err), _mean_over_ranks(wanted), atol=1e-5))
+        old_err = err.clone()
+    out["conserved"] = all(conserved) and old_err.abs().sum() > 0
     out["comm"] = bucket.comm
     return out
 
@@ -117,6 +132,70 @@ def test_powersgd_is_exact_at_full_rank_and_error_feedback_conserves():
         # the 20x10 matrix goes as P (20x1) and Q (10x1); the 10-vector uncompressed
         assert sorted(out["comm"]) == sorted([("all_reduce", 10, 4), ("all_reduce", 20, 4),
                                               ("all_reduce", 10, 4)])
+
+
+class Backwards(nn.Module):
+    """Four 16x16 layers registered l3, l2, l1, l0 but used l0 -> l3: with one bucket per layer,
+    bucket 0 holds l0 at first and l3 once BucketedDDP has rebuilt the buckets in arrival order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        for i in (3, 2, 1, 0):
+            self.add_module(f"l{i}", nn.Linear(16, 16, bias=False))
+
+    def forward(self, x):
+        for i in range(4):
+            x = torch.tanh(getattr(self, f"l{i}")(x))
+        return x
+
+
+def _error_feedback_after_rebuild(rank, world_size):
+    """Per parameter, with the buckets rebuilt after step 0: top-k must eventually send each
+    parameter exactly the sum of its own gradients; PowerSGD must conserve every step."""
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, 16, generator=g) for _ in range(8)]
+    out = {}
+    for name, state, hook in [("topk", TopKState(ratio=0.25), topk_hook),
+                              ("powersgd", PowerSGDState(rank=1, start_iter=2), powersgd_hook)]:
+        model, twin = Backwards(), Backwards()  # twin: the local gradients, uncompressed
+        ddp = BucketedDDP(model, bucket_size_mb=1e-4)  # one bucket per layer
+        ddp.register_comm_hook(state, hook)
+        sent = [torch.zeros_like(p) for p in model.parameters()]
+        true = [torch.zeros_like(p) for p in model.parameters()]
+        old_err = {p: torch.zeros(p.numel()) for p in model.parameters()}
+        step_gaps = []
+        for step, x in enumerate(xs):
+            # top-k: 3 real steps, then zero gradients until every residual has been sent
+            scale = 0.0 if name == "topk" and step >= 3 else 1.0
+            model.zero_grad()
+            twin.zero_grad()
+            (ddp(x).square().sum() * scale).backward()
+            ddp.finish_gradient_synchronization()
+            (twin(x).square().sum() * scale).backward()
+            for s, t, p, q in zip(sent, true, model.parameters(), twin.parameters()):
+                s += p.grad
+                t += q.grad
+                err = state.errors.get(p, torch.zeros(p.numel()))
+                # sent + (mean) residual - (mean) (gradient + last residual), for this parameter
+                gap = p.grad.reshape(-1) + _mean_over_ranks(err) - _mean_over_ranks(
+                    q.grad.reshape(-1) + old_err[p])
+                step_gaps.append(gap.abs().max().item())
+                old_err[p] = err.clone()
+        out[name] = {"step": max(step_gaps), "rebuilt": ddp.bucket_summary()[0]["params"] == ["l3.weight"],
+                     "total": max((s - _mean_over_ranks(t)).abs().max().item() for s, t in zip(sent, true)),
+                     "residual_left": max(e.abs().max().item() for e in state.errors.values())}
+    return out
+
+
+def test_error_feedback_follows_parameters_when_buckets_are_rebuilt():
+    for out in launch(_error_feedback_after_rebuild, 2, timeout=TIMEOUT):
+        for name in ("topk", "powersgd"):
+            assert out[name]["rebuilt"], out  # bucket 0 changed from l0 to l3 after step 0
+            assert out[name]["step"] < 1e-5, out  # per parameter: sent + residual = gradient + last residual
+        # top-k flushed everything it held back, each parameter got the sum of its own gradients
+        assert out["topk"]["residual_left"] == 0.0 and out["topk"]["total"] < 1e-5, out
+        assert out["powersgd"]["residual_left"] > 0  # PowerSGD really held something back
 
 
 def test_powersgd_plan_compresses_only_what_pays():
@@ -134,13 +213,14 @@ def _warm_start(rank, world_size, warm):
     target = _mean_over_ranks(matrix.reshape(-1)).view(40, 30)
     s = torch.linalg.svdvals(target)
     best = s[1:].square().sum().sqrt().item()  # Eckart-Young: error of the best rank-1
-    state = PowerSGDState(rank=1, start_iter=0, error_feedback=False, warm_start=warm)
+    state = PowerSGDState(rank=1, start_iter=2, error_feedback=False, warm_start=warm)
+    bucket = GradBucket(0, [nn.Parameter(torch.zeros(40, 30))], ["w"], is_last=True)
     errors = []
-    for _ in range(8):
-        bucket = GradBucket(0, [nn.Parameter(torch.zeros(40, 30))], ["w"], is_last=True)
+    for step in range(10):
         bucket.buffer().copy_(matrix.reshape(-1))
         got = powersgd_hook(state, bucket).wait().view(40, 30)
-        errors.append((got - target).norm().item())
+        if step >= 2:  # compressed from start_iter on
+            errors.append((got - target).norm().item())
     return errors, best
 
 
@@ -240,6 +320,13 @@ def test_bad_hook_settings():
         TopKState(ratio=0)
     with pytest.raises(ValueError, match="rank must be an integer >= 1"):
         PowerSGDState(rank=0)
+    # PyTorch's rule: error feedback / warm start only from the third iteration on
+    for kwargs in ({"start_iter": 1}, {"start_iter": 0, "error_feedback": False},
+                   {"start_iter": 1, "warm_start": False}):
+        with pytest.raises(ValueError, match=r"start_iter must be > 1 with error_feedback or warm_start"):
+            PowerSGDState(**kwargs)
+    assert PowerSGDState(start_iter=0, error_feedback=False, warm_start=False).start_iter == 0
+    assert PowerSGDState(start_iter=2).start_iter == 2
 
     def late(rank, world_size):
         ddp = BucketedDDP(nn.Linear(2, 2))

@@ -1,4 +1,6 @@
 """NaiveDDP / BucketedDDP: same numbers as one process and as PyTorch DDP; buckets; overlap."""
+import copy
+import io
 import time
 
 import pytest
@@ -365,10 +367,52 @@ def test_construction_broadcasts_parameters_and_buffers_from_rank_0(name):
         assert all(torch.equal(after[k], rank0_before[k]) for k in rank0_before), rank
 
 
+# ---- copies and pickling ---------------------------------------------------------------------------
+def _copies_and_pickles(rank, world_size):
+    data = _batches("cnn", 3, 8)
+    model = _model("cnn")
+    ddp = BucketedDDP(model, bucket_size_mb=0.05)
+
+    def step(wrapper, x, y):
+        wrapper.module.zero_grad()
+        loss_fn(wrapper, x, y).backward()
+        wrapper.finish_gradient_synchronization()
+        return [p.grad.clone() for p in wrapper.module.parameters()]
+
+    x, y = (t.tensor_split(world_size)[rank] for t in data[0])
+    step(ddp, x, y)  # buckets now rebuilt
+    ema = copy.deepcopy(model)  # e.g. an EMA or reference copy of the wrapped model
+    ema_ddp = BucketedDDP(ema, bucket_size_mb=0.05)  # a copy is a new module: it can be wrapped
+    saved_model, saved_ddp = io.BytesIO(), io.BytesIO()
+    torch.save(model, saved_model)
+    torch.save(ddp, saved_ddp)
+    saved_model.seek(0)
+    saved_ddp.seek(0)
+    loaded_model = torch.load(saved_model, weights_only=False)
+    loaded_ddp = torch.load(saved_ddp, weights_only=False)  # hooks re-registered on unpickling
+    same_state = all(torch.equal(a, b) for a, b in zip(loaded_model.state_dict().values(),
+                                                       model.state_dict().values()))
+    x, y = (t.tensor_split(world_size)[rank] for t in data[1])
+    grads = {name: step(w, x, y) for name, w in [("ddp", ddp), ("ema", ema_ddp), ("loaded", loaded_ddp)]}
+    loss_fn(loaded_model, x, y).backward()  # the saved plain model: this rank's local gradient
+    local = [p.grad for p in loaded_model.parameters()]
+    equal = lambda a, b: all(torch.equal(p, q) for p, q in zip(a, b))  # noqa: E731
+    return {"same_state": same_state, "ema_equal": equal(grads["ema"], grads["ddp"]),
+            "loaded_equal": equal(grads["loaded"], grads["ddp"]),
+            "averaged": not equal(grads["ddp"], local),  # the ranks' data differ: not the local grad
+            "buckets": loaded_ddp.bucket_summary() == ddp.bucket_summary(),
+            "no_attribute": not any(k.startswith("_dtlib") for k in vars(model))}
+
+
+def test_wrapped_model_can_be_copied_wrapped_again_and_saved():
+    for out in launch(_copies_and_pickles, 2, timeout=TIMEOUT):
+        assert all(out.values()), out
+
+
 # ---- misuse ---------------------------------------------------------------------------------------
 def _misuse(rank, world_size):
     errors = {}
-    for cap in (0, -1.0, "25", True, float("nan")):
+    for cap in (0, -1.0, "25", True, float("nan"), float("inf")):  # inf was a raw OverflowError
         try:
             BucketedDDP(nn.Linear(2, 2), bucket_size_mb=cap)
         except ValueError as e:
@@ -398,8 +442,8 @@ def _misuse(rank, world_size):
 
 def test_bad_input_gives_clear_errors():
     errors = launch(_misuse, 2, timeout=TIMEOUT)[0]
-    for cap in ("0", "-1.0", "'25'", "True", "nan"):
-        assert "bucket_size_mb must be a number > 0" in errors[cap], cap
+    for cap in ("0", "-1.0", "'25'", "True", "nan", "inf"):
+        assert "bucket_size_mb must be a finite number > 0" in errors[cap], cap
     assert "torch.nn.Module" in errors["module"]
     assert "no parameter that requires a gradient" in errors["frozen"]
     assert "already wrapped" in errors["twice"]

@@ -51,11 +51,12 @@ def test_bytes_grow_with_the_batch(runs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"batch": 0}, "batch must be a positive integer"),
-    ({"batch": 2.5}, "batch must be a positive integer"),
-    ({"batch": True}, "batch must be a positive integer"),
-    ({"min_run_time": 0}, "min_run_time must be a positive"),
-    ({"min_run_time": -1.0}, "min_run_time must be a positive"),
+    ({"batch": 0}, "batch must be an integer >= 1, got 0"),
+    ({"batch": 2.5}, "batch must be an integer >= 1, got 2.5"),
+    ({"batch": True}, "batch must be an integer >= 1, got True"),
+    ({"min_run_time": 0}, "min_run_time must be a finite number > 0, got 0"),
+    ({"min_run_time": -1.0}, "min_run_time must be a finite number > 0, got -1.0"),
+    ({"min_run_time": float("inf")}, "min_run_time must be a finite number > 0, got inf"),
 ])
 def test_bad_input_raises_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -6,12 +6,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.experiments.zero import compare_fully_shard
 from dtlib.launcher import launch
+from dtlib.measure import CollectiveCounter
 from dtlib.analytic.memory import model_numbers, model_state_bytes, stage_parameters
 from dtlib.models import MnistCNN, TinyGPT, tiny_gpt_config
 from dtlib.models.gpt import Block
 from dtlib.parallel import FSDP
-from dtlib.parallel import fsdp as fsdp_module
 from dtlib.analytic.precision import get_precision
 from workloads import loss_fn, make_batches
 
@@ -48,7 +49,7 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
         xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
         loss_fn(fsdp, xs, ys).backward()
         fsdp.finish_gradient_synchronization()
-        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.flat_shards)
+        grad_shapes_ok &= all(p.grad.shape == p.shape for p in fsdp.parameters() if p.requires_grad)
         opt.step()
         micro_opt.zero_grad()
         for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
@@ -69,8 +70,12 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
                               if v.is_floating_point()),
             "grad_shapes": grad_shapes_ok,
             "shards_1d": all(p.dim() == 1 for p in fsdp.flat_shards),
-            "trainable_are_shards": {id(p) for p in fsdp.parameters() if p.requires_grad}
-            == {id(p) for p in fsdp.flat_shards},
+            # the model's own parameters, by name, each a 1-D view of its piece of a flat shard
+            "names": [n for n, _ in fsdp.named_parameters()] == [f"module.{n}" for n, _ in micro.named_parameters()],
+            "trainable_are_views": all(p.dim() == 1 and any(
+                p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in fsdp.flat_shards)
+                for p in fsdp.parameters() if p.requires_grad),
+            "piece_numel": sum(p.numel() for p in fsdp.parameters() if p.requires_grad),
             "shard_numel": sum(p.numel() for p in fsdp.flat_shards)}
 
 
@@ -81,11 +86,13 @@ def test_fp32_equals_single_process_exactly(kind):
     model = _model(kind, frozen=True)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_frozen = sum(not p.requires_grad for p in model.parameters())
-    for out in launch(_vs_single_process, 2, args=(kind, 3, True), timeout=TIMEOUT):
+    results = launch(_vs_single_process, 2, args=(kind, 3, True), timeout=TIMEOUT)
+    for out in results:
         assert out["keys"] and out["exact"] and out["grad_shapes"] and out["shards_1d"], out
-        assert out["trainable_are_shards"] and out["full_batch"] < 1e-5, out
+        assert out["names"] and out["trainable_are_views"] and out["full_batch"] < 1e-5, out
         assert out["n_frozen"] == n_frozen > 0 and out["frozen_unchanged"], out
         assert n_params / 2 <= out["shard_numel"] <= n_params / 2 + 2 * 4  # 1/N (+ padding)
+    assert sum(out["piece_numel"] for out in results) == n_params  # every element on one rank
 
 
 def test_four_ranks_equal_single_process():
@@ -97,126 +104,63 @@ def _padded(numel, n):
     return -(-numel // n) * n
 
 
-def _memory_and_fully_shard(rank, world_size):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    data = _data("gpt", 3)
-    model = _model("gpt")
-    fsdp = FSDP(model, unit_types=(Block,))
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
-    theirs = _model("gpt")
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in theirs.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-
-    gathers = {"forward": 0, "backward": 0}
-    phase = ["forward"]
-    real = fsdp_module.all_gather_into
-
-    def counting(*args, **kwargs):
-        gathers[phase[0]] += 1
-        return real(*args, **kwargs)
-
-    tracker = FSDPMemTracker(theirs, their_opt)
-    live_after_forward = None
-    for step, (x, y) in enumerate(data):
-        x, y = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-        opt.zero_grad()
-        fsdp_module.all_gather_into = counting
-        try:
-            phase[0] = "forward"
-            loss = loss_fn(fsdp, x, y)
-            if step == 0:  # every unit freed once its forward ended
-                live_after_forward = fsdp._live_bytes
-                gathers_fwd = dict(gathers)
-            phase[0] = "backward"
-            loss.backward()
-        finally:
-            fsdp_module.all_gather_into = real
-        fsdp.finish_gradient_synchronization()
-        opt.step()
-        their_opt.zero_grad()
-        if step == 0:
-            tracker.track_inputs((x,))
-            with tracker:
-                loss_fn(theirs, x, y).backward()
-                their_opt.step()
-        else:
-            loss_fn(theirs, x, y).backward()
-            their_opt.step()
-    ours_state = fsdp.gather_full_params()
-    their_state = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
-    peak = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    torch_param = {k.split(".")[-1]: v for k, v in peak.items()
-                   if k.split(".")[-1] in ("SHARDED_PARAM", "UNSHARDED_PARAM", "ALL_GATHER")}
-    return {"ours": fsdp.memory_stats(), "torch": torch_param, "live_after_forward": live_after_forward,
-            "gathers_fwd": gathers_fwd, "units": len(fsdp.units),
-            "same_as_fully_shard": max((ours_state[k] - their_state[k]).abs().max().item()
-                                       for k in their_state)}
-
-
 def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     world_size = 2
     ref = _model("gpt")
     block = sum(p.numel() for p in ref.blocks[0].parameters())
     total = sum(p.numel() for p in ref.parameters())
     root = total - GPT["layers"] * block
-    for out in launch(_memory_and_fully_shard, world_size, timeout=TIMEOUT):
-        ours = out["ours"]
-        # persistent: 1/N of every unit (each padded to a multiple of N), fp32
-        padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
-        assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
-        # gathered at most: the root unit (it encloses the blocks) and one block, never two
-        assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
-        assert out["live_after_forward"] == 0
-        assert out["gathers_fwd"] == {"forward": out["units"], "backward": 0}
-        # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
-        cfg = tiny_gpt_config(**GPT)
-        n = stage_parameters(**model_numbers(cfg))["first"]
-        predicted = model_state_bytes(n["dense"], 0, n["unit"], get_precision("fp32"), zero=3,
-                                      shard_size=world_size)
-        assert n["dense"] == total
-        assert abs(ours["sharded_param_bytes"] - predicted["parameters"]) <= 4 * 4
-        unit_bytes = predicted["temporary"] / 2  # dtlib.analytic.memory counts params + grads of a unit
-        assert ours["peak_param_bytes"] <= predicted["parameters"] + unit_bytes + 4 * root + 16
-        # PyTorch's fully_shard on the same model, same data, same run
-        assert out["same_as_fully_shard"] < 1e-5
-        # fully_shard pads each parameter, we pad each unit: the same bytes up to padding
-        torch_mem = out["torch"]
-        close = lambda a, b: abs(a - b) <= 0.05 * a  # noqa: E731
-        assert close(torch_mem["SHARDED_PARAM"], ours["sharded_param_bytes"])
-        # at its peak fully_shard also holds the root and one block unsharded ...
-        assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
-        # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
-        # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
-        assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
-        assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
+    # the toy and PyTorch's fully_shard on the same model, data and ranks, in the same run
+    out = compare_fully_shard(world_size=world_size, cfg=tiny_gpt_config(**GPT), steps=3, batch=8)
+    ours = out["ours"]
+    # persistent: 1/N of every unit (each padded to a multiple of N), fp32
+    padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
+    assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
+    # gathered at most: the root unit (it encloses the blocks) and one block, never two
+    assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
+    # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
+    cfg = tiny_gpt_config(**GPT)
+    n = stage_parameters(**model_numbers(cfg))["first"]
+    predicted = model_state_bytes(n["dense"], 0, n["unit"], get_precision("fp32"), zero=3,
+                                  shard_size=world_size)
+    assert n["dense"] == total
+    assert abs(ours["sharded_param_bytes"] - predicted["parameters"]) <= 4 * 4
+    unit_bytes = predicted["temporary"] / 2  # dtlib.analytic.memory counts params + grads of a unit
+    assert ours["peak_param_bytes"] <= predicted["parameters"] + unit_bytes + 4 * root + 16
+    # PyTorch's fully_shard on the same model, same data, same run
+    assert out["max_param_diff"] < 1e-5
+    # fully_shard pads each parameter, we pad each unit: the same bytes up to padding
+    torch_mem = out["torch"]
+    close = lambda a, b: abs(a - b) <= 0.05 * a  # noqa: E731
+    assert close(torch_mem["SHARDED_PARAM"], ours["sharded_param_bytes"])
+    # at its peak fully_shard also holds the root and one block unsharded ...
+    assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
+    # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
+    # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
+    assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
+    assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
 
 
-def _gathers_in_backward(rank, world_size):
-    model = _model("gpt")
-    fsdp = FSDP(model, unit_types=(Block,))
+def _gathers_per_phase(rank, world_size):
+    fsdp = FSDP(_model("gpt"), unit_types=(Block,))
     x, y = _data("gpt", 1)[0]
-    loss = loss_fn(fsdp, x, y)
-    counts = []
-    real = fsdp_module.all_gather_into
-    fsdp_module.all_gather_into = lambda *a, **k: (counts.append(1), real(*a, **k))[1]
-    try:
-        loss.backward()
-    finally:
-        fsdp_module.all_gather_into = real
-    fsdp.finish_gradient_synchronization()
-    return len(counts), len(fsdp.units), fsdp._live_bytes
+    with CollectiveCounter() as forward:
+        loss = loss_fn(fsdp, x, y)
+    live_after_forward = fsdp._live_bytes
+    with CollectiveCounter() as backward:
+        loss.backward()  # FSDP finishes its gradient synchronisation at the end of backward
+    return {"forward": forward.counts, "backward": backward.counts, "units": len(fsdp.units),
+            "live_after_forward": live_after_forward, "live_after_backward": fsdp._live_bytes}
 
 
-def test_every_unit_is_gathered_again_for_backward_and_freed():
-    for n_gathers, n_units, live in launch(_gathers_in_backward, 2, timeout=TIMEOUT):
-        assert n_gathers == n_units == GPT["layers"] + 1
-        assert live == 0
+def test_every_unit_is_gathered_in_forward_and_again_in_backward_and_freed():
+    for out in launch(_gathers_per_phase, 2, timeout=TIMEOUT):
+        units = out["units"]
+        assert units == GPT["layers"] + 1
+        assert out["forward"] == {"all_gather": units}
+        # backward gathers every unit again and reduce-scatters its gradients
+        assert out["backward"]["all_gather"] == units and out["backward"]["reduce_scatter"] >= units
+        assert out["live_after_forward"] == 0 and out["live_after_backward"] == 0
 
 
 def _bf16(rank, world_size):
@@ -282,6 +226,128 @@ def test_bf16_compute_equals_a_single_process_bf16_reference():
     # Two ranks add two bf16 gradients, which is exact in any order, so the match is bit for bit
     # (with 3 ranks the ring's order of bf16 additions differs from the reference's).
     assert launch(_bf16_vs_reference, 2, timeout=TIMEOUT) == [0.0, 0.0]
+
+
+# ---- training loops as PyTorch users write them -------------------------------------------------
+def _configure_optimizers(model, weight_decay=0.1):
+    """nanoGPT's ``configure_optimizers`` groups: decay for matrices, none for norms and biases
+    (built on the model before wrapping, as nanoGPT builds its optimizer before DDP)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _plain_loops(rank, world_size):
+    """``backward(); step()`` with no finish call; activation checkpointing inside and across units;
+    nanoGPT's param groups; all against one process on the same micro-batches."""
+    torch.use_deterministic_algorithms(True)
+    data = _data("gpt", 5)
+    ref = _model("gpt")
+    ref_opt = torch.optim.AdamW(_configure_optimizers(ref), lr=1e-2)
+    for x, y in data:
+        ref_opt.zero_grad()
+        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            (loss_fn(ref, mx, my) / world_size).backward()
+        ref_opt.step()
+    reference = ref.state_dict()
+    out = {}
+    for name, checkpoint, units in [("plain", False, (Block,)), ("checkpoint, root only", True, ()),
+                                    ("checkpoint, block units", True, (Block,))]:
+        torch.manual_seed(0)
+        model = TinyGPT(tiny_gpt_config(**GPT), checkpoint=checkpoint)
+        groups = _configure_optimizers(model)
+        fsdp = FSDP(model, unit_types=units)
+        opt = torch.optim.AdamW(groups, lr=1e-2)
+        start = fsdp.gather_full_params()
+        pending = []
+        for x, y in data:
+            model.zero_grad()  # the model's zero_grad works as well as the optimizer's
+            xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+            loss_fn(fsdp, xs, ys).backward()  # no finish_gradient_synchronization()
+            pending.append(sum(len(u.pending) for u in fsdp.units))
+            opt.step()
+        fsdp.finish_gradient_synchronization()  # still allowed: nothing left to do
+        state = fsdp.gather_full_params()
+        out[name] = {"moved": min((state[k] - start[k]).abs().max().item() for k in reference),
+                     "vs_reference": max((state[k] - reference[k]).abs().max().item() for k in reference),
+                     "pending": pending, "live": fsdp._live_bytes}
+    return out
+
+
+def test_plain_training_loops_checkpointing_and_param_groups_equal_one_process():
+    # fp32, deterministic algorithms, the same micro-batch arithmetic: equal bit for bit
+    for out in launch(_plain_loops, 2, timeout=TIMEOUT):
+        for name, r in out.items():
+            assert r["moved"] > 0, (name, r)  # every parameter trained, without a finish call
+            assert r["vs_reference"] == 0.0, (name, r)
+            assert r["pending"] == [0] * 5 and r["live"] == 0, (name, r)  # nothing piles up
+
+
+def _checkpoint_round_trip(rank, world_size):
+    """save (full model state + per-rank optimizer state) -> fresh model -> identical next step;
+    and keyword inputs are cast to compute_dtype like positional ones."""
+    data = _data("gpt", 3)
+    shards = [(torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank])
+              for x, y in data]
+    built = []
+    for _ in range(2):
+        model = _model("gpt")
+        groups = _configure_optimizers(model)
+        fsdp = FSDP(model, unit_types=(Block,))
+        built.append((fsdp, torch.optim.AdamW(groups, lr=1e-2)))
+    (fsdp, opt), (fresh, fresh_opt) = built
+    for x, y in shards[:2]:
+        opt.zero_grad()
+        loss_fn(fsdp, x, y).backward()
+        opt.step()
+    saved = {"model": fsdp.gather_full_params(), "optim": copy.deepcopy(opt.state_dict())}
+    fresh.load_full_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["optim"])
+    loaded_equal = all(torch.equal(a, b) for a, b in zip(fresh.gather_full_params().values(),
+                                                         saved["model"].values()))
+    for f, o in ((fsdp, opt), (fresh, fresh_opt)):
+        o.zero_grad()
+        loss_fn(f, *shards[2]).backward()
+        o.step()
+    after, fresh_after = fsdp.gather_full_params(), fresh.gather_full_params()
+    out = {"loaded_equal": loaded_equal,
+           "next_step_equal": all(torch.equal(after[k], fresh_after[k]) for k in after),
+           "stepped": any(not torch.equal(after[k], saved["model"][k]) for k in after)}
+    try:
+        fresh.load_full_state_dict({k: v for k, v in saved["model"].items() if k != "norm_f.weight"})
+    except KeyError as e:
+        out["missing"] = str(e)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, *, x):
+            return self.lin(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = Head()
+
+        def forward(self, x):
+            return self.head(x=x)  # a unit called with a keyword argument
+
+    low = FSDP(Outer(), compute_dtype=torch.bfloat16, unit_types=(Head,))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    y = low(x)  # fp32 input passed on by keyword: cast to bf16 by the unit's pre-hook
+    ref = Head().to(torch.bfloat16)(x=x.to(torch.bfloat16))
+    out["kwargs_cast"] = y.dtype == torch.bfloat16 and torch.equal(y, ref)
+    return out
+
+
+def test_full_state_dict_round_trip_and_keyword_inputs():
+    for out in launch(_checkpoint_round_trip, 2, timeout=TIMEOUT):
+        assert out["loaded_equal"] and out["stepped"] and out["next_step_equal"], out
+        assert "missing ['norm_f.weight']" in out["missing"], out
+        assert out["kwargs_cast"], out
 
 
 def _misuse(rank, world_size):

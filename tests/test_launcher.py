@@ -149,8 +149,16 @@ def test_rank0_output_in_order_and_others_on_request(capsys):
     (dict(world_size="2"), ValueError, "world_size must be an integer >= 1"),
     (dict(world_size=2, backend="mpi"), ValueError, "backend must be 'auto', 'gloo' or 'nccl'"),
     (dict(world_size=torch.cuda.device_count() + 1, backend="nccl"), ValueError, "one GPU per rank"),
-    (dict(world_size=2, args=(threading.Lock(),)), TypeError, "cannot be sent to a worker"),
-    (dict(world_size=2, timeout=0), ValueError, "timeout must be a positive"),
+    (dict(world_size=2, args=(threading.Lock(),), start_method="spawn"), TypeError,
+     "cannot be sent to a worker"),
+    (dict(world_size=2, timeout=0), ValueError, "timeout must be a finite number > 0 and <= 604800, got 0"),
+    # each of these used to fork the ranks first: inf raised a raw OverflowError, 1e12 killed
+    # every rank inside faulthandler ("killed by a signal?"), True ran with a 1 s timeout
+    (dict(world_size=2, timeout=float("inf")), ValueError, "timeout must be .* <= 604800, got inf"),
+    (dict(world_size=2, timeout=1e12), ValueError, "timeout must be .* <= 604800, got 1000000000000.0"),
+    (dict(world_size=2, timeout=True), ValueError, "timeout must be .*, got True"),
+    (dict(world_size=2, timeout=float("nan")), ValueError, "timeout must be .*, got nan"),
+    (dict(world_size=True), ValueError, "world_size must be an integer >= 1, got True"),
     (dict(world_size=2, output="rank1"), ValueError, "output must be one of"),
 ])
 def test_bad_arguments_fail_before_any_process_starts(kwargs, error, match):
@@ -213,6 +221,9 @@ def test_init_from_env_outside_torchrun_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="not started by torchrun"):
         dtlib.launcher.init_from_env()
+    # the collective timeout is checked first (timedelta(seconds=inf) was a raw OverflowError)
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0 and <= 604800, got inf"):
+        dtlib.launcher.init_from_env(timeout=float("inf"))
 
 
 def _matmul_sum(rank, world_size):
@@ -292,3 +303,42 @@ def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
     assert launcher.resolve_backend("auto", 1) == "gloo"
     with pytest.raises(ValueError, match="backend must be"):
         launcher.resolve_backend("mpi", 1)
+
+
+def _exit_quietly_on_rank1(rank, world_size):
+    if rank == 1:
+        os._exit(0)  # ends the process without returning (and without raising)
+    return rank
+
+
+def test_a_rank_that_exits_without_a_result_is_named():
+    """It used to surface as a raw FileNotFoundError on result1.pkl."""
+    with pytest.raises(RankFailedError, match=r"rank 1 exited \(code 0\) without returning a result") as info:
+        launch(_exit_quietly_on_rank1, 2, timeout=20)
+    assert info.value.rank == 1
+
+
+def test_fork_mode_does_not_pickle_the_payload(monkeypatch):
+    """Forked ranks inherit fn and args: serialising them (a dataset in the closure) is waste."""
+    from dtlib import launcher
+
+    big = torch.ones(1 << 22)  # 16 MiB in the closure
+
+    def fn(rank, world_size):
+        return _sum_ranks(rank, world_size, float(big[0]))
+
+    pickled = []
+    real = launcher.cloudpickle.dumps
+
+    def dumps(obj, *a, **k):  # forked ranks inherit this too, but record into their own copy
+        if isinstance(obj, tuple) and obj and obj[0] is fn:
+            pickled.append(obj)
+        return real(obj, *a, **k)
+
+    monkeypatch.setattr(launcher.cloudpickle, "dumps", dumps)
+    assert launch(fn, 2, timeout=20, start_method="fork") == launch(
+        _sum_ranks, 2, args=(1.0,), timeout=20, start_method="fork")
+    assert pickled == []
+    # spawned ranks do need the bytes
+    assert launch(fn, 1, timeout=60, start_method="spawn")[0]["sum"] == 1.0
+    assert len(pickled) == 1

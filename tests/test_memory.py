@@ -54,6 +54,53 @@ def test_deepspeed_zero3_estimator_2851m_on_8_gpus():
     assert par.cpu == pytest.approx(18 * 2851e6 / 8)
 
 
+def test_zero3_largest_layer_override_is_split_by_tensor_parallelism():
+    """The override is a whole layer; with tp = 4 each rank gathers its quarter, as the shaped
+    path does (issue 9, item 8: it used to gather the whole layer on every TP rank).
+    DeepSpeed's budget: 2 bytes x (params + grads) = 4 x the layer's parameters on this rank."""
+    m = memory_per_gpu(2851e6, Parallelism(dp=2, tp=4, zero=3), precision="megatron-bf16",
+                       largest_layer_params=32e6)
+    assert m.temporary == 4 * 32e6 / 4 == 32e6
+    # the shaped path, for comparison: the unit is the largest block's parameters on one TP rank
+    cfg = get_preset("llama3-8b")
+    shaped = [memory_per_gpu(cfg, Parallelism(dp=2, tp=tp, zero=3)).temporary for tp in (1, 4)]
+    override = [memory_per_gpu(cfg, Parallelism(dp=2, tp=tp, zero=3), largest_layer_params=4e8).temporary
+                for tp in (1, 4)]
+    assert override == [4 * 4e8, 4 * 4e8 / 4]
+    assert shaped[1] < shaped[0] / 3  # the layers split by 4, the replicated norms do not
+
+
+# ---- MoE: top_k routed copies of each token keep their MLP activations --------------------------
+def test_moe_layer_activations_by_hand():
+    """One Llama-3-8B-shaped MoE layer (s = 2048, b = 1, h = 4096, a = 32, 8 KV heads, f = 14336,
+    SwiGLU, dropout, 16-bit activations, tp = 1), top_k = 2, after Korthikanti et al. 2022, Sec. 4.1:
+
+    * attention: QKV input 2sbh, Q/K/V/projection input 2sbh(2 + 2 x 8/32), dropout mask sbh -> 8 sbh
+    * scores: a s^2 b (2 + 1 + 2)                                             -> 671,088,640
+    * norms: 2 x 2sbh                                                         -> 4 sbh
+    * MLP: router/dispatch input 2sbh and mask sbh, plus per routed copy (x 2)
+      the expert's input 2sbh and SwiGLU's four f-sized tensors 4 x 2sbf     -> 3 sbh + 2 x 251,658,240
+    with sbh = 8,388,608: 15 sbh + 671,088,640 + 503,316,480 = 1,300,234,240 bytes.
+    """
+    shape = dict(seq=2048, micro_batch_size=1, hidden=4096, heads=32, kv_heads=8, ffn=14336, swiglu=True)
+    assert layer_bytes(**shape, experts=8, top_k=2) == 1_300_234_240
+    # dense: one MLP and no dispatch copy (the second copy's 251,658,240 and the first's 2sbh go)
+    assert layer_bytes(**shape) == 1_300_234_240 - 251_658_240 - 2 * 2048 * 4096 == 1_031_798_784
+
+
+def test_moe_top_k_changes_activation_memory():
+    """llama3-8b with 8 experts: top_k 1, 2 and 8 used to give identical activations. Each extra
+    routed copy adds, per layer, 2 bytes x s x (4 f + h) = 251,658,240 B at s = 2048 (32 layers)."""
+    base = get_preset("llama3-8b")
+    acts = {k: memory_per_gpu(base.with_(moe_experts=8, moe_top_k=k), seq=2048).activations for k in (1, 2, 8)}
+    per_copy = 32 * 2 * 2048 * (4 * 14336 + 4096)
+    assert acts[2] - acts[1] == per_copy and acts[8] - acts[1] == 7 * per_copy
+    # the vectorised path runs the same formula
+    from dtlib.analytic.vectorised import memory_batch
+    batch = memory_batch(base.with_(moe_experts=8, moe_top_k=8), seq=[2048])
+    assert batch["activations"][0] == acts[8]
+
+
 def test_korthikanti_22b_activations():
     """Korthikanti et al. 2022, Table 3/4 setting: 22B, s=2048, b=4, t=8: 59.25 GiB of layer
     activations without recompute and 9.5625 GiB with sequence parallelism + selective recompute.

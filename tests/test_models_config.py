@@ -65,10 +65,12 @@ def test_defaults_and_moe_counts():
 BAD_SHAPES = [
     (dict(hidden=65), "hidden \\(65\\) must be divisible by heads \\(4\\)"),
     (dict(kv_heads=3), "multiple of kv_heads"),
-    (dict(layers=0), "layers must be a positive integer"),
-    (dict(vocab=-5), "vocab must be a positive integer"),
-    (dict(seq=2.5), "seq must be a positive integer"),
-    (dict(activation="relu"), "activation must be one of \\('gelu', 'swiglu'\\)"),
+    (dict(layers=0), "layers must be an integer >= 1, got 0"),
+    (dict(vocab=-5), "vocab must be an integer >= 1, got -5"),
+    (dict(seq=2.5), "seq must be an integer >= 1, got 2.5"),
+    (dict(activation="relu"), "activation must be one of 'gelu', 'swiglu', got 'relu'"),
+    (dict(bias="no"), "bias must be True or False, got 'no'"),
+    (dict(tied_embeddings=1), "tied_embeddings must be True or False, got 1"),
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(position="sinusoidal"), "position must be one of"),
     (dict(moe_experts=1), "moe_experts must be 0 \\(dense\\) or an integer >= 2"),
@@ -181,3 +183,14 @@ def test_tied_embeddings_share_storage():
     untied = tiny_gpt_config(tied_embeddings=False)
     assert num_parameters(tied) == sum(p.numel() for p in model.parameters())
     assert num_parameters(untied) - num_parameters(tied) == untied.vocab * untied.hidden
+
+
+def test_presets_say_how_their_models_were_trained():
+    from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, TRAINING, training_of
+
+    assert set(TRAINING) <= set(PRESETS)
+    for name in ("llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "capstone-10b"):
+        t = training_of(name)
+        assert t.flash_attention and not t.dropout and t.recompute == "selective" and "LLaMA" in t.source
+    assert training_of("gpt3-175b") is GPT_CONVENTION and GPT_CONVENTION.recompute == "none"
+    assert GPT_CONVENTION.dropout and not training_of("bloom-176b").dropout

@@ -107,3 +107,11 @@ def test_layout_by_concept_and_a_pure_analytic_core():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('dtlib.parallel')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_license_is_an_spdx_expression():
+    """A ``license = {text = ...}`` table makes setuptools print a deprecation warning at every
+    install (PEP 639); an SPDX string needs setuptools >= 77 to build."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "MIT"
+    assert "setuptools>=77" in project["build-system"]["requires"]

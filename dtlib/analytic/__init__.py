@@ -9,7 +9,8 @@
 * :mod:`~dtlib.analytic.activations`, :mod:`~dtlib.analytic.memory` - memory per GPU;
 * :mod:`~dtlib.analytic.flops` - FLOPs, MFU and HFU;
 * :mod:`~dtlib.analytic.comm` - the alpha-beta cost of collectives and per-strategy volumes;
-* :mod:`~dtlib.analytic.vectorised` - the same formulas over numpy arrays of layouts.
+* :mod:`~dtlib.analytic.vectorised` - the same formulas over numpy arrays of layouts;
+* :mod:`~dtlib.analytic.validate` - the checks every public function runs on its arguments.
 
 The runtime (``dtlib.launcher``, ``dtlib.parallel``, ``dtlib.models``) and the course layer
 (``dtlib.experiments``, ``dtlib.viz``, ``dtlib.widgets``, ``dtlib.grading``) build on it.

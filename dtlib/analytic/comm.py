@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.layout import Parallelism, SCHEDULES
+from dtlib.analytic.layout import Parallelism, check_pipeline
 from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
@@ -40,11 +41,15 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broa
 ALGORITHMS = ("ring", "tree")
 
 
-def _check(op: str, algorithm: str = "ring") -> None:
-    if op not in COLLECTIVES:
-        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(COLLECTIVES)}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+def _check(op: str, algorithm: str = "ring", **sizes: Any) -> None:
+    """The collective and algorithm names; ``ranks`` (integers >= 1) and byte counts (finite, >= 0)."""
+    validate.one_of("op", op, COLLECTIVES)
+    validate.one_of("algorithm", algorithm, ALGORITHMS)
+    for name, value in sizes.items():
+        if name == "ranks":
+            validate.array(name, value, integer=True, minimum=1, exclusive=False)
+        else:
+            validate.array(name, value, minimum=0, exclusive=False)
 
 
 def _link(link: "Link | str") -> Link:
@@ -55,11 +60,9 @@ def collective_time(op: str, nbytes: Any, ranks: Any, link: "Link | str",
                     algorithm: str = "ring") -> Any:
     """Alpha-beta time (s) of ``op`` on ``nbytes`` over ``ranks`` (see the module table).
     One rank takes no time; arrays broadcast."""
-    _check(op, algorithm)
+    _check(op, algorithm, nbytes=nbytes, ranks=ranks)
     lk = _link(link)
     a, B, n, S = lk.latency, lk.bandwidth, np.asarray(ranks), np.asarray(nbytes, dtype=float)
-    if np.any(n < 1) or np.any(S < 0):
-        raise ValueError(f"need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
     lg = np.ceil(np.log2(np.maximum(n, 1)))
     frac = (n - 1) / n
     if op == "p2p":
@@ -78,7 +81,7 @@ def collective_time(op: str, nbytes: Any, ranks: Any, link: "Link | str",
 
 def bytes_sent_per_rank(op: str, nbytes: Any, ranks: Any) -> Any:
     """Bytes each rank sends with the ring algorithm (bandwidth term x B)."""
-    _check(op)
+    _check(op, nbytes=nbytes, ranks=ranks)
     n = ranks
     return {"all_reduce": 2 * (n - 1) / n * nbytes, "broadcast": (n > 1) * nbytes,
             "p2p": nbytes}.get(op, (n - 1) / n * nbytes)
@@ -86,13 +89,15 @@ def bytes_sent_per_rank(op: str, nbytes: Any, ranks: Any) -> Any:
 
 def bus_factor(op: str, ranks: Any) -> Any:
     """nccl-tests' busbw / algbw factor (doc/PERFORMANCE.md, "Summary")."""
-    _check(op)
+    _check(op, ranks=ranks)
     n = ranks
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0, "p2p": 1.0}.get(op, (n - 1) / n)
 
 
 def algbw(nbytes: Any, seconds: Any) -> Any:
     """nccl-tests algorithm bandwidth S / t (bytes/s)."""
+    validate.array("nbytes", nbytes, minimum=0, exclusive=False)
+    validate.array("seconds", seconds)
     return nbytes / seconds
 
 
@@ -106,7 +111,7 @@ def hierarchical_time(op: str, nbytes: float, cluster: Cluster, algorithm: str =
     all-reduce = intra-node reduce-scatter, inter-node all-reduce of S/g per GPU (the g GPUs of a
     node in parallel, sharing its NICs), intra-node all-gather. reduce-scatter / all-gather use
     the matching half. Returns the time of each phase and the total."""
-    _check(op, algorithm)
+    _check(op, algorithm, nbytes=nbytes)
     if op not in ("all_reduce", "reduce_scatter", "all_gather"):
         raise ValueError(f"hierarchical collectives cover all-reduce, reduce-scatter and all-gather, not {op!r}")
     g, nodes = cluster.gpus_per_node, cluster.nodes
@@ -149,9 +154,9 @@ def flat_vs_hierarchical(op: str, nbytes: float, clusters: "list[Cluster]",
 
 def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:
     """Pipeline bubble time / ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved
-    (Narayanan et al. 2021, Sec. 2.2)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    (Narayanan et al. 2021, Sec. 2.2). The layout must follow the pipeline rules of
+    :data:`dtlib.analytic.layout.RULES` (the same as :func:`~dtlib.analytic.layout.in_flight`)."""
+    check_pipeline(pp, num_microbatches, virtual_stages, schedule)
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * num_microbatches)
 
@@ -173,9 +178,7 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     from dtlib.analytic.memory import memory_per_gpu  # params per rank; local import avoids a cycle
 
     prec = get_precision(precision)
-    s = cfg.seq if seq is None else seq
-    if s < 1:
-        raise ValueError(f"seq must be >= 1 tokens, got {seq}")
+    s = cfg.seq if seq is None else validate.integer("seq", seq)
     L, h, m, b = cfg.layers, cfg.hidden, layout.num_microbatches, layout.micro_batch_size
     layers_here = -(-L // layout.pp)
     unsharded = layout.with_(zero=0, offload="none")
@@ -216,10 +219,8 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
 def comm_report(op: str, nbytes: float, ranks: int, link: "Link | str",
                 algorithms: tuple[str, ...] = ALGORITHMS) -> dict[str, Any]:
     """Time, algbw and busbw of one collective for each algorithm (the ``dtlib comm`` table)."""
-    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
-        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
-    if not nbytes > 0:
-        raise ValueError(f"bytes must be positive, got {nbytes!r}")
+    validate.integer("ranks", ranks)
+    validate.number("nbytes", nbytes)
     lk = _link(link)
     rows = {}
     for alg in algorithms:

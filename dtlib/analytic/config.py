@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
+
 __all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS",
            "norm_params", "attention_params", "mlp_params", "layer_params", "embedding_params",
            "swiglu_ffn", "SHAPE_RULES"]
@@ -71,11 +73,6 @@ SHAPE_RULES = [
 
 
 # ---- the description ---------------------------------------------------------------------------
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """Shape of a decoder (GPT/Llama-style, pre-norm) transformer.
@@ -105,29 +102,29 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
-            _positive_int(name, getattr(self, name))
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.position not in POSITIONS:
-            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+            validate.integer(name, getattr(self, name))
+        for name in ("tied_embeddings", "bias", "embedding_norm"):
+            validate.boolean(name, getattr(self, name))
+        validate.one_of("activation", self.activation, ACTIVATIONS)
+        validate.one_of("norm", self.norm, NORMS)
+        validate.one_of("position", self.position, POSITIONS)
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.ffn is None:
             ffn = 4 * self.hidden if self.activation == "gelu" else swiglu_ffn(self.hidden)
             object.__setattr__(self, "ffn", ffn)
-        _positive_int("kv_heads", self.kv_heads)
-        _positive_int("ffn", self.ffn)
+        validate.integer("kv_heads", self.kv_heads)
+        validate.integer("ffn", self.ffn)
         for fields, ok, message in SHAPE_RULES:
             values = {f: getattr(self, f) for f in fields}
             if not ok(**values):
                 raise ValueError(message(**values))
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dimension, got hidden/heads = {self.head_dim}")
-        if isinstance(self.moe_experts, bool) or not isinstance(self.moe_experts, int) \
-                or self.moe_experts < 0 or self.moe_experts == 1:
-            raise ValueError(f"moe_experts must be 0 (dense) or an integer >= 2, got {self.moe_experts!r}")
+        validate.integer("moe_experts", self.moe_experts, minimum=0)
+        validate.integer("moe_top_k", self.moe_top_k, minimum=0)
+        if self.moe_experts == 1:
+            raise validate.InvalidArgument("moe_experts", "0 (dense) or an integer >= 2", 1)
         if self.moe_experts and not (1 <= self.moe_top_k <= self.moe_experts):
             raise ValueError(f"moe_top_k must be in 1..{self.moe_experts} for an MoE model, "
                              f"got {self.moe_top_k!r}")
@@ -177,8 +174,10 @@ class TransformerConfig:
     def numbers(self, seq: int | None = None) -> dict[str, Any]:
         """The numbers the formulas of :mod:`dtlib.analytic.memory` and :mod:`dtlib.analytic.flops` read (booleans
         as 0/1), so that :mod:`dtlib.analytic.vectorised` can replace any of them by an array."""
-        if seq is not None and np.any(np.asarray(seq) < 1):
-            raise ValueError(f"seq must be >= 1 tokens, got {seq}")
+        if seq is not None:
+            check = validate.rule("seq")[1](seq=seq)
+            if not np.all(check):
+                raise validate.InvalidArgument("seq", validate.requirement(integer=True, minimum=1), seq)
         return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
                     ffn=self.ffn, vocab=self.vocab, seq=self.seq if seq is None else seq, mlp_matrices=self.mlp_matrices,
                     bias=int(self.bias), norm_has_bias=int(self.norm_has_bias),

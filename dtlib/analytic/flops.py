@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig
 
@@ -108,7 +109,11 @@ def six_n_flops_per_token(params: float) -> float:
 def utilization(flops_per_step: Any, step_time: Any, gpus: Any, gpu: "str | Accelerator",
                 dtype: str = "bf16") -> Any:
     """``flops / (step_time * gpus * peak)``: MFU with model FLOPs, HFU with hardware FLOPs
-    (Chowdhery et al. 2022, App. B). The peak is the catalogue's dense ``dtype`` peak."""
+    (Chowdhery et al. 2022, App. B). The peak is the catalogue's dense ``dtype`` peak.
+    Scalars or arrays; FLOPs must be finite and >= 0, ``step_time`` > 0, ``gpus`` integers >= 1."""
+    validate.array("flops_per_step", flops_per_step, integer=False, minimum=0)
+    validate.array("step_time", step_time, integer=False, minimum=0, exclusive=True)
+    validate.array("gpus", gpus, integer=True, minimum=1, exclusive=False)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     return flops_per_step / (step_time * gpus * acc.peak(dtype))
 
@@ -116,12 +121,6 @@ def utilization(flops_per_step: Any, step_time: Any, gpus: Any, gpu: "str | Acce
 def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
     """The numbers :func:`forward_flops_per_token` reads from a config (:meth:`TransformerConfig.numbers`)."""
     return cfg.numbers(seq)
-
-
-def _positive(name: str, value: Any, integer: bool = False) -> None:
-    kind = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        raise ValueError(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
 def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | None = None,
@@ -132,17 +131,19 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
 
     ``model`` is a config, or a bare parameter count (then ``seq`` is required and the count is
     6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing)."""
-    _positive("batch", batch, integer=True)
-    _positive("gpus", gpus, integer=True)
+    validate.integer("batch", batch)
+    validate.integer("gpus", gpus)
     if seq is not None:
-        _positive("seq", seq, integer=True)
+        validate.integer("seq", seq)
+    validate.one_of("recompute", recompute, ("none", "selective", "full"))
+    validate.boolean("count_logits", count_logits)
     if isinstance(model, TransformerConfig):
         shape = shape_of(model, seq)
         tokens = batch * shape["seq"]
         f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits, **shape)
         name = model.name
     else:
-        _positive("params", model)
+        model = validate.number("params", model)
         if seq is None:
             raise ValueError("a bare parameter count needs seq (tokens per sequence) to count FLOPs per step")
         _attention_factor(attention)
@@ -158,7 +159,15 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
            "ideal_step_time": f["model"] / (gpus * peak),
            "conventions": {"attention": attention, "count_logits": count_logits, "recompute": recompute}}
     if step_time is not None:
-        _positive("step_time", step_time)
+        validate.number("step_time", step_time)
+        fastest = f["hardware"] / (gpus * peak)
+        if step_time < fastest:  # HFU > 100%, and MFU <= HFU
+            raise validate.InvalidArgument(
+                "step_time", f"at least {fastest:.4g} s ({gpus} {acc.name} GPUs at their dense "
+                f"{dtype} peak need that long for the {f['hardware']:.4g} FLOPs of this step: "
+                f"{step_time:g} s would need {100 * fastest / step_time:,.0f} % of the peak, an MFU "
+                f"of {100 * f['model'] / (step_time * gpus * peak):,.0f} %; impossible on this hardware)",
+                step_time)
         out.update(step_time=step_time, mfu=utilization(f["model"], step_time, gpus, acc, dtype),
                    hfu=utilization(f["hardware"], step_time, gpus, acc, dtype),
                    tokens_per_second=tokens / step_time)

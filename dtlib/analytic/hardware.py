@@ -15,6 +15,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "Link", "Cluster", "ACCELERATORS", "LINKS", "COMPUTE_DTYPES", "get_gpu",
@@ -151,14 +152,13 @@ def measure_cpu(n: int = 512, repeats: int = 5, name: str = "cpu-local",
     """
     import torch
 
-    if n < 16 or repeats < 1:
-        raise ValueError(f"need n >= 16 and repeats >= 1, got n={n}, repeats={repeats}")
+    validate.integer("n", n, minimum=16)
+    validate.integer("repeats", repeats)
     l3 = _l3_bytes()
     if copy_bytes is None:
         copy_bytes = min(max(MIN_COPY_BYTES, 4 * (l3 or 0)), MAX_COPY_BYTES)
-    if isinstance(copy_bytes, bool) or not isinstance(copy_bytes, int) or copy_bytes < 2 ** 20:
-        raise ValueError(f"copy_bytes must be an integer >= 1 MiB (default: 4 x L3, at least "
-                         f"256 MiB, so the copy leaves the caches), got {copy_bytes!r}")
+    # at least 1 MiB (the default, 4 x L3 and >= 256 MiB, makes the copy leave the caches)
+    validate.integer("copy_bytes", copy_bytes, minimum=2 ** 20)
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up (thread pool, caches)
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -198,14 +198,11 @@ class Cluster:
     nics_per_node: int = field(default=0)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        validate.integer("nodes", self.nodes)
+        validate.integer("gpus_per_node", self.gpus_per_node)
+        validate.integer("nics_per_node", self.nics_per_node, minimum=0)
         if self.nics_per_node == 0:  # default: one NIC per GPU (DGX/HGX A100, H100 layout)
             object.__setattr__(self, "nics_per_node", self.gpus_per_node)
-        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
-            raise ValueError(f"nics_per_node must be a positive integer, got {self.nics_per_node!r}")
 
     @property
     def world_size(self) -> int:

@@ -12,10 +12,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import SHAPE_RULES
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "OFFLOAD", "RULES", "check_layout",
-           "broken_rules", "stage_layers", "in_flight"]
+           "broken_rules", "check_pipeline", "stage_layers", "in_flight"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -53,13 +54,14 @@ class Parallelism:
     shard_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "zero", "virtual_stages", "micro_batch_size", "num_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "num_microbatches"):
+            validate.integer(name, getattr(self, name))
+        validate.integer("zero", self.zero, minimum=0, maximum=3)
+        if self.shard_size is not None:
+            validate.integer("shard_size", self.shard_size)
+        validate.boolean("sequence_parallel", self.sequence_parallel)
         for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+            validate.one_of(name, getattr(self, name), valid)
         check_layout(self.numbers(), self.schedule, self.offload)
 
     @property
@@ -106,22 +108,19 @@ def fsdp(strategy: str, dp: int, shard_size: int | None = None, **layout: Any) -
     return Parallelism(dp=dp, zero=zero, shard_size=shard_size if hybrid else None, **layout)
 
 
-Rule = tuple[tuple[str, ...], Callable[..., Any], Callable[..., str]]
-
-
-def _positive_rule(field: str) -> Rule:
-    return ((field,), lambda **n: n[field] >= 1, lambda **n: f"{field} must be >= 1, got {n[field]}")
+Rule = validate.Rule
 
 
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
 # comparisons so they work on numpy arrays; a rule is skipped when one of its fields is absent.
 RULES: list[Rule] = [
-    *[_positive_rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
-                                  "num_microbatches", "shard_size", "layers", "hidden", "heads",
-                                  "kv_heads", "ffn", "vocab", "seq")],
+    *[validate.rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
+                                 "num_microbatches", "shard_size", "layers", "hidden", "heads",
+                                 "kv_heads", "ffn", "vocab", "seq")],
+    validate.rule("params", integer=False, minimum=0, exclusive=True),  # a bare parameter count
+    validate.rule("largest_layer", integer=False, minimum=0),
     *SHAPE_RULES,
-    (("zero",), lambda zero: (zero >= 0) & (zero <= 3),
-     lambda zero: f"ZeRO stage must be 0, 1, 2 or 3, got {zero}"),
+    validate.rule("zero", minimum=0, maximum=3),
     (("heads", "tp"), lambda heads, tp: heads % tp == 0,
      lambda heads, tp: f"tensor parallel size tp={tp} must divide the {heads} attention heads; "
                        f"valid tp: {_divisors(heads)}"),
@@ -205,10 +204,21 @@ def broken_rules(numbers: dict[str, Any], schedule: str = "1f1b", offload: str =
 
 
 def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none") -> None:
-    """Raise ValueError for the first rule that ``numbers`` (scalars) break."""
+    """Raise ValueError for the first rule that ``numbers`` break (scalars, or arrays: the message
+    shows the first bad element)."""
     for valid, message, fields in broken_rules(numbers, schedule, offload):
-        if not bool(valid):
-            raise ValueError(message(**{f: numbers[f] for f in fields}))
+        if not (valid.all() if valid.ndim else valid):
+            first = tuple(np.argwhere(~valid)[0]) if valid.ndim else ()
+            raise ValueError(message(**{f: np.broadcast_to(numbers[f], valid.shape)[first].item()
+                                        for f in fields}))
+
+
+def check_pipeline(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> None:
+    """The rules of :data:`RULES` that a pipeline schedule alone must follow (sizes >= 1; the
+    interleaved schedule's v >= 2, pp >= 2, m a multiple of pp; v = 1 otherwise)."""
+    validate.one_of("schedule", schedule, SCHEDULES)
+    check_layout({"pp": pp, "num_microbatches": num_microbatches, "virtual_stages": virtual_stages},
+                 schedule)
 
 
 # ---- pipeline bookkeeping (scalars or arrays) ----------------------------------------------------
@@ -230,19 +240,15 @@ def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any
     warm-up count is not 1F1B's, and Megatron-LM runs plain 1F1B instead), so v < 2 raises.
     Without pipelining (p = 1) one micro-batch is in flight at a time.
     """
+    validate.one_of("schedule", schedule, SCHEDULES)
+    check_layout({"virtual_stages": virtual_stages}, schedule)
     m, p, v = num_microbatches, pp, virtual_stages
-    if schedule == "interleaved" and np.any(np.asarray(v) < 2):
-        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages} "
-                         f"(with one chunk per rank it is 1F1B; Megatron-LM interleaves only with "
-                         f"virtual_pipeline_model_parallel_size > 1)")
     if schedule == "gpipe":
         first, last = m, m
     elif schedule == "1f1b":
         first, last = np.minimum(m, p), 1
-    elif schedule == "interleaved":
+    else:
         chunks = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
         first, last = chunks / v, np.minimum(m * v, (v - 1) * p + 1) / v
-    else:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     no_pipeline = p == 1
     return np.where(no_pipeline, 1, first), np.where(no_pipeline, 1, last)

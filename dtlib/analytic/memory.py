@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import GB, GiB
 from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
@@ -110,9 +111,9 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     else:
         dense = n["params"] / (n["tp"] * n["pp"])
         stages = {s: {"dense": dense, "expert": 0 * dense, "unit": 0 * dense} for s in ("first", "last")}
-    if n.get("largest_layer") is not None:
+    if n.get("largest_layer") is not None:  # a whole layer; each TP rank gathers its 1/tp of it
         for s in stages.values():
-            s["unit"] = n["largest_layer"] + 0 * s["dense"]
+            s["unit"] = n["largest_layer"] / n["tp"] + 0 * s["dense"]
     out = {}
     if shaped:
         lf, ll = stage_layers(n["layers"], n["pp"], n["virtual_stages"])
@@ -123,7 +124,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             in_flight_first=ff, in_flight_last=fl, tp=n["tp"], cp=n["cp"], pp=n["pp"],
             sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
             dropout=dropout, act_bytes=prec.activation, mask_bytes=mask_bytes,
-            logits_bytes=logits_bytes, norm_saved=norm_saved)
+            logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"])
     for s in ("first", "last"):
         st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
                                zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], offload=offload)
@@ -180,10 +181,10 @@ def resolve_model(model: "TransformerConfig | str | float | int") -> Transformer
         return model
     if isinstance(model, str):
         return get_preset(model)
-    if isinstance(model, bool) or not isinstance(model, (int, float)) or not model > 0:
-        raise ValueError(f"model must be a TransformerConfig, a preset name or a positive parameter "
-                         f"count, got {model!r}")
-    return float(model)
+    if isinstance(model, bool) or not isinstance(model, (int, float, np.integer, np.floating)):
+        raise validate.InvalidArgument("model", "a TransformerConfig, a preset name or a parameter "
+                                                "count", model)
+    return validate.number("params", model)
 
 
 def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism | None = None, *,
@@ -200,17 +201,24 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     activations). ``gpus``: if given, must equal dp*tp*pp*cp. ``dropout``/``mask_bytes``/
     ``logits_bytes``/``norm_saved``: activation conventions (see :mod:`dtlib.analytic.activations`).
     ``overhead_bytes``: framework overhead (CUDA context, NCCL buffers, fragmentation; default 0,
-    typically 1-3 GiB on a GPU). ``largest_layer_params`` overrides the ZeRO-3 gather unit.
+    typically 1-3 GiB on a GPU). ``largest_layer_params`` overrides the ZeRO-3 gather unit: the
+    parameters of the largest layer before tensor parallelism, which splits it over ``tp`` ranks
+    as it splits the layers of a shaped model.
     """
     layout = layout or Parallelism()
     prec = get_precision(precision)
     cfg = resolve_model(model)
-    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
-        raise ValueError(f"seq must be a positive integer, got {seq!r}")
-    if largest_layer_params is not None and not largest_layer_params >= 0:
-        raise ValueError(f"largest_layer_params must be >= 0, got {largest_layer_params!r}")
-    if not overhead_bytes >= 0:
-        raise ValueError(f"overhead_bytes must be >= 0, got {overhead_bytes!r}")
+    if seq is not None:
+        validate.integer("seq", seq)
+    if gpus is not None:
+        validate.integer("gpus", gpus)
+    if largest_layer_params is not None:
+        validate.number("largest_layer_params", largest_layer_params, minimum=0, exclusive=False)
+    validate.number("overhead_bytes", overhead_bytes, minimum=0, exclusive=False)
+    for name, value in (("mask_bytes", mask_bytes), ("logits_bytes", logits_bytes),
+                        ("norm_saved", norm_saved)):
+        validate.number(name, value, minimum=0, exclusive=False)
+    validate.boolean("dropout", dropout)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if isinstance(cfg, TransformerConfig):
         n = layout.numbers(**model_numbers(cfg, seq), gpus=gpus, largest_layer=largest_layer_params)

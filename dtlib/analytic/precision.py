@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlib.analytic import validate
+
 __all__ = ["Precision", "precision", "get_precision", "CONVENTIONS", "PRECISIONS", "OPTIMIZERS"]
 
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
@@ -42,6 +44,11 @@ class Precision:
     activation: float
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("param", "grad", "master", "grad_copy", "states"):
+            validate.number(name, getattr(self, name), minimum=0, exclusive=False)
+        validate.number("activation", self.activation)  # divides nothing, but 0-byte activations are a typo
+
     @property
     def optimizer(self) -> float:
         """Everything the optimizer owns (what ZeRO stage 1 shards)."""
@@ -58,14 +65,12 @@ def precision(dtype: str = "bf16-mixed", grad_dtype: str | None = None, optimize
     gradients (default: the weights' dtype), ``optimizer``; ``fp32_grad_copy`` adds the fp32 copy of
     the gradients that Megatron's fp16 optimizer keeps. Mixed precision adds 4-byte master weights
     (Micikevicius et al. 2018)."""
-    if dtype not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {dtype!r}")
-    if optimizer not in _STATE_BYTES:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    validate.one_of("precision", dtype, PRECISIONS)
+    validate.one_of("optimizer", optimizer, OPTIMIZERS)
+    validate.boolean("fp32_grad_copy", fp32_grad_copy)
     weight = "fp32" if dtype == "fp32" else dtype.split("-")[0]
     grad_dtype = grad_dtype or weight
-    if grad_dtype not in _BYTES:
-        raise ValueError(f"grad_dtype must be one of {tuple(_BYTES)}, got {grad_dtype!r}")
+    validate.one_of("grad_dtype", grad_dtype, _BYTES)
     if dtype == "fp32" and grad_dtype != "fp32":
         raise ValueError(f"fp32 training has fp32 gradients; got grad_dtype={grad_dtype!r}")
     mixed = dtype != "fp32"

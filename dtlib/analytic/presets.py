@@ -5,9 +5,11 @@ preset's ``num_parameters()`` with its published total.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dtlib.analytic.config import TransformerConfig
 
-__all__ = ["PRESETS", "get_preset"]
+__all__ = ["PRESETS", "get_preset", "Training", "TRAINING", "GPT_CONVENTION", "training_of"]
 
 _LLAMA = dict(activation="swiglu", bias=False, norm="rmsnorm", position="rope", tied_embeddings=False)
 
@@ -66,3 +68,41 @@ def get_preset(name: str) -> TransformerConfig:
     if key is None:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
     return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a model was trained, where that changes its activation memory: a FlashAttention-style
+    kernel (Dao et al. 2022) never stores the s x s attention scores, which is the footprint of
+    selective recompute (Korthikanti et al. 2022, Sec. 5: it drops exactly the 5as/h term), and a
+    model trained without dropout keeps no dropout masks."""
+    flash_attention: bool
+    dropout: bool
+    source: str
+
+    @property
+    def recompute(self) -> str:
+        """The :data:`~dtlib.analytic.layout.RECOMPUTE` value with this attention's footprint."""
+        return "selective" if self.flash_attention else "none"
+
+
+# The paper's GPT convention (explicit attention, dropout): what a preset not listed here gets.
+GPT_CONVENTION = Training(flash_attention=False, dropout=True,
+                          source="Korthikanti et al. 2022, Sec. 4 (GPT: explicit attention, dropout)")
+_LLAMA_TRAINING = Training(
+    flash_attention=True, dropout=False,
+    source="Touvron et al. 2023, 'LLaMA', Sec. 2.4 (xformers memory-efficient causal attention: "
+           "attention weights not stored); HF Llama configs: attention_dropout 0.0, no other dropout")
+TRAINING: dict[str, Training] = {
+    **{name: _LLAMA_TRAINING for name in ("llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b",
+                                          "capstone-10b")},
+    "bloom-176b": Training(flash_attention=False, dropout=False,
+                           source="HF bigscience/bloom config.json: attention_dropout 0.0, "
+                                  "hidden_dropout 0.0 (fused softmax, scores stored)"),
+}
+
+
+def training_of(model: "TransformerConfig | str") -> Training:
+    """How ``model`` (a preset, or its name) was trained; :data:`GPT_CONVENTION` for any other."""
+    name = model.name if isinstance(model, TransformerConfig) else get_preset(model).name
+    return TRAINING.get(name, GPT_CONVENTION)

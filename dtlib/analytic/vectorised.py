@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic import validate
 from dtlib.analytic.flops import shape_of, step_flops, utilization
 from dtlib.analytic.hardware import Accelerator
 from dtlib.analytic.memory import model_numbers, per_gpu_bytes
@@ -27,7 +28,7 @@ __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
 _LAYOUT_DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False,
                         virtual_stages=1, micro_batch_size=1, num_microbatches=1)
 _SAFE = dict(_LAYOUT_DEFAULTS, shard_size=1, gpus=None, layers=1, hidden=1, heads=1, kv_heads=1,
-             ffn=1, vocab=1, seq=1, params=1.0, largest_layer=None)
+             ffn=1, vocab=1, seq=1, params=1.0, largest_layer=0.0)
 
 
 def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], schedule: str = "1f1b",
@@ -37,8 +38,7 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
     Returns the numbers (invalid rows replaced by safe values so the formulas stay finite) and the
     boolean ``valid`` array.
     """
-    if on_invalid not in ("raise", "nan"):
-        raise ValueError(f"on_invalid must be 'raise' or 'nan', got {on_invalid!r}")
+    validate.one_of("on_invalid", on_invalid, ("raise", "nan"))
     n: dict[str, Any] = dict(_LAYOUT_DEFAULTS)
     if cfg is not None:
         n.update(model_numbers(cfg))
@@ -86,8 +86,11 @@ def memory_batch(cfg: "TransformerConfig | None" = None, *, precision: "Precisio
     """
     for name, value, valid in (("recompute", recompute, RECOMPUTE), ("schedule", schedule, SCHEDULES),
                                ("offload", offload, OFFLOAD)):
-        if value not in valid:
-            raise ValueError(f"{name} must be one of {valid}, got {value!r}")
+        validate.one_of(name, value, valid)
+    validate.boolean("dropout", dropout)
+    for name, value in (("overhead_bytes", overhead_bytes), ("mask_bytes", mask_bytes),
+                        ("logits_bytes", logits_bytes), ("norm_saved", norm_saved)):
+        validate.array(name, value, minimum=0, exclusive=False)
     if cfg is None and arrays.get("params") is None:
         raise ValueError("give a model config or params= (parameter counts)")
     n, valid = layout_arrays(cfg, arrays, schedule, offload, on_invalid)
@@ -109,9 +112,8 @@ def flops_batch(cfg: TransformerConfig, *, batch: Any, step_time: Any = None, gp
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}; valid: {sorted(shape)}")
     shape.update(arrays)
+    validate.array("batch", batch, integer=True, minimum=1, exclusive=False)
     batch = np.asarray(batch)
-    if np.any(batch < 1):
-        raise ValueError("batch must be >= 1 everywhere")
     f = step_flops(batch * np.asarray(shape["seq"]), recompute=recompute, attention=attention,
                    count_logits=count_logits, **shape)
     out = {"model_flops_per_step": np.asarray(f["model"], float),

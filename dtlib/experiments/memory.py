@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
+from dtlib.analytic import validate
 from dtlib.measure import saved_activation_bytes
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.models import TinyGPT
@@ -53,10 +54,8 @@ def recompute_tradeoff(cfg: TransformerConfig, batch: int = 8, *, min_run_time: 
     """
     if not isinstance(cfg, TransformerConfig):
         raise ValueError(f"cfg must be a TransformerConfig (e.g. tiny_gpt_config(...)), got {cfg!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer (sequences per step), got {batch!r}")
-    if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or not min_run_time > 0:
-        raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time!r}")
+    validate.integer("batch", batch)  # sequences per step
+    validate.number("min_run_time", min_run_time)  # seconds
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=torch.Generator().manual_seed(seed))
     runs: dict[str, dict[str, float]] = {}
     for name, ck in RECOMPUTE_RUNS.items():

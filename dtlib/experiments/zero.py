@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.comm import COLLECTIVES, bytes_sent_per_rank, strategy_volumes
 from dtlib.launcher import launch
 from dtlib.analytic.memory import memory_per_gpu
@@ -278,12 +278,8 @@ def smallest_fitting_stage(model: TransformerConfig | str | float, dp: int, gpu_
     Raises ``ValueError`` for a ``headroom`` outside (0, 1] or a non-positive ``gpu_memory_bytes``;
     :class:`Parallelism` rejects a bad ``dp``.
     """
-    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) or not 0 < headroom <= 1:
-        raise ValueError(f"headroom must be a fraction in (0, 1] of the GPU memory the model states "
-                         f"may use, got {headroom!r}")
-    if (isinstance(gpu_memory_bytes, bool) or not isinstance(gpu_memory_bytes, numbers.Real)
-            or not gpu_memory_bytes > 0):
-        raise ValueError(f"gpu_memory_bytes must be a positive number of bytes, got {gpu_memory_bytes!r}")
+    validate.number("headroom", headroom, maximum=1)  # the fraction of GPU memory states may use
+    validate.number("gpu_memory_bytes", gpu_memory_bytes)
     budget = headroom * gpu_memory_bytes
     for stage in range(4):
         if memory_per_gpu(model, Parallelism(dp=dp, zero=stage), precision=prec).model_states <= budget:

@@ -26,6 +26,12 @@ collective (on Q) that depends on the first. Issued from a future's callback it 
 backend thread, and two ranks could then issue bucket 1's P and bucket 0's Q in different orders
 (gloo matches collectives by order). Here the second phase runs in ``wait()``, which our DDP calls
 in bucket order on the main thread, so every rank issues the same sequence.
+
+Error-feedback residuals and warm-start factors are kept *per parameter* (``state.errors[p]``,
+``state.qs[p]``, keyed by the parameter tensor as ``torch.optim`` keys its state), not per bucket
+index: :class:`~dtlib.parallel.ddp.BucketedDDP` rebuilds its buckets after the first iteration
+in the order gradients arrived, so bucket 0 may then hold other parameters than before, and a
+residual stored under its index would be added to the wrong gradient.
 """
 from __future__ import annotations
 
@@ -91,16 +97,38 @@ def bf16_compress_hook(state: Any, bucket: Any) -> _Deferred:
 
 
 # ---- top-k -------------------------------------------------------------------------------------
+def _slices(bucket: Any) -> list[tuple[torch.Tensor, slice]]:
+    """(parameter, where its gradient lies in ``bucket.buffer()``) for each parameter, in order."""
+    out, offset = [], 0
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        out.append((p, slice(offset, offset + g.numel())))
+        offset += g.numel()
+    return out
+
+
+def _add_residuals(errors: dict[torch.Tensor, torch.Tensor], bucket: Any, flat: torch.Tensor) -> None:
+    """Add each parameter's stored residual to its part of ``flat`` (the bucket's layout)."""
+    for p, where in _slices(bucket):
+        err = errors.get(p)
+        if err is not None:
+            flat[where] += err
+
+
+def _store_residuals(errors: dict[torch.Tensor, torch.Tensor], bucket: Any, flat: torch.Tensor) -> None:
+    for p, where in _slices(bucket):
+        errors[p] = flat[where]
+
+
 @dataclass
 class TopKState:
     """Top-k sparsification: keep ``ratio`` of each bucket's entries (at least one).
 
-    ``errors[bucket index]`` is the error-feedback memory (what was not sent yet).
+    ``errors[p]`` is parameter ``p``'s error-feedback memory (what was not sent yet, flat).
     """
     ratio: float = 0.01
     error_feedback: bool = True
     process_group: Any = None
-    errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    errors: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 1:
@@ -113,15 +141,13 @@ def topk_hook(state: TopKState, bucket: Any) -> _Deferred:
     n = dist.get_world_size(group)
     acc = buf.clone()
     if state.error_feedback:
-        err = state.errors.get(bucket.index())
-        if err is not None and err.shape == acc.shape:  # shape changes if buckets are rebuilt
-            acc += err
+        _add_residuals(state.errors, bucket, acc)
     k = max(1, math.ceil(state.ratio * acc.numel()))
     idx = acc.abs().topk(k, sorted=False).indices
     values = acc[idx]
     if state.error_feedback:
         acc[idx] = 0  # what stays behind is sent later
-        state.errors[bucket.index()] = acc
+        _store_residuals(state.errors, bucket, acc)
     idx32 = idx.to(torch.int32)  # 4-byte indices on the wire (buckets are < 2^31 elements)
     all_values = torch.empty(n * k, dtype=values.dtype, device=values.device)
     all_idx = torch.empty(n * k, dtype=torch.int32, device=values.device)
@@ -180,7 +206,11 @@ class PowerSGDState:
     ``rank``: the approximation rank r. ``start_iter``: plain all-reduce for the first steps
     (PyTorch's ``start_powerSGD_iter``; compressing from step 0 hurts accuracy, Vogels et al.
     Sec. 5). ``min_compression_rate``: compress a matrix only if ``n m > rate * (n + m) r``.
-    ``errors``, ``qs``: error-feedback memory and warm-start Q, per bucket index.
+    ``errors[p]``, ``qs[p]``: error-feedback memory (flat) and warm-start Q of parameter ``p``.
+    With ``error_feedback`` or ``warm_start``, ``start_iter`` must be > 1, the rule of PyTorch's
+    ``PowerSGDState`` (``powerSGD_hook.py``: "Expect `start_powerSGD_iter` > 1 if
+    `use_error_feedback` or `warm_start` is enabled, because PowerSGD can only be applied after the
+    first two iterations in DDP"), where the memory starts only once buckets are rebuilt.
     """
     rank: int = 1
     start_iter: int = 10
@@ -191,14 +221,19 @@ class PowerSGDState:
     epsilon: float = 0.0
     process_group: Any = None
     iter: int = 0
-    errors: dict[int, torch.Tensor] = field(default_factory=dict)
-    qs: dict[int, torch.Tensor] = field(default_factory=dict)
+    errors: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    qs: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
         if self.start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
+        if (self.error_feedback or self.warm_start) and self.start_iter <= 1:
+            raise ValueError(f"start_iter must be > 1 with error_feedback or warm_start (got "
+                             f"{self.start_iter}), as PyTorch's PowerSGDState requires: compress from "
+                             "the third iteration, once DDP has rebuilt its buckets; or set "
+                             "error_feedback=False, warm_start=False")
         # PyTorch draws the seed of every fresh random Q from numpy's RandomState(seed)
         self._rng = np.random.RandomState(self.seed)
 
@@ -211,39 +246,35 @@ def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
         if bucket.is_last():
             state.iter += 1
         return _all_reduce_mean(buf, bucket, group)
-    b = bucket.index()
     if state.error_feedback:
-        err = state.errors.get(b)
-        if err is not None and err.shape == buf.shape:
-            buf += err
+        _add_residuals(state.errors, bucket, buf)
         local = buf.clone()  # M_i + e_i: what this rank wanted to send
-    grads = bucket.gradients()
-    matrices, vectors = [], []
-    for g, r in zip(grads, powersgd_plan([g.shape for g in grads], state.rank,
-                                         state.min_compression_rate)):
+    params, grads = bucket.parameters(), bucket.gradients()
+    matrices, vectors = [], []  # matrices: (parameter, its gradient as a matrix, rank)
+    for param, g, r in zip(params, grads, powersgd_plan([g.shape for g in grads], state.rank,
+                                                        state.min_compression_rate)):
         if r is None:
             vectors.append(g)
         else:
-            matrices.append((g.view(g.shape[0], -1), r))
+            matrices.append((param, g.view(g.shape[0], -1), r))
     # same-shaped matrices next to each other, as PyTorch lays out (and draws random) Q and P
     first_seen = {}
-    for m, _ in matrices:
+    for _, m, _ in matrices:
         first_seen.setdefault(m.shape, len(first_seen))
-    matrices.sort(key=lambda mr: first_seen[mr[0].shape])
+    matrices.sort(key=lambda pmr: first_seen[pmr[1].shape])
     uncompressed = torch.cat([v.reshape(-1) for v in vectors]) if vectors else buf.new_zeros(0)
-    p_flat = buf.new_empty(sum(m.shape[0] * r for m, r in matrices))
-    q_sizes = [m.shape[1] * r for m, r in matrices]
-    q_flat = state.qs.get(b)
-    fresh = not state.warm_start or q_flat is None or q_flat.numel() != sum(q_sizes)
+    p_flat = buf.new_empty(sum(m.shape[0] * r for _, m, r in matrices))
+    q_flat = buf.new_empty(sum(m.shape[1] * r for _, m, r in matrices))
+    last_q = [state.qs.get(param) for param, _, _ in matrices]
+    fresh = not state.warm_start or any(q is None or q.shape != (m.shape[1], r)
+                                        for q, (_, m, r) in zip(last_q, matrices))
     if fresh:  # same seed on every rank -> the same random Q everywhere
-        q_flat = buf.new_empty(sum(q_sizes))
         gen = torch.Generator().manual_seed(int(state._rng.randint(1_000_000_000)))
     ps, qs, p_off, q_off = [], [], 0, 0
-    for (m, r), q_size in zip(matrices, q_sizes):
+    for (_, m, r), q_last in zip(matrices, last_q):
         p = p_flat[p_off:p_off + m.shape[0] * r].view(m.shape[0], r)
-        q = q_flat[q_off:q_off + q_size].view(m.shape[1], r)
-        if fresh:
-            q.copy_(torch.randn(q.shape, generator=gen, dtype=q.dtype))
+        q = q_flat[q_off:q_off + m.shape[1] * r].view(m.shape[1], r)
+        q.copy_(torch.randn(q.shape, generator=gen, dtype=q.dtype) if fresh else q_last)
         orthogonalize(q, state.epsilon)  # keeps the warm-started Q well conditioned
         torch.matmul(m, q, out=p)
         ps.append(p)
@@ -259,26 +290,26 @@ def powersgd_hook(state: PowerSGDState, bucket: Any) -> _Deferred:
     def finish() -> torch.Tensor:
         for w in works:
             w.wait()
-        for (m, _), p, q in zip(matrices, ps, qs):
+        for (_, m, _), p, q in zip(matrices, ps, qs):
             orthogonalize(p, state.epsilon)
             torch.matmul(m.t(), p, out=q)  # this rank's Q_i = M_i^T P
         if state.error_feedback:
             # the local error of the paper (Alg. 2): M_i - P Q_i^T, with this rank's own Q_i
             # (vectors still hold their local values: they were sent exactly, no residual)
-            for (m, _), p, q in zip(matrices, ps, qs):
+            for (_, m, _), p, q in zip(matrices, ps, qs):
                 m.copy_(p @ q.t())
-            state.errors[b] = local - buf
+            _store_residuals(state.errors, bucket, local - buf)
         if hasattr(bucket, "log"):
             bucket.log("all_reduce", q_flat)
         dist.all_reduce(q_flat, group=group)
         q_flat.div_(n_ranks)
-        for (m, _), p, q in zip(matrices, ps, qs):
+        for (param, m, _), p, q in zip(matrices, ps, qs):
             torch.matmul(p, q.t(), out=m)
+            state.qs[param] = q  # warm start: next step's power iteration begins here
         offset = 0
         for v in vectors:
             v.copy_(uncompressed[offset:offset + v.numel()].view_as(v)).div_(n_ranks)
             offset += v.numel()
-        state.qs[b] = q_flat  # warm start: next step's power iteration begins here
         if bucket.is_last():
             state.iter += 1
         return buf

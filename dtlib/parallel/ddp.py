@@ -23,7 +23,10 @@ Accelerating Data Parallel Training", VLDB, Sec. 3-4; the ``Reducer`` in torch/c
 
 Unlike PyTorch, waiting for the all-reduces is explicit: call
 :meth:`finish_gradient_synchronization` after ``backward()`` and before ``optimizer.step()``.
-Forgetting it is detected at the next forward. Every synchronised iteration leaves a
+Forgetting it is detected at the next forward. Which modules are wrapped is recorded in this
+module (``_WRAPPED``), never on the user's module, so the model can be deep-copied, pickled, and
+a copy wrapped again; the wrapper itself pickles (``torch.save``) with the default group, as
+PyTorch DDP. Every synchronised iteration leaves a
 :class:`SyncRecord` (when each bucket was ready, issued, finished; when backward ended; bytes
 moved) in ``.records``, so overlap can be tested and drawn (:mod:`dtlib.viz.timeline`).
 """
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import MiB
 from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
@@ -48,6 +52,11 @@ from dtlib.analytic.comm import bytes_sent_per_rank
 from dtlib.parallel.collectives import broadcast_coalesced
 
 __all__ = ["NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord", "CommHook"]
+
+# module -> weak reference to the live wrapper around it. Kept here, not as an attribute of the
+# user's module, so that copy.deepcopy(model) (an EMA or reference copy) is a fresh module that can
+# be wrapped again, and torch.save(model) has nothing unpicklable to save.
+_WRAPPED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class GradBucket:
@@ -163,7 +172,7 @@ class _DataParallel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: run inside dtlib.launch(...) "
                                "or call dist.init_process_group first")
-        if getattr(module, "_dtlib_ddp", lambda: None)() is not None:
+        if _WRAPPED.get(module, lambda: None)() is not None:
             raise ValueError("this module is already wrapped by a live data-parallel wrapper; "
                              "call .remove_hooks() on it (or delete it) first")
         self.module = module
@@ -194,8 +203,7 @@ class _DataParallel(nn.Module):
         # first guess of the order in which gradients become ready: reverse of registration
         self._build_buckets(list(reversed(range(len(self._params)))))
 
-        self._handles = register_grad_ready_hooks(self._params, self, "_grad_ready")
-        module._dtlib_ddp = weakref.ref(self)
+        self._attach()
         self._sync_enabled = True   # False inside no_sync()
         self._armed = False         # a forward asked for a synchronised backward
         self._hook: CommHook | None = None
@@ -211,12 +219,36 @@ class _DataParallel(nn.Module):
         self.buckets = [GradBucket(b, [ordered[j] for j in idx], [self._names[order[j]] for j in idx],
                                    is_last=b == len(groups) - 1) for b, idx in enumerate(groups)]
         self._launcher = InOrderLauncher([len(b.parameters()) for b in self.buckets],
-                                         lambda i: self._launch(self.buckets[i]))
+                                         self._launch_index)
         # parameter index -> (bucket, slot)
         self._slot = {}
         for b in self.buckets:
             for s, p in enumerate(b.parameters()):
                 self._slot[self._index[id(p)]] = (b, s)
+
+    def _launch_index(self, i: int) -> None:
+        self._launch(self.buckets[i])
+
+    def _attach(self) -> None:
+        """Hook the parameters and record the module as wrapped (construction and unpickling)."""
+        self._handles = register_grad_ready_hooks(self._params, self, "_grad_ready")
+        _WRAPPED[self.module] = weakref.ref(self)
+
+    # ---- pickling (torch.save(wrapper), copy.deepcopy(wrapper)) ------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # As PyTorch DDP's __getstate__: only the default group can be pickled (a process group
+        # is a live connection), and the hook handles are rebuilt on unpickling.
+        if self.process_group is not None:
+            raise RuntimeError("a data-parallel wrapper can be pickled only with the default process "
+                               "group (as PyTorch DDP); save wrapper.module or its state_dict instead")
+        state = self.__dict__.copy()
+        del state["_handles"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._index = {id(p): i for i, p in enumerate(self._params)}  # ids change with the objects
+        self._attach()
 
     def bucket_summary(self) -> list[dict[str, Any]]:
         """Per bucket: its index, parameter names (in bucket order) and size in bytes."""
@@ -394,8 +426,8 @@ class _DataParallel(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
-        if getattr(self.module, "_dtlib_ddp", None) is not None:
-            del self.module._dtlib_ddp
+        if _WRAPPED.get(self.module, lambda: None)() is self:
+            del _WRAPPED[self.module]
 
     @property
     def last_record(self) -> SyncRecord | None:
@@ -450,9 +482,6 @@ class BucketedDDP(_DataParallel):
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, process_group: Any = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  rebuild_buckets: bool = True):
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
-                or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be a number > 0 (MiB per bucket; PyTorch's "
-                             f"default is 25), got {bucket_size_mb!r}")
+        validate.number("bucket_size_mb", bucket_size_mb)  # MiB, finite: inf overflowed int()
         super().__init__(module, int(bucket_size_mb * MiB), process_group, find_unused_parameters,
                          broadcast_buffers, rebuild_buckets)

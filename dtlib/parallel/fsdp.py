@@ -6,9 +6,13 @@ reduce-scatter) and Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p)
 
 * the model is cut into *units*: each submodule whose type is in ``unit_types`` (e.g. the
   transformer block) and the root for everything else. A unit's parameters are flattened into one
-  buffer padded to a multiple of N; rank r keeps shard r as an ``nn.Parameter`` (fp32) - the only
-  persistent copy. ``FSDP.parameters()`` yields these shards, so the optimizer, its state and the
-  gradients are all 1/N;
+  buffer padded to a multiple of N; rank r keeps shard r (fp32) - the only persistent copy;
+* the model's own ``nn.Parameter`` objects stay, with their names, but each becomes a 1-D view of
+  its part of this rank's flat shard (possibly empty), as PyTorch FSDP's ``use_orig_params=True``:
+  ``FSDP.parameters()`` yields them, so the optimizer, its state and the gradients are all 1/N
+  and per-parameter groups work (no weight decay for norms and biases, as nanoGPT's
+  ``configure_optimizers``: build the groups before wrapping, while the shapes are the original
+  ones, or by name);
 * just before a unit's forward its shards are all-gathered (in ``compute_dtype`` if given) and
   the module's parameters are bound to views of the full buffer; right after its forward they are
   unbound and the buffer's storage is freed (resized to 0, as PyTorch FSDP's ``_free_storage``,
@@ -20,12 +24,23 @@ reduce-scatter) and Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p)
   need actually arises);
 * when autograd has accumulated the gradient of a unit's whole buffer (the backward of the
   custom Function that produced it), that gradient is reduce-scattered asynchronously - each
-  rank receives the average of its shard - and the buffer is freed again.
-  :meth:`FSDP.finish_gradient_synchronization` waits and writes the shards' ``.grad``.
+  rank receives the average of its shard - and the buffer is freed again. At the end of the
+  backward pass an autograd engine callback (``queue_callback``, as PyTorch FSDP's
+  ``_post_backward_final_callback``) waits for them and accumulates each parameter's piece into
+  its ``.grad``, so ``backward(); optimizer.step()`` is all a training loop needs;
+  :meth:`FSDP.finish_gradient_synchronization` does the same and may still be called (a no-op then);
+* activation checkpointing (non-reentrant ``torch.utils.checkpoint``) recomputes a forward
+  during backward: there the units' hooks neither gather through the autograd Function nor free,
+  they bind the (re-)gathered buffer, which stays until the unit's gradient is reduce-scattered -
+  as FSDP2's hooks do nothing in forward while its state is ``PRE_BACKWARD``;
+* checkpoints: :meth:`FSDP.gather_full_params` gives the full state dict (a collective),
+  :meth:`FSDP.load_full_state_dict` loads one into the shards (every rank passes the full dict);
+  the optimizer's ``state_dict()`` is per rank, over the local pieces.
 
 Not done, to stay readable: prefetching the next unit's all-gather (PyTorch overlaps it), keeping
-the root gathered between forward and backward, CPU offload, and per-unit mixed precision
-settings. Parameters with ``requires_grad=False`` stay ordinary, replicated parameters (not
+the root gathered between forward and backward, CPU offload, per-unit mixed precision settings,
+reentrant activation checkpointing, and resharding a checkpoint's optimizer state to another
+world size. Parameters with ``requires_grad=False`` stay ordinary, replicated parameters (not
 sharded, not cast: with ``compute_dtype`` they must already have that dtype), and
 :meth:`FSDP.gather_full_params` returns them with the rest.
 """
@@ -78,16 +93,22 @@ class _Unit:
             raise ValueError(f"unit {name or '(root)'!r} mixes parameter dtypes/devices "
                              f"{sorted({(str(p.dtype), str(p.device)) for p in params})}: one flat "
                              "buffer holds one dtype; convert the model first (e.g. model.float())")
-        self.layout = FlatLayout.of(params, owner.world_size)
+        self.params, self.layout = params, FlatLayout.of(params, owner.world_size)
         lo, hi = self.layout.shard_range(owner.rank)
         with torch.no_grad():
-            self.shard = nn.Parameter(self.layout.flatten([p.detach() for p in params])[lo:hi].clone())
+            # requires_grad only so that _GatherParams is recorded by autograd (its backward is
+            # where the gradient is reduce-scattered); the shard itself never gets a .grad
+            self.shard = self.layout.flatten([p.detach() for p in params])[lo:hi].clone().requires_grad_()
+        # this rank's piece of each parameter: [start, end) inside the shard (empty if none)
+        self.pieces = []
+        for off, n in zip(self.layout.offsets, self.layout.numels):
+            start, end = max(lo, off) - lo, min(hi, off + n) - lo
+            self.pieces.append((start, end) if start < end else (0, 0))
+        for p, (start, end) in zip(params, self.pieces):
+            p.data = self.shard.detach()[start:end]  # same Parameter object, now a view of the shard
         self.full: torch.Tensor | None = None
+        self.recompute_bound = False  # bound for a recomputation during backward
         self.pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        for owners in aliases:  # (state-dict name, module, attribute) of every place it is used
-            for _, mod, attr in owners:
-                mod._parameters.pop(attr, None)
-                setattr(mod, attr, None)  # bound to a view of the gathered buffer during forward
 
     def gather(self) -> torch.Tensor:
         """All-gather the shards into a fresh full buffer (no autograd), if not already there."""
@@ -100,18 +121,31 @@ class _Unit:
         return self.full
 
     def bind(self, full: torch.Tensor) -> None:
+        """Point the modules at views of the gathered buffer. Written into ``_parameters`` (as
+        FSDP's use_orig_params swaps tensors for parameters) so the registration order is kept."""
         for owners, view in zip(self.aliases, self.layout.views(full)):
             for _, mod, attr in owners:  # a tied weight is bound in every owning module
-                setattr(mod, attr, view)
+                mod._parameters[attr] = view
+
+    def bind_for_recompute(self) -> None:
+        """Activation checkpointing recomputes a forward inside backward: bind the gathered
+        buffer (re-gathered if freed) as a leaf that requires grad, so that the recomputation
+        saves the same tensors as the forward did; its graph is only read, never differentiated
+        (the forward's _GatherParams node gets the gradient), so no autograd Function here."""
+        if not self.recompute_bound:
+            self.bind(self.gather().detach().requires_grad_())
+            self.recompute_bound = True
 
     def free(self) -> None:
-        for owners in self.aliases:
+        for p, owners in zip(self.params, self.aliases):
             for _, mod, attr in owners:
-                setattr(mod, attr, None)
+                mod._parameters[attr] = p  # the sharded parameter again
+        self.recompute_bound = False
         if self.full is not None:
             # Release the memory now, whoever still holds the tensor object (e.g. the backend's
             # worker thread, for a moment after the collective): PyTorch FSDP's ``_free_storage``.
-            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes).
+            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes),
+            # and a checkpointed recomputation's views are used up before the unit's reduce-scatter.
             self.owner._released(self.full.untyped_storage().nbytes())
             self.full.untyped_storage().resize_(0)
             self.full = None
@@ -122,25 +156,57 @@ class _Unit:
         work = reduce_scatter_into(received, grad, self.owner.process_group, async_op=True)
         self.pending.append((work, received, grad))  # keep grad alive until the work is done
         self.free()
+        self.owner._finish_at_end_of_backward()
+
+    def finish(self) -> None:
+        """Wait for this unit's reduce-scatters; add each parameter's piece to its ``.grad``
+        (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works)."""
+        for work, received, _ in self.pending:
+            work.wait()
+            grad = received.to(self.shard.dtype)
+            for p, (start, end) in zip(self.params, self.pieces):
+                if p.grad is None:
+                    p.grad = grad[start:end]
+                else:
+                    p.grad += grad[start:end]
+        self.pending = []
 
     # forward hooks on the unit's module
-    def pre_forward(self, module: nn.Module, args: tuple) -> tuple:
-        self.bind(_GatherParams.apply(self.shard, self))
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _in_backward():
+            self.bind_for_recompute()
+        else:
+            self.bind(_GatherParams.apply(self.shard, self))
         dtype = self.owner.compute_dtype
         if dtype is None:
-            return args
-        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, args)
+            return args, kwargs
+        # positional and keyword inputs alike, as PyTorch's cast_forward_inputs
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                             (args, kwargs))
+
+    def pre_forward_inner(self, module: nn.Module, args: tuple) -> None:
+        """On modules inside the unit: a checkpointed submodule recomputed in backward needs
+        the unit's parameters although the unit's own forward is not running."""
+        if _in_backward():
+            self.bind_for_recompute()
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.free()
+        if not _in_backward():  # a recomputation's saved tensors still view the buffer
+            self.free()
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (how torch.utils.checkpoint asks too)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class FSDP(nn.Module):
     """Toy FSDP (ZeRO-3): ``FSDP(module, compute_dtype=None, unit_types=(Block,))``.
 
     Args:
-        module: the model (on ``dtlib.launcher.get_device()``); its parameters are replaced by
-            flat shards (``FSDP.parameters()``), so build the optimizer on the wrapper.
+        module: the model (on ``dtlib.launcher.get_device()``); its parameters keep their
+            names but become 1-D views of this rank's flat shards (``FSDP.parameters()``), so
+            the optimizer's groups can be built on the model before wrapping or on the wrapper.
         compute_dtype: gather parameters (and run forward/backward, and reduce gradients) in this
             dtype, e.g. ``torch.bfloat16``; the shards and the optimizer stay in fp32. Floating
             inputs of each unit are cast to it, and the output comes back in it.
@@ -148,8 +214,9 @@ class FSDP(nn.Module):
             PyTorch's ``ModuleWrapPolicy``; everything else belongs to the root unit.
         process_group: the data-parallel group (default: all ranks).
 
-    After ``loss.backward()`` call :meth:`finish_gradient_synchronization`, then
-    ``optimizer.step()``. :meth:`gather_full_params` returns the full state dict.
+    ``loss.backward(); optimizer.step()``: the gradients are synchronised at the end of
+    backward. :meth:`gather_full_params` returns the full state dict, :meth:`load_full_state_dict`
+    loads one.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -186,11 +253,20 @@ class FSDP(nn.Module):
         self.peak_unsharded_bytes = 0
         self._live_bytes = 0
 
+        self._finish_queued = False
         self.units = self._make_units(module, tuple(unit_types))
-        self.flat_shards = nn.ParameterList([u.shard for u in self.units])
         for u in self.units:
-            u.module.register_forward_pre_hook(u.pre_forward)
+            u.module.register_forward_pre_hook(u.pre_forward, with_kwargs=True)
             u.module.register_forward_hook(u.post_forward)
+            inner = {id(mod): mod for owners in u.aliases for _, mod, _ in owners}
+            for mod in inner.values():
+                if mod is not u.module:
+                    mod.register_forward_pre_hook(u.pre_forward_inner)
+
+    @property
+    def flat_shards(self) -> list[torch.Tensor]:
+        """This rank's flat shard of each unit (the parameters are views into them)."""
+        return [u.shard for u in self.units]
 
     def _make_units(self, module: nn.Module, unit_types: tuple) -> list[_Unit]:
         unit_paths = [""] + [n for n, m in module.named_modules() if n and isinstance(m, unit_types)]
@@ -249,22 +325,56 @@ class FSDP(nn.Module):
     def _released(self, nbytes: int) -> None:
         self._live_bytes -= nbytes
 
+    def _finish_at_end_of_backward(self) -> None:
+        """Called from inside backward: run :meth:`finish_gradient_synchronization` once the
+        whole backward pass is done (PyTorch FSDP queues its final callback the same way)."""
+        if not self._finish_queued:
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the gradient reduce-scatters; accumulate them into the shards' ``.grad``."""
+        """Wait for the gradient reduce-scatters; accumulate them into the parameters' ``.grad``.
+
+        Runs by itself at the end of every backward; calling it again is a no-op."""
+        self._finish_queued = False
         for u in self.units:
-            for work, received, _ in u.pending:
-                work.wait()
-                g = received.to(u.shard.dtype)
-                if u.shard.grad is None:
-                    u.shard.grad = g
-                else:
-                    u.shard.grad += g
-            u.pending = []
+            u.finish()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (what :meth:`gather_full_params` or the unwrapped model's
+        ``state_dict()`` gives, on every rank): each rank copies its shard, in place, so the
+        parameters (views of it) and an optimizer built on them stay valid. No communication."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if missing or unexpected:
+            raise KeyError(f"state_dict does not match the model: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]} (pass a full state dict, as "
+                           "gather_full_params() returns)")
+        sharded = set()
+        for u in self.units:
+            tensors = []
+            for owners, shape in zip(u.aliases, u.layout.shapes):
+                name = owners[0][0]
+                if state_dict[name].shape != shape:
+                    raise ValueError(f"{name} has shape {tuple(state_dict[name].shape)} in state_dict, "
+                                     f"the model's is {tuple(shape)}")
+                tensors.append(state_dict[name])
+                sharded.update(n for n, _, _ in owners)
+            lo, hi = u.layout.shard_range(self.rank)
+            u.shard.copy_(u.layout.flatten_range(tensors, lo, hi))
+        # the rest is replicated: buffers and frozen parameters, copied whole
+        replicated = dict(self.module.named_buffers(remove_duplicate=False))
+        replicated.update(self.module.named_parameters(remove_duplicate=False))
+        for name in self._state_keys:
+            if name not in sharded:
+                replicated[name].copy_(state_dict[name])
 
     # ---- inspection --------------------------------------------------------------------------
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """The full (fp32) state dict with the original names, on every rank (a collective)."""
+        """The full (fp32) state dict with the original names, on every rank (a collective);
+        :meth:`load_full_state_dict` is its inverse."""
         values: dict[str, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.layout.padded_numel, dtype=u.shard.dtype, device=u.shard.device)

@@ -23,8 +23,10 @@ A parameter whose gradient is ``None`` in a step is updated as if its gradient w
 AdamW's weight decay and momentum still move it; ``torch.optim.AdamW`` would skip it). This is
 DeepSpeed's ZeRO-1/2 behaviour: ``DeepSpeedZeroOptimizer.get_flat_partition``
 (``deepspeed/runtime/zero/stage_1_and_2.py``) uses ``torch.zeros_like`` for a missing gradient and
-``step()`` runs the wrapped optimizer on the whole flat partition. In stage 2 every backward
-launches every bucket (those left incomplete at ``finish_gradient_synchronization``, or when the
+``step()`` runs the wrapped optimizer on the whole flat partition. In stage 2 ``step()`` consumes
+the gradient shards, so ``model.zero_grad()`` and ``optimizer.zero_grad()`` both start the next
+step from zero, as DeepSpeed's ZeRO-2 (which frees its averaged gradient partitions in ``step``);
+every backward launches every bucket (those left incomplete at ``finish_gradient_synchronization``, or when the
 next backward starts), so a bucket that got no gradient on some rank cannot desynchronise ranks.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.units import MiB
 from dtlib.measure import optimizer_state_bytes
 from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
@@ -84,9 +87,7 @@ class ShardedOptimizer:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass such as "
                             f"torch.optim.AdamW, got {optimizer_cls!r}")
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) \
-                or not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be a number > 0, got {bucket_size_mb!r}")
+        validate.number("bucket_size_mb", bucket_size_mb)  # MiB, finite: inf overflowed int()
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: run inside dtlib.launch(...)")
         self.stage, self.process_group = stage, process_group
@@ -191,7 +192,12 @@ class ShardedOptimizer:
         for w in works:
             w.wait()
         for bucket in self.buckets:
-            bucket.shard.grad = None  # stage 1: a temporary; stage 2: still held in grad_shard
+            # Stage 1: a temporary. Stage 2: the step consumed the gradient shards, so the next
+            # backward starts from zero whichever zero_grad the user calls (model.zero_grad()
+            # cannot reach these shards): DeepSpeed's ZeRO-2 step frees them too
+            # (DeepSpeedZeroOptimizer.step, "averaged_gradients[i] = None").
+            bucket.shard.grad = None
+            bucket.grad_shard = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,12 +215,27 @@ class ShardedOptimizer:
         ``sharded.optim`` to a learning-rate scheduler."""
         return self.optim.param_groups
 
+    def _layout(self) -> dict[str, Any]:
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "bucket_numels": [b.layout.padded_numel for b in self.buckets]}
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (each rank saves its own)."""
-        return self.optim.state_dict()
+        """This rank's shard of the optimizer state (each rank saves its own), with the layout
+        it belongs to. Save it next to ``model.state_dict()`` (the full parameters, equal on
+        every rank); restore both into a freshly built model and ``ShardedOptimizer``."""
+        return {"layout": self._layout(), "optimizer": self.optim.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optim.load_state_dict(state)
+        """Load what :meth:`state_dict` returned on the same rank, with the same world size,
+        stage and buckets (a shard only fits the layout it was cut from)."""
+        if not isinstance(state, dict) or set(state) != {"layout", "optimizer"}:
+            raise ValueError("state must be what ShardedOptimizer.state_dict() returned "
+                             "(keys 'layout' and 'optimizer')")
+        if state["layout"] != self._layout():
+            raise ValueError(f"this optimizer state was saved with layout {state['layout']}, but this "
+                             f"ShardedOptimizer has {self._layout()}: load it on the same rank, with "
+                             "the same world size, stage, bucket_size_mb and parameters")
+        self.optim.load_state_dict(state["optimizer"])
 
     # ---- what it costs -------------------------------------------------------------------------
     def state_bytes(self) -> int:
