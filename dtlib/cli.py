@@ -477,23 +477,21 @@ def _comm_volumes(args: argparse.Namespace) -> int:
 
 
 def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (counts that may be zero: experts, seed, checkpoint interval)."""
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+        value = str(text)
+    return _checked(lambda: validate.integer("value", value, minimum=0), text)
 
 
 def _positive_float(text: str) -> float:
+    """A finite number > 0 (learning rate, capacity factor, timeout)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+        value = str(text)
+    return _checked(lambda: validate.number("value", value, minimum=0, exclusive=True), text)
 
 
 _TRAIN_DESCRIPTION = """Train TinyGPT on the bundled text (byte tokens) on a rank grid of dp x tp x pp x cp ranks.

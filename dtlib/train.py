@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.corpus import VOCAB, token_batch
@@ -116,19 +117,21 @@ class TrainConfig:
         """Raise a one-line ValueError naming the first invalid option (and the valid ones);
         pure, so ``dtlib train`` calls it before any process starts."""
         for name in ("steps", "micro_batch_size", "num_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            validate.integer(name, getattr(self, name))
+        for name in ("seed", "checkpoint_every"):
+            validate.integer(name, getattr(self, name), minimum=0)
+        validate.number("lr", self.lr)
+        validate.number("aux_loss_coef", self.aux_loss_coef, exclusive=False)
+        if self.capacity_factor is not None:
+            validate.number("capacity_factor", self.capacity_factor)
         if self.vocab < VOCAB:
             raise ValueError(f"vocab must be >= {VOCAB}: the corpus is byte-level tokens, got {self.vocab}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
-            raise ValueError("checkpoint_every needs a checkpoint_dir and must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.resume and not os.path.exists(os.path.join(self.checkpoint_dir, "latest")):
@@ -152,8 +155,9 @@ class TrainConfig:
             from dtlib.parallel.tensor import check_tensor_parallel_sizes
             check_tensor_parallel_sizes(cfg, self.tp, self.sequence_parallel)
         if self.pp > 1:
-            from dtlib.parallel.schedules import schedule, validate
-            validate(schedule(self.schedule, self.pp, self.num_microbatches, self.virtual_stages))
+            from dtlib.parallel import schedules
+            schedules.validate(schedules.schedule(self.schedule, self.pp, self.num_microbatches,
+                                                  self.virtual_stages))
         return self
 
 
