@@ -175,6 +175,9 @@ _UNSUPPORTED = [
      "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
+    (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
+     "--schedule zb-h1 writes weight gradients in its W pass, after the backward that ZeRO-2 and "
+     "FSDP hook to reduce-scatter them: use --zero 0 or 1 with zb-h1"),
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
      "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
      "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),

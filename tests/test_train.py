@@ -109,6 +109,8 @@ def test_params_sha256_is_canonical():
     (["--resume"], "resume needs a checkpoint_dir"),
     (["--resume", "--checkpoint-dir", "/nonexistent"], "nothing to resume in checkpoint_dir='/nonexistent'"),
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
+    (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
+     "use --zero 0 or 1 with zb-h1"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
