@@ -7,7 +7,8 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 FIRST_LESSON := notebooks/00_collectives.ipynb
 # Jupyter refuses to start as root (containers, cloud notebooks) unless told so. root_dir keeps
-# the whole course (notebooks/, exercises/) in the file browser while lesson 0 opens.
+# the whole course (notebooks/, exercises/) in the file browser; default_url makes both the
+# browser it starts and the URL it prints (for a headless machine) open lesson 0.
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
 
@@ -23,7 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: install
-	$(VENV)/bin/jupyter lab $(AS_ROOT) --ServerApp.root_dir=$(CURDIR) $(LAB_ARGS) $(FIRST_LESSON)
+	$(VENV)/bin/jupyter lab $(AS_ROOT) --ServerApp.root_dir=$(CURDIR) \
+		--LabApp.default_url=/lab/tree/$(FIRST_LESSON) $(LAB_ARGS)
 
 # The library's tests, then every lesson and every solved exercise executed under nbval.
 test: install

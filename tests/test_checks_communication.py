@@ -282,6 +282,10 @@ def test_fit_alpha_beta_recovers_the_model():
             for s in (1024, 65536, 2 ** 20, 2 ** 24)]
     fit = experiments.fit_alpha_beta(rows, "a")
     assert fit.latency == pytest.approx(5e-5, rel=1e-6) and fit.bandwidth == pytest.approx(2e9, rel=1e-6)
+    # what the lesson prints: 1.0 on the line, 3.0 where a time took three times the model's
+    assert experiments.measured_over_model(rows, "a", fit) == pytest.approx({r["bytes"]: 1.0 for r in rows})
+    slow = [{**r, "seconds": 3 * r["seconds"]} if r["bytes"] == 1024 else r for r in rows]
+    assert experiments.measured_over_model(slow, "a", fit)[1024] == pytest.approx(3.0)
     with pytest.raises(ValueError, match="two sizes"):
         experiments.fit_alpha_beta(rows, "b")
     with pytest.raises(ValueError, match="do not grow"):

@@ -40,15 +40,19 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
     assert "make test" in ci and "make test" in readme and "make lab" in readme
+    # and installs the browser that tests/test_browser.py requires under CI
+    assert re.search(r"apt-get install .*chromium", ci) and ci.index("chromium") < ci.index("make test")
 
 
 def test_make_lab_serves_the_first_lesson():
-    """The README's other command starts JupyterLab (as root too) with the course at its root."""
+    """The README's other command starts JupyterLab (as root too) with the course at its root, and
+    the URL it prints (what a headless machine's user opens) lands on lesson 0, not the Launcher."""
     import os
     import signal
     import socket
     import subprocess
     import sys
+    import tempfile
     import time
     import urllib.error
     import urllib.request
@@ -61,13 +65,19 @@ def test_make_lab_serves_the_first_lesson():
         port = s.getsockname()[1]
     token = "dtlib-test"
     args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"
-    proc = subprocess.Popen(["make", "-C", str(ROOT), "lab", f"LAB_ARGS={args}"], stdout=subprocess.PIPE,
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(["make", "-C", str(ROOT), "lab", f"LAB_ARGS={args}"], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
+
+    def printed() -> str:
+        log.seek(0)
+        return log.read()
+
     url = f"http://127.0.0.1:{port}/api/contents/notebooks/00_collectives.ipynb?token={token}&content=0"
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, f"`make lab` exited: {proc.stdout.read()[-2000:]}"
+            assert proc.poll() is None, f"`make lab` exited: {printed()[-2000:]}"
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     assert r.status == 200
@@ -77,6 +87,15 @@ def test_make_lab_serves_the_first_lesson():
             except OSError:  # not listening yet
                 assert time.monotonic() < deadline, "JupyterLab did not answer within 60 s"
                 time.sleep(0.5)
+        # the URL printed for the user (it shows a token given in the config as "...")
+        pattern = rf"http://127\.0\.0\.1:{port}(/\S*)\?token="
+        while not re.search(pattern, printed()):
+            assert time.monotonic() < deadline, f"no URL printed within 60 s: {printed()[-2000:]}"
+            time.sleep(0.5)
+        path = re.search(pattern, printed()).group(1)
+        assert path == "/lab/tree/notebooks/00_collectives.ipynb", f"`make lab` prints {path}, not lesson 0"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=10) as r:
+            assert r.status == 200 and "JupyterLab" in r.read().decode()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -84,6 +103,7 @@ def test_make_lab_serves_the_first_lesson():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        log.close()
 
 
 def test_layout_by_concept_and_a_pure_analytic_core():

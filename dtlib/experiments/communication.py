@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlib.analytic.units import KiB, MiB
-from dtlib.analytic.comm import algbw, busbw
+from dtlib.analytic.comm import algbw, busbw, collective_time
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
 from dtlib.analytic.hardware import Link
 from dtlib.launcher import launch
@@ -33,8 +33,9 @@ from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
                             powersgd_hook, ring_all_reduce, topk_hook)
 
-__all__ = ["time_all_reduce", "fit_alpha_beta", "overlap_model", "overlap_records", "compression_runs",
-           "compression_method", "COMPRESSION_METHODS"]
+__all__ = ["time_all_reduce", "fit_alpha_beta", "measured_over_model",
+           "overlap_model", "overlap_records",
+           "compression_runs", "compression_method", "COMPRESSION_METHODS"]
 
 
 
@@ -45,7 +46,9 @@ def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -
     rows = []
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4))
-        n_iter = max(3, min(iters, int(iters * 2 ** 20 / nbytes)))  # fewer for big messages
+        # small messages take microseconds, so one descheduled rank skews a few samples: time them
+        # 3x as often (the median then holds on a busy machine); big ones fewer times
+        n_iter = max(3, min(3 * iters, int(iters * 2 ** 20 / nbytes)))
         for impl, fn in impls.items():
             fn(x)  # warm-up
             times = torch.zeros(n_iter)
@@ -67,7 +70,7 @@ def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10) 
     """Time our ring all-reduce and ``dist.all_reduce`` on float32 messages of ``sizes`` bytes.
 
     Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (median over
-    iterations of the slowest rank), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
+    iterations of the slowest rank: ``3 * iters`` of them up to 1/3 MiB, fewer above 1 MiB), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
     definitions, :mod:`dtlib.analytic.comm`), ``world_size``.
     """
     if not sizes or min(sizes) < 4:
@@ -95,6 +98,13 @@ def fit_alpha_beta(rows: Sequence[Mapping], impl: str) -> Link:
                          "measure more sizes, or more iterations")
     return Link(f"fitted: {impl}", bandwidth=float(2 * (n - 1) / n / b), latency=float(a / (2 * (n - 1))),
                 source=f"least-squares fit of the ring model to {len(pts)} measured sizes on {n} ranks")
+
+
+def measured_over_model(rows: Sequence[Mapping], impl: str, link: Link) -> dict[int, float]:
+    """Each measured time of ``impl`` divided by the all-reduce model's on ``link`` (e.g.
+    :func:`fit_alpha_beta`'s): ``{bytes: ratio}``, 1.0 where the measurement sits on the line."""
+    return {r["bytes"]: r["seconds"] / collective_time("all_reduce", r["bytes"], r["world_size"], link)
+            for r in rows if r["impl"] == impl}
 
 
 # ---- bucketing and overlap ------------------------------------------------------------------------

@@ -191,7 +191,8 @@ class TinyGPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token (and learned position) embeddings of ``idx[b, s]``: the input of the first block."""
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError(f"TinyGPT expects a LongTensor [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
         s = idx.shape[1]
@@ -204,9 +205,17 @@ class TinyGPT(nn.Module):
             x = self.emb_norm(x)
         if self.dropout > 0:
             x = F.dropout(x, self.dropout, self.training)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: the last block's output -> logits."""
+        return self.lm_head(self.norm_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             if self.checkpoint and self.training and torch.is_grad_enabled():
                 x = _checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.norm_f(x))
+        return self.head(x)

@@ -13,7 +13,11 @@ One concept per module:
 * :mod:`~dtlib.parallel.tensor_regions` - the f/g operators of tensor and sequence parallelism;
 * :mod:`~dtlib.parallel.tensor` - Megatron-LM's column- and row-parallel layers, vocabulary-parallel
   embedding and loss, :func:`tensor_parallel` to split a TinyGPT;
-* :mod:`~dtlib.parallel.dtensor` - PyTorch's own TP on a TinyGPT, the reference for the above.
+* :mod:`~dtlib.parallel.dtensor` - PyTorch's own TP on a TinyGPT, the reference for the above;
+* :mod:`~dtlib.parallel.schedules` - pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1),
+  their validator and simulator;
+* :mod:`~dtlib.parallel.pipeline` - TinyGPT cut into stages and the executor that runs a schedule
+  on real ranks.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
@@ -23,6 +27,9 @@ from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook
                                         powersgd_plan, topk_hook)
 from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
 from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.pipeline import (GPTStage, PipelineExecutor, StepLog, partition, rank_chunks,
+                                     timeline_of)
+from dtlib.parallel.schedules import Action, Event, Timeline, fit_costs, schedule, simulate, validate
 from dtlib.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
@@ -37,4 +44,6 @@ __all__ = [
     "tensor_parallel", "full_state_dict", "ColumnParallelLinear", "RowParallelLinear",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "FlatLayout", "assign_buckets", "shard_bounds",
+    "Action", "Event", "Timeline", "schedule", "simulate", "validate", "fit_costs",
+    "GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from dtlib.viz.style import colour
+from dtlib.viz.style import FONT, colour
 
 _MIXED = "#bbbbbb"  # a value that combines several ranks (a reduction)
 _REDUCTIONS = ("all_reduce", "reduce_scatter")
@@ -17,8 +17,8 @@ def _draw_buffers(ax, buffers, world_size: int, title: str, reduced: bool) -> No
             # inputs are 10*rank + i, so a non-reduced value names its origin rank
             color = _MIXED if reduced else colour(int(v) // 10)
             ax.add_patch(Rectangle((i, y + 0.1), 0.9, 0.8, facecolor=color, edgecolor="black", lw=0.6))
-            ax.text(i + 0.45, y + 0.5, f"{v:g}", ha="center", va="center", fontsize=9)
-        ax.text(-0.2, y + 0.5, f"rank {rank}", ha="right", va="center", fontsize=9)
+            ax.text(i + 0.45, y + 0.5, f"{v:g}", ha="center", va="center", fontsize=FONT)
+        ax.text(-0.2, y + 0.5, f"rank {rank}", ha="right", va="center", fontsize=FONT)
     ax.set_xlim(-1.3, world_size)
     ax.set_ylim(0, world_size)
     ax.set_title(title)
@@ -33,6 +33,6 @@ def plot_collective(result: dict) -> Figure:
     _draw_buffers(left, result["before"], n, "before", reduced=False)
     _draw_buffers(right, result["after"], n, f"after {result['name']}",
                   reduced=result["name"] in _REDUCTIONS)
-    fig.suptitle("colour = the rank a value came from; grey = a sum over all ranks", fontsize=9)
+    fig.suptitle("colour = the rank a value came from; grey = a sum over all ranks", fontsize=FONT)
     fig.tight_layout()
     return fig

@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from dtlib.analytic.comm import bus_factor
-from dtlib.viz.style import PALETTE, colour, set_log_axes
+from dtlib.viz.style import FONT, PALETTE, SMALL_FONT, colour
 
 __all__ = ["plot_alpha_beta", "plot_bandwidth", "plot_compression_tradeoff"]
 
@@ -50,8 +50,10 @@ def plot_alpha_beta(sizes: Sequence[float], model: Mapping[str, Sequence[float]]
         ax.grid(True, which="both", alpha=0.3)
         if mark is not None:
             ax.axvline(mark, color="black", ls=":", lw=1)
-    ax_t.legend(fontsize=7)
-    fig.suptitle(title or f"{collective} on {world_size} ranks", fontsize=10)
+    # one legend for both panels, outside them: it never covers a curve or the marked size
+    ax_b.legend(*ax_t.get_legend_handles_labels(), fontsize=SMALL_FONT, loc="upper left",
+                bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title or f"{collective} on {world_size} ranks", fontsize=FONT + 1)
     fig.tight_layout()
     return fig
 
@@ -84,17 +86,17 @@ def plot_bandwidth(rows: Sequence[Mapping], metric: str = "busbw") -> Figure:
         ax.set_yscale("log")
         ax.set(xlabel="message size (bytes)")
         if len(collectives) > 1:
-            ax.set_title(str(collective), fontsize=10)
+            ax.set_title(str(collective), fontsize=FONT + 1)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=SMALL_FONT)
     axes[0].set_ylabel(f"{metric} (GB/s)")
     extra = [f"{k}={rows[0][k]}" for k in ("collective", "world_size")
              if k in rows[0] and (k != "collective" or len(collectives) == 1)]
     title = f"{metric} as nccl-tests defines it" + (f" ({', '.join(extra)})" if extra else "")
     if len(collectives) > 1:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=FONT + 1)
     else:
-        axes[0].set_title(title, fontsize=10)
+        axes[0].set_title(title, fontsize=FONT + 1)
     fig.tight_layout()
     return fig
 
@@ -118,6 +120,7 @@ def plot_compression_tradeoff(rows: Sequence[Mapping]) -> Figure:
     ax.set(xlabel="bytes sent per rank per step (ring model)", ylabel="final accuracy (%)",
            title="gradient compression: bytes saved vs accuracy")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    # outside the axes: the uncompressed baseline (top right) and every error bar stay visible
+    ax.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig

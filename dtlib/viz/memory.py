@@ -28,7 +28,8 @@ COMPONENTS = [(attr, label, PART_COLORS[label]) for attr, label in (
 
 def plot_memory_breakdown(breakdowns: "MemoryBreakdown | Mapping[str, MemoryBreakdown]",
                           gpu_memory: float | None = None, title: str = "Memory per GPU") -> Figure:
-    """One stacked bar per breakdown (GiB) and a dashed line at the GPU's memory.
+    """One stacked bar per breakdown (GiB, the total under each bar) and a dashed line at the
+    GPU's memory, named in the legend.
 
     ``gpu_memory`` (bytes) defaults to the first breakdown's GPU, if it has one.
     """
@@ -48,13 +49,14 @@ def plot_memory_breakdown(breakdowns: "MemoryBreakdown | Mapping[str, MemoryBrea
         if any(heights):
             ax.bar(names, heights, bottom=bottoms, label=label, color=colour, width=0.6)
             bottoms = [x + y for x, y in zip(bottoms, heights)]
-    for i, total in enumerate(bottoms):
-        ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=SMALL_FONT)
+    # totals under the bars, where the capacity line can never cross them
+    ax.set_xticks(range(len(names)), [f"{n}\n{t:.1f} GiB" if n else f"{t:.1f} GiB"
+                                      for n, t in zip(names, bottoms)], fontsize=SMALL_FONT)
     if gpu_memory:
+        # the capacity is named in the legend (outside the axes): no bar or label can hide it
         name = first.gpu.name if first.gpu is not None else "GPU"
-        ax.axhline(gpu_memory / GiB, color="black", linestyle="--", linewidth=1)
-        ax.text(len(names) - 0.5, gpu_memory / GiB, f" {name}: {gpu_memory / GiB:.0f} GiB",
-                va="bottom", ha="right", fontsize=SMALL_FONT)
+        ax.axhline(gpu_memory / GiB, color="black", linestyle="--", linewidth=1,
+                   label=f"{name}: {gpu_memory / GiB:.0f} GiB")
         ax.set_ylim(0, 1.15 * max(max(bottoms), gpu_memory / GiB))
     ax.set_ylabel("GiB per GPU (most loaded GPU)")
     ax.set_title(title, fontsize=FONT + 1)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from dtlib.parallel.collectives import ring_progress, ring_schedule
-from dtlib.viz.style import colour
+from dtlib.viz.style import FONT, SMALL_FONT, colour
 
 __all__ = ["plot_ring_all_reduce", "plot_ring_steps"]
 
@@ -32,8 +32,8 @@ def plot_ring_all_reduce(world_size: int, step: int) -> Figure:
             frac = len(held[r][c]) / n
             ax.add_patch(Rectangle((c, y + 0.1), 0.9, 0.8, facecolor=colour(c),
                                    alpha=0.15 + 0.85 * frac, edgecolor="black", lw=0.6))
-            ax.text(c + 0.45, y + 0.5, f"{len(held[r][c])}/{n}", ha="center", va="center", fontsize=8)
-        ax.text(-0.15, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
+            ax.text(c + 0.45, y + 0.5, f"{len(held[r][c])}/{n}", ha="center", va="center", fontsize=SMALL_FONT)
+        ax.text(-0.15, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=FONT)
     if step < len(plan):
         for src, dst, chunk in plan[step]:
             ys, yd = n - 1 - src + 0.5, n - 1 - dst + 0.5
@@ -44,7 +44,7 @@ def plot_ring_all_reduce(world_size: int, step: int) -> Figure:
     ax.set_xlim(-1.4, n + 0.3)
     ax.set_ylim(0, n)
     ax.set_title(f"ring all-reduce, {n} ranks: after step {step} of {2 * (n - 1)} ({phase}); "
-                 "cell = inputs summed, arrows = next sends", fontsize=9)
+                 "cell = inputs summed, arrows = next sends", fontsize=FONT)
     ax.axis("off")
     fig.tight_layout()
     return fig
@@ -75,18 +75,18 @@ def plot_ring_steps(world_size: int) -> Figure:
         ax.imshow(grid, cmap="Blues", vmin=0, vmax=n * 1.15)
         for r in range(n):
             for c in range(n):
-                ax.text(c, r, f"{grid[r, c]}", ha="center", va="center", fontsize=8,
+                ax.text(c, r, f"{grid[r, c]}", ha="center", va="center", fontsize=SMALL_FONT,
                         color="white" if grid[r, c] == n else "black")
         if k > 0:  # outline what arrived in this step: (receiver, chunk)
             for _, dst, chunk in plan[k - 1]:
                 ax.add_patch(_outline(chunk, dst))
         phase = ("start" if k == 0 else
                  f"reduce-scatter {k}/{n - 1}" if k <= n - 1 else f"all-gather {k - n + 1}/{n - 1}")
-        ax.set_title(phase, fontsize=8)
-        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
-        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
+        ax.set_title(phase, fontsize=SMALL_FONT)
+        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=SMALL_FONT)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=SMALL_FONT)
     fig.suptitle(f"ring all-reduce on {n} ranks: number = ranks' inputs summed in that chunk "
-                 "(outlined: just received)", fontsize=9)
+                 "(outlined: just received)", fontsize=FONT)
     fig.tight_layout()
     return fig
 

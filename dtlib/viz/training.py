@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from dtlib.viz.style import colour
+from dtlib.viz.style import SMALL_FONT, colour
 
 
 def plot_scaling(throughput: dict[int, float], efficiency: dict[int, float]) -> Figure:
@@ -44,6 +44,6 @@ def plot_lr_schedules(schedules: dict[str, list[float]], used: dict[str, list[fl
     for name, lrs in (used or {}).items():
         ax.plot(lrs, "o", ms=4, color="black", label=name)
     ax.set(xlabel="step", ylabel="learning rate", title="linear scaling rule with warm-up (Goyal et al. 2017)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=SMALL_FONT)
     fig.tight_layout()
     return fig

@@ -57,16 +57,18 @@ def plot_stage_costs(per_rank: Mapping[str, Sequence[Mapping[str, float]]],
         ticks.append(((start + x - 1) / 2, strategy if len(ranks) == 1 else
                       f"{strategy}\n(ranks 0-{len(ranks) - 1})"))
         x += 1
-    if gpu_memory:
-        ax.axhline(gpu_memory / scale, color="grey", lw=1)
-        ax.text(-0.4, gpu_memory / scale, f"{gpu_name}: {gpu_memory / scale:.0f} {unit}",
-                va="bottom", fontsize=SMALL_FONT)
+    handles = [Rectangle((0, 0), 1, 1, color=c) for _, c in _PARTS]
+    labels = [p for p, _ in _PARTS]
+    if predicted:
+        handles.append(ax.plot([], [], "k--", lw=1.2)[0])
+        labels.append("predicted")
+    if gpu_memory:  # named in the legend, which sits outside the axes: nothing hides the line
+        handles.append(ax.axhline(gpu_memory / scale, color="grey", lw=1))
+        labels.append(f"{gpu_name}: {gpu_memory / scale:.0f} {unit}")
     ax.set_xticks([t for t, _ in ticks], [s for _, s in ticks], fontsize=SMALL_FONT)
-    ax.set_ylim(0, 1.3 * max(totals + pred_totals + [gpu_memory or 0]) / scale)  # room for the legend
+    ax.set_ylim(0, 1.1 * max(totals + pred_totals + [gpu_memory or 0]) / scale)
     ax.set_ylabel(f"{unit} per rank")
-    ax.legend([Rectangle((0, 0), 1, 1, color=c) for _, c in _PARTS] +
-              ([ax.plot([], [], "k--", lw=1.2)[0]] if predicted else []),
-              [p for p, _ in _PARTS] + (["predicted"] if predicted else []), fontsize=SMALL_FONT)
+    ax.legend(handles, labels, fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("model states per rank", fontsize=FONT)
     if sent:
         ax2 = axes[1]
@@ -80,7 +82,7 @@ def plot_stage_costs(per_rank: Mapping[str, Sequence[Mapping[str, float]]],
         ax2.set_xticks(range(len(sent)), list(sent), fontsize=SMALL_FONT, rotation=20)
         ax2.set_ylabel(f"{s_unit} sent per rank per step")
         ax2.set_title("communication (ring model)", fontsize=FONT)
-        ax2.legend(fontsize=SMALL_FONT)
+        ax2.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if title:
         fig.suptitle(title, fontsize=FONT + 1)
     fig.tight_layout()

@@ -47,6 +47,8 @@ class Explorer:
         self.updates = 0
         self.out = W.Output()
         items = list(controls.values())
+        for control in items:  # the whole description, never cut to "PowerSG..."
+            control.style.description_width = "initial"
         rows = [W.HBox(items[i:i + columns]) for i in range(0, len(items), columns)]
         header = [W.HTML(f"<b>{title}</b>")] if title else []
         self.widget = W.VBox(header + rows + [self.out])

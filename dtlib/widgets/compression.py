@@ -6,6 +6,7 @@ import ipywidgets as W
 
 from dtlib.experiments.communication import compression_runs
 from dtlib.viz.comm import plot_compression_tradeoff
+from dtlib.viz.style import FONT
 from dtlib.widgets.base import Explorer, register
 
 __all__ = ["compression_explorer"]
@@ -23,7 +24,7 @@ def _compression_result(powersgd_rank: int, topk_percent: float, steps: int) -> 
 def _compression_plot(r: dict):
     fig = plot_compression_tradeoff(r["rows"])
     fewer = ", ".join(f"{m.split(' +')[0]}: {x:.0f}x" for m, x in r["fewer_bytes"].items() if x > 1)
-    fig.axes[0].set_title(f"{r['steps']} steps on 2 ranks; fewer bytes than fp32 - {fewer}", fontsize=9)
+    fig.axes[0].set_title(f"{r['steps']} steps on 2 ranks; fewer bytes than fp32 - {fewer}", fontsize=FONT)
     return fig
 
 
