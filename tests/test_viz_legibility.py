@@ -21,7 +21,8 @@ from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import PRECISIONS, get_precision
 from dtlib.analytic.units import GiB, MiB
 from dtlib.parallel.ddp import SyncRecord
-from dtlib.viz import charts, collectives, comm, memory, ring, tensor, timeline, training, zero
+from dtlib.parallel.schedules import schedule, simulate
+from dtlib.viz import charts, collectives, comm, memory, pipeline, ring, tensor, timeline, training, zero
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -40,6 +41,11 @@ def _record(start: float, buckets: int, step: float) -> SyncRecord:
                       bucket_ready=[start + 1.5 + b * step for b in range(buckets)],
                       bucket_issued=[start + 1.6 + b * step for b in range(buckets)],
                       bucket_done=[backward_end + 0.5 + b * 0.1 for b in range(buckets)])
+
+
+def _pipeline(name: str, t_forward: float = 1.0):
+    """The simulator's timeline of a 4-stage, 8 micro-batch schedule."""
+    return simulate(schedule(name, 4, 8), t_forward=t_forward, t_backward=2 * t_forward)
 
 
 def _collective() -> dict:
@@ -95,6 +101,12 @@ FIGURES = {
     "plot_predicted_vs_measured": lambda: memory.plot_predicted_vs_measured(
         {"parameters": 4 * MiB, "activations": 30 * MiB}, {"parameters": 4 * MiB, "activations": 29 * MiB}),
     "plot_column_row_split": lambda: tensor.plot_column_row_split(4),
+    "plot_gantt": lambda: pipeline.plot_gantt(_pipeline("1f1b"), title="1F1B, p=4, m=8"),
+    "plot_measured_vs_ideal": lambda: pipeline.plot_measured_vs_ideal(
+        _pipeline("1f1b", t_forward=1.2e-3), _pipeline("1f1b", t_forward=1e-3), title="1F1B"),
+    "plot_in_flight": lambda: pipeline.plot_in_flight({"GPipe": _pipeline("gpipe"), "1F1B": _pipeline("1f1b")}),
+    "plot_schedule_memory": lambda: pipeline.plot_schedule_memory(
+        _pipeline("1f1b"), [8.0, 6.0, 4.0, 2.0], title="1F1B"),
     "plot_ring_all_reduce": lambda: ring.plot_ring_all_reduce(4, 2),
     "plot_ring_steps": lambda: ring.plot_ring_steps(4),
     "plot_overlap_timeline": lambda: timeline.plot_overlap_timeline(
