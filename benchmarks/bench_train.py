@@ -29,7 +29,6 @@ import torch.nn.functional as F
 import dtlib
 from dtlib.corpus import token_batch
 from dtlib.models import TinyGPT
-from dtlib.models.gpt import Block
 from dtlib.parallel.dtensor import parallelize_tinygpt
 from dtlib.train import TrainConfig, _Run
 

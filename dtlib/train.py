@@ -24,6 +24,7 @@ notebook, ``dtlib train ...`` (which launches the ranks itself), and
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sys
@@ -33,16 +34,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.flops import step_flops, utilization
+from dtlib.analytic.hardware import measure_cpu
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.corpus import VOCAB, token_batch
+from dtlib.launcher import launch
 from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
+from dtlib.parallel import schedules
+from dtlib.parallel.context import context_parallel, shard_sequence
+from dtlib.parallel.expert import expert_parallel
+from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.mesh import ParallelLayout, build_groups
+from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
+from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
+                                   full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
+from dtlib.parallel.zero import ShardedOptimizer
 
 __all__ = ["TrainConfig", "train", "run", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
 
@@ -152,10 +166,8 @@ class TrainConfig:
             raise ValueError(f"context parallelism cuts the sequence into 2 x cp = {2 * self.cp} chunks "
                              f"(zig-zag); seq={self.seq} must be a multiple of {2 * self.cp}")
         if self.tp > 1:
-            from dtlib.parallel.tensor import check_tensor_parallel_sizes
             check_tensor_parallel_sizes(cfg, self.tp, self.sequence_parallel)
         if self.pp > 1:
-            from dtlib.parallel import schedules
             schedules.validate(schedules.schedule(self.schedule, self.pp, self.num_microbatches,
                                                   self.virtual_stages))
         return self
@@ -222,35 +234,28 @@ class _Run:
         self.names = sorted(n for n, _ in model.named_parameters())
         self.model = model
         if c.tp > 1:
-            from dtlib.parallel.tensor import tensor_parallel
             tensor_parallel(model, self.group("tp"), c.sequence_parallel)
         if c.cp > 1:
-            from dtlib.parallel.context import context_parallel
             context_parallel(model, self.group("cp"))
         if c.ep > 1:
-            from dtlib.parallel.expert import expert_parallel
             expert_parallel(model, self.group("ep"))
         self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
                         for p in m.experts.parameters()}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]
         self.executor = self.fsdp = None
         if c.pp > 1:
-            from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
-            from dtlib.parallel.schedules import schedule
             stages = partition(model, c.pp, c.virtual_stages)
             self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
-            self.executor = PipelineExecutor(self.chunks, schedule(c.schedule, c.pp, c.num_microbatches,
-                                                                   c.virtual_stages),
-                                             self.coords["pp"], self.loss, pp_ranks=self.groups.ranks["pp"])
+            actions = schedules.schedule(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+            self.executor = PipelineExecutor(self.chunks, actions, self.coords["pp"], self.loss,
+                                             pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
         elif c.zero == 3:
-            from dtlib.parallel.fsdp import FSDP
             self.fsdp = FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))
             self.params = list(self.fsdp.parameters())
         else:
             self.params = list(model.parameters())
         if c.zero in (1, 2):
-            from dtlib.parallel.zero import ShardedOptimizer
             self.optimizer = ShardedOptimizer(self.params, OPTIMIZERS[c.optimizer], stage=c.zero,
                                               process_group=self.group("dp_cp"), lr=c.lr)
         else:
@@ -263,7 +268,6 @@ class _Run:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over this rank's tokens (+ the MoE load-balancing loss)."""
         if self.config.tp > 1:
-            from dtlib.parallel.tensor import vocab_parallel_cross_entropy
             loss = vocab_parallel_cross_entropy(logits, targets, self.group("tp"))
         else:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -280,7 +284,6 @@ class _Run:
         rows = slice(self.coords["dp"] * per_replica, (self.coords["dp"] + 1) * per_replica)
         inputs, targets = inputs[rows], targets[rows]
         if c.cp > 1:
-            from dtlib.parallel.context import shard_sequence
             inputs, targets = (shard_sequence(t, self.coords["cp"], c.cp) for t in (inputs, targets))
         return inputs, targets
 
@@ -307,7 +310,6 @@ class _Run:
     def synchronise_gradients(self) -> None:
         c = self.config
         if c.sequence_parallel:
-            from dtlib.parallel.tensor import allreduce_sequence_parallel_grads
             allreduce_sequence_parallel_grads(self.model)
         if c.zero == 3:
             self.fsdp.finish_gradient_synchronization()
@@ -325,8 +327,6 @@ class _Run:
         """This rank's state under its own key (the shards differ per rank, so nothing may be
         deduplicated as replicated): its parameters (tensors, loaded in place) and the optimizer
         state as one opaque blob (it exists only after a first step, so it cannot be preallocated)."""
-        import io
-
         blob = io.BytesIO()
         torch.save(self.optimizer.state_dict(), blob)
         blob.seek(0)
@@ -336,8 +336,6 @@ class _Run:
     def save(self, directory: str) -> None:
         """Save with ``dcp.save`` into ``directory/step<N>`` (a collective), then record it as the
         latest, so a crash during a save leaves the previous checkpoint in use."""
-        import torch.distributed.checkpoint as dcp
-
         path = os.path.join(directory, f"step{self.step_count}")
         dcp.save(self._checkpoint_state(), checkpoint_id=path)
         if self.distributed:
@@ -350,10 +348,6 @@ class _Run:
 
     def load(self, directory: str) -> None:
         """Load the latest checkpoint of ``directory`` (saved by the same layout)."""
-        import io
-
-        import torch.distributed.checkpoint as dcp
-
         marker = os.path.join(directory, "latest")
         if not os.path.exists(marker):
             raise FileNotFoundError(f"no checkpoint to resume from in {directory} (no 'latest' file)")
@@ -384,7 +378,6 @@ class _Run:
         if self.fsdp is not None:
             full = self.fsdp.gather_full_params()
         elif c.tp > 1:
-            from dtlib.parallel.tensor import full_state_dict
             full = full_state_dict(self.model, self.group("tp"))
         else:
             full = {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -434,7 +427,6 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     losses, seconds = [], []
     bar = None
     if progress and rank == 0:
-        from tqdm.auto import tqdm
         bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
     tokens = config.global_batch * config.seq
     if config.resume:
@@ -483,9 +475,6 @@ def _mfu(config: TrainConfig, step_seconds: float, world_size: int) -> float:
     :func:`dtlib.analytic.flops.step_flops` over the peak. On CUDA the peak is the catalogue's bf16
     peak of an H100 per rank; on CPU the ranks share one machine, whose fp32 matmul peak is
     measured here (:func:`dtlib.analytic.hardware.measure_cpu`)."""
-    from dtlib.analytic.flops import step_flops, utilization
-    from dtlib.analytic.hardware import measure_cpu
-
     flops = step_flops(config.global_batch * config.seq, **config.model_config().numbers())["model"]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return float(utilization(flops, step_seconds, world_size, "h100-sxm", "bf16"))
@@ -496,8 +485,6 @@ def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, prog
         keep_params: bool = False) -> dict[str, Any]:
     """Check ``config``, start its ``world_size`` ranks with :func:`dtlib.launch` and return rank
     0's summary (see :func:`train`)."""
-    from dtlib.launcher import launch
-
     config.check()
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
                   timeout=timeout)[0]

@@ -15,7 +15,6 @@ import math
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtlib.analytic.layout import Parallelism
