@@ -426,6 +426,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     run = _Run(rank, config, groups)
     losses, seconds = [], []
     bar = None
+    peak = _peak_flops(world_size) if rank == 0 else None  # measured before the ranks get busy
     if progress and rank == 0:
         bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
     tokens = config.global_batch * config.seq
@@ -439,25 +440,24 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
             run.save(config.checkpoint_dir)
         if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}")
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
+                            mfu=f"{100 * _mfu(config, seconds[-1], peak):.2f}%")
             bar.update()
     if bar is not None:
         bar.close()
     full = run.full_parameters()
-    peak = _peak_memory()
-    peaks = [None] * world_size
+    memory = [_peak_memory()]
     if run.distributed:
-        dist.all_gather_object(peaks, peak)
-    else:
-        peaks = [peak]
+        memory = [None] * world_size
+        dist.all_gather_object(memory, _peak_memory())
     if rank != 0:
         return {"rank": rank}
     timed = seconds[1:] or seconds
     steady = sorted(timed)[len(timed) // 2] if timed else None  # median, first step aside
     out = {"steps": config.steps, "first_step": first, "losses": losses, "tokens_per_s": tokens / steady if steady else None,
-           "mfu": _mfu(config, steady, world_size) if steady else None, "layout": asdict(config.layout()),
+           "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
            "world_size": world_size, "global_batch": config.global_batch,
-           "peak_memory_bytes": peaks, "params_sha256": params_sha256(full)}
+           "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
     if keep_params:
         out["params"] = full
     return out
@@ -470,15 +470,21 @@ def _peak_memory() -> int | None:
     return None
 
 
-def _mfu(config: TrainConfig, step_seconds: float, world_size: int) -> float:
-    """Model FLOPs utilisation (Chowdhery et al. 2022, App. B): model FLOPs of a step from
-    :func:`dtlib.analytic.flops.step_flops` over the peak. On CUDA the peak is the catalogue's bf16
-    peak of an H100 per rank; on CPU the ranks share one machine, whose fp32 matmul peak is
-    measured here (:func:`dtlib.analytic.hardware.measure_cpu`)."""
-    flops = step_flops(config.global_batch * config.seq, **config.model_config().numbers())["model"]
+def _peak_flops(world_size: int) -> tuple[Any, int, str]:
+    """(accelerator, how many of it, dtype) the MFU divides by: on CUDA the catalogue's H100, one
+    per rank, bf16; on CPU the ranks share one machine, whose fp32 matmul peak is measured here
+    (:func:`dtlib.analytic.hardware.measure_cpu`), counted once."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return float(utilization(flops, step_seconds, world_size, "h100-sxm", "bf16"))
-    return float(utilization(flops, step_seconds, 1, measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), "fp32"))
+        return "h100-sxm", world_size, "bf16"
+    return measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), 1, "fp32"
+
+
+def _mfu(config: TrainConfig, step_seconds: float, peak: tuple[Any, int, str]) -> float:
+    """Model FLOPs utilisation (Chowdhery et al. 2022, App. B): the model FLOPs of a step
+    (:func:`dtlib.analytic.flops.step_flops`) over ``step_seconds`` x the peak."""
+    flops = step_flops(config.global_batch * config.seq, **config.model_config().numbers())["model"]
+    accelerator, count, dtype = peak
+    return float(utilization(flops, step_seconds, count, accelerator, dtype))
 
 
 def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, progress: bool = False,
