@@ -7,9 +7,13 @@ Layouts (4 ranks, gloo on CPU, the same TinyGPT and byte batches, AdamW):
   DTensor TP (``parallelize_module`` with torchtitan's plan, ``dtlib.parallel.dtensor``) on the
   ``tp`` dimension of a 2-D ``DeviceMesh``, then FSDP2 ``fully_shard`` of every block and the root
   on its ``dp`` dimension (ZeRO-3: it shards the parameters too, ours only the optimizer state);
+* ``tp2xpp2``: ours = tp=2, pp=2, 1F1B over 2 micro-batches (our executor); PyTorch = DTensor TP
+  on the ``tp`` dimension and ``torch.distributed.pipelining`` (``PipelineStage`` per rank on the
+  ``pp`` dimension's group, ``Schedule1F1B``) on the same stages of the same TinyGPT;
 * ``dp4-fsdp``: ours = dp=4 with the toy FSDP (``--zero 3``); PyTorch = ``fully_shard``.
 
-Both run *alternately*, step by step, in one launch; a step is forward + backward + gradient
+(The tensor-parallel comparison follows ``benchmarks/bench_tensor_parallel.py``, the pipeline
+one ``benchmarks/bench_pipeline.py``; this one composes them.) Both run *alternately*, step by step, in one launch; a step is forward + backward + gradient
 synchronisation + AdamW, timed as the slowest rank's; tokens/s = global batch x seq / median step.
 ``ratio`` = ours / PyTorch tokens/s (the issue's target: ours within 15%, ratio >= 0.85).
 
@@ -30,43 +34,64 @@ import dtlib
 from dtlib.corpus import token_batch
 from dtlib.models import TinyGPT
 from dtlib.parallel.dtensor import parallelize_tinygpt
+from dtlib.parallel.pipeline import partition, rank_chunks
 from dtlib.train import TrainConfig, _Run
 
-LAYOUTS = {"dp2xtp2": dict(dp=2, tp=2, zero=1), "dp4-fsdp": dict(dp=4, zero=3)}
+LAYOUTS = {"dp2xtp2": dict(dp=2, tp=2, zero=1), "tp2xpp2": dict(tp=2, pp=2, num_microbatches=2),
+           "dp4-fsdp": dict(dp=4, zero=3)}
 
 
-def _torch_native(config: TrainConfig):
-    """TinyGPT composed with PyTorch's own TP (DTensor) and FSDP2 on a (dp, tp) device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+class _TorchNative:
+    """TinyGPT composed with PyTorch's own parallelisms on a (pp, dp, tp) device mesh: DTensor TP,
+    then either ``torch.distributed.pipelining`` stages or FSDP2 ``fully_shard`` over dp."""
 
-    mesh = init_device_mesh("cpu", (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(config.seed)
-    model = TinyGPT(config.model_config())
-    if config.tp > 1:
-        model = parallelize_tinygpt(model, mesh["tp"], loss_parallel=True)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model, torch.optim.AdamW(model.parameters(), lr=config.lr), mesh
+    def __init__(self, config: TrainConfig):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.config = config
+        mesh = init_device_mesh("cpu", (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.dp_rank, self.pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+        torch.manual_seed(config.seed)
+        model = TinyGPT(config.model_config())
+        if config.tp > 1:  # logits as a DTensor sharded on the vocabulary unless a pipeline follows
+            model = parallelize_tinygpt(model, mesh["tp"], loss_parallel=config.pp == 1)
+        if config.pp > 1:
+            chunk = rank_chunks(partition(model, config.pp), self.pp_rank, config.pp)[0]
+            stage = PipelineStage(chunk, self.pp_rank, config.pp, torch.device("cpu"),
+                                  group=mesh["pp"].get_group())
+            self.schedule = Schedule1F1B(stage, n_microbatches=config.num_microbatches, loss_fn=_loss)
+            params = list(chunk.parameters())
+        else:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            params = list(model.parameters())
+        self.model, self.opt = model, torch.optim.AdamW(params, lr=config.lr)
+
+    def step(self, step: int) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        c = self.config
+        inputs, targets = token_batch(step, c.global_batch, c.seq, c.seed)
+        per_replica = c.micro_batch_size * c.num_microbatches
+        rows = slice(self.dp_rank * per_replica, (self.dp_rank + 1) * per_replica)
+        x, y = inputs[rows], targets[rows]
+        if c.pp > 1:
+            first, last = self.pp_rank == 0, self.pp_rank == c.pp - 1
+            self.schedule.step(*([x] if first else []), **({"target": y} if last else {}))
+        elif c.tp > 1:
+            with loss_parallel():
+                _loss(self.model(x), y).backward()
+        else:
+            _loss(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
 
-def _torch_step(model, opt, config: TrainConfig, step: int, dp_rank: int) -> float:
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    inputs, targets = token_batch(step, config.global_batch, config.seq, config.seed)
-    rows = slice(dp_rank * config.micro_batch_size, (dp_rank + 1) * config.micro_batch_size)
-    logits = model(inputs[rows])
-    if config.tp > 1:
-        with loss_parallel():
-            loss = F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
-            loss.backward()
-    else:
-        loss = F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
-        loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.item())
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _slowest(seconds: float) -> float:
@@ -80,8 +105,7 @@ def worker(rank: int, world_size: int, shape: dict, steps: int, warmup: int) -> 
     for name, layout in LAYOUTS.items():
         config = TrainConfig(**shape, **layout, steps=steps)
         ours = _Run(rank, config)
-        model, opt, mesh = _torch_native(config)
-        dp_rank = mesh.get_local_rank("dp")
+        theirs = _TorchNative(config)
         times = {"ours": [], "pytorch": []}
         for step in range(warmup + steps):
             order = ["ours", "pytorch"] if step % 2 == 0 else ["pytorch", "ours"]
@@ -91,7 +115,7 @@ def worker(rank: int, world_size: int, shape: dict, steps: int, warmup: int) -> 
                 if impl == "ours":
                     ours.step()
                 else:
-                    _torch_step(model, opt, config, step, dp_rank)
+                    theirs.step(step)
                 elapsed = _slowest(time.perf_counter() - start)
                 if step >= warmup:
                     times[impl].append(elapsed)
