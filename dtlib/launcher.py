@@ -398,6 +398,12 @@ def _stuck_at(workdir: str, rank: int, limit: int = 1500) -> str:
     return (out[start:start + limit] if start >= 0 else out[-limit:]) or "(no output)\n"
 
 
+def _lost_peer(error_line: str) -> bool:
+    """Whether a rank's error is gloo's transport losing a peer ("Connection closed by peer",
+    "Connection reset by peer") rather than a failure of its own."""
+    return "closed by peer" in error_line or "reset by peer" in error_line
+
+
 def _raise_first_failure(procs: Sequence[mp.process.BaseProcess], workdir: str,
                          pump: _OutputPump | None) -> None:
     reports = {}
@@ -423,13 +429,18 @@ def _raise_first_failure(procs: Sequence[mp.process.BaseProcess], workdir: str,
             cause = None
     last_line = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
     others = sorted(set(reports) - {rank})
-    message = (f"rank {rank} of {len(procs)} failed: {last_line}"
+    finished = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in reports]
+    what = last_line
+    if finished and _lost_peer(last_line):
+        # The transport's error ("Connection closed by peer ... GLHF!") is not the cause: a peer
+        # returned without calling the collective. Say that first; the transport's words stay in
+        # the traceback below, not chained ahead of this message.
+        what = (f"it waited in a collective that ranks {finished} never called (they had "
+                "already returned): every rank must call the same collectives in the same order")
+        cause = None
+    message = (f"rank {rank} of {len(procs)} failed: {what}"
                + (f" (ranks {others} failed after it)" if others else "")
                + f"\n\n--- traceback of rank {rank} ---\n{tb}")
-    finished = [r for r, p in enumerate(procs) if p.exitcode == 0 and r not in reports]
-    if finished:
-        message += (f"\nHint: ranks {finished} had already returned. A rank that skips a collective "
-                    "that its peers call leaves them waiting on a closed connection.\n")
     tail = _read_output(workdir, rank)[-2000:]
     if rank != 0 and tail.strip():
         message += f"\n--- last output of rank {rank} ---\n{tail}"

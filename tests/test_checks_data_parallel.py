@@ -78,6 +78,20 @@ def test_average_gradients_check_accepts_correct_rejects_bugs(digits):
         checks.check_matches_single_process(lambda m, w: None, digits)
 
 
+def _rank0_only(model, world_size):
+    if dist.get_rank() == 0:  # rank 1 skips the collective and returns
+        average_gradients(model, world_size)
+
+
+def test_a_skipped_collective_is_named_first_not_gloos_transport_error():
+    with pytest.raises(AssertionError) as failed:
+        checks.check_average_gradients(_rank0_only)
+    first = str(failed.value).splitlines()[0]
+    assert "ranks [1] never called" in first and "same collectives in the same order" in first
+    assert "GLHF" not in first and "Connection closed" not in first
+    assert "--- traceback of rank 0 ---" in str(failed.value)  # the detail is still there, below
+
+
 def test_lr_and_efficiency_checks():
     checks.check_lr_schedule(lr_at_step)
     with pytest.raises(AssertionError):

@@ -87,6 +87,22 @@ def test_raising_rank_is_named_with_its_traceback(tmp_path):
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
 
+def _rank1_skips_the_all_reduce(rank, world_size):
+    t = torch.ones(3)
+    if rank == 0:
+        dist.all_reduce(t)
+    return t
+
+
+def test_a_skipped_collective_is_named_before_the_transport_error():
+    with pytest.raises(RankFailedError) as info:
+        launch(_rank1_skips_the_all_reduce, 2, timeout=20)
+    first, rest = str(info.value).split("\n", 1)
+    assert first.startswith("rank 0 of 2 failed: it waited in a collective that ranks [1] never called")
+    assert "GLHF" not in first and "closed by peer" in rest  # gloo's words stay, below
+    assert info.value.__cause__ is None  # not chained ahead of the message either
+
+
 def _hang_on_rank1(rank, world_size, piddir):
     (piddir / f"pid{rank}").write_text(str(os.getpid()))
     if rank == 1:

@@ -61,3 +61,21 @@ def test_dtlib_figures_render_as_pictures_in_a_kernel():
     NotebookClient(nb, timeout=60, kernel_name="python3").execute()
     outputs = nb.cells[0].outputs
     assert len(outputs) == 1 and "image/png" in outputs[0]["data"]
+
+
+def test_lesson0_prediction_ships_unanswered_and_is_checked(capsys):
+    import torch
+
+    from dtlib.primitives import run_collective
+
+    cells = json.loads((ROOT / "notebooks" / "00_collectives.ipynb").read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells if "my_prediction =" in "".join(c["source"]))
+    first, rest = source.split("\n", 1)
+    assert ast.parse(first).body[0].value.value is Ellipsis, "the learner, not the notebook, predicts"
+    said = {}
+    for answer in ("...", "[2, 12, 22]", "[20, 21, 22]"):
+        exec(f"my_prediction = {answer}\n{rest}", {"torch": torch, "run_collective": run_collective})
+        said[answer] = capsys.readouterr().out
+    assert said["..."].startswith("replace ... with your prediction")
+    assert said["[2, 12, 22]"] == "correct!\n"
+    assert said["[20, 21, 22]"].startswith("not quite") and "[2, 12, 22]" in said["[20, 21, 22]"]

@@ -7,7 +7,12 @@ One source of truth per graded lesson: an otter-assign master in ``masters/NN_na
 * ``python -m dtlib.grading check``   fail if a committed copy differs from what its master
   generates (CI runs this through ``tests/test_grading.py``);
 * ``python -m dtlib.grading grade SUBMISSIONS --lesson 01 --out grades.csv``  grade a folder
-  of submitted notebooks into one CSV (one row per notebook, one column per question).
+  of submitted notebooks into one CSV (one row per file, one column per question; see
+  :mod:`dtlib.grading.batch`).
+
+The masters are found in ``--masters DIR``, else ``$DTLIB_MASTERS``, else the ``masters/`` folder
+of the source checkout this module runs from; a regular (non-editable) install has none, and
+says so. ``exercises/`` and ``solutions/`` are the masters folder's siblings.
 
 Grading runs otter's non-containerised grader (``otter.api.grade_submission``) in the current
 environment, so an instructor needs no Docker; the autograder zip is built from the master on the
@@ -16,10 +21,7 @@ fly, so it can never be stale.
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,21 +29,40 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[2]
-MASTERS, EXERCISES, SOLUTIONS = ROOT / "masters", ROOT / "exercises", ROOT / "solutions"
+from dtlib.grading import batch
 
-__all__ = ["masters", "assign", "generate", "check", "grade", "normalise"]
+MASTERS_ENV = "DTLIB_MASTERS"
 
-
-def masters() -> list[Path]:
-    """All master notebooks, sorted by lesson number."""
-    return sorted(MASTERS.glob("[0-9][0-9]_*.ipynb"))
+__all__ = ["MASTERS_ENV", "masters_dir", "masters", "assign", "generate", "check", "grade", "normalise"]
 
 
-def _master_for(lesson: str) -> Path:
-    found = [m for m in masters() if m.name.startswith(f"{lesson}_") or m.stem == lesson]
+def masters_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The folder of masters: ``explicit``, else ``$DTLIB_MASTERS``, else the source checkout's."""
+    if explicit is not None:
+        where, how = Path(explicit), "--masters"
+    elif os.environ.get(MASTERS_ENV):
+        where, how = Path(os.environ[MASTERS_ENV]), f"${MASTERS_ENV}"
+    else:
+        where, how = Path(__file__).resolve().parents[2] / "masters", None
+    if not where.is_dir():
+        if how:
+            raise ValueError(f"{how} points at {str(where)!r}, which is not a folder")
+        raise ValueError(
+            "no masters/ folder found: this dtlib is not a source checkout (a regular pip install "
+            f"has no course notebooks). Pass --masters PATH or set {MASTERS_ENV}=PATH to the "
+            "course's masters/ folder")
+    return where
+
+
+def masters(folder: str | os.PathLike | None = None) -> list[Path]:
+    """All master notebooks (in :func:`masters_dir`), sorted by lesson number."""
+    return sorted(masters_dir(folder).glob("[0-9][0-9]_*.ipynb"))
+
+
+def _master_for(lesson: str, folder: str | os.PathLike | None = None) -> Path:
+    found = [m for m in masters(folder) if m.name.startswith(f"{lesson}_") or m.stem == lesson]
     if len(found) != 1:
-        valid = ", ".join(m.name[:2] for m in masters())
+        valid = ", ".join(m.name[:2] for m in masters(folder))
         raise ValueError(f"no single master for lesson {lesson!r}; valid lessons: {valid}")
     return found[0]
 
@@ -76,90 +97,91 @@ def generate(master: Path, workdir: Path) -> dict[str, nbformat.NotebookNode]:
             "solution": read(workdir / "autograder" / master.name)}
 
 
-def assign(selected: list[Path] | None = None) -> list[Path]:
+def _copies(master: Path) -> tuple[tuple[str, Path], ...]:
+    """Where the generated copies of ``master`` live: its folder's siblings."""
+    course = master.parent.parent
+    return (("exercise", course / "exercises" / master.name),
+            ("solution", course / "solutions" / master.name))
+
+
+def assign(selected: list[Path] | None = None, folder: str | os.PathLike | None = None) -> list[Path]:
     """Regenerate exercises/ and solutions/ from the masters; returns the files written."""
     written = []
-    for master in selected or masters():
+    for master in selected or masters(folder):
         with tempfile.TemporaryDirectory() as tmp:
             copies = generate(master, Path(tmp))
-        for kind, folder in (("exercise", EXERCISES), ("solution", SOLUTIONS)):
-            folder.mkdir(exist_ok=True)
-            nbformat.write(copies[kind], folder / master.name)
-            written.append(folder / master.name)
+        for kind, path in _copies(master):
+            path.parent.mkdir(exist_ok=True)
+            nbformat.write(copies[kind], path)
+            written.append(path)
     return written
 
 
-def check() -> list[str]:
-    """Names of generated copies that are missing or differ from what their master generates."""
+def check(folder: str | os.PathLike | None = None) -> list[str]:
+    """Generated copies that are missing or differ from what their master generates."""
     stale = []
-    for master in masters():
+    for master in masters(folder):
         with tempfile.TemporaryDirectory() as tmp:
             copies = generate(master, Path(tmp))
-        for kind, folder in (("exercise", EXERCISES), ("solution", SOLUTIONS)):
-            path = folder / master.name
+        for kind, path in _copies(master):
             if not path.exists() or nbformat.read(path, as_version=4) != copies[kind]:
-                stale.append(str(path.relative_to(ROOT)))
+                stale.append(str(path.relative_to(master.parent.parent)))
     return stale
 
 
 def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLike,
-          quiet: bool = True) -> list[dict]:
-    """Grade every ``*.ipynb`` in ``submissions`` for ``lesson``; write and return the rows."""
-    from otter.api import grade_submission
-
-    files = sorted(glob.glob(os.path.join(submissions, "*.ipynb")))
-    if not files:
-        raise ValueError(f"no .ipynb files in {submissions!r}: point at a folder of submitted notebooks")
-    master = _master_for(lesson)
-    rows = []
+          timeout: float = batch.DEFAULT_TIMEOUT, jobs: int = 1,
+          folder: str | os.PathLike | None = None) -> list[dict]:
+    """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`)."""
+    files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
+    batch.check_options(timeout, jobs)
+    master = _master_for(lesson, folder)
     with tempfile.TemporaryDirectory() as tmp:
         _otter_assign(master, Path(tmp))
         zips = list((Path(tmp) / "autograder").glob("*.zip"))
         if len(zips) != 1:
             raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
-        for path in files:
-            # otter grades a notebook named like the master; submissions may be named by student.
-            with tempfile.TemporaryDirectory() as sub:
-                target = Path(sub) / master.name
-                shutil.copy(path, target)
-                results = grade_submission(str(target), str(zips[0]), quiet=quiet)
-            row = {"submission": os.path.basename(path)}
-            row.update({q: results.get_score(q) for q in sorted(results.test_files)})
-            row.update(total=results.total, possible=results.possible)
-            rows.append(row)
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return rows
+        return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0])
+    # --masters is accepted before or after the command (SUPPRESS: an absent one sets nothing).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--masters", metavar="DIR", default=argparse.SUPPRESS,
+                        help=f"folder of master notebooks (default: ${MASTERS_ENV}, else the source "
+                             "checkout's masters/)")
+    parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0],
+                                     parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_assign = sub.add_parser("assign", help="regenerate exercises/ and solutions/ from masters/")
+    p_assign = sub.add_parser("assign", parents=[common], help="regenerate exercises/ and solutions/ from masters/")
     p_assign.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
-    sub.add_parser("check", help="exit 1 if a generated copy is stale")
-    p_grade = sub.add_parser("grade", help="grade a folder of submitted notebooks into a CSV")
-    p_grade.add_argument("submissions", help="folder holding the submitted .ipynb files")
+    sub.add_parser("check", parents=[common], help="exit 1 if a generated copy is stale")
+    p_grade = sub.add_parser("grade", parents=[common], help="grade a folder of submitted notebooks into a CSV")
+    p_grade.add_argument("submissions", help="folder holding the submitted notebooks (every file gets a row)")
     p_grade.add_argument("--lesson", required=True, help="lesson number, e.g. 01")
     p_grade.add_argument("--out", default="grades.csv", help="CSV to write (default grades.csv)")
+    p_grade.add_argument("--timeout", type=float, default=batch.DEFAULT_TIMEOUT, metavar="SECONDS",
+                         help=f"time limit per submission (default {batch.DEFAULT_TIMEOUT:g})")
+    p_grade.add_argument("--jobs", type=int, default=1, metavar="N",
+                         help="submissions graded at once (default 1; each runs its own kernel and "
+                              "ranks, so keep N below the number of cores)")
     args = parser.parse_args(argv)
+    folder = getattr(args, "masters", None)
     try:
         if args.command == "assign":
-            for path in assign([_master_for(l) for l in args.lessons] or None):
-                print(f"wrote {path.relative_to(ROOT)}")
+            selected = [_master_for(lesson, folder) for lesson in args.lessons]
+            for path in assign(selected or None, folder):
+                print(f"wrote {path}")
         elif args.command == "check":
-            stale = check()
+            stale = check(folder)
             for name in stale:
                 print(f"stale: {name} (run `python -m dtlib.grading assign`)")
             return 1 if stale else 0
         else:
-            rows = grade(args.submissions, args.lesson, args.out)
-            for row in rows:
-                print(f"{row['submission']}: {row['total']:g}/{row['possible']:g}")
-            print(f"wrote {args.out}")
+            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, folder)
+            statuses = [row["status"] for row in rows]
+            counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+            print(f"wrote {args.out}: {len(rows)} submissions ({counts})")
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 from dtlib.analytic.units import MiB
@@ -203,7 +203,7 @@ def check_make_buckets(fn: Callable) -> None:
         if got and 0 in got[0] and 0 not in want[0]:
             raise AssertionError(
                 f"{where} your first bucket starts with parameter 0, but backward produces the "
-                f"gradients of the *last* parameters first: walk params in reverse order "
+                f"gradients of the last parameters first: walk params in reverse order "
                 f"(expected {want}, got {got})")
         raise AssertionError(
             f"{where} expected buckets {want}, got {got}. Walk the parameters from last to first, "
@@ -371,7 +371,7 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                 if st["calls"] == 2 * n_layers and n_buckets < 2 * n_layers:
                     raise AssertionError(
                         f"{setting}, rank {rank} issued {st['calls']} all-reduces, one per "
-                        "parameter: issue one per *bucket*, when its last gradient arrives")
+                        "parameter: issue one per bucket, when its last gradient arrives")
                 if st["calls"] != n_buckets:
                     raise AssertionError(
                         f"{setting}, rank {rank} issued {st['calls']} all-reduces in step {s} "

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from dtlib.data import Digits
-from dtlib.launcher import launch
+from dtlib.grading.feedback import first_line
+from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 from dtlib.experiments.scaling_efficiency import scaling_efficiency
 from dtlib.training import lr_at_step, train
 
@@ -25,15 +26,28 @@ def _probe_average(rank: int, world_size: int, fn: Callable) -> dict:
     return {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
 
 
+def _launch(worker: Callable, world_size: int, args: tuple, timeout: float) -> list:
+    """``launch`` whose failures are one-line verdicts; the rank's traceback follows the first line."""
+    try:
+        return launch(worker, world_size, args=args, timeout=timeout, output="none")
+    except LaunchTimeoutError:
+        raise AssertionError(
+            f"your function hung on {world_size} ranks (no result in {timeout:g} s): every rank "
+            "must call the same collectives, in the same order") from None
+    except RankFailedError as e:
+        raise AssertionError(f"your function raised on rank {e.rank} of {world_size}: "
+                             f"{first_line(e)}\n\n{e}") from None
+
+
 def check_average_gradients(fn: Callable, world_size: int = 2) -> None:
     """The learner's ``fn(model, world_size)`` averages gradients, leaves weights alone."""
-    out = launch(_probe_average, world_size, args=(fn,), timeout=30)
+    out = _launch(_probe_average, world_size, (fn,), timeout=30)
     for name in out[0]:
         for rank, res in enumerate(out):
             weight, grad = res[name]
             i = list(out[0]).index(name)
             assert torch.all(weight == rank + 1.0 + i), (
-                f"the weights ({name}) changed on rank {rank}: average the *gradients* "
+                f"the weights ({name}) changed on rank {rank}: average the gradients "
                 "(p.grad), never the weights")
             mean = sum(10.0 * (r + 1) + i for r in range(world_size)) / world_size
             total = mean * world_size
@@ -47,7 +61,7 @@ def check_average_gradients(fn: Callable, world_size: int = 2) -> None:
 def check_matches_single_process(fn: Callable, data: Digits, world_size: int = 2,
                                  steps: int = 3, global_batch: int = 32) -> None:
     """Training with ``fn`` on N ranks equals single-process training on the full batch."""
-    ranks = launch(train, world_size, args=(data, steps, global_batch, 0.05, fn), timeout=60)
+    ranks = _launch(train, world_size, (data, steps, global_batch, 0.05, fn), timeout=60)
     single = train(0, 1, data, steps, global_batch, 0.05, sync=None)
     for rank, res in enumerate(ranks[1:], start=1):
         for k, v in res["state"].items():

@@ -357,7 +357,7 @@ def check_first_stage_activations(fn: Callable, trials: int = 200, seed: int = 1
                             "min(m, p) micro-batches (Narayanan et al. 2021, Sec. 2.2)"),
                            (per_layer * lf * pp, f"there are only m = {m} micro-batches, fewer than "
                             f"the p = {pp} the warm-up would start: min(m, p)"),
-                           (per_layer * lf, "the *first* stage of 1F1B holds min(m, p) micro-batches "
+                           (per_layer * lf, "the first stage of 1F1B holds min(m, p) micro-batches "
                             "(the last stage holds 1)")]
         raise _fail(where, "the first stage's activations", want, got, formula,
                     _diagnose(got, want, candidates))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from dtlib.experiments.pipeline import DEMO_CONFIG, demo_batch, lm_loss, demo_model
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchError, launch
 from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
 from dtlib.parallel.schedules import Action, simulate, validate

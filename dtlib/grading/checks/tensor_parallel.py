@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 from dtlib.measure import CollectiveCounter
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 
@@ -133,7 +133,7 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
     except LaunchTimeoutError:
         raise AssertionError(
             f"the ranks hung (no result in {timeout:g} s): every rank must call the same "
-            "collectives in the same order - e.g. a broadcast of *every* parameter from its owner, "
+            "collectives in the same order - e.g. a broadcast of each parameter from its owner, "
             "on every rank, not only on the owner") from None
     except RankFailedError as e:
         raise AssertionError(f"your optimizer raised on rank {e.rank} of {world_size}: "
