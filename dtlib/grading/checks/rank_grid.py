@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 from dtlib.parallel.mesh import ParallelLayout
 
