@@ -1,4 +1,4 @@
-"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan ...`` (tables by default, ``--json`` for machines).
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train ...`` (tables by default, ``--json`` for machines).
 
 Each subcommand is a small ``add_*_command(subparsers)`` that registers its options and a
 ``run(args) -> int``; :data:`COMMANDS` lists them, so more can be added without touching the rest.
@@ -477,8 +477,102 @@ def _comm_volumes(args: argparse.Namespace) -> int:
     return _emit(args, {"volumes": v}, _table(rows, f"communication per step: {cfg.name}"))
 
 
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (counts that may be zero: experts, seed, checkpoint interval)."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = str(text)
+    return _checked(lambda: validate.integer("value", value, minimum=0), text)
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0 (learning rate, capacity factor, timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = str(text)
+    return _checked(lambda: validate.number("value", value, minimum=0, exclusive=True), text)
+
+
+_TRAIN_DESCRIPTION = """Train TinyGPT on the bundled text (byte tokens) on a rank grid of dp x tp x pp x cp ranks.
+
+Started three ways with the same code: this command launches the ranks itself (gloo on CPU, NCCL
+with one GPU per rank); under torchrun it joins them (env:// rendezvous):
+  torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr node0 -m dtlib.train --dp 2 --tp 4
+and from Python: dtlib.launch(dtlib.train.train, n, args=(TrainConfig(...),)).
+--json prints one JSON object (steps, losses, tokens_per_s, mfu, layout, peak_memory_bytes,
+params_sha256: SHA-256 of the full parameters, names sorted, float32 little-endian)."""
+
+
+def add_train_command(sub: Any) -> None:
+    p = sub.add_parser("train", help="train TinyGPT on dp x tp x pp x cp ranks (DP/ZeRO/FSDP, TP/SP, PP, CP, EP)",
+                       description=_TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (TinyGPT)")
+    g.add_argument("--layers", type=positive_int, default=2)
+    g.add_argument("--hidden", type=positive_int, default=64)
+    g.add_argument("--heads", type=positive_int, default=4)
+    g.add_argument("--kv-heads", type=positive_int, help="K/V heads (grouped-query attention; default: --heads)")
+    g.add_argument("--ffn", type=positive_int, help="MLP width (default 4 x hidden)")
+    g.add_argument("--vocab", type=positive_int, default=256, help="vocabulary (>= 256: byte tokens)")
+    g.add_argument("--seq", type=positive_int, default=32, help="sequence length in tokens")
+    g.add_argument("--moe-experts", type=_non_negative_int, default=0, help="experts per MoE MLP (0: dense)")
+    g.add_argument("--moe-top-k", type=_non_negative_int, default=0, help="experts per token (MoE)")
+    g.add_argument("--capacity-factor", type=_positive_float,
+                   help="MoE expert capacity factor (Switch Transformer); default: no token dropped")
+    g.add_argument("--aux-loss-coef", type=float, default=0.01, help="MoE load-balancing loss weight")
+    g = p.add_argument_group("layout (world size = dp x tp x pp x cp)")
+    g.add_argument("--dp", type=positive_int, help="data-parallel size (default: the world size "
+                                                   "under torchrun / (tp x pp x cp), else 1)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context (ring attention)"),
+                       ("ep", "expert (carved out of dp)")):
+        g.add_argument(f"--{name}", type=positive_int, default=1, help=f"{what} parallel size")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="0 all-reduce, 1-2 ZeRO (sharded optimizer), 3 FSDP")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"), default="1f1b",
+                   help="pipeline schedule")
+    g.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=2,
+                   help="sequences per micro-batch per data-parallel replica")
+    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=1,
+                   help="micro-batches per step (pipeline, or gradient accumulation)")
+    g.add_argument("--recompute", action="store_true", help="recompute each block in backward (full)")
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=positive_int, default=5)
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    g.add_argument("--lr", type=_positive_float, default=3e-3)
+    g.add_argument("--seed", type=_non_negative_int, default=0)
+    g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
+    g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
+    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")
+    g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from dtlib import train
+
+    env_world = int(os.environ["WORLD_SIZE"]) if train.under_torchrun() else None
+    if args.dp is None:
+        model_parallel = args.tp * args.pp * args.cp
+        args.dp = 1 if env_world is None else max(env_world // model_parallel, 1)
+    config = train.config_from_args(args).check(env_world)
+    if env_world is None:
+        summary = train.run(config, backend=args.backend, timeout=args.timeout, progress=not args.json)
+    else:
+        from dtlib.launcher import run_from_env
+        summary = run_from_env(train.train, config, False, not args.json, backend=args.backend,
+                               timeout=args.timeout)
+    if "losses" in summary:
+        print(train.emit(summary, args.json))
+    return 0
+
+
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
-                                          add_plan_command]
+                                          add_plan_command, add_train_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

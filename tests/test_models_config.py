@@ -169,8 +169,8 @@ def test_tinygpt_forward_and_errors():
         model(torch.randint(0, 256, (1, 33)))
     with pytest.raises(ValueError, match="LongTensor"):
         model(torch.zeros(1, 4))
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        TinyGPT(tiny_gpt_config(moe_experts=4, moe_top_k=1))
+    moe = tiny_gpt_config(moe_experts=4, moe_top_k=2)
+    assert sum(p.numel() for p in TinyGPT(moe).parameters()) == moe.num_parameters()
     with pytest.raises(ValueError, match="dropout must be in"):
         TinyGPT(tiny_gpt_config(), dropout=1.5)
 

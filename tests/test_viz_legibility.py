@@ -22,10 +22,11 @@ from dtlib.analytic.precision import PRECISIONS, get_precision
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB, MiB
 from dtlib.parallel.ddp import SyncRecord
+from dtlib.parallel.mesh import ParallelLayout
 from dtlib.parallel.schedules import schedule, simulate
 from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
-from dtlib.viz import charts, collectives, comm, memory, pipeline, plan, ring, tensor, timeline, training, zero
+from dtlib.viz import charts, collectives, comm, memory, mesh, pipeline, plan, ring, tensor, timeline, training, zero
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -104,6 +105,8 @@ FIGURES = {
     "plot_predicted_vs_measured": lambda: memory.plot_predicted_vs_measured(
         {"parameters": 4 * MiB, "activations": 30 * MiB}, {"parameters": 4 * MiB, "activations": 29 * MiB}),
     "plot_column_row_split": lambda: tensor.plot_column_row_split(4),
+    "plot_rank_grid": lambda: mesh.plot_rank_grid(ParallelLayout(dp=2, tp=4, pp=2), 8, "tp",
+                                                  note="links: tp intra-node, pp inter-node"),
     "plot_gantt": lambda: pipeline.plot_gantt(_pipeline("1f1b"), title="1F1B, p=4, m=8"),
     "plot_measured_vs_ideal": lambda: pipeline.plot_measured_vs_ideal(
         _pipeline("1f1b", t_forward=1.2e-3), _pipeline("1f1b", t_forward=1e-3), title="1F1B"),

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from dtlib.analytic.config import TransformerConfig
+from dtlib.models.moe import MoE
 
 __all__ = ["TinyGPT", "tiny_gpt_config"]
 
@@ -136,10 +137,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, cfg: TransformerConfig, dropout: float):
+    def __init__(self, cfg: TransformerConfig, dropout: float, capacity_factor: float | None = None):
         super().__init__()
         self.norm1, self.attn = _norm(cfg), Attention(cfg, dropout)
-        self.norm2, self.mlp = _norm(cfg), MLP(cfg)
+        self.norm2 = _norm(cfg)
+        if cfg.moe_experts:
+            self.mlp = MoE(cfg.hidden, cfg.moe_experts, cfg.moe_top_k, lambda: MLP(cfg), capacity_factor)
+        else:
+            self.mlp = MLP(cfg)
         self.dropout = dropout
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,20 +162,21 @@ class TinyGPT(nn.Module):
     branches, as in GPT-2 and Korthikanti et al.'s activation count; at 0 the dropout calls are
     skipped entirely, so no masks are saved. ``checkpoint=True`` recomputes each block in backward
     (``torch.utils.checkpoint``, non-reentrant): only block inputs are kept ("full" recompute).
+    ``cfg.moe_experts > 0`` makes every MLP a :class:`~dtlib.models.moe.MoE` of ``moe_experts``
+    MLPs with top-``moe_top_k`` routing; ``moe_capacity_factor`` (default None: no dropping) caps
+    the tokens per expert.
     """
 
-    def __init__(self, cfg: TransformerConfig, dropout: float = 0.0, checkpoint: bool = False):
+    def __init__(self, cfg: TransformerConfig, dropout: float = 0.0, checkpoint: bool = False,
+                 moe_capacity_factor: float | None = None):
         super().__init__()
-        if cfg.moe_experts:
-            raise NotImplementedError(f"TinyGPT has no mixture-of-experts layers (moe_experts="
-                                      f"{cfg.moe_experts}); use a dense config (moe_experts=0)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.cfg, self.dropout, self.checkpoint = cfg, dropout, checkpoint
         self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
         self.wpe = nn.Embedding(cfg.seq, cfg.hidden) if cfg.position == "learned" else None
         self.emb_norm = _norm(cfg) if cfg.embedding_norm else None
-        self.blocks = nn.ModuleList(Block(cfg, dropout) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, dropout, moe_capacity_factor) for _ in range(cfg.layers))
         self.norm_f = _norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_embeddings:

@@ -17,7 +17,10 @@ One concept per module:
 * :mod:`~dtlib.parallel.schedules` - pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1),
   their validator and simulator;
 * :mod:`~dtlib.parallel.pipeline` - TinyGPT cut into stages and the executor that runs a schedule
-  on real ranks.
+  on real ranks;
+* :mod:`~dtlib.parallel.mesh` - the rank grid (Megatron-LM's order) and its process groups;
+* :mod:`~dtlib.parallel.context` - context parallelism: causal ring attention, zig-zag split;
+* :mod:`~dtlib.parallel.expert` - expert parallelism: MoE all-to-all dispatch and combine.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
@@ -25,8 +28,11 @@ from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather
 from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook,
                                         bf16_compress_hook, fp16_compress_hook, powersgd_hook,
                                         powersgd_plan, topk_hook)
+from dtlib.parallel.context import context_parallel, ring_attention, shard_sequence
 from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
+from dtlib.parallel.expert import ExpertParallelMoE, all_to_all, expert_parallel
 from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.mesh import ParallelLayout, build_groups
 from dtlib.parallel.pipeline import (GPTStage, PipelineExecutor, StepLog, partition, rank_chunks,
                                      timeline_of)
 from dtlib.parallel.schedules import Action, Event, Timeline, fit_costs, schedule, simulate, validate
@@ -46,4 +52,6 @@ __all__ = [
     "FlatLayout", "assign_buckets", "shard_bounds",
     "Action", "Event", "Timeline", "schedule", "simulate", "validate", "fit_costs",
     "GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
+    "ParallelLayout", "build_groups", "ring_attention", "context_parallel", "shard_sequence",
+    "ExpertParallelMoE", "expert_parallel", "all_to_all",
 ]

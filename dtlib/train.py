@@ -1,0 +1,528 @@
+"""One trainer for every layout: TinyGPT on a rank grid (DP/ZeRO/FSDP x TP/SP x PP x CP x EP).
+
+The composition follows Megatron-LM (``pretrain_gpt.py``, ``megatron/core``) and torchtitan
+(``parallelize_llama``): build the full model with one seed on every rank, then cut it -- tensor
+parallelism splits layers inside the TP group, context parallelism makes attention a ring over the
+CP group, expert parallelism keeps ``experts / ep`` experts per rank, pipeline parallelism keeps
+this rank's stages -- and wrap what is left with the data-parallel strategy over the ``dp x cp``
+ranks (Megatron's "data parallel group with context parallel": CP ranks see other tokens of the
+same sequences, so their gradients are averaged like data-parallel ones).
+
+Loss and gradients. Every rank's loss is the mean over its own tokens (the same number on every
+rank), so the global mean loss is the average over the ``dp x cp`` ranks and the gradient of a
+replicated parameter is the average of theirs (one all-reduce over ``dp_cp``, or ZeRO/FSDP's
+reduce-scatter over it). An expert held by one EP rank already received the gradient of every
+token of its EP group through the all-to-all's backward; the sum over its expert-data-parallel
+replicas (``edp``) then covers all ``dp x cp`` ranks, divided by ``dp x cp`` as well.
+Micro-batches divide their loss by ``num_microbatches``. The result is single-process training
+on the same global batch: ``tests/test_train.py`` checks every layout against it.
+
+Started three ways with the same :func:`train`: ``dtlib.launch(train, n, args=(config,))`` from a
+notebook, ``dtlib train ...`` (which launches the ranks itself), and
+``torchrun --nproc-per-node G -m dtlib.train ...`` on one or several nodes.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from dtlib.analytic import validate
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.flops import step_flops, utilization
+from dtlib.analytic.hardware import measure_cpu
+from dtlib.analytic.layout import Parallelism, check_layout
+from dtlib.corpus import VOCAB, token_batch
+from dtlib.launcher import launch
+from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
+from dtlib.models.moe import MoE
+from dtlib.parallel import schedules
+from dtlib.parallel.context import context_parallel, shard_sequence
+from dtlib.parallel.expert import expert_parallel
+from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.mesh import ParallelLayout, build_groups
+from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
+from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
+                                   full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
+from dtlib.parallel.zero import ShardedOptimizer
+
+__all__ = ["TrainConfig", "train", "run", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs; every field has a default (a 2-layer TinyGPT on one rank).
+
+    ``micro_batch_size`` sequences per micro-batch per data-parallel replica, ``num_microbatches``
+    per step (pipeline micro-batches, or gradient accumulation without a pipeline): the global
+    batch is ``dp x micro_batch_size x num_microbatches`` sequences of ``seq`` byte tokens.
+    ``zero``: 0 (all-reduce), 1-2 (:class:`~dtlib.parallel.ShardedOptimizer`), 3
+    (:class:`~dtlib.parallel.FSDP`). ``optimizer``: ``"adamw"`` or ``"sgd"`` (plain SGD, whose
+    update is proportional to the gradient: the tests use it because Adam's normalised update hides
+    a gradient off by a constant factor). ``capacity_factor`` and ``aux_loss_coef`` configure MoE
+    routing (Switch Transformer's capacity and load-balancing loss, 1e-2 in the paper)."""
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn: int | None = None
+    vocab: int = VOCAB
+    seq: int = 32
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch_size: int = 2
+    num_microbatches: int = 1
+    recompute: bool = False
+    steps: int = 5
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_microbatches
+
+    def model_config(self) -> TransformerConfig:
+        return tiny_gpt_config(layers=self.layers, hidden=self.hidden, heads=self.heads,
+                               kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab, seq=self.seq,
+                               moe_experts=self.moe_experts, moe_top_k=self.moe_top_k,
+                               name="dtlib-train")
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+
+    def with_(self, **changes: Any) -> "TrainConfig":
+        return TrainConfig(**{**asdict(self), **changes})
+
+    def check(self, world_size: int | None = None) -> "TrainConfig":
+        """Raise a one-line ValueError naming the first invalid option (and the valid ones);
+        pure, so ``dtlib train`` calls it before any process starts."""
+        for name in ("steps", "micro_batch_size", "num_microbatches"):
+            validate.integer(name, getattr(self, name))
+        for name in ("seed", "checkpoint_every"):
+            validate.integer(name, getattr(self, name), minimum=0)
+        validate.number("lr", self.lr)
+        validate.number("aux_loss_coef", self.aux_loss_coef, exclusive=False)
+        if self.capacity_factor is not None:
+            validate.number("capacity_factor", self.capacity_factor)
+        if self.vocab < VOCAB:
+            raise ValueError(f"vocab must be >= {VOCAB}: the corpus is byte-level tokens, got {self.vocab}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs a checkpoint_dir to resume from")
+        if self.resume and not os.path.exists(os.path.join(self.checkpoint_dir, "latest")):
+            raise ValueError(f"nothing to resume in checkpoint_dir={self.checkpoint_dir!r} (no 'latest' "
+                             f"checkpoint there); run once with checkpoint_every first")
+        cfg = self.model_config()
+        layout = Parallelism(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
+                             sequence_parallel=self.sequence_parallel,
+                             schedule="1f1b" if self.schedule == "zb-h1" else self.schedule,
+                             virtual_stages=self.virtual_stages, micro_batch_size=self.micro_batch_size,
+                             num_microbatches=self.num_microbatches)
+        check_layout(layout.numbers(**cfg.numbers(), gpus=world_size or self.world_size),
+                     layout.schedule, layout.offload)
+        for broken, message in _UNSUPPORTED:
+            if broken(self):
+                raise ValueError(message)
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            raise ValueError(f"context parallelism cuts the sequence into 2 x cp = {2 * self.cp} chunks "
+                             f"(zig-zag); seq={self.seq} must be a multiple of {2 * self.cp}")
+        if self.tp > 1:
+            check_tensor_parallel_sizes(cfg, self.tp, self.sequence_parallel)
+        if self.pp > 1:
+            schedules.validate(schedules.schedule(self.schedule, self.pp, self.num_microbatches,
+                                                  self.virtual_stages))
+        return self
+
+
+# (predicate -> True when the combination is not supported, message): combinations this trainer
+# does not compose, refused before anything starts
+_UNSUPPORTED = [
+    (lambda c: c.zero in (1, 2, 3) and c.dp * c.cp < 2,
+     "ZeRO/FSDP shard over the dp x cp ranks: --zero 1-3 needs dp x cp >= 2"),
+    (lambda c: c.zero == 3 and (c.tp > 1 or c.pp > 1 or c.ep > 1),
+     "--zero 3 (FSDP) composes with dp and cp only here; use --zero 1 or 2 with tp, pp or ep"),
+    (lambda c: c.ep > 1 and c.zero > 0,
+     "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
+    (lambda c: c.zero == 2 and c.sequence_parallel,
+     "--zero 2 reduce-scatters gradients during backward, before sequence parallelism sums the "
+     "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
+    (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
+     "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
+    (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
+     "--schedule zb-h1 writes weight gradients in its W pass, after the backward that ZeRO-2 and "
+     "FSDP hook to reduce-scatter them: use --zero 0 or 1 with zb-h1"),
+    (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
+     "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
+     "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),
+    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1 or c.pp > 1),
+     "--sequence-parallel needs --tp >= 2 and composes with dp only here (not with cp or pp)"),
+]
+
+
+# ---- the canonical full parameters ----------------------------------------------------------------
+def params_sha256(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the parameters in a canonical order: names sorted, each tensor's values as
+    float32 little-endian bytes. Two runs with the same digest hold the same weights bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(params[name].detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4").tobytes())
+    return h.hexdigest()
+
+
+def _in_stage(name: str, stage: nn.Module) -> bool:
+    """Whether the TinyGPT parameter ``name`` belongs to a pipeline stage (GPTStage)."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) in stage.block_ids
+    if name.split(".")[0] in ("wte", "wpe", "emb_norm"):
+        return stage.first
+    return stage.last
+
+
+# ---- the run --------------------------------------------------------------------------------------
+class _Run:
+    """One rank's model, optimizer and step, built from a :class:`TrainConfig`."""
+
+    def __init__(self, rank: int, config: TrainConfig, groups: dict[str, list[list[int]]] | None = None):
+        self.config, self.rank = config, rank
+        c = config
+        self.layout = c.layout()
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.groups = build_groups(self.layout, override=groups) if self.distributed else None
+        self.coords = self.layout.coordinates(rank)
+        self.replicas = c.dp * c.cp  # ranks whose gradients are averaged
+        torch.manual_seed(c.seed)
+        model = TinyGPT(c.model_config(), checkpoint=c.recompute, moe_capacity_factor=c.capacity_factor)
+        self.names = sorted(n for n, _ in model.named_parameters())
+        self.model = model
+        if c.tp > 1:
+            tensor_parallel(model, self.group("tp"), c.sequence_parallel)
+        if c.cp > 1:
+            context_parallel(model, self.group("cp"))
+        if c.ep > 1:
+            expert_parallel(model, self.group("ep"))
+        self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
+                        for p in m.experts.parameters()}
+        self.moe = [m for m in model.modules() if isinstance(m, MoE)]
+        self.executor = self.fsdp = None
+        if c.pp > 1:
+            stages = partition(model, c.pp, c.virtual_stages)
+            self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
+            actions = schedules.schedule(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
+            self.executor = PipelineExecutor(self.chunks, actions, self.coords["pp"], self.loss,
+                                             pp_ranks=self.groups.ranks["pp"])
+            self.params = self.executor.parameters()
+        elif c.zero == 3:
+            self.fsdp = FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))
+            self.params = list(self.fsdp.parameters())
+        else:
+            self.params = list(model.parameters())
+        if c.zero in (1, 2):
+            self.optimizer = ShardedOptimizer(self.params, OPTIMIZERS[c.optimizer], stage=c.zero,
+                                              process_group=self.group("dp_cp"), lr=c.lr)
+        else:
+            self.optimizer = OPTIMIZERS[c.optimizer](self.params, lr=c.lr)
+        self.step_count = 0
+
+    def group(self, kind: str) -> Any:
+        return self.groups[kind] if self.groups is not None else None
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over this rank's tokens (+ the MoE load-balancing loss)."""
+        if self.config.tp > 1:
+            loss = vocab_parallel_cross_entropy(logits, targets, self.group("tp"))
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if self.moe and self.config.aux_loss_coef:
+            loss = loss + self.config.aux_loss_coef * sum(m.aux_loss for m in self.moe)
+        return loss
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of step ``step``'s global batch: its data-parallel slice of the
+        sequences, and its context-parallel shard of their tokens."""
+        c = self.config
+        inputs, targets = token_batch(step, c.global_batch, c.seq, c.seed)
+        per_replica = c.micro_batch_size * c.num_microbatches
+        rows = slice(self.coords["dp"] * per_replica, (self.coords["dp"] + 1) * per_replica)
+        inputs, targets = inputs[rows], targets[rows]
+        if c.cp > 1:
+            inputs, targets = (shard_sequence(t, self.coords["cp"], c.cp) for t in (inputs, targets))
+        return inputs, targets
+
+    def step(self) -> float:
+        """One optimizer step; returns the global mean loss (the same on every rank)."""
+        c = self.config
+        inputs, targets = self.batch(self.step_count)
+        if self.executor is not None:
+            log = self.executor.step(inputs, targets)
+            local = log.loss if log.loss is not None else 0.0
+        else:
+            local = 0.0
+            forward = self.fsdp if self.fsdp is not None else self.model
+            for x, y in zip(inputs.tensor_split(c.num_microbatches), targets.tensor_split(c.num_microbatches)):
+                loss = self.loss(forward(x), y) / c.num_microbatches
+                loss.backward()
+                local += loss.item()
+        self.synchronise_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return self.global_loss(local)
+
+    def synchronise_gradients(self) -> None:
+        c = self.config
+        if c.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.model)
+        if c.zero == 3:
+            self.fsdp.finish_gradient_synchronization()
+            return
+        if c.zero == 2:  # reduce-scattered during backward; the step finishes it
+            return
+        for p in self.params:  # an expert no token chose: a zero gradient on every layout
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _average([p for p in self.params if id(p) not in self.experts], self.group("dp_cp"), self.replicas)
+        _average([p for p in self.params if id(p) in self.experts], self.group("edp"), self.replicas)
+
+    # ---- checkpoints (torch.distributed.checkpoint) ------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """This rank's state under its own key (the shards differ per rank, so nothing may be
+        deduplicated as replicated): its parameters (tensors, loaded in place) and the optimizer
+        state as one opaque blob (it exists only after a first step, so it cannot be preallocated)."""
+        blob = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), blob)
+        blob.seek(0)
+        return {f"rank{self.rank}": {"params": {str(i): p.detach() for i, p in enumerate(self.params)},
+                                     "optimizer": blob, "step": torch.tensor(self.step_count)}}
+
+    def save(self, directory: str) -> None:
+        """Save with ``dcp.save`` into ``directory/step<N>`` (a collective), then record it as the
+        latest, so a crash during a save leaves the previous checkpoint in use."""
+        path = os.path.join(directory, f"step{self.step_count}")
+        dcp.save(self._checkpoint_state(), checkpoint_id=path)
+        if self.distributed:
+            dist.barrier()
+        if self.rank == 0:
+            tmp = os.path.join(directory, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(path))
+            os.replace(tmp, os.path.join(directory, "latest"))
+
+    def load(self, directory: str) -> None:
+        """Load the latest checkpoint of ``directory`` (saved by the same layout)."""
+        marker = os.path.join(directory, "latest")
+        if not os.path.exists(marker):
+            raise FileNotFoundError(f"no checkpoint to resume from in {directory} (no 'latest' file)")
+        with open(marker) as f:
+            path = os.path.join(directory, f.read().strip())
+        state = self._checkpoint_state()
+        mine = state[f"rank{self.rank}"]
+        mine["optimizer"] = io.BytesIO()
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=path)
+        mine["optimizer"].seek(0)
+        self.optimizer.load_state_dict(torch.load(mine["optimizer"], weights_only=False))
+        self.step_count = int(mine["step"])
+
+    def global_loss(self, local: float) -> float:
+        """The mean loss over all ranks' tokens: the last pipeline stage's losses (one TP rank
+        each) averaged over the dp x cp replicas."""
+        if not self.distributed:
+            return local
+        last = self.coords["pp"] == self.config.pp - 1 and self.coords["tp"] == 0
+        t = torch.tensor([local / self.replicas if last else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item()
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The full parameters with TinyGPT's names, on rank 0 (None elsewhere); a collective."""
+        c = self.config
+        if self.fsdp is not None:
+            full = self.fsdp.gather_full_params()
+        elif c.tp > 1:
+            full = full_state_dict(self.model, self.group("tp"))
+        else:
+            full = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        full = {n: t for n, t in full.items() if n in self.names}
+        if c.pp > 1:
+            full = {n: t for n, t in full.items() if any(_in_stage(n, s) for s in self.chunks)}
+        if not self.distributed:
+            return full
+        first_replica = self.coords["dp"] == 0 and self.coords["cp"] == 0
+        mine = {n: t for n, t in full.items() if self.coords["tp"] == 0
+                and (first_replica if ".experts." not in n or c.ep == 1 else self.coords["edp"] == 0)}
+        gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        merged = {n: t for part in gathered for n, t in part.items()}
+        missing = set(self.names) - set(merged)
+        if missing:
+            raise RuntimeError(f"parameters gathered from no rank: {sorted(missing)[:5]}")
+        return merged
+
+
+def _average(params: list[torch.Tensor], group: Any, divisor: int) -> None:
+    """Sum ``params``' gradients over ``group`` (one flat all-reduce) and divide by ``divisor``."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = False,
+          progress: bool = False, groups: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
+    """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
+    process group it also runs in the calling process). Rank 0 returns the run's summary:
+    ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
+    ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; ``params`` too with
+    ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
+    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`)."""
+    config.check(world_size)
+    run = _Run(rank, config, groups)
+    losses, seconds = [], []
+    bar = None
+    peak = _peak_flops(world_size) if rank == 0 else None  # measured before the ranks get busy
+    if progress and rank == 0:
+        bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
+    tokens = config.global_batch * config.seq
+    if config.resume:
+        run.load(config.checkpoint_dir)
+    first = run.step_count
+    for _ in range(first, config.steps):
+        start = time.perf_counter()
+        losses.append(run.step())
+        seconds.append(time.perf_counter() - start)
+        if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
+            run.save(config.checkpoint_dir)
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
+                            mfu=f"{100 * _mfu(config, seconds[-1], peak):.2f}%")
+            bar.update()
+    if bar is not None:
+        bar.close()
+    full = run.full_parameters()
+    memory = [_peak_memory()]
+    if run.distributed:
+        memory = [None] * world_size
+        dist.all_gather_object(memory, _peak_memory())
+    if rank != 0:
+        return {"rank": rank}
+    timed = seconds[1:] or seconds
+    steady = sorted(timed)[len(timed) // 2] if timed else None  # median, first step aside
+    out = {"steps": config.steps, "first_step": first, "losses": losses, "tokens_per_s": tokens / steady if steady else None,
+           "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
+           "world_size": world_size, "global_batch": config.global_batch,
+           "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
+    if keep_params:
+        out["params"] = full
+    return out
+
+
+def _peak_memory() -> int | None:
+    """Peak allocated device memory of this rank (CUDA only; CPU ranks share one heap)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+def _peak_flops(world_size: int) -> tuple[Any, int, str]:
+    """(accelerator, how many of it, dtype) the MFU divides by: on CUDA the catalogue's H100, one
+    per rank, bf16; on CPU the ranks share one machine, whose fp32 matmul peak is measured here
+    (:func:`dtlib.analytic.hardware.measure_cpu`), counted once."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "h100-sxm", world_size, "bf16"
+    return measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), 1, "fp32"
+
+
+def _mfu(config: TrainConfig, step_seconds: float, peak: tuple[Any, int, str]) -> float:
+    """Model FLOPs utilisation (Chowdhery et al. 2022, App. B): the model FLOPs of a step
+    (:func:`dtlib.analytic.flops.step_flops`) over ``step_seconds`` x the peak."""
+    flops = step_flops(config.global_batch * config.seq, **config.model_config().numbers())["model"]
+    accelerator, count, dtype = peak
+    return float(utilization(flops, step_seconds, count, accelerator, dtype))
+
+
+def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, progress: bool = False,
+        keep_params: bool = False) -> dict[str, Any]:
+    """Check ``config``, start its ``world_size`` ranks with :func:`dtlib.launch` and return rank
+    0's summary (see :func:`train`)."""
+    config.check()
+    return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
+                  timeout=timeout)[0]
+
+
+def config_from_args(args: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from parsed ``dtlib train`` arguments (same names)."""
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dtlib.train ...`` (e.g. under torchrun): the ``dtlib train`` command."""
+    from dtlib.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (its env:// variables are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def emit(summary: dict[str, Any], as_json: bool) -> str:
+    """The text ``dtlib train`` prints on rank 0."""
+    if as_json:
+        return json.dumps({k: v for k, v in summary.items() if k != "params"})
+    lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
+    if summary["tokens_per_s"] is not None:
+        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
+    lines.append(f"params_sha256 {summary['params_sha256']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

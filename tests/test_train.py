@@ -1,0 +1,188 @@
+"""The trainer: every layout's per-step losses and final parameters equal single-process training
+on the same global batches; bad flags are one-line errors before any process starts."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtlib.cli import main as cli_main
+from dtlib.launcher import launch
+from dtlib.train import TrainConfig, params_sha256, train
+
+TIMEOUT = 120
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# float32 sums in another order (gradients averaged over ranks, attention by blocks, TP partial
+# sums) differ by ~1e-7. With SGD (update = lr x gradient) the weights stay within ~1e-7 after
+# three steps; a gradient summed instead of averaged, a missing one or a shifted batch is off by
+# > 1e-3. (Adam's update g/sqrt(v) is scale-invariant, so it would hide a wrong average, and it
+# turns noise in a near-zero gradient into a step of up to lr: the AdamW run gets PARAM_TOL_ADAM.)
+LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM = 1e-5, 1e-6, 1e-4
+BASE = TrainConfig(layers=2, hidden=32, heads=4, seq=16, steps=3, micro_batch_size=2, optimizer="sgd", lr=0.5)
+MOE = BASE.with_(moe_experts=4, moe_top_k=2)
+
+
+def _single(config: TrainConfig) -> dict:
+    """The same run on one process: the whole global batch in one micro-batch."""
+    one = config.with_(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False, schedule="1f1b",
+                       virtual_stages=1, micro_batch_size=config.global_batch, num_microbatches=1)
+    return train(0, 1, one, keep_params=True)
+
+
+def _many(rank, world_size, configs):
+    return [train(rank, world_size, c, keep_params=True) for c in configs]
+
+
+def _check(configs, world_size):
+    results = launch(_many, world_size, args=(configs,), timeout=TIMEOUT)[0]
+    for config, got in zip(configs, results):
+        ref = _single(config)
+        assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL), config
+        assert ref["losses"][-1] < ref["losses"][0]  # it trains
+        assert sorted(got["params"]) == sorted(ref["params"])
+        worst = max((got["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"])
+        assert worst < (PARAM_TOL if config.optimizer == "sgd" else PARAM_TOL_ADAM), (config, worst)
+        assert got["params_sha256"] == params_sha256(got["params"])
+
+
+LAYOUTS_2 = [
+    BASE.with_(dp=2),
+    BASE.with_(dp=2, num_microbatches=2),
+    BASE.with_(dp=2, zero=1), BASE.with_(dp=2, zero=2), BASE.with_(dp=2, zero=3),
+    BASE.with_(dp=2, zero=1, optimizer="adamw", lr=1e-2),
+    BASE.with_(cp=2),
+    MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
+    BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
+    BASE.with_(pp=2, num_microbatches=2), BASE.with_(pp=2, num_microbatches=2, schedule="gpipe"),
+]
+
+
+def test_two_rank_layouts_equal_single_process():
+    _check(LAYOUTS_2, 2)
+
+
+LAYOUTS_4 = [
+    BASE.with_(dp=2, cp=2),
+    BASE.with_(dp=2, cp=2, zero=3),
+    MOE.with_(dp=4, ep=2, capacity_factor=1.5),
+    BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
+    BASE.with_(tp=2, pp=2, num_microbatches=2),
+    BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
+    BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),
+    BASE.with_(dp=2, pp=2, num_microbatches=2, zero=2),
+]
+
+
+def test_four_rank_layouts_equal_single_process():
+    _check(LAYOUTS_4, 4)
+
+
+def test_moe_routing_matters():
+    # the MoE run differs from the dense one and its expert parameters are all trained
+    moe = _single(MOE)
+    dense = _single(BASE)
+    assert moe["losses"][0] != pytest.approx(dense["losses"][0])
+    assert sum(".experts." in n for n in moe["params"]) == 2 * 4 * 4  # layers x experts x (w, b) x 2
+
+
+def test_params_sha256_is_canonical():
+    a = {"b": torch.tensor([1.0, 2.0]), "a": torch.tensor([3.0], dtype=torch.float64)}
+    # names sorted: a's value first, as float32 little-endian
+    import hashlib
+    expect = hashlib.sha256(torch.tensor([3.0, 1.0, 2.0]).numpy().astype("<f4").tobytes()).hexdigest()
+    assert params_sha256(a) == expect
+    assert params_sha256({"a": torch.tensor([3.0]), "b": torch.tensor([1.0, 2.0 + 1e-6])}) != expect
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3"], "tp=3 must divide the 4 attention heads"),
+    (["--dp", "2", "--zero", "3", "--tp", "2"], "--zero 3 (FSDP) composes with dp and cp only"),
+    (["--cp", "3"], "context parallel size cp=3 must divide the sequence length 32"),
+    (["--cp", "4", "--seq", "36"], "2 x cp = 8 chunks (zig-zag); seq=36 must be a multiple of 8"),
+    (["--ep", "2", "--dp", "2"], "needs an MoE model"),
+    (["--zero", "1"], "needs dp x cp >= 2"),
+    (["--vocab", "100"], "vocab must be >= 256"),
+    (["--steps", "0"], "--steps must be an integer >= 1"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--schedule", "zb"], "invalid choice: 'zb'"),
+    (["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4"],
+     "num_microbatches (3) to be a multiple of pp=2"),
+    (["--resume"], "resume needs a checkpoint_dir"),
+    (["--resume", "--checkpoint-dir", "/nonexistent"], "nothing to resume in checkpoint_dir='/nonexistent'"),
+    (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
+    (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
+     "use --zero 0 or 1 with zb-h1"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert cli_main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dtlib: error:")
+    assert message in err, err
+
+
+def test_command_line_json_and_help(capsys):
+    assert cli_main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq", "--moe-experts",
+                 "--moe-top-k", "--dp", "--tp", "--pp", "--cp", "--ep", "--sequence-parallel", "--zero",
+                 "--schedule", "--virtual-stages", "--micro-batch", "--microbatches", "--steps", "--lr", "--seed",
+                 "--checkpoint-dir", "--checkpoint-every", "--resume", "--json"):
+        assert flag in text, flag
+    argv = ["train", "--dp", "2", "--layers", "2", "--hidden", "32", "--seq", "16", "--steps", "2",
+            "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = _single(BASE.with_(dp=2, steps=2))
+    assert out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert out["steps"] == 2 and out["layout"]["dp"] == 2 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 1
+    assert len(out["params_sha256"]) == 64 and len(out["peak_memory_bytes"]) == 2
+
+
+def test_torchrun_two_agents(tmp_path):
+    # two torchrun agents of 2 processes each on localhost (two "nodes"), the same code
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "dtlib-train-test"]
+    port_probe = subprocess.run([sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('',0)); "
+                                 "print(s.getsockname()[1])"], capture_output=True, text=True)
+    endpoint = f"localhost:{port_probe.stdout.strip()}"
+    torchrun[torchrun.index("localhost:0")] = endpoint
+    args = ["-m", "dtlib.train", "--dp", "2", "--cp", "2", "--layers", "2", "--hidden", "32", "--seq", "16",
+            "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    agents = [subprocess.Popen(torchrun + (["--rdzv-conf", "is_host=1"] if i == 0 else ["--rdzv-conf", "is_host=0"])
+                               + args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for i in range(2)]
+    outs = []
+    for a in agents:
+        try:
+            out, err = a.communicate(timeout=TIMEOUT)
+        finally:
+            a.kill()
+        assert a.returncode == 0, err[-3000:]
+        outs.append(out)
+    summary = json.loads(next(line for o in outs for line in o.splitlines() if line.startswith("{")))
+    ref = _single(BASE.with_(dp=2, cp=2, steps=2))
+    assert summary["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert summary["world_size"] == 4
+
+
+def _resume(rank, world_size, config, directory):
+    whole = train(rank, world_size, config)
+    first = train(rank, world_size, config.with_(steps=2, checkpoint_dir=directory, checkpoint_every=2))
+    rest = train(rank, world_size, config.with_(checkpoint_dir=directory, resume=True))
+    return whole, first, rest
+
+
+@pytest.mark.parametrize("config", [BASE.with_(dp=2, zero=1, optimizer="adamw", lr=1e-2, steps=4),
+                                    BASE.with_(cp=2, zero=3, steps=4)])
+def test_checkpoint_and_resume_is_bit_exact(config, tmp_path):
+    # stop after 2 steps (a DCP checkpoint), resume to 4: the same weights, bit for bit
+    whole, first, rest = launch(_resume, 2, args=(config, str(tmp_path)), timeout=TIMEOUT)[0]
+    assert (tmp_path / "latest").read_text() == "step2"
+    assert rest["first_step"] == 2 and len(rest["losses"]) == 2
+    assert first["losses"] + rest["losses"] == whole["losses"]
+    assert rest["params_sha256"] == whole["params_sha256"] != first["params_sha256"]
