@@ -140,7 +140,7 @@ def tiny(tmp_path_factory):
     """The tiny course's masters folder and its generated learner and solved copies."""
     root = tmp_path_factory.mktemp("tiny")
     masters = _tiny_course(root / "course")
-    return masters, grading.generate(masters / "99_tiny.ipynb", root / "generated")
+    return masters, grading.generate(masters / "99_tiny.ipynb")
 
 
 def _with_cell(nb, index: int, source: str):

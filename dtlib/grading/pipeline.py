@@ -21,7 +21,10 @@ fly, so it can never be stale.
 from __future__ import annotations
 
 import argparse
+import atexit
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,9 +92,24 @@ def _otter_assign(master: Path, out: Path) -> None:
         raise RuntimeError(f"otter assign failed for {master.name}:\n{proc.stdout}\n{proc.stderr}")
 
 
-def generate(master: Path, workdir: Path) -> dict[str, nbformat.NotebookNode]:
+_ASSIGNED: dict[tuple[str, str], Path] = {}
+
+
+def _assigned(master: Path) -> Path:
+    """The folder otter assign wrote for ``master``, run once per master content in a process:
+    checking the copies and grading a folder need the same output, and each run costs seconds."""
+    key = (str(master.resolve()), hashlib.sha256(master.read_bytes()).hexdigest())
+    if key not in _ASSIGNED:
+        out = Path(tempfile.mkdtemp(prefix=f"dtlib-assign-{master.stem}-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        _otter_assign(master, out)
+        _ASSIGNED[key] = out
+    return _ASSIGNED[key]
+
+
+def generate(master: Path) -> dict[str, nbformat.NotebookNode]:
     """Run otter assign on ``master``; return the normalised learner and solved notebooks."""
-    _otter_assign(master, workdir)
+    workdir = _assigned(master)
     read = lambda p: normalise(nbformat.read(p, as_version=4))  # noqa: E731
     return {"exercise": read(workdir / "student" / master.name),
             "solution": read(workdir / "autograder" / master.name)}
@@ -108,8 +126,7 @@ def assign(selected: list[Path] | None = None, folder: str | os.PathLike | None 
     """Regenerate exercises/ and solutions/ from the masters; returns the files written."""
     written = []
     for master in selected or masters(folder):
-        with tempfile.TemporaryDirectory() as tmp:
-            copies = generate(master, Path(tmp))
+        copies = generate(master)
         for kind, path in _copies(master):
             path.parent.mkdir(exist_ok=True)
             nbformat.write(copies[kind], path)
@@ -121,8 +138,7 @@ def check(folder: str | os.PathLike | None = None) -> list[str]:
     """Generated copies that are missing or differ from what their master generates."""
     stale = []
     for master in masters(folder):
-        with tempfile.TemporaryDirectory() as tmp:
-            copies = generate(master, Path(tmp))
+        copies = generate(master)
         for kind, path in _copies(master):
             if not path.exists() or nbformat.read(path, as_version=4) != copies[kind]:
                 stale.append(str(path.relative_to(master.parent.parent)))
@@ -136,12 +152,10 @@ def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLik
     files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
     batch.check_options(timeout, jobs)
     master = _master_for(lesson, folder)
-    with tempfile.TemporaryDirectory() as tmp:
-        _otter_assign(master, Path(tmp))
-        zips = list((Path(tmp) / "autograder").glob("*.zip"))
-        if len(zips) != 1:
-            raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
-        return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs)
+    zips = list((_assigned(master) / "autograder").glob("*.zip"))
+    if len(zips) != 1:
+        raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
+    return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs)
 
 
 def main(argv: list[str] | None = None) -> int:
