@@ -39,6 +39,7 @@ separate gloo group). Tensor and pipeline parallelism are not handled here: save
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -52,7 +53,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -67,8 +68,14 @@ __all__ = ["Checkpointer", "CheckpointError", "checkpoint_steps", "latest_checkp
 FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
-# DCP says so even when no_dist=True is passed on purpose (one process, no process group)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns "torch.distributed is disabled" even when one process passes no_dist=True on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class CheckpointError(RuntimeError):
@@ -345,15 +352,17 @@ class Checkpointer:
         self._barrier()
         if self.async_save:
             self._published.clear()
-            self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
-                                           no_dist=not self.distributed)
+            with _quiet():
+                self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
+                                               no_dist=not self.distributed)
             if self.rank == 0:
                 self._pending.add_done_callback(lambda f: self._finish(f, tmp, final, manifest))
             else:
                 self._published.set()
             self.blocking_seconds.append(time.perf_counter() - start)
             return
-        dcp.save(state, checkpoint_id=tmp, no_dist=not self.distributed)
+        with _quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not self.distributed)
         if self.rank == 0:
             self._publish(tmp, final, manifest)
         self._barrier()  # save() returned => the checkpoint is published
@@ -446,7 +455,7 @@ class Checkpointer:
         if same_world:
             state[f"rng.rank{self.rank}"] = io.BytesIO()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _quiet():
                 dcp.load(state, checkpoint_id=path, no_dist=not self.distributed)
         except Exception as e:  # DCP's own errors carry no file name: add it
             raise CheckpointError(f"loading {path} failed: {str(e).splitlines()[-1] if str(e) else e!r}") from e
