@@ -1,7 +1,7 @@
 """Worker for tests/test_resume.py: dp training with dropout and AdamW that checkpoints every
 step, resumes from the last checkpoint, and can kill itself or hang on request.
 
-Under torchrun: argv OUTDIR STEPS [--kill-rank R --kill-step S] [--hang-rank R --hang-step S
+Under torchrun: argv OUTDIR STEPS [--kill-rank R --kill-step S [--kill-agent]] [--hang-rank R --hang-step S
 --heartbeat T]; the kill happens on the first attempt (TORCHELASTIC_RESTART_COUNT=0), the hang on
 the second. From dtlib.launch: ``train(rank, world_size, options)``. Rank 0 writes
 OUTDIR/result.json: the sha256 of the final parameters, the batches the last attempt used, the world.
@@ -38,6 +38,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     p.add_argument("--heartbeat", type=float, default=0.0)
+    p.add_argument("--kill-agent", action="store_true", help="kill the torchrun agent (a whole node) too")
     return p.parse_args(argv)
 
 
@@ -60,6 +61,8 @@ def train(rank: int, world_size: int, a: argparse.Namespace) -> None:
     accumulate = num_microbatches_for(GLOBAL_BATCH, MICRO, world_size)
     while step < a.steps:
         if attempt == 0 and rank == a.kill_rank and step == a.kill_step:
+            if a.kill_agent:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if monitor:
             monitor.beat(step, "data")
