@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dtlib.launcher import launch
 from dtlib.resilience.elastic import torchrun_command, torchrun_env
-from _resilience_worker import options, train
+from dtlib.experiments.resilience import train_drill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_resilience_worker.py")
@@ -42,9 +42,8 @@ def test_killed_then_hung_rank_resumes_bit_identical(tmp_path):
     """Attempt 0: rank 1 is SIGKILLed at a random step; torchrun restarts the group, which resumes.
     Attempt 1: rank 0 hangs two steps later; the heartbeat aborts the job; torchrun restarts it
     again. Attempt 2 finishes with the parameters of the uninterrupted run, bit for bit."""
-    launch(train, 2, args=(options([str(tmp_path / "straight"), str(STEPS)]),), timeout=60)
-    straight = json.load(open(tmp_path / "straight" / "result.json"))
-    assert straight["steps_seen_last_attempt"] == list(range(STEPS))
+    straight = launch(train_drill, 2, args=(str(tmp_path / "straight"), STEPS), timeout=60)[0]
+    assert straight["steps_seen"] == list(range(STEPS))
     kill = random.Random().randint(1, STEPS - 3)
     hang = kill + 2
     code, log, resumed = torchrun(tmp_path / "killed", "--kill-rank", 1, "--kill-step", kill, "--hang-rank", 0,
@@ -56,7 +55,7 @@ def test_killed_then_hung_rank_resumes_bit_identical(tmp_path):
     assert f"heartbeat: hung rank 0 (last step {hang}, phase 'data'" in log, where
     assert f"resumed at step {hang} on the same 2 ranks" in log, where
     # the last attempt saw only the batches after its checkpoint: none twice, none skipped
-    assert resumed["steps_seen_last_attempt"] == list(range(hang, STEPS)), where
+    assert resumed["steps_seen"] == list(range(hang, STEPS)), where
     assert resumed["params_sha256"] == straight["params_sha256"], where
 
 
@@ -106,4 +105,4 @@ def test_elastic_shrink_two_agents_to_one(tmp_path):
     result = json.load(open(tmp_path / "result.json"))
     assert result["world_size"] == 1 and result["restart_count"] == 1, log
     assert "resumed at step 3 on 1 ranks instead of 2: checkpoint resharded, num_microbatches 2 -> 4 keeps the global batch of 8" in log, log
-    assert result["steps_seen_last_attempt"] == list(range(3, STEPS)), log
+    assert result["steps_seen"] == list(range(3, STEPS)), log
