@@ -117,8 +117,8 @@ def kill_and_resume(directory: str, steps: int = 6, kill_step: int = 3, world_si
     try:
         launch(train_drill, world_size, args=(killed_dir, steps, 1, kill_step), timeout=120)
         failure = "no failure"
-    except RankFailedError as e:
-        failure = str(e).splitlines()[0]
+    except RankFailedError as e:  # the first error reported: the killed rank, or a peer it left behind
+        failure = f"rank 1 SIGKILLed at step {kill_step}; the launcher reports: {str(e).splitlines()[0][:90]}..."
     resumed = launch(_resume, world_size, args=(killed_dir, steps), timeout=120)  # "torchrun restarts it"
     return {"straight": straight, "failure": failure, "resumed": resumed[0]}
 

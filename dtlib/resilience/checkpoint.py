@@ -72,9 +72,11 @@ _STEP_DIR = re.compile(r"^step(\d{8})$")
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """DCP warns "torch.distributed is disabled" even when one process passes no_dist=True on purpose."""
+    """DCP warns "torch.distributed is disabled" even when one process passes no_dist=True on purpose,
+    and that ShardedTensor is deprecated each time it plans one (see the module docstring for why)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
         yield
 
 
