@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic.reliability import job_mtbf, young_interval
-from dtlib.grading.checks.feedback import first_line
+from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 
 __all__ = ["check_resume", "check_optimal_interval", "STEPS", "KILL_STEP", "make_model", "batch"]
