@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib import cli
 from dtlib.launcher import launch
 from dtlib.parallel import FSDP, ShardedOptimizer
 from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, checkpoint_steps, read_manifest,
@@ -242,18 +243,18 @@ def test_incompatible_model_and_bad_manifest(saved):
         Checkpointer(directory, keep_last=0)
 
 
-def test_cli_inspect_and_convert(saved, tmp_path):
+def test_cli_inspect_and_convert(saved, tmp_path, capsys):
     directory = os.path.dirname(saved)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "dtlib.cli", "checkpoint", *a], env=env,
-                                    capture_output=True, text=True, timeout=TIMEOUT)
-    out = run("inspect", directory)
-    assert out.returncode == 0, out.stderr
-    assert "step00000001" in out.stdout and "0.weight" in out.stdout and "[16, 7]" in out.stdout
+    assert cli.main(["checkpoint", "inspect", directory]) == 0
+    out = capsys.readouterr().out
+    assert "step00000001" in out and "0.weight" in out and "[16, 7]" in out
     target = str(tmp_path / "out.pt")
-    out = run("convert", directory, "--to-torch", target)
-    assert out.returncode == 0, out.stderr
+    assert cli.main(["checkpoint", "convert", directory, "--to-torch", target]) == 0
     state = torch.load(target, weights_only=False)
     assert state["model"]["0.weight"].shape == (16, 7) and state["step"] == 1
-    out = run("inspect", str(tmp_path / "nothing"))
-    assert out.returncode == 2 and "no complete checkpoint" in out.stderr and "Traceback" not in out.stderr
+    assert cli.main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    shard = _shard(saved)
+    os.remove(shard)
+    assert cli.main(["checkpoint", "inspect", directory]) == 2  # a missing shard: one line naming it
+    assert f"{shard} is missing" in capsys.readouterr().err
