@@ -26,7 +26,9 @@ from dtlib.parallel.mesh import ParallelLayout
 from dtlib.parallel.schedules import schedule, simulate
 from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
-from dtlib.viz import charts, collectives, comm, memory, mesh, pipeline, plan, ring, tensor, timeline, training, zero
+from dtlib.resilience.interval import interval_study
+from dtlib.viz import (charts, collectives, comm, memory, mesh, pipeline, plan, resilience, ring, tensor,
+                       timeline, training, zero)
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -113,6 +115,8 @@ FIGURES = {
     "plot_in_flight": lambda: pipeline.plot_in_flight({"GPipe": _pipeline("gpipe"), "1F1B": _pipeline("1f1b")}),
     "plot_schedule_memory": lambda: pipeline.plot_schedule_memory(
         _pipeline("1f1b"), [8.0, 6.0, 4.0, 2.0], title="1F1B"),
+    "plot_goodput_vs_interval": lambda: resilience.plot_goodput_vs_interval(
+        interval_study(16384, 50677.0, 80.0, 600.0, points=15, segments=500, runs=2)),
     "plot_ring_all_reduce": lambda: ring.plot_ring_all_reduce(4, 2),
     "plot_ring_steps": lambda: ring.plot_ring_steps(4),
     "plot_overlap_timeline": lambda: timeline.plot_overlap_timeline(
