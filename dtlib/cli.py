@@ -612,8 +612,28 @@ def _run_checkpoint(args: argparse.Namespace) -> int:
     return _emit(args, {"steps": steps, "path": path, **manifest}, _table(rows, f"checkpoint {path}"))
 
 
+def add_profile_command(sub: Any) -> None:
+    p = sub.add_parser("profile", help="re-read saved per-rank traces: breakdown, MFU/HFU, findings",
+                       description="Summarise the rank<k>.json Chrome traces that 'dtlib train "
+                                   "--profile DIR' or dtlib.profile.profile_steps wrote.")
+    p.add_argument("dir", help="folder holding rank0.json, rank1.json, ...")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from dtlib.profile import Finding, format_summary, read_dir  # torch only when profiling
+
+    if not os.path.isdir(args.dir):
+        raise ValueError(f"DIR {args.dir!r} is not a folder of traces")
+    profile = read_dir(args.dir)
+    return _emit(args, {"profile": profile},
+                 format_summary(profile, [Finding(**f) for f in profile["findings"]]))
+
+
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
-                                          add_plan_command, add_train_command, add_checkpoint_command]
+                                          add_plan_command, add_train_command, add_checkpoint_command,
+                                          add_profile_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

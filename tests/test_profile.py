@@ -8,6 +8,7 @@ import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
 
+from dtlib.cli import main
 from dtlib.analytic.flops import recompute_flops_per_token, step_flops
 from dtlib.experiments.profiling import run_injected
 from dtlib.models import TinyGPT, tiny_gpt_config
@@ -166,13 +167,21 @@ def _assert_sums(profile):
         assert sum(parts[p] for p in PARTS) == pytest.approx(profile["wall"][rank], rel=0.05), rank
 
 
-def test_healthy_run_has_no_high_finding(tmp_path):
+def test_healthy_run_has_no_high_finding(tmp_path, capsys):
     profile = run_injected("healthy", trace_dir=str(tmp_path))
     assert [f for f in profile["findings"] if f.severity == "high"] == []
     _assert_sums(profile)
     assert 0 < profile["mfu"] <= 1 and profile["hfu"] <= profile["mfu"]  # no recomputation
     again = read_dir(str(tmp_path))  # `dtlib profile DIR` reads the same numbers back
     assert again["breakdown"] == profile["breakdown"] and again["mfu"] == profile["mfu"]
+    assert main(["profile", str(tmp_path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["profile"]
+    assert printed["breakdown"]["1"]["compute"] == profile["breakdown"][1]["compute"]
+    assert [f["kind"] for f in printed["findings"]] == [f.kind for f in profile["findings"]]
+    assert main(["profile", str(tmp_path)]) == 0
+    assert "MFU" in capsys.readouterr().out
+    assert main(["profile", str(tmp_path / "missing")]) == 2
+    assert "DIR" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", ["communication", "input", "bubble", "straggler", "recompute"])
