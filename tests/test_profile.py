@@ -49,6 +49,18 @@ def test_breakdown_of_a_hand_made_step():
     assert sum(parts[p] for p in PARTS) == pytest.approx(parts["step"])
 
 
+def test_breakdown_on_a_gpu_reads_the_kernels():
+    """With CUDA activity the device's kernels are the compute (host launches are not), and an
+    NCCL kernel is communication: exposed where no compute kernel runs."""
+    events = [_x("dtlib/step", 0, 1000), _x("aten::mm", 100, 10, cat="cpu_op"),
+              _x("cudaDeviceSynchronize", 110, 800, cat="cuda_runtime"),
+              _x("sm90_xmma_gemm", 100, 500, tid=7, cat="kernel"),
+              _x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 500, 300, tid=8, cat="kernel")]
+    parts = parse_trace(_trace(events))["breakdown"]
+    assert {k: round(parts[k] * 1e6) for k in ("compute", "exposed_comm", "overlapped_comm", "other")} \
+        == {"compute": 500, "exposed_comm": 200, "overlapped_comm": 100, "other": 300}
+
+
 def test_trace_without_metadata_is_refused():
     with pytest.raises(ValueError, match="profile_steps"):
         parse_trace({"traceEvents": []})

@@ -1,13 +1,13 @@
 """Breakdown: where the time of each step went, read from a rank's Chrome trace.
 
-The thread that ran the ``dtlib/step`` ranges is the compute thread (on a GPU, the host thread;
-``cuda_runtime`` launches count there). Inside each step window its time is cut into disjoint
-parts, the first matching rule winning, so the parts add up to the step exactly:
+The thread that ran the ``dtlib/step`` ranges is the host thread. Inside each step window time
+is cut into disjoint parts, the first matching rule winning, so the parts add up to the step
+exactly:
 
-* ``data``: inside a ``dtlib/data`` range (the input pipeline, whatever it runs);
+* ``data``: inside a ``dtlib/data`` range on the host thread (the input pipeline);
 * ``optimizer``: inside ``dtlib/optimizer``;
-* ``compute``: an operator runs on the compute thread (``cpu_op``/``kernel`` events), other than
-  communication;
+* ``compute``: an operator runs - on CPU a ``cpu_op`` on the host thread, on a GPU a ``kernel`` on
+  any stream - other than communication (NCCL kernels are communication);
 * ``bubble``: the compute thread waits on a point-to-point send/receive (a pipeline stage waiting
   for its neighbour);
 * ``exposed_comm``: a collective is in flight (``gloo:*``/``nccl:*`` events on any thread,
@@ -32,8 +32,7 @@ __all__ = ["PARTS", "Intervals", "parse_trace", "load_trace"]
 PARTS = ("compute", "exposed_comm", "bubble", "data", "optimizer", "other")
 _P2P = {"c10d::send", "c10d::recv_", "c10d::recv_any_source_", "gloo:send", "gloo:recv",
         "nccl:send", "nccl:recv"}
-_COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "dtlib/comm")
-_OP_CATEGORIES = {"cpu_op", "kernel", "cuda_runtime"}
+_COMM_PREFIXES = ("gloo:", "nccl", "c10d::", "dtlib/comm")  # nccl: ranges and ncclDevKernel_*
 
 Intervals = list[tuple[float, float]]
 
@@ -101,8 +100,9 @@ def _step_parts(events: list[dict], main: Any, window: tuple[float, float]) -> d
     main_comm = _union((s, t) for s, t, e in on_main if _is_comm(e["name"]) and e["name"] not in _P2P)
     other_threads = _union((s, t) for s, t, e in span if e["tid"] != main and _is_comm(e["name"])
                            and e["name"] not in _P2P)
-    ops = _union((s, t) for s, t, e in on_main
-                 if e.get("cat") in _OP_CATEGORIES and not _is_comm(e["name"]))
+    kernels = [(s, t, e) for s, t, e in span if e.get("cat") == "kernel"]
+    device_ops = kernels or [(s, t, e) for s, t, e in on_main if e.get("cat") == "cpu_op"]
+    ops = _union((s, t) for s, t, e in device_ops if not _is_comm(e["name"]))
     taken = _union(data + optimizer)
     compute = _subtract(_subtract(ops, taken), _union(main_comm + p2p))
     taken = _union(taken + compute)
