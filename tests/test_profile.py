@@ -14,7 +14,7 @@ from dtlib.experiments.profiling import run_injected
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.profile import (PARTS, Thresholds, count_flops, diagnose, parse_trace, phase,
                            profile_steps, read_dir)
-from dtlib.profile.breakdown import _subtract, _union
+from dtlib.profile.breakdown import _subtract, _union, step_intervals
 
 
 def _x(name, ts, dur, tid=1, cat="user_annotation"):
@@ -47,6 +47,9 @@ def test_breakdown_of_a_hand_made_step():
                 "other": 250, "overlapped_comm": 200, "host_gaps": 50, "step": 1000}
     assert {k: round(v * 1e6) for k, v in parts.items()} == expected
     assert sum(parts[p] for p in PARTS) == pytest.approx(parts["step"])
+    where = step_intervals(_trace(events))
+    assert where["bubble"] == [(600e-6, 700e-6)] and where["exposed_comm"] == [(300e-6, 450e-6)]
+    assert where["comm_in_flight"] == [(250e-6, 600e-6)]
 
 
 def test_breakdown_on_a_gpu_reads_the_kernels():
@@ -208,3 +211,37 @@ def test_injected_fault_is_the_top_finding(fault):
         assert profile["hfu"] / profile["mfu"] > 1.2  # 4 forwards of the layers for 3
     if fault == "bubble":  # GPipe p=4, m=2: (p-1)/(m+p-1) = 60% in theory
         assert top.share > 0.3
+
+
+def test_plots_draw_the_parts():
+    from dtlib.viz.profile import plot_breakdown, plot_fault_shares, plot_step_timeline
+
+    profile = _profile({0: {"compute": 0.06, "exposed_comm": 0.03, "data": 0.01},
+                        1: {"compute": 0.05, "exposed_comm": 0.04, "data": 0.01}})
+    findings = diagnose(profile)
+    fig = plot_breakdown(profile, findings)
+    ax = fig.axes[0]
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
+    assert widths == [10.0, 10.0, 30.0, 40.0, 50.0, 60.0]  # ms
+    assert "1. [high] communication" in ax.texts[0].get_text()
+    profile["findings"] = findings
+    shares = plot_fault_shares({"comm": profile}).axes[0]
+    assert [t.get_text() for t in shares.get_yticklabels()] == ["comm -> communication"]
+    assert sorted(round(p.get_width()) for p in shares.patches if p.get_width() > 0) == [10, 30, 60]
+    events = [_x("dtlib/step", 0, 1000), _x("aten::mm", 100, 400, cat="cpu_op"),
+              _x("gloo:all_reduce", 400, 300, tid=2)]
+    timeline = plot_step_timeline({0: step_intervals(_trace(events))}).axes[0]
+    labels = {t.get_label() for t in timeline.collections}
+    assert {"compute", "exposed communication", "collective in flight"} <= labels
+
+
+def test_strength_levels():
+    from dtlib.experiments.profiling import FAULTS, strength_of
+
+    assert strength_of("input", "default") == FAULTS["input"][1]
+    assert strength_of("input", "strong") == 2 * FAULTS["input"][1]
+    assert strength_of("bubble", "strong") == 1
+    with pytest.raises(ValueError, match="level"):
+        strength_of("input", "huge")
+    with pytest.raises(ValueError, match="strength"):
+        run_injected("input", -1)

@@ -32,7 +32,7 @@ from dtlib.analytic.flops import six_n_flops_per_token
 from dtlib.launcher import launch
 from dtlib.profile import diagnose, phase, profile_steps, summarize
 
-__all__ = ["FAULTS", "run_injected", "mlp"]
+__all__ = ["FAULTS", "LEVELS", "strength_of", "run_injected", "mlp"]
 
 # fault -> (what the strength means, its default)
 FAULTS: dict[str, tuple[str, int]] = {
@@ -43,6 +43,21 @@ FAULTS: dict[str, tuple[str, int]] = {
     "straggler": ("rank 1's sleep per forward, ms", 150),
     "recompute": ("layers recomputed (full recomputation)", 4),
 }
+LEVELS = ("weak", "default", "strong")
+# weak/strong for the faults whose strength is not a duration (sleeps: half and twice the default)
+_NAMED_LEVELS = {"bubble": {"weak": 8, "default": 2, "strong": 1},
+                 "recompute": {"weak": 2, "default": 4, "strong": 4}}  # 4 = every layer already
+
+
+def strength_of(fault: str, level: str) -> int:
+    """The strength a level names: sleeps halve or double the default; ``bubble`` uses m = 8, 2, 1
+    micro-batches; ``recompute`` 2 or all 4 layers (nothing stronger than everything)."""
+    if fault not in FAULTS or level not in LEVELS:
+        raise ValueError(f"fault must be one of {tuple(FAULTS)} and level one of {LEVELS}, "
+                         f"got {fault!r}, {level!r}")
+    if fault in _NAMED_LEVELS:
+        return _NAMED_LEVELS[fault][level]
+    return FAULTS[fault][1] * {"weak": 1, "default": 2, "strong": 4}[level] // 2
 
 
 class _Layers(nn.Module):
@@ -152,7 +167,7 @@ def _pipeline_worker(rank: int, world_size: int, microbatches: int, width: int, 
 
 
 def run_injected(fault: str = "healthy", strength: int | None = None, width: int = 256,
-                 depth: int = 4, batch: int = 1024, steps: int = 3, trace_dir: str | None = None,
+                 depth: int = 4, batch: int = 1024, steps: int = 5, trace_dir: str | None = None,
                  timeout: float = 90.0) -> dict:
     """Profile the run with ``fault`` injected at ``strength`` (default :data:`FAULTS`' own) on
     2 data-parallel ranks (4 pipeline ranks for ``bubble``); traces go to ``trace_dir`` if given.

@@ -27,7 +27,7 @@ import json
 from statistics import mean
 from typing import Any, Iterable
 
-__all__ = ["PARTS", "Intervals", "parse_trace", "load_trace"]
+__all__ = ["PARTS", "Intervals", "parse_trace", "load_trace", "step_intervals"]
 
 PARTS = ("compute", "exposed_comm", "bubble", "data", "optimizer", "other")
 _P2P = {"c10d::send", "c10d::recv_", "c10d::recv_any_source_", "gloo:send", "gloo:recv",
@@ -85,8 +85,9 @@ def _is_comm(name: str) -> bool:
     return name.startswith(_COMM_PREFIXES)
 
 
-def _step_parts(events: list[dict], main: Any, window: tuple[float, float]) -> dict[str, float]:
-    """The parts of one step window (microseconds in, seconds out)."""
+def _step_intervals(events: list[dict], main: Any, window: tuple[float, float]) -> dict[str, Intervals]:
+    """The disjoint parts of one step window as intervals (microseconds), plus ``comm_in_flight``
+    (collectives on any thread) and ``host_gaps``."""
     lo, hi = window
     inside = [e for e in events if e["ts"] < hi and e["ts"] + e["dur"] > lo]
     span = [(max(e["ts"], lo), min(e["ts"] + e["dur"], hi), e) for e in inside]
@@ -110,15 +111,41 @@ def _step_parts(events: list[dict], main: Any, window: tuple[float, float]) -> d
     taken = _union(taken + bubble)
     exposed = _subtract(_union(main_comm + other_threads), taken)
     taken = _union(taken + exposed)
-    fwd_bwd = _union(ranges("forward") + ranges("backward"))
     idle = _subtract([(lo, hi)], taken)
-    seconds = {"compute": compute, "exposed_comm": exposed, "bubble": bubble, "data": data,
-               "optimizer": optimizer, "other": idle}
-    out = {part: _length(iv) / 1e6 for part, iv in seconds.items()}
-    out["overlapped_comm"] = _length(_intersect(other_threads, compute)) / 1e6
-    out["host_gaps"] = _length(_intersect(idle, fwd_bwd)) / 1e6
-    out["step"] = (hi - lo) / 1e6
+    return {"compute": compute, "exposed_comm": exposed, "bubble": bubble, "data": data,
+            "optimizer": optimizer, "other": idle, "comm_in_flight": _union(main_comm + other_threads),
+            "overlapped_comm": _intersect(other_threads, compute),
+            "host_gaps": _intersect(idle, _union(ranges("forward") + ranges("backward")))}
+
+
+def _step_parts(events: list[dict], main: Any, window: tuple[float, float]) -> dict[str, float]:
+    """The parts of one step window in seconds (and ``step``, its length)."""
+    intervals = _step_intervals(events, main, window)
+    out = {part: _length(intervals[part]) / 1e6
+           for part in (*PARTS, "overlapped_comm", "host_gaps")}
+    out["step"] = (window[1] - window[0]) / 1e6
     return out
+
+
+def _events(trace: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    step_events = sorted((e for e in events if e["name"] == "dtlib/step"), key=lambda e: e["ts"])
+    if not step_events:
+        raise ValueError("no 'dtlib/step' range in the trace: nothing to break down")
+    return events, step_events
+
+
+def step_intervals(trace: dict[str, Any], index: int = 0) -> dict[str, list[tuple[float, float]]]:
+    """Where each part of step ``index`` lies in time: ``{part: [(start, end), ...]}`` in seconds
+    from the step's start, plus ``comm_in_flight`` (to draw a timeline from the trace)."""
+    events, step_events = _events(trace)
+    if not 0 <= index < len(step_events):
+        raise ValueError(f"index must be in [0, {len(step_events)}), got {index}")
+    step = step_events[index]
+    start = step["ts"]
+    intervals = _step_intervals(events, step_events[0]["tid"], (start, start + step["dur"]))
+    return {part: [((s - start) / 1e6, (t - start) / 1e6) for s, t in iv]
+            for part, iv in intervals.items()}
 
 
 def parse_trace(trace: dict[str, Any]) -> dict[str, Any]:
@@ -135,10 +162,7 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ValueError("this trace has no 'dtlib' metadata: record it with "
                          "dtlib.profile.profile_steps")
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    step_events = sorted((e for e in events if e["name"] == "dtlib/step"), key=lambda e: e["ts"])
-    if not step_events:
-        raise ValueError("no 'dtlib/step' range in the trace: nothing to break down")
+    events, step_events = _events(trace)
     main = step_events[0]["tid"]
     steps = [_step_parts(events, main, (e["ts"], e["ts"] + e["dur"])) for e in step_events]
     breakdown = {key: mean(s[key] for s in steps) for key in steps[0]}

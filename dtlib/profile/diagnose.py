@@ -1,7 +1,8 @@
 """Diagnosis: from the ranks' breakdowns to MFU/HFU and ranked findings, each with its fix.
 
 Every finding estimates the *time lost* per step to its cause, as a share of the job's step
-(the slowest rank's): findings are ordered by it and their severity comes from it.
+(the slowest rank's), as the median over the profiled steps: findings are ordered by it and their
+severity comes from it.
 
 * ``communication``: exposed communication on the rank that waits least (the last to arrive at
   each collective waits only for the transfer itself, not for a slower peer);
@@ -85,6 +86,7 @@ def summarize(ranks: Sequence[dict[str, Any]], peak: "Accelerator | None" = None
         achieved.append(r["flops"]["model"] / step_time)
     return {"breakdown": {k: {p: r["breakdown"][p] for p in (*PARTS, "overlapped_comm", "host_gaps", "step")}
                           for k, r in by_rank.items()},
+            "steps": {k: r["steps"] for k, r in by_rank.items()},
             "wall": {k: r["wall"] for k, r in by_rank.items()},
             "step_time": step_time, "mfu": mean(mfu), "hfu": mean(hfu),
             "achieved_flops_per_rank": mean(achieved),
@@ -95,38 +97,53 @@ def _flat_peak(flops: float, dtype: str) -> Accelerator:
     return Accelerator("measured", {dtype: flops}, 0, 0.0, "peak recorded in the trace")
 
 
+def _steps(profile: dict[str, Any]) -> dict[Any, list[dict[str, float]]]:
+    """Each rank's parts step by step (a profile without them counts as one mean step)."""
+    steps = profile.get("steps")
+    return steps if steps else {k: [v] for k, v in profile["breakdown"].items()}
+
+
 def diagnose(profile: dict[str, Any], thresholds: Thresholds = Thresholds()) -> list[Finding]:
     """Findings of a :func:`summarize` d profile, ordered by time lost (largest first); those
-    under ``thresholds.report`` of the step are left out."""
-    parts = profile["breakdown"]
-    step = profile["step_time"]
-    ranks = sorted(parts)
-    candidates: list[tuple[str, float, str]] = []
+    under ``thresholds.report`` of the step are left out. Each figure is the median over the
+    profiled steps of that step's value, so one step disturbed by the machine changes nothing."""
+    steps = _steps(profile)
+    ranks = sorted(steps)
+    count = min(len(v) for v in steps.values())
 
-    least_waiting = min(ranks, key=lambda k: parts[k]["exposed_comm"])
-    comm = parts[least_waiting]["exposed_comm"]
-    overlapped = mean(parts[k]["overlapped_comm"] for k in ranks)
+    def per_step(fn) -> float:
+        return median(fn(i) for i in range(count))
+
+    def mean_of(part: str) -> float:
+        return per_step(lambda i: mean(steps[k][i][part] for k in ranks))
+
+    step = per_step(lambda i: max(steps[k][i]["step"] for k in ranks))
+    candidates: list[tuple[str, float, str]] = []
+    comm = per_step(lambda i: min(steps[k][i]["exposed_comm"] for k in ranks))
+    overlapped = mean_of("overlapped_comm")
     candidates.append(("communication", comm,
-                       f"exposed communication {_ms(comm)} per step even on rank {least_waiting} "
-                       f"(the last to arrive), {_pct(comm / step)} of the step; "
+                       f"exposed communication {_ms(comm)} per step even on the rank that waits "
+                       f"least (the last to arrive), {_pct(comm / step)} of the step; "
                        f"{_ms(overlapped)} overlapped with compute"))
-    data = mean(parts[k]["data"] for k in ranks)
+    data = mean_of("data")
     candidates.append(("input", data, f"data loading {_ms(data)} per step, {_pct(data / step)}"))
-    bubble = mean(parts[k]["bubble"] for k in ranks)
+    bubble = mean_of("bubble")
     candidates.append(("bubble", bubble, f"stages wait for their neighbours {_ms(bubble)} per "
                                          f"step, {_pct(bubble / step)} (pipeline bubble)"))
-    gaps = mean(parts[k]["host_gaps"] for k in ranks)
-    compute = mean(parts[k]["compute"] for k in ranks)
+    gaps, compute = mean_of("host_gaps"), mean_of("compute")
     candidates.append(("launch", gaps, f"host gaps between operators {_ms(gaps)} per step "
                                        f"against {_ms(compute)} of operators"))
     if len(ranks) > 1:
-        busy = {k: parts[k]["step"] - parts[k]["exposed_comm"] - parts[k]["bubble"] for k in ranks}
-        slowest = max(ranks, key=busy.get)
-        others = median(busy[k] for k in ranks if k != slowest)
-        if others > 0 and busy[slowest] > (1 + thresholds.straggler_skew) * others:
-            lost = busy[slowest] - others
+        def busy(k: Any, i: int) -> float:
+            s = steps[k][i]
+            return s["step"] - s["exposed_comm"] - s["bubble"]
+
+        slowest = max(ranks, key=lambda k: per_step(lambda i: busy(k, i)))
+        others = per_step(lambda i: median(busy(k, i) for k in ranks if k != slowest))
+        lost = per_step(lambda i: busy(slowest, i) - median(busy(k, i) for k in ranks if k != slowest))
+        if others > 0 and lost > thresholds.straggler_skew * others:
             candidates.append(("straggler", lost,
-                               f"rank {slowest} is busy {_ms(busy[slowest])} per step against "
+                               f"rank {slowest} is busy {_ms(others + lost)} per step against "
                                f"{_ms(others)} for the others (+{_pct(lost / others)}); they "
                                f"wait for it in their collectives"))
     ratio = profile["hfu"] / profile["mfu"] if profile["mfu"] > 0 else 1.0
