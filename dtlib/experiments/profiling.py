@@ -40,7 +40,7 @@ FAULTS: dict[str, tuple[str, int]] = {
     "communication": ("emulated latency per message, ms", 30),
     "input": ("data loader sleep per batch, ms", 150),
     "bubble": ("micro-batches m on pp=4 stages", 2),
-    "straggler": ("rank 1's sleep per forward, ms", 150),
+    "straggler": ("rank 1's sleep per forward, ms", 300),
     "recompute": ("layers recomputed (full recomputation)", 4),
 }
 LEVELS = ("weak", "default", "strong")

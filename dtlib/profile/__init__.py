@@ -1,13 +1,13 @@
 """Profiling a distributed step: capture (torch.profiler, per-rank Chrome traces, FLOPs counted
 with FlopCounterMode), the breakdown parsed from each trace, and the diagnosis (MFU/HFU and
 findings ranked by time lost). See ``docs/profiling.md``."""
-from dtlib.profile.breakdown import PARTS, load_trace, parse_trace
+from dtlib.profile.breakdown import PARTS, load_trace, parse_trace, step_intervals
 from dtlib.profile.capture import PHASES, count_flops, phase, profile_steps, trace_path
 from dtlib.profile.diagnose import (FIXES, KINDS, Finding, Thresholds, diagnose, format_summary,
                                     summarize)
 
 __all__ = ["PARTS", "PHASES", "KINDS", "FIXES", "Finding", "Thresholds", "phase", "count_flops",
-           "profile_steps", "trace_path", "parse_trace", "load_trace", "summarize", "diagnose",
+           "profile_steps", "trace_path", "parse_trace", "load_trace", "step_intervals", "summarize", "diagnose",
            "format_summary", "read_dir"]
 
 

@@ -44,12 +44,12 @@ FIXES = {
 class Thresholds:
     """Severity cut-offs as a share of the step lost: ``high`` >= 25%, ``medium`` >= 10%,
     reported at all from ``report`` = 5%. A straggler needs its busy time ``straggler_skew`` =
-    50% above the others' (ranks sharing 2 loaded cores differ by up to ~25% with no fault; on
-    dedicated GPUs 0.1 is a sharper choice); recomputation needs HFU/MFU above ``recompute_ratio`` = 1.1."""
+    100% above the others' (ranks sharing 2 cores with other jobs differed by up to 71% with no
+    fault injected; on dedicated GPUs 0.1 is a sharper choice); recomputation needs HFU/MFU above ``recompute_ratio`` = 1.1."""
     high: float = 0.25
     medium: float = 0.10
     report: float = 0.05
-    straggler_skew: float = 0.50
+    straggler_skew: float = 1.0
     recompute_ratio: float = 1.10
 
     def severity(self, share: float) -> str:
