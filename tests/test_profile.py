@@ -223,7 +223,7 @@ def test_plots_draw_the_parts():
     ax = fig.axes[0]
     widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
     assert widths == [10.0, 10.0, 30.0, 40.0, 50.0, 60.0]  # ms
-    assert "1. [high] communication" in ax.texts[0].get_text()
+    assert "1. [high] communication" in ax.get_title()
     profile["findings"] = findings
     shares = plot_fault_shares({"comm": profile}).axes[0]
     assert [t.get_text() for t in shares.get_yticklabels()] == ["comm -> communication"]

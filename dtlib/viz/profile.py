@@ -30,24 +30,23 @@ def _stacked(ax, rows: Mapping[str, Mapping[str, float]], scale: float) -> None:
 def plot_breakdown(profile: Mapping[str, Any], findings: Sequence[Any] = ()) -> Figure:
     """Milliseconds per step of each part, one bar per rank; the findings listed underneath."""
     rows = {f"rank {k}": parts for k, parts in profile["breakdown"].items()}
-    fig = Figure(figsize=(7.5, 1.6 + 0.35 * len(rows) + 0.25 * min(len(findings), 3)))
+    text = "; ".join(f"{i}. [{f.severity}] {f.kind} {f.share:.0%}"
+                     for i, f in enumerate(findings[:3], 1)) or "no finding above the threshold"
+    fig = Figure(figsize=(7.5, 2.2 + 0.35 * len(rows)))
     ax = fig.add_subplot()
     _stacked(ax, rows, 1e3)
     ax.set_xlabel("ms per step", fontsize=FONT)
     ax.set_title(f"step {profile['step_time'] * 1e3:.0f} ms, MFU {profile['mfu']:.0%}, "
-                 f"HFU {profile['hfu']:.0%}", fontsize=FONT)
-    ax.legend(fontsize=SMALL_FONT, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3 - 0.05 * len(rows)))
-    text = "\n".join(f"{i}. [{f.severity}] {f.kind}: {f.share:.0%} of the step"
-                     for i, f in enumerate(findings[:3], 1)) or "no finding above the threshold"
-    ax.annotate(text, (1.01, 1.0), xycoords="axes fraction", va="top", fontsize=SMALL_FONT)
-    fig.tight_layout()
+                 f"HFU {profile['hfu']:.0%}\nfindings: {text}", fontsize=FONT)
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=SMALL_FONT, ncol=6, loc="lower center")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
 
 def plot_step_timeline(intervals_by_rank: Mapping[Any, Mapping[str, Sequence[tuple[float, float]]]]) -> Figure:
     """One step on each rank as drawn from its trace (:func:`dtlib.profile.breakdown.step_intervals`):
     a row of parts per rank, and under it the collectives in flight on any thread."""
-    fig = Figure(figsize=(7.5, 0.9 + 0.7 * len(intervals_by_rank)))
+    fig = Figure(figsize=(7.5, 1.6 + 0.7 * len(intervals_by_rank)))
     ax = fig.add_subplot()
     labels = []
     for row, (rank, parts) in enumerate(intervals_by_rank.items()):
@@ -60,8 +59,8 @@ def plot_step_timeline(intervals_by_rank: Mapping[Any, Mapping[str, Sequence[tup
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=FONT)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the start of the step", fontsize=FONT)
-    ax.legend(fontsize=SMALL_FONT, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=SMALL_FONT, ncol=4, loc="lower center")
+    fig.tight_layout(rect=(0, 0.22, 1, 1))
     return fig
 
 
@@ -78,6 +77,6 @@ def plot_fault_shares(profiles: Mapping[str, Mapping[str, Any]]) -> Figure:
     ax = fig.add_subplot()
     _stacked(ax, rows, 100.0)
     ax.set_xlabel("% of the step (slowest rank); label: injected fault -> top finding", fontsize=FONT)
-    ax.legend(fontsize=SMALL_FONT, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=SMALL_FONT, ncol=6, loc="lower center")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
