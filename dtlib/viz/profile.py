@@ -27,17 +27,18 @@ def _stacked(ax, rows: Mapping[str, Mapping[str, float]], scale: float) -> None:
     ax.tick_params(labelsize=FONT)
 
 
-def plot_breakdown(profile: Mapping[str, Any], findings: Sequence[Any] = ()) -> Figure:
-    """Milliseconds per step of each part, one bar per rank; the findings listed underneath."""
+def plot_breakdown(profile: Mapping[str, Any], findings: Sequence[Any] | None = None) -> Figure:
+    """Milliseconds per step of each part, one bar per rank; the findings (if given) in the title."""
     rows = {f"rank {k}": parts for k, parts in profile["breakdown"].items()}
     text = "; ".join(f"{i}. [{f.severity}] {f.kind} {f.share:.0%}"
-                     for i, f in enumerate(findings[:3], 1)) or "no finding above the threshold"
+                     for i, f in enumerate((findings or [])[:3], 1)) or "none above the threshold"
     fig = Figure(figsize=(7.5, 2.2 + 0.35 * len(rows)))
     ax = fig.add_subplot()
     _stacked(ax, rows, 1e3)
     ax.set_xlabel("ms per step", fontsize=FONT)
     ax.set_title(f"step {profile['step_time'] * 1e3:.0f} ms, MFU {profile['mfu']:.0%}, "
-                 f"HFU {profile['hfu']:.0%}\nfindings: {text}", fontsize=FONT)
+                 f"HFU {profile['hfu']:.0%}" + ("" if findings is None else f"\nfindings: {text}"),
+                 fontsize=FONT)
     fig.legend(*ax.get_legend_handles_labels(), fontsize=SMALL_FONT, ncol=6, loc="lower center")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
