@@ -65,7 +65,8 @@ def main() -> None:
     analytic = step_flops(args.batch * cfg.seq, **shape)
     peak = get_gpu(args.gpu) if cuda else None
     rank = profile_steps(step, steps=args.steps, warmup=args.warmup, trace_dir=args.out,
-                         peak=peak, dtype="bf16" if cuda else "fp32", model_flops=analytic["model"])
+                         peak=peak, dtype="bf16" if cuda else "fp32", model_flops=analytic["model"],
+                         tokens=args.batch * cfg.seq)
     profile = summarize([rank])
     print(format_summary(profile, diagnose(profile)))
     counted = rank["flops"]["counted_model"]

@@ -13,7 +13,7 @@ from dtlib.analytic.flops import recompute_flops_per_token, step_flops
 from dtlib.experiments.profiling import run_injected
 from dtlib.models import TinyGPT, tiny_gpt_config
 from dtlib.profile import (PARTS, Thresholds, count_flops, diagnose, parse_trace, phase,
-                           profile_steps, read_dir)
+                           profile_steps, read_dir, summarize)
 from dtlib.profile.breakdown import _subtract, _union, step_intervals
 
 
@@ -126,7 +126,8 @@ def test_sdpa_on_cpu_is_counted():
 def test_profile_steps_writes_a_chrome_trace(tmp_path):
     _ = torch.manual_seed(0)
     model = TinyGPT(tiny_gpt_config(hidden=128))
-    result = profile_steps(_tiny_step(model, 8), steps=2, warmup=1, trace_dir=str(tmp_path), peak=1e10)
+    result = profile_steps(_tiny_step(model, 8), steps=2, warmup=1, trace_dir=str(tmp_path), peak=1e10,
+                           tokens=8 * model.cfg.seq)
     trace = json.loads((tmp_path / "rank0.json").read_text())  # valid JSON, as Perfetto reads it
     events = trace["traceEvents"]
     assert isinstance(events, list) and events
@@ -143,6 +144,9 @@ def test_profile_steps_writes_a_chrome_trace(tmp_path):
     parts = result["breakdown"]
     assert sum(parts[p] for p in PARTS) == pytest.approx(result["wall"], rel=0.05)
     assert parts["compute"] > 0.5 * parts["step"]
+    job = summarize([result])
+    assert job["tokens_per_second"] == pytest.approx(8 * model.cfg.seq / parts["step"])
+    assert job["mfu"] == pytest.approx(result["flops"]["model"] / (parts["step"] * 1e10))
 
 
 def _profile(parts, **extra):

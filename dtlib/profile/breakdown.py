@@ -168,7 +168,8 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, Any]:
     breakdown = {key: mean(s[key] for s in steps) for key in steps[0]}
     return {"rank": meta["rank"], "steps": steps, "breakdown": breakdown,
             "wall": mean(meta["wall_seconds"]), "flops": meta["flops"],
-            "peak_flops": meta["peak_flops"], "dtype": meta.get("dtype", "fp32")}
+            "peak_flops": meta["peak_flops"], "dtype": meta.get("dtype", "fp32"),
+            "tokens": meta.get("tokens")}
 
 
 def load_trace(path: str) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def trace_path(trace_dir: str, rank: int) -> str:
 def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
                   trace_dir: str | None = None, rank: int | None = None,
                   peak: "Accelerator | float | None" = None, dtype: str = "fp32",
-                  model_flops: float | None = None, record_shapes: bool = False) -> dict[str, Any]:
+                  model_flops: float | None = None, tokens: int | None = None,
+                  record_shapes: bool = False) -> dict[str, Any]:
     """Profile ``steps`` calls of ``step_fn`` after ``warmup`` unprofiled ones, on this rank.
 
     ``step_fn`` marks its phases with :func:`phase`. Returns this rank's parsed profile
@@ -101,7 +102,9 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
     the GPU's is not guessed and on CPU this process's matmul peak is measured
     (:func:`~dtlib.analytic.hardware.measure_cpu`, with the threads this rank really has).
     ``model_flops``: the model FLOPs of one step from :mod:`dtlib.analytic.flops` if known
-    (otherwise 3 x the forward FLOPs counted).
+    (otherwise 3 x the forward FLOPs counted). ``tokens``: the tokens this rank adds to the
+    global batch per step (for tokens/s; leave None where a rank adds none of its own, e.g. a
+    pipeline stage after the first).
     """
     import tempfile
 
@@ -136,6 +139,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
                     torch.cuda.synchronize()
             wall.append(time.perf_counter() - start)
         meta = {"rank": rank, "steps": steps, "wall_seconds": wall, "peak_flops": peak_flops,
+                "tokens": tokens,
                 "dtype": dtype, "flops": {"model": model_flops if model_flops else flops["model"],
                                           "hardware": flops["hardware"],
                                           "counted_model": flops["model"],

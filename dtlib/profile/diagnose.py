@@ -72,7 +72,8 @@ class Finding:
 def summarize(ranks: Sequence[dict[str, Any]], peak: "Accelerator | None" = None) -> dict[str, Any]:
     """Combine the ranks' parsed profiles (:func:`~dtlib.profile.breakdown.parse_trace`) into the
     job's profile: ``breakdown`` {rank: {part: seconds}}, ``step_time`` (slowest rank), MFU/HFU
-    (mean over ranks of each rank's own FLOPs and peak), ``tokens``-free throughput figures."""
+    (mean over ranks of each rank's own FLOPs and peak), achieved model FLOP/s per rank and
+    ``tokens_per_second`` (the ranks' ``tokens`` per step over the step; None if none given)."""
     if not ranks:
         raise ValueError("no rank profiles to summarise")
     by_rank = {r["rank"]: r for r in sorted(ranks, key=lambda r: r["rank"])}
@@ -90,6 +91,7 @@ def summarize(ranks: Sequence[dict[str, Any]], peak: "Accelerator | None" = None
             "wall": {k: r["wall"] for k, r in by_rank.items()},
             "step_time": step_time, "mfu": mean(mfu), "hfu": mean(hfu),
             "achieved_flops_per_rank": mean(achieved),
+            "tokens_per_second": sum(r.get("tokens") or 0 for r in by_rank.values()) / step_time or None,
             "flops": {k: r["flops"] for k, r in by_rank.items()}}
 
 
@@ -175,7 +177,8 @@ def format_summary(profile: dict[str, Any], findings: Sequence[Finding]) -> str:
         lines.append(f"{rank:>4} " + " ".join(f"{parts[c] * 1e3:>12.2f}" for c in cols))
     lines.append(f"step {profile['step_time'] * 1e3:.2f} ms (slowest rank); "
                  f"MFU {_pct(profile['mfu'])}, HFU {_pct(profile['hfu'])}; "
-                 f"{profile['achieved_flops_per_rank'] / 1e9:.2f} GFLOP/s per rank (model FLOPs)")
+                 f"{profile['achieved_flops_per_rank'] / 1e9:.2f} GFLOP/s per rank (model FLOPs)"
+                 + (f"; {profile['tokens_per_second']:,.0f} tokens/s" if profile.get("tokens_per_second") else ""))
     if not findings:
         lines.append("no bottleneck above the reporting threshold")
     for i, f in enumerate(findings, 1):
