@@ -8,7 +8,16 @@ from dtlib.profile.diagnose import (FIXES, KINDS, Finding, Thresholds, diagnose,
 
 __all__ = ["PARTS", "PHASES", "KINDS", "FIXES", "Finding", "Thresholds", "phase", "count_flops",
            "profile_steps", "trace_path", "parse_trace", "load_trace", "step_intervals", "summarize", "diagnose",
-           "format_summary", "read_dir"]
+           "format_summary", "report", "read_dir"]
+
+
+def report(ranks: list) -> dict:
+    """The job's profile from the ranks' parsed profiles: :func:`summarize` plus its
+    ``findings`` (:func:`diagnose`, as dicts), what ``dtlib train --profile`` and
+    ``dtlib profile DIR`` print (``--json``: this object)."""
+    profile = summarize(ranks)
+    profile["findings"] = [f.as_dict() for f in diagnose(profile)]
+    return profile
 
 
 def read_dir(trace_dir: str) -> dict:
@@ -21,6 +30,4 @@ def read_dir(trace_dir: str) -> dict:
     if not paths:
         raise ValueError(f"no rank*.json trace in {trace_dir!r}: write them with "
                          "dtlib train --profile DIR or dtlib.profile.profile_steps(trace_dir=...)")
-    profile = summarize([load_trace(p) for p in paths])
-    profile["findings"] = [f.as_dict() for f in diagnose(profile)]
-    return profile
+    return report([load_trace(p) for p in paths])
