@@ -546,6 +546,9 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
     g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="save every N steps (0: never)")
     g.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
+    g.add_argument("--profile", metavar="DIR",
+                   help="profile the last steps (torch.profiler): per-rank Chrome traces in DIR, "
+                        "breakdown, MFU/HFU and findings printed (re-read with 'dtlib profile DIR')")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")
     g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")

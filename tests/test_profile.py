@@ -279,3 +279,19 @@ def test_bubble_covers_the_pipeline_executors_own_waits():
     for parts, logged in launch(_executor_worker, 4, timeout=90):
         assert 0.9 * logged <= parts["bubble"] <= parts["step"]
         assert parts["bubble"] > 0.3 * parts["step"]  # GPipe p=4, m=2: (p-1)/(m+p-1) = 60% in theory
+
+
+def test_dtlib_train_profile_writes_traces_and_the_summary(tmp_path, capsys):
+    trace_dir = tmp_path / "traces"
+    assert main(["train", "--pp", "2", "--schedule", "gpipe", "--microbatches", "1", "--steps", "3",
+                 "--profile", str(trace_dir),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"]
+    assert sorted(out["breakdown"]) == ["0", "1"]
+    assert {"kind", "severity", "evidence", "fix"} <= set(out["findings"][0])
+    assert out["findings"][0]["kind"] == "bubble"  # GPipe, 2 stages, 1 micro-batch: (p-1)/(m+p-1) = 1/2
+    assert 0 < out["mfu"] <= 1
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.json", "rank1.json"]
+    assert read_dir(str(trace_dir))["breakdown"][1]["bubble"] == out["breakdown"]["1"]["bubble"]
+    assert main(["train", "--steps", "1", "--profile", str(trace_dir)]) == 2
+    assert "--profile needs --steps >= 2" in capsys.readouterr().err
