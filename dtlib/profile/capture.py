@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
@@ -26,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dtlib.analytic.hardware import Accelerator, measure_cpu
+from dtlib.profile.breakdown import parse_trace
 
 __all__ = ["PHASES", "phase", "count_flops", "profile_steps", "trace_path"]
 
@@ -106,10 +108,6 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
     global batch per step (for tokens/s; leave None where a rank adds none of its own, e.g. a
     pipeline stage after the first).
     """
-    import tempfile
-
-    from dtlib.profile.breakdown import parse_trace
-
     for name, value in (("steps", steps), ("warmup", warmup)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1 (FLOPs are counted on the last "
