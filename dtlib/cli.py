@@ -546,6 +546,9 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
     g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="save every N steps (0: never)")
     g.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
+    g.add_argument("--profile", metavar="DIR",
+                   help="profile the last steps (torch.profiler): per-rank Chrome traces in DIR, "
+                        "breakdown, MFU/HFU and findings printed (re-read with 'dtlib profile DIR')")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")
     g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
@@ -612,8 +615,28 @@ def _run_checkpoint(args: argparse.Namespace) -> int:
     return _emit(args, {"steps": steps, "path": path, **manifest}, _table(rows, f"checkpoint {path}"))
 
 
+def add_profile_command(sub: Any) -> None:
+    p = sub.add_parser("profile", help="re-read saved per-rank traces: breakdown, MFU/HFU, findings",
+                       description="Summarise the rank<k>.json Chrome traces that 'dtlib train "
+                                   "--profile DIR' or dtlib.profile.profile_steps wrote.")
+    p.add_argument("dir", help="folder holding rank0.json, rank1.json, ...")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from dtlib.profile import Finding, format_summary, read_dir  # torch only when profiling
+
+    if not os.path.isdir(args.dir):
+        raise ValueError(f"DIR {args.dir!r} is not a folder of traces")
+    profile = read_dir(args.dir)
+    return _emit(args, {"profile": profile},
+                 format_summary(profile, [Finding(**f) for f in profile["findings"]]))
+
+
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
-                                          add_plan_command, add_train_command, add_checkpoint_command]
+                                          add_plan_command, add_train_command, add_checkpoint_command,
+                                          add_profile_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,12 +42,13 @@ from tqdm.auto import tqdm
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import step_flops, utilization
-from dtlib.analytic.hardware import measure_cpu
+from dtlib.analytic.hardware import get_gpu, measure_cpu
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.corpus import VOCAB, token_batch
 from dtlib.launcher import launch
 from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
+from dtlib.profile import Finding, format_summary, phase, profile_steps, report
 from dtlib.parallel import schedules
 from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
@@ -106,6 +107,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    profile: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -144,6 +146,9 @@ class TrainConfig:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.profile is not None and self.steps < 2:
+            raise ValueError(f"--profile needs --steps >= 2 (one warm-up step counts the FLOPs, "
+                             f"then at least one is profiled), got steps={self.steps}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
@@ -290,20 +295,26 @@ class _Run:
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same on every rank)."""
         c = self.config
-        inputs, targets = self.batch(self.step_count)
+        with phase("data"):
+            inputs, targets = self.batch(self.step_count)
         if self.executor is not None:
-            log = self.executor.step(inputs, targets)
+            with phase("backward"):  # a pipeline schedule interleaves forwards and backwards
+                log = self.executor.step(inputs, targets)
             local = log.loss if log.loss is not None else 0.0
         else:
             local = 0.0
             forward = self.fsdp if self.fsdp is not None else self.model
             for x, y in zip(inputs.tensor_split(c.num_microbatches), targets.tensor_split(c.num_microbatches)):
-                loss = self.loss(forward(x), y) / c.num_microbatches
-                loss.backward()
+                with phase("forward"):
+                    loss = self.loss(forward(x), y) / c.num_microbatches
+                with phase("backward"):
+                    loss.backward()
                 local += loss.item()
-        self.synchronise_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("comm"):
+            self.synchronise_gradients()
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return self.global_loss(local)
 
@@ -433,7 +444,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if config.resume:
         run.load(config.checkpoint_dir)
     first = run.step_count
-    for _ in range(first, config.steps):
+
+    def one_step() -> None:
         start = time.perf_counter()
         losses.append(run.step())
         seconds.append(time.perf_counter() - start)
@@ -443,6 +455,25 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
                             mfu=f"{100 * _mfu(config, seconds[-1], peak):.2f}%")
             bar.update()
+
+    # --profile: the last steps run under dtlib.profile (one warm-up that counts FLOPs, then up to 3)
+    profiled = min(3, config.steps - first - 1) if config.profile else 0
+    if config.profile and profiled < 1:
+        raise ValueError(f"--profile needs 2 steps left to run, {config.steps - first} are")
+    for _ in range(first, config.steps - profiled - (1 if profiled else 0)):
+        one_step()
+    profile = None
+    if profiled:
+        gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        flops = step_flops(tokens, **config.model_config().numbers())["model"]
+        mine = profile_steps(one_step, steps=profiled, warmup=1, trace_dir=config.profile, rank=rank,
+                             peak=get_gpu("h100-sxm") if gpu else None, dtype="bf16" if gpu else "fp32",
+                             model_flops=flops / world_size, tokens=tokens // world_size)
+        ranks = [mine]
+        if run.distributed:
+            ranks = [None] * world_size
+            dist.all_gather_object(ranks, mine)
+        profile = report(ranks)
     if bar is not None:
         bar.close()
     full = run.full_parameters()
@@ -458,6 +489,9 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
            "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
            "world_size": world_size, "global_batch": config.global_batch,
            "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
+    if profile is not None:
+        out["profile"] = {k: profile[k] for k in ("breakdown", "mfu", "hfu", "findings", "step_time",
+                                                  "achieved_flops_per_rank", "tokens_per_second")}
     if keep_params:
         out["params"] = full
     return out
@@ -521,6 +555,10 @@ def emit(summary: dict[str, Any], as_json: bool) -> str:
     if summary["tokens_per_s"] is not None:
         lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
     lines.append(f"params_sha256 {summary['params_sha256']}")
+    if "profile" in summary:
+        profile = summary["profile"]
+        lines.append("profile (ms per step of the profiled steps; traces in --profile DIR):")
+        lines.append(format_summary(profile, [Finding(**f) for f in profile["findings"]]))
     return "\n".join(lines)
 
 

@@ -27,8 +27,8 @@ from dtlib.parallel.schedules import schedule, simulate
 from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
 from dtlib.resilience.interval import interval_study
-from dtlib.viz import (charts, collectives, comm, memory, mesh, pipeline, plan, resilience, ring, tensor,
-                       timeline, training, zero)
+from dtlib.viz import (charts, collectives, comm, memory, mesh, pipeline, plan, profile, resilience, ring,
+                       tensor, timeline, training, zero)
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
@@ -77,6 +77,24 @@ def _calculator(**changes):
     return explorer.figure
 
 
+def _profile() -> dict:
+    """Two ranks of a step whose communication is exposed, with the findings of dtlib.profile."""
+    from dtlib.profile import diagnose
+
+    parts = {0: {"compute": 0.06, "exposed_comm": 0.03, "bubble": 0.0, "data": 0.01, "optimizer": 0.002,
+                 "other": 0.003, "overlapped_comm": 0.01, "host_gaps": 0.002},
+             1: {"compute": 0.05, "exposed_comm": 0.04, "bubble": 0.0, "data": 0.01, "optimizer": 0.002,
+                 "other": 0.001, "overlapped_comm": 0.01, "host_gaps": 0.001}}
+    for row in parts.values():
+        row["step"] = sum(row[p] for p in ("compute", "exposed_comm", "bubble", "data", "optimizer", "other"))
+    out = {"breakdown": parts, "step_time": max(r["step"] for r in parts.values()), "mfu": 0.31, "hfu": 0.33}
+    out["findings"] = diagnose(out)
+    return out
+
+
+_STEP = {"compute": [(0.0, 0.004), (0.005, 0.012)], "exposed_comm": [(0.012, 0.015)],
+         "bubble": [], "data": [(0.0, 0.0)], "optimizer": [(0.015, 0.016)], "other": [(0.004, 0.005)],
+         "comm_in_flight": [(0.008, 0.015)]}
 SIZES = [2 ** k for k in range(10, 27, 2)]
 FIGURES = {
     "plot_curves": lambda: charts.plot_curves(
@@ -117,6 +135,9 @@ FIGURES = {
         _pipeline("1f1b"), [8.0, 6.0, 4.0, 2.0], title="1F1B"),
     "plot_goodput_vs_interval": lambda: resilience.plot_goodput_vs_interval(
         interval_study(16384, 50677.0, 80.0, 600.0, points=15, segments=500, runs=2)),
+    "plot_breakdown": lambda: profile.plot_breakdown(_profile(), _profile()["findings"]),
+    "plot_step_timeline": lambda: profile.plot_step_timeline({0: _STEP, 1: _STEP}),
+    "plot_fault_shares": lambda: profile.plot_fault_shares({"communication": _profile(), "healthy": _profile()}),
     "plot_ring_all_reduce": lambda: ring.plot_ring_all_reduce(4, 2),
     "plot_ring_steps": lambda: ring.plot_ring_steps(4),
     "plot_overlap_timeline": lambda: timeline.plot_overlap_timeline(

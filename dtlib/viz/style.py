@@ -2,7 +2,7 @@
 log axes of the sweeps. Plotting modules take their colours and sizes from here."""
 from __future__ import annotations
 
-__all__ = ["PALETTE", "PART_COLORS", "FONT", "SMALL_FONT", "set_log_axes", "colour"]
+__all__ = ["PALETTE", "PART_COLORS", "PROFILE_COLORS", "FONT", "SMALL_FONT", "set_log_axes", "colour"]
 
 # Tableau 10 (matplotlib's default cycle), so dtlib's figures match a user's own.
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
@@ -15,6 +15,10 @@ PART_COLORS = {
     "optimizer": "#e15759", "optimizer states": "#e15759",
     "activations": "#b07aa1", "temporary buffers": "#edc948", "framework overhead": "#bab0ac",
 }
+# One colour per part of a profiled step (dtlib.profile.PARTS), the same in every profile figure.
+PROFILE_COLORS = {"compute": "#4e79a7", "exposed_comm": "#e15759", "bubble": "#b07aa1",
+                  "data": "#f28e2b", "optimizer": "#59a14f", "other": "#bab0ac",
+                  "comm_in_flight": "#ff9da7"}
 FONT = 9          # axis labels, legends, titles
 SMALL_FONT = 8    # annotations inside the axes; nothing is drawn smaller
 
