@@ -29,7 +29,7 @@ lab: install
 
 # The library's tests, then every lesson and every solved exercise executed under nbval.
 test: install
-	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider
+	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider --durations=25
 
 # Regenerate exercises/ and solutions/ from masters/ (after editing a master).
 exercises: install
