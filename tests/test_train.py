@@ -81,6 +81,12 @@ def test_four_rank_layouts_equal_single_process():
     _check(LAYOUTS_4, 4)
 
 
+def test_eight_rank_3d_interleaved_equals_single_process():
+    # dp2 x tp2 x pp2 with the interleaved schedule (1F1B runs under torchrun below)
+    _check([BASE.with_(dp=2, tp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved",
+                       virtual_stages=2)], 8)
+
+
 def test_moe_routing_matters():
     # the MoE run differs from the dense one and its expert parameters are all trained
     moe = _single(MOE)
@@ -143,15 +149,16 @@ def test_command_line_json_and_help(capsys):
 
 
 def test_torchrun_two_agents(tmp_path):
-    # two torchrun agents of 2 processes each on localhost (two "nodes"), the same code
+    # two torchrun agents of 4 processes each on localhost (two "nodes"), the same code: dp2 x tp2 x pp2
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "dtlib-train-test"]
     port_probe = subprocess.run([sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('',0)); "
                                  "print(s.getsockname()[1])"], capture_output=True, text=True)
     endpoint = f"localhost:{port_probe.stdout.strip()}"
     torchrun[torchrun.index("localhost:0")] = endpoint
-    args = ["-m", "dtlib.train", "--dp", "2", "--cp", "2", "--layers", "2", "--hidden", "32", "--seq", "16",
+    args = ["-m", "dtlib.train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
+            "--hidden", "32", "--seq", "16",
             "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
     agents = [subprocess.Popen(torchrun + (["--rdzv-conf", "is_host=1"] if i == 0 else ["--rdzv-conf", "is_host=0"])
                                + args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -165,9 +172,9 @@ def test_torchrun_two_agents(tmp_path):
         assert a.returncode == 0, err[-3000:]
         outs.append(out)
     summary = json.loads(next(line for o in outs for line in o.splitlines() if line.startswith("{")))
-    ref = _single(BASE.with_(dp=2, cp=2, steps=2))
+    ref = _single(BASE.with_(dp=2, tp=2, pp=2, num_microbatches=2, steps=2))
     assert summary["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
-    assert summary["world_size"] == 4
+    assert summary["world_size"] == 8
 
 
 def _resume(rank, world_size, config, directory):
