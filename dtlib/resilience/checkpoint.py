@@ -5,14 +5,14 @@ one ``__<rank>_0.distcp`` file per rank plus ``.metadata``) and a ``manifest.jso
 the step, the data position, the layout it was written with, every parameter's shape, the
 optimizer's hyper-parameters, and each file's size and sha256.
 
-* **What is saved, as the layout holds it.** Every parameter (and its optimizer state) is saved
-  as a 1-D tensor of its flattened values, and each rank writes only the piece it holds: the whole
-  tensor for a replicated layout (plain or DDP: DCP writes it once), its piece of the flat shard
-  under :class:`~dtlib.parallel.FSDP` (model and optimizer) or :class:`~dtlib.parallel.ShardedOptimizer`
-  (ZeRO-1/2: optimizer only). Pieces are DCP ``ShardedTensor`` chunks with their offset in the
-  flattened parameter, so DCP's planner reads any other split back: FSDP on 4 ranks loads on 2,
-  DDP on 2 loads on 1, ZeRO on 2 loads into FSDP on 3 (resharding). Flattening is what makes a
-  flat-buffer shard, which can start in the middle of a row, one chunk of one tensor.
+* **What is saved, as the layout holds it.** Every parameter and its optimizer state in its full
+  shape, as chunks each rank writes for the part it holds (:mod:`dtlib.resilience.chunks`): the
+  whole tensor when it is replicated (one process, DDP: DCP writes one copy), a slab under tensor
+  parallelism, the boxes of a flat shard under :class:`~dtlib.parallel.FSDP` (model and optimizer)
+  or :class:`~dtlib.parallel.ShardedOptimizer` (ZeRO-1/2: optimizer), only its stages' or its
+  experts' tensors under pipeline or expert parallelism (``owned``). DCP's planner reads any
+  other split back: FSDP on 4 ranks loads on 2, dp2 x tp2 loads on dp4, tp2 x pp2 on one process
+  (resharding).
 * **Every RNG** (torch CPU and CUDA, Python's ``random``, NumPy) of every rank, under the rank's own
   key; restored when the world size is the same (another world has other ranks: it is reseeded
   by the caller and :meth:`Checkpointer.load` says so).
@@ -34,8 +34,7 @@ optimizer's hyper-parameters, and each file's size and sha256.
 
 Follows ``torch.distributed.checkpoint`` (save/async_save/load, ``FileSystemWriter``) and the
 conventions of torchtitan's ``CheckpointManager`` (step directories, keep-latest-k, async with a
-separate gloo group). Tensor and pipeline parallelism are not handled here: save their
-``full_state_dict`` (``dtlib.parallel.tensor``) through a replicated model instead.
+separate gloo group). ``dtlib train --checkpoint-dir/--checkpoint-every/--resume`` saves through it.
 """
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -61,143 +59,26 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic import validate
+from dtlib.resilience import chunks
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_steps", "latest_checkpoint", "read_manifest",
            "verify_files", "to_torch", "rng_state", "set_rng_state"]
 
-FORMAT = 1
+FORMAT = 2  # 2: tensors in their full shapes (1 stored them flattened)
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """DCP warns "torch.distributed is disabled" even when one process passes no_dist=True on purpose,
-    and that ShardedTensor is deprecated each time it plans one (see the module docstring for why)."""
+    """DCP warns "torch.distributed is disabled" even when one process passes no_dist=True on purpose."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
         yield
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded: the message names the file and what is wrong."""
-
-
-# ---- where each rank's pieces are ---------------------------------------------------------------
-@dataclass(frozen=True)
-class _Piece:
-    """This rank's piece of a parameter, flattened: ``flat[lo:hi]`` of ``owner`` (the tensor the
-    optimizer steps) holds elements ``[offset, offset + hi - lo)`` of the parameter ``name``."""
-    name: str
-    owner: torch.Tensor
-    lo: int
-    hi: int
-    offset: int
-    numel: int
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    """The user's model inside dtlib's wrappers (DDP and FSDP keep it as ``.module``)."""
-    from dtlib.parallel.ddp import _DataParallel
-    from dtlib.parallel.fsdp import FSDP
-    return model.module if isinstance(model, (_DataParallel, FSDP)) else model
-
-
-def _model_pieces(model: nn.Module) -> tuple[list[_Piece], dict[str, list[int]]]:
-    """Every state-dict entry of ``model`` as pieces, and the full shapes by name."""
-    from dtlib.parallel.fsdp import FSDP
-    inner = _inner(model)
-    shapes = {k: list(v.shape) for k, v in inner.state_dict().items()}
-    pieces: list[_Piece] = []
-    covered: set[str] = set()
-    if isinstance(model, FSDP):
-        for u in model.units:
-            shard_start, _ = u.layout.shard_range(model.rank)
-            for p, owners, (start, end), off, n, shape in zip(u.params, u.aliases, u.pieces, u.layout.offsets,
-                                                              u.layout.numels, u.layout.shapes):
-                covered.update(name for name, _, _ in owners)
-                shapes.update({name: list(shape) for name, _, _ in owners})  # the module holds 1-D pieces
-                # a rank without elements of this parameter (end == start) writes none of it
-                pieces.append(_Piece(owners[0][0], p, 0, end - start, shard_start + start - off, n))
-    # replicated: every parameter and buffer not sharded above, whole on every rank
-    tensors = dict(inner.named_buffers(remove_duplicate=False))
-    tensors.update(inner.named_parameters(remove_duplicate=False))
-    for name in shapes:
-        if name not in covered:
-            t = tensors[name]
-            pieces.append(_Piece(name, t, 0, t.numel(), 0, t.numel()))
-    return pieces, shapes
-
-
-def _optimizer_pieces(optimizer: Any, model_pieces: list[_Piece]) -> tuple[Any, list[_Piece]]:
-    """The torch optimizer that holds the state and the pieces of each of its parameters."""
-    from dtlib.parallel.zero import ShardedOptimizer
-    if isinstance(optimizer, ShardedOptimizer):
-        # the state lives on each bucket's flat shard: cut it at the parameters' boundaries
-        by_id = {id(p.owner): p.name for p in model_pieces}
-        pieces = []
-        for b in optimizer.buckets:
-            lo, hi = b.layout.shard_range(optimizer.rank)
-            for p, off, n in zip(b.params, b.layout.offsets, b.layout.numels):
-                start, end = max(lo, off), min(hi, off + n)
-                if start < end:
-                    pieces.append(_Piece(by_id[id(p)], b.shard, start - lo, end - lo, start - off, n))
-        return optimizer.optim, pieces
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a dtlib ShardedOptimizer, "
-                        f"got {type(optimizer).__name__}")
-    by_id = {id(p.owner): p for p in model_pieces}
-    missing = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in by_id]
-    if missing:
-        raise ValueError(f"the optimizer steps {len(missing)} tensors that are not the model's "
-                         "parameters: build it on model.parameters() (of the wrapper, for FSDP)")
-    return optimizer, [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
-def _chunk(local: torch.Tensor, offset: int, numel: int, rank: int, world: list[list]) -> Any:
-    """A plain tensor when this rank holds it whole (replicated: DCP writes one copy), otherwise a
-    ShardedTensor whose global metadata lists every rank's chunk (gathered in ``world``)."""
-    if offset == 0 and local.numel() == numel:
-        return local
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    metas = [ShardMetadata([o], [n], f"rank:{r}/{local.device}") for r, o, n in world]
-    mine = next(m for m in metas if m.placement.rank() == rank and m.shard_offsets[0] == offset)
-    meta = ShardedTensorMetadata(metas, torch.Size([numel]), TensorProperties(dtype=local.dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ShardedTensor is deprecated for DTensor, which cannot cut mid-row
-        return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(local, mine)], meta)
-
-
-def _state_dict(model_pieces: list[_Piece], optim: Any, optim_pieces: list[_Piece],
-                group: Any) -> dict[str, Any]:
-    """The DCP state dict: ``model.<name>`` and ``optim.<name>.<key>``, 1-D, as this rank holds them."""
-    local: dict[str, tuple[torch.Tensor, int, int]] = {}
-    for p in model_pieces:
-        if p.hi > p.lo:
-            local[f"model.{p.name}"] = (p.owner.detach().reshape(-1)[p.lo:p.hi], p.offset, p.numel)
-    if optim is not None:
-        for p in optim_pieces:
-            for key, value in optim.state.get(p.owner, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.owner.numel():
-                    if p.hi == p.lo:
-                        continue
-                    local[f"optim.{p.name}.{key}"] = (value.reshape(-1)[p.lo:p.hi], p.offset, p.numel)
-                elif torch.is_tensor(value):  # a scalar such as Adam's step: equal on every rank
-                    local[f"optim.{p.name}.{key}"] = (value, 0, value.numel())
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    chunks = [(k, rank, off, t.numel()) for k, (t, off, n) in local.items() if not (off == 0 and t.numel() == n)]
-    everyone = [chunks]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, chunks, group=group)
-    world: dict[str, list] = {}
-    for part in everyone:
-        for k, r, off, n in part:
-            world.setdefault(k, []).append([r, off, n])
-    return {k: _chunk(t, off, n, rank, world.get(k, [])) for k, (t, off, n) in local.items()}
 
 
 # ---- random number generators -------------------------------------------------------------------
@@ -287,9 +168,11 @@ def verify_files(path: str, manifest: dict[str, Any] | None = None, checksums: b
             raise CheckpointError(f"{file} is corrupt: its sha256 differs from the manifest's")
 
 
-def _check_model(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+def _check_model(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]],
+                 everyone: dict[str, list[int]]) -> None:
+    """This rank's names are saved with the same full shapes, and every saved name has a rank."""
     saved = manifest["shapes"]
-    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(everyone))
     wrong = [f"{k}: {saved[k]} saved, {shapes[k]} here" for k in shapes if k in saved and saved[k] != shapes[k]]
     if missing or unexpected or wrong:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)} is from an incompatible model: "
@@ -330,22 +213,25 @@ class Checkpointer:
 
     # ---- saving ----------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: Any = None, data_position: Any = None,
-             layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
-        """Checkpoint ``step`` (a collective). ``data_position`` and ``extra`` must be JSON."""
+             layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+             owned: Callable[[str], bool] | None = None) -> None:
+        """Checkpoint ``step`` (a collective). ``data_position`` and ``extra`` must be JSON.
+        ``owned(name)`` says which of the model's state-dict entries this rank holds and saves
+        (pipeline parallelism: its stages'); default all."""
         import torch.distributed.checkpoint as dcp
         validate.integer("step", step, minimum=0)
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
-        pieces, shapes = _model_pieces(model)
-        optim, optim_pieces = _optimizer_pieces(optimizer, pieces) if optimizer is not None else (None, [])
-        state = _state_dict(pieces, optim, optim_pieces, self._group)
+        spans, shapes = self._spans(model, owned)
+        optim, optim_spans = chunks.optimizer_spans(optimizer, spans) if optimizer is not None else (None, [])
+        state = chunks.state_dict(spans, optim, optim_spans)
         blob = io.BytesIO()
         pickle.dump(rng_state(), blob)
         blob.seek(0)
         state[f"rng.rank{self.rank}"] = blob
         manifest = {"format": FORMAT, "step": step, "data_position": data_position, "extra": extra or {},
                     "world_size": self.world_size, "layout": layout or _describe(model, optimizer),
-                    "shapes": shapes, "optimizer": _hyperparameters(optim)}
+                    "shapes": self._everyone(shapes), "optimizer": _hyperparameters(optim)}
         final = _step_dir(self.directory, step)
         tmp = os.path.join(self.directory, f".tmp-step{step:08d}")
         if self.rank == 0:
@@ -356,6 +242,7 @@ class Checkpointer:
             self._published.clear()
             with _quiet():
                 self._pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group,
+                                               planner=chunks.SavePlanner(), async_stager=chunks.CPUStager(),
                                                no_dist=not self.distributed)
             if self.rank == 0:
                 self._pending.add_done_callback(lambda f: self._finish(f, tmp, final, manifest))
@@ -364,11 +251,27 @@ class Checkpointer:
             self.blocking_seconds.append(time.perf_counter() - start)
             return
         with _quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not self.distributed)
+            dcp.save(state, checkpoint_id=tmp, planner=chunks.SavePlanner(), no_dist=not self.distributed)
         if self.rank == 0:
             self._publish(tmp, final, manifest)
         self._barrier()  # save() returned => the checkpoint is published
         self.blocking_seconds.append(time.perf_counter() - start)
+
+    def _spans(self, model: nn.Module, owned: Callable[[str], bool] | None) -> tuple[list, dict[str, list[int]]]:
+        """This rank's spans (those it owns) and the full shapes of every name its model has."""
+        spans = chunks.model_spans(model)
+        shapes = {seg.name: list(seg.full_shape) for s in spans for seg in s.segments}
+        if owned is not None:
+            spans = [s for s in spans if all(owned(seg.name) for seg in s.segments)]
+        return spans, shapes
+
+    def _everyone(self, shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The full shapes of every rank's names (expert parallelism: each rank has its experts)."""
+        if not self.distributed:
+            return shapes
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, shapes, group=self._group)
+        return {name: shape for part in parts for name, shape in part.items()}
 
     def _finish(self, future: Future, tmp: str, final: str, manifest: dict[str, Any]) -> None:
         try:
@@ -426,11 +329,13 @@ class Checkpointer:
             dist.barrier(group=self._group)
 
     # ---- loading ---------------------------------------------------------------------------------
-    def load(self, model: nn.Module, optimizer: Any = None, step: int | None = None) -> dict[str, Any] | None:
+    def load(self, model: nn.Module, optimizer: Any = None, step: int | None = None,
+             owned: Callable[[str], bool] | None = None) -> dict[str, Any] | None:
         """Load the newest complete checkpoint (or ``step``) into ``model``/``optimizer`` in place,
         on this layout whatever the saving one was; restore this rank's RNGs if the world size is
-        the same. Returns the manifest's ``step``, ``data_position``, ``extra`` and ``layout``, the
-        ``path`` and ``rng_restored`` (None if there is no checkpoint yet)."""
+        the same. ``owned`` as for :meth:`save`. Returns the manifest's ``step``,
+        ``data_position``, ``extra``, ``layout`` and ``world_size``, the ``path`` and
+        ``rng_restored`` (None if there is no checkpoint yet)."""
         import torch.distributed.checkpoint as dcp
         self.wait()
         if step is None:
@@ -445,20 +350,20 @@ class Checkpointer:
         manifest = read_manifest(path)
         if self.verify:
             verify_files(path, manifest)
-        pieces, shapes = _model_pieces(model)
-        _check_model(path, manifest, shapes)
-        optim, optim_pieces = (None, [])
+        spans, shapes = self._spans(model, owned)
+        _check_model(path, manifest, shapes, self._everyone(shapes))
+        optim, optim_spans = (None, [])
         if optimizer is not None:
-            optim, optim_pieces = _optimizer_pieces(optimizer, pieces)
+            optim, optim_spans = chunks.optimizer_spans(optimizer, spans)
             _materialise_state(optim)
             _set_hyperparameters(optim, manifest["optimizer"], path)
-        state = _state_dict(pieces, optim, optim_pieces, None)
+        state = chunks.state_dict(spans, optim, optim_spans)
         same_world = manifest["world_size"] == self.world_size
         if same_world:
             state[f"rng.rank{self.rank}"] = io.BytesIO()
         try:
             with torch.no_grad(), _quiet():
-                dcp.load(state, checkpoint_id=path, no_dist=not self.distributed)
+                dcp.load(state, checkpoint_id=path, planner=chunks.LoadPlanner(), no_dist=not self.distributed)
         except Exception as e:  # DCP's own errors carry no file name: add it
             raise CheckpointError(f"loading {path} failed: {str(e).splitlines()[-1] if str(e) else e!r}") from e
         if same_world:
@@ -466,7 +371,8 @@ class Checkpointer:
             blob.seek(0)
             set_rng_state(pickle.load(blob))
         return dict(step=manifest["step"], data_position=manifest["data_position"], extra=manifest["extra"],
-                       layout=manifest["layout"], path=path, rng_restored=same_world)
+                    layout=manifest["layout"], world_size=manifest["world_size"], path=path,
+                    rng_restored=same_world)
 
     def close(self) -> None:
         """Wait for the save in flight and release the background group."""
@@ -487,7 +393,7 @@ def _describe(model: nn.Module, optimizer: Any) -> dict[str, Any]:
         kind = f"zero{optimizer.stage}"
     else:
         kind = "replicated"
-    return {"kind": kind, "model": type(_inner(model)).__name__, "world_size": world}
+    return {"kind": kind, "model": type(chunks.inner(model)).__name__, "world_size": world}
 
 
 def _hyperparameters(optim: Any) -> dict[str, Any] | None:
@@ -548,14 +454,12 @@ def to_torch(path: str, out: str) -> dict[str, Any]:
     finally:
         if os.path.exists(flat_file):
             os.remove(flat_file)
-    shapes = manifest["shapes"]
-    model = {k[len("model."):]: v.reshape(shapes[k[len("model."):]]) for k, v in flat.items() if k.startswith("model.")}
+    model = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
     optimizer: dict[str, dict[str, Any]] = {}
     for k, v in flat.items():
         if k.startswith("optim."):
             name, key = k[len("optim."):].rsplit(".", 1)
-            # per-element state was saved flattened (1-D), scalars such as Adam's step as they are
-            optimizer.setdefault(name, {})[key] = v.reshape(shapes[name]) if v.dim() else v
+            optimizer.setdefault(name, {})[key] = v
     result = {"model": model, "optimizer": optimizer, "step": manifest["step"],
               "data_position": manifest["data_position"], "layout": manifest["layout"]}
     torch.save(result, out)
