@@ -502,7 +502,10 @@ with one GPU per rank); under torchrun it joins them (env:// rendezvous):
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr node0 -m dtlib.train --dp 2 --tp 4
 and from Python: dtlib.launch(dtlib.train.train, n, args=(TrainConfig(...),)).
 --json prints one JSON object (steps, losses, tokens_per_s, mfu, layout, peak_memory_bytes,
-params_sha256: SHA-256 of the full parameters, names sorted, float32 little-endian)."""
+params_sha256: SHA-256 of the full parameters, names sorted, float32 little-endian).
+Checkpoints and restarts (bit-identical resume, on this or another layout):
+  torchrun --nproc-per-node 2 --max-restarts 1 -m dtlib.train --dp 2 --zero 2 \
+      --checkpoint-dir ckpt --checkpoint-every 1 --resume --json"""
 
 
 def add_train_command(sub: Any) -> None:
@@ -545,10 +548,20 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--seed", type=_non_negative_int, default=0)
     g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
     g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="save every N steps (0: never)")
-    g.add_argument("--resume", action="store_true", help="load the latest checkpoint in --checkpoint-dir first")
+    g.add_argument("--keep-last", type=positive_int, default=2, help="complete checkpoints kept (older ones deleted)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (dcp.async_save): training waits only for the copy")
+    g.add_argument("--resume", action="store_true",
+                   help="start from the newest checkpoint in --checkpoint-dir if there is one (any layout "
+                        "of the same model: resharded); the same command serves every torchrun restart")
     g.add_argument("--profile", metavar="DIR",
                    help="profile the last steps (torch.profiler): per-rank Chrome traces in DIR, "
                         "breakdown, MFU/HFU and findings printed (re-read with 'dtlib profile DIR')")
+    g = p.add_argument_group("fault drill")
+    g.add_argument("--kill-step", type=_non_negative_int,
+                   help="SIGKILL one rank at the start of this step, on torchrun's first attempt only")
+    g.add_argument("--kill-rank", type=_non_negative_int, help="the rank --kill-step kills (default: the last)")
+    g = p.add_argument_group("launch")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")
     g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")

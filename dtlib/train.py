@@ -24,9 +24,9 @@ notebook, ``dtlib train ...`` (which launches the ranks itself), and
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
@@ -58,6 +57,8 @@ from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
 from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
+from dtlib.resilience.checkpoint import Checkpointer
+from dtlib.resilience.elastic import restart_count
 
 __all__ = ["TrainConfig", "train", "run", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
 
@@ -76,7 +77,14 @@ class TrainConfig:
     (:class:`~dtlib.parallel.FSDP`). ``optimizer``: ``"adamw"`` or ``"sgd"`` (plain SGD, whose
     update is proportional to the gradient: the tests use it because Adam's normalised update hides
     a gradient off by a constant factor). ``capacity_factor`` and ``aux_loss_coef`` configure MoE
-    routing (Switch Transformer's capacity and load-balancing loss, 1e-2 in the paper)."""
+    routing (Switch Transformer's capacity and load-balancing loss, 1e-2 in the paper).
+
+    Checkpoints (:class:`~dtlib.resilience.checkpoint.Checkpointer`): every ``checkpoint_every``
+    steps into ``checkpoint_dir``, keeping the last ``keep_last`` (``async_checkpoint``: written
+    in the background). ``resume`` loads the newest one if there is one -- on any layout of the
+    same model (resharding) -- and starts from scratch otherwise, so the same command serves every
+    attempt under ``torchrun --max-restarts``. Fault drill: rank ``kill_rank`` (default: the
+    last) SIGKILLs itself at the start of step ``kill_step`` on torchrun's first attempt only."""
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -106,7 +114,11 @@ class TrainConfig:
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    keep_last: int = 2
+    async_checkpoint: bool = False
     resume: bool = False
+    kill_step: int | None = None
+    kill_rank: int | None = None
     profile: str | None = None
 
     @property
@@ -136,6 +148,7 @@ class TrainConfig:
             validate.integer(name, getattr(self, name))
         for name in ("seed", "checkpoint_every"):
             validate.integer(name, getattr(self, name), minimum=0)
+        validate.integer("keep_last", self.keep_last, minimum=1)
         validate.number("lr", self.lr)
         validate.number("aux_loss_coef", self.aux_loss_coef, exclusive=False)
         if self.capacity_factor is not None:
@@ -153,9 +166,11 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
-        if self.resume and not os.path.exists(os.path.join(self.checkpoint_dir, "latest")):
-            raise ValueError(f"nothing to resume in checkpoint_dir={self.checkpoint_dir!r} (no 'latest' "
-                             f"checkpoint there); run once with checkpoint_every first")
+        if self.kill_step is not None:
+            validate.integer("kill_step", self.kill_step, minimum=0, maximum=self.steps - 1)
+        if self.kill_rank is not None:
+            world = world_size or self.world_size
+            validate.integer("kill_rank", self.kill_rank, minimum=0, maximum=world - 1)
         cfg = self.model_config()
         layout = Parallelism(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                              sequence_parallel=self.sequence_parallel,
@@ -333,45 +348,46 @@ class _Run:
         _average([p for p in self.params if id(p) not in self.experts], self.group("dp_cp"), self.replicas)
         _average([p for p in self.params if id(p) in self.experts], self.group("edp"), self.replicas)
 
-    # ---- checkpoints (torch.distributed.checkpoint) ------------------------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """This rank's state under its own key (the shards differ per rank, so nothing may be
-        deduplicated as replicated): its parameters (tensors, loaded in place) and the optimizer
-        state as one opaque blob (it exists only after a first step, so it cannot be preallocated)."""
-        blob = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), blob)
-        blob.seek(0)
-        return {f"rank{self.rank}": {"params": {str(i): p.detach() for i, p in enumerate(self.params)},
-                                     "optimizer": blob, "step": torch.tensor(self.step_count)}}
+    # ---- checkpoints (dtlib.resilience.checkpoint) ------------------------------------------
+    def _checkpointed(self) -> tuple[nn.Module, Any]:
+        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names."""
+        model = self.fsdp if self.fsdp is not None else self.model
+        if self.config.pp == 1:
+            return model, None
+        return model, lambda name: any(_in_stage(name, s) for s in self.chunks)
 
-    def save(self, directory: str) -> None:
-        """Save with ``dcp.save`` into ``directory/step<N>`` (a collective), then record it as the
-        latest, so a crash during a save leaves the previous checkpoint in use."""
-        path = os.path.join(directory, f"step{self.step_count}")
-        dcp.save(self._checkpoint_state(), checkpoint_id=path)
-        if self.distributed:
-            dist.barrier()
-        if self.rank == 0:
-            tmp = os.path.join(directory, "latest.tmp")
-            with open(tmp, "w") as f:
-                f.write(os.path.basename(path))
-            os.replace(tmp, os.path.join(directory, "latest"))
+    def save(self, checkpointer: Checkpointer) -> None:
+        """Checkpoint after ``step_count`` steps (a collective): sharded as this layout holds the
+        state; the data position is the next global batch (batches are a function of the step)."""
+        c = self.config
+        model, owned = self._checkpointed()
+        layout = {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
+                  "world_size": self.layout.world_size}
+        extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed}
+        checkpointer.save(self.step_count, model, self.optimizer, data_position=self.step_count,
+                          layout=layout, extra=extra, owned=owned)
 
-    def load(self, directory: str) -> None:
-        """Load the latest checkpoint of ``directory`` (saved by the same layout)."""
-        marker = os.path.join(directory, "latest")
-        if not os.path.exists(marker):
-            raise FileNotFoundError(f"no checkpoint to resume from in {directory} (no 'latest' file)")
-        with open(marker) as f:
-            path = os.path.join(directory, f.read().strip())
-        state = self._checkpoint_state()
-        mine = state[f"rank{self.rank}"]
-        mine["optimizer"] = io.BytesIO()
-        with torch.no_grad():
-            dcp.load(state, checkpoint_id=path)
-        mine["optimizer"].seek(0)
-        self.optimizer.load_state_dict(torch.load(mine["optimizer"], weights_only=False))
-        self.step_count = int(mine["step"])
+    def resume(self, checkpointer: Checkpointer) -> str:
+        """Load the newest checkpoint, whatever layout wrote it; returns the line to log."""
+        c = self.config
+        model, owned = self._checkpointed()
+        info = checkpointer.load(model, self.optimizer, owned=owned)
+        if info is None:
+            return f"no checkpoint in {checkpointer.directory} yet: starting at step 0"
+        if info["data_position"] > c.steps:
+            raise ValueError(f"the checkpoint {info['path']} is at step {info['data_position']}, past "
+                             f"--steps {c.steps}: ask for more steps")
+        self.step_count = info["data_position"]
+        line = f"resumed at step {self.step_count} from {info['path']}"
+        saved = info["layout"]
+        mine = {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
+                "world_size": self.layout.world_size}
+        if saved != mine:
+            line += f" (resharded from {_layout_text(saved)} to {_layout_text(mine)})"
+        changed = [f"{k} {v} -> {getattr(c, k)}" for k, v in info["extra"].items() if getattr(c, k) != v]
+        if changed:
+            line += f"; changed since: {', '.join(changed)} (the data differs from the saved run's)"
+        return line
 
     def global_loss(self, local: float) -> float:
         """The mean loss over all ranks' tokens: the last pipeline stage's losses (one TP rank
@@ -411,6 +427,15 @@ class _Run:
         return merged
 
 
+def _layout_text(layout: dict[str, Any]) -> str:
+    """``dp2 x tp2 x pp2, zero1`` for a saved layout (sizes of 1 left out)."""
+    sizes = [f"{k}{layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if layout.get(k, 1) > 1] or ["1 process"]
+    text = " x ".join(sizes)
+    if layout.get("zero"):
+        text += f", zero{layout['zero']}"
+    return text + (", sp" if layout.get("sequence_parallel") else "")
+
+
 def _average(params: list[torch.Tensor], group: Any, divisor: int) -> None:
     """Sum ``params``' gradients over ``group`` (one flat all-reduce) and divide by ``divisor``."""
     if not params:
@@ -441,16 +466,26 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if progress and rank == 0:
         bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
     tokens = config.global_batch * config.seq
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
+                                    async_save=config.async_checkpoint)
     if config.resume:
-        run.load(config.checkpoint_dir)
+        line = run.resume(checkpointer)
+        if rank == 0:
+            print(line, file=sys.stderr, flush=True)
     first = run.step_count
+    kill_rank = world_size - 1 if config.kill_rank is None else config.kill_rank
 
     def one_step() -> None:
+        if config.kill_step == run.step_count and rank == kill_rank and restart_count() == 0:
+            print(f"fault drill: rank {rank} SIGKILLs itself at step {run.step_count}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         start = time.perf_counter()
         losses.append(run.step())
         seconds.append(time.perf_counter() - start)
         if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
-            run.save(config.checkpoint_dir)
+            run.save(checkpointer)
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
                             mfu=f"{100 * _mfu(config, seconds[-1], peak):.2f}%")
@@ -476,6 +511,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         profile = report(ranks)
     if bar is not None:
         bar.close()
+    if checkpointer is not None:
+        checkpointer.close()  # the last asynchronous save is complete before the run reports
     full = run.full_parameters()
     memory = [_peak_memory()]
     if run.distributed:
@@ -489,6 +526,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
            "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
            "world_size": world_size, "global_batch": config.global_batch,
            "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
+    if checkpointer is not None and checkpointer.blocking_seconds:
+        out["checkpoint_blocking_s"] = checkpointer.blocking_seconds
     if profile is not None:
         out["profile"] = {k: profile[k] for k in ("breakdown", "mfu", "hfu", "findings", "step_time",
                                                   "achieved_flops_per_rank", "tokens_per_second")}

@@ -106,3 +106,48 @@ def test_elastic_shrink_two_agents_to_one(tmp_path):
     assert result["world_size"] == 1 and result["restart_count"] == 1, log
     assert "resumed at step 3 on 1 ranks instead of 2: checkpoint resharded, num_microbatches 2 -> 4 keeps the global batch of 8" in log, log
     assert result["steps_seen"] == list(range(3, STEPS)), log
+
+
+# ---- dtlib train under torchrun: a rank SIGKILLed at a random step --------------------------------
+TRAIN = ["--layers", "2", "--hidden", "32", "--seq", "16", "--steps", "6", "--optimizer", "adamw",
+         "--lr", "0.01", "--json"]
+DRILLS = {"dp2": ["--dp", "2"], "dp2 x zero2": ["--dp", "2", "--zero", "2"],
+          "tp2 x pp2": ["--tp", "2", "--pp", "2", "--microbatches", "2"]}
+EVERY = 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", DRILLS)
+def test_dtlib_train_killed_rank_resumes_bit_identical(layout, tmp_path, capsys):
+    """`dtlib train --checkpoint-every 2 --resume` under `torchrun --max-restarts 1`; a random rank
+    SIGKILLs itself at a random step; torchrun restarts the group, which loads the last checkpoint,
+    redoes the steps after it and ends with the uninterrupted run's params_sha256."""
+    from dtlib.cli import main as cli_main
+    flags = DRILLS[layout] + TRAIN
+    world = 4 if "tp2" in layout else 2
+    assert cli_main(["train", *flags]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    rng = random.Random()
+    kill, rank = rng.randint(EVERY, 5), rng.randrange(world)
+    resumed_at = kill - kill % EVERY
+    env = torchrun_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+                                           str(EVERY), "--resume", "--kill-step", str(kill), "--kill-rank", str(rank)],
+                           nproc_per_node=world, max_restarts=1, module=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    where = f"{layout}: rank {rank} killed at step {kill}\n{err[-4000:]}"
+    assert proc.returncode == 0, where
+    assert f"fault drill: rank {rank} SIGKILLs itself at step {kill}" in err, where
+    assert f"resumed at step {resumed_at} from {tmp_path / 'ck'}" in err, where
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert summary["first_step"] == resumed_at, where
+    assert summary["losses"] == straight["losses"][resumed_at:], where  # the steps redone, bit for bit
+    assert summary["params_sha256"] == straight["params_sha256"], where

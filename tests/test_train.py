@@ -118,7 +118,9 @@ def test_params_sha256_is_canonical():
     (["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual-stages", "2", "--layers", "4"],
      "num_microbatches (3) to be a multiple of pp=2"),
     (["--resume"], "resume needs a checkpoint_dir"),
-    (["--resume", "--checkpoint-dir", "/nonexistent"], "nothing to resume in checkpoint_dir='/nonexistent'"),
+    (["--kill-step", "5", "--steps", "5"], "--kill-step must be an integer from 0 to 4, got 5"),
+    (["--dp", "2", "--kill-step", "1", "--kill-rank", "2"], "--kill-rank must be an integer from 0 to 1, got 2"),
+    (["--keep-last", "0"], "--keep-last"),
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
@@ -189,7 +191,7 @@ def _resume(rank, world_size, config, directory):
 def test_checkpoint_and_resume_is_bit_exact(config, tmp_path):
     # stop after 2 steps (a DCP checkpoint), resume to 4: the same weights, bit for bit
     whole, first, rest = launch(_resume, 2, args=(config, str(tmp_path)), timeout=TIMEOUT)[0]
-    assert (tmp_path / "latest").read_text() == "step2"
+    assert (tmp_path / "latest").read_text() == "step00000002"
     assert rest["first_step"] == 2 and len(rest["losses"]) == 2
     assert first["losses"] + rest["losses"] == whole["losses"]
     assert rest["params_sha256"] == whole["params_sha256"] != first["params_sha256"]

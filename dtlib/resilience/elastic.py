@@ -34,8 +34,9 @@ def torchrun_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def torchrun_command(script: str, args: Sequence[str] = (), nproc_per_node: int = 2, max_restarts: int = 0,
                      nnodes: str = "1", rdzv_endpoint: str | None = None, rdzv_id: str = "dtlib",
-                     monitor_interval: float = 0.5) -> list[str]:
-    """The argv of ``torchrun`` (as ``python -m torch.distributed.run``) for ``script args``.
+                     monitor_interval: float = 0.5, module: bool = False) -> list[str]:
+    """The argv of ``torchrun`` (as ``python -m torch.distributed.run``) for ``script args``
+    (``module=True``: ``script`` is a module, e.g. ``dtlib.train``, run as ``-m``).
 
     ``nnodes`` is ``"N"`` or ``"MIN:MAX"`` (elastic); with ``rdzv_endpoint`` ("host:port") the
     c10d rendezvous is used (needed for several agents), otherwise ``--standalone``."""
@@ -52,6 +53,8 @@ def torchrun_command(script: str, args: Sequence[str] = (), nproc_per_node: int 
         cmd.append("--standalone")
     else:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    if module:
+        cmd.append("--module")
     return cmd + [script, *args]
 
 
