@@ -41,10 +41,11 @@ from tqdm.auto import tqdm
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import step_flops, utilization
-from dtlib.analytic.hardware import get_gpu, measure_cpu
+from dtlib.analytic.hardware import get_gpu
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.corpus import VOCAB, token_batch
 from dtlib.launcher import launch
+from dtlib.measure import measure_cpu
 from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
 from dtlib.profile import Finding, format_summary, phase, profile_steps, report
@@ -546,7 +547,7 @@ def _peak_memory() -> int | None:
 def _peak_flops(world_size: int) -> tuple[Any, int, str]:
     """(accelerator, how many of it, dtype) the MFU divides by: on CUDA the catalogue's H100, one
     per rank, bf16; on CPU the ranks share one machine, whose fp32 matmul peak is measured here
-    (:func:`dtlib.analytic.hardware.measure_cpu`), counted once."""
+    (:func:`dtlib.measure.measure_cpu`), counted once."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return "h100-sxm", world_size, "bf16"
     return measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), 1, "fp32"

@@ -10,10 +10,11 @@ import pytest
 
 from dtlib.cli import _layout, build_parser, main
 from dtlib.analytic.comm import collective_time, hierarchical_time
-from dtlib.analytic.hardware import cluster, measure_cpu
+from dtlib.analytic.hardware import cluster
 from dtlib.analytic.flops import flops_report
 from dtlib.analytic.memory import GiB, memory_per_gpu
 from dtlib.models import get_preset
+from dtlib.measure import measure_cpu
 from dtlib.analytic.layout import Parallelism, in_flight
 from dtlib.analytic.precision import precision
 from dtlib.analytic.vectorised import memory_batch

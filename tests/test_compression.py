@@ -316,10 +316,18 @@ def test_compressed_training_still_learns_with_fewer_bytes():
 
 
 def test_bad_hook_settings():
-    with pytest.raises(ValueError, match="ratio must be in"):
+    with pytest.raises(ValueError, match="ratio must be a finite number > 0 and <= 1, got 0"):
         TopKState(ratio=0)
-    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+    with pytest.raises(ValueError, match="error_feedback must be True or False, got 'no'"):
+        TopKState(error_feedback="no")
+    with pytest.raises(ValueError, match="rank must be an integer >= 1, got 0"):
         PowerSGDState(rank=0)
+    with pytest.raises(ValueError, match="rank must be an integer >= 1, got 0"):
+        powersgd_plan([(4, 4)], rank=0)
+    with pytest.raises(ValueError, match="seed must be an integer from 0 to 4294967295, got -1"):
+        PowerSGDState(seed=-1)
+    with pytest.raises(ValueError, match="min_compression_rate must be a finite number >= 0, got nan"):
+        PowerSGDState(min_compression_rate=float("nan"))
     # PyTorch's rule: error feedback / warm start only from the third iteration on
     for kwargs in ({"start_iter": 1}, {"start_iter": 0, "error_feedback": False},
                    {"start_iter": 1, "warm_start": False}):

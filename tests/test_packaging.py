@@ -121,6 +121,11 @@ def test_layout_by_concept_and_a_pure_analytic_core():
                        if "grading" not in p.parts
                        and re.search(r"^\s*(from|import) dtlib\.grading", p.read_text(), re.M))
     assert not importers, f"library modules that import a grader: {importers}"
+    # importing runs only module-level imports: a torch import inside a function would pass the
+    # import check below, so the source is read too
+    lazy = sorted(str(p.relative_to(root)) for p in (root / "analytic").rglob("*.py")
+                  if re.search(r"^\s*(from|import) torch\b", p.read_text(), re.M))
+    assert not lazy, f"analytic modules that import torch (runtime code belongs outside dtlib.analytic): {lazy}"
     code = ("import sys, pkgutil, importlib, dtlib.analytic as a\n"
             "[importlib.import_module(m.name) for m in pkgutil.iter_modules(a.__path__, 'dtlib.analytic.')]\n"
             "import dtlib.cli\n"

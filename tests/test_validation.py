@@ -180,3 +180,13 @@ def test_validate_messages_share_one_wording():
     assert math.isclose(validate.number("timeout", 604800, maximum=604800), 604800)
     with pytest.raises(validate.InvalidArgument, match="timeout must be a finite number > 0 and <= 604800"):
         validate.number("timeout", 604801, maximum=604800)
+
+
+def test_divisor_lists_the_valid_sizes():
+    assert validate.divisor("node_size", np.int64(2), 4, "the world size") == 2
+    for bad in (3, 0, -2, 8, True, 2.0, "2"):
+        with pytest.raises(validate.InvalidArgument,
+                           match=r"^node_size must be a divisor of the world size 4 \(1, 2, 4\), got "):
+            validate.divisor("node_size", bad, 4, "the world size")
+    assert validate.divisors(12) == "1, 2, 3, 4, 6, 12"
+    assert validate.divisors(720720, limit=3) == "1, 2, 3, ..."

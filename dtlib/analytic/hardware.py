@@ -5,21 +5,18 @@ FP32 rate and ``tf32`` the dense TF32 tensor-core rate. Memory sizes are the mar
 as GiB (HBM stacks are binary-sized; e.g. an "80GB" H100 reports ~79.6 GiB usable). Link bandwidth
 is *per GPU, per direction* (what nccl-tests' busbw approaches); latency is NCCL's per-hop model.
 
-The local CPU can be measured and added: ``add_accelerator(measure_cpu())`` (matmul peak, and
-main-memory bandwidth from a copy at least 4 x the L3 cache and 256 MiB).
+The local CPU can be measured (with torch, so outside this torch-free core) and added:
+``add_accelerator(dtlib.measure.measure_cpu())``.
 """
 from __future__ import annotations
 
-import os
-import platform
-import time
 from dataclasses import dataclass, field
 
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "Link", "Cluster", "ACCELERATORS", "LINKS", "COMPUTE_DTYPES", "get_gpu",
-           "get_link", "add_accelerator", "measure_cpu", "cluster"]
+           "get_link", "add_accelerator", "cluster"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 T = TFLOPS
@@ -114,76 +111,6 @@ def add_accelerator(acc: Accelerator) -> Accelerator:
         raise ValueError(f"accelerator {acc.name!r} needs a source (datasheet or measurement)")
     ACCELERATORS[acc.name.lower()] = acc
     return acc
-
-
-MIN_COPY_BYTES = 256 * 2 ** 20  # far beyond any L2 and most L3 caches
-MAX_COPY_BYTES = 2 ** 30        # bounds memory (two buffers) and time (~0.2 s a copy at 10 GB/s)
-
-
-def _l3_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
-    """Size of the L3 cache that CPU 0 sees (Linux sysfs), or None where it cannot be read."""
-    import glob
-
-    for index in sorted(glob.glob(f"{cache_dir}/index*")):
-        try:
-            with open(f"{index}/level") as f:
-                if f.read().strip() != "3":
-                    continue
-            with open(f"{index}/size") as f:
-                text = f.read().strip().upper()
-        except OSError:
-            return None
-        scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        return int(digits) * scale if digits.isdigit() else None
-    return None
-
-
-def measure_cpu(n: int = 512, repeats: int = 5, name: str = "cpu-local",
-                copy_bytes: int | None = None) -> Accelerator:
-    """Measure this machine's fp32 matmul throughput (best of ``repeats``; 2n^3 FLOPs per n x n
-    matmul) and its *main-memory* copy bandwidth, and describe it as an :class:`Accelerator`.
-
-    The copy moves ``copy_bytes`` (default: 4 x the L3 cache read from sysfs, at least 256 MiB and
-    at most 1 GiB) from one preallocated, already-touched buffer to another, so neither a cache nor
-    page faults are timed; bandwidth counts the bytes read plus the bytes written, as the STREAM
-    "Copy" kernel does (McCalpin 1995). torch runs the copy on all its threads. About 0.3 s with
-    the default 256 MiB on a 2-core machine.
-    """
-    import torch
-
-    validate.integer("n", n, minimum=16)
-    validate.integer("repeats", repeats)
-    l3 = _l3_bytes()
-    if copy_bytes is None:
-        copy_bytes = min(max(MIN_COPY_BYTES, 4 * (l3 or 0)), MAX_COPY_BYTES)
-    # at least 1 MiB (the default, 4 x L3 and >= 256 MiB, makes the copy leave the caches)
-    validate.integer("copy_bytes", copy_bytes, minimum=2 ** 20)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up (thread pool, caches)
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    flops = 2 * n ** 3 / best
-    src = torch.ones(copy_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touches every page of dst, so the timed copies take no page faults
-    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    bandwidth = 2 * src.nbytes / copy  # read + write
-    del src, dst
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    peaks = {"fp32": flops, "tf32": None, "bf16": None, "fp16": None, "fp8": None}
-    cache = f"L3 {l3 / 2 ** 20:g} MiB" if l3 else "L3 size unknown"
-    src_text = (f"measured by dtlib.analytic.hardware.measure_cpu on {platform.node() or 'this machine'} "
-                f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads): "
-                f"torch fp32 {n}x{n} matmul, best of {repeats}; memory bandwidth from a "
-                f"{copy_bytes / 2 ** 20:g} MiB torch copy ({cache}; read + write counted, STREAM "
-                f"Copy convention), best of {repeats}")
-    return Accelerator(name, peaks, int(mem), bandwidth, src_text)
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return max(time.perf_counter() - start, 1e-9)
 
 
 @dataclass(frozen=True)

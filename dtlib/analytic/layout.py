@@ -23,11 +23,6 @@ RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer", "params")
 
 
-def _divisors(n: int, limit: int = 12) -> str:
-    ds = [d for d in range(1, int(n) + 1) if n % d == 0]
-    return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
-
-
 @dataclass(frozen=True)
 class Parallelism:
     """A layout: data (dp), tensor (tp), pipeline (pp), context (cp) and expert (ep) parallel sizes,
@@ -123,10 +118,10 @@ RULES: list[Rule] = [
     validate.rule("zero", minimum=0, maximum=3),
     (("heads", "tp"), lambda heads, tp: heads % tp == 0,
      lambda heads, tp: f"tensor parallel size tp={tp} must divide the {heads} attention heads; "
-                       f"valid tp: {_divisors(heads)}"),
+                       f"valid tp: {validate.divisors(heads)}"),
     (("kv_heads", "tp"), lambda kv_heads, tp: kv_heads % tp == 0,
      lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide the {kv_heads} KV heads; "
-                          f"valid tp: {_divisors(kv_heads)}"),
+                          f"valid tp: {validate.divisors(kv_heads)}"),
     (("ffn", "tp"), lambda ffn, tp: ffn % tp == 0,
      lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn}"),
     (("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers,
@@ -134,20 +129,20 @@ RULES: list[Rule] = [
                                         f"exceed the {layers} layers; valid: pp x virtual_stages <= {layers}"),
     (("seq", "cp"), lambda seq, cp: seq % cp == 0,
      lambda seq, cp: f"context parallel size cp={cp} must divide the sequence length {seq}; "
-                     f"valid cp: {_divisors(seq)}"),
+                     f"valid cp: {validate.divisors(seq)}"),
     (("seq", "cp", "tp", "sequence_parallel"),
      lambda seq, cp, tp, sequence_parallel: ~np.asarray(sequence_parallel, bool) | ((seq // cp) % tp == 0),
      lambda seq, cp, tp, sequence_parallel: f"sequence parallelism splits the {seq // cp} tokens per "
                                             f"context shard over tp={tp}; tp must divide {seq // cp}"),
     (("dp", "ep"), lambda dp, ep: dp % ep == 0,
      lambda dp, ep: f"expert parallel size ep={ep} must divide dp={dp} (experts are sharded inside "
-                    f"the data-parallel group); valid ep: {_divisors(dp)}"),
+                    f"the data-parallel group); valid ep: {validate.divisors(dp)}"),
     (("experts", "ep"), lambda experts, ep: (ep == 1) | ((experts > 0) & (experts % np.maximum(ep, 1) == 0)),
      lambda experts, ep: f"expert parallel size ep={ep} needs an MoE model whose expert count "
                          f"({experts}) it divides; use ep=1 for a dense model"),
     (("dp", "cp", "shard_size"), lambda dp, cp, shard_size: (dp * cp) % shard_size == 0,
      lambda dp, cp, shard_size: f"shard_size={shard_size} must divide the {dp * cp} replicas "
-                                 f"(dp x cp); valid: {_divisors(dp * cp)}"),
+                                 f"(dp x cp); valid: {validate.divisors(dp * cp)}"),
     (("gpus", "dp", "tp", "pp", "cp"), lambda gpus, dp, tp, pp, cp: dp * tp * pp * cp == gpus,
      lambda gpus, dp, tp, pp, cp: f"dp x tp x pp x cp = {dp}x{tp}x{pp}x{cp} = {dp * tp * pp * cp} "
                                   f"but there are {gpus} GPUs; e.g. dp = {gpus}/(tp*pp*cp) = "

@@ -9,6 +9,7 @@ functions name their parameters; the command line re-words the same error with i
 * :func:`number` - a finite real number in a range (never NaN or infinite);
 * :func:`boolean` - ``True`` or ``False`` itself (``'no'`` is an error, not a truthy string);
 * :func:`one_of` - one of a few names;
+* :func:`divisor` - a group size that must divide a whole (ranks per node of the world size);
 * :func:`array` - :func:`integer` or :func:`number` on every element of an array (first bad one named);
 * :func:`rule` - the same integer/number checks as a vectorisable layout rule
   (:data:`dtlib.analytic.layout.RULES`), for the numpy path of :mod:`dtlib.analytic.vectorised`.
@@ -22,7 +23,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["InvalidArgument", "integer", "number", "boolean", "one_of", "rule", "array", "requirement"]
+__all__ = ["InvalidArgument", "integer", "number", "boolean", "one_of", "divisor", "divisors", "rule", "array",
+           "requirement"]
 
 
 class InvalidArgument(ValueError):
@@ -92,11 +94,15 @@ def _scalar_ok(x: int | float, integer: bool, minimum: float | None, exclusive: 
     return _in_range_scalar(x, minimum, exclusive, maximum)
 
 
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (Python ints have no NaN or infinity)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None) -> int:
     """``value`` as an ``int``, if it is an integer (Python or numpy, not bool) in the range."""
-    if (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-            and _in_range_scalar(int(value), minimum, False, maximum)):
-        return int(value)  # Python ints have no NaN or infinity, and may exceed any numpy type
+    if _is_int(value) and _in_range_scalar(int(value), minimum, False, maximum):
+        return int(value)  # Python ints may exceed any numpy type
     raise InvalidArgument(name, requirement(integer=True, minimum=minimum, maximum=maximum), value)
 
 
@@ -127,6 +133,20 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
     if value not in choices:
         raise InvalidArgument(name, f"one of {', '.join(map(repr, choices))}", value)
     return value
+
+
+def divisors(n: int, limit: int = 12) -> str:
+    """The divisors of ``n`` as a message shows them: ``"1, 2, 4"`` (the first ``limit``, then ``...``)."""
+    found = [d for d in range(1, int(n) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:limit])) + (", ..." if len(found) > limit else "")
+
+
+def divisor(name: str, value: Any, whole: int, what: str) -> int:
+    """``value`` as an ``int``, if it is an integer >= 1 that divides ``whole``; ``what`` names the
+    whole in the message: ``node_size must be a divisor of the world size 4 (1, 2, 4), got 3``."""
+    if _is_int(value) and value >= 1 and whole % int(value) == 0:
+        return int(value)
+    raise InvalidArgument(name, f"a divisor of {what} {whole} ({divisors(whole)})", value)
 
 
 Rule = tuple[tuple[str, ...], Callable[..., Any], Callable[..., str]]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dtlib.analytic import validate
 from dtlib.parallel.buckets import shard_bounds
 
 __all__ = ["ring_schedule", "ring_progress", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
@@ -55,12 +56,9 @@ def ring_schedule(world_size: int, phase: str) -> list[Step]:
     ``phase="all_gather"``: rank ``r`` starts with chunk ``r`` and at step ``s`` forwards chunk
     ``(r - s) mod n``.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = validate.integer("world_size", world_size)
     shift = {"reduce_scatter": 1, "all_gather": 0}
-    if phase not in shift:
-        raise ValueError(f"phase must be 'reduce_scatter' or 'all_gather', got {phase!r}")
-    n = world_size
+    validate.one_of("phase", phase, shift)
     return [[(r, (r + 1) % n, (r - s - shift[phase]) % n) for r in range(n)] for s in range(n - 1)]
 
 
@@ -71,9 +69,8 @@ def ring_progress(world_size: int, steps: int) -> list[list[frozenset[int]]]:
     Replays :func:`ring_schedule`, so a drawing of it shows what the code does. After
     ``n - 1`` steps chunk ``r`` of rank ``r`` holds all ``n`` inputs; after ``2 (n - 1)`` all do.
     """
-    n = world_size
-    if not 0 <= steps <= 2 * (n - 1):
-        raise ValueError(f"steps must be in [0, {2 * (n - 1)}] for world_size={n}, got {steps}")
+    n = validate.integer("world_size", world_size)
+    validate.integer("steps", steps, minimum=0, maximum=2 * (n - 1))  # reduce-scatter + all-gather
     held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     plan = ring_schedule(n, "reduce_scatter") + ring_schedule(n, "all_gather")
     for s, step in enumerate(plan[:steps]):
@@ -224,11 +221,7 @@ def node_groups(node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     The groups are cached per process group, so repeated calls cost nothing.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 \
-            or world % node_size:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"node_size must divide the world size {world}; valid: {divisors}, "
-                         f"got {node_size!r}")
+    validate.divisor("node_size", node_size, world, "the world size")
     cached = _NODE_GROUPS.get(node_size)
     if cached is not None and cached[0] is dist.group.WORLD:
         return cached[1], cached[2]

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtlib.analytic import validate
 from dtlib.parallel.collectives import all_gather_into
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
@@ -131,8 +132,8 @@ class TopKState:
     errors: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1] (the fraction of entries sent), got {self.ratio}")
+        validate.number("ratio", self.ratio, maximum=1)  # the fraction of entries sent
+        validate.boolean("error_feedback", self.error_feedback)
 
 
 def topk_hook(state: TopKState, bucket: Any) -> _Deferred:
@@ -190,6 +191,8 @@ def powersgd_plan(shapes: Sequence[Sequence[int]], rank: int,
     ``_should_compress``): P and Q then carry ``(n + m) r`` numbers instead of ``n m``.
     Biases and norms (vectors) never pass. Pure: a lesson can count bytes per rank with it.
     """
+    validate.integer("rank", rank)
+    validate.number("min_compression_rate", min_compression_rate, minimum=0, exclusive=False)
     plan = []
     for shape in shapes:
         n = shape[0] if len(shape) else 1
@@ -225,15 +228,18 @@ class PowerSGDState:
     qs: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
-        if self.start_iter < 0:
-            raise ValueError(f"start_iter must be >= 0, got {self.start_iter}")
+        validate.integer("rank", self.rank)
+        validate.integer("start_iter", self.start_iter, minimum=0)
+        validate.number("min_compression_rate", self.min_compression_rate, minimum=0, exclusive=False)
+        validate.number("epsilon", self.epsilon, minimum=0, exclusive=False)
+        validate.boolean("error_feedback", self.error_feedback)
+        validate.boolean("warm_start", self.warm_start)
+        validate.integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1)  # numpy's RandomState range
         if (self.error_feedback or self.warm_start) and self.start_iter <= 1:
-            raise ValueError(f"start_iter must be > 1 with error_feedback or warm_start (got "
-                             f"{self.start_iter}), as PyTorch's PowerSGDState requires: compress from "
-                             "the third iteration, once DDP has rebuilt its buckets; or set "
-                             "error_feedback=False, warm_start=False")
+            raise validate.InvalidArgument(
+                "start_iter", "> 1 with error_feedback or warm_start, as PyTorch's PowerSGDState "
+                "requires (compress from the third iteration, once DDP has rebuilt its buckets; or "
+                "set error_feedback=False, warm_start=False)", self.start_iter)
         # PyTorch draws the seed of every fresh random Q from numpy's RandomState(seed)
         self._rng = np.random.RandomState(self.seed)
 

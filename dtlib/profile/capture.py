@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dtlib.analytic.hardware import Accelerator, measure_cpu
+from dtlib.analytic.hardware import Accelerator
+from dtlib.measure import measure_cpu
 from dtlib.profile.breakdown import parse_trace
 
 __all__ = ["PHASES", "phase", "count_flops", "profile_steps", "trace_path"]
@@ -102,7 +103,7 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
     ``trace_dir/rank<k>.json`` (a temporary file, deleted, when ``trace_dir`` is None).
     ``peak``: the device's dense ``dtype`` peak in FLOP/s or an :class:`Accelerator`; by default
     the GPU's is not guessed and on CPU this process's matmul peak is measured
-    (:func:`~dtlib.analytic.hardware.measure_cpu`, with the threads this rank really has).
+    (:func:`~dtlib.measure.measure_cpu`, with the threads this rank really has).
     ``model_flops``: the model FLOPs of one step from :mod:`dtlib.analytic.flops` if known
     (otherwise 3 x the forward FLOPs counted). ``tokens``: the tokens this rank adds to the
     global batch per step (for tokens/s; leave None where a rank adds none of its own, e.g. a
