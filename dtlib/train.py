@@ -456,7 +456,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
     ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
-    ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; ``params`` too with
+    ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; with checkpoints
+    ``resumed`` (what ``resume`` found) and ``checkpoint_blocking_s`` (per save); ``params`` too with
     ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
     layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`)."""
     config.check(world_size)
@@ -471,10 +472,11 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if config.checkpoint_dir:
         checkpointer = Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
                                     async_save=config.async_checkpoint)
+    resumed = None
     if config.resume:
-        line = run.resume(checkpointer)
+        resumed = run.resume(checkpointer)
         if rank == 0:
-            print(line, file=sys.stderr, flush=True)
+            print(resumed, file=sys.stderr, flush=True)
     first = run.step_count
     kill_rank = world_size - 1 if config.kill_rank is None else config.kill_rank
 
@@ -527,6 +529,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
            "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
            "world_size": world_size, "global_batch": config.global_batch,
            "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
+    if resumed is not None:
+        out["resumed"] = resumed
     if checkpointer is not None and checkpointer.blocking_seconds:
         out["checkpoint_blocking_s"] = checkpointer.blocking_seconds
     if profile is not None:

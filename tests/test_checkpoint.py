@@ -258,3 +258,21 @@ def test_cli_inspect_and_convert(saved, tmp_path, capsys):
     os.remove(shard)
     assert cli.main(["checkpoint", "inspect", directory]) == 2  # a missing shard: one line naming it
     assert f"{shard} is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(10,), (4, 6), (3, 4, 5), (2, 3, 1, 4), ()])
+def test_boxes_tile_a_flat_range_with_contiguous_boxes(shape):
+    """Any flat shard [lo, hi) of a tensor is cut into boxes that cover it exactly once, each the
+    contiguous run of elements its flat start says (what makes a mid-row FSDP shard a DCP chunk)."""
+    from dtlib.resilience.chunks import boxes
+    numel = int(torch.Size(shape).numel())
+    values = torch.arange(numel).view(shape)
+    for lo in range(numel + 1):
+        for hi in range(lo, numel + 1):
+            covered = []
+            for start, offsets, sizes in boxes(lo, hi, shape):
+                box = values[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+                assert box.tolist() == list(range(start, start + box.numel())), (lo, hi, offsets, sizes)
+                covered += box.tolist()
+            assert sorted(covered) == list(range(lo, hi)), (shape, lo, hi)
+            assert len(boxes(lo, hi, shape)) <= 2 * max(len(shape), 1) - 1  # end of row, rows, start of row
