@@ -576,6 +576,7 @@ def run_train(args: argparse.Namespace) -> int:
         model_parallel = args.tp * args.pp * args.cp
         args.dp = 1 if env_world is None else max(env_world // model_parallel, 1)
     config = train.config_from_args(args).check(env_world)
+    train.check_resume(config)
     if env_world is None:
         summary = train.run(config, backend=args.backend, timeout=args.timeout, progress=not args.json)
     else:

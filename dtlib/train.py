@@ -58,10 +58,11 @@ from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
 from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
-from dtlib.resilience.checkpoint import Checkpointer
+from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, read_manifest,
+                                         verify_files)
 from dtlib.resilience.elastic import restart_count
 
-__all__ = ["TrainConfig", "train", "run", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
+__all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -565,11 +566,36 @@ def _mfu(config: TrainConfig, step_seconds: float, peak: tuple[Any, int, str]) -
     return float(utilization(flops, step_seconds, count, accelerator, dtype))
 
 
+def check_resume(config: TrainConfig) -> None:
+    """Before any process starts: the newest checkpoint ``resume`` would load is complete (every
+    file there with its size and sha256) and holds this model (every tensor's full shape); a
+    ValueError naming the file otherwise. Nothing to resume is fine (the run starts at step 0)."""
+    if not (config.resume and config.checkpoint_dir):
+        return
+    path = latest_checkpoint(config.checkpoint_dir)
+    if path is None:
+        return
+    try:
+        manifest = read_manifest(path)
+        verify_files(path, manifest)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = TinyGPT(config.model_config())
+    shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
+    if shapes != manifest["shapes"]:
+        wrong = sorted(n for n in set(shapes) | set(manifest["shapes"])
+                       if shapes.get(n) != manifest["shapes"].get(n))
+        raise ValueError(f"{os.path.join(path, 'manifest.json')} holds another model: "
+                         + ", ".join(f"{n} saved {manifest['shapes'].get(n)}, here {shapes.get(n)}" for n in wrong[:3]))
+
+
 def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, progress: bool = False,
         keep_params: bool = False) -> dict[str, Any]:
-    """Check ``config``, start its ``world_size`` ranks with :func:`dtlib.launch` and return rank
-    0's summary (see :func:`train`)."""
+    """Check ``config`` (and the checkpoint it resumes from), start its ``world_size`` ranks with
+    :func:`dtlib.launch` and return rank 0's summary (see :func:`train`)."""
     config.check()
+    check_resume(config)
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
                   timeout=timeout)[0]
 

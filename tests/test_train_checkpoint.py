@@ -84,3 +84,21 @@ def test_resume_past_the_end_and_nothing_to_resume(tmp_path):
     assert first["resumed"] == f"no checkpoint in {tmp_path} yet: starting at step 0" and first["first_step"] == 0
     with pytest.raises(ValueError, match="at step 2, past --steps 1: ask for more steps"):
         train(0, 1, BASE.with_(steps=1, checkpoint_dir=str(tmp_path), resume=True))
+
+
+def test_bad_checkpoint_is_a_one_line_error_before_any_rank_starts(tmp_path, capsys):
+    from dtlib.cli import main as cli_main
+    flags = ["train", "--layers", "2", "--hidden", "32", "--seq", "16", "--steps", "2",
+             "--checkpoint-dir", str(tmp_path), "--resume"]
+    assert cli_main([*flags, "--checkpoint-every", "2", "--json"]) == 0
+    capsys.readouterr()
+    # another model: the manifest is named, with the first tensors that differ
+    assert cli_main([*flags[:4], "64", *flags[5:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step00000002/manifest.json holds another model: " in err, err
+    # a truncated shard: the file is named
+    shard = tmp_path / "step00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert cli_main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{shard} is truncated or overwritten: 100 bytes" in err, err
