@@ -538,8 +538,12 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
     g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=2,
                    help="sequences per micro-batch per data-parallel replica")
-    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=1,
-                   help="micro-batches per step (pipeline, or gradient accumulation)")
+    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int,
+                   help="micro-batches per step (pipeline, or gradient accumulation); default 1, or "
+                        "from --global-batch-size")
+    g.add_argument("--global-batch-size", type=positive_int,
+                   help="sequences per step; sets --microbatches = global / (dp x micro-batch) "
+                        "(Megatron-LM), so a torchrun restart on fewer ranks keeps the global batch")
     g.add_argument("--recompute", action="store_true", help="recompute each block in backward (full)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=positive_int, default=5)
@@ -561,6 +565,9 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--kill-step", type=_non_negative_int,
                    help="SIGKILL one rank at the start of this step, on torchrun's first attempt only")
     g.add_argument("--kill-rank", type=_non_negative_int, help="the rank --kill-step kills (default: the last)")
+    g.add_argument("--kill-agent", action="store_true",
+                   help="also SIGKILL that rank's torchrun agent (a lost node: with --nnodes MIN:MAX the "
+                        "others restart without it)")
     g = p.add_argument_group("launch")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")
@@ -575,6 +582,19 @@ def run_train(args: argparse.Namespace) -> int:
     if args.dp is None:
         model_parallel = args.tp * args.pp * args.cp
         args.dp = 1 if env_world is None else max(env_world // model_parallel, 1)
+    if args.global_batch_size is not None:
+        per_step = args.micro_batch_size * args.dp  # sequences of one micro-batch on every replica
+        if args.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch x dp "
+                             f"= {args.micro_batch_size} x {args.dp} = {per_step}")
+        derived = args.global_batch_size // per_step
+        if args.num_microbatches not in (None, derived):
+            raise ValueError(f"--microbatches {args.num_microbatches} contradicts --global-batch-size "
+                             f"{args.global_batch_size} = dp {args.dp} x micro-batch {args.micro_batch_size} "
+                             f"x {derived}: give one of them")
+        args.num_microbatches = derived
+    elif args.num_microbatches is None:
+        args.num_microbatches = 1
     config = train.config_from_args(args).check(env_world)
     train.check_resume(config)
     if env_world is None:

@@ -86,7 +86,8 @@ class TrainConfig:
     in the background). ``resume`` loads the newest one if there is one -- on any layout of the
     same model (resharding) -- and starts from scratch otherwise, so the same command serves every
     attempt under ``torchrun --max-restarts``. Fault drill: rank ``kill_rank`` (default: the
-    last) SIGKILLs itself at the start of step ``kill_step`` on torchrun's first attempt only."""
+    last) SIGKILLs itself (and its torchrun agent with ``kill_agent``: a lost node) at the start of
+    step ``kill_step`` on torchrun's first attempt only."""
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -121,6 +122,7 @@ class TrainConfig:
     resume: bool = False
     kill_step: int | None = None
     kill_rank: int | None = None
+    kill_agent: bool = False
     profile: str | None = None
 
     @property
@@ -170,9 +172,13 @@ class TrainConfig:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.kill_step is not None:
             validate.integer("kill_step", self.kill_step, minimum=0, maximum=self.steps - 1)
+        if self.kill_agent and self.kill_step is None:
+            raise ValueError("--kill-agent needs --kill-step (the step at which the node is lost)")
         if self.kill_rank is not None:
+            # the drill acts on torchrun's first attempt only; a restarted group may be smaller
             world = world_size or self.world_size
-            validate.integer("kill_rank", self.kill_rank, minimum=0, maximum=world - 1)
+            validate.integer("kill_rank", self.kill_rank, minimum=0,
+                             maximum=world - 1 if restart_count() == 0 else None)
         cfg = self.model_config()
         layout = Parallelism(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                              sequence_parallel=self.sequence_parallel,
@@ -365,7 +371,8 @@ class _Run:
         model, owned = self._checkpointed()
         layout = {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
                   "world_size": self.layout.world_size}
-        extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed}
+        extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed,
+                 "num_microbatches": c.num_microbatches}
         checkpointer.save(self.step_count, model, self.optimizer, data_position=self.step_count,
                           layout=layout, extra=extra, owned=owned)
 
@@ -386,9 +393,14 @@ class _Run:
                 "world_size": self.layout.world_size}
         if saved != mine:
             line += f" (resharded from {_layout_text(saved)} to {_layout_text(mine)})"
-        changed = [f"{k} {v} -> {getattr(c, k)}" for k, v in info["extra"].items() if getattr(c, k) != v]
+        extra = info["extra"]
+        changed = [f"{k} {extra[k]} -> {getattr(c, k)}" for k in ("global_batch", "seq", "seed")
+                   if getattr(c, k) != extra[k]]
         if changed:
             line += f"; changed since: {', '.join(changed)} (the data differs from the saved run's)"
+        elif extra["num_microbatches"] != c.num_microbatches:
+            line += (f"; num_microbatches {extra['num_microbatches']} -> {c.num_microbatches} keeps the "
+                     f"global batch of {c.global_batch}")
         return line
 
     def global_loss(self, local: float) -> float:
@@ -483,7 +495,10 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
 
     def one_step() -> None:
         if config.kill_step == run.step_count and rank == kill_rank and restart_count() == 0:
-            print(f"fault drill: rank {rank} SIGKILLs itself at step {run.step_count}", file=sys.stderr, flush=True)
+            what = "its torchrun agent and itself" if config.kill_agent else "itself"
+            print(f"fault drill: rank {rank} SIGKILLs {what} at step {run.step_count}", file=sys.stderr, flush=True)
+            if config.kill_agent:  # the whole node is lost: torchrun --nnodes=MIN:MAX goes on without it
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.perf_counter()
         losses.append(run.step())
@@ -596,6 +611,8 @@ def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, prog
     :func:`dtlib.launch` and return rank 0's summary (see :func:`train`)."""
     config.check()
     check_resume(config)
+    if config.kill_agent:  # the parent of a dtlib.launch rank is this process, not an agent
+        raise ValueError("--kill-agent kills a torchrun agent: start the run with torchrun")
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
                   timeout=timeout)[0]
 

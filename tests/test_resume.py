@@ -151,3 +151,47 @@ def test_dtlib_train_killed_rank_resumes_bit_identical(layout, tmp_path, capsys)
     assert summary["first_step"] == resumed_at, where
     assert summary["losses"] == straight["losses"][resumed_at:], where  # the steps redone, bit for bit
     assert summary["params_sha256"] == straight["params_sha256"], where
+
+
+@pytest.mark.slow
+def test_dtlib_train_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_path, capsys):
+    """`dtlib train --global-batch-size 8` under `torchrun --nnodes=1:2`, two agents of one process;
+    at step 3 rank 1 SIGKILLs its agent and itself (a lost node). The survivor restarts alone,
+    reshards the dp2 checkpoint onto one rank, accumulates 4 micro-batches instead of 2 and
+    finishes the run: the same losses as the uninterrupted dp2 run (float32 reordering)."""
+    from dtlib.cli import main as cli_main
+    flags = ["--global-batch-size", "8", "--layers", "2", "--hidden", "32", "--seq", "16", "--steps", "5",
+             "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    assert cli_main(["train", "--dp", "2", *flags]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    env = torchrun_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1",
+                                           "--resume", "--kill-step", "3", "--kill-rank", "1", "--kill-agent"],
+                           nproc_per_node=1, max_restarts=1, nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{port}",
+                           rdzv_id="train-shrink", module=True)
+    cmd.insert(cmd.index("--module"), "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,"
+                                      "last_call_timeout=1")
+    agents = [subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True) for _ in range(2)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=150))
+    finally:
+        for a in agents:  # a killed agent's worker is an orphan in its session
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            a.wait()
+        del store
+    log = "\n".join(err for _, err in outs)
+    assert sorted(a.returncode for a in agents) == [-signal.SIGKILL, 0], log[-4000:]
+    assert "resumed at step 3 from" in log and "(resharded from dp2 to 1 process); num_microbatches 2 -> 4 " \
+        "keeps the global batch of 8" in log, log[-4000:]
+    summary = json.loads(next(line for out, _ in outs for line in out.splitlines() if line.startswith("{")))
+    assert summary["world_size"] == 1 and summary["first_step"] == 3 and summary["global_batch"] == 8
+    assert summary["losses"] == pytest.approx(straight["losses"][3:], abs=1e-5)

@@ -121,6 +121,11 @@ def test_params_sha256_is_canonical():
     (["--kill-step", "5", "--steps", "5"], "--kill-step must be an integer from 0 to 4, got 5"),
     (["--dp", "2", "--kill-step", "1", "--kill-rank", "2"], "--kill-rank must be an integer from 0 to 1, got 2"),
     (["--keep-last", "0"], "--keep-last"),
+    (["--kill-agent"], "--kill-agent needs --kill-step"),
+    (["--kill-agent", "--kill-step", "1"], "--kill-agent kills a torchrun agent: start the run with torchrun"),
+    (["--dp", "2", "--global-batch-size", "6", "--micro-batch", "2"],
+     "--global-batch-size 6 must be a multiple of --micro-batch x dp = 2 x 2 = 4"),
+    (["--dp", "2", "--global-batch-size", "8", "--microbatches", "3"], "--microbatches 3 contradicts"),
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
@@ -148,6 +153,16 @@ def test_command_line_json_and_help(capsys):
     assert out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
     assert out["steps"] == 2 and out["layout"]["dp"] == 2 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 1
     assert len(out["params_sha256"]) == 64 and len(out["peak_memory_bytes"]) == 2
+
+
+def test_global_batch_size_sets_the_accumulation(capsys):
+    # Megatron's rule: num_microbatches = global / (dp x micro-batch); 8 sequences on 2 replicas of 2
+    argv = ["train", "--dp", "2", "--global-batch-size", "8", "--layers", "1", "--hidden", "32", "--seq", "16",
+            "--steps", "1", "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = _single(BASE.with_(layers=1, dp=2, num_microbatches=2, steps=1))
+    assert out["global_batch"] == 8 and out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
 
 
 def test_torchrun_two_agents(tmp_path):
