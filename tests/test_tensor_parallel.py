@@ -345,8 +345,8 @@ def test_model_parallel_ranks_put_tp_ranks_side_by_side():
     assert model_parallel_ranks(4, 2) == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]]}
     assert model_parallel_ranks(8, 4) == {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]],
                                           "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size must divide the world size "
-                                         r"6; valid: \[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size must be a divisor of the world size "
+                                         r"6 \(1, 2, 3, 6\), got 4"):
         model_parallel_ranks(6, 4)
 
 

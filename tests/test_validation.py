@@ -23,6 +23,8 @@ from dtlib.analytic.precision import Precision
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.vectorised import flops_batch, memory_batch
 from dtlib.cli import main
+from dtlib.parallel.buckets import shard_bounds
+from dtlib.profile import profile_steps
 
 NAN, INF = float("nan"), float("inf")
 LLAMA = get_preset("llama3-8b")
@@ -71,6 +73,11 @@ API = {
     "states nan": (lambda: Precision("mine", 2, 2, 4, 0, NAN, 2), "states must be a finite number >= 0, got nan"),
     "bias 'no'": (lambda: TransformerConfig(layers=2, hidden=64, heads=4, vocab=100, seq=16, bias="no"),
                   "bias must be True or False, got 'no'"),
+    # the runtime uses the same checks
+    "shard_bounds world 0": (lambda: shard_bounds(10, 0), "world_size must be an integer >= 1, got 0"),
+    "shard_bounds numel -1": (lambda: shard_bounds(-1, 2), "numel must be an integer >= 0, got -1"),
+    "profile warmup 0": (lambda: profile_steps(lambda: None, steps=2, warmup=0),
+                         "warmup must be an integer >= 1, got 0"),
 }
 
 

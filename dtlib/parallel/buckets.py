@@ -26,6 +26,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from dtlib.analytic import validate
+
 __all__ = ["assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters",
            "InOrderLauncher", "register_grad_ready_hooks"]
 
@@ -38,10 +40,8 @@ def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     Sizes differ by at most one and the larger chunks come first, exactly like
     ``torch.tensor_split`` - so any rank can compute every other rank's chunk without talking.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
+    validate.integer("world_size", world_size)
+    validate.integer("numel", numel, minimum=0)
     base, extra = divmod(numel, world_size)
     bounds, start = [], 0
     for r in range(world_size):

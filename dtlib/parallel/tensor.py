@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
 from dtlib.parallel.tensor_regions import (SEQ_DIM, SequenceParallelLinear, rank_chunk,
@@ -491,11 +492,7 @@ def model_parallel_ranks(world_size: int, tensor_model_parallel_size: int) -> di
     """The TP and DP groups of ``world_size`` ranks, Megatron-LM's order: TP ranks adjacent
     (``[0, 1], [2, 3]`` for tp=2 on 4 ranks, so a TP group shares a node's fast links), DP groups
     strided (``[0, 2], [1, 3]``)."""
-    t = tensor_model_parallel_size
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1 or world_size % t:
-        valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"tensor_model_parallel_size must divide the world size {world_size}; "
-                         f"valid: {valid}, got {t!r}")
+    t = validate.divisor("tensor_model_parallel_size", tensor_model_parallel_size, world_size, "the world size")
     tp = [list(range(start, start + t)) for start in range(0, world_size, t)]
     dp = [list(range(r, world_size, t)) for r in range(t)]
     return {"tp": tp, "dp": dp}

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator
 from dtlib.measure import measure_cpu
 from dtlib.profile.breakdown import parse_trace
@@ -109,10 +110,8 @@ def profile_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1,
     global batch per step (for tokens/s; leave None where a rank adds none of its own, e.g. a
     pipeline stage after the first).
     """
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1 (FLOPs are counted on the last "
-                             f"warm-up step), got {value!r}")
+    validate.integer("steps", steps)
+    validate.integer("warmup", warmup)  # >= 1: FLOPs are counted on the last warm-up step
     if rank is None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for _ in range(warmup - 1):
