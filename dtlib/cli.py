@@ -486,13 +486,18 @@ def _non_negative_int(text: str) -> int:
     return _checked(lambda: validate.integer("value", value, minimum=0), text)
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, exclusive: bool = True) -> float:
     """A finite number > 0 (learning rate, capacity factor, timeout)."""
     try:
         value = float(text)
     except ValueError:
         value = str(text)
-    return _checked(lambda: validate.number("value", value, minimum=0, exclusive=True), text)
+    return _checked(lambda: validate.number("value", value, minimum=0, exclusive=exclusive), text)
+
+
+def _non_negative_float(text: str) -> float:
+    """A finite number >= 0 (0 turns an option off: the heartbeat)."""
+    return _positive_float(text, exclusive=False)
 
 
 _TRAIN_DESCRIPTION = """Train TinyGPT on the bundled text (byte tokens) on a rank grid of dp x tp x pp x cp ranks.
@@ -568,6 +573,12 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--kill-agent", action="store_true",
                    help="also SIGKILL that rank's torchrun agent (a lost node: with --nnodes MIN:MAX the "
                         "others restart without it)")
+    g.add_argument("--hang-step", type=_non_negative_int,
+                   help="one rank hangs in the data phase of this step (a stuck data loader), first attempt only")
+    g.add_argument("--hang-rank", type=_non_negative_int, help="the rank --hang-step hangs (default: the last)")
+    g.add_argument("--heartbeat", type=_non_negative_float, default=0.0, metavar="SECONDS",
+                   help="name a rank that makes no progress for this long and end the job (exit 75) so "
+                        "torchrun restarts it; well below --timeout, above the longest step (0: off)")
     g = p.add_argument_group("launch")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds before a hung run is stopped")

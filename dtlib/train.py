@@ -61,6 +61,7 @@ from dtlib.parallel.zero import ShardedOptimizer
 from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, read_manifest,
                                          verify_files)
 from dtlib.resilience.elastic import restart_count
+from dtlib.resilience.heartbeat import Heartbeat
 
 __all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
 
@@ -87,7 +88,10 @@ class TrainConfig:
     same model (resharding) -- and starts from scratch otherwise, so the same command serves every
     attempt under ``torchrun --max-restarts``. Fault drill: rank ``kill_rank`` (default: the
     last) SIGKILLs itself (and its torchrun agent with ``kill_agent``: a lost node) at the start of
-    step ``kill_step`` on torchrun's first attempt only."""
+    step ``kill_step`` on torchrun's first attempt only; rank ``hang_rank`` (default: the last) hangs
+    in the data phase of step ``hang_step`` (a stuck data loader), also on the first attempt only.
+    ``heartbeat`` > 0: a :class:`~dtlib.resilience.heartbeat.Heartbeat` with that timeout in seconds
+    names a rank that stops making progress and ends the job (exit 75) so torchrun restarts it."""
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -123,6 +127,9 @@ class TrainConfig:
     kill_step: int | None = None
     kill_rank: int | None = None
     kill_agent: bool = False
+    heartbeat: float = 0.0
+    hang_step: int | None = None
+    hang_rank: int | None = None
     profile: str | None = None
 
     @property
@@ -172,6 +179,13 @@ class TrainConfig:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         if self.kill_step is not None:
             validate.integer("kill_step", self.kill_step, minimum=0, maximum=self.steps - 1)
+        validate.number("heartbeat", self.heartbeat, exclusive=False)
+        if self.hang_step is not None:
+            validate.integer("hang_step", self.hang_step, minimum=0, maximum=self.steps - 1)
+        if self.hang_rank is not None:
+            world = world_size or self.world_size
+            validate.integer("hang_rank", self.hang_rank, minimum=0,
+                             maximum=world - 1 if restart_count() == 0 else None)
         if self.kill_agent and self.kill_step is None:
             raise ValueError("--kill-agent needs --kill-step (the step at which the node is lost)")
         if self.kill_rank is not None:
@@ -289,6 +303,8 @@ class _Run:
         else:
             self.optimizer = OPTIMIZERS[c.optimizer](self.params, lr=c.lr)
         self.step_count = 0
+        self.hang_rank = self.layout.world_size - 1 if c.hang_rank is None else c.hang_rank
+        self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
 
     def group(self, kind: str) -> Any:
         return self.groups[kind] if self.groups is not None else None
@@ -318,8 +334,15 @@ class _Run:
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same on every rank)."""
         c = self.config
+        self.beat(self.step_count, "data")
+        if c.hang_step == self.step_count and self.rank == self.hang_rank and restart_count() == 0:
+            print(f"fault drill: rank {self.rank} hangs in the data phase of step {self.step_count}",
+                  file=sys.stderr, flush=True)
+            while True:  # a stuck data loader: no collective, no progress
+                time.sleep(0.01)
         with phase("data"):
             inputs, targets = self.batch(self.step_count)
+        self.beat(self.step_count, "forward-backward")
         if self.executor is not None:
             with phase("backward"):  # a pipeline schedule interleaves forwards and backwards
                 log = self.executor.step(inputs, targets)
@@ -333,8 +356,10 @@ class _Run:
                 with phase("backward"):
                     loss.backward()
                 local += loss.item()
+        self.beat(self.step_count, "gradient sync")
         with phase("comm"):
             self.synchronise_gradients()
+        self.beat(self.step_count, "optimizer")
         with phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -491,6 +516,10 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         if rank == 0:
             print(resumed, file=sys.stderr, flush=True)
     first = run.step_count
+    monitor = None
+    if config.heartbeat and run.distributed:
+        monitor = Heartbeat(timeout=config.heartbeat, interval=min(1.0, config.heartbeat / 4)).start()
+        run.beat = monitor.beat
     kill_rank = world_size - 1 if config.kill_rank is None else config.kill_rank
 
     def one_step() -> None:
@@ -504,6 +533,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         losses.append(run.step())
         seconds.append(time.perf_counter() - start)
         if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
+            run.beat(run.step_count, "checkpoint")
             run.save(checkpointer)
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
@@ -537,6 +567,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if run.distributed:
         memory = [None] * world_size
         dist.all_gather_object(memory, _peak_memory())
+    if monitor is not None:
+        monitor.stop()
     if rank != 0:
         return {"rank": rank}
     timed = seconds[1:] or seconds

@@ -195,3 +195,33 @@ def test_dtlib_train_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_pat
     summary = json.loads(next(line for out, _ in outs for line in out.splitlines() if line.startswith("{")))
     assert summary["world_size"] == 1 and summary["first_step"] == 3 and summary["global_batch"] == 8
     assert summary["losses"] == pytest.approx(straight["losses"][3:], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_dtlib_train_hung_rank_is_named_and_the_run_resumes(tmp_path, capsys):
+    """`dtlib train --heartbeat 3` under `torchrun --max-restarts 1`: rank 1 hangs in the data phase
+    of step 3 (no collective, no progress); the heartbeat names it within seconds, ends the job
+    with exit 75, torchrun restarts it, the run resumes from step 2 and ends bit-identical."""
+    from dtlib.cli import main as cli_main
+    flags = ["--dp", "2"] + TRAIN
+    assert cli_main(["train", *flags]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    env = torchrun_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
+                                           str(EVERY), "--resume", "--hang-step", "3", "--hang-rank", "1",
+                                           "--heartbeat", "3"], nproc_per_node=2, max_restarts=1, module=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-4000:]
+    assert "fault drill: rank 1 hangs in the data phase of step 3" in err, err[-4000:]
+    assert "heartbeat: hung rank 1 (last step 3, phase 'data'" in err, err[-4000:]
+    assert f"resumed at step 2 from {tmp_path / 'ck'}" in err, err[-4000:]
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert summary["losses"] == straight["losses"][2:] and summary["params_sha256"] == straight["params_sha256"]
