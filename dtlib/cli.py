@@ -558,6 +558,8 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
     g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="save every N steps (0: never)")
     g.add_argument("--keep-last", type=positive_int, default=2, help="complete checkpoints kept (older ones deleted)")
+    g.add_argument("--milestone-every", type=_non_negative_int, default=0,
+                   help="also keep every checkpoint whose step is a multiple of this (0: none)")
     g.add_argument("--async-checkpoint", action="store_true",
                    help="write checkpoints in the background (dcp.async_save): training waits only for the copy")
     g.add_argument("--resume", action="store_true",

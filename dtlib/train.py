@@ -83,7 +83,8 @@ class TrainConfig:
     routing (Switch Transformer's capacity and load-balancing loss, 1e-2 in the paper).
 
     Checkpoints (:class:`~dtlib.resilience.checkpoint.Checkpointer`): every ``checkpoint_every``
-    steps into ``checkpoint_dir``, keeping the last ``keep_last`` (``async_checkpoint``: written
+    steps into ``checkpoint_dir``, keeping the last ``keep_last`` and every ``milestone_every``-th
+    step (``async_checkpoint``: written
     in the background). ``resume`` loads the newest one if there is one -- on any layout of the
     same model (resharding) -- and starts from scratch otherwise, so the same command serves every
     attempt under ``torchrun --max-restarts``. Fault drill: rank ``kill_rank`` (default: the
@@ -122,6 +123,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_last: int = 2
+    milestone_every: int = 0
     async_checkpoint: bool = False
     resume: bool = False
     kill_step: int | None = None
@@ -157,7 +159,7 @@ class TrainConfig:
         pure, so ``dtlib train`` calls it before any process starts."""
         for name in ("steps", "micro_batch_size", "num_microbatches"):
             validate.integer(name, getattr(self, name))
-        for name in ("seed", "checkpoint_every"):
+        for name in ("seed", "checkpoint_every", "milestone_every"):
             validate.integer(name, getattr(self, name), minimum=0)
         validate.integer("keep_last", self.keep_last, minimum=1)
         validate.number("lr", self.lr)
@@ -509,7 +511,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     checkpointer = None
     if config.checkpoint_dir:
         checkpointer = Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
-                                    async_save=config.async_checkpoint)
+                                    milestone_every=config.milestone_every, async_save=config.async_checkpoint)
     resumed = None
     if config.resume:
         resumed = run.resume(checkpointer)

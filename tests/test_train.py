@@ -146,7 +146,7 @@ def test_command_line_json_and_help(capsys):
     for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab", "--seq", "--moe-experts",
                  "--moe-top-k", "--dp", "--tp", "--pp", "--cp", "--ep", "--sequence-parallel", "--zero",
                  "--schedule", "--virtual-stages", "--micro-batch", "--microbatches", "--steps", "--lr", "--seed",
-                 "--checkpoint-dir", "--checkpoint-every", "--keep-last", "--async-checkpoint", "--resume",
+                 "--checkpoint-dir", "--checkpoint-every", "--keep-last", "--milestone-every", "--async-checkpoint", "--resume",
                  "--global-batch-size", "--kill-step", "--kill-rank", "--kill-agent", "--hang-step", "--hang-rank",
                  "--heartbeat", "--json"):
         assert flag in text, flag

@@ -102,3 +102,9 @@ def test_bad_checkpoint_is_a_one_line_error_before_any_rank_starts(tmp_path, cap
     assert cli_main(flags) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{shard} is truncated or overwritten: 100 bytes" in err, err
+
+
+def test_retention_keeps_the_last_and_the_milestones(tmp_path):
+    from dtlib.resilience.checkpoint import checkpoint_steps
+    train(0, 1, BASE.with_(steps=7, checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_last=2, milestone_every=3))
+    assert checkpoint_steps(str(tmp_path)) == [3, 6, 7]
