@@ -10,26 +10,20 @@ import torch
 
 from dtlib.cli import main as cli_main
 from dtlib.launcher import launch
+from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM, single_process_config
 from dtlib.train import TrainConfig, params_sha256, train
 
 TIMEOUT = 120
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# float32 sums in another order (gradients averaged over ranks, attention by blocks, TP partial
-# sums) differ by ~1e-7. With SGD (update = lr x gradient) the weights stay within ~1e-7 after
-# three steps; a gradient summed instead of averaged, a missing one or a shifted batch is off by
-# > 1e-3. (Adam's update g/sqrt(v) is scale-invariant, so it would hide a wrong average, and it
-# turns noise in a near-zero gradient into a step of up to lr: the AdamW run gets PARAM_TOL_ADAM.)
-LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM = 1e-5, 1e-6, 1e-4
+# LOSS_TOL, PARAM_TOL (SGD) and PARAM_TOL_ADAM: float32 summation order; why, in dtlib.experiments.parallel3d
 BASE = TrainConfig(layers=2, hidden=32, heads=4, seq=16, steps=3, micro_batch_size=2, optimizer="sgd", lr=0.5)
 MOE = BASE.with_(moe_experts=4, moe_top_k=2)
 
 
 def _single(config: TrainConfig) -> dict:
     """The same run on one process: the whole global batch in one micro-batch."""
-    one = config.with_(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False, schedule="1f1b",
-                       virtual_stages=1, micro_batch_size=config.global_batch, num_microbatches=1)
-    return train(0, 1, one, keep_params=True)
+    return train(0, 1, single_process_config(config), keep_params=True)
 
 
 def _many(rank, world_size, configs):

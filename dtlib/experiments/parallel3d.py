@@ -1,7 +1,9 @@
 """The rank grid, context and expert parallelism: what lesson 09 runs on real ranks.
 
+* :func:`single_process_config` - the same training on one process (the reference of every layout);
 * :func:`compare_with_single_process` - a :class:`~dtlib.train.TrainConfig` trained on its rank
-  grid and on one process: the two loss curves and the largest weight difference;
+  grid and on one process: the two loss curves, the largest loss and weight differences against
+  the float32 tolerances :data:`LOSS_TOL` and :data:`PARAM_TOL`, and both ``params_sha256``;
 * :func:`ring_attention_run` - ring attention on ``cp`` ranks against single-process causal
   attention: output and gradient errors, sends per rank, unmasked pairs per rank;
 * :func:`moe_dispatch_run` - an MoE layer on ``ep`` ranks: the tokens each rank sends to each
@@ -27,19 +29,40 @@ from dtlib.parallel.context import causal_work, ring_attention, shard_sequence
 from dtlib.parallel.expert import ExpertParallelMoE
 from dtlib.train import TrainConfig, run, train
 
-__all__ = ["compare_with_single_process", "ring_attention_run", "moe_dispatch_run",
-           "activation_memory_vs_seq"]
+__all__ = ["single_process_config", "compare_with_single_process", "LOSS_TOL", "PARAM_TOL", "PARAM_TOL_ADAM",
+           "ring_attention_run", "moe_dispatch_run", "activation_memory_vs_seq"]
+
+# float32 sums in another order (gradients averaged over ranks, attention by blocks, TP partial
+# sums) differ by ~1e-7. With SGD (update = lr x gradient) the weights stay within ~1e-7 after a
+# few steps; a gradient summed instead of averaged, a missing one or a shifted batch is off by
+# > 1e-3. (Adam's update g/sqrt(v) is scale-invariant, so it would hide a wrong average, and it
+# turns noise in a near-zero gradient into a step of up to lr: AdamW runs get PARAM_TOL_ADAM.)
+LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM = 1e-5, 1e-6, 1e-4
+
+
+def single_process_config(config: TrainConfig) -> TrainConfig:
+    """``config`` on one process: no parallelism, the whole global batch in one micro-batch
+    (the same sequences per step, so the same training up to float32 summation order)."""
+    return config.with_(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False, schedule="1f1b",
+                        virtual_stages=1, micro_batch_size=config.global_batch, num_microbatches=1)
 
 
 def compare_with_single_process(config: TrainConfig, timeout: float = 120.0) -> dict[str, Any]:
-    """Train ``config`` on its ranks and the same global batches on one process (no launch).
-    The single process runs first: the ranks, forked afterwards, inherit what it imported."""
-    single = train(0, 1, config.with_(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False,
-                                      schedule="1f1b", virtual_stages=1, num_microbatches=1,
-                                      micro_batch_size=config.global_batch), keep_params=True)
+    """Train ``config`` on its ranks (``dtlib.launch(train, world_size, ...)`` through
+    :func:`dtlib.train.run`) and the same global batches on one process (no launch). Returns both
+    loss curves (``parallel``, ``single``), ``max_loss_diff``, ``max_param_diff``, both
+    ``params_sha256`` (``parallel_sha256``, ``single_sha256``: equal only if every sum happened in
+    the same order), ``equal`` (both differences within :data:`LOSS_TOL` and the weight tolerance
+    of the optimizer) and ``tokens_per_s``. The single process runs first: the ranks, forked
+    afterwards, inherit what it imported."""
+    single = train(0, 1, single_process_config(config), keep_params=True)
     parallel = run(config, timeout=timeout, keep_params=True)
+    loss_diff = max(abs(a - b) for a, b in zip(parallel["losses"], single["losses"]))
     diff = max((parallel["params"][n] - single["params"][n]).abs().max().item() for n in single["params"])
-    return {"parallel": parallel["losses"], "single": single["losses"], "max_param_diff": diff,
+    param_tol = PARAM_TOL if config.optimizer == "sgd" else PARAM_TOL_ADAM
+    return {"parallel": parallel["losses"], "single": single["losses"], "max_loss_diff": loss_diff,
+            "max_param_diff": diff, "parallel_sha256": parallel["params_sha256"],
+            "single_sha256": single["params_sha256"], "equal": loss_diff <= LOSS_TOL and diff <= param_tol,
             "tokens_per_s": parallel["tokens_per_s"]}
 
 
