@@ -58,8 +58,8 @@ from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
 from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
-from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, read_manifest,
-                                         verify_files)
+from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, check_model, latest_checkpoint,
+                                         read_manifest, verify_files)
 from dtlib.resilience.elastic import restart_count
 from dtlib.resilience.heartbeat import Heartbeat
 
@@ -179,22 +179,17 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
-        if self.kill_step is not None:
-            validate.integer("kill_step", self.kill_step, minimum=0, maximum=self.steps - 1)
         validate.number("heartbeat", self.heartbeat, exclusive=False)
-        if self.hang_step is not None:
-            validate.integer("hang_step", self.hang_step, minimum=0, maximum=self.steps - 1)
-        if self.hang_rank is not None:
-            world = world_size or self.world_size
-            validate.integer("hang_rank", self.hang_rank, minimum=0,
-                             maximum=world - 1 if restart_count() == 0 else None)
         if self.kill_agent and self.kill_step is None:
             raise ValueError("--kill-agent needs --kill-step (the step at which the node is lost)")
-        if self.kill_rank is not None:
-            # the drill acts on torchrun's first attempt only; a restarted group may be smaller
-            world = world_size or self.world_size
-            validate.integer("kill_rank", self.kill_rank, minimum=0,
-                             maximum=world - 1 if restart_count() == 0 else None)
+        # fault drills act on torchrun's first attempt only; a restarted group may be smaller
+        world = world_size or self.world_size
+        last_rank = world - 1 if restart_count() == 0 else None
+        for drill in ("kill", "hang"):
+            if getattr(self, f"{drill}_step") is not None:
+                validate.integer(f"{drill}_step", getattr(self, f"{drill}_step"), minimum=0, maximum=self.steps - 1)
+            if getattr(self, f"{drill}_rank") is not None:
+                validate.integer(f"{drill}_rank", getattr(self, f"{drill}_rank"), minimum=0, maximum=last_rank)
         cfg = self.model_config()
         layout = Parallelism(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                              sequence_parallel=self.sequence_parallel,
@@ -305,7 +300,9 @@ class _Run:
         else:
             self.optimizer = OPTIMIZERS[c.optimizer](self.params, lr=c.lr)
         self.step_count = 0
-        self.hang_rank = self.layout.world_size - 1 if c.hang_rank is None else c.hang_rank
+        last = self.layout.world_size - 1  # the fault drills' default rank
+        self.kill_rank = last if c.kill_rank is None else c.kill_rank
+        self.hang_rank = last if c.hang_rank is None else c.hang_rank
         self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
 
     def group(self, kind: str) -> Any:
@@ -396,12 +393,16 @@ class _Run:
         state; the data position is the next global batch (batches are a function of the step)."""
         c = self.config
         model, owned = self._checkpointed()
-        layout = {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
-                  "world_size": self.layout.world_size}
         extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed,
                  "num_microbatches": c.num_microbatches}
         checkpointer.save(self.step_count, model, self.optimizer, data_position=self.step_count,
-                          layout=layout, extra=extra, owned=owned)
+                          layout=self._saved_layout(), extra=extra, owned=owned)
+
+    def _saved_layout(self) -> dict[str, Any]:
+        """The layout a checkpoint records (and a resume compares with)."""
+        c = self.config
+        return {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
+                "world_size": self.layout.world_size}
 
     def resume(self, checkpointer: Checkpointer) -> str:
         """Load the newest checkpoint, whatever layout wrote it; returns the line to log."""
@@ -415,9 +416,7 @@ class _Run:
                              f"--steps {c.steps}: ask for more steps")
         self.step_count = info["data_position"]
         line = f"resumed at step {self.step_count} from {info['path']}"
-        saved = info["layout"]
-        mine = {**asdict(self.layout), "zero": c.zero, "sequence_parallel": c.sequence_parallel,
-                "world_size": self.layout.world_size}
+        saved, mine = info["layout"], self._saved_layout()
         if saved != mine:
             line += f" (resharded from {_layout_text(saved)} to {_layout_text(mine)})"
         extra = info["extra"]
@@ -522,10 +521,9 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if config.heartbeat and run.distributed:
         monitor = Heartbeat(timeout=config.heartbeat, interval=min(1.0, config.heartbeat / 4)).start()
         run.beat = monitor.beat
-    kill_rank = world_size - 1 if config.kill_rank is None else config.kill_rank
 
     def one_step() -> None:
-        if config.kill_step == run.step_count and rank == kill_rank and restart_count() == 0:
+        if config.kill_step == run.step_count and rank == run.kill_rank and restart_count() == 0:
             what = "its torchrun agent and itself" if config.kill_agent else "itself"
             print(f"fault drill: rank {rank} SIGKILLs {what} at step {run.step_count}", file=sys.stderr, flush=True)
             if config.kill_agent:  # the whole node is lost: torchrun --nnodes=MIN:MAX goes on without it
@@ -624,19 +622,15 @@ def check_resume(config: TrainConfig) -> None:
     path = latest_checkpoint(config.checkpoint_dir)
     if path is None:
         return
-    try:
-        manifest = read_manifest(path)
-        verify_files(path, manifest)
-    except CheckpointError as e:
-        raise ValueError(str(e)) from None
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = TinyGPT(config.model_config())
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
-    if shapes != manifest["shapes"]:
-        wrong = sorted(n for n in set(shapes) | set(manifest["shapes"])
-                       if shapes.get(n) != manifest["shapes"].get(n))
-        raise ValueError(f"{os.path.join(path, 'manifest.json')} holds another model: "
-                         + ", ".join(f"{n} saved {manifest['shapes'].get(n)}, here {shapes.get(n)}" for n in wrong[:3]))
+    try:
+        manifest = read_manifest(path)
+        verify_files(path, manifest)
+        check_model(path, manifest, shapes, shapes)
+    except CheckpointError as e:  # names the file: a one-line error before any rank starts
+        raise ValueError(str(e)) from None
 
 
 def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, progress: bool = False,

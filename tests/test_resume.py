@@ -19,22 +19,64 @@ WORKER = os.path.join(HERE, "_resilience_worker.py")
 STEPS = 7
 
 
-def torchrun(outdir, *args, nproc=2, max_restarts=0, timeout=90):
-    """Run the worker under torchrun in its own session; kill the whole group whatever happens."""
+def _agents(cmd, n=1, cwd=None, timeout=120):
+    """Start ``n`` torchrun agents running ``cmd``, each in its own session, and kill every session
+    whatever happens (the workers of a killed agent are orphans in its session). Returns
+    (returncode, stdout, stderr) per agent."""
     env = torchrun_env()
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    agents = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True) for _ in range(n)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=timeout))
+    finally:
+        for a in agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            a.wait()
+    return [(a.returncode, out, err) for a, (out, err) in zip(agents, outs)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lose_one_of_two_agents(target, args, rdzv_id, cwd=None, module=False):
+    """``torchrun --nnodes=1:2`` with two agents of one process each (``args`` make rank 1 kill
+    its agent). The rendezvous is hosted here, not by an agent: the node that dies could be the
+    host (in a cluster: etcd, or a store on a node outside the job). A lost node is noticed after
+    2 missed keep-alives of 1 s; a round closes 1 s after the minimum."""
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    cmd = torchrun_command(target, args, nproc_per_node=1, max_restarts=1, nnodes="1:2",
+                           rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=rdzv_id, module=module)
+    cmd.insert(cmd.index("--module" if module else target),
+               "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1")
+    try:
+        return _agents(cmd, n=2, cwd=cwd, timeout=150)
+    finally:
+        del store
+
+
+def torchrun(outdir, *args, nproc=2, max_restarts=0, timeout=90):
+    """Run the drill worker under torchrun: (returncode, log, rank 0's result or None)."""
     cmd = torchrun_command(WORKER, [str(outdir), str(STEPS), *map(str, args)], nproc_per_node=nproc,
                            max_restarts=max_restarts)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    [(code, out, err)] = _agents(cmd, timeout=timeout)
     result = os.path.join(outdir, "result.json")
-    return proc.returncode, log, json.load(open(result)) if os.path.exists(result) else None
+    return code, out + err, json.load(open(result)) if os.path.exists(result) else None
+
+
+def dtlib_train(args, nproc, cwd):
+    """``dtlib train ARGS`` under ``torchrun --max-restarts 1``: (returncode, stdout, stderr)."""
+    cmd = torchrun_command("dtlib.train", args, nproc_per_node=nproc, max_restarts=1, module=True)
+    return _agents(cmd, cwd=cwd)[0]
 
 
 @pytest.mark.slow
@@ -59,48 +101,16 @@ def test_killed_then_hung_rank_resumes_bit_identical(tmp_path):
     assert resumed["params_sha256"] == straight["params_sha256"], where
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_elastic_shrink_two_agents_to_one(tmp_path):
     """torchrun --nnodes=1:2 with two agents of one process; the node of rank 1 (agent and worker)
     is SIGKILLed; the surviving agent restarts alone, reshards the 2-rank checkpoint onto 1 rank,
     accumulates 4 micro-batches instead of 2 (the global batch of 8 stays) and finishes."""
-    env = torchrun_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    # the rendezvous is hosted here, not by an agent: the node that dies could be the host
-    # (in a cluster: etcd, or a store on a node outside the job)
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
-    endpoint = f"127.0.0.1:{port}"
-    cmd = torchrun_command(WORKER, [str(tmp_path), str(STEPS), "--kill-rank", "1", "--kill-step", "3",
-                                    "--kill-agent"], nproc_per_node=1, max_restarts=1, nnodes="1:2",
-                           rdzv_endpoint=endpoint, rdzv_id="shrink")
-    # a lost node is noticed after 2 missed keep-alives of 1 s; a round closes 1 s after the minimum
-    cmd.insert(cmd.index(WORKER), "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1")
-    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True) for _ in range(2)]
-    logs = []
-    try:
-        for a in agents:
-            logs.append(a.communicate(timeout=150)[0])
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-                a.wait()
-            else:  # the workers of a killed agent are orphans in its session
-                try:
-                    os.killpg(a.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        del store
+    agents = _lose_one_of_two_agents(WORKER, [str(tmp_path), str(STEPS), "--kill-rank", "1", "--kill-step", "3",
+                                              "--kill-agent"], "shrink")
+    logs = [out + err for _, out, err in agents]
     log = "\n".join(logs)
-    codes = sorted(a.returncode for a in agents)
+    codes = sorted(code for code, _, _ in agents)
     assert codes == [-signal.SIGKILL, 0], log
     result = json.load(open(tmp_path / "result.json"))
     assert result["world_size"] == 1 and result["restart_count"] == 1, log
@@ -130,21 +140,10 @@ def test_dtlib_train_killed_rank_resumes_bit_identical(layout, tmp_path, capsys)
     rng = random.Random()
     kill, rank = rng.randint(EVERY, 5), rng.randrange(world)
     resumed_at = kill - kill % EVERY
-    env = torchrun_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
-                                           str(EVERY), "--resume", "--kill-step", str(kill), "--kill-rank", str(rank)],
-                           nproc_per_node=world, max_restarts=1, module=True)
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code, out, err = dtlib_train([*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", str(EVERY),
+                                  "--resume", "--kill-step", str(kill), "--kill-rank", str(rank)], world, tmp_path)
     where = f"{layout}: rank {rank} killed at step {kill}\n{err[-4000:]}"
-    assert proc.returncode == 0, where
+    assert code == 0, where
     assert f"fault drill: rank {rank} SIGKILLs itself at step {kill}" in err, where
     assert f"resumed at step {resumed_at} from {tmp_path / 'ck'}" in err, where
     summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
@@ -164,35 +163,15 @@ def test_dtlib_train_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_pat
              "--optimizer", "sgd", "--lr", "0.5", "--json"]
     assert cli_main(["train", "--dp", "2", *flags]) == 0
     straight = json.loads(capsys.readouterr().out)
-    env = torchrun_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
-    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1",
-                                           "--resume", "--kill-step", "3", "--kill-rank", "1", "--kill-agent"],
-                           nproc_per_node=1, max_restarts=1, nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{port}",
-                           rdzv_id="train-shrink", module=True)
-    cmd.insert(cmd.index("--module"), "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,"
-                                      "last_call_timeout=1")
-    agents = [subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True) for _ in range(2)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=150))
-    finally:
-        for a in agents:  # a killed agent's worker is an orphan in its session
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            a.wait()
-        del store
-    log = "\n".join(err for _, err in outs)
-    assert sorted(a.returncode for a in agents) == [-signal.SIGKILL, 0], log[-4000:]
+    agents = _lose_one_of_two_agents("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"),
+                                                     "--checkpoint-every", "1", "--resume", "--kill-step", "3",
+                                                     "--kill-rank", "1", "--kill-agent"],
+                                     "train-shrink", cwd=tmp_path, module=True)
+    log = "\n".join(err for _, _, err in agents)
+    assert sorted(code for code, _, _ in agents) == [-signal.SIGKILL, 0], log[-4000:]
     assert "resumed at step 3 from" in log and "(resharded from dp2 to 1 process); num_microbatches 2 -> 4 " \
         "keeps the global batch of 8" in log, log[-4000:]
-    summary = json.loads(next(line for out, _ in outs for line in out.splitlines() if line.startswith("{")))
+    summary = json.loads(next(line for _, out, _ in agents for line in out.splitlines() if line.startswith("{")))
     assert summary["world_size"] == 1 and summary["first_step"] == 3 and summary["global_batch"] == 8
     assert summary["losses"] == pytest.approx(straight["losses"][3:], abs=1e-5)
 
@@ -206,20 +185,9 @@ def test_dtlib_train_hung_rank_is_named_and_the_run_resumes(tmp_path, capsys):
     flags = ["--dp", "2"] + TRAIN
     assert cli_main(["train", *flags]) == 0
     straight = json.loads(capsys.readouterr().out)
-    env = torchrun_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    cmd = torchrun_command("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every",
-                                           str(EVERY), "--resume", "--hang-step", "3", "--hang-rank", "1",
-                                           "--heartbeat", "3"], nproc_per_node=2, max_restarts=1, module=True)
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-4000:]
+    code, out, err = dtlib_train([*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", str(EVERY),
+                                  "--resume", "--hang-step", "3", "--hang-rank", "1", "--heartbeat", "3"], 2, tmp_path)
+    assert code == 0, err[-4000:]
     assert "fault drill: rank 1 hangs in the data phase of step 3" in err, err[-4000:]
     assert "heartbeat: hung rank 1 (last step 3, phase 'data'" in err, err[-4000:]
     assert f"resumed at step 2 from {tmp_path / 'ck'}" in err, err[-4000:]

@@ -95,7 +95,7 @@ def test_bad_checkpoint_is_a_one_line_error_before_any_rank_starts(tmp_path, cap
     # another model: the manifest is named, with the first tensors that differ
     assert cli_main([*flags[:4], "64", *flags[5:]]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "step00000002/manifest.json holds another model: " in err, err
+    assert err.count("\n") == 1 and "step00000002/manifest.json is from an incompatible model: " in err, err
     # a truncated shard: the file is named
     shard = tmp_path / "step00000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])

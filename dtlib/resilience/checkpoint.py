@@ -62,7 +62,7 @@ from dtlib.analytic import validate
 from dtlib.resilience import chunks
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_steps", "latest_checkpoint", "read_manifest",
-           "verify_files", "to_torch", "rng_state", "set_rng_state"]
+           "verify_files", "check_model", "to_torch", "rng_state", "set_rng_state"]
 
 FORMAT = 2  # 2: tensors in their full shapes (1 stored them flattened)
 MANIFEST = "manifest.json"
@@ -168,9 +168,10 @@ def verify_files(path: str, manifest: dict[str, Any] | None = None, checksums: b
             raise CheckpointError(f"{file} is corrupt: its sha256 differs from the manifest's")
 
 
-def _check_model(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]],
+def check_model(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]],
                  everyone: dict[str, list[int]]) -> None:
-    """This rank's names are saved with the same full shapes, and every saved name has a rank."""
+    """``shapes`` (this rank's full shapes by name) are saved with the same shapes, and every saved
+    name is in ``everyone`` (all ranks' names): CheckpointError naming the manifest otherwise."""
     saved = manifest["shapes"]
     missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(everyone))
     wrong = [f"{k}: {saved[k]} saved, {shapes[k]} here" for k in shapes if k in saved and saved[k] != shapes[k]]
@@ -351,7 +352,7 @@ class Checkpointer:
         if self.verify:
             verify_files(path, manifest)
         spans, shapes = self._spans(model, owned)
-        _check_model(path, manifest, shapes, self._everyone(shapes))
+        check_model(path, manifest, shapes, self._everyone(shapes))
         optim, optim_spans = (None, [])
         if optimizer is not None:
             optim, optim_spans = chunks.optimizer_spans(optimizer, spans)
