@@ -11,7 +11,7 @@ import torch
 from dtlib.cli import main as cli_main
 from dtlib.launcher import launch
 from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM, single_process_config
-from dtlib.train import TrainConfig, params_sha256, train
+from dtlib.trainer import TrainConfig, params_sha256, train
 
 TIMEOUT = 120
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -173,7 +173,7 @@ def test_torchrun_two_agents(tmp_path):
                                  "print(s.getsockname()[1])"], capture_output=True, text=True)
     endpoint = f"localhost:{port_probe.stdout.strip()}"
     torchrun[torchrun.index("localhost:0")] = endpoint
-    args = ["-m", "dtlib.train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
+    args = ["-m", "dtlib", "train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
             "--hidden", "32", "--seq", "16",
             "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
     agents = [subprocess.Popen(torchrun + (["--rdzv-conf", "is_host=1"] if i == 0 else ["--rdzv-conf", "is_host=0"])

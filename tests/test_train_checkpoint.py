@@ -7,7 +7,7 @@ import torch
 
 from dtlib.launcher import launch
 from dtlib.resilience.checkpoint import read_manifest, to_torch
-from dtlib.train import TrainConfig, train
+from dtlib.trainer import TrainConfig, train
 
 TIMEOUT = 120
 # one more AdamW step on another layout: float32 sums in another order (see tests/test_train.py)

@@ -4,7 +4,7 @@ days, dollars, energy and failures (:mod:`dtlib.plan`).
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
 prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
-including pinned flags that no valid layout has: one line on stderr, exit 2 (``dtlib.cli.main``).
+including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
+from dtlib.cli.args import model_args, model_from_args, parse_count, positive_int
 from dtlib.plan.calibration import default_efficiency, efficiency_source
 from dtlib.plan.search import search
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions
@@ -66,11 +67,10 @@ def _price(text: str) -> float:
 
 
 def add_plan_command(sub: Any) -> None:
-    from dtlib.cli import _model_args, parse_count, positive_int  # the shared flags
 
     p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
@@ -113,9 +113,8 @@ def add_plan_command(sub: Any) -> None:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
-    from dtlib.cli import _model
 
-    model = _model(args)
+    model = model_from_args(args)
     if not isinstance(model, TransformerConfig):
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:

@@ -19,17 +19,17 @@ on the same global batch: ``tests/test_train.py`` checks every layout against it
 
 Started three ways with the same :func:`train`: ``dtlib.launch(train, n, args=(config,))`` from a
 notebook, ``dtlib train ...`` (which launches the ranks itself), and
-``torchrun --nproc-per-node G -m dtlib.train ...`` on one or several nodes.
+``torchrun --nproc-per-node G -m dtlib train ...`` on one or several nodes (:mod:`dtlib.cli.train`
+parses the flags).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from dtlib.launcher import launch
 from dtlib.measure import measure_cpu
 from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
-from dtlib.profile import Finding, format_summary, phase, profile_steps, report
+from dtlib.profile import phase, profile_steps, report
 from dtlib.parallel import schedules
 from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
@@ -63,7 +63,7 @@ from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, check_mo
 from dtlib.resilience.elastic import restart_count
 from dtlib.resilience.heartbeat import Heartbeat
 
-__all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
+__all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -643,39 +643,3 @@ def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, prog
         raise ValueError("--kill-agent kills a torchrun agent: start the run with torchrun")
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
                   timeout=timeout)[0]
-
-
-def config_from_args(args: Any) -> TrainConfig:
-    """A :class:`TrainConfig` from parsed ``dtlib train`` arguments (same names)."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dtlib.train ...`` (e.g. under torchrun): the ``dtlib train`` command."""
-    from dtlib.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (its env:// variables are set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def emit(summary: dict[str, Any], as_json: bool) -> str:
-    """The text ``dtlib train`` prints on rank 0."""
-    if as_json:
-        return json.dumps({k: v for k, v in summary.items() if k != "params"})
-    lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
-    if summary["tokens_per_s"] is not None:
-        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
-    lines.append(f"params_sha256 {summary['params_sha256']}")
-    if "profile" in summary:
-        profile = summary["profile"]
-        lines.append("profile (ms per step of the profiled steps; traces in --profile DIR):")
-        lines.append(format_summary(profile, [Finding(**f) for f in profile["findings"]]))
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
