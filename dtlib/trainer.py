@@ -62,6 +62,9 @@ from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, check_mo
                                          read_manifest, verify_files)
 from dtlib.resilience.elastic import restart_count
 from dtlib.resilience.heartbeat import Heartbeat
+# lesson 12: streaming data, monitoring and integrity, incremental checkpoints
+from dtlib import monitor as _monitor, streaming as _streaming
+from dtlib.resilience import incremental as _incremental
 
 __all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS"]
 
@@ -133,6 +136,28 @@ class TrainConfig:
     hang_step: int | None = None
     hang_rank: int | None = None
     profile: str | None = None
+    # ---- data, monitoring, integrity, incremental checkpoints (lesson 12) ----------------------------
+    # data: a dtlib.streaming shard directory instead of the built-in corpus (its global order,
+    # resumable position, data_workers reader threads, prefetch steps read ahead, data_delay s per
+    # read: a slow-storage drill); sample_log: each rank appends the sample ids it trained on there.
+    # metrics (JSON lines) / tensorboard (a SummaryWriter directory), loss-spike and grad-norm alerts
+    # (factor x the recent median); checksum_every: cross-replica parameter checksums
+    # (dtlib.resilience.integrity), flip_bit_step/rank: the silent-corruption drill; incremental:
+    # checkpoints as deltas against a full one every full_every saves (dtlib.resilience.incremental).
+    data: str | None = None
+    data_workers: int = 0
+    prefetch: int = 1
+    data_delay: float = 0.0
+    sample_log: str | None = None
+    metrics: str | None = None
+    tensorboard: str | None = None
+    checksum_every: int = 0
+    flip_bit_step: int | None = None
+    flip_bit_rank: int | None = None
+    loss_spike_factor: float = 2.0
+    grad_norm_factor: float = 5.0
+    incremental: bool = False
+    full_every: int = 4
 
     @property
     def world_size(self) -> int:
@@ -209,6 +234,9 @@ class TrainConfig:
         if self.pp > 1:
             schedules.validate(schedules.schedule(self.schedule, self.pp, self.num_microbatches,
                                                   self.virtual_stages))
+        _streaming.check_options(self)  # lesson 12's options
+        _monitor.check_options(self, world)
+        _incremental.check_options(self)
         return self
 
 
@@ -304,6 +332,11 @@ class _Run:
         self.kill_rank = last if c.kill_rank is None else c.kill_rank
         self.hang_rank = last if c.hang_rank is None else c.hang_rank
         self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
+        # lesson 12: streaming shards (dtlib.streaming), and a hook between gradient sync and update
+        self.stream = (_streaming.ShardedTokens(c.data, c.seed, c.data_workers, c.prefetch, c.data_delay)
+                       if c.data else None)
+        self.sample_ids: list[int] = []
+        self.on_gradients: Any = lambda run: None
 
     def group(self, kind: str) -> Any:
         return self.groups[kind] if self.groups is not None else None
@@ -322,10 +355,13 @@ class _Run:
         """This rank's share of step ``step``'s global batch: its data-parallel slice of the
         sequences, and its context-parallel shard of their tokens."""
         c = self.config
-        inputs, targets = token_batch(step, c.global_batch, c.seq, c.seed)
-        per_replica = c.micro_batch_size * c.num_microbatches
-        rows = slice(self.coords["dp"] * per_replica, (self.coords["dp"] + 1) * per_replica)
-        inputs, targets = inputs[rows], targets[rows]
+        if self.stream is not None:  # lesson 12: this replica's slice of the shards' global order
+            inputs, targets, self.sample_ids = self.stream.batch(c.global_batch, self.coords["dp"], c.dp)
+        else:
+            inputs, targets = token_batch(step, c.global_batch, c.seq, c.seed)
+            per_replica = c.micro_batch_size * c.num_microbatches
+            rows = slice(self.coords["dp"] * per_replica, (self.coords["dp"] + 1) * per_replica)
+            inputs, targets = inputs[rows], targets[rows]
         if c.cp > 1:
             inputs, targets = (shard_sequence(t, self.coords["cp"], c.cp) for t in (inputs, targets))
         return inputs, targets
@@ -358,6 +394,7 @@ class _Run:
         self.beat(self.step_count, "gradient sync")
         with phase("comm"):
             self.synchronise_gradients()
+        self.on_gradients(self)  # lesson 12: dtlib.monitor's gradient norm
         self.beat(self.step_count, "optimizer")
         with phase("optimizer"):
             self.optimizer.step()
@@ -395,6 +432,8 @@ class _Run:
         model, owned = self._checkpointed()
         extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed,
                  "num_microbatches": c.num_microbatches}
+        if self.stream is not None:  # lesson 12: the streaming position, global so any world resumes it
+            extra["data_state"] = self.stream.state_dict()
         checkpointer.save(self.step_count, model, self.optimizer, data_position=self.step_count,
                           layout=self._saved_layout(), extra=extra, owned=owned)
 
@@ -415,6 +454,9 @@ class _Run:
             raise ValueError(f"the checkpoint {info['path']} is at step {info['data_position']}, past "
                              f"--steps {c.steps}: ask for more steps")
         self.step_count = info["data_position"]
+        if self.stream is not None:  # lesson 12: samples consumed, whatever world size saved them
+            self.stream.load_state_dict(info["extra"].get("data_state", {**self.stream.state_dict(),
+                                                                         "consumed": self.step_count * c.global_batch}))
         line = f"resumed at step {self.step_count} from {info['path']}"
         saved, mine = info["layout"], self._saved_layout()
         if saved != mine:
@@ -508,7 +550,9 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         bar = tqdm(total=config.steps, desc="dtlib train", file=sys.stderr)
     tokens = config.global_batch * config.seq
     checkpointer = None
-    if config.checkpoint_dir:
+    if config.checkpoint_dir and config.incremental:  # lesson 12: deltas against a full checkpoint
+        checkpointer = _incremental.TrainerCheckpointer(config.checkpoint_dir, config.full_every)
+    elif config.checkpoint_dir:
         checkpointer = Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
                                     milestone_every=config.milestone_every, async_save=config.async_checkpoint)
     resumed = None
@@ -521,6 +565,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if config.heartbeat and run.distributed:
         monitor = Heartbeat(timeout=config.heartbeat, interval=min(1.0, config.heartbeat / 4)).start()
         run.beat = monitor.beat
+    watch = _monitor.Monitor.for_run(run, rank, tokens)  # lesson 12: metrics, alerts, checksums (or None)
 
     def one_step() -> None:
         if config.kill_step == run.step_count and rank == run.kill_rank and restart_count() == 0:
@@ -532,6 +577,10 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         start = time.perf_counter()
         losses.append(run.step())
         seconds.append(time.perf_counter() - start)
+        if watch is not None:  # lesson 12
+            watch.after_step(run.step_count - 1, losses[-1], seconds[-1], run.params)
+        if config.sample_log and run.stream is not None:
+            _streaming.log_samples(config.sample_log, rank, run.step_count - 1, run.sample_ids)
         if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
             run.beat(run.step_count, "checkpoint")
             run.save(checkpointer)
@@ -569,6 +618,10 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         dist.all_gather_object(memory, _peak_memory())
     if monitor is not None:
         monitor.stop()
+    if watch is not None:
+        watch.close()
+    if run.stream is not None:
+        run.stream.close()
     if rank != 0:
         return {"rank": rank}
     timed = seconds[1:] or seconds
@@ -584,6 +637,13 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     if profile is not None:
         out["profile"] = {k: profile[k] for k in ("breakdown", "mfu", "hfu", "findings", "step_time",
                                                   "achieved_flops_per_rank", "tokens_per_second")}
+    if watch is not None:  # lesson 12
+        out.update(watch.summary())
+    if run.stream is not None:
+        out["samples_consumed"] = run.stream.consumed
+    if isinstance(checkpointer, _incremental.TrainerCheckpointer):
+        out["checkpoint_bytes"] = [{"step": s, "kind": k, "bytes": b} for s, k, b in checkpointer.written]
+        out["full_state_bytes"] = checkpointer.full_bytes
     if keep_params:
         out["params"] = full
     return out

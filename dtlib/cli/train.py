@@ -98,6 +98,29 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--heartbeat", type=non_negative_float, default=0.0, metavar="SECONDS",
                    help="name a rank that makes no progress for this long and end the job (exit 75) so "
                         "torchrun restarts it; well below --timeout, above the longest step (0: off)")
+    # lesson 12: dtlib.streaming, dtlib.monitor, dtlib.resilience.integrity / .incremental
+    g = p.add_argument_group("data, monitoring and integrity")
+    g.add_argument("--data", metavar="DIR", help="stream samples from a shard directory "
+                   "(dtlib.streaming.write_shards) in one global order, resumable on any world size "
+                   "(default: the bundled text)")
+    g.add_argument("--data-workers", type=non_negative_int, default=0, help="reader threads per rank (--data)")
+    g.add_argument("--prefetch", type=non_negative_int, default=1, help="steps read ahead in the background (--data)")
+    g.add_argument("--data-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="drill: every read of --data sleeps this long (slow storage)")
+    g.add_argument("--sample-log", metavar="DIR", help="each rank appends the sample ids of every step to DIR/rankN.jsonl")
+    g.add_argument("--metrics", metavar="FILE", help="rank 0 appends one JSON line per step (loss, grad_norm, ...)")
+    g.add_argument("--tensorboard", metavar="DIR", help="rank 0 writes TensorBoard scalars to DIR")
+    g.add_argument("--checksum-every", type=non_negative_int, default=0,
+                   help="compare the replicas' parameter checksums every N steps and name a diverged rank (0: off)")
+    g.add_argument("--flip-bit-step", type=non_negative_int, help="drill: flip one parameter bit after this step")
+    g.add_argument("--flip-bit-rank", type=non_negative_int, help="the rank --flip-bit-step corrupts (default: the last)")
+    g.add_argument("--loss-spike-factor", type=positive_float, default=2.0,
+                   help="alert when the loss exceeds this x the median of the last 10 steps")
+    g.add_argument("--grad-norm-factor", type=positive_float, default=5.0,
+                   help="alert when the gradient norm exceeds this x the median of the last 10 steps")
+    g.add_argument("--incremental", action="store_true",
+                   help="checkpoints as deltas against the last full one (same layout to resume; --zero 0)")
+    g.add_argument("--full-every", type=positive_int, default=4, help="with --incremental: every Nth save is full")
     g = p.add_argument_group("launch")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a hung run is stopped")

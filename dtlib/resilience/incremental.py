@@ -1,0 +1,264 @@
+"""Incremental checkpoints: a full checkpoint every ``full_every`` saves, and in between only what
+changed since that full one, as lossless deltas. A resume is bit-identical to loading a full one.
+
+Check-N-Run (Eisenman et al. 2022, NSDI, "Check-N-Run: a Checkpointing System for Training Deep
+Learning Recommendation Models") saves only the embedding rows a training interval touched
+(differential checkpoints, Sec. 4.1) against the last full checkpoint, so a restore reads one full
+and one delta -- never a chain -- and the full one is re-taken when the deltas grow. It adds
+quantisation (lossy); this module stays lossless, so a resume equals the uninterrupted run:
+
+* every tensor is split into chunks of ``chunk`` elements; a chunk whose bits equal the full
+  checkpoint's is not written at all (frozen layers, embedding rows no token used, optimizer
+  state of parameters that got no gradient);
+* a chunk that changed is stored as ``new XOR full`` (as integers of the same width) compressed with
+  zlib: a small update leaves the sign, the exponent and the top mantissa bits unchanged, so the
+  XOR starts with zero bits that compress (Chen et al. 2020, "On Efficient Constructions of
+  Checkpoints", LC-checkpoint, delta-encode the same way).
+
+Each rank saves its own state (its shard of the layout); loading needs the same layout. Files:
+``DIR/step00000004/rank0.pt``, written to a temporary name and renamed, so a file that exists is
+complete; a step is complete when every rank's file is there.
+"""
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from typing import Any
+
+import torch
+
+from dtlib.analytic import validate
+
+__all__ = ["IncrementalCheckpointer", "TrainerCheckpointer", "encode_delta", "apply_delta", "state_bytes",
+           "complete_steps", "check_options"]
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of the same width, flat (a view where possible)."""
+    t = t.detach().contiguous().cpu().reshape(-1)
+    return t if t.dtype == torch.bool else t.view(_INT[t.element_size()])
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors' data."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def encode_delta(new: torch.Tensor, base: torch.Tensor, chunk: int = 4096) -> dict[str, Any]:
+    """``new`` against ``base`` (same shape and dtype): the indices of the chunks that changed and
+    their XOR, zlib-compressed."""
+    if new.shape != base.shape or new.dtype != base.dtype:
+        raise ValueError(f"a delta needs the same shape and dtype: {tuple(new.shape)} {new.dtype} vs "
+                         f"{tuple(base.shape)} {base.dtype}")
+    a, b = _bits(new), _bits(base)
+    x = a ^ b
+    n = x.numel()
+    pad = (-n) % chunk
+    xs = torch.cat([x, x.new_zeros(pad)]).view(-1, chunk) if n else x.view(0, chunk)
+    changed = torch.nonzero(xs.ne(0).any(dim=1)).flatten()
+    payload = zlib.compress(xs[changed].numpy().tobytes(), 1) if len(changed) else b""
+    return {"chunks": changed.to(torch.int32), "xor": payload, "numel": n, "chunk": chunk}
+
+
+def apply_delta(base: torch.Tensor, delta: dict[str, Any]) -> torch.Tensor:
+    """``base`` with ``delta`` applied: the saved tensor, bit for bit."""
+    chunk, n = delta["chunk"], delta["numel"]
+    b = _bits(base).clone()
+    pad = (-n) % chunk
+    bs = torch.cat([b, b.new_zeros(pad)]).view(-1, chunk)
+    if len(delta["chunks"]):
+        raw = bytearray(zlib.decompress(delta["xor"]))
+        xs = torch.frombuffer(raw, dtype=bs.dtype).view(-1, chunk)
+        idx = delta["chunks"].long()
+        bs[idx] ^= xs
+    out = bs.reshape(-1)[:n]
+    return (out if base.dtype == torch.bool else out.view(base.dtype)).view(base.shape).clone()
+
+
+def _step_dir(directory: str, step: int) -> str:
+    # not "stepNNNNNNNN": that is the full (DCP) checkpoints' name in the same --checkpoint-dir
+    return os.path.join(directory, f"incr-step{step:08d}")
+
+
+def complete_steps(directory: str, world_size: int) -> list[int]:
+    """Steps whose every rank file is written, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = re.fullmatch(r"incr-step(\d{8})", name)
+        if m and all(os.path.exists(os.path.join(directory, name, f"rank{r}.pt")) for r in range(world_size)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+class IncrementalCheckpointer:
+    """One rank's incremental checkpoints of a ``{name: tensor}`` state (plus picklable ``meta``).
+
+    ``full_every``: every ``full_every``-th save is full (1: always full, the baseline); ``chunk``:
+    elements per delta chunk. ``written`` lists ``(step, kind, bytes)`` per save; ``full_bytes`` what
+    a full save of the same state takes."""
+
+    def __init__(self, directory: str, rank: int = 0, world_size: int = 1, full_every: int = 4, chunk: int = 4096):
+        self.directory = os.fspath(directory)
+        self.rank, self.world_size = rank, world_size
+        self.full_every = validate.integer("full_every", full_every)
+        self.chunk = validate.integer("chunk", chunk)
+        self.base: dict[str, torch.Tensor] | None = None
+        self.base_step: int | None = None
+        self.saves_since_full = 0
+        self.written: list[tuple[int, str, int]] = []
+        os.makedirs(self.directory, exist_ok=True)
+
+    def save(self, step: int, state: dict[str, torch.Tensor], meta: Any = None, sweep: bool = True) -> tuple[str, int]:
+        """Save ``state`` as step ``step``: full or delta; returns (kind, bytes written). After a full
+        save the older files go (``sweep``; with several ranks call :meth:`sweep` once every rank's
+        file of this step is written, so a crash in between leaves a complete older step)."""
+        state = {k: v.detach().cpu().clone() for k, v in state.items()}
+        full = self.base is None or self.saves_since_full + 1 >= self.full_every or set(state) != set(self.base) \
+            or any(state[k].shape != self.base[k].shape or state[k].dtype != self.base[k].dtype for k in state)
+        if full:
+            payload = {"kind": "full", "step": step, "tensors": state, "meta": meta}
+        else:
+            deltas = {k: encode_delta(v, self.base[k], self.chunk) for k, v in state.items()}
+            payload = {"kind": "delta", "step": step, "base": self.base_step, "deltas": deltas, "meta": meta,
+                       "dtypes": {k: v.dtype for k, v in state.items()}, "shapes": {k: v.shape for k, v in state.items()}}
+        path = os.path.join(_step_dir(self.directory, step), f"rank{self.rank}.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+        size = os.path.getsize(path)
+        if full:
+            self.base, self.base_step, self.saves_since_full = state, step, 0
+            if sweep:
+                self.sweep()
+        else:
+            self.saves_since_full += 1
+        kind = payload["kind"]
+        self.written.append((step, kind, size))
+        return kind, size
+
+    def sweep(self) -> None:
+        """This rank's files older than the last full save: not needed any more."""
+        for s in complete_steps(self.directory, 0):  # every step directory
+            if self.base_step is not None and s < self.base_step:
+                path = os.path.join(_step_dir(self.directory, s), f"rank{self.rank}.pt")
+                if os.path.exists(path):
+                    os.remove(path)
+
+    def latest(self) -> int | None:
+        """The newest step every rank has written (and whose full base this rank still has)."""
+        for s in reversed(complete_steps(self.directory, self.world_size)):
+            return s
+        return None
+
+    def load(self, step: int | None = None) -> tuple[int, dict[str, torch.Tensor], Any] | None:
+        """(step, state, meta) of ``step`` (default the newest complete one), or None if there is none."""
+        step = self.latest() if step is None else step
+        if step is None:
+            return None
+        payload = torch.load(os.path.join(_step_dir(self.directory, step), f"rank{self.rank}.pt"), weights_only=False)
+        if payload["kind"] == "full":
+            state = payload["tensors"]
+            self.base, self.base_step = state, step
+        else:
+            base = torch.load(os.path.join(_step_dir(self.directory, payload["base"]), f"rank{self.rank}.pt"),
+                              weights_only=False)
+            if base["kind"] != "full":  # pragma: no cover - deltas are always against a full save
+                raise RuntimeError(f"the base of step {step} is not a full checkpoint")
+            state = {k: apply_delta(base["tensors"][k], d) for k, d in payload["deltas"].items()}
+            self.base, self.base_step = base["tensors"], payload["base"]
+        self.saves_since_full = 0 if payload["kind"] == "full" else self.full_every  # next save: full
+        return step, state, payload["meta"]
+
+
+# ---- the trainer's incremental checkpoints (dtlib train --incremental) ----------------------------
+def check_options(config: Any) -> None:
+    """One-line ValueErrors for ``--incremental`` and ``--full-every``."""
+    validate.integer("full_every", config.full_every)
+    if config.incremental:
+        if not config.checkpoint_dir:
+            raise ValueError("--incremental needs --checkpoint-dir to save into")
+        if config.zero != 0:
+            raise ValueError("--incremental saves each rank's own model and optimizer state: use --zero 0")
+        if config.async_checkpoint:
+            raise ValueError("--incremental writes synchronously: drop --async-checkpoint")
+
+
+class TrainerCheckpointer:
+    """What :func:`dtlib.trainer.train` uses instead of
+    :class:`~dtlib.resilience.checkpoint.Checkpointer` with ``--incremental``: the same ``save``
+    and ``load`` calls, each rank's model and optimizer state (and CPU RNG) saved through an
+    :class:`IncrementalCheckpointer`. A resume needs the layout that saved (no resharding)."""
+
+    def __init__(self, directory: str, full_every: int = 4):
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.distributed = distributed
+        self.directory = os.fspath(directory)
+        self.inner = IncrementalCheckpointer(self.directory, self.rank, self.world_size, full_every)
+        self.blocking_seconds: list[float] = []
+        self.full_bytes: int | None = None
+
+    @property
+    def written(self) -> list[tuple[int, str, int]]:
+        return self.inner.written
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def save(self, step: int, model: Any, optimizer: Any = None, data_position: Any = None,
+             layout: dict[str, Any] | None = None, extra: dict[str, Any] | None = None, owned: Any = None) -> None:
+        import time
+        start = time.perf_counter()
+        state = {f"model.{k}": v for k, v in model.state_dict().items()}
+        other: dict[str, Any] = {}
+        sd = optimizer.state_dict()
+        for pid, st in sd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    state[f"optim.{pid}.{k}"] = v
+                else:
+                    other.setdefault(pid, {})[k] = v
+        state["rng.cpu"] = torch.get_rng_state()
+        self.full_bytes = state_bytes(state)
+        meta = {"param_groups": sd["param_groups"], "optim_other": other, "data_position": data_position,
+                "layout": layout, "extra": extra or {}, "world_size": self.world_size}
+        self.inner.save(step, state, meta, sweep=False)
+        self._barrier()  # every rank's file written: the step is complete
+        self.inner.sweep()
+        self.blocking_seconds.append(time.perf_counter() - start)
+
+    def load(self, model: Any, optimizer: Any = None, owned: Any = None) -> dict[str, Any] | None:
+        found = self.inner.load()
+        if found is None:
+            return None
+        step, state, meta = found
+        if meta["world_size"] != self.world_size:
+            raise ValueError(f"--incremental checkpoints resume on the layout that saved them: "
+                             f"{meta['world_size']} ranks saved, {self.world_size} load")
+        model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+        opt_state: dict[Any, dict[str, Any]] = {}
+        for k, v in state.items():
+            if k.startswith("optim."):
+                _, pid, name = k.split(".", 2)
+                opt_state.setdefault(int(pid), {})[name] = v
+        for pid, rest in meta["optim_other"].items():
+            opt_state.setdefault(int(pid), {}).update(rest)
+        optimizer.load_state_dict({"state": opt_state, "param_groups": meta["param_groups"]})
+        torch.set_rng_state(state["rng.cpu"])
+        return dict(step=step, data_position=meta["data_position"], extra=meta["extra"], layout=meta["layout"],
+                    world_size=meta["world_size"], path=os.path.join(_step_dir(self.directory, step),
+                                                                     f"rank{self.rank}.pt"),
+                    rng_restored=True)
+
+    def close(self) -> None:
+        pass
