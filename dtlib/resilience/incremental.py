@@ -13,7 +13,12 @@ quantisation (lossy); this module stays lossless, so a resume equals the uninter
 * a chunk that changed is stored as ``new XOR full`` (as integers of the same width) compressed with
   zlib: a small update leaves the sign, the exponent and the top mantissa bits unchanged, so the
   XOR starts with zero bits that compress (Chen et al. 2020, "On Efficient Constructions of
-  Checkpoints", LC-checkpoint, delta-encode the same way).
+  Checkpoints", LC-checkpoint, delta-encode the same way); a tensor whose XOR does not compress
+  (Adam's moments change in every bit) is stored as its changed chunks, raw.
+
+What it saves depends on what changes: dense training with AdamW changes every parameter and
+moment at every step, so only the XOR's compression is left (lesson 12 measures it); frozen
+layers, embedding rows no batch touched (Check-N-Run's case) and small updates save the most.
 
 Each rank saves its own state (its shard of the layout); loading needs the same layout. Files:
 ``DIR/step00000004/rank0.pt``, written to a temporary name and renamed, so a file that exists is
@@ -47,7 +52,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def encode_delta(new: torch.Tensor, base: torch.Tensor, chunk: int = 4096) -> dict[str, Any]:
+def encode_delta(new: torch.Tensor, base: torch.Tensor, chunk: int = 256) -> dict[str, Any]:
     """``new`` against ``base`` (same shape and dtype): the indices of the chunks that changed and
     their XOR, zlib-compressed."""
     if new.shape != base.shape or new.dtype != base.dtype:
@@ -59,8 +64,16 @@ def encode_delta(new: torch.Tensor, base: torch.Tensor, chunk: int = 4096) -> di
     pad = (-n) % chunk
     xs = torch.cat([x, x.new_zeros(pad)]).view(-1, chunk) if n else x.view(0, chunk)
     changed = torch.nonzero(xs.ne(0).any(dim=1)).flatten()
-    payload = zlib.compress(xs[changed].numpy().tobytes(), 1) if len(changed) else b""
-    return {"chunks": changed.to(torch.int32), "xor": payload, "numel": n, "chunk": chunk}
+    payload = zlib.compress(xs[changed].numpy().tobytes(), 6) if len(changed) else b""
+    last = len(changed) and int(changed[-1]) == xs.shape[0] - 1
+    valid = len(changed) * chunk - (pad if last else 0)  # the padding of the last chunk is not stored
+    raw = len(payload) >= valid * x.element_size()
+    if raw:  # the XOR did not compress (most bits changed): the new chunks as they are
+        a_pad = torch.cat([a, a.new_zeros(pad)]).view(-1, chunk)
+        payload = a_pad[changed].reshape(-1)[:valid].numpy().tobytes()
+    # a uint8 tensor, not bytes: torch.save pickles bytes with protocol 2, as latin-1 text (up to 2x)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+    return {"chunks": changed.to(torch.int32), "xor": data, "raw": raw, "numel": n, "chunk": chunk}
 
 
 def apply_delta(base: torch.Tensor, delta: dict[str, Any]) -> torch.Tensor:
@@ -70,10 +83,15 @@ def apply_delta(base: torch.Tensor, delta: dict[str, Any]) -> torch.Tensor:
     pad = (-n) % chunk
     bs = torch.cat([b, b.new_zeros(pad)]).view(-1, chunk)
     if len(delta["chunks"]):
-        raw = bytearray(zlib.decompress(delta["xor"]))
-        xs = torch.frombuffer(raw, dtype=bs.dtype).view(-1, chunk)
+        payload = delta["xor"].numpy().tobytes()
+        data = bytearray(payload if delta["raw"] else zlib.decompress(payload))
+        flat = torch.frombuffer(data, dtype=bs.dtype) if data else bs.new_zeros(0)
+        xs = torch.cat([flat, flat.new_zeros(len(delta["chunks"]) * chunk - flat.numel())]).view(-1, chunk)
         idx = delta["chunks"].long()
-        bs[idx] ^= xs
+        if delta["raw"]:
+            bs[idx] = xs
+        else:
+            bs[idx] ^= xs
     out = bs.reshape(-1)[:n]
     return (out if base.dtype == torch.bool else out.view(base.dtype)).view(base.shape).clone()
 
@@ -102,7 +120,7 @@ class IncrementalCheckpointer:
     elements per delta chunk. ``written`` lists ``(step, kind, bytes)`` per save; ``full_bytes`` what
     a full save of the same state takes."""
 
-    def __init__(self, directory: str, rank: int = 0, world_size: int = 1, full_every: int = 4, chunk: int = 4096):
+    def __init__(self, directory: str, rank: int = 0, world_size: int = 1, full_every: int = 4, chunk: int = 256):
         self.directory = os.fspath(directory)
         self.rank, self.world_size = rank, world_size
         self.full_every = validate.integer("full_every", full_every)
