@@ -27,12 +27,14 @@ from dtlib.parallel.schedules import schedule, simulate
 from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
 from dtlib.resilience.interval import interval_study
+from dtlib.viz import cluster as cluster_viz
 from dtlib.viz import (charts, collectives, comm, memory, mesh, pipeline, plan, profile, resilience, ring,
                        tensor, timeline, training, zero)
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
 import dtlib.widgets.memory  # noqa: F401
+import dtlib.widgets.placement  # noqa: F401
 
 _STATES = {"DDP": [{"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer": 8 * MiB}] * 2,
            "ZeRO-1": [{"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer": 4 * MiB}] * 2,
@@ -166,7 +168,39 @@ FIGURES = {
     "plot_plan, nothing fits": lambda: plan.plot_plan(
         [], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB (dp=1, tp=8) but "
                           "0.9 x 80 GiB = 72.0 GiB is available on a h100-sxm; use more GPUs"),
+    # lesson 12: the cluster around the job
+    "plot_sample_order": lambda: cluster_viz.plot_sample_order(
+        {f"{w} ranks": [(i * 7 % 16, p // (4 // w) % w) for p, i in enumerate(range(16))] for w in (1, 2, 4)}),
+    "plot_placement_traffic": lambda: _placement(),
+    "placement widget": lambda: REGISTRY["placement"]().figure,
+    "plot_schedule_gantt": lambda: _gantt(),
+    "plot_replica_checksums": lambda: cluster_viz.plot_replica_checksums(
+        [{"step": 0}, {"step": 1, "diverged": []}, {"step": 2}, {"step": 3, "diverged": [1]}], 3, flipped=(2, 1)),
+    "plot_checkpoint_bytes": lambda: cluster_viz.plot_checkpoint_bytes(
+        {"AdamW": [{"step": 1, "kind": "full", "bytes": 380e3}, {"step": 2, "kind": "delta", "bytes": 300e3}],
+         "SGD": [{"step": 1, "kind": "full", "bytes": 130e3}, {"step": 2, "kind": "delta", "bytes": 80e3}]}),
 }
+
+
+def _placement():
+    from dtlib.plan.placement import ClusterSpec, Layout, node_matrix, place, tier_bytes
+    layout, c = Layout(dp=4, tp=4), ClusterSpec(nodes=4, gpus_per_node=4, nodes_per_rack=2)
+    vol = {"tp": 4e9, "dp": 1e9}
+    out = {}
+    for how in ("megatron", "naive", "random"):
+        gpu = place(layout, c, how)
+        per = tier_bytes(layout, c, gpu, vol)
+        out[how] = {"matrix": node_matrix(layout, c, gpu, vol),
+                    "tiers": {t: sum(per[k][t] for k in per) for t in ("nvlink", "leaf", "spine")}}
+    return cluster_viz.plot_placement_traffic(out, 2)
+
+
+def _gantt():
+    from dtlib.plan.placement import ClusterSpec
+    from dtlib.plan.scheduler import Job, simulate as gang
+    c = ClusterSpec(nodes=2, gpus_per_node=4, nodes_per_rack=2)
+    jobs = [Job("A", 1, 10), Job("B", 4, 10), Job("C", 3, 10), Job("D", 2, 5, arrival=3)]
+    return cluster_viz.plot_schedule_gantt({p: gang(jobs, c, p) for p in ("first-fit", "topology")}, 8, 4)
 
 
 def _plan():
