@@ -24,7 +24,7 @@ def _call(fn: Callable, name: str, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - any error of the learner's code becomes a hint
-        raise AssertionError(f"{name}{args} raised {type(e).__name__}: {first_line(str(e)) or e!r}") from e
+        raise AssertionError(f"{name}{args} raised {first_line(e)}") from e
 
 
 def _as_ints(value, what: str) -> list[int]:
@@ -120,6 +120,6 @@ def check_placement(place: Callable) -> None:
     except ValueError:
         return
     except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"tp=16 on 8-GPU nodes should raise ValueError, it raised {type(e).__name__}") from e
+        raise AssertionError(f"tp=16 on 8-GPU nodes should raise ValueError, it raised {first_line(e)}") from e
     raise AssertionError("tp=16 on 8-GPU nodes cannot stay inside a node: raise ValueError when tp does not divide "
                          "gpus_per_node")
