@@ -62,7 +62,7 @@ def plot_placement_traffic(results: Mapping[str, Mapping[str, Any]], nodes_per_r
     image = None
     for ax, name in zip(axes, names):
         m = np.asarray(results[name]["matrix"], dtype=float)
-        image = ax.imshow(m / 1e9, cmap="viridis", vmin=0, vmax=top / 1e9)
+        image = ax.imshow(m / 2 ** 30, cmap="viridis", vmin=0, vmax=top / 2 ** 30)
         n = m.shape[0]
         for start in range(0, n, nodes_per_rack):
             size = min(nodes_per_rack, n - start)
@@ -75,7 +75,7 @@ def plot_placement_traffic(results: Mapping[str, Mapping[str, Any]], nodes_per_r
         ax.set_yticks(range(n))
         ax.tick_params(labelsize=SMALL_FONT)
     cbar = fig.colorbar(image, ax=list(axes), shrink=0.85)
-    cbar.set_label("GB per step", fontsize=FONT)
+    cbar.set_label("GiB per step", fontsize=FONT)
     cbar.ax.tick_params(labelsize=SMALL_FONT)
     fig.suptitle(title or "traffic between nodes for each placement (boxes: racks)", fontsize=FONT + 1)
     return fig
