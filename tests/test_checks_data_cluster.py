@@ -30,7 +30,7 @@ def overlapping(consumed, global_batch, rank, world_size):
 
 
 def unfinished(consumed, global_batch, rank, world_size):
-    return ...
+    ...  # the exercise's stub: returns None
 
 
 def test_reference_assignments_pass():
@@ -42,7 +42,8 @@ def test_reference_assignments_pass():
     (ignores_consumed, "start from consumed"),
     (four_ranks_forever, "never read.*use world_size, not a fixed number of ranks"),
     (overlapping, "read by more than one rank"),
-    (unfinished, r"returned \.\.\. : replace the \.\.\. with your code"),
+    (unfinished, r"returned None: replace the \.\.\. with your code"),
+    (lambda *a: ..., r"returned Ellipsis: replace the \.\.\. with your code"),
 ])
 def test_assignment_mistakes_are_named(wrong, message):
     with pytest.raises(AssertionError, match=message):
@@ -82,7 +83,8 @@ def test_reference_placement_passes():
     (identity, "the TP group of ranks .* sits on nodes"),
     (forgets_pp, "two ranks on GPU"),
     (never_raises, "raise ValueError when tp does not divide gpus_per_node"),
-    (lambda *a: ..., r"place returned \.\.\."),
+    (lambda *a: ..., r"place returned Ellipsis: replace"),
+    (lambda *a: None, r"place returned None: replace"),
 ])
 def test_placement_mistakes_are_named(wrong, message):
     with pytest.raises(AssertionError, match=message):

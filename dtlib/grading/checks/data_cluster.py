@@ -28,8 +28,8 @@ def _call(fn: Callable, name: str, *args):
 
 
 def _as_ints(value, what: str) -> list[int]:
-    if value is ...:
-        raise AssertionError(f"{what} returned ... : replace the ... with your code")
+    if value is ... or value is None:
+        raise AssertionError(f"{what} returned {value}: replace the ... with your code")
     try:
         out = list(value)
     except TypeError:
@@ -93,8 +93,8 @@ def check_placement(place: Callable) -> None:
     for dp, tp, pp, per_node in LAYOUTS:
         world = dp * tp * pp
         gpu = [_call(place, "place", r, dp, tp, pp, per_node) for r in range(world)]
-        if any(g is ... for g in gpu):
-            raise AssertionError("place returned ... : replace the ... with your code")
+        if any(g is ... or g is None for g in gpu):
+            raise AssertionError(f"place returned {gpu[0]}: replace the ... with your code")
         if not all(isinstance(g, int) and not isinstance(g, bool) for g in gpu):
             raise AssertionError(f"place must return an integer GPU index, got {gpu[:6]}")
         where = f"dp={dp}, tp={tp}, pp={pp}, {per_node} GPUs per node"
