@@ -25,6 +25,13 @@ upper half of the tiles; backward does 2.5x the forward's matmul work, Dao 2023,
 Sec. 3.1-3.2) at the attention kernel efficiency; without it (Megatron-LM of 2021-22) ``Q K^T``
 and ``A V`` are batched GEMMs per head, timed as above.
 
+FP8 GEMMs need their operands cast from BF16 first (Transformer Engine / torchao with current or
+dynamic scaling): the cast reads the tensor once for its absolute maximum, reads it again and
+writes FP8, and writes a transposed FP8 copy for the backward GEMMs (Hopper's FP8 tensor cores
+take only K-major operands; Transformer Engine FP8 documentation, "FP8 on Hopper"): about
+:data:`FP8_CAST_BYTES` = 2 + 2 + 1 + 1 bytes per element of each activation, weight and output
+gradient, memory-bound at the HBM bandwidth.
+
 A power limit lowers the clock: dynamic power is ``C V^2 f`` and in the DVFS range the voltage
 follows the frequency, so power goes as ``f^3`` and the clock as ``(limit / TDP)^(1/3)``
 (:func:`clock_scale`; the exponent is an option). Memory bandwidth does not depend on the SM clock.
@@ -40,7 +47,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator
 
-__all__ = ["TILES", "FLASH_BACKWARD", "gemm_time", "clock_scale", "transformer_compute"]
+__all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
 
 # (tile_m, tile_n) of C: the guide's "Tile Quantization" section lists 256x128 / 128x256 as the most
 # efficient cuBLAS tiles and 128x128 among the smaller ones chosen for small matrices.
@@ -49,6 +56,9 @@ TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))
 # FlashAttention-2 backward / forward matmul work: 5 matmuls against 2 (Dao 2023, Sec. 3.2;
 # the paper's FLOP count for the backward is 2.5x the forward's)
 FLASH_BACKWARD = 2.5
+
+# bytes moved per element cast to FP8: amax read (2), cast read (2) + write (1), transposed copy (1)
+FP8_CAST_BYTES = 6.0
 
 
 def clock_scale(gpu: Accelerator, power_limit_w: float | None = None, exponent: float = 3.0) -> float:
@@ -134,6 +144,15 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     forward = qkv[0] + proj[0] + fc1[0] + fc2[0] + router[0]
     backward = qkv[1] + proj[1] + fc1[1] + fc2[1] + router[1]
     head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
+    if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
+        inputs = tokens * (h + h / tp) + rows * local_experts * (h + ffn / tp)
+        outputs = tokens * ((h + 2 * kv_heads * head_dim) / tp + h) + rows * local_experts * (
+            n["mlp_matrices"] * ffn / tp + h)
+        weight_elements = (h * (h + 2 * kv_heads * head_dim) + h * h + local_experts * (n["mlp_matrices"] + 1)
+                           * h * ffn) / tp
+        cast = FP8_CAST_BYTES * (inputs + outputs + weight_elements) / gpu.memory_bandwidth
+    else:
+        cast = 0.0
 
     # ---- attention core of one layer, one micro-batch ---------------------------------------------
     if flash_attention:
@@ -149,6 +168,6 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
 
     full, selective = recompute == "full", recompute == "selective"
     layers = n["layers"] / pp
-    gemm = m * (layers * ((1 + full) * forward + backward) + (head[0] + head[1]) / pp)
+    gemm = m * (layers * ((1 + full) * forward + backward + cast) + (head[0] + head[1]) / pp)
     attention = m * layers * ((1 + full + selective) * attn_fwd + attn_bwd)
     return {"gemm": np.asarray(gemm, float), "attention": np.asarray(attention, float)}

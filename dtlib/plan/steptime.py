@@ -33,6 +33,7 @@ from dtlib.analytic.precision import Precision, get_precision
 from dtlib.analytic.presets import training_of
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
+from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
@@ -54,7 +55,8 @@ TERMS: dict[str, str] = {
                    "tensors Korthikanti et al. 2022 Sec. 4.1 count per layer are written forward, read "
                    "and their gradients written backward (3 passes; recomputed ones written again), "
                    "at the HBM bandwidth (roofline, Williams et al. 2009); with flash_attention the "
-                   "s x s scores never reach HBM (Dao et al. 2022)",
+                   "s x s scores never reach HBM (Dao et al. 2022); fused_elementwise=False (eager "
+                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager)",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
                  "TP/CP/EP communication",
@@ -92,6 +94,8 @@ class StepOptions:
     ``attention_efficiency``: the kernel efficiencies of the shape-aware compute model (None: the
     fitted global values of :mod:`dtlib.plan.calibration`); ``power_limit_w``: the GPUs' power
     cap (None: their TDP; lower caps lower the clock, :func:`dtlib.plan.gemm.clock_scale`);
+    ``fused_elementwise``: memory-bound operators fused (Megatron/TE, torch.compile) or run
+    eagerly one kernel each (False: their traffic from :mod:`dtlib.plan.eager`);
     ``efficiency``: if set, compute is the flat hardware FLOPs / (peak x efficiency) instead of the
     shape-aware model; ``precision``: bytes per
     parameter (memory, gradient and optimizer traffic; default Megatron bf16 with fp32 gradients,
@@ -114,6 +118,7 @@ class StepOptions:
     gemm_efficiency: float | None = None
     attention_efficiency: float | None = None
     power_limit_w: float | None = None
+    fused_elementwise: bool = True
 
     def __post_init__(self) -> None:
         validate.one_of("dtype", self.dtype, DTYPES)
@@ -123,6 +128,7 @@ class StepOptions:
                 validate.number(name, getattr(self, name), maximum=1)
         if self.power_limit_w is not None:
             validate.number("power_limit_w", self.power_limit_w)
+        validate.boolean("fused_elementwise", self.fused_elementwise)
         for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
             validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
         validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
@@ -240,6 +246,9 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     written = no_scores if options.flash_attention else layer_bytes(recompute="none", **per_layer)
     rewritten = {"none": 0 * written, "selective": written - no_scores, "full": written}[recompute]
     elementwise = (3 * written + rewritten) * layers_here * m / gpu.memory_bandwidth
+    if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
+        per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"]) / tp
+        elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
 
     pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined

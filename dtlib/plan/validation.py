@@ -27,7 +27,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster, Link, cluster, get_gpu
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
-from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
+from dtlib.plan.calibration import ATTENTION_EFFICIENCY, FA2_ON_HOPPER, GEMM_EFFICIENCY
 from dtlib.plan.search import search
 from dtlib.plan.steptime import StepOptions
 
@@ -62,7 +62,10 @@ class PublishedRun:
     """One published run: ``metric`` is ``"hardware_tflops_per_gpu"``, ``"step_time_s"`` or
     ``"tokens_per_gpu_s"``; ``layout`` the published knobs (:data:`dtlib.plan.search.FIXABLE`);
     ``source`` the short name cross-validation leaves out; ``reference`` the citation and link;
-    ``dtype`` the matmul precision; ``power_limit_w`` the GPUs' power cap (None: TDP)."""
+    ``dtype`` the matmul precision; ``power_limit_w`` the GPUs' power cap (None: TDP);
+    ``fused_elementwise`` False for eager PyTorch; ``attention_scale`` the attention kernel's
+    utilization relative to FlashAttention-3 class kernels (:data:`FA2_ON_HOPPER` for PyTorch
+    SDPA's FlashAttention-2 on H100); ``tp_overlap`` the TP communication the software hides."""
     name: str
     model: TransformerConfig
     cluster: Cluster
@@ -77,6 +80,9 @@ class PublishedRun:
     flash_attention: bool = False
     dtype: str = "bf16"
     power_limit_w: float | None = None
+    fused_elementwise: bool = True
+    attention_scale: float = 1.0
+    tp_overlap: float = 0.0
     note: str = field(default="")
 
 
@@ -97,9 +103,11 @@ _TABLE5 = [("22B", 64, 6144, 48, 1, 8, 4, 1.10), ("175B", 96, 12288, 96, 8, 64, 
            ("530B", 128, 20480, 105, 35, 280, 280, 37.83), ("1T", 160, 25600, 128, 64, 512, 512, 71.49)]
 
 # (model, gpus, global batch, layout, tokens/s/GPU) -- the DGX-H100 rows of the 25.11 table
-_BRIDGE_ROWS = [("llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=3, virtual_stages=1), 14451),
-                ("llama3-70b", 64, 128, dict(tp=4, pp=8, cp=1, zero=0, virtual_stages=5), 1602),
-                ("llama3-405b", 1024, 512, dict(tp=8, pp=8, cp=2, zero=0, virtual_stages=8), 292)]
+_BRIDGE_ROWS = [("llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=3, virtual_stages=1, recompute="none"), 14451),
+                ("llama3-70b", 64, 128, dict(tp=4, pp=8, cp=1, zero=0, virtual_stages=5, recompute="none",
+                                             sequence_parallel=1), 1602),
+                ("llama3-405b", 1024, 512, dict(tp=8, pp=8, cp=2, zero=0, virtual_stages=8, recompute="none",
+                                                sequence_parallel=1), 292)]
 
 
 def _published() -> list[PublishedRun]:
@@ -128,22 +136,25 @@ def _published() -> list[PublishedRun]:
         metric="hardware_tflops_per_gpu", published=156, family="a100", source="BLOOM 2022", reference=_BLOOM,
         dropout=False, note="vocabulary padded to 250,880 as Megatron-DeepSpeed does; dropout 0"))
     titan = dict(zero=3, sequence_parallel=0, recompute="selective", tp=1, pp=1, cp=1, micro_batch_size=2)
-    for gpus, tps, table in ((8, 5762, 1), (128, 5605, 3)):
-        rows.append(PublishedRun(
-            name=f"Llama 3.1 8B, FSDP {gpus} (torchtitan T{table})", model=get_preset("llama3-8b"),
-            cluster=Cluster(TITAN_H100, gpus // 8, 8, cluster().intra, cluster(inter="roce-400g").inter),
-            global_batch=2 * gpus, layout=dict(titan, dp=gpus), metric="tokens_per_gpu_s", published=tps,
-            family="h100", source="torchtitan", reference=_TITAN + f", Table {table}: local batch 2, selective AC, FSDP",
-            dropout=False, flash_attention=True, power_limit_w=500))
+    for gpus, table, eager, compiled, float8 in ((8, 1, 5762, 6667, 8532), (128, 3, 5605, 6514, 8380)):
+        for label, tps, fused, dtype in (("eager", eager, False, "bf16"), ("compile", compiled, True, "bf16"),
+                                         ("compile + Float8", float8, True, "fp8")):
+            rows.append(PublishedRun(
+                name=f"Llama 3.1 8B, FSDP {gpus}, {label} (torchtitan T{table})", model=get_preset("llama3-8b"),
+                cluster=Cluster(TITAN_H100, gpus // 8, 8, cluster().intra, cluster(inter="roce-400g").inter),
+                global_batch=2 * gpus, layout=dict(titan, dp=gpus), metric="tokens_per_gpu_s", published=tps,
+                family="h100", source="torchtitan",
+                reference=_TITAN + f", Table {table}: local batch 2, selective AC, FSDP, {label}",
+                dropout=False, flash_attention=True, power_limit_w=500, fused_elementwise=fused, dtype=dtype,
+                attention_scale=FA2_ON_HOPPER))
     rows.append(PublishedRun(
-        name="Llama 3.1 70B, FSDP 32 x TP 8 (torchtitan)", model=get_preset("llama3-70b"),
+        name="Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)", model=get_preset("llama3-70b"),
         cluster=Cluster(TITAN_H100, 32, 8, cluster().intra, cluster(inter="roce-400g").inter),
         global_batch=512, layout=dict(dp=32, tp=8, pp=1, cp=1, zero=3, sequence_parallel=1, recompute="full",
                                       micro_batch_size=16),
-        metric="tokens_per_gpu_s", published=597, family="h100", dropout=False, flash_attention=True,
-        power_limit_w=500, source="torchtitan",
-        reference=_TITAN + ", Table 4 layout (local batch 16, full AC); 597 tokens/s/GPU for plain bf16 as "
-                           "cited by dtlib issue 15 (the current file lists 829 with torch.compile + Float8)"))
+        metric="tokens_per_gpu_s", published=829, family="h100", dropout=False, flash_attention=True,
+        power_limit_w=500, dtype="fp8", attention_scale=FA2_ON_HOPPER, source="torchtitan",
+        reference=_TITAN + ", Table 4: 2D (FSDP 32, TP 8), local batch 16, full AC, torch.compile + Float8"))
     for preset, gpus, batch, layout, tps in _BRIDGE_ROWS:
         model = get_preset(preset)
         dp = gpus // (layout["tp"] * layout["pp"] * layout["cp"])
@@ -152,7 +163,10 @@ def _published() -> list[PublishedRun]:
             cluster=cluster("h100-sxm", gpus // 8, 8, "nvlink4", "ib-ndr"), global_batch=batch,
             layout=dict(layout, dp=dp, micro_batch_size=1), metric="tokens_per_gpu_s", published=tps,
             family="h100", source="Megatron-Bridge", reference=_BRIDGE, dropout=False, flash_attention=True,
-            dtype="fp8", note="recompute and sequence parallelism not stated: left to the planner"))
+            dtype="fp8", tp_overlap=1.0 if layout["tp"] > 1 else 0.0,
+            note="recipe (scripts/performance/configs/llama/llama3_workload_base_configs.py): no recompute "
+                 "for 70B/405B; 8B recomputes 5 of 32 layers, which dtlib cannot express (timed with none); "
+                 "TP communication overlapped (Transformer Engine userbuffers)"))
     return rows
 
 
@@ -167,9 +181,11 @@ def _metric(config: dict[str, Any], run: PublishedRun) -> float:
 
 
 def _options(run: PublishedRun, gemm: float | None, attention: float | None) -> StepOptions:
+    attention = ATTENTION_EFFICIENCY if attention is None else attention
     return StepOptions(dtype=run.dtype, flash_attention=run.flash_attention, power_limit_w=run.power_limit_w,
                        gemm_efficiency=GEMM_EFFICIENCY if gemm is None else gemm,
-                       attention_efficiency=ATTENTION_EFFICIENCY if attention is None else attention)
+                       attention_efficiency=attention * run.attention_scale, tp_overlap=run.tp_overlap,
+                       fused_elementwise=run.fused_elementwise)
 
 
 def _published_layout(run: PublishedRun, options: StepOptions, fit: bool = True):
@@ -223,7 +239,7 @@ def mean_absolute_error(rows: list[dict[str, Any]]) -> float:
     return float(np.mean([abs(r["error"]) for r in rows]))
 
 
-GEMM_GRID = tuple(round(x, 2) for x in np.arange(0.50, 1.001, 0.05))
+GEMM_GRID = tuple(round(x, 2) for x in np.arange(0.60, 1.001, 0.05))
 ATTENTION_GRID = tuple(round(x, 2) for x in np.arange(0.20, 0.801, 0.05))
 
 
