@@ -28,8 +28,8 @@ from __future__ import annotations
 __all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FA2_ON_HOPPER", "FITTED_ON", "efficiency_source"]
 
 # fitted by dtlib.plan.validation.fit on every run of dtlib.plan.validation.PUBLISHED
-GEMM_EFFICIENCY = 0.80
-ATTENTION_EFFICIENCY = 0.35
+GEMM_EFFICIENCY = 0.60
+ATTENTION_EFFICIENCY = 0.40
 # FlashAttention-2 on an H100 (PyTorch SDPA's flash backend) against the Hopper kernels that
 # ATTENTION_EFFICIENCY describes (FlashAttention-3 / cuDNN, as Transformer Engine runs them):
 # Shah et al. 2024, 'FlashAttention-3', abstract: FA2 "achieves only 35% utilization on H100",

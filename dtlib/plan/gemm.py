@@ -83,9 +83,9 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
     time of the operands. A GPU without an SM count in the catalogue gets the plain roofline."""
     validate.number("efficiency", efficiency, maximum=1)
     validate.number("clock", clock, maximum=1)
-    m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
     for name, x in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         validate.array(name, x, minimum=0, exclusive=False)
+    m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
     peak = gpu.peak(dtype) * clock * efficiency
     if gpu.sms is None:  # no SM count: no quantization, FLOPs / peak
         math = 2 * m * n * k * batch / peak
@@ -138,7 +138,9 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     local_experts = np.where(moe, experts / ep, 1)
     # balanced routing: each of an ep group's ranks receives tokens x top_k rows over its experts
     rows = np.where(moe, tokens * top_k / local_experts, tokens)
-    fc1 = _fwd_bwd(rows, n["mlp_matrices"] * ffn / tp, h, local_experts, **weights_kw)
+    # mlp_matrices counts FC2 too: GELU has 2 (FC1 of width ffn), SwiGLU 3 (gate and up fused in FC1)
+    fc1_width = (n["mlp_matrices"] - 1) * ffn
+    fc1 = _fwd_bwd(rows, fc1_width / tp, h, local_experts, **weights_kw)
     fc2 = _fwd_bwd(rows, h, ffn / tp, local_experts, **weights_kw)
     router = _fwd_bwd(tokens, np.maximum(experts, 1), h, moe * 1.0, **bf16_kw)
     forward = qkv[0] + proj[0] + fc1[0] + fc2[0] + router[0]
@@ -146,9 +148,8 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
     if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
         inputs = tokens * (h + h / tp) + rows * local_experts * (h + ffn / tp)
-        outputs = tokens * ((h + 2 * kv_heads * head_dim) / tp + h) + rows * local_experts * (
-            n["mlp_matrices"] * ffn / tp + h)
-        weight_elements = (h * (h + 2 * kv_heads * head_dim) + h * h + local_experts * (n["mlp_matrices"] + 1)
+        outputs = tokens * ((h + 2 * kv_heads * head_dim) / tp + h) + rows * local_experts * (fc1_width / tp + h)
+        weight_elements = (h * (h + 2 * kv_heads * head_dim) + h * h + local_experts * n["mlp_matrices"]
                            * h * ffn) / tp
         cast = FP8_CAST_BYTES * (inputs + outputs + weight_elements) / gpu.memory_bandwidth
     else:

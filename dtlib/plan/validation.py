@@ -239,7 +239,7 @@ def mean_absolute_error(rows: list[dict[str, Any]]) -> float:
     return float(np.mean([abs(r["error"]) for r in rows]))
 
 
-GEMM_GRID = tuple(round(x, 2) for x in np.arange(0.60, 1.001, 0.05))
+GEMM_GRID = tuple(round(x, 2) for x in np.arange(0.40, 1.001, 0.05))
 ATTENTION_GRID = tuple(round(x, 2) for x in np.arange(0.20, 0.801, 0.05))
 
 
