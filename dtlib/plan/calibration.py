@@ -41,6 +41,5 @@ FITTED_ON = ("Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torch
 
 def efficiency_source(gpu: str = "") -> str:
     """Where the compute model's numbers come from (the same for every GPU)."""
-    return (f"GEMM shapes, tile/wave quantization on the SMs (NVIDIA matmul guide); GEMM efficiency "
-            f"{GEMM_EFFICIENCY:.2f}, FlashAttention efficiency {ATTENTION_EFFICIENCY:.2f}: global, "
-            f"fitted on {FITTED_ON}")
+    return (f"GEMM efficiency {GEMM_EFFICIENCY:.2f} and FlashAttention efficiency {ATTENTION_EFFICIENCY:.2f}, "
+            f"the same for every GPU, fitted on {FITTED_ON} (docs/plan.md)")

@@ -159,12 +159,15 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     else:
         gemm = GEMM_EFFICIENCY if args.gemm_efficiency is None else args.gemm_efficiency
         attention = ATTENTION_EFFICIENCY if args.attention_efficiency is None else args.attention_efficiency
+        if args.gemm_efficiency is None and args.attention_efficiency is None:
+            fitted = efficiency_source()
+        else:
+            fitted = (f"GEMM efficiency {gemm:.2f}{' (--gemm-efficiency)' if args.gemm_efficiency else ''}, "
+                      f"FlashAttention efficiency {attention:.2f}"
+                      f"{' (--attention-efficiency)' if args.attention_efficiency else ''}")
         source = (f"compute from GEMM shapes (tile/wave quantization on {cl.gpu.sms} SMs, roofline at "
-                  f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), GEMM efficiency {gemm:.2f}"
-                  f"{' (--gemm-efficiency)' if args.gemm_efficiency is not None else ''}, FlashAttention "
-                  f"efficiency {attention:.2f}{' (--attention-efficiency)' if args.attention_efficiency is not None else ''}"
-                  f", clock x{clock:.3f}{f' at {args.power_limit:g} W' if args.power_limit else ''}; "
-                  f"{efficiency_source()}")
+                  f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
+                  f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     return {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
             "global_batch": args.global_batch, "configs": r.configs, "searched": r.searched,
             "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,

@@ -299,6 +299,11 @@ def leave_one_source_out(errors: np.ndarray | None = None, *, gemm_grid: Sequenc
     return out
 
 
+def _num(x: float) -> str:
+    """A table number: thousands with separators, smaller ones with 4 significant digits."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
 def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None) -> str:
     unit = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "step_time_s": "s/step", "tokens_per_gpu_s": "tokens/s/GPU"}
     by_name = {r.name: r for r in PUBLISHED}
@@ -311,7 +316,7 @@ def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None
                   f", {run.dtype}{', ' + str(int(run.power_limit_w)) + ' W' if run.power_limit_w else ''}"
                   f" (mb {c['micro_batch']}, v {c['virtual_stages']})")
         lines.append(f"| {r['name']} | {run.cluster.world_size:,} x {run.family.upper()} | {layout} | "
-                     f"{unit[run.metric]} | {r['published']:,.4g} | {r['predicted']:,.4g} | {100 * r['error']:+.1f}% | "
+                     f"{unit[run.metric]} | {_num(r['published'])} | {_num(r['predicted'])} | {100 * r['error']:+.1f}% | "
                      f"{c['compute_split']['gemm']:.3g} | {c['compute_split']['attention']:.3g} | "
                      f"{'yes' if r['fits'] else 'NO'} ({r['memory_gib']:.1f}) | {r.get('rank', '-')} | "
                      f"{100 * r.get('gap_to_best', 0):.1f}% |")
