@@ -55,8 +55,8 @@ from dtlib.parallel.expert import expert_parallel
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.mesh import ParallelLayout, build_groups
 from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
-from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
-                                   full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
+from dtlib.parallel.tensor import (check_tensor_parallel_sizes, full_state_dict, tensor_parallel,
+                                   vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
 from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, check_model, latest_checkpoint,
                                          read_manifest, verify_files)
@@ -221,9 +221,6 @@ _UNSUPPORTED = [
      "--zero 3 (FSDP) composes with dp and cp only here; use --zero 1 or 2 with tp, pp or ep"),
     (lambda c: c.ep > 1 and c.zero > 0,
      "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
-    (lambda c: c.zero == 2 and c.sequence_parallel,
-     "--zero 2 reduce-scatters gradients during backward, before sequence parallelism sums the "
-     "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
@@ -232,8 +229,8 @@ _UNSUPPORTED = [
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
      "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
      "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),
-    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1 or c.pp > 1),
-     "--sequence-parallel needs --tp >= 2 and composes with dp only here (not with cp or pp)"),
+    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1),
+     "--sequence-parallel needs --tp >= 2 and does not compose with cp here (both cut the sequence)"),
 ]
 
 
@@ -367,8 +364,6 @@ class _Run:
 
     def synchronise_gradients(self) -> None:
         c = self.config
-        if c.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.model)
         if c.zero == 3:
             self.fsdp.finish_gradient_synchronization()
             return

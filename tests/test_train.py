@@ -64,6 +64,8 @@ LAYOUTS_4 = [
     MOE.with_(dp=4, ep=2, capacity_factor=1.5),
     BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=2, kv_heads=2),  # SP sums before ZeRO-2's hooks
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),  # s/t positions between stages
     BASE.with_(tp=2, pp=2, num_microbatches=2),
     BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),

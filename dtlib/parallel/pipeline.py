@@ -44,6 +44,9 @@ class GPTStage(nn.Module):
         super().__init__()
         self.cfg, self.dropout, self.first, self.last = model.cfg, model.dropout, first, last
         self.block_ids = blocks
+        # with sequence parallelism the residual stream between stages holds s/t positions
+        tp_state = getattr(model, "tensor_parallel_state", None)
+        self.sequence_shards = tp_state.size if tp_state is not None and tp_state.sequence_parallel else 1
         if first:  # the attribute names TinyGPT.embed reads
             self.wte, self.wpe, self.emb_norm = model.wte, model.wpe, model.emb_norm
         self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
@@ -51,8 +54,10 @@ class GPTStage(nn.Module):
             self.norm_f, self.lm_head = model.norm_f, model.lm_head
 
     def activation_shape(self, tokens_shape: Sequence[int]) -> tuple[int, ...]:
-        """Shape of the hidden states that enter or leave this stage for ``tokens_shape`` = [b, s]."""
-        return (*tokens_shape, self.cfg.hidden)
+        """Shape of the hidden states that enter or leave this stage for ``tokens_shape`` = [b, s]
+        (this rank's ``s/t`` positions under sequence parallelism)."""
+        b, s = tokens_shape
+        return (b, s // self.sequence_shards, self.cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
