@@ -54,7 +54,8 @@ from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.mesh import ParallelLayout, build_groups
-from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
+from dtlib.parallel.pipeline import (PipelineExecutor, allreduce_embedding_grads, embedding_groups, partition,
+                                     rank_chunks)
 from dtlib.parallel.tensor import (check_tensor_parallel_sizes, full_state_dict, tensor_parallel,
                                    vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
@@ -133,6 +134,7 @@ class TrainConfig:
     hang_step: int | None = None
     hang_rank: int | None = None
     profile: str | None = None
+    tied_embeddings: bool = False
 
     @property
     def world_size(self) -> int:
@@ -146,7 +148,7 @@ class TrainConfig:
         return tiny_gpt_config(layers=self.layers, hidden=self.hidden, heads=self.heads,
                                kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab, seq=self.seq,
                                moe_experts=self.moe_experts, moe_top_k=self.moe_top_k,
-                               name="dtlib-train")
+                               tied_embeddings=self.tied_embeddings, name="dtlib-train")
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -221,6 +223,9 @@ _UNSUPPORTED = [
      "--zero 3 (FSDP) composes with dp and cp only here; use --zero 1 or 2 with tp, pp or ep"),
     (lambda c: c.ep > 1 and c.zero > 0,
      "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
+    (lambda c: c.tied_embeddings and c.pp > 1 and c.zero >= 2,
+     "--tied-embeddings across pipeline stages sums the two copies' gradients after backward, after "
+     "ZeRO-2/FSDP have reduce-scattered them: use --zero 0 or 1 with --tied-embeddings and --pp"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
@@ -278,7 +283,7 @@ class _Run:
         self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
                         for p in m.experts.parameters()}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]
-        self.executor = self.fsdp = None
+        self.executor = self.fsdp = self.embedding_group = None
         if c.pp > 1:
             stages = partition(model, c.pp, c.virtual_stages)
             self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
@@ -286,6 +291,7 @@ class _Run:
             self.executor = PipelineExecutor(self.chunks, actions, self.coords["pp"], self.loss,
                                              pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
+            self.embedding_group = self._embedding_group() if c.tied_embeddings else None
         elif c.zero == 3:
             self.fsdp = FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))
             self.params = list(self.fsdp.parameters())
@@ -301,6 +307,16 @@ class _Run:
         self.kill_rank = last if c.kill_rank is None else c.kill_rank
         self.hang_rank = last if c.hang_rank is None else c.hang_rank
         self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
+
+    def _embedding_group(self) -> Any:
+        """This rank's embedding group (first and last stage of its pipeline; None elsewhere).
+        Every rank creates every group, in the same order (``dist.new_group`` is collective)."""
+        mine = None
+        for members in embedding_groups(self.layout.groups["pp"]):
+            group = dist.new_group(members)
+            if self.rank in members:
+                mine = group
+        return mine
 
     def group(self, kind: str) -> Any:
         return self.groups[kind] if self.groups is not None else None
@@ -369,6 +385,8 @@ class _Run:
             return
         if c.zero == 2:  # reduce-scattered during backward; the step finishes it
             return
+        if self.embedding_group is not None:
+            allreduce_embedding_grads(self.model, self.embedding_group)
         for p in self.params:  # an expert no token chose: a zero gradient on every layout
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -377,7 +395,9 @@ class _Run:
 
     # ---- checkpoints (dtlib.resilience.checkpoint) ------------------------------------------
     def _checkpointed(self) -> tuple[nn.Module, Any]:
-        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names."""
+        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names.
+        A tied embedding is in the state dict twice (``wte.weight``, ``lm_head.weight``): the
+        first stage saves and loads the one, the last stage its copy as the other."""
         model = self.fsdp if self.fsdp is not None else self.model
         if self.config.pp == 1:
             return model, None

@@ -51,6 +51,7 @@ LAYOUTS_2 = [
     MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
     BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
     BASE.with_(pp=2, num_microbatches=2), BASE.with_(pp=2, num_microbatches=2, schedule="gpipe"),
+    BASE.with_(pp=2, num_microbatches=2, tied_embeddings=True),  # Megatron's embedding group
 ]
 
 
@@ -66,6 +67,7 @@ LAYOUTS_4 = [
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=2, kv_heads=2),  # SP sums before ZeRO-2's hooks
     BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),  # s/t positions between stages
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, tied_embeddings=True),
     BASE.with_(tp=2, pp=2, num_microbatches=2),
     BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),
@@ -128,6 +130,8 @@ def test_params_sha256_is_canonical():
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "2", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
