@@ -300,7 +300,7 @@ def _bad_input(rank):
     messages["twice"] = message(lambda: tensor_parallel(twice))
     messages["other_group"] = message(lambda: full_state_dict(twice, group=mine))
     messages["unconverted"] = message(lambda: full_state_dict(TinyGPT(tiny_gpt_config())))
-    messages["dropout"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(), dropout=0.1)))
+    messages["dropout"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(), dropout=0.1, checkpoint=True)))
     messages["row_sp"] = message(lambda: RowParallelLinear(8, 4, sequence_parallel=True))
     messages["col_out"] = message(lambda: ColumnParallelLinear(8, 5))
     messages["sp_seq_at_forward"] = message(
@@ -480,7 +480,7 @@ EXPECTED_MESSAGES = {
     "twice": r"already tensor-parallel",
     "other_group": r"full_state_dict: group is not the group the model was converted with",
     "unconverted": r"full_state_dict needs a model converted by tensor_parallel",
-    "dropout": r"dropout=0.1: tensor parallelism needs Megatron's RNG tracker",
+    "dropout": r"dropout=0.1 with checkpoint=True: recomputation would replay",
     "row_sp": r"sequence_parallel=True needs input_is_parallel=True",
     "col_out": r"out_features \(5\) must be divisible by the tensor-parallel degree 2; "
                r"valid degrees for out_features: \[1, 5\]$",

@@ -43,6 +43,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: TinyGPT, blocks: range, first: bool, last: bool):
         super().__init__()
         self.cfg, self.dropout, self.first, self.last = model.cfg, model.dropout, first, last
+        self.dropout_rng = model.dropout_rng  # TinyGPT.embed runs on this stage
         self.block_ids = blocks
         # with sequence parallelism the residual stream between stages holds s/t positions
         tp_state = getattr(model, "tensor_parallel_state", None)

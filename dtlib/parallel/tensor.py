@@ -34,6 +34,7 @@ from torch import nn
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
+from dtlib.parallel.random import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
 from dtlib.parallel.tensor_regions import (SEQ_DIM, SequenceParallelLinear, rank_chunk,
                                            copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
@@ -388,10 +389,11 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
     if getattr(model, "tensor_parallel_state", None) is not None:
         raise ValueError("this model is already tensor-parallel (tensor_parallel was called on it "
                          "before); build a fresh TinyGPT to convert it again")
-    if model.dropout > 0:
-        raise ValueError(f"dropout={model.dropout}: tensor parallelism needs Megatron's RNG tracker "
-                         "(different masks per rank inside TP regions), which dtlib does not have; "
-                         "use dropout=0.0")
+    if model.dropout > 0 and model.checkpoint:
+        raise ValueError(f"dropout={model.dropout} with checkpoint=True: recomputation would replay the "
+                         "attention dropout from the tracker's advanced stream, another mask than the "
+                         "forward's (Megatron restores the tracker's states in its CheckpointFunction, "
+                         "dtlib does not); use dropout=0.0 or checkpoint=False under tensor parallelism")
     if sequence_parallel_grads not in SEQUENCE_PARALLEL_GRADS:
         raise ValueError(f"sequence_parallel_grads must be one of {SEQUENCE_PARALLEL_GRADS}, "
                          f"got {sequence_parallel_grads!r}")
@@ -426,10 +428,30 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
         for norm in norms:
             for p in (norm.parameters() if norm is not None else []):
                 p.sequence_parallel = True
+    if model.dropout > 0:
+        _fork_dropout(model, rank, sp)
     model.tensor_parallel_state = TensorParallelState(group, t, rank, sp)
     if sp and sequence_parallel_grads == "backward":
         model.sequence_parallel_grads = SequenceParallelGrads(model, group)
     return model
+
+
+def _fork_dropout(model: TinyGPT, rank: int, sequence_parallel: bool) -> None:
+    """Megatron's dropout streams (:mod:`dtlib.parallel.random`): attention probabilities are split
+    by heads, so each rank draws its own mask; the residual stream and the embeddings are this
+    rank's ``s/t`` positions under sequence parallelism (their own masks too), and replicated
+    otherwise (the default stream, the same on every TP rank). The seed is drawn from the
+    default stream, which every rank of the group holds in the same state (same model seed)."""
+    seed = int(torch.randint(0, 2 ** 31 - 1 - MODEL_PARALLEL_SEED_OFFSET - 1024, ()).item())
+    tracker = RNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + rank)
+    model.rng_tracker = tracker
+    for block in model.blocks:
+        block.attn.dropout_rng = tracker.fork
+        if sequence_parallel:
+            block.dropout_rng = tracker.fork
+    if sequence_parallel:
+        model.dropout_rng = tracker.fork
 
 
 def _state(model: nn.Module, what: str) -> TensorParallelState:
