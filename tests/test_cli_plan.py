@@ -83,6 +83,8 @@ def test_nothing_fits_explains_and_exits_1(capsys):
      "a100-80gb has no fp8 peak"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision: invalid choice"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency must be a number in (0, 1]"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--power-limit", "-5"], "--power-limit must be watts > 0"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gemm-efficiency", "0"], "--gemm-efficiency must be a number in (0, 1]"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--price-per-gpu-hour", "nan"], "--price-per-gpu-hour must be dollars > 0"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tokens", "-1T"], "--tokens"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be an integer >= 1"),

@@ -12,7 +12,7 @@ from dtlib.cli import build_parser
 from dtlib.experiments import parallel3d
 from dtlib.experiments.shrunk_layout import DROP_ORDER, TINY, shrink_layout, train_command, train_shrunk
 from dtlib.plan.search import search, to_layout
-from dtlib.train import config_from_args
+from dtlib.cli.train import config_from_args
 
 EVERY_DIMENSION = Parallelism(dp=8, tp=4, pp=2, cp=2, virtual_stages=3, schedule="interleaved", micro_batch_size=4,
                               num_microbatches=32, zero=1, sequence_parallel=True)

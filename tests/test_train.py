@@ -11,7 +11,7 @@ import torch
 from dtlib.cli import main as cli_main
 from dtlib.launcher import launch
 from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM, single_process_config
-from dtlib.train import TrainConfig, params_sha256, train
+from dtlib.trainer import TrainConfig, params_sha256, train
 
 TIMEOUT = 120
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +51,7 @@ LAYOUTS_2 = [
     MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
     BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
     BASE.with_(pp=2, num_microbatches=2), BASE.with_(pp=2, num_microbatches=2, schedule="gpipe"),
+    BASE.with_(pp=2, num_microbatches=2, tied_embeddings=True),  # Megatron's embedding group
 ]
 
 
@@ -64,6 +65,9 @@ LAYOUTS_4 = [
     MOE.with_(dp=4, ep=2, capacity_factor=1.5),
     BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=2, kv_heads=2),  # SP sums before ZeRO-2's hooks
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),  # s/t positions between stages
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, tied_embeddings=True),
     BASE.with_(tp=2, pp=2, num_microbatches=2),
     BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),
@@ -126,6 +130,8 @@ def test_params_sha256_is_canonical():
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "2", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
@@ -173,7 +179,7 @@ def test_torchrun_two_agents(tmp_path):
                                  "print(s.getsockname()[1])"], capture_output=True, text=True)
     endpoint = f"localhost:{port_probe.stdout.strip()}"
     torchrun[torchrun.index("localhost:0")] = endpoint
-    args = ["-m", "dtlib.train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
+    args = ["-m", "dtlib", "train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
             "--hidden", "32", "--seq", "16",
             "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
     agents = [subprocess.Popen(torchrun + (["--rdzv-conf", "is_host=1"] if i == 0 else ["--rdzv-conf", "is_host=0"])

@@ -4,7 +4,7 @@ days, dollars, energy and failures (:mod:`dtlib.plan`).
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
 prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
-including pinned flags that no valid layout has: one line on stderr, exit 2 (``dtlib.cli.main``).
+including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
+from dtlib.cli.args import model_args, model_from_args, parse_count, positive_int
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
 from dtlib.plan.search import search
@@ -66,12 +67,21 @@ def _price(text: str) -> float:
     return value
 
 
+def _watts(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}")
+    return value
+
+
 def add_plan_command(sub: Any) -> None:
-    from dtlib.cli import _model_args, parse_count, positive_int  # the shared flags
 
     p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
@@ -98,7 +108,7 @@ def add_plan_command(sub: Any) -> None:
                    help=f"GEMM kernel efficiency of the compute model (default {GEMM_EFFICIENCY}, fitted)")
     m.add_argument("--attention-efficiency", type=_fraction,
                    help=f"FlashAttention efficiency vs the BF16 peak (default {ATTENTION_EFFICIENCY}, fitted)")
-    m.add_argument("--power-limit", type=_price, default=None, metavar="WATTS",
+    m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
                    help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
     m.add_argument("--dp-overlap", type=_overlap, default=1.0, help="DP communication hidden by compute")
     m.add_argument("--tp-overlap", type=_overlap, default=0.0, help="TP communication hidden by compute")
@@ -120,9 +130,8 @@ def add_plan_command(sub: Any) -> None:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
-    from dtlib.cli import _model
 
-    model = _model(args)
+    model = model_from_args(args)
     if not isinstance(model, TransformerConfig):
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:
