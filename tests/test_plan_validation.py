@@ -34,9 +34,11 @@ EXPECTED = {
     "Llama 3.1 8B, FSDP 128, compile (torchtitan T3)": (0.0116, True, 1),
     "Llama 3.1 8B, FSDP 128, compile + Float8 (torchtitan T3)": (0.0099, True, 1),
     "Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)": (0.0132, True, 108),
-    "llama3-8b FP8, 8 GPUs (Megatron-Bridge 25.11)": (-0.0222, True, 1),
-    "llama3-70b FP8, 64 GPUs (Megatron-Bridge 25.11)": (0.0908, False, 1),
-    "llama3-405b FP8, 1024 GPUs (Megatron-Bridge 25.11)": (0.0704, False, 1),
+    "llama3-8b FP8, 8 x H100 (Megatron-Bridge 25.11)": (-0.0222, True, 1),
+    "llama3-70b FP8, 64 x H100 (Megatron-Bridge 25.11)": (0.0920, False, 1),
+    "llama3-405b FP8, 1024 x H100 (Megatron-Bridge 25.11)": (0.1009, False, 2),
+    "llama3-8b FP8, 8 x B200 (Megatron-Bridge 25.11)": (0.0728, True, 1),
+    "llama3-405b FP8, 128 x B200 (Megatron-Bridge 25.11)": (0.0938, False, 3),
 }
 
 # held-out source: (GEMM, attention efficiency fitted without it, held-out error, in-sample error)
@@ -45,7 +47,7 @@ LOSO = {
     "Korthikanti 2022": (0.60, 0.40, 0.0682, 0.0682),
     "BLOOM 2022": (0.60, 0.40, 0.0030, 0.0030),
     "torchtitan": (0.60, 0.30, 0.1041, 0.0186),
-    "Megatron-Bridge": (0.60, 0.40, 0.0611, 0.0611),
+    "Megatron-Bridge": (0.60, 0.40, 0.0764, 0.0764),
 }
 # the sub-grid holding every fold's optimum on the full grid (docs/plan.md's run of
 # python -m dtlib.plan.validation): an argmin over a subset that contains the argmin is the same
@@ -75,11 +77,11 @@ def test_every_row_is_pinned(table):
 def test_in_sample_error_is_reported_and_under_ten_percent(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0420, abs=5e-4)
+    assert mae == pytest.approx(0.0462, abs=5e-4)
 
 
 def test_at_least_five_sources_and_two_gpu_generations():
-    assert len(SOURCES) >= 5 and {r.family for r in PUBLISHED} >= {"a100", "h100"}
+    assert len(SOURCES) >= 5 and {r.family for r in PUBLISHED} == {"a100", "h100", "b200"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
 
@@ -93,7 +95,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), source
         assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), source
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
-    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0565, abs=5e-4)
+    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0595, abs=5e-4)
     assert np.mean([d["loso_error"] for d in loso.values()]) <= 0.10
 
 
@@ -114,7 +116,7 @@ def test_published_numbers_are_the_sources():
     assert [by_name[n].published for n in EXPECTED if "Korthikanti" in n] == [1.10, 13.75, 37.83, 71.49]
     assert by_name["BLOOM 176B (BigScience)"].published == 156
     assert [by_name[n].published for n in EXPECTED if "torchtitan" in n] == [5762, 6667, 8532, 5605, 6514, 8380, 829]
-    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292]
+    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292, 30624, 661]
     # Table 1's model sizes follow from the shapes (the paper rounds: 1.65B is printed as 1.7)
     t1 = [by_name[n] for n in EXPECTED if "Narayanan" in n]
     for run, billions in zip(t1, (1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0)):

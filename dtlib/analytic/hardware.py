@@ -67,7 +67,8 @@ _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), dense = half the 'with
 # SM counts and board power: NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020), Table 3
 # (108 SMs, 400 W SXM4); NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), Table 3
 # (H100 SXM5 132 SMs, 700 W; H100 PCIe 114 SMs, 350 W); H200 datasheet (700 W, the H100 SXM die);
-# HGX B200 datasheet (1000 W per GPU; 148 SMs, NVIDIA Blackwell architecture technical brief);
+# HGX B200 datasheet (1000 W per GPU; 148 SMs: Chips and Cheese, "Nvidia's B200: Keeping the CUDA
+# Juggernaut Rolling", 2025 -- 74 of 80 SMs enabled per die, two dies; not an NVIDIA figure);
 # AMD CDNA 3 white paper (MI300X: 304 compute units, 750 W).
 _SMS = "; SMs and TDP: vendor architecture whitepapers (see dtlib.analytic.hardware)"
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [

@@ -36,7 +36,7 @@ ATTENTION_EFFICIENCY = 0.40
 # FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
 FA2_ON_HOPPER = 0.35 / 0.75
 FITTED_ON = ("Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
-             "Megatron-Bridge 25.11 (A100 and H100)")
+             "Megatron-Bridge 25.11 (A100, H100 and B200)")
 
 
 def efficiency_source(gpu: str = "") -> str:

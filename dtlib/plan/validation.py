@@ -47,7 +47,7 @@ _BLOOM = ("BigScience 2022, 'BLOOM', Sec. 3.4 (384 A100 80GB, 48 nodes, 4 x 100 
 _TITAN = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e at 500 W, 400 Gb/s "
           "per GPU, bf16, eager) https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
           "llama3_h100_202412_torchtitan.md")
-_BRIDGE = ("NVIDIA Megatron-Bridge performance summary, 25.11 NeMo container, DGX-H100, FP8-CS, seq 8192 "
+_BRIDGE = ("NVIDIA Megatron-Bridge performance summary, 25.11 NeMo container, DGX-H100 and DGX-B200, FP8-CS, seq 8192 "
            "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/docs/performance-summary.md")
 
 # torchtitan's hosts: H100 with 96 GB HBM2e and 2.4 TB/s, SXM tensor cores and SMs, run at 500 W
@@ -102,12 +102,20 @@ _TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64
 _TABLE5 = [("22B", 64, 6144, 48, 1, 8, 4, 1.10), ("175B", 96, 12288, 96, 8, 64, 64, 13.75),
            ("530B", 128, 20480, 105, 35, 280, 280, 37.83), ("1T", 160, 25600, 128, 64, 512, 512, 71.49)]
 
-# (model, gpus, global batch, layout, tokens/s/GPU) -- the DGX-H100 rows of the 25.11 table
-_BRIDGE_ROWS = [("llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=3, virtual_stages=1, recompute="none"), 14451),
-                ("llama3-70b", 64, 128, dict(tp=4, pp=8, cp=1, zero=0, virtual_stages=5, recompute="none",
-                                             sequence_parallel=1), 1602),
-                ("llama3-405b", 1024, 512, dict(tp=8, pp=8, cp=2, zero=0, virtual_stages=8, recompute="none",
-                                                sequence_parallel=1), 292)]
+# (GPU, model, gpus, global batch, layout, tokens/s/GPU) -- the DGX-H100 and DGX-B200 Llama rows of
+# the 25.11 table (FP8-CS); recompute as the recipes (llama3/llama31_workload_base_configs.py) set it;
+# "FSDP 0" rows use Megatron's distributed optimizer (ZeRO-1), the recipes' optimizer default
+_BRIDGE_ROWS = [
+    ("h100-sxm", "llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=3, virtual_stages=1, recompute="none",
+                                           micro_batch_size=1), 14451),
+    ("h100-sxm", "llama3-70b", 64, 128, dict(tp=4, pp=8, cp=1, zero=1, virtual_stages=5, recompute="none",
+                                             sequence_parallel=1, micro_batch_size=1), 1602),
+    ("h100-sxm", "llama3-405b", 1024, 512, dict(tp=8, pp=8, cp=2, zero=1, virtual_stages=8, recompute="none",
+                                                sequence_parallel=1, micro_batch_size=1), 292),
+    ("b200", "llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=1, virtual_stages=1, recompute="none",
+                                       micro_batch_size=2), 30624),
+    ("b200", "llama3-405b", 128, 64, dict(tp=4, pp=8, cp=2, zero=1, virtual_stages=8, recompute="none",
+                                          sequence_parallel=1, micro_batch_size=1), 661)]
 
 
 def _published() -> list[PublishedRun]:
@@ -155,18 +163,19 @@ def _published() -> list[PublishedRun]:
         metric="tokens_per_gpu_s", published=829, family="h100", dropout=False, flash_attention=True,
         power_limit_w=500, dtype="fp8", attention_scale=FA2_ON_HOPPER, source="torchtitan",
         reference=_TITAN + ", Table 4: 2D (FSDP 32, TP 8), local batch 16, full AC, torch.compile + Float8"))
-    for preset, gpus, batch, layout, tps in _BRIDGE_ROWS:
+    for gpu, preset, gpus, batch, layout, tps in _BRIDGE_ROWS:
         model = get_preset(preset)
         dp = gpus // (layout["tp"] * layout["pp"] * layout["cp"])
+        system = "DGX-H100" if gpu == "h100-sxm" else "DGX-B200"
         rows.append(PublishedRun(
-            name=f"{model.name} FP8, {gpus} GPUs (Megatron-Bridge 25.11)", model=model,
-            cluster=cluster("h100-sxm", gpus // 8, 8, "nvlink4", "ib-ndr"), global_batch=batch,
-            layout=dict(layout, dp=dp, micro_batch_size=1), metric="tokens_per_gpu_s", published=tps,
-            family="h100", source="Megatron-Bridge", reference=_BRIDGE, dropout=False, flash_attention=True,
-            dtype="fp8", tp_overlap=1.0 if layout["tp"] > 1 else 0.0,
-            note="recipe (scripts/performance/configs/llama/llama3_workload_base_configs.py): no recompute "
-                 "for 70B/405B; 8B recomputes 5 of 32 layers, which dtlib cannot express (timed with none); "
-                 "TP communication overlapped (Transformer Engine userbuffers)"))
+            name=f"{model.name} FP8, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)", model=model,
+            cluster=cluster(gpu, gpus // 8, 8, "nvlink4" if gpu == "h100-sxm" else "nvlink5", "ib-ndr"),
+            global_batch=batch, layout=dict(layout, dp=dp), metric="tokens_per_gpu_s", published=tps,
+            family=gpu.split("-")[0], source="Megatron-Bridge", reference=_BRIDGE + f" ({system} table)",
+            dropout=False, flash_attention=True, dtype="fp8", tp_overlap=1.0 if layout["tp"] > 1 else 0.0,
+            note="recipe: no recompute except the H100 8B, which recomputes 5 of 32 layers (dtlib cannot "
+                 "express it: timed with none); distributed optimizer (ZeRO-1) unless FSDP; TP communication "
+                 "overlapped (Transformer Engine userbuffers)"))
     return rows
 
 
