@@ -164,7 +164,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                                  pue=args.pue).to_dict()
     clock = clock_scale(cl.gpu, args.power_limit)  # a GPU without a TDP in the catalogue says so here
     if args.efficiency is not None:
-        source = f"--efficiency {args.efficiency:g}: hardware FLOPs / (peak x {args.efficiency:g}), Narayanan et al. 2021 eq. 3"
+        source = (f"--efficiency {args.efficiency:g}: hardware FLOPs / (peak x {args.efficiency:g}), "
+                  f"Narayanan et al. 2021 eq. 3")
     else:
         gemm = GEMM_EFFICIENCY if args.gemm_efficiency is None else args.gemm_efficiency
         attention = ATTENTION_EFFICIENCY if args.attention_efficiency is None else args.attention_efficiency

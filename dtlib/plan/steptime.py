@@ -48,7 +48,8 @@ TERMS: dict[str, str] = {
                "2 backward GEMMs each, full recompute repeats the forward; attention from "
                "FlashAttention's causal work (backward 2.5x, Dao 2023) / (BF16 peak x the fitted "
                "attention efficiency), or as batched GEMMs without it; fp8: weight GEMMs at the FP8 "
-               "peak, attention and LM head in BF16 (Transformer Engine); a power limit scales the "
+               "peak plus the HBM traffic of casting their operands (amax, cast, transposed copy), "
+               "attention and LM head in BF16 (Transformer Engine); a power limit scales the "
                "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm). efficiency= replaces all this by "
                "hardware FLOPs / (GPUs x peak x efficiency) (Narayanan et al. 2021 eq. 3)",
     "elementwise": "memory-bound layers (norms, activations, dropout, residual adds, softmax): the "

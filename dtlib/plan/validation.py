@@ -325,7 +325,8 @@ def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None
                   f", {run.dtype}{', ' + str(int(run.power_limit_w)) + ' W' if run.power_limit_w else ''}"
                   f" (mb {c['micro_batch']}, v {c['virtual_stages']})")
         lines.append(f"| {r['name']} | {run.cluster.world_size:,} x {run.family.upper()} | {layout} | "
-                     f"{unit[run.metric]} | {_num(r['published'])} | {_num(r['predicted'])} | {100 * r['error']:+.1f}% | "
+                     f"{unit[run.metric]} | {_num(r['published'])} | {_num(r['predicted'])} | "
+                     f"{100 * r['error']:+.1f}% | "
                      f"{c['compute_split']['gemm']:.3g} | {c['compute_split']['attention']:.3g} | "
                      f"{'yes' if r['fits'] else 'NO'} ({r['memory_gib']:.1f}) | {r.get('rank', '-')} | "
                      f"{100 * r.get('gap_to_best', 0):.1f}% |")
