@@ -40,9 +40,11 @@ _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Trai
 _KORTHIKANTI = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer "
                 "Models', Table 3 (configurations: seq 2048, V 51200, tp 8, dp 1) and Table 5 (iteration "
                 "time, sequence parallelism + selective recompute) https://arxiv.org/abs/2205.05198")
-_BLOOM = ("BigScience 2022, 'BLOOM', Sec. 3.4 (384 A100 80GB, 48 nodes, 4 x 100 Gb/s Omni-Path per node, "
-          "tp 4 x pp 12 x dp 8, bf16, ZeRO-1 equivalent BF16Optimizer; 156 TFLOP/s per GPU) "
-          "https://arxiv.org/abs/2211.05100 and train/tr11-176B-ml/tr11-176B-ml.slurm (MBS 2, GBS 2048, "
+_BLOOM = ("BigScience 2022, 'BLOOM', engineering section (384 A100 80GB, 48 nodes, 4 x 100 Gb/s Omni-Path "
+          "per node, tp 4 x pp 12 x dp 8, bf16, ZeRO-1 equivalent BF16Optimizer; 156 TFLOP/s per GPU in the "
+          "fastest configuration) https://arxiv.org/abs/2211.05100, the same 156 TFLOP/s sustained per GENCI "
+          "https://www.genci.fr/en/news/bloom-one-largest-open-multilingual-nlp-models-awarded-best-hpc-"
+          "collaboration-hpc-wire-readers, and train/tr11-176B-ml/tr11-176B-ml.slurm (MBS 2, GBS 2048, "
           "activation checkpointing) https://github.com/bigscience-workshop/bigscience")
 _TITAN = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e at 500 W, 400 Gb/s "
           "per GPU, bf16, eager) https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
