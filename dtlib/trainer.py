@@ -217,8 +217,6 @@ class TrainConfig:
 _UNSUPPORTED = [
     (lambda c: c.zero in (1, 2, 3) and c.dp * c.cp < 2,
      "ZeRO/FSDP shard over the dp x cp ranks: --zero 1-3 needs dp x cp >= 2"),
-    (lambda c: c.zero == 3 and (c.tp > 1 or c.pp > 1 or c.ep > 1),
-     "--zero 3 (FSDP) composes with dp and cp only here; use --zero 1 or 2 with tp, pp or ep"),
     (lambda c: c.ep > 1 and c.zero > 0,
      "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
     (lambda c: c.zero == 2 and c.sequence_parallel,
@@ -281,17 +279,23 @@ class _Run:
         self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
                         for p in m.experts.parameters()}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]
-        self.executor = self.fsdp = None
+        self.executor = None
+        # FSDP last, over dp x cp, on what TP and PP left (torchtitan's parallelize_llama: TP, then
+        # fully_shard on the TP-local slabs; with a pipeline, one FSDP per stage this rank runs)
+        self.fsdps: list[FSDP] = []
         if c.pp > 1:
             stages = partition(model, c.pp, c.virtual_stages)
             self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
+            if c.zero == 3:
+                self.fsdps = [FSDP(chunk, unit_types=(Block,), process_group=self.group("dp_cp"))
+                              for chunk in self.chunks]
             actions = schedules.schedule(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
-            self.executor = PipelineExecutor(self.chunks, actions, self.coords["pp"], self.loss,
+            self.executor = PipelineExecutor(self.fsdps or self.chunks, actions, self.coords["pp"], self.loss,
                                              pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
         elif c.zero == 3:
-            self.fsdp = FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))
-            self.params = list(self.fsdp.parameters())
+            self.fsdps = [FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))]
+            self.params = list(self.fsdps[0].parameters())
         else:
             self.params = list(model.parameters())
         if c.zero in (1, 2):
@@ -348,7 +352,7 @@ class _Run:
             local = log.loss if log.loss is not None else 0.0
         else:
             local = 0.0
-            forward = self.fsdp if self.fsdp is not None else self.model
+            forward = self.fsdps[0] if self.fsdps else self.model
             for x, y in zip(inputs.tensor_split(c.num_microbatches), targets.tensor_split(c.num_microbatches)):
                 with phase("forward"):
                     loss = self.loss(forward(x), y) / c.num_microbatches
@@ -367,10 +371,14 @@ class _Run:
 
     def synchronise_gradients(self) -> None:
         c = self.config
+        if c.zero == 3:  # averaged over dp x cp by FSDP's reduce-scatter at the end of backward
+            for fsdp in self.fsdps:
+                fsdp.finish_gradient_synchronization()
         if c.sequence_parallel:
+            # the sum over tp commutes with FSDP's average over dp x cp (every TP rank shards the
+            # replicated norms alike), so it applies to the sharded gradients as well
             allreduce_sequence_parallel_grads(self.model)
         if c.zero == 3:
-            self.fsdp.finish_gradient_synchronization()
             return
         if c.zero == 2:  # reduce-scattered during backward; the step finishes it
             return
@@ -383,10 +391,10 @@ class _Run:
     # ---- checkpoints (dtlib.resilience.checkpoint) ------------------------------------------
     def _checkpointed(self) -> tuple[nn.Module, Any]:
         """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names."""
-        model = self.fsdp if self.fsdp is not None else self.model
         if self.config.pp == 1:
-            return model, None
-        return model, lambda name: any(_in_stage(name, s) for s in self.chunks)
+            return (self.fsdps[0] if self.fsdps else self.model), None
+        # a stage's FSDP leaves the model's own parameters sharded, which the checkpoint sees
+        return self.model, lambda name: any(_in_stage(name, s) for s in self.chunks)
 
     def save(self, checkpointer: Checkpointer) -> None:
         """Checkpoint after ``step_count`` steps (a collective): sharded as this layout holds the
@@ -442,8 +450,10 @@ class _Run:
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """The full parameters with TinyGPT's names, on rank 0 (None elsewhere); a collective."""
         c = self.config
-        if self.fsdp is not None:
-            full = self.fsdp.gather_full_params()
+        if self.fsdps:
+            full = self._fsdp_full_parameters()
+            if c.tp > 1:
+                full = full_state_dict(self.model, self.group("tp"), values=full)
         elif c.tp > 1:
             full = full_state_dict(self.model, self.group("tp"))
         else:
@@ -465,6 +475,17 @@ class _Run:
         if missing:
             raise RuntimeError(f"parameters gathered from no rank: {sorted(missing)[:5]}")
         return merged
+
+    def _fsdp_full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters the FSDP wrappers hold, unsharded over dp x cp (still TP-local), with
+        TinyGPT's names (a pipeline stage names its blocks from 0; the parameters are the same)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        full = {}
+        for fsdp in self.fsdps:
+            gathered = fsdp.gather_full_params()
+            for name, p in fsdp.module.named_parameters():
+                full[names[id(p)]] = gathered[name]
+        return full
 
 
 def _layout_text(layout: dict[str, Any]) -> str:

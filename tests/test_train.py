@@ -75,10 +75,25 @@ def test_four_rank_layouts_equal_single_process():
     _check(LAYOUTS_4, 4)
 
 
+# FSDP (ZeRO-3) over dp x cp on what TP/SP and PP leave (torchtitan's 2-D and 3-D layouts)
+LAYOUTS_FSDP = [
+    BASE.with_(dp=2, tp=2, zero=3),
+    BASE.with_(dp=2, tp=2, zero=3, sequence_parallel=True),
+    BASE.with_(dp=2, pp=2, zero=3, num_microbatches=2),
+    BASE.with_(dp=2, pp=2, zero=3, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
+    BASE.with_(cp=2, tp=2, zero=3),
+]
+
+
+def test_fsdp_composes_with_tensor_sequence_and_pipeline_parallelism():
+    _check(LAYOUTS_FSDP, 4)
+
+
 def test_eight_rank_3d_interleaved_equals_single_process():
     # dp2 x tp2 x pp2 with the interleaved schedule (1F1B runs under torchrun below)
     _check([BASE.with_(dp=2, tp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved",
-                       virtual_stages=2)], 8)
+                       virtual_stages=2),
+            BASE.with_(dp=2, tp=2, pp=2, zero=3, num_microbatches=2)], 8)  # FSDP x TP x PP
 
 
 def test_moe_routing_matters():
@@ -100,7 +115,7 @@ def test_params_sha256_is_canonical():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "tp=3 must divide the 4 attention heads"),
-    (["--dp", "2", "--zero", "3", "--tp", "2"], "--zero 3 (FSDP) composes with dp and cp only"),
+    (["--dp", "2", "--zero", "2", "--tp", "2", "--sequence-parallel"], "use --zero 1 with --sequence-parallel"),
     (["--cp", "3"], "context parallel size cp=3 must divide the sequence length 32"),
     (["--cp", "4", "--seq", "36"], "2 x cp = 8 chunks (zig-zag); seq=36 must be a multiple of 8"),
     (["--ep", "2", "--dp", "2"], "needs an MoE model"),
