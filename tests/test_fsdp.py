@@ -101,8 +101,9 @@ def test_four_ranks_equal_single_process():
         assert out["keys"] and out["grad_shapes"] and out["full_batch"] < 1e-5, out
 
 
-def _padded(numel, n):
-    return -(-numel // n) * n
+def _padded(params, n):
+    """Elements of ``params`` sharded on dim 0 over n ranks, each padded to n x ceil(rows / n) rows."""
+    return sum(n * -(-p.shape[0] // n) * p[0].numel() for p in params)
 
 
 def test_peak_parameter_memory_vs_prediction_and_fully_shard():
@@ -111,14 +112,16 @@ def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     block = sum(p.numel() for p in ref.blocks[0].parameters())
     total = sum(p.numel() for p in ref.parameters())
     root = total - GPT["layers"] * block
+    root_params = [p for n, p in ref.named_parameters() if not n.startswith("blocks.")]
+    padded_root, padded_block = _padded(root_params, world_size), _padded(ref.blocks[0].parameters(), world_size)
     # the toy and PyTorch's fully_shard on the same model, data and ranks, in the same run
     out = compare_fully_shard(world_size=world_size, cfg=tiny_gpt_config(**GPT), steps=3, batch=8)
     ours = out["ours"]
-    # persistent: 1/N of every unit (each padded to a multiple of N), fp32
-    padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
+    # persistent: 1/N of every parameter's rows (each padded to a multiple of N rows), fp32
+    padded_total = padded_root + GPT["layers"] * padded_block
     assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
     # gathered at most: the root unit (it encloses the blocks) and one block, never two
-    assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
+    assert ours["peak_unsharded_bytes"] == 4 * (padded_root + padded_block)
     # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
     cfg = tiny_gpt_config(**GPT)
     n = stage_parameters(**model_numbers(cfg))["first"]
@@ -138,7 +141,7 @@ def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
     # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
     # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
-    assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
+    assert 0 < torch_mem["ALL_GATHER"] <= 4 * padded_block
     assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
 
 
