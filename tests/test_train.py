@@ -169,6 +169,16 @@ def test_command_line_json_and_help(capsys):
     assert len(out["params_sha256"]) == 64 and len(out["peak_memory_bytes"]) == 2
 
 
+def test_command_line_runs_fsdp_with_tensor_and_sequence_parallelism(capsys):
+    # the command line: dtlib train --zero 3 --tp 2 --dp 2 (+ --sequence-parallel)
+    argv = ["train", "--dp", "2", "--zero", "3", "--tp", "2", "--sequence-parallel", "--layers", "2", "--hidden", "32",
+            "--seq", "16", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = _single(BASE.with_(dp=2, tp=2, zero=3, sequence_parallel=True, steps=2))
+    assert out["world_size"] == 4 and out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+
+
 def test_global_batch_size_sets_the_accumulation(capsys):
     # Megatron's rule: num_microbatches = global / (dp x micro-batch); 8 sequences on 2 replicas of 2
     argv = ["train", "--dp", "2", "--global-batch-size", "8", "--layers", "1", "--hidden", "32", "--seq", "16",
