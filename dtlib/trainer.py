@@ -54,7 +54,8 @@ from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.mesh import ParallelLayout, build_groups
-from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
+from dtlib.parallel.pipeline import (PipelineExecutor, allreduce_embedding_grads, embedding_groups, partition,
+                                     rank_chunks)
 from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
@@ -133,6 +134,7 @@ class TrainConfig:
     hang_step: int | None = None
     hang_rank: int | None = None
     profile: str | None = None
+    tied_embeddings: bool = False
 
     @property
     def world_size(self) -> int:
@@ -146,7 +148,7 @@ class TrainConfig:
         return tiny_gpt_config(layers=self.layers, hidden=self.hidden, heads=self.heads,
                                kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab, seq=self.seq,
                                moe_experts=self.moe_experts, moe_top_k=self.moe_top_k,
-                               name="dtlib-train")
+                               tied_embeddings=self.tied_embeddings, name="dtlib-train")
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -219,9 +221,9 @@ _UNSUPPORTED = [
      "ZeRO/FSDP shard over the dp x cp ranks: --zero 1-3 needs dp x cp >= 2"),
     (lambda c: c.ep > 1 and c.zero > 0,
      "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
-    (lambda c: c.zero == 2 and c.sequence_parallel,
-     "--zero 2 reduce-scatters gradients during backward, before sequence parallelism sums the "
-     "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
+    (lambda c: c.tied_embeddings and c.pp > 1 and c.zero >= 2,
+     "--tied-embeddings across pipeline stages sums the two copies' gradients after backward, after "
+     "ZeRO-2/FSDP have reduce-scattered them: use --zero 0 or 1 with --tied-embeddings and --pp"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
@@ -230,8 +232,8 @@ _UNSUPPORTED = [
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
      "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
      "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),
-    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1 or c.pp > 1),
-     "--sequence-parallel needs --tp >= 2 and composes with dp only here (not with cp or pp)"),
+    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1),
+     "--sequence-parallel needs --tp >= 2 and does not compose with cp here (both cut the sequence)"),
 ]
 
 
@@ -271,7 +273,11 @@ class _Run:
         self.names = sorted(n for n, _ in model.named_parameters())
         self.model = model
         if c.tp > 1:
-            tensor_parallel(model, self.group("tp"), c.sequence_parallel)
+            # FSDP runs the forward on views of its gathered buffers, never on the parameters, so
+            # hooks on the parameters (the default "backward" sum of SP gradients) would not fire:
+            # with FSDP the norms' gradients are summed over tp after its reduce-scatter instead
+            tensor_parallel(model, self.group("tp"), c.sequence_parallel,
+                            sequence_parallel_grads="manual" if c.zero == 3 else "backward")
         if c.cp > 1:
             context_parallel(model, self.group("cp"))
         if c.ep > 1:
@@ -279,7 +285,7 @@ class _Run:
         self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
                         for p in m.experts.parameters()}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]
-        self.executor = None
+        self.executor = self.embedding_group = None
         # FSDP last, over dp x cp, on what TP and PP left (torchtitan's parallelize_llama: TP, then
         # fully_shard on the TP-local slabs; with a pipeline, one FSDP per stage this rank runs)
         self.fsdps: list[FSDP] = []
@@ -293,6 +299,7 @@ class _Run:
             self.executor = PipelineExecutor(self.fsdps or self.chunks, actions, self.coords["pp"], self.loss,
                                              pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
+            self.embedding_group = self._embedding_group() if c.tied_embeddings else None
         elif c.zero == 3:
             self.fsdps = [FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))]
             self.params = list(self.fsdps[0].parameters())
@@ -308,6 +315,16 @@ class _Run:
         self.kill_rank = last if c.kill_rank is None else c.kill_rank
         self.hang_rank = last if c.hang_rank is None else c.hang_rank
         self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
+
+    def _embedding_group(self) -> Any:
+        """This rank's embedding group (first and last stage of its pipeline; None elsewhere).
+        Every rank creates every group, in the same order (``dist.new_group`` is collective)."""
+        mine = None
+        for members in embedding_groups(self.layout.groups["pp"]):
+            group = dist.new_group(members)
+            if self.rank in members:
+                mine = group
+        return mine
 
     def group(self, kind: str) -> Any:
         return self.groups[kind] if self.groups is not None else None
@@ -374,14 +391,15 @@ class _Run:
         if c.zero == 3:  # averaged over dp x cp by FSDP's reduce-scatter at the end of backward
             for fsdp in self.fsdps:
                 fsdp.finish_gradient_synchronization()
-        if c.sequence_parallel:
-            # the sum over tp commutes with FSDP's average over dp x cp (every TP rank shards the
-            # replicated norms alike), so it applies to the sharded gradients as well
-            allreduce_sequence_parallel_grads(self.model)
-        if c.zero == 3:
+            if c.sequence_parallel:
+                # "manual" mode (see __init__): the sum over tp commutes with FSDP's average over
+                # dp x cp (every TP rank shards a replicated norm alike), so it applies to the rows
+                allreduce_sequence_parallel_grads(self.model)
             return
         if c.zero == 2:  # reduce-scattered during backward; the step finishes it
             return
+        if self.embedding_group is not None:
+            allreduce_embedding_grads(self.model, self.embedding_group)
         for p in self.params:  # an expert no token chose: a zero gradient on every layout
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -390,7 +408,9 @@ class _Run:
 
     # ---- checkpoints (dtlib.resilience.checkpoint) ------------------------------------------
     def _checkpointed(self) -> tuple[nn.Module, Any]:
-        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names."""
+        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names.
+        A tied embedding is in the state dict twice (``wte.weight``, ``lm_head.weight``): the
+        first stage saves and loads the one, the last stage its copy as the other."""
         if self.config.pp == 1:
             return (self.fsdps[0] if self.fsdps else self.model), None
         # a stage's FSDP leaves the model's own parameters sharded, which the checkpoint sees

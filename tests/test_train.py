@@ -51,6 +51,7 @@ LAYOUTS_2 = [
     MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
     BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
     BASE.with_(pp=2, num_microbatches=2), BASE.with_(pp=2, num_microbatches=2, schedule="gpipe"),
+    BASE.with_(pp=2, num_microbatches=2, tied_embeddings=True),  # Megatron's embedding group
 ]
 
 
@@ -64,6 +65,9 @@ LAYOUTS_4 = [
     MOE.with_(dp=4, ep=2, capacity_factor=1.5),
     BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=2, kv_heads=2),  # SP sums before ZeRO-2's hooks
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),  # s/t positions between stages
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, tied_embeddings=True),
     BASE.with_(tp=2, pp=2, num_microbatches=2),
     BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),
@@ -115,7 +119,8 @@ def test_params_sha256_is_canonical():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "tp=3 must divide the 4 attention heads"),
-    (["--dp", "2", "--zero", "2", "--tp", "2", "--sequence-parallel"], "use --zero 1 with --sequence-parallel"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "3", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),  # FSDP x PP composes, but not with tied copies
     (["--cp", "3"], "context parallel size cp=3 must divide the sequence length 32"),
     (["--cp", "4", "--seq", "36"], "2 x cp = 8 chunks (zig-zag); seq=36 must be a multiple of 8"),
     (["--ep", "2", "--dp", "2"], "needs an MoE model"),
@@ -141,6 +146,8 @@ def test_params_sha256_is_canonical():
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "2", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
