@@ -510,3 +510,12 @@ def test_persistence_threshold_keeps_small_parameters_replicated(dtype):
             assert out["max_diff"] < 5e-2, out
     with pytest.raises(ValueError, match="persistence_threshold must be an integer >= 0, got -1"):
         FSDP(nn.Linear(2, 2), persistence_threshold=-1)  # checked before anything distributed
+
+
+def test_gradient_hooks_on_parameters_are_refused():
+    # FSDP's forward uses views of its gathered buffers: a hook on the parameter would never fire
+    # (tensor_parallel's default SP-gradient sum was silently skipped that way)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match=r"parameters \['1.weight'\] have gradient hooks"):
+        FSDP(model)  # checked before anything distributed

@@ -86,6 +86,7 @@ LAYOUTS_FSDP = [
     BASE.with_(dp=2, pp=2, zero=3, num_microbatches=2),
     BASE.with_(dp=2, pp=2, zero=3, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(cp=2, tp=2, zero=3),
+    BASE.with_(dp=2, tp=2, zero=3, tied_embeddings=True),  # a tied embedding across FSDP units and TP
 ]
 
 
@@ -97,7 +98,7 @@ def test_eight_rank_3d_interleaved_equals_single_process():
     # dp2 x tp2 x pp2 with the interleaved schedule (1F1B runs under torchrun below)
     _check([BASE.with_(dp=2, tp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved",
                        virtual_stages=2),
-            BASE.with_(dp=2, tp=2, pp=2, zero=3, num_microbatches=2)], 8)  # FSDP x TP x PP
+            BASE.with_(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, num_microbatches=2)], 8)  # FSDP x TP/SP x PP
 
 
 def test_moe_routing_matters():

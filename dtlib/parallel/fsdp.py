@@ -270,6 +270,18 @@ class FSDP(nn.Module):
         if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in unit_types):
             raise TypeError(f"unit_types must be nn.Module subclasses, got {unit_types!r}")
         validate.integer("persistence_threshold", persistence_threshold, minimum=0)
+        # FSDP runs the forward on views of its gathered buffers, never on the parameters, and
+        # writes .grad itself: hooks registered on a parameter would silently never fire (e.g.
+        # tensor_parallel's default sum of sequence-parallel gradients). Private attributes, but
+        # the only way to see them.
+        hooked = [n for n, p in module.named_parameters() if p.requires_grad
+                  and (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))]
+        if hooked:
+            raise ValueError(f"parameters {hooked[:4]}{' ...' if len(hooked) > 4 else ''} have gradient hooks, "
+                             "which FSDP's gathered views bypass: register them after wrapping on what "
+                             "FSDP produces, or (tensor_parallel with sequence parallelism) convert with "
+                             "sequence_parallel_grads='manual' and call allreduce_sequence_parallel_grads "
+                             "after backward")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: run inside dtlib.launch(...)")
         backend = dist.get_backend(process_group)
