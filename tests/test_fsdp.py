@@ -458,7 +458,7 @@ def test_a_collective_per_parameter_gradient_completes():
         (loss_fn(ref, mx, my) / 2).backward()
     expect = torch.tensor([[float(p.grad.double().sum()), 2.0 * p.dim()] for p in ref.parameters()],
                           dtype=torch.float64)
-    for checksum in launch(_collective_per_parameter, 2, timeout=20):
+    for checksum in launch(_collective_per_parameter, 2, timeout=30):
         assert torch.allclose(checksum, expect, rtol=1e-5, atol=1e-6), (checksum, expect)
 
 
