@@ -533,13 +533,16 @@ def _gather_param(t: torch.Tensor, p: nn.Parameter, state: TensorParallelState) 
     return segments if getattr(p, "full_names", None) else [torch.cat(segments, p.partition_dim)]
 
 
-def _full(model: TinyGPT, group: Any, what: str, grads: bool) -> dict[str, torch.Tensor]:
+def _full(model: TinyGPT, group: Any, what: str, grads: bool,
+          values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     state = _state(model, what)
     if group is not None and group is not state.group:
         raise ValueError(f"{what}: group is not the group the model was converted with")
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        t = p.grad if grads else p
+        if values is not None and name not in values:
+            continue
+        t = values[name] if values is not None else p.grad if grads else p
         if t is None:
             raise ValueError(f"{name} has no gradient: run backward before {what}")
         full = _gather_param(t, p, state)
@@ -552,10 +555,13 @@ def _full(model: TinyGPT, group: Any, what: str, grads: bool) -> dict[str, torch
     return out
 
 
-def full_state_dict(model: TinyGPT, group: Any = None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: TinyGPT, group: Any = None,
+                    values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full, unsharded parameters on every rank, with TinyGPT's own names and shapes (a
-    collective over the TP group: every rank must call it)."""
-    return _full(model, group, "full_state_dict", grads=False)
+    collective over the TP group: every rank must call it). ``values``: TP-local tensors to
+    gather instead of the parameters, by the model's names (those of FSDP's
+    ``gather_full_params``, when FSDP shards the TP slabs further); names not in it are skipped."""
+    return _full(model, group, "full_state_dict", grads=False, values=values)
 
 
 def full_grad_dict(model: TinyGPT, group: Any = None) -> dict[str, torch.Tensor]:
