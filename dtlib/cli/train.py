@@ -67,6 +67,9 @@ def add_train_command(sub: Any) -> None:
                    help="sequences per step; sets --microbatches = global / (dp x micro-batch) "
                         "(Megatron-LM), so a torchrun restart on fewer ranks keeps the global batch")
     g.add_argument("--recompute", action="store_true", help="recompute each block in backward (full)")
+    g.add_argument("--tied-embeddings", action="store_true",
+                   help="the LM head reuses the token embedding (GPT-2); across pipeline stages the two "
+                        "copies' gradients are summed (Megatron's embedding group)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=positive_int, default=5)
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
