@@ -144,13 +144,17 @@ def test_elastic_shrink_under_torchrun_trains_every_sample_once(shards, tmp_path
 
 def test_slow_storage_shows_as_the_input_finding_and_healthy_reads_do_not(shards, tmp_path):
     """Prefetching one step ahead cannot hide reads slower than a step: the profiler names
-    'input'; the same run with healthy storage has no input finding (compared in one test)."""
+    'input' first; with healthy storage input is at most a small share (compared in one test)."""
     base = dict(FLAGS, data=shards, steps=4)
     healthy = run(TrainConfig(**base, profile=str(tmp_path / "h")), timeout=120)
     slow = run(TrainConfig(**base, data_delay=0.5, profile=str(tmp_path / "s")), timeout=120)
-    kinds = lambda out: [f["kind"] for f in out["profile"]["findings"]]  # noqa: E731
-    assert "input" not in kinds(healthy), healthy["profile"]["findings"]
-    assert "input" in kinds(slow), slow["profile"]["findings"]
+    def input_share(out):  # the share of the step lost to data loading (0 when not reported)
+        return next((f["share"] for f in out["profile"]["findings"] if f["kind"] == "input"), 0.0)
+    # a 0.5 s read against a step of milliseconds: input is the top finding, most of the step; the
+    # healthy run's reads (a few rows from memory-mapped shards) are a small share if reported at all
+    assert slow["profile"]["findings"][0]["kind"] == "input", slow["profile"]["findings"]
+    assert input_share(slow) > 0.5 and input_share(healthy) < 0.5 * input_share(slow), \
+        (healthy["profile"]["findings"], slow["profile"]["findings"])
     assert np.isclose(sum(healthy["losses"]), sum(slow["losses"]))  # the same samples either way
 
 
