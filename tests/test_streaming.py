@@ -165,3 +165,18 @@ def test_bad_data_options_fail_before_anything_starts(shards, tmp_path):
         TrainConfig(sample_log=str(tmp_path)).check()
     with pytest.raises(ValueError, match="prefetch must be"):
         TrainConfig(data=shards, seq=SEQ, prefetch=-1).check()
+
+
+def test_command_line_writes_shards_and_trains_on_them(tmp_path, capsys):
+    from dtlib.cli import main as cli_main
+    out = str(tmp_path / "shards")
+    assert cli_main(["shards", out, "--seq", "16", "--samples-per-shard", "64", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written["samples"] == check_shards(out, 16)["samples"] == (len(load_tokens()) - 1) // 16
+    metrics = str(tmp_path / "m.jsonl")
+    assert cli_main(["train", "--data", out, "--seq", "16", "--layers", "1", "--hidden", "32", "--steps", "2",
+                     "--metrics", metrics, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples_consumed"] == 4 and len(open(metrics).readlines()) == 2
+    assert cli_main(["train", "--data", out, "--seq", "32"]) == 2
+    assert "holds samples of seq=16 tokens; --seq is 32" in capsys.readouterr().err

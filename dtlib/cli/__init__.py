@@ -1,4 +1,4 @@
-"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile ...`` (``--json`` for machines).
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile|shards ...`` (``--json`` for machines).
 
 One module per subcommand, each a small ``add_*_command(subparsers)`` that registers its options
 and a ``run(args) -> int``; :mod:`dtlib.cli.args` holds what they share. :data:`COMMANDS` lists
@@ -21,6 +21,7 @@ from dtlib.cli.flops import add_flops_command
 from dtlib.cli.memory import add_memory_command
 from dtlib.cli.plan import add_plan_command
 from dtlib.cli.profile import add_profile_command
+from dtlib.cli.shards import add_shards_command
 from dtlib.cli.train import add_train_command
 
 __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
@@ -28,7 +29,7 @@ __all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
 
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
                                           add_plan_command, add_train_command, add_checkpoint_command,
-                                          add_profile_command]
+                                          add_profile_command, add_shards_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
