@@ -104,18 +104,24 @@ class Monitor:
             return None
         key = (run.coords["tp"], run.coords["pp"], run.coords["ep"] if c.ep > 1 else 0)
         m = cls(c, rank, key, run.replicas, tokens_per_step)
-        run.on_gradients = lambda r: m.gradients(r.params)
+        run.on_gradients = lambda r: m.gradients(r.params, r.coords["tp"])
         return m
 
-    def gradients(self, params: Sequence[torch.Tensor]) -> None:
+    def gradients(self, params: Sequence[torch.Tensor], tp_rank: int = 0) -> None:
         """The global gradient norm (a collective): every rank's sum of squares, summed over the
-        world and divided by how many ranks hold each gradient (ZeRO 0-1 replicas; ZeRO-2/FSDP
-        shards are held once). With tensor parallelism the norm weights replicated over the TP group
-        count tp times: close, not exact."""
+        world and divided by how many ranks hold each gradient (the dp x cp replicas with ZeRO 0-1;
+        FSDP's shards are held once). A parameter replicated in the TP group (not
+        ``tensor_model_parallel``, Megatron's attribute) counts on TP rank 0 only. With ZeRO-2 the
+        gradient shards are finished inside the optimizer step, so the norm is not measured (None);
+        with FSDP x TP or expert parallelism it is approximate."""
+        if self.config.zero == 2:
+            self.grad_norm = None
+            return
         sq = torch.zeros((), dtype=torch.float64)
         for p in params:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+            if p.grad is None or (tp_rank and not getattr(p, "tensor_model_parallel", False)):
+                continue
+            sq += p.grad.detach().double().pow(2).sum().cpu()
         if self.distributed:
             dist.all_reduce(sq)
         divisor = self.replicas if self.config.zero in (0, 1) else 1

@@ -55,13 +55,28 @@ def test_no_flip_no_divergence_and_metrics_in_both_sinks(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
 
 
-def test_grad_norm_is_the_global_norm_whatever_the_layout(tmp_path):
-    """Replicated gradients are counted once: dp2 and one process report the same norm."""
-    one = run(TrainConfig(**SMALL, num_microbatches=2, metrics=str(tmp_path / "1.jsonl"), optimizer="sgd"), timeout=60)
-    two = run(TrainConfig(**SMALL, dp=2, metrics=str(tmp_path / "2.jsonl"), optimizer="sgd"), timeout=60)
-    a, b = (read_metrics(str(tmp_path / f)) for f in ("1.jsonl", "2.jsonl"))
-    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-4)
-    assert one["alerts"] == two["alerts"] == []
+@pytest.fixture(scope="module")
+def one_process_norms(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("norms") / "one.jsonl")
+    run(TrainConfig(**{**SMALL, "layers": 2}, num_microbatches=2, optimizer="sgd", metrics=path), timeout=60)
+    return [r["grad_norm"] for r in read_metrics(path)]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2, num_microbatches=2),
+                                    dict(pp=2, num_microbatches=2)], ids=str)
+def test_grad_norm_is_the_global_norm_whatever_the_layout(layout, one_process_norms, tmp_path):
+    """Replicated gradients count once, shards once each, TP-replicated weights once: every layout
+    reports the norm of one process on the same global batch."""
+    path = str(tmp_path / "m.jsonl")
+    out = run(TrainConfig(**{**SMALL, "layers": 2}, **layout, optimizer="sgd", metrics=path), timeout=60)
+    assert [r["grad_norm"] for r in read_metrics(path)] == pytest.approx(one_process_norms, rel=1e-4)
+    assert out["alerts"] == []
+
+
+def test_zero2_reports_no_grad_norm(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    run(TrainConfig(**SMALL, dp=2, zero=2, metrics=path), timeout=60)
+    assert [r["grad_norm"] for r in read_metrics(path)] == [None] * 6
 
 
 def test_alarm_fires_on_a_spike_not_on_noise():
