@@ -26,7 +26,9 @@ import torch.distributed as dist
 from dtlib.analytic import validate
 from dtlib.resilience.integrity import flip_bit, replica_report
 
-__all__ = ["Alarm", "Monitor", "check_options", "read_metrics"]
+__all__ = ["Alarm", "Monitor", "check_options", "read_metrics", "SPIKE"]
+
+SPIKE = 1000.0  # what --spike-step multiplies the gradients by
 
 
 class Alarm:
@@ -65,6 +67,11 @@ def check_options(config: Any, world_size: int) -> None:
         validate.integer("flip_bit_rank", c.flip_bit_rank, minimum=0, maximum=world_size - 1)
         if c.flip_bit_step is None:
             raise ValueError("--flip-bit-rank needs --flip-bit-step (the step after which the bit flips)")
+    if c.spike_step is not None:
+        validate.integer("spike_step", c.spike_step, minimum=0, maximum=c.steps - 1)
+        if c.zero == 2:
+            raise ValueError("--spike-step scales the gradients before the optimizer step; --zero 2 has "
+                             "already reduce-scattered them: use --zero 0, 1 or 3")
     validate.number("loss_spike_factor", c.loss_spike_factor, minimum=1)
     validate.number("grad_norm_factor", c.grad_norm_factor, minimum=1)
 
@@ -100,20 +107,29 @@ class Monitor:
         """The monitor of a trainer's ``_Run`` if any monitoring option is on (None otherwise), its
         gradient-norm hook installed."""
         c = run.config
-        if not (c.metrics or c.tensorboard or c.checksum_every or c.flip_bit_step is not None):
+        if not (c.metrics or c.tensorboard or c.checksum_every or c.flip_bit_step is not None
+                or c.spike_step is not None):
             return None
         key = (run.coords["tp"], run.coords["pp"], run.coords["ep"] if c.ep > 1 else 0)
         m = cls(c, rank, key, run.replicas, tokens_per_step)
-        run.on_gradients = lambda r: m.gradients(r.params, r.coords["tp"])
+        run.on_gradients = lambda r: m.gradients(r.params, r.coords["tp"], r.step_count)
         return m
 
-    def gradients(self, params: Sequence[torch.Tensor], tp_rank: int = 0) -> None:
+    def gradients(self, params: Sequence[torch.Tensor], tp_rank: int = 0, step: int | None = None) -> None:
         """The global gradient norm (a collective): every rank's sum of squares, summed over the
         world and divided by how many ranks hold each gradient (the dp x cp replicas with ZeRO 0-1;
         FSDP's shards are held once). A parameter replicated in the TP group (not
         ``tensor_model_parallel``, Megatron's attribute) counts on TP rank 0 only. With ZeRO-2 the
         gradient shards are finished inside the optimizer step, so the norm is not measured (None);
         with FSDP x TP or expert parallelism it is approximate."""
+        if self.config.spike_step is not None and step == self.config.spike_step:
+            # the drill, on every rank alike (replicas stay equal): a gradient explosion, as a bad
+            # batch or a too-high learning rate makes one
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(SPIKE)
+            if self.rank == 0:
+                print(f"fault drill: gradients x {SPIKE:g} at step {step}", file=sys.stderr, flush=True)
         if self.config.zero == 2:
             self.grad_norm = None
             return

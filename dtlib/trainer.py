@@ -160,6 +160,7 @@ class TrainConfig:
     grad_norm_factor: float = 5.0
     incremental: bool = False
     full_every: int = 4
+    spike_step: int | None = None  # drill: gradients x 1000 at this step (a gradient explosion)
 
     @property
     def world_size(self) -> int:

@@ -91,7 +91,18 @@ def test_alarm_fires_on_a_spike_not_on_noise():
     assert a(float("inf")) is not None
 
 
+def test_a_gradient_explosion_raises_the_alerts(tmp_path):
+    """--spike-step 5 multiplies the gradients by 1000: the grad-norm alert fires at step 5, and the
+    loss of the next step (after SGD's huge update) fires the loss alert; no alert before."""
+    out = run(TrainConfig(**{**SMALL, "steps": 8}, dp=2, optimizer="sgd", lr=0.05, spike_step=5,
+                          metrics=str(tmp_path / "m.jsonl")), timeout=60)
+    first = {a["alert"].split()[0]: a["step"] for a in reversed(out["alerts"])}
+    assert first == {"grad_norm": 5, "loss": 6}, out["alerts"]
+    assert read_metrics(str(tmp_path / "m.jsonl"))[5]["alerts"][0].startswith("grad_norm")
+
+
 @pytest.mark.parametrize("changes, message", [
+    (dict(spike_step=1, zero=2, dp=2), "--spike-step scales the gradients"),
     (dict(checksum_every=1, zero=3, dp=2), "--zero 3"),
     (dict(flip_bit_step=9, steps=3), "flip_bit_step must be an integer from 0 to 2"),
     (dict(flip_bit_rank=0), "--flip-bit-rank needs --flip-bit-step"),

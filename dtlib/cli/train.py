@@ -117,6 +117,8 @@ def add_train_command(sub: Any) -> None:
                    help="compare the replicas' parameter checksums every N steps and name a diverged rank (0: off)")
     g.add_argument("--flip-bit-step", type=non_negative_int, help="drill: flip one parameter bit after this step")
     g.add_argument("--flip-bit-rank", type=non_negative_int, help="the rank --flip-bit-step corrupts (default: the last)")
+    g.add_argument("--spike-step", type=non_negative_int,
+                   help="drill: multiply every gradient by 1000 at this step (a gradient explosion the alerts catch)")
     g.add_argument("--loss-spike-factor", type=positive_float, default=2.0,
                    help="alert when the loss exceeds this x the median of the last 10 steps")
     g.add_argument("--grad-norm-factor", type=positive_float, default=5.0,
