@@ -28,7 +28,7 @@ def _run(rank, world_size, bound, slowdowns):
     data = _data(world_size - 1)
 
     def loss_fn(model, worker, clock):  # worker k's shard of global batch `clock`
-        x, y = data[clock]
+        x, y = data[clock % STEPS]  # a fast worker may go on past STEPS
         return F.mse_loss(model(x[worker * SHARD:(worker + 1) * SHARD]), y[worker * SHARD:(worker + 1) * SHARD])
 
     model = _model()
@@ -48,6 +48,7 @@ def test_bound_zero_is_synchronous_sgd():
         opt.step()
     for a, b in zip(server["params"], ref.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    assert [u["worker"] for u in server["updates"]].count(1) == STEPS  # lockstep: STEPS each
     # every worker of a round read the same version: the one after the previous round
     assert all(u["read_version"] == u["clock"] * (world - 1) for u in server["updates"])
     assert max(u["staleness"] for u in server["updates"]) <= staleness_bound(world - 1, 0)
@@ -61,7 +62,9 @@ def test_staleness_is_bounded_and_measured_per_update(bound):
     assert len(updates) == (world - 1) * STEPS
     assert [u["version"] for u in updates] == list(range(len(updates)))
     for k in range(world - 1):  # each worker's gradients arrive in clock order, one per clock
-        assert [u["clock"] for u in updates if u["worker"] == k] == list(range(STEPS))
+        clocks = [u["clock"] for u in updates if u["worker"] == k]
+        assert clocks == list(range(len(clocks))) and len(clocks) >= 1
+        assert ranks[k + 1]["steps"] >= len(clocks)  # a last gradient may come after the budget
     for u in updates:
         assert u["staleness"] == u["version"] - u["read_version"] >= 0
         if bound is not None:

@@ -7,15 +7,29 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["torchft_manager"]
+from dtlib.analytic import validate
+from dtlib.analytic.comm import bytes_sent_per_rank
+from dtlib.corpus import VOCAB, token_batch
+from dtlib.experiments.profiling import slow_link_hook, slow_link_seconds
+from dtlib.launcher import launch
+from dtlib.models.gpt import TinyGPT, tiny_gpt_config
+from dtlib.parallel.ddp import BucketedDDP
+from dtlib.parallel.local_sgd import DiLoCo, LocalSGD
+
+__all__ = ["torchft_manager", "Run", "SCHEMES", "SCHEME_LABELS", "gpt_model", "lm_loss",
+           "held_out_loss", "compare_schemes"]
 
 
 def torchft_manager(rank: int, world_size: int, model: nn.Module, timeout: float = 20.0
@@ -56,3 +70,121 @@ def torchft_manager(rank: int, world_size: int, model: nn.Module, timeout: float
 
     store_keep = [store]
     return manager, shutdown
+
+
+# ---- DDP, local SGD and DiLoCo on TinyGPT, over an emulated slow link ------------------------------
+SCHEMES = ("ddp", "local_sgd", "diloco")
+SCHEME_LABELS = {"ddp": "DDP (every step)", "local_sgd": "local SGD (every H)",
+                 "diloco": "DiLoCo (every H)"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One comparison's settings (the defaults are lesson 11's)."""
+    steps: int = 48
+    sync_every: int = 8            # H
+    global_batch: int = 16
+    inner_lr: float = 3e-3         # AdamW, for DDP and as the inner optimizer
+    outer_lr: float = 0.7          # Douillard et al. 2023, Sec. 3: Nesterov, lr 0.7, momentum 0.9
+    outer_momentum: float = 0.9
+    latency: float = 0.005         # seconds per all-reduce on the emulated link
+    bandwidth: float = 20e6        # bytes/s on the emulated link
+    seed: int = 0
+
+
+def gpt_model(seed: int = 0, small: bool = False) -> TinyGPT:
+    """Lesson 11's TinyGPT (byte-level, 2 layers, hidden 64, seq 32; ``small``: 1 layer, hidden 32,
+    seq 16, for the widget's quick simulations), seeded: the same on every rank."""
+    torch.manual_seed(seed)
+    cfg = (tiny_gpt_config(layers=1, hidden=32, heads=2, vocab=VOCAB, seq=16) if small
+           else tiny_gpt_config(layers=2, hidden=64, heads=4, vocab=VOCAB, seq=32))
+    return TinyGPT(cfg)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over every position."""
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _shard(step: int, run: Run, rank: int, world_size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = token_batch(step, run.global_batch, seq, seed=run.seed)
+    return x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, seq: int, batch: int = 32) -> float:
+    """Loss on a fixed batch no run trains on (seed 999)."""
+    x, y = token_batch(0, batch, seq, seed=999)
+    return lm_loss(model, x, y).item()
+
+
+def _scheme_worker(rank: int, world_size: int, run: Run, schemes: Sequence[str]) -> dict:
+    out = {}
+    seq = gpt_model(run.seed).cfg.seq
+
+    def link(nbytes: int) -> None:  # every all-reduce pays the emulated link (profiling's)
+        time.sleep(slow_link_seconds(nbytes, world_size, run.latency, run.bandwidth))
+
+    for scheme in schemes:
+        model = gpt_model(run.seed)
+        if scheme == "ddp":
+            net: nn.Module = BucketedDDP(model, bucket_size_mb=64.0)  # one bucket: one message
+            net.register_comm_hook(None, slow_link_hook(run.latency, run.bandwidth))
+            opt = torch.optim.AdamW(net.parameters(), lr=run.inner_lr)
+            wrapper: Any = None
+        else:
+            net = model
+            opt = torch.optim.AdamW(model.parameters(), lr=run.inner_lr)
+            if scheme == "local_sgd":
+                wrapper = LocalSGD(model, opt, sync_every=run.sync_every, on_sync=link)
+            else:
+                outer = torch.optim.SGD(model.parameters(), lr=run.outer_lr,
+                                        momentum=run.outer_momentum, nesterov=run.outer_momentum > 0)
+                wrapper = DiLoCo(model, opt, outer, sync_every=run.sync_every, on_sync=link)
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        losses, times, sent = [], [], []
+        dist.barrier()
+        start = time.perf_counter()
+        total = 0.0
+        with (wrapper if wrapper is not None else contextlib.nullcontext()):
+            for step in range(run.steps):
+                x, y = _shard(step, run, rank, world_size, seq)
+                loss = lm_loss(net, x, y)
+                loss.backward()
+                if scheme == "ddp":
+                    net.finish_gradient_synchronization()
+                    total += float(bytes_sent_per_rank("all_reduce", param_bytes, world_size))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                times.append(time.perf_counter() - start)
+                sent.append(total if wrapper is None else wrapper.bytes_sent)
+        out[scheme] = {"losses": losses, "times": times, "bytes": sent,
+                       "held_out": held_out_loss(model, seq), "param_bytes": param_bytes,
+                       "syncs": run.steps if wrapper is None else wrapper.syncs}
+    return out
+
+
+def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str] = SCHEMES,
+                    timeout: float = 120.0) -> dict:
+    """Train lesson 11's TinyGPT with each scheme on ``world_size`` ranks over the emulated link.
+
+    Returns ``{scheme: {"loss", "time", "bytes", "held_out", "syncs", "seconds"}}``: per step the
+    training loss averaged over ranks, the wall-clock time (slowest rank) and the bytes each rank
+    has sent; the final model's held-out loss; the run's total seconds.
+    """
+    for s in schemes:
+        validate.one_of("schemes", s, SCHEMES)
+    validate.integer("world_size", world_size, minimum=1, maximum=8)
+    ranks = launch(_scheme_worker, world_size, args=(run, tuple(schemes)), timeout=timeout,
+                   output="none")
+    result = {}
+    for s in schemes:
+        per_rank = [r[s] for r in ranks]
+        times = [max(r["times"][i] for r in per_rank) for i in range(run.steps)]
+        result[s] = {"loss": [sum(r["losses"][i] for r in per_rank) / world_size for i in range(run.steps)],
+                     "time": times, "bytes": per_rank[0]["bytes"], "held_out": per_rank[0]["held_out"],
+                     "syncs": per_rank[0]["syncs"], "seconds": times[-1],
+                     "param_bytes": per_rank[0]["param_bytes"]}
+    return result

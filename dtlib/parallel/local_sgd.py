@@ -29,7 +29,7 @@ The inner optimizer's state (AdamW's moments) stays local to each rank, as in th
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -70,8 +70,8 @@ class _EveryH:
     """What LocalSGD and DiLoCo share: a step counter on the inner optimizer and the traffic."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int,
-                 group: Any):
-        self.model, self.optimizer, self.group = model, optimizer, group
+                 group: Any, on_sync: Callable[[int], None] | None):
+        self.model, self.optimizer, self.group, self.on_sync = model, optimizer, group, on_sync
         self.sync_every = validate.integer("sync_every", sync_every, minimum=1)
         self.local_step = 0
         self.syncs = 0
@@ -101,6 +101,8 @@ class _EveryH:
         self.syncs += 1
         self.payload_bytes += nbytes
         self.bytes_sent += float(bytes_sent_per_rank("all_reduce", nbytes, _world(self.group)))
+        if self.on_sync is not None:  # e.g. the emulated slow link's sleep for these bytes
+            self.on_sync(nbytes)
 
     def sync(self) -> None:
         raise NotImplementedError
@@ -111,12 +113,13 @@ class LocalSGD(_EveryH):
 
     Use as a context manager around the training loop (the average runs inside
     ``optimizer.step()``), or call :meth:`sync` yourself. ``syncs``, ``payload_bytes`` and
-    ``bytes_sent`` (ring all-reduce, per rank) count the traffic.
+    ``bytes_sent`` (ring all-reduce, per rank) count the traffic; ``on_sync(nbytes)``, if given,
+    runs after every all-reduce (the lesson sleeps there to emulate a slow link).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sync_every: int,
-                 group: Any = None):
-        super().__init__(model, optimizer, sync_every, group)
+                 group: Any = None, on_sync: Callable[[int], None] | None = None):
+        super().__init__(model, optimizer, sync_every, group, on_sync)
 
     def __enter__(self) -> "LocalSGD":
         super().__enter__()
@@ -157,8 +160,9 @@ class DiLoCo(_EveryH):
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
-                 outer_optimizer: torch.optim.Optimizer, sync_every: int, group: Any = None):
-        super().__init__(model, inner_optimizer, sync_every, group)
+                 outer_optimizer: torch.optim.Optimizer, sync_every: int, group: Any = None,
+                 on_sync: Callable[[int], None] | None = None):
+        super().__init__(model, inner_optimizer, sync_every, group, on_sync)
         self.outer_optimizer = outer_optimizer
         with torch.no_grad():
             if _world(group) > 1:

@@ -82,68 +82,74 @@ def _load(model: nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def _serve(model: nn.Module, workers: list[int], steps: int, lr: float, bound: int | None) -> dict:
+def _serve(model: nn.Module, workers: list[int], total: int, lr: float, bound: int | None) -> dict:
     start = time.perf_counter()
     params = _flat(model)
     n, w = params.numel(), len(workers)
     version = 0
     clock = {r: 0 for r in workers}
     lead_at_read = {r: 0 for r in workers}
-    read_version = {r: 0 for r in workers}
     updates: list[Update] = []
     waiting: list[int] = []
+    active = set(workers)
 
-    def reply(r: int) -> None:
+    def reply(r: int, stop: bool = False) -> None:
         lead_at_read[r] = clock[r] - min(clock.values())
-        dist.send(torch.cat([params, torch.tensor([float(version)])]), dst=r)
+        dist.send(torch.cat([params, torch.tensor([-1.0 if stop else float(version)])]), dst=r)
 
     for r in workers:  # everyone starts from version 0
         reply(r)
     buf = torch.empty(n + 2)
-    for _ in range(w * steps):
+    while active:
         src = dist.recv(buf)   # any worker: the first gradient to arrive is the first applied
-        read = int(buf[n].item())
-        updates.append(Update(worker=workers.index(src), clock=clock[src], read_version=read,
-                              version=version, staleness=version - read, lead=lead_at_read[src],
-                              loss=float(buf[n + 1].item()), time=time.perf_counter() - start))
-        params -= (lr / w) * buf[:n]
-        version += 1
-        clock[src] += 1
+        if version < total:
+            read = int(buf[n].item())
+            updates.append(Update(worker=workers.index(src), clock=clock[src], read_version=read,
+                                  version=version, staleness=version - read, lead=lead_at_read[src],
+                                  loss=float(buf[n + 1].item()), time=time.perf_counter() - start))
+            params -= (lr / w) * buf[:n]
+            version += 1
+            clock[src] += 1
+        # (a gradient that arrives after the budget is spent is dropped: its worker just stops)
         waiting.append(src)
-        # SSP: a worker may read again once it is at most `bound` clocks ahead of the slowest;
-        # one that has finished gets its final parameters as soon as it is allowed to
+        if version >= total:  # budget spent: everyone who asks is told to stop
+            for r in waiting:
+                reply(r, stop=True)
+                active.discard(r)
+            waiting.clear()
+            continue
+        # SSP: a worker may read again only while at most `bound` clocks ahead of the slowest
         slowest = min(clock.values())
         for r in list(waiting):
             if bound is None or clock[r] - slowest <= bound:
                 waiting.remove(r)
                 reply(r)
-    assert not waiting, "every worker has finished, so every one is allowed to read"
     _load(model, params)
     return {"role": "server", "updates": [asdict(u) for u in updates], "version": version,
             "seconds": time.perf_counter() - start}
 
 
-def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, steps: int,
-          slowdown: float) -> dict:
+def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, slowdown: float) -> dict:
     start = time.perf_counter()
     n = sum(p.numel() for p in model.parameters())
     buf = torch.empty(n + 1)
     clock = SlowClock()
-    waited = 0.0
-    for step in range(steps + 1):
+    waited, step = 0.0, 0
+    while True:
         t0 = time.perf_counter()
         dist.recv(buf, src=server)         # blocks while SSP holds this worker back
         waited += time.perf_counter() - t0
         _load(model, buf[:n])
-        if step == steps:
-            break                          # the final parameters
+        if buf[n].item() < 0:
+            break                          # the server has applied all the updates it wanted
         with slowed(slowdown, clock):
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, index, step)
             loss.backward()
             grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         dist.send(torch.cat([grad, torch.tensor([buf[n].item(), loss.item()])]), dst=server)
-    return {"role": "worker", "worker": index, "seconds": time.perf_counter() - start,
+        step += 1
+    return {"role": "worker", "worker": index, "steps": step, "seconds": time.perf_counter() - start,
             "waited": waited, "work": clock.work, "slept": clock.slept}
 
 
@@ -152,12 +158,15 @@ def async_sgd(rank: int, world_size: int, model: nn.Module, loss_fn: LossFn, ste
               server: int = 0) -> dict:
     """Run on every rank (inside :func:`dtlib.launch`): rank ``server`` serves, the others work.
 
-    Every worker computes ``steps`` gradients with ``loss_fn(model, worker, clock)``; ``bound`` is
-    SSP's staleness bound ``s`` (0: synchronous, None: fully asynchronous); ``slowdowns[k]`` makes
-    worker ``k`` that many times slower (:func:`~dtlib.parallel.heterogeneous.slowed`).
+    The server applies ``steps x workers`` gradients in all (``steps`` rounds of synchronous SGD's
+    worth), whoever computes them: workers compute with ``loss_fn(model, worker, clock)`` until
+    told to stop, so a fast worker contributes more than a slow one unless SSP holds it back.
+    ``bound`` is SSP's staleness bound ``s`` (0: synchronous, every worker exactly ``steps``
+    gradients; None: fully asynchronous); ``slowdowns[k]`` makes worker ``k`` that many times
+    slower (:func:`~dtlib.parallel.heterogeneous.slowed`).
     The server's ``model`` ends with the final parameters (a worker's with the last it read). The
     server returns every ``updates``
-    record (:class:`Update` as a dict); a worker its time ``seconds``, ``waited`` (on the server),
+    record (:class:`Update` as a dict); a worker its number of gradients ``steps``, its time ``seconds``, ``waited`` (on the server),
     ``work`` and ``slept``.
     """
     steps = validate.integer("steps", steps, minimum=1)
@@ -173,6 +182,6 @@ def async_sgd(rank: int, world_size: int, model: nn.Module, loss_fn: LossFn, ste
     for k, f in enumerate(slowdowns):
         validate.number(f"slowdowns[{k}]", f, minimum=1, exclusive=False)
     if rank == server:
-        return _serve(model, workers, steps, lr, bound)
+        return _serve(model, workers, steps * len(workers), lr, bound)
     index = workers.index(rank)
-    return _work(model, loss_fn, index, server, steps, slowdowns[index])
+    return _work(model, loss_fn, index, server, slowdowns[index])
