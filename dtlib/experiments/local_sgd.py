@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,7 +30,8 @@ from dtlib.parallel.ddp import BucketedDDP
 from dtlib.parallel.local_sgd import DiLoCo, LocalSGD
 
 __all__ = ["torchft_manager", "Run", "SCHEMES", "SCHEME_LABELS", "gpt_model", "lm_loss",
-           "held_out_loss", "compare_schemes"]
+           "held_out_loss", "compare_schemes", "simulate_diloco", "simulate_ddp",
+           "small_step_seconds", "modelled_seconds", "diloco_tradeoff"]
 
 
 def torchft_manager(rank: int, world_size: int, model: nn.Module, timeout: float = 20.0
@@ -188,3 +190,116 @@ def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str
                      "syncs": per_rank[0]["syncs"], "seconds": times[-1],
                      "param_bytes": per_rank[0]["param_bytes"]}
     return result
+
+
+# ---- the widget's model: DiLoCo simulated in one process, time from the emulated link -------------
+def _replica_shard(step: int, replica: int, replicas: int, global_batch: int, seq: int, seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = token_batch(step, global_batch, seq, seed=seed)
+    return x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]
+
+
+@lru_cache(maxsize=64)
+def simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.9, replicas: int = 4,
+                    steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0
+                    ) -> tuple[tuple[int, float], ...]:
+    """DiLoCo on ``replicas`` replicas of the small TinyGPT, computed one replica after another in
+    this process (the same arithmetic as the ranks: own AdamW per replica, the mean pseudo-gradient,
+    :func:`~dtlib.parallel.local_sgd.outer_nesterov_step`'s Nesterov update). ``sync_every=1``
+    with ``outer_lr=1``, no momentum, is local SGD with H = 1. Returns ``(step, held-out loss)``
+    of the global model after every synchronisation (and at step 0). Cached: the widget asks again."""
+    sync_every = validate.integer("sync_every", sync_every, minimum=1)
+    outer_lr = validate.number("outer_lr", outer_lr)
+    outer_momentum = validate.number("outer_momentum", outer_momentum, minimum=0, exclusive=False,
+                                     maximum=1)
+    glob = gpt_model(seed, small=True)
+    seq = glob.cfg.seq
+    global_params = [p.detach().clone() for p in glob.parameters()]
+    bufs = [torch.zeros_like(p) for p in global_params]
+    models = [gpt_model(seed, small=True) for _ in range(replicas)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=inner_lr) for m in models]
+    curve = [(0, held_out_loss(glob, seq))]
+    for step in range(steps):
+        for r, (m, opt) in enumerate(zip(models, opts)):
+            lm_loss(m, *_replica_shard(step, r, replicas, global_batch, seq, seed)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if (step + 1) % sync_every == 0 or step == steps - 1:
+            with torch.no_grad():
+                for i, g in enumerate(global_params):
+                    delta = sum(g - list(m.parameters())[i] for m in models) / replicas
+                    bufs[i].mul_(outer_momentum).add_(delta)
+                    g.sub_(outer_lr * (delta + outer_momentum * bufs[i]))
+                for m in models:
+                    for p, g in zip(m.parameters(), global_params):
+                        p.copy_(g)
+                for p, g in zip(glob.parameters(), global_params):
+                    p.copy_(g)
+            curve.append((step + 1, held_out_loss(glob, seq)))
+    return tuple(curve)
+
+
+@lru_cache(maxsize=4)
+def simulate_ddp(steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0,
+                 eval_every: int = 4) -> tuple[tuple[int, float], ...]:
+    """Synchronous DDP with AdamW on the small TinyGPT: one process on the whole global batch
+    (what DDP equals). ``(step, held-out loss)`` every ``eval_every`` steps."""
+    model = gpt_model(seed, small=True)
+    seq = model.cfg.seq
+    opt = torch.optim.AdamW(model.parameters(), lr=inner_lr)
+    curve = [(0, held_out_loss(model, seq))]
+    for step in range(steps):
+        x, y = token_batch(step, global_batch, seq, seed=seed)
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % eval_every == 0 or step == steps - 1:
+            curve.append((step + 1, held_out_loss(model, seq)))
+    return tuple(curve)
+
+
+@lru_cache(maxsize=1)
+def small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int = 5) -> float:
+    """Measured seconds of one replica's forward + backward + AdamW step on its share of the batch
+    (small TinyGPT; the minimum of ``repeats``: the machine is shared)."""
+    model = gpt_model(small=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _replica_shard(0, 0, replicas, global_batch, model.cfg.seq, 0)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def modelled_seconds(steps: int, syncs: int, param_bytes: int, step_seconds: float, slowdown: float,
+                     bandwidth: float, latency: float = 0.005, world_size: int = 4) -> float:
+    """Wall-clock of a synchronous scheme: every step at the slowest rank's pace, every
+    synchronisation an all-reduce of the model over the emulated link (:func:`slow_link_seconds`)."""
+    return (steps * step_seconds * slowdown
+            + syncs * slow_link_seconds(param_bytes, world_size, latency, bandwidth))
+
+
+def diloco_tradeoff(sync_every: int, outer_lr: float, bandwidth_mb_s: float, slowdown: float,
+                    steps: int = 48) -> dict:
+    """The widget's result: DDP's and DiLoCo's held-out loss against modelled time (measured step
+    time x slowdown + link time per synchronisation) on 4 simulated replicas."""
+    sync_every = validate.integer("sync_every", sync_every, minimum=1)
+    bandwidth = validate.number("bandwidth_mb_s", bandwidth_mb_s) * 1e6
+    slowdown = validate.number("slowdown", slowdown, minimum=1, exclusive=False)
+    step = small_step_seconds()
+    nbytes = sum(p.numel() * p.element_size() for p in gpt_model(small=True).parameters())
+    curves = {}
+    for name, curve, every in (("DDP (sync every step)", simulate_ddp(steps), 1),
+                               (f"DiLoCo H={sync_every}, outer lr {outer_lr:g}",
+                                simulate_diloco(sync_every, float(outer_lr), steps=steps), sync_every)):
+        times = [modelled_seconds(s, -(-s // every), nbytes, step, slowdown, bandwidth) for s, _ in curve]
+        curves[name] = {"time": times, "loss": [loss for _, loss in curve]}
+    (ddp, dl) = curves.values()
+    return {"curves": curves, "ddp_seconds": ddp["time"][-1], "diloco_seconds": dl["time"][-1],
+            "ddp_loss": ddp["loss"][-1], "diloco_loss": dl["loss"][-1],
+            "title": (f"DiLoCo {ddp['time'][-1] / dl['time'][-1]:.1f}x faster than DDP, final loss "
+                      f"{dl['loss'][-1]:.3f} vs {ddp['loss'][-1]:.3f} ({steps} steps, 4 replicas)")}
