@@ -24,10 +24,10 @@ from dtlib.corpus import token_batch
 from dtlib.experiments.local_sgd import gpt_model, held_out_loss, lm_loss
 from dtlib.launcher import launch
 from dtlib.models.gpt import TinyGPT, tiny_gpt_config
-from dtlib.parallel.heterogeneous import (SlowClock, proportional_batch_sizes, slowed,
+from dtlib.parallel.heterogeneous import (proportional_batch_sizes, slowed,
                                           time_balanced_counts, weighted_average_gradients)
 from dtlib.parallel.parameter_server import async_sgd
-from dtlib.parallel.pipeline import PipelineExecutor, _measured_costs, partition
+from dtlib.parallel.pipeline import PipelineExecutor, partition
 from dtlib.parallel.schedules import schedule
 
 __all__ = ["balance_data_parallel", "balance_pipeline", "staleness_runs"]
@@ -35,48 +35,56 @@ __all__ = ["balance_data_parallel", "balance_pipeline", "staleness_runs"]
 
 def _dp_phase(rank: int, world_size: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
               sizes: list[int], slowdown: float, steps: int, first_step: int, global_batch: int,
-              seq: int) -> dict:
+              seq: int, sample_seconds: float) -> dict:
     begin = sum(sizes[:rank])
-    clock = SlowClock()
-    step_times = []
+    step_times, busy = [], []
     for step in range(first_step, first_step + steps):
         x, y = token_batch(step, global_batch, seq)
         x, y = x[begin:begin + sizes[rank]], y[begin:begin + sizes[rank]]
         start = time.perf_counter()
-        with slowed(slowdown, clock):
+        with slowed(slowdown) as clock:
             loss = lm_loss(model, x, y)
             loss.backward()
+            # the emulated accelerator's own time for these samples (as PipelineExecutor's
+            # emulate=): on 2 shared cores the real compute alone is too noisy to balance on
+            time.sleep(sizes[rank] * sample_seconds)
         weighted_average_gradients(model, sizes[rank])  # waits here for the slowest rank
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - start)
-    busy = clock.work + clock.slept
-    return {"step_times": step_times, "busy": busy, "samples": sizes[rank] * steps,
-            "throughput": sizes[rank] * steps / busy}
+        busy.append(clock.work + clock.slept)
+    # the first step pays for warm-up: the median of the others is this rank's steady pace
+    steady = float(torch.tensor(busy[1:]).median())
+    return {"step_times": step_times, "busy": steady, "throughput": sizes[rank] / steady}
 
 
 def _dp_worker(rank: int, world_size: int, slowdowns: Sequence[float], global_batch: int,
-               steps: int) -> dict:
-    model = gpt_model()
+               steps: int, sample_seconds: float) -> dict:
+    model = gpt_model(small=True)
     seq = model.cfg.seq
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     even = [global_batch // world_size] * world_size
-    equal = _dp_phase(rank, world_size, model, opt, even, slowdowns[rank], steps, 0, global_batch, seq)
+    equal = _dp_phase(rank, world_size, model, opt, even, slowdowns[rank], steps, 0, global_batch, seq,
+                      sample_seconds)
     # every rank learns every rank's measured throughput, so all compute the same split
     speeds = [torch.zeros(1) for _ in range(world_size)]
     dist.all_gather(speeds, torch.tensor([equal["throughput"]]))
     sizes = proportional_batch_sizes([s.item() for s in speeds], global_batch)
     balanced = _dp_phase(rank, world_size, model, opt, sizes, slowdowns[rank], steps, steps,
-                         global_batch, seq)
+                         global_batch, seq, sample_seconds)
     return {"equal": equal, "balanced": balanced, "sizes": sizes,
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
 def balance_data_parallel(slowdowns: Sequence[float] = (1.0, 1.0, 1.0, 3.0), global_batch: int = 32,
-                          steps: int = 4, timeout: float = 120.0) -> dict:
+                          steps: int = 4, sample_ms: float = 2.0, timeout: float = 120.0) -> dict:
     """(a) equal batches, then (b) throughput-proportional batches with sample-weighted gradients.
 
-    Returns, for ``"equal"`` and ``"balanced"``: per rank its ``busy`` seconds (compute, slowed)
+    Each rank computes its samples for real and then sleeps ``sample_ms`` per sample (the emulated
+    device's time), all of it ``slowdowns[rank]`` times slower (:func:`slowed`).
+
+    Returns, for ``"equal"`` and ``"balanced"``: per rank its ``busy`` seconds per step (compute,
+    slowed; median)
     and ``step_time`` (median, the same for all: everyone waits for the slowest), the ``sizes``
     each rank got, ``throughput`` (global samples/s); and ``max_diff_vs_one_process`` between the
     ranks' final weights and one process trained on the same global batches.
@@ -89,10 +97,11 @@ def balance_data_parallel(slowdowns: Sequence[float] = (1.0, 1.0, 1.0, 3.0), glo
         raise ValueError(f"global_batch must be divisible by the {world} ranks for the equal split, "
                          f"got {global_batch}")
     steps = validate.integer("steps", steps, minimum=2)
-    ranks = launch(_dp_worker, world, args=(slowdowns, global_batch, steps), timeout=timeout,
-                   output="none")
+    sample_ms = validate.number("sample_ms", sample_ms, minimum=0, exclusive=False)
+    ranks = launch(_dp_worker, world, args=(slowdowns, global_batch, steps, sample_ms / 1e3),
+                   timeout=timeout, output="none")
     # the reference: one process, every global batch whole, the same optimizer
-    ref = gpt_model()
+    ref = gpt_model(small=True)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2 * steps):
         x, y = token_batch(step, global_batch, ref.cfg.seq)
@@ -106,7 +115,7 @@ def balance_data_parallel(slowdowns: Sequence[float] = (1.0, 1.0, 1.0, 3.0), glo
         per_step = [max(r[phase]["step_times"][i] for r in ranks) for i in range(steps)]
         step_time = float(torch.tensor(per_step[1:]).median())
         sizes = [global_batch // world] * world if phase == "equal" else ranks[0]["sizes"]
-        out[phase] = {"sizes": sizes, "busy": [r[phase]["busy"] / steps for r in ranks],
+        out[phase] = {"sizes": sizes, "busy": [r[phase]["busy"] for r in ranks],
                       "step_time": step_time, "throughput": global_batch / step_time}
     return out
 
@@ -137,14 +146,30 @@ def _pipeline_model(layers: int) -> TinyGPT:
                                    tied_embeddings=False))
 
 
+def _layer_seconds(model: TinyGPT, batch: int = 2, rounds: int = 8) -> tuple[float, list[float], float]:
+    """Forward + backward seconds of the embedding, each block and the head, measured round-robin
+    (every piece once per round, the minimum over rounds): a burst of load from another process
+    then slows one round of every piece, not every round of a few pieces."""
+    idx = torch.randint(0, model.cfg.vocab, (batch, model.cfg.seq))
+    hidden = model.embed(idx).detach().requires_grad_()
+    pieces = [(model.embed, idx)] + [(b, hidden) for b in model.blocks] + [(model.head, hidden)]
+    best = [float("inf")] * len(pieces)
+    for _ in range(rounds + 1):  # the first round warms up allocations
+        for i, (fn, x) in enumerate(pieces):
+            start = time.perf_counter()
+            fn(x).float().sum().backward()
+            best[i] = min(best[i], time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return best[0], best[1:-1], best[-1]
+
+
 def balance_pipeline(slowdowns: Sequence[float] = (1.0, 3.0, 1.0, 1.0), layers: int = 8,
                      layer_ms: float = 4.0, microbatches: int = 4, steps: int = 3,
                      timeout: float = 120.0) -> dict:
     """(c) pipeline stages split evenly, then by measured time: TinyGPT with ``layers`` blocks on
     ``len(slowdowns)`` stages (GPipe), stage k a device ``slowdowns[k]`` times slower.
 
-    Each piece's forward + backward time is measured here (:func:`dtlib.parallel.pipeline.partition`'s
-    measurement), scaled so an average block takes ``layer_ms`` on the emulated device, and each
+    Each piece's forward + backward time is measured here (:func:`_layer_seconds`), scaled so an average block takes ``layer_ms`` on the emulated device, and each
     stage sleeps its share x its slowdown per micro-batch (``PipelineExecutor(emulate=...)``).
     Returns, for ``"even"`` and ``"balanced"``: block ``counts``, emulated ``stage_seconds`` and
     the measured ``step_time``; and the measured ``layer_seconds``.
@@ -153,9 +178,7 @@ def balance_pipeline(slowdowns: Sequence[float] = (1.0, 3.0, 1.0, 1.0), layers: 
                  for k, f in enumerate(slowdowns)]
     pp = len(slowdowns)
     layers = validate.integer("layers", layers, minimum=pp)
-    model = _pipeline_model(layers)
-    _measured_costs(model, repeats=2)  # warm-up: first calls pay for allocations
-    emb, blocks, head = _measured_costs(model, repeats=10)
+    emb, blocks, head = _layer_seconds(_pipeline_model(layers))
     scale = layer_ms / 1e3 / (sum(blocks) / len(blocks))
     weights = [b * scale for b in blocks]
     weights[0] += emb * scale     # the embedding runs on the first stage,

@@ -146,6 +146,7 @@ def _scheme_worker(rank: int, world_size: int, run: Run, schemes: Sequence[str])
                 wrapper = DiLoCo(model, opt, outer, sync_every=run.sync_every, on_sync=link)
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         losses, times, sent = [], [], []
+        curve = {"step": [0], "time": [0.0], "bytes": [0.0], "loss": [held_out_loss(model, seq)]}
         dist.barrier()
         start = time.perf_counter()
         total = 0.0
@@ -162,7 +163,14 @@ def _scheme_worker(rank: int, world_size: int, run: Run, schemes: Sequence[str])
                 losses.append(loss.item())
                 times.append(time.perf_counter() - start)
                 sent.append(total if wrapper is None else wrapper.bytes_sent)
-        out[scheme] = {"losses": losses, "times": times, "bytes": sent,
+                if (step + 1) % run.sync_every == 0:
+                    # every H steps all replicas hold the same model: evaluate it, off the clock
+                    paused = time.perf_counter()
+                    curve["loss"].append(held_out_loss(model, seq))
+                    for key, value in (("step", step + 1), ("time", times[-1]), ("bytes", sent[-1])):
+                        curve[key].append(value)
+                    start += time.perf_counter() - paused
+        out[scheme] = {"losses": losses, "times": times, "bytes": sent, "curve": curve,
                        "held_out": held_out_loss(model, seq), "param_bytes": param_bytes,
                        "syncs": run.steps if wrapper is None else wrapper.syncs}
     return out
@@ -172,9 +180,11 @@ def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str
                     timeout: float = 120.0) -> dict:
     """Train lesson 11's TinyGPT with each scheme on ``world_size`` ranks over the emulated link.
 
-    Returns ``{scheme: {"loss", "time", "bytes", "held_out", "syncs", "seconds"}}``: per step the
-    training loss averaged over ranks, the wall-clock time (slowest rank) and the bytes each rank
-    has sent; the final model's held-out loss; the run's total seconds.
+    Returns ``{scheme: {"loss", "time", "bytes", "curve", "held_out", "syncs", "seconds"}}``: per
+    step the training loss averaged over ranks, the wall-clock time (slowest rank) and the bytes
+    each rank has sent; ``curve``: the held-out loss of the synchronised model every H steps
+    (``{"step", "time", "bytes", "loss"}``, evaluation time excluded); the final model's held-out
+    loss; the run's total seconds.
     """
     for s in schemes:
         validate.one_of("schemes", s, SCHEMES)
@@ -188,6 +198,9 @@ def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str
         result[s] = {"loss": [sum(r["losses"][i] for r in per_rank) / world_size for i in range(run.steps)],
                      "time": times, "bytes": per_rank[0]["bytes"], "held_out": per_rank[0]["held_out"],
                      "syncs": per_rank[0]["syncs"], "seconds": times[-1],
+                     "curve": {**per_rank[0]["curve"],
+                               "time": [max(r["curve"]["time"][i] for r in per_rank)
+                                        for i in range(len(per_rank[0]["curve"]["time"]))]},
                      "param_bytes": per_rank[0]["param_bytes"]}
     return result
 

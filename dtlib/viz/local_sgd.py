@@ -13,33 +13,22 @@ __all__ = ["plot_loss_vs_time_and_bytes", "plot_staleness", "plot_rank_balance",
            "plot_stage_balance", "plot_time_and_loss"]
 
 
-def _smooth(ys: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` steps: per-step losses of a few sequences are noisy."""
-    out = []
-    for i in range(len(ys)):
-        part = ys[max(0, i - window + 1):i + 1]
-        out.append(sum(part) / len(part))
-    return out
-
-
-def plot_loss_vs_time_and_bytes(results: Mapping[str, Mapping[str, Sequence[float]]],
-                                labels: Mapping[str, str] | None = None, window: int = 4) -> Figure:
-    """Training loss (trailing mean over ``window`` steps) against wall-clock seconds (left) and
-    MiB sent per rank (right), one line per scheme: ``{scheme: {"loss", "time", "bytes"}}``."""
-    if not results:
-        raise ValueError("nothing to plot: results is empty")
+def plot_loss_vs_time_and_bytes(curves: Mapping[str, Mapping[str, Sequence[float]]],
+                                labels: Mapping[str, str] | None = None) -> Figure:
+    """Held-out loss against wall-clock seconds (left) and MiB sent per rank (right), one line per
+    scheme: ``{scheme: {"loss", "time", "bytes"}}`` (a point per evaluation)."""
+    if not curves:
+        raise ValueError("nothing to plot: curves is empty")
     fig = Figure(figsize=(9.5, 3.6))
-    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2, sharey=None)
-    for i, (name, r) in enumerate(results.items()):
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for i, (name, c) in enumerate(curves.items()):
         label = (labels or {}).get(name, name)
-        loss = _smooth(r["loss"], window)
-        left.plot(r["time"], loss, "-", color=colour(i), label=label)
-        right.plot([b / MiB for b in r["bytes"]], loss, "-", color=colour(i), label=label)
+        left.plot(c["time"], c["loss"], "o-", ms=3, color=colour(i), label=label)
+        right.plot([b / MiB for b in c["bytes"]], c["loss"], "o-", ms=3, color=colour(i), label=label)
     left.set_xlabel("wall-clock time (s)", fontsize=FONT)
     right.set_xlabel("MiB sent per rank", fontsize=FONT)
-    right.set_xscale("symlog", linthresh=1.0)
     for ax in (left, right):
-        ax.set_ylabel("training loss", fontsize=FONT)
+        ax.set_ylabel("held-out loss", fontsize=FONT)
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=SMALL_FONT)
     left.set_title("loss against time", fontsize=FONT + 1)
@@ -86,7 +75,7 @@ def plot_rank_balance(result: Mapping, phases: Sequence[str] = ("equal", "balanc
     its batch share, for each phase of :func:`dtlib.experiments.heterogeneous.balance_data_parallel`."""
     fig = Figure(figsize=(4.0 * len(phases) + 2.0, 3.6))
     axes = fig.subplots(1, len(phases), sharey=True, squeeze=False)[0]
-    top = max(result[p]["step_time"] for p in phases) * 1e3
+    top = max(max([result[p]["step_time"]] + list(result[p]["busy"])) for p in phases) * 1e3
     for ax, phase in zip(axes, phases):
         r = result[phase]
         ranks = range(len(r["busy"]))
