@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dtlib.analytic import validate
 from dtlib.corpus import token_batch
-from dtlib.experiments.local_sgd import gpt_model, held_out_loss, lm_loss
+from dtlib.experiments.local_sgd import gpt_model, held_out_loss, lm_loss, one_thread
 from dtlib.launcher import launch
 from dtlib.models.gpt import TinyGPT, tiny_gpt_config
 from dtlib.parallel.heterogeneous import (proportional_batch_sizes, slowed,
@@ -103,11 +103,8 @@ def balance_data_parallel(slowdowns: Sequence[float] = (1.0, 1.0, 1.0, 3.0), glo
     # the reference: one process, every global batch whole, the same optimizer
     ref = gpt_model(small=True)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2 * steps):
-        x, y = token_batch(step, global_batch, ref.cfg.seq)
-        lm_loss(ref, x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    with one_thread():
+        _one_process(ref, opt, steps, global_batch)
     diff = max((a - b).abs().max().item() for a, b in zip(ranks[0]["params"], ref.parameters()))
     out: dict = {"slowdowns": slowdowns, "max_diff_vs_one_process": diff}
     for phase in ("equal", "balanced"):
@@ -118,6 +115,14 @@ def balance_data_parallel(slowdowns: Sequence[float] = (1.0, 1.0, 1.0, 3.0), glo
         out[phase] = {"sizes": sizes, "busy": [r[phase]["busy"] for r in ranks],
                       "step_time": step_time, "throughput": global_batch / step_time}
     return out
+
+
+def _one_process(ref: TinyGPT, opt: torch.optim.Optimizer, steps: int, global_batch: int) -> None:
+    for step in range(2 * steps):
+        x, y = token_batch(step, global_batch, ref.cfg.seq)
+        lm_loss(ref, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def _pipe_worker(rank: int, world_size: int, counts: list[int], stage_seconds: list[float],
@@ -178,7 +183,8 @@ def balance_pipeline(slowdowns: Sequence[float] = (1.0, 3.0, 1.0, 1.0), layers: 
                  for k, f in enumerate(slowdowns)]
     pp = len(slowdowns)
     layers = validate.integer("layers", layers, minimum=pp)
-    emb, blocks, head = _layer_seconds(_pipeline_model(layers))
+    with one_thread():  # as on a rank
+        emb, blocks, head = _layer_seconds(_pipeline_model(layers))
     scale = layer_ms / 1e3 / (sum(blocks) / len(blocks))
     weights = [b * scale for b in blocks]
     weights[0] += emb * scale     # the embedding runs on the first stage,

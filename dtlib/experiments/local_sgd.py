@@ -31,7 +31,7 @@ from dtlib.parallel.local_sgd import DiLoCo, LocalSGD
 
 __all__ = ["torchft_manager", "Run", "SCHEMES", "SCHEME_LABELS", "gpt_model", "lm_loss",
            "held_out_loss", "compare_schemes", "simulate_diloco", "simulate_ddp",
-           "small_step_seconds", "modelled_seconds", "diloco_tradeoff"]
+           "small_step_seconds", "modelled_seconds", "diloco_tradeoff", "one_thread"]
 
 
 def torchft_manager(rank: int, world_size: int, model: nn.Module, timeout: float = 20.0
@@ -83,7 +83,7 @@ SCHEME_LABELS = {"ddp": "DDP (every step)", "local_sgd": "local SGD (every H)",
 @dataclass(frozen=True)
 class Run:
     """One comparison's settings (the defaults are lesson 11's)."""
-    steps: int = 48
+    steps: int = 32
     sync_every: int = 8            # H
     global_batch: int = 16
     inner_lr: float = 3e-3         # AdamW, for DDP and as the inner optimizer
@@ -206,14 +206,25 @@ def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str
 
 
 # ---- the widget's model: DiLoCo simulated in one process, time from the emulated link -------------
+@contextlib.contextmanager
+def one_thread() -> Any:
+    """Compute on one thread, as every launched rank does: on a shared, loaded machine PyTorch's
+    worker threads wait for each other (seconds for a millisecond's work)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _replica_shard(step: int, replica: int, replicas: int, global_batch: int, seq: int, seed: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = token_batch(step, global_batch, seq, seed=seed)
     return x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]
 
 
-@lru_cache(maxsize=64)
-def simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.9, replicas: int = 4,
+def _simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.9, replicas: int = 4,
                     steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0
                     ) -> tuple[tuple[int, float], ...]:
     """DiLoCo on ``replicas`` replicas of the small TinyGPT, computed one replica after another in
@@ -252,8 +263,7 @@ def simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.
     return tuple(curve)
 
 
-@lru_cache(maxsize=4)
-def simulate_ddp(steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0,
+def _simulate_ddp(steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0,
                  eval_every: int = 4) -> tuple[tuple[int, float], ...]:
     """Synchronous DDP with AdamW on the small TinyGPT: one process on the whole global batch
     (what DDP equals). ``(step, held-out loss)`` every ``eval_every`` steps."""
@@ -271,8 +281,7 @@ def simulate_ddp(steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16
     return tuple(curve)
 
 
-@lru_cache(maxsize=1)
-def small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int = 5) -> float:
+def _small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int = 5) -> float:
     """Measured seconds of one replica's forward + backward + AdamW step on its share of the batch
     (small TinyGPT; the minimum of ``repeats``: the machine is shared)."""
     model = gpt_model(small=True)
@@ -288,6 +297,37 @@ def small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int =
     return best
 
 
+@lru_cache(maxsize=64)
+def simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.9, replicas: int = 4,
+                    steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0
+                    ) -> tuple[tuple[int, float], ...]:
+    """DiLoCo on ``replicas`` replicas of the small TinyGPT, computed one replica after another in
+    this process (the same arithmetic as the ranks: own AdamW per replica, the mean pseudo-gradient,
+    :func:`~dtlib.parallel.local_sgd.outer_nesterov_step`'s Nesterov update). ``sync_every=1``
+    with ``outer_lr=1``, no momentum, is local SGD with H = 1. Returns ``(step, held-out loss)``
+    of the global model after every synchronisation (and at step 0). Cached: the widget asks again."""
+    with one_thread():
+        return _simulate_diloco(sync_every, outer_lr, outer_momentum, replicas, steps, inner_lr,
+                                global_batch, seed)
+
+
+@lru_cache(maxsize=4)
+def simulate_ddp(steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0,
+                 eval_every: int = 4) -> tuple[tuple[int, float], ...]:
+    """Synchronous DDP with AdamW on the small TinyGPT: one process on the whole global batch
+    (what DDP equals). ``(step, held-out loss)`` every ``eval_every`` steps."""
+    with one_thread():
+        return _simulate_ddp(steps, inner_lr, global_batch, seed, eval_every)
+
+
+@lru_cache(maxsize=1)
+def small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int = 5) -> float:
+    """Measured seconds of one replica's forward + backward + AdamW step on its share of the batch
+    (small TinyGPT, one thread as on a rank; the minimum of ``repeats``: the machine is shared)."""
+    with one_thread():
+        return _small_step_seconds(global_batch, replicas, repeats)
+
+
 def modelled_seconds(steps: int, syncs: int, param_bytes: int, step_seconds: float, slowdown: float,
                      bandwidth: float, latency: float = 0.005, world_size: int = 4) -> float:
     """Wall-clock of a synchronous scheme: every step at the slowest rank's pace, every
@@ -297,7 +337,7 @@ def modelled_seconds(steps: int, syncs: int, param_bytes: int, step_seconds: flo
 
 
 def diloco_tradeoff(sync_every: int, outer_lr: float, bandwidth_mb_s: float, slowdown: float,
-                    steps: int = 48) -> dict:
+                    steps: int = 32) -> dict:
     """The widget's result: DDP's and DiLoCo's held-out loss against modelled time (measured step
     time x slowdown + link time per synchronisation) on 4 simulated replicas."""
     sync_every = validate.integer("sync_every", sync_every, minimum=1)
