@@ -74,3 +74,13 @@ def test_staleness_runs_respect_their_bounds():
     for bound in (0, 1):
         assert len(r[bound]["updates"]) == 8
         assert max(u["staleness"] for u in r[bound]["updates"]) <= staleness_bound(2, bound)
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("sync_every", 0), ("inner_lr", -1.0),
+                                          ("outer_lr", 0.0), ("outer_momentum", 1.5),
+                                          ("latency", -0.1), ("bandwidth", 0.0)])
+def test_compare_schemes_names_a_bad_setting(field, value):
+    with pytest.raises(ValueError, match=f"run.{field}"):
+        compare_schemes(Run(**{field: value}), world_size=2)
+    with pytest.raises(ValueError, match="divisible by world_size"):
+        compare_schemes(Run(global_batch=6), world_size=4)

@@ -199,3 +199,11 @@ def test_sync_every_must_be_a_positive_integer(bad):
         LocalSGD(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=bad)
     with pytest.raises(ValueError, match="sync_every"):
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), _sgd_outer(m, 0.7, 0.9), sync_every=bad)
+
+
+def test_outer_step_rejects_a_bad_learning_rate_or_momentum():
+    p = [torch.zeros(2)]
+    with pytest.raises(ValueError, match="lr"):
+        outer_nesterov_step(p, [torch.ones(2)], [torch.zeros(2)], lr=-0.7, momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        outer_nesterov_step(p, [torch.ones(2)], [torch.zeros(2)], lr=0.7, momentum=-0.1)

@@ -188,6 +188,17 @@ def compare_schemes(run: Run = Run(), world_size: int = 4, schemes: Sequence[str
     """
     for s in schemes:
         validate.one_of("schemes", s, SCHEMES)
+    validate.integer("run.steps", run.steps)
+    validate.integer("run.sync_every", run.sync_every)
+    validate.integer("run.global_batch", run.global_batch)
+    if run.global_batch % world_size:
+        raise ValueError(f"run.global_batch must be divisible by world_size={world_size}, got "
+                         f"{run.global_batch}")
+    validate.number("run.inner_lr", run.inner_lr)
+    validate.number("run.outer_lr", run.outer_lr)
+    validate.number("run.outer_momentum", run.outer_momentum, minimum=0, exclusive=False, maximum=1)
+    validate.number("run.latency", run.latency, minimum=0, exclusive=False)
+    validate.number("run.bandwidth", run.bandwidth)
     validate.integer("world_size", world_size, minimum=1, maximum=8)
     ranks = launch(_scheme_worker, world_size, args=(run, tuple(schemes)), timeout=timeout,
                    output="none")

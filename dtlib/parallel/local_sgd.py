@@ -140,6 +140,8 @@ def outer_nesterov_step(params: list[torch.Tensor], global_params: list[torch.Te
     optimizer's state (zeros at first, updated in place). Equal to ``torch.optim.SGD(lr,
     momentum, nesterov=True)`` stepping on the averaged pseudo-gradient. Returns the bytes averaged.
     """
+    lr = validate.number("lr", lr)
+    momentum = validate.number("momentum", momentum, minimum=0, exclusive=False, maximum=1)
     deltas = [g - p for p, g in zip(params, global_params)]   # pseudo-gradient: how far we moved
     nbytes = _average_(deltas, group)                          # the only communication of a round
     for p, g, buf, d in zip(params, global_params, momentum_buffers, deltas):
