@@ -2,7 +2,7 @@
 
 Layouts (4 ranks, gloo on CPU, the same TinyGPT and byte batches, AdamW):
 
-* ``dp2xtp2``: ours = ``dtlib.train`` with dp=2, tp=2 and ZeRO-1 (``ShardedOptimizer`` over the
+* ``dp2xtp2``: ours = ``dtlib.trainer`` with dp=2, tp=2 and ZeRO-1 (``ShardedOptimizer`` over the
   data-parallel group, our Megatron-style tensor parallelism); PyTorch = torchtitan's composition:
   DTensor TP (``parallelize_module`` with torchtitan's plan, ``dtlib.parallel.dtensor``) on the
   ``tp`` dimension of a 2-D ``DeviceMesh``, then FSDP2 ``fully_shard`` of every block and the root
@@ -35,7 +35,7 @@ from dtlib.corpus import token_batch
 from dtlib.models import TinyGPT
 from dtlib.parallel.dtensor import parallelize_tinygpt
 from dtlib.parallel.pipeline import partition, rank_chunks
-from dtlib.train import TrainConfig, _Run
+from dtlib.trainer import TrainConfig, _Run
 
 LAYOUTS = {"dp2xtp2": dict(dp=2, tp=2, zero=1), "tp2xpp2": dict(tp=2, pp=2, num_microbatches=2),
            "dp4-fsdp": dict(dp=4, zero=3)}

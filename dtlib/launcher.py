@@ -46,6 +46,7 @@ __all__ = [
     "resolve_backend",
     "init_from_env",
     "run_from_env",
+    "under_torchrun",
     "get_device",
 ]
 
@@ -447,13 +448,21 @@ def _raise_first_failure(procs: Sequence[mp.process.BaseProcess], workdir: str,
     raise RankFailedError(message, rank, tb) from cause
 
 
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (its env:// variables are set)."""
+    return all(k in os.environ for k in _TORCHRUN_VARIABLES)
+
+
 def init_from_env(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, int, torch.device]:
     """Join the process group described by torchrun's environment (``env://`` rendezvous).
 
     Returns ``(rank, world_size, device)``; the device is ``cuda:{LOCAL_RANK}`` under NCCL.
     """
     validate.number("timeout", timeout, maximum=MAX_TIMEOUT)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in _TORCHRUN_VARIABLES if k not in os.environ]
     if missing:
         raise RuntimeError(
             f"environment variables {missing} are not set: this process was not started by "

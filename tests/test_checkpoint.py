@@ -77,8 +77,9 @@ def _same(a, b):
 
 
 def test_reshard_fsdp4_to_fsdp2_zero2_and_one_process(tmp_path):
-    """FSDP on 4 ranks (shards cut mid-row) saved; loaded by FSDP on 2, ZeRO-2 on 3 and one
-    process, each saves again: parameters and AdamW state identical bit for bit."""
+    """FSDP on 4 ranks (dim-0 rows: 5 rows as 2, 2, 1, 0) saved; loaded by FSDP on 2, ZeRO-2 on 3
+    (flat shards cut mid-row) and one process, each saves again: parameters and AdamW state
+    identical bit for bit."""
     a, b, c, d = (str(tmp_path / n) for n in "abcd")
     launch(_save_after_training, 4, args=("fsdp", a), timeout=TIMEOUT)
     assert launch(_load_and_save, 2, args=("fsdp", a, b), timeout=TIMEOUT)[0] == (False, "fsdp")

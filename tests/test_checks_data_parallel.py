@@ -8,7 +8,7 @@ from dtlib.grading.checks import data_parallel as checks
 from dtlib.data import load_mnist
 from dtlib.launcher import launch
 from dtlib.experiments.scaling_efficiency import scaling_efficiency
-from dtlib.training import average_gradients, lr_at_step, train
+from dtlib.experiments.data_parallel import average_gradients, lr_at_step, train
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dtlib.cli import _layout, build_parser, main
+from dtlib.cli import build_parser, main
+from dtlib.cli.args import layout_from_args
 from dtlib.analytic.comm import collective_time, hierarchical_time
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.flops import flops_report
@@ -261,9 +262,9 @@ BAD_API = [
     (lambda: in_flight("interleaved", 4, 8, 1), "interleaved schedule needs virtual_stages >= 2, got 1"),
     (lambda: memory_batch(get_preset("llama3-8b"), schedule="interleaved", pp=4, num_microbatches=8),
      "configuration \\(\\): the interleaved schedule needs virtual_stages >= 2"),
-    (lambda: _layout(argparse.Namespace(tp=0, pp=1, cp=1, ep=1, dp=None, gpus=8, gpus_per_node=8)),
+    (lambda: layout_from_args(argparse.Namespace(tp=0, pp=1, cp=1, ep=1, dp=None, gpus=8, gpus_per_node=8)),
      "^tp must be an integer >= 1, got 0"),
-    (lambda: _layout(argparse.Namespace(tp=1, pp=1, cp=1, ep=1, dp=None, gpus=-8, gpus_per_node=8)),
+    (lambda: layout_from_args(argparse.Namespace(tp=1, pp=1, cp=1, ep=1, dp=None, gpus=-8, gpus_per_node=8)),
      "^gpus must be an integer >= 1, got -8"),
     (lambda: measure_cpu(n=16, repeats=1, copy_bytes=1024), "copy_bytes must be an integer >= 1048576, got 1024"),
 ]

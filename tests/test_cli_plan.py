@@ -13,7 +13,7 @@ from dtlib.plan.training import training_plan
 
 KEYS = {"dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
         "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
-        "mfu", "memory_per_gpu_bytes", "breakdown"}
+        "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split"}
 
 
 def run(capsys, *argv):
@@ -30,6 +30,10 @@ def test_json_has_the_issue_keys_and_a_training_plan(capsys):
     assert len(d["configs"]) == 3 and all(set(c) == KEYS for c in d["configs"])
     assert all(set(c["breakdown"]) == set(TERMS) for c in d["configs"])
     assert d["searched"] > 1000 and 0 < d["search_seconds"] < 30
+    # where the numbers come from: the compute model and its fitted efficiencies
+    assert d["efficiency"] is None and d["clock_scale"] == 1.0 and "GEMM shapes" in d["efficiency_source"]
+    assert all(c["breakdown"]["compute"] == pytest.approx(sum(c["compute_split"].values()), rel=1e-12)
+               for c in d["configs"])
     best = d["configs"][0]
     expected = training_plan(tokens=1e12, tokens_per_step=1024 * 4096, step_time=best["step_time_s"], gpus=128)
     assert d["training"]["days"] == pytest.approx(expected.days) and d["training"]["cost_usd"] == pytest.approx(expected.cost_usd)
@@ -54,9 +58,10 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
                        "--gpus", "8", "--global-batch", "64", "--top", "2", "--tokens", "10B")
     assert code == 0
     lines = out.splitlines()
-    assert "searched in" in lines[0] and lines[1].split()[:3] == ["#", "dp", "tp"]
-    assert lines[2].startswith(" 1") and lines[3].startswith(" 2") and "breakdown" in lines[4]
-    assert lines[5].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert "searched in" in lines[0] and lines[1].startswith("where the numbers come from:")
+    assert lines[2].split()[:3] == ["#", "dp", "tp"]
+    assert lines[3].startswith(" 1") and lines[4].startswith(" 2") and "breakdown" in lines[5]
+    assert lines[6].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -78,6 +83,8 @@ def test_nothing_fits_explains_and_exits_1(capsys):
      "a100-80gb has no fp8 peak"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision: invalid choice"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency must be a number in (0, 1]"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--power-limit", "-5"], "--power-limit must be watts > 0"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gemm-efficiency", "0"], "--gemm-efficiency must be a number in (0, 1]"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--price-per-gpu-hour", "nan"], "--price-per-gpu-hour must be dollars > 0"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tokens", "-1T"], "--tokens"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be an integer >= 1"),
@@ -98,3 +105,17 @@ def test_a_positional_model_is_the_same_as_model(capsys):
     _, positional, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--json")
     a, b = json.loads(by_flag), json.loads(positional)
     assert a["configs"] == b["configs"] and a["searched"] == b["searched"]
+
+
+def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--dp", "8", "--tp", "1",
+            "--pp", "1", "--cp", "1", "--micro-batch", "1", "--zero", "3", "--recompute", "full", "--seq", "2048",
+            "--json"]
+    full = json.loads(run(capsys, *base)[1])
+    capped = json.loads(run(capsys, *base, "--power-limit", "500")[1])
+    assert capped["clock_scale"] == pytest.approx((500 / 700) ** (1 / 3)) and "500 W" in capped["efficiency_source"]
+    assert capped["configs"][0]["breakdown"]["compute"] > full["configs"][0]["breakdown"]["compute"]
+    flat = json.loads(run(capsys, *base, "--efficiency", "0.5")[1])
+    assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
+    code, out, _ = run(capsys, *base[:-1])
+    assert code == 0 and out.splitlines()[1].startswith("where the numbers come from: compute from GEMM shapes")

@@ -1,4 +1,5 @@
-"""Toy FSDP (ZeRO-3): exact single-process results, sharded gradients, memory vs fully_shard."""
+"""Toy FSDP (ZeRO-3): exact single-process results, dim-0 sharded parameters and gradients (FSDP2),
+small parameters replicated below a threshold, memory vs fully_shard."""
 import copy
 
 import pytest
@@ -70,11 +71,11 @@ def _vs_single_process(rank, world_size, kind, steps=3, frozen=False):
                               if v.is_floating_point()),
             "grad_shapes": grad_shapes_ok,
             "shards_1d": all(p.dim() == 1 for p in fsdp.flat_shards),
-            # the model's own parameters, by name, each a 1-D view of its piece of a flat shard
+            # the model's own parameters, by name, each its dim-0 rows (same ndim), a view of a flat shard
             "names": [n for n, _ in fsdp.named_parameters()] == [f"module.{n}" for n, _ in micro.named_parameters()],
-            "trainable_are_views": all(p.dim() == 1 and any(
+            "trainable_are_views": all(p.dim() == q.dim() and p.shape[1:] == q.shape[1:] and any(
                 p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in fsdp.flat_shards)
-                for p in fsdp.parameters() if p.requires_grad),
+                for p, q in zip(fsdp.parameters(), micro.parameters()) if p.requires_grad),
             "piece_numel": sum(p.numel() for p in fsdp.parameters() if p.requires_grad),
             "shard_numel": sum(p.numel() for p in fsdp.flat_shards)}
 
@@ -100,8 +101,9 @@ def test_four_ranks_equal_single_process():
         assert out["keys"] and out["grad_shapes"] and out["full_batch"] < 1e-5, out
 
 
-def _padded(numel, n):
-    return -(-numel // n) * n
+def _padded(params, n):
+    """Elements of ``params`` sharded on dim 0 over n ranks, each padded to n x ceil(rows / n) rows."""
+    return sum(n * -(-p.shape[0] // n) * p[0].numel() for p in params)
 
 
 def test_peak_parameter_memory_vs_prediction_and_fully_shard():
@@ -110,14 +112,16 @@ def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     block = sum(p.numel() for p in ref.blocks[0].parameters())
     total = sum(p.numel() for p in ref.parameters())
     root = total - GPT["layers"] * block
+    root_params = [p for n, p in ref.named_parameters() if not n.startswith("blocks.")]
+    padded_root, padded_block = _padded(root_params, world_size), _padded(ref.blocks[0].parameters(), world_size)
     # the toy and PyTorch's fully_shard on the same model, data and ranks, in the same run
     out = compare_fully_shard(world_size=world_size, cfg=tiny_gpt_config(**GPT), steps=3, batch=8)
     ours = out["ours"]
-    # persistent: 1/N of every unit (each padded to a multiple of N), fp32
-    padded_total = _padded(root, world_size) + GPT["layers"] * _padded(block, world_size)
+    # persistent: 1/N of every parameter's rows (each padded to a multiple of N rows), fp32
+    padded_total = padded_root + GPT["layers"] * padded_block
     assert ours["sharded_param_bytes"] == 4 * padded_total // world_size
     # gathered at most: the root unit (it encloses the blocks) and one block, never two
-    assert ours["peak_unsharded_bytes"] == 4 * (_padded(root, world_size) + _padded(block, world_size))
+    assert ours["peak_unsharded_bytes"] == 4 * (padded_root + padded_block)
     # dtlib.analytic.memory: P/N parameters + one unit gathered at a time; the toy also holds the root
     cfg = tiny_gpt_config(**GPT)
     n = stage_parameters(**model_numbers(cfg))["first"]
@@ -137,7 +141,7 @@ def test_peak_parameter_memory_vs_prediction_and_fully_shard():
     assert close(torch_mem["UNSHARDED_PARAM"], ours["peak_unsharded_bytes"])
     # ... plus one block's all-gather output buffer (FSDP2 gathers into a separate buffer,
     # copies out, and prefetches the next block; the toy gathers into the viewed buffer)
-    assert 0 < torch_mem["ALL_GATHER"] <= 4 * _padded(block, world_size)
+    assert 0 < torch_mem["ALL_GATHER"] <= 4 * padded_block
     assert ours["peak_param_bytes"] < 4 * total  # less than one unsharded replica
 
 
@@ -375,3 +379,143 @@ def test_bad_input_gives_clear_errors():
     assert errors["module"].startswith("TypeError")
     assert "mixes parameter dtypes" in errors["mixed"]
     assert "frozen parameters ['1.weight', '1.bias']" in errors["frozen fp32 with bf16"]
+
+
+# ---- FSDP2's dim-0 sharding: parameters keep their dimensions (issue 19) --------------------------
+def _nanogpt_groups(named, weight_decay=0.1):
+    """nanoGPT's ``configure_optimizers``, verbatim in spirit: decay every parameter with >= 2
+    dimensions (matrices, embeddings), none for the others (norms, biases)."""
+    params = {n: p for n, p in named if p.requires_grad}
+    decay = [p for p in params.values() if p.dim() >= 2]
+    no_decay = [p for p in params.values() if p.dim() < 2]
+    return ([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            sorted(n for n, p in params.items() if p.dim() >= 2))
+
+
+def _dims_and_groups(rank, world_size):
+    torch.use_deterministic_algorithms(True)
+    ref = _model("gpt")
+    original = {n: p.shape for n, p in ref.named_parameters()}
+    ref_groups, ref_decayed = _nanogpt_groups(ref.named_parameters())
+    fsdp = FSDP(_model("gpt"), unit_types=(Block,))
+    named = [(n.removeprefix("module."), p) for n, p in fsdp.named_parameters()]
+    groups, decayed = _nanogpt_groups(named)  # built *after* wrapping
+    rows = {}
+    for n, p in named:
+        c = -(-original[n][0] // world_size)  # torch.chunk: ceil(rows / N) rows, the last ranks fewer
+        rows[n] = (tuple(p.shape), (max(0, min(c, original[n][0] - rank * c)), *original[n][1:]))
+    opt, ref_opt = torch.optim.AdamW(groups, lr=1e-2), torch.optim.AdamW(ref_groups, lr=1e-2)
+    for x, y in _data("gpt", 3):
+        opt.zero_grad()
+        xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        loss_fn(fsdp, xs, ys).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            (loss_fn(ref, mx, my) / world_size).backward()
+        ref_opt.step()
+    state, expect = fsdp.gather_full_params(), ref.state_dict()
+    return {"decayed": decayed, "ref_decayed": ref_decayed, "rows": rows,
+            "ndim": all(p.dim() == len(original[n]) for n, p in named),
+            "grad_shapes": all(p.grad.shape == p.shape for _, p in named),
+            "max_diff": max((state[k] - expect[k]).abs().max().item() for k in expect)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameters_keep_their_dims_and_nanogpt_groups_decay_exactly_the_matrices(world_size):
+    # on 3 ranks the rows do not divide: 64 vocabulary rows are 22, 22, 20 (torch.chunk)
+    for out in launch(_dims_and_groups, world_size, timeout=TIMEOUT):
+        assert out["ndim"] and out["grad_shapes"], out
+        assert out["decayed"] == out["ref_decayed"] and "wte.weight" in out["decayed"], out
+        assert not any(n.startswith("norm") or n.endswith(".bias") for n in out["decayed"])
+        for name, (got, expect) in out["rows"].items():
+            assert got == expect, (name, got, expect)
+        # weight decay on exactly the matrices, after wrapping: one process's training
+        # (3 ranks: the reduce-scatter adds 3 gradients in another order; AdamW amplifies that)
+        assert out["max_diff"] == 0.0 if world_size == 2 else out["max_diff"] < 1e-4, out
+
+
+def _collective_per_parameter(rank, world_size):
+    """What the CS336 FSDP tests do: one collective per parameter gradient, in name order."""
+    fsdp = FSDP(_model("gpt"), unit_types=(Block,))
+    x, y = _data("gpt", 1)[0]
+    loss_fn(fsdp, torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]).backward()
+    sums = []
+    for _, p in fsdp.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)  # the same shape on every rank (rows divide here), so it completes
+        sums.append(torch.tensor([float(p.grad.double().sum()), float(p.dim())], dtype=torch.float64))
+    checksum = torch.stack(sums)
+    dist.all_reduce(checksum)
+    return checksum
+
+
+def test_a_collective_per_parameter_gradient_completes():
+    # a flat 1-D layout gave ranks different shapes (and empty pieces): this hung
+    ref = _model("gpt")
+    x, y = _data("gpt", 1)[0]
+    for mx, my in zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2)):
+        (loss_fn(ref, mx, my) / 2).backward()
+    expect = torch.tensor([[float(p.grad.double().sum()), 2.0 * p.dim()] for p in ref.parameters()],
+                          dtype=torch.float64)
+    for checksum in launch(_collective_per_parameter, 2, timeout=30):
+        assert torch.allclose(checksum, expect, rtol=1e-5, atol=1e-6), (checksum, expect)
+
+
+def _persistence(rank, world_size, threshold, dtype):
+    torch.use_deterministic_algorithms(True)
+    ref = _model("gpt")
+    fsdp = FSDP(_model("gpt"), unit_types=(Block,), persistence_threshold=threshold, compute_dtype=dtype)
+    named = [(n.removeprefix("module."), p) for n, p in fsdp.named_parameters()]
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in _data("gpt", 3):
+        opt.zero_grad()
+        xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        loss_fn(fsdp, xs, ys).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            (loss_fn(ref, mx, my) / world_size).backward()
+        ref_opt.step()
+    state, expect = fsdp.gather_full_params(), ref.state_dict()
+    values = [None] * world_size
+    dist.all_gather_object(values, {n: p.detach().clone() for n, p in named})
+    replicated = [n for n, p in named if any(p is q for q in fsdp.replicated)]
+    return {"shapes": {n: tuple(p.shape) for n, p in named},
+            "replicas_equal": all(torch.equal(values[0][n], v[n]) for v in values for n in replicated),
+            "memory": fsdp.memory_stats(),
+            "max_diff": max((state[k] - expect[k]).abs().max().item() for k in expect)}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_persistence_threshold_keeps_small_parameters_replicated(dtype):
+    threshold = 100  # GPT's norms and biases (32 or 96 elements) stay whole; matrices are sharded
+    ref = dict(_model("gpt").named_parameters())
+    small = {n for n, p in ref.items() if p.numel() < threshold}
+    assert small and len(small) < len(ref)
+    outs = launch(_persistence, 2, args=(threshold, dtype), timeout=TIMEOUT)
+    for out in outs:
+        for n, p in ref.items():
+            expect = tuple(p.shape) if n in small else (p.shape[0] // 2, *p.shape[1:])
+            assert out["shapes"][n] == expect, (n, out["shapes"][n])
+        assert out["replicas_equal"]  # replicated parameters trained identically on every rank
+        mem = out["memory"]
+        assert mem["replicated_param_bytes"] == 4 * sum(ref[n].numel() for n in small)
+        big = sum(p.numel() for n, p in ref.items() if n not in small and n != "lm_head.weight")  # tied
+        assert mem["sharded_param_bytes"] == 4 * big // 2  # 1/N of the sharded parameters
+        if dtype is None:  # the averaged replicated gradients are exactly one process's
+            assert out["max_diff"] == 0.0, out
+        else:
+            assert out["max_diff"] < 5e-2, out
+    with pytest.raises(ValueError, match="persistence_threshold must be an integer >= 0, got -1"):
+        FSDP(nn.Linear(2, 2), persistence_threshold=-1)  # checked before anything distributed
+
+
+def test_gradient_hooks_on_parameters_are_refused():
+    # FSDP's forward uses views of its gathered buffers: a hook on the parameter would never fire
+    # (tensor_parallel's default SP-gradient sum was silently skipped that way)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match=r"parameters \['1.weight'\] have gradient hooks"):
+        FSDP(model)  # checked before anything distributed

@@ -140,3 +140,72 @@ def test_license_is_an_spdx_expression():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["license"] == "MIT"
     assert "setuptools>=77" in project["build-system"]["requires"]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """dtlib's modules and the dtlib modules each imports, at module level or inside a function
+    (a lazy import hides a circle from Python, not from a reader)."""
+    import ast
+
+    root = ROOT / "dtlib"
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                for alias in node.names:  # from pkg import module: the module, not pkg/__init__
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_circle():
+    """No dtlib module imports itself through others (Tarjan's strongly connected components).
+    A package importing its own submodules (``dtlib.cli`` -> ``dtlib.cli.train``) is fine; a
+    submodule importing back its package's ``__init__`` that imports it is a circle."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"modules that import each other in a circle: {circles}"
+
+
+def test_import_graph_sees_a_circle():
+    """The graph the circle test reads: the package imports its commands, and the trainer is not
+    imported by the command line at module level (it needs torch)."""
+    graph = _import_graph()
+    assert "dtlib.cli.train" in graph["dtlib.cli"]
+    assert "dtlib.trainer" in graph["dtlib.cli.train"]  # lazily, inside run_train
+    assert "dtlib.cli" not in graph["dtlib.trainer"]

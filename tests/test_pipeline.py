@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dtlib.experiments.pipeline import compare_with_single_process, measure_timelines
 from dtlib.launcher import LaunchError, launch
 from dtlib.models import TinyGPT, tiny_gpt_config
+from dtlib.parallel.pipeline import embedding_groups
 from dtlib.parallel import (Action, PipelineExecutor, fit_costs, partition, rank_chunks, schedule,
                             simulate)
 
@@ -249,8 +250,12 @@ def test_partition_balances_and_rejects():
         partition(model, 4, virtual_stages=2)
     with pytest.raises(ValueError, match="block counts"):
         partition(model, 2, balance=[3, 2])
-    with pytest.raises(ValueError, match="tied_embeddings"):
-        partition(TinyGPT(tiny_gpt_config(layers=2, hidden=32, heads=2, tied_embeddings=True)), 2)
+    # tied embeddings: the first stage holds wte, the last the LM head over the same matrix (the
+    # trainer sums the copies' gradients over Megatron's embedding group)
+    tied = TinyGPT(tiny_gpt_config(layers=2, hidden=32, heads=2, tied_embeddings=True))
+    first, last = partition(tied, 2)
+    assert first.wte.weight is last.lm_head.weight
+    assert embedding_groups([[0, 2, 4], [1, 3, 5], [6]]) == [[0, 4], [1, 5]]
 
 
 def test_executor_rejects_before_running():

@@ -11,7 +11,7 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.presets import get_preset
 from dtlib.models import TransformerConfig
-from dtlib.plan.calibration import ACHIEVABLE_FRACTION, default_efficiency
+from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.steptime import TERMS, StepOptions, step_time
 
 GPT = TransformerConfig(name="gpt-small", layers=8, hidden=1024, heads=16, vocab=51200, seq=2048,
@@ -138,10 +138,18 @@ def test_flash_attention_removes_the_score_traffic():
         3 * scores / 2.039e12, rel=1e-9)
 
 
-def test_defaults_are_documented_per_device():
-    assert default_efficiency("a100-80gb") == ACHIEVABLE_FRACTION["a100-80gb"][0]
-    assert default_efficiency("no-such-gpu") == 0.5
-    assert "fitted" in ACHIEVABLE_FRACTION["h100-sxm"][1] and "not calibrated" in ACHIEVABLE_FRACTION["h200"][1]
+def test_default_compute_is_the_shape_model_with_the_fitted_global_efficiencies():
+    # no per-family constant: the same two numbers for every GPU, and they say where they come from
+    layout = Parallelism(dp=8, micro_batch_size=2)
+    for gpu in ("a100-80gb", "h100-sxm"):
+        c = cluster(gpu, 1, 8)
+        default = step_time(GPT, layout, c)
+        pinned = step_time(GPT, layout, c, options=StepOptions(gemm_efficiency=GEMM_EFFICIENCY,
+                                                               attention_efficiency=ATTENTION_EFFICIENCY))
+        assert default.breakdown == pinned.breakdown and default.efficiency is None
+        slower = step_time(GPT, layout, c, options=StepOptions(gemm_efficiency=GEMM_EFFICIENCY / 2))
+        assert slower.breakdown["compute"] > 1.5 * default.breakdown["compute"]
+    assert "fitted" in efficiency_source() and f"{GEMM_EFFICIENCY:.2f}" in efficiency_source()
 
 
 @pytest.mark.parametrize("kwargs,match", [

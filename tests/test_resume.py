@@ -75,7 +75,7 @@ def torchrun(outdir, *args, nproc=2, max_restarts=0, timeout=90):
 
 def dtlib_train(args, nproc, cwd):
     """``dtlib train ARGS`` under ``torchrun --max-restarts 1``: (returncode, stdout, stderr)."""
-    cmd = torchrun_command("dtlib.train", args, nproc_per_node=nproc, max_restarts=1, module=True)
+    cmd = torchrun_command("dtlib", ["train", *args], nproc_per_node=nproc, max_restarts=1, module=True)
     return _agents(cmd, cwd=cwd)[0]
 
 
@@ -163,7 +163,7 @@ def test_dtlib_train_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_pat
              "--optimizer", "sgd", "--lr", "0.5", "--json"]
     assert cli_main(["train", "--dp", "2", *flags]) == 0
     straight = json.loads(capsys.readouterr().out)
-    agents = _lose_one_of_two_agents("dtlib.train", [*flags, "--checkpoint-dir", str(tmp_path / "ck"),
+    agents = _lose_one_of_two_agents("dtlib", ["train", *flags, "--checkpoint-dir", str(tmp_path / "ck"),
                                                      "--checkpoint-every", "1", "--resume", "--kill-step", "3",
                                                      "--kill-rank", "1", "--kill-agent"],
                                      "train-shrink", cwd=tmp_path, module=True)

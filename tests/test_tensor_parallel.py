@@ -95,23 +95,31 @@ def _reference(name, batches):
     return first[0], first[1], {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _tp_step(model, tokens, group):
-    logits = model(tokens[:, :-1])
-    loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:], group)
-    loss.backward()
-    allreduce_sequence_parallel_grads(model)
-    return loss
+def _tp_step(model, tokens, group, microbatches=1):
+    """A plain training step: backward and nothing else (sequence-parallel gradients are summed
+    by the model itself); ``microbatches`` > 1 accumulates gradients over equal slices."""
+    total = 0.0
+    for part in tokens.tensor_split(microbatches):
+        logits = model(part[:, :-1])
+        loss = vocab_parallel_cross_entropy(logits, part[:, 1:], group) / microbatches
+        loss.backward()
+        total += loss.item()
+    return torch.tensor(total)
 
 
-def _vs_single_process(name, sp, group, batches, checkpoint=False):
-    """Our TP run of config ``name``: diffs against one process, and the logits' shape."""
+def _vs_single_process(name, sp, group, batches, checkpoint=False, microbatches=1, grads="backward"):
+    """Our TP run of config ``name``: diffs against one process, and the logits' shape.
+    ``grads="manual"``: the training loop sums the sequence-parallel gradients itself, calling
+    allreduce_sequence_parallel_grads (Megatron's finalize_model_grads) after the backward."""
     ref_loss, ref_grads, ref_state = _reference(name, batches)
-    model = tensor_parallel(_model(name, checkpoint), group, sequence_parallel=sp)
+    model = tensor_parallel(_model(name, checkpoint), group, sequence_parallel=sp, sequence_parallel_grads=grads)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = {}
     for i, tokens in enumerate(batches):
         opt.zero_grad()
-        loss = _tp_step(model, tokens, group)
+        loss = _tp_step(model, tokens, group, microbatches)
+        if grads == "manual" or i == 1:  # harmless where the model already summed them
+            allreduce_sequence_parallel_grads(model)
         if i == 0:
             out["loss"] = abs(loss.item() - ref_loss)
             out["grads"] = _max_diff(full_grad_dict(model, group), ref_grads)
@@ -130,7 +138,8 @@ def _block_behaviour(name, sp, group):
     counting a forward and backward of the same block."""
     from torch.distributed.tensor.debug import CommDebugMode
     cfg, t = _cfg(name), dist.get_world_size(group)
-    model = tensor_parallel(_model(name), group, sequence_parallel=sp)
+    # the block's own collectives: the once-per-backward sum of the norms' gradients is not one
+    model = tensor_parallel(_model(name), group, sequence_parallel=sp, sequence_parallel_grads="manual")
     out = block_behaviour(model, BATCH)
     x = torch.randn(BATCH, cfg.seq // t if sp else cfg.seq, cfg.hidden, requires_grad=True)
     with CommDebugMode() as mode:
@@ -191,6 +200,7 @@ def _two_ranks(rank, world_size):
     out["recompute_all_reduces"] = _recompute_all_reduces()
     out["errors"] = _bad_input(rank)
     out["layers"] = _layers(rank, world_size)
+    out["sp_grads"] = _sp_grads()
     return out
 
 
@@ -203,7 +213,29 @@ def _four_ranks(rank, world_size):
             out["tp"][name, sp] = _vs_single_process(name, sp, None, batches)
             out["behaviour"][name, sp] = _block_behaviour(name, sp, None)
     out["dp_tp"] = {sp: _dp_tp(rank, sp) for sp in (False, True)}
+    out["sp_grads"] = _sp_grads()
     return out
+
+
+def _sp_grads():
+    """Sequence parallelism with a plain training loop: gradient accumulation over 2
+    micro-batches (RMSNorm + GQA, tied embeddings + embedding norm), the manual mode with
+    Megatron's explicit call, and the all-reduces of a step's backward by mode."""
+    runs = {}
+    for name in ("swiglu-gqa-rope", "gelu-gqa-alibi-tied"):
+        runs[name, "accumulate"] = _vs_single_process(name, True, None, _batches(_cfg(name), batch=4),
+                                                     microbatches=2)
+    runs["gelu-mha-learned", "manual"] = _vs_single_process("gelu-mha-learned", True, None,
+                                                           _batches(_cfg("gelu-mha-learned")), grads="manual")
+    tokens = _batches(_cfg("swiglu-gqa-rope"), batch=4)[0]
+    calls = {}
+    for mode in ("backward", "manual"):
+        model = tensor_parallel(_model("swiglu-gqa-rope"), sequence_parallel=True, sequence_parallel_grads=mode)
+        with CollectiveCounter() as counter:
+            _tp_step(model, tokens, None, microbatches=2)
+        calls[mode] = [c for c in counter.calls if c[0] == "all_reduce"]
+        sp_bytes = [4 * p.numel() for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    return {"runs": runs, "all_reduces": calls, "sp_bytes": sp_bytes}
 
 
 def _dp_tp(rank, sp):
@@ -268,7 +300,7 @@ def _bad_input(rank):
     messages["twice"] = message(lambda: tensor_parallel(twice))
     messages["other_group"] = message(lambda: full_state_dict(twice, group=mine))
     messages["unconverted"] = message(lambda: full_state_dict(TinyGPT(tiny_gpt_config())))
-    messages["dropout"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(), dropout=0.1)))
+    messages["dropout"] = message(lambda: tensor_parallel(TinyGPT(tiny_gpt_config(), dropout=0.1, checkpoint=True)))
     messages["row_sp"] = message(lambda: RowParallelLinear(8, 4, sequence_parallel=True))
     messages["col_out"] = message(lambda: ColumnParallelLinear(8, 5))
     messages["sp_seq_at_forward"] = message(
@@ -316,6 +348,28 @@ def test_each_rank_keeps_its_share_of_the_parameters(world, two, four):
                          if "norm" in n or n.endswith(("proj.bias", "down.bias")) or n.startswith("wpe"))
         total = sum(p.numel() for p in model.parameters())
         assert d["local_params"] == (total - replicated) // world + replicated, name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_needs_no_extra_call_even_with_gradient_accumulation(world, two, four):
+    """A plain loss.backward() per micro-batch and optimizer.step() equal one process (the norms'
+    gradients summed over TP by the model); Megatron's explicit call (manual mode) too, and
+    calling it on a model that sums them itself changes nothing (test_equals_single_process)."""
+    for rank, res in enumerate(two if world == 2 else four):
+        for (name, how), d in res["sp_grads"]["runs"].items():
+            where = f"tp={world} rank {rank} {name} {how}"
+            assert d["loss"] < LOSS_TOL and d["grads"] < GRAD_TOL and d["state"] < STATE_TOL, where
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_gradients_are_summed_once_per_backward(world, two, four):
+    """Two micro-batches: two backwards, so each sequence-parallel parameter's gradient is
+    all-reduced exactly twice more than in the manual mode (where nothing was summed)."""
+    d = (two if world == 2 else four)[0]["sp_grads"]
+    extra = list(d["all_reduces"]["backward"])
+    for call in d["all_reduces"]["manual"]:
+        extra.remove(call)
+    assert sorted(extra) == sorted(("all_reduce", n) for n in d["sp_bytes"] * 2)
 
 
 def test_dp2_x_tp2_equals_single_process_on_the_full_batch(four):
@@ -426,7 +480,7 @@ EXPECTED_MESSAGES = {
     "twice": r"already tensor-parallel",
     "other_group": r"full_state_dict: group is not the group the model was converted with",
     "unconverted": r"full_state_dict needs a model converted by tensor_parallel",
-    "dropout": r"dropout=0.1: tensor parallelism needs Megatron's RNG tracker",
+    "dropout": r"dropout=0.1 with checkpoint=True: recomputation would replay",
     "row_sp": r"sequence_parallel=True needs input_is_parallel=True",
     "col_out": r"out_features \(5\) must be divisible by the tensor-parallel degree 2; "
                r"valid degrees for out_features: \[1, 5\]$",

@@ -11,7 +11,7 @@ import torch
 from dtlib.cli import main as cli_main
 from dtlib.launcher import launch
 from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL, PARAM_TOL_ADAM, single_process_config
-from dtlib.train import TrainConfig, params_sha256, train
+from dtlib.trainer import TrainConfig, params_sha256, train
 
 TIMEOUT = 120
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +51,7 @@ LAYOUTS_2 = [
     MOE.with_(dp=2, ep=2), MOE.with_(dp=2, ep=2, capacity_factor=1.0),
     BASE.with_(tp=2), BASE.with_(tp=2, sequence_parallel=True),
     BASE.with_(pp=2, num_microbatches=2), BASE.with_(pp=2, num_microbatches=2, schedule="gpipe"),
+    BASE.with_(pp=2, num_microbatches=2, tied_embeddings=True),  # Megatron's embedding group
 ]
 
 
@@ -64,6 +65,9 @@ LAYOUTS_4 = [
     MOE.with_(dp=4, ep=2, capacity_factor=1.5),
     BASE.with_(dp=2, tp=2), BASE.with_(cp=2, tp=2),
     BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=1, kv_heads=2),
+    BASE.with_(dp=2, tp=2, sequence_parallel=True, zero=2, kv_heads=2),  # SP sums before ZeRO-2's hooks
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),  # s/t positions between stages
+    BASE.with_(tp=2, pp=2, sequence_parallel=True, num_microbatches=2, tied_embeddings=True),
     BASE.with_(tp=2, pp=2, num_microbatches=2),
     BASE.with_(dp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
     BASE.with_(dp=2, pp=2, num_microbatches=2, schedule="zb-h1", zero=1),
@@ -75,10 +79,26 @@ def test_four_rank_layouts_equal_single_process():
     _check(LAYOUTS_4, 4)
 
 
+# FSDP (ZeRO-3) over dp x cp on what TP/SP and PP leave (torchtitan's 2-D and 3-D layouts)
+LAYOUTS_FSDP = [
+    BASE.with_(dp=2, tp=2, zero=3),
+    BASE.with_(dp=2, tp=2, zero=3, sequence_parallel=True),
+    BASE.with_(dp=2, pp=2, zero=3, num_microbatches=2),
+    BASE.with_(dp=2, pp=2, zero=3, layers=4, num_microbatches=4, schedule="interleaved", virtual_stages=2),
+    BASE.with_(cp=2, tp=2, zero=3),
+    BASE.with_(dp=2, tp=2, zero=3, tied_embeddings=True),  # a tied embedding across FSDP units and TP
+]
+
+
+def test_fsdp_composes_with_tensor_sequence_and_pipeline_parallelism():
+    _check(LAYOUTS_FSDP, 4)
+
+
 def test_eight_rank_3d_interleaved_equals_single_process():
     # dp2 x tp2 x pp2 with the interleaved schedule (1F1B runs under torchrun below)
     _check([BASE.with_(dp=2, tp=2, pp=2, layers=4, num_microbatches=4, schedule="interleaved",
-                       virtual_stages=2)], 8)
+                       virtual_stages=2),
+            BASE.with_(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, num_microbatches=2)], 8)  # FSDP x TP/SP x PP
 
 
 def test_moe_routing_matters():
@@ -100,7 +120,8 @@ def test_params_sha256_is_canonical():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "tp=3 must divide the 4 attention heads"),
-    (["--dp", "2", "--zero", "3", "--tp", "2"], "--zero 3 (FSDP) composes with dp and cp only"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "3", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),  # FSDP x PP composes, but not with tied copies
     (["--cp", "3"], "context parallel size cp=3 must divide the sequence length 32"),
     (["--cp", "4", "--seq", "36"], "2 x cp = 8 chunks (zig-zag); seq=36 must be a multiple of 8"),
     (["--ep", "2", "--dp", "2"], "needs an MoE model"),
@@ -126,6 +147,8 @@ def test_params_sha256_is_canonical():
     (["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], "zb-h1 computes weight gradients"),
     (["--dp", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "2", "--zero", "2"],
      "use --zero 0 or 1 with zb-h1"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "2", "--zero", "2", "--tied-embeddings"],
+     "use --zero 0 or 1 with --tied-embeddings and --pp"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert cli_main(["train", *argv]) == 2
@@ -154,6 +177,16 @@ def test_command_line_json_and_help(capsys):
     assert len(out["params_sha256"]) == 64 and len(out["peak_memory_bytes"]) == 2
 
 
+def test_command_line_runs_fsdp_with_tensor_and_sequence_parallelism(capsys):
+    # the issue's command line: dtlib train --zero 3 --tp 2 --dp 2 (+ --sequence-parallel)
+    argv = ["train", "--dp", "2", "--zero", "3", "--tp", "2", "--sequence-parallel", "--layers", "2", "--hidden", "32",
+            "--seq", "16", "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = _single(BASE.with_(dp=2, tp=2, zero=3, sequence_parallel=True, steps=2))
+    assert out["world_size"] == 4 and out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+
+
 def test_global_batch_size_sets_the_accumulation(capsys):
     # Megatron's rule: num_microbatches = global / (dp x micro-batch); 8 sequences on 2 replicas of 2
     argv = ["train", "--dp", "2", "--global-batch-size", "8", "--layers", "1", "--hidden", "32", "--seq", "16",
@@ -173,7 +206,7 @@ def test_torchrun_two_agents(tmp_path):
                                  "print(s.getsockname()[1])"], capture_output=True, text=True)
     endpoint = f"localhost:{port_probe.stdout.strip()}"
     torchrun[torchrun.index("localhost:0")] = endpoint
-    args = ["-m", "dtlib.train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
+    args = ["-m", "dtlib", "train", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--layers", "2",
             "--hidden", "32", "--seq", "16",
             "--steps", "2", "--optimizer", "sgd", "--lr", "0.5", "--json"]
     agents = [subprocess.Popen(torchrun + (["--rdzv-conf", "is_host=1"] if i == 0 else ["--rdzv-conf", "is_host=0"])

@@ -7,13 +7,14 @@ import torch
 
 from dtlib.launcher import launch
 from dtlib.resilience.checkpoint import read_manifest, to_torch
-from dtlib.train import TrainConfig, train
+from dtlib.trainer import TrainConfig, train
 
 TIMEOUT = 120
 # one more AdamW step on another layout: float32 sums in another order (see tests/test_train.py)
 LOSS_TOL, PARAM_TOL_ADAM = 1e-5, 1e-4
 BASE = TrainConfig(layers=2, hidden=32, heads=4, seq=16, steps=3, micro_batch_size=2, optimizer="adamw", lr=1e-2)
 MOE = BASE.with_(moe_experts=4, moe_top_k=2)
+TIED = BASE.with_(tied_embeddings=True)
 
 # (saving layout, loading layout, what the resume line says): the same global batch of 4 sequences
 # (2 for tp2 -> 1), checkpoint after step 2 of 3
@@ -26,6 +27,14 @@ RESHARD = [
     (BASE.with_(tp=2, pp=2, num_microbatches=2), BASE.with_(micro_batch_size=4),
      "resharded from tp2 x pp2 to 1 process"),
     (MOE.with_(dp=2, ep=2), MOE.with_(dp=2), "resharded from dp2 x ep2 to dp2"),
+    # FSDP's dim-0 rows of TP slabs, and of pipeline stages (the model's own parameters)
+    (BASE.with_(dp=2, tp=2, zero=3, sequence_parallel=True), BASE.with_(micro_batch_size=4),
+     "resharded from dp2 x tp2, zero3, sp to 1 process"),
+    (BASE.with_(dp=2, pp=2, zero=3, micro_batch_size=1, num_microbatches=2), BASE.with_(dp=2, tp=2, zero=3),
+     "resharded from dp2 x pp2, zero3 to dp2 x tp2, zero3"),
+    # tied embeddings: the first stage saves wte, the last stage loads its copy too
+    (TIED.with_(pp=2, num_microbatches=2), TIED.with_(micro_batch_size=4), "resharded from pp2 to 1 process"),
+    (TIED.with_(dp=2), TIED.with_(pp=2, num_microbatches=2), "resharded from dp2 to pp2"),
 ]
 
 

@@ -24,12 +24,17 @@ T = TFLOPS
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One device: dense peaks (FLOP/s; None = unsupported), memory (bytes), HBM bandwidth (B/s)."""
+    """One device: dense peaks (FLOP/s; None = unsupported), memory (bytes), HBM bandwidth (B/s);
+    ``sms``: streaming multiprocessors (AMD: compute units), the unit a GEMM's tiles are scheduled
+    on in waves (:mod:`dtlib.plan.gemm`); ``tdp_w``: board power at which the peaks hold (a lower
+    power limit lowers the clock, :func:`dtlib.plan.gemm.clock_scale`). None where not published."""
     name: str
     peaks: dict[str, float | None]
     memory_bytes: int
     memory_bandwidth: float
     source: str
+    sms: int | None = None
+    tdp_w: float | None = None
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for ``dtype`` (one of :data:`COMPUTE_DTYPES`)."""
@@ -51,25 +56,32 @@ class Link:
     source: str
 
 
-def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source) -> Accelerator:
+def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None) -> Accelerator:
     peaks = {"fp32": fp32 * T, "tf32": tf32 and tf32 * T, "bf16": bf16 and bf16 * T,
              "fp16": fp16 * T, "fp8": fp8 and fp8 * T}
-    return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source)
+    return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source, sms, tdp_w)
 
 
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense"
 _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), dense = half the 'with sparsity' figures"
+# SM counts and board power: NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020), Table 3
+# (108 SMs, 400 W SXM4); NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), Table 3
+# (H100 SXM5 132 SMs, 700 W; H100 PCIe 114 SMs, 350 W); H200 datasheet (700 W, the H100 SXM die);
+# HGX B200 datasheet (1000 W per GPU; 148 SMs: Chips and Cheese, "Nvidia's B200: Keeping the CUDA
+# Juggernaut Rolling", 2025 -- 74 of 80 SMs enabled per die, two dies; not an NVIDIA figure);
+# AMD CDNA 3 white paper (MI300X: 304 compute units, 750 W).
+_SMS = "; SMs and TDP: vendor architecture whitepapers (see dtlib.analytic.hardware)"
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
-    _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100),
-    _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100),
-    _acc("h100-sxm", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _NV_H100 + ", H100 SXM"),
-    _acc("h100-pcie", 51, 378, 756.5, 756.5, 1513, 80, 2.0, _NV_H100 + ", H100 PCIe"),
+    _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400),
+    _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400),
+    _acc("h100-sxm", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _NV_H100 + ", H100 SXM" + _SMS, 132, 700),
+    _acc("h100-pcie", 51, 378, 756.5, 756.5, 1513, 80, 2.0, _NV_H100 + ", H100 PCIe" + _SMS, 114, 350),
     _acc("h200", 67, 494.5, 989.5, 989.5, 1979, 141, 4.8,
-         "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense"),
+         "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense" + _SMS, 132, 700),
     _acc("b200", 75, 1125, 2250, 2250, 4500, 180, 8.0,
-         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2"),
+         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2" + _SMS, 148, 1000),
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
-         "AMD Instinct MI300X data sheet (2023), dense matrix peaks"),
+         "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
 ]}
 
 _NCCL_LAT = "latency: NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol"

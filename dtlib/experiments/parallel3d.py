@@ -1,7 +1,7 @@
 """The rank grid, context and expert parallelism: what lesson 09 runs on real ranks.
 
 * :func:`single_process_config` - the same training on one process (the reference of every layout);
-* :func:`compare_with_single_process` - a :class:`~dtlib.train.TrainConfig` trained on its rank
+* :func:`compare_with_single_process` - a :class:`~dtlib.trainer.TrainConfig` trained on its rank
   grid and on one process: the two loss curves, the largest loss and weight differences against
   the float32 tolerances :data:`LOSS_TOL` and :data:`PARAM_TOL`, and both ``params_sha256``;
 * :func:`ring_attention_run` - ring attention on ``cp`` ranks against single-process causal
@@ -27,7 +27,7 @@ from dtlib.models.gpt import MLP, tiny_gpt_config
 from dtlib.models.moe import MoE
 from dtlib.parallel.context import causal_work, ring_attention, shard_sequence
 from dtlib.parallel.expert import ExpertParallelMoE
-from dtlib.train import TrainConfig, run, train
+from dtlib.trainer import TrainConfig, run, train
 
 __all__ = ["single_process_config", "compare_with_single_process", "LOSS_TOL", "PARAM_TOL", "PARAM_TOL_ADAM",
            "ring_attention_run", "moe_dispatch_run", "activation_memory_vs_seq"]
@@ -49,7 +49,7 @@ def single_process_config(config: TrainConfig) -> TrainConfig:
 
 def compare_with_single_process(config: TrainConfig, timeout: float = 120.0) -> dict[str, Any]:
     """Train ``config`` on its ranks (``dtlib.launch(train, world_size, ...)`` through
-    :func:`dtlib.train.run`) and the same global batches on one process (no launch). Returns both
+    :func:`dtlib.trainer.run`) and the same global batches on one process (no launch). Returns both
     loss curves (``parallel``, ``single``), ``max_loss_diff``, ``max_param_diff``, both
     ``params_sha256`` (``parallel_sha256``, ``single_sha256``: equal only if every sum happened in
     the same order), ``equal`` (both differences within :data:`LOSS_TOL` and the weight tolerance

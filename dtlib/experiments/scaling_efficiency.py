@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from dtlib.data import Digits
 from dtlib.launcher import launch
-from dtlib.training import train
+from dtlib.experiments.data_parallel import train
 
 __all__ = ["scaling_efficiency", "measure_throughput"]
 

@@ -1,12 +1,12 @@
 """A planned layout, shrunk to TinyGPT on a few CPU ranks, trained and compared with one process.
 
 The planner (:mod:`dtlib.plan`) picks a layout for 128 GPUs; before paying for them, the same
-combination of parallelisms can run here, small, through the trainer (:mod:`dtlib.train`), and
+combination of parallelisms can run here, small, through the trainer (:mod:`dtlib.trainer`), and
 must give single-process training's numbers. Megatron-LM's and torchtitan's users do the same
 with a few-GPU "smoke test" of their config before the full job.
 
 * :func:`shrink_layout` - the planner's :class:`~dtlib.analytic.layout.Parallelism` as a
-  :class:`~dtlib.train.TrainConfig` of TinyGPT on at most ``max_ranks`` ranks, and what changed and why;
+  :class:`~dtlib.trainer.TrainConfig` of TinyGPT on at most ``max_ranks`` ranks, and what changed and why;
 * :func:`train_command` - the ``dtlib train ...`` command line of a config, built from the parser;
 * :func:`train_shrunk` - shrink, train on the ranks and on one process, compare.
 
@@ -25,7 +25,7 @@ from typing import Any
 from dtlib.analytic import validate
 from dtlib.analytic.layout import Parallelism
 from dtlib.experiments.parallel3d import compare_with_single_process
-from dtlib.train import TrainConfig
+from dtlib.trainer import TrainConfig
 
 __all__ = ["TINY", "SIZE", "DROP_ORDER", "shrink_layout", "train_command", "train_shrunk"]
 

@@ -77,7 +77,9 @@ def _worker(rank: int, world_size: int, cfg: TransformerConfig, sequence_paralle
     single_loss = F.cross_entropy(single(x).flatten(0, 1), y.flatten())
     single_loss.backward()
     torch.manual_seed(seed)
-    model = tensor_parallel(TinyGPT(cfg), sequence_parallel=sequence_parallel)
+    # Megatron's way, by hand: the block's collectives alone (no end-of-backward sum), then the
+    # sequence-parallel gradients summed once, as finalize_model_grads does
+    model = tensor_parallel(TinyGPT(cfg), sequence_parallel=sequence_parallel, sequence_parallel_grads="manual")
     loss = vocab_parallel_cross_entropy(model(x), y)
     loss.backward()
     allreduce_sequence_parallel_grads(model)

@@ -13,6 +13,7 @@ fused GQA kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -71,6 +72,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, cfg.hidden + 2 * kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.dropout = dropout
+        # the random stream of the attention dropout: the default one, or under tensor
+        # parallelism each rank's own (dtlib.parallel.random: its heads are not the others')
+        self.dropout_rng = contextlib.nullcontext
         groups = cfg.heads // cfg.kv_heads
         # True above the diagonal = masked; shaped to broadcast over [b, kv, g, s, s]
         self.register_buffer("mask", torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1),
@@ -111,7 +115,8 @@ class Attention(nn.Module):
         scores = scores.masked_fill(self.mask[:s, :s], float("-inf"))
         att = F.softmax(scores, dim=-1)
         if self.dropout > 0:
-            att = F.dropout(att, self.dropout, self.training)
+            with self.dropout_rng():
+                att = F.dropout(att, self.dropout, self.training)
         y = att.view(b, kv, g * s, s) @ v                   # [b, kv, g*s, d]
         y = y.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, g * kv * d)
         return self.proj(y)
@@ -146,9 +151,13 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg)
         self.dropout = dropout
+        self.dropout_rng = contextlib.nullcontext  # each rank's own under sequence parallelism
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        if self.dropout == 0:
+            return x
+        with self.dropout_rng():
+            return F.dropout(x, self.dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._drop(self.attn(self.norm1(x)))
@@ -172,6 +181,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout_rng = contextlib.nullcontext  # the embedding dropout's stream (see Attention)
         self.cfg, self.dropout, self.checkpoint = cfg, dropout, checkpoint
         self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
         self.wpe = nn.Embedding(cfg.seq, cfg.hidden) if cfg.position == "learned" else None
@@ -204,7 +214,8 @@ class TinyGPT(nn.Module):
         if self.emb_norm is not None:
             x = self.emb_norm(x)
         if self.dropout > 0:
-            x = F.dropout(x, self.dropout, self.training)
+            with self.dropout_rng():
+                x = F.dropout(x, self.dropout, self.training)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

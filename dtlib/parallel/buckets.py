@@ -13,6 +13,8 @@ This module holds the pieces they all need:
   hold ~cap bytes (the rule of ``torch.distributed``'s ``_compute_bucket_assignment_by_size``);
 * :class:`FlatLayout` - where each tensor lives inside a flat buffer, the padding that makes the
   buffer divisible by the number of shards, and the bounds of each shard;
+* :class:`Dim0Layout` - FSDP2's per-parameter sharding: every tensor cut on dim 0 into ``n``
+  ``torch.chunk``-style pieces (padded), one flat shard per rank made of its pieces;
 * :func:`shard_bounds` - an uneven split into ``n`` near-equal chunks (for collectives on sizes
   that are not divisible by the world size);
 * :func:`register_grad_ready_hooks` and :class:`InOrderLauncher` - know when a bucket's last
@@ -28,7 +30,7 @@ import torch
 
 from dtlib.analytic import validate
 
-__all__ = ["assign_buckets", "shard_bounds", "FlatLayout", "unique_parameters",
+__all__ = ["assign_buckets", "shard_bounds", "FlatLayout", "Dim0Layout", "unique_parameters",
            "InOrderLauncher", "register_grad_ready_hooks"]
 
 # PyTorch's bucket_cap_mb is in MiB ("MB" in its docs); so is our bucket_size_mb.
@@ -189,6 +191,123 @@ class FlatLayout:
             raise ValueError(f"need a 1-D buffer of >= {self.numel} elements, got {tuple(flat.shape)}")
         pieces = torch.split(flat, [*self.numels, flat.numel() - self.numel])
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+
+
+@dataclass(frozen=True)
+class Dim0Layout:
+    """Tensors sharded on dim 0 over ``world_size`` ranks, each rank's pieces packed into one flat shard.
+
+    PyTorch FSDP2's layout (``fully_shard``: every parameter a DTensor with placement ``Shard(0)``,
+    per-parameter sharding RFC, pytorch/pytorch#114299): tensor ``i`` of shape ``(R, *rest)`` is cut
+    like ``torch.chunk`` into pieces of ``c = ceil(R / N)`` rows, so rank ``r`` holds rows
+    ``[r c, min((r + 1) c, R))`` - the last ranks may hold fewer, possibly 0 rows - and a piece
+    keeps the tensor's number of dimensions. Each piece is padded to ``c`` rows and rank ``r``'s
+    flat shard is its padded pieces one after the other: ``shard_numel`` elements on every rank,
+    what ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` need, so a unit still costs one
+    collective. The all-gather output is therefore *rank-major*; :meth:`to_param_major` copies it
+    into the unsharded buffer in which each tensor's padded rows are contiguous (so the tensors
+    are views of it: FSDP2's ``foreach_all_gather_copy_out``), and :meth:`to_rank_major` is the
+    inverse for gradients before the reduce-scatter (FSDP2's ``chunk_cat``). Tensors need >= 1
+    dimension.
+    """
+
+    shapes: tuple[torch.Size, ...]
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], world_size: int = 1) -> "Dim0Layout":
+        validate.integer("world_size", world_size)
+        scalars = [i for i, t in enumerate(tensors) if t.dim() == 0]
+        if scalars:
+            raise ValueError(f"tensors {scalars} are 0-d: only tensors with >= 1 dimension are "
+                             "sharded on dim 0")
+        return cls(tuple(t.shape for t in tensors), world_size)
+
+    @property
+    def chunk_rows(self) -> tuple[int, ...]:
+        """Rows per piece, ``ceil(R / N)``, the padded size on every rank."""
+        return tuple(-(-s[0] // self.world_size) for s in self.shapes)
+
+    @property
+    def row_numels(self) -> tuple[int, ...]:
+        return tuple(int(torch.Size(s[1:]).numel()) for s in self.shapes)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Elements of each tensor's padded piece in a shard."""
+        return tuple(c * n for c, n in zip(self.chunk_rows, self.row_numels))
+
+    @property
+    def shard_offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for w in self.widths:
+            out.append(acc)
+            acc += w
+        return tuple(out)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.world_size * self.shard_numel
+
+    def rows(self, i: int, rank: int) -> tuple[int, int]:
+        """``[start, end)``: the rows of tensor ``i`` that rank ``rank`` holds (maybe empty)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        c, total = self.chunk_rows[i], self.shapes[i][0]
+        return min(rank * c, total), min((rank + 1) * c, total)
+
+    def shard_views(self, shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Views of a flat shard (or of a gradient shaped like one): rank ``rank``'s piece of each
+        tensor, ``(rows, *rest)`` without the padding."""
+        if shard.dim() != 1 or shard.numel() != self.shard_numel:
+            raise ValueError(f"need a 1-D shard of {self.shard_numel} elements, got {tuple(shard.shape)}")
+        out = []
+        for i, (off, n, shape) in enumerate(zip(self.shard_offsets, self.row_numels, self.shapes)):
+            start, end = self.rows(i, rank)
+            out.append(shard[off:off + (end - start) * n].view(end - start, *shape[1:]))
+        return out
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a param-major unsharded buffer shaped like the tensors (no copy): one
+        ``torch.split`` (padding pieces dropped), whose backward is a single concatenation."""
+        if full.dim() != 1 or full.numel() != self.padded_numel:
+            raise ValueError(f"need a 1-D buffer of {self.padded_numel} elements, got {tuple(full.shape)}")
+        sizes = []
+        for shape, w in zip(self.shapes, self.widths):
+            n = int(torch.Size(shape).numel())
+            sizes += [n, self.world_size * w - n]
+        pieces = torch.split(full, sizes)
+        return [pieces[2 * i].view(shape) for i, shape in enumerate(self.shapes)]
+
+    def to_param_major(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The all-gather output (rank 0's shard, rank 1's, ...) as a new param-major buffer."""
+        out = torch.empty_like(gathered)
+        ranks = gathered.view(self.world_size, self.shard_numel)
+        for off, w in zip(self.shard_offsets, self.widths):
+            out[self.world_size * off:self.world_size * (off + w)].view(self.world_size, w).copy_(
+                ranks[:, off:off + w])
+        return out
+
+    def to_rank_major(self, full: torch.Tensor) -> torch.Tensor:
+        """A param-major buffer (e.g. its gradient) as a new rank-major one, ready to reduce-scatter."""
+        n = self.world_size
+        pieces = [full[n * off:n * (off + w)].view(n, w) for off, w in zip(self.shard_offsets, self.widths)]
+        return torch.cat(pieces, dim=1).reshape(-1) if pieces else full.new_empty(0)
+
+    def shard_of(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """Rank ``rank``'s flat shard of full ``tensors`` (a new buffer; padding zero)."""
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"layout has {len(self.shapes)} tensors, got {len(tensors)}")
+        ref = tensors[0]
+        out = torch.zeros(self.shard_numel, dtype=ref.dtype, device=ref.device)
+        for i, (t, piece) in enumerate(zip(tensors, self.shard_views(out, rank))):
+            start, end = self.rows(i, rank)
+            piece.copy_(t[start:end])
+        return out
 
 
 class InOrderLauncher:

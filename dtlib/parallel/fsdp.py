@@ -1,48 +1,57 @@
-"""A toy fully sharded data parallel (ZeRO stage 3): parameters live only as 1/N flat shards.
+"""A toy fully sharded data parallel (ZeRO stage 3): every parameter sharded on dim 0, as FSDP2.
 
 Follows Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"
-(VLDB), Sec. 3 (FlatParameter, sharding, the forward/backward all-gathers and the gradient
-reduce-scatter) and Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p):
+(VLDB), Sec. 3 (units, the forward/backward all-gathers and the gradient reduce-scatter),
+Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p) and PyTorch's FSDP2
+(``torch.distributed.fsdp.fully_shard``, the per-parameter sharding RFC pytorch/pytorch#114299):
 
 * the model is cut into *units*: each submodule whose type is in ``unit_types`` (e.g. the
-  transformer block) and the root for everything else. A unit's parameters are flattened into one
-  buffer padded to a multiple of N; rank r keeps shard r (fp32) - the only persistent copy;
-* the model's own ``nn.Parameter`` objects stay, with their names, but each becomes a 1-D view of
-  its part of this rank's flat shard (possibly empty), as PyTorch FSDP's ``use_orig_params=True``:
-  ``FSDP.parameters()`` yields them, so the optimizer, its state and the gradients are all 1/N
-  and per-parameter groups work (no weight decay for norms and biases, as nanoGPT's
-  ``configure_optimizers``: build the groups before wrapping, while the shapes are the original
-  ones, or by name);
-* just before a unit's forward its shards are all-gathered (in ``compute_dtype`` if given) and
-  the module's parameters are bound to views of the full buffer; right after its forward they are
-  unbound and the buffer's storage is freed (resized to 0, as PyTorch FSDP's ``_free_storage``,
-  so the memory goes at once even if the backend still holds the tensor object);
+  transformer block) and the root for everything else;
+* each parameter is sharded **on dim 0**, like FSDP2's ``Shard(0)``: ``torch.chunk`` into N
+  pieces of ``ceil(rows / N)`` rows, rank r keeping piece r (the last ranks may hold fewer rows,
+  possibly none: shape ``(0, 64)``). The model's own ``nn.Parameter`` objects stay, with their
+  names, and become this piece - so ``p.dim()`` is the original one on every rank, every rank
+  holds the same parameters with the same trailing dimensions, and a nanoGPT
+  ``configure_optimizers`` (decay if ``p.dim() >= 2``) works before or after wrapping, as does
+  code that runs one collective per parameter. A unit's padded pieces are packed into one flat
+  shard per rank (:class:`~dtlib.parallel.buckets.Dim0Layout`), the only persistent copy, so a
+  unit still costs one all-gather and one reduce-scatter;
+* parameters with fewer than ``persistence_threshold`` elements (and 0-d ones) are not sharded:
+  they stay whole on every rank (replicated) and their gradients are all-reduced (averaged) at the
+  end of backward - DeepSpeed ZeRO-3's ``stage3_param_persistence_threshold``;
+* just before a unit's forward its shards are all-gathered (in ``compute_dtype`` if given), copied
+  out into a buffer where each parameter's rows are contiguous, and the module's parameters are
+  bound to views of it; right after its forward they are unbound and the buffer's storage is freed
+  (resized to 0, as PyTorch FSDP's ``_free_storage``, so the memory goes at once);
 * tensors that autograd saves for backward and that are views of a gathered buffer are not kept:
   a ``saved_tensors_hooks`` pack hook replaces them by (unit, size, stride, offset), and the unpack
   hook all-gathers the unit *again* just before its backward needs it (the "all-gather before
-  backward" of FSDP; PyTorch triggers it from a pre-backward hook, the unpack hook is where the
-  need actually arises);
+  backward" of FSDP);
 * when autograd has accumulated the gradient of a unit's whole buffer (the backward of the
   custom Function that produced it), that gradient is reduce-scattered asynchronously - each
-  rank receives the average of its shard - and the buffer is freed again. At the end of the
+  rank receives the average of its rows - and the buffer is freed again. At the end of the
   backward pass an autograd engine callback (``queue_callback``, as PyTorch FSDP's
-  ``_post_backward_final_callback``) waits for them and accumulates each parameter's piece into
-  its ``.grad``, so ``backward(); optimizer.step()`` is all a training loop needs;
+  ``_post_backward_final_callback``) waits for them, adds each parameter's rows to its ``.grad``
+  (shaped like the parameter) and all-reduces the replicated parameters' gradients, so
+  ``backward(); optimizer.step()`` is all a training loop needs;
   :meth:`FSDP.finish_gradient_synchronization` does the same and may still be called (a no-op then);
 * activation checkpointing (non-reentrant ``torch.utils.checkpoint``) recomputes a forward
   during backward: there the units' hooks neither gather through the autograd Function nor free,
   they bind the (re-)gathered buffer, which stays until the unit's gradient is reduce-scattered -
   as FSDP2's hooks do nothing in forward while its state is ``PRE_BACKWARD``;
+* composition: the module may already be tensor-parallel (its parameters are the TP-local slabs,
+  which FSDP shards further on dim 0 - torchtitan's FSDP2 over TP, ``parallelize_llama``) or a
+  pipeline stage (one FSDP per stage over the data-parallel group);
 * checkpoints: :meth:`FSDP.gather_full_params` gives the full state dict (a collective),
   :meth:`FSDP.load_full_state_dict` loads one into the shards (every rank passes the full dict);
-  the optimizer's ``state_dict()`` is per rank, over the local pieces.
+  every sharded parameter carries ``fsdp_shard = (full shape, first row)``, which
+  :mod:`dtlib.resilience.chunks` turns into a box of the full tensor (resharding checkpoints).
 
 Not done, to stay readable: prefetching the next unit's all-gather (PyTorch overlaps it), keeping
 the root gathered between forward and backward, CPU offload, per-unit mixed precision settings,
-reentrant activation checkpointing, and resharding a checkpoint's optimizer state to another
-world size. Parameters with ``requires_grad=False`` stay ordinary, replicated parameters (not
-sharded, not cast: with ``compute_dtype`` they must already have that dtype), and
-:meth:`FSDP.gather_full_params` returns them with the rest.
+reentrant activation checkpointing. Parameters with ``requires_grad=False`` stay ordinary,
+replicated parameters (not sharded, not cast: with ``compute_dtype`` they must already have that
+dtype), and :meth:`FSDP.gather_full_params` returns them with the rest.
 """
 from __future__ import annotations
 
@@ -53,14 +62,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from dtlib.parallel.buckets import FlatLayout, unique_parameters
+from dtlib.analytic import validate
+from dtlib.parallel.buckets import Dim0Layout, unique_parameters
 from dtlib.parallel.collectives import all_gather_into, broadcast_coalesced, reduce_scatter_into
 
-__all__ = ["FSDP"]
+__all__ = ["FSDP", "DEFAULT_PERSISTENCE_THRESHOLD"]
+
+# Shard every parameter by default, as FSDP2 does. DeepSpeed's default (1e5 elements) pays off
+# there because ZeRO-3 fetches parameters one by one, each fetch paying a latency; here a unit's
+# small parameters ride along in the unit's one all-gather and reduce-scatter for free, while a
+# replicated one costs its full size on every rank and an all-reduce of its gradient.
+DEFAULT_PERSISTENCE_THRESHOLD = 0
 
 
 class _GatherParams(torch.autograd.Function):
-    """shard -> full flat parameters (all-gather); its backward reduce-scatters the gradient."""
+    """shard -> unsharded parameters (all-gather); its backward reduce-scatters the gradient."""
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:
@@ -69,7 +85,7 @@ class _GatherParams(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None]:
-        # The shard's .grad is written by finish_gradient_synchronization once the async
+        # The parameters' .grad is written by finish_gradient_synchronization once the async
         # reduce-scatter is done, so nothing flows back through autograd.
         ctx.unit.reduce_scatter_grad(grad_full)
         return None, None
@@ -83,49 +99,65 @@ class _Packed:
         self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
+Owners = list[tuple[str, nn.Module, str]]  # (name, module, attribute) of every place a parameter is
+
+
 class _Unit:
-    """One FSDP unit: the flat shard of some parameters and where to bind them when gathered."""
+    """One FSDP unit: the flat shard of its sharded parameters (their dim-0 pieces), its replicated
+    parameters, and where to bind them during its forward."""
 
     def __init__(self, owner: "FSDP", name: str, module: nn.Module, params: list[nn.Parameter],
-                 aliases: list[list[tuple[str, nn.Module, str]]]):
+                 aliases: list[Owners], replicated: list[tuple[nn.Parameter, Owners]]):
         self.owner, self.name, self.module, self.aliases = owner, name, module, aliases
+        self.replicated = replicated
         if len({(p.dtype, p.device) for p in params}) > 1:
             raise ValueError(f"unit {name or '(root)'!r} mixes parameter dtypes/devices "
                              f"{sorted({(str(p.dtype), str(p.device)) for p in params})}: one flat "
                              "buffer holds one dtype; convert the model first (e.g. model.float())")
-        self.params, self.layout = params, FlatLayout.of(params, owner.world_size)
-        lo, hi = self.layout.shard_range(owner.rank)
-        with torch.no_grad():
-            # requires_grad only so that _GatherParams is recorded by autograd (its backward is
-            # where the gradient is reduce-scattered); the shard itself never gets a .grad
-            self.shard = self.layout.flatten([p.detach() for p in params])[lo:hi].clone().requires_grad_()
-        # this rank's piece of each parameter: [start, end) inside the shard (empty if none)
-        self.pieces = []
-        for off, n in zip(self.layout.offsets, self.layout.numels):
-            start, end = max(lo, off) - lo, min(hi, off + n) - lo
-            self.pieces.append((start, end) if start < end else (0, 0))
-        for p, (start, end) in zip(params, self.pieces):
-            p.data = self.shard.detach()[start:end]  # same Parameter object, now a view of the shard
+        self.params, self.layout = params, Dim0Layout.of(params, owner.world_size)
+        self.shard: torch.Tensor | None = None
+        if params:
+            with torch.no_grad():
+                # requires_grad only so that _GatherParams is recorded by autograd (its backward
+                # is where the gradient is reduce-scattered); the shard itself never gets a .grad
+                self.shard = self.layout.shard_of([p.detach() for p in params], owner.rank).requires_grad_()
+            views = self.layout.shard_views(self.shard.detach(), owner.rank)
+            for i, (p, view) in enumerate(zip(params, views)):
+                full_shape = tuple(p.shape)
+                p.data = view  # the same Parameter object, now its rows: a view of the shard
+                # what a checkpoint needs to place these rows in the full tensor (chunks.model_spans)
+                p.fsdp_shard = (full_shape, self.layout.rows(i, owner.rank)[0])
         self.full: torch.Tensor | None = None
         self.recompute_bound = False  # bound for a recomputation during backward
         self.pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
 
     def gather(self) -> torch.Tensor:
-        """All-gather the shards into a fresh full buffer (no autograd), if not already there."""
+        """All-gather the shards and copy them out into a fresh param-major buffer (no autograd),
+        if not already there."""
         if self.full is None:
             src = self.shard.detach().to(self.owner.compute_dtype or self.shard.dtype)
-            full = torch.empty(self.layout.padded_numel, dtype=src.dtype, device=src.device)
-            all_gather_into(full, src, self.owner.process_group)
-            self.owner._allocated(full)
-            self.full = full
+            gathered = torch.empty(self.layout.padded_numel, dtype=src.dtype, device=src.device)
+            all_gather_into(gathered, src, self.owner.process_group)
+            # rank-major -> each parameter's rows contiguous (FSDP2's all-gather copy-out); the
+            # all-gather output goes at once
+            self.full = self.layout.to_param_major(gathered)
+            self.owner._allocated(self.full)
         return self.full
 
-    def bind(self, full: torch.Tensor) -> None:
-        """Point the modules at views of the gathered buffer. Written into ``_parameters`` (as
-        FSDP's use_orig_params swaps tensors for parameters) so the registration order is kept."""
-        for owners, view in zip(self.aliases, self.layout.views(full)):
-            for _, mod, attr in owners:  # a tied weight is bound in every owning module
-                mod._parameters[attr] = view
+    def bind(self, full: torch.Tensor | None) -> None:
+        """Point the modules at views of the gathered buffer (and at the replicated parameters in
+        ``compute_dtype``). Written into ``_parameters`` (as FSDP's use_orig_params swaps tensors
+        for parameters) so the registration order is kept."""
+        if full is not None:
+            for owners, view in zip(self.aliases, self.layout.full_views(full)):
+                for _, mod, attr in owners:  # a tied weight is bound in every owning module
+                    mod._parameters[attr] = view
+        dtype = self.owner.compute_dtype
+        if dtype is not None:  # a differentiable cast: the gradient reaches the fp32 parameter
+            for p, owners in self.replicated:
+                cast = p.to(dtype)
+                for _, mod, attr in owners:
+                    mod._parameters[attr] = cast
 
     def bind_for_recompute(self) -> None:
         """Activation checkpointing recomputes a forward inside backward: bind the gathered
@@ -133,25 +165,26 @@ class _Unit:
         saves the same tensors as the forward did; its graph is only read, never differentiated
         (the forward's _GatherParams node gets the gradient), so no autograd Function here."""
         if not self.recompute_bound:
-            self.bind(self.gather().detach().requires_grad_())
+            self.bind(self.gather().detach().requires_grad_() if self.params else None)
             self.recompute_bound = True
 
     def free(self) -> None:
-        for p, owners in zip(self.params, self.aliases):
+        for p, owners in [*zip(self.params, self.aliases), *self.replicated]:
             for _, mod, attr in owners:
-                mod._parameters[attr] = p  # the sharded parameter again
+                mod._parameters[attr] = p  # the parameter itself again
         self.recompute_bound = False
         if self.full is not None:
             # Release the memory now, whoever still holds the tensor object (e.g. the backend's
-            # worker thread, for a moment after the collective): PyTorch FSDP's ``_free_storage``.
-            # Safe because autograd keeps no views of it (the pack hook swapped them for recipes),
-            # and a checkpointed recomputation's views are used up before the unit's reduce-scatter.
+            # worker thread): PyTorch FSDP's ``_free_storage``. Safe because autograd keeps no
+            # views of it (the pack hook swapped them for recipes), and a checkpointed
+            # recomputation's views are used up before the unit's reduce-scatter.
             self.owner._released(self.full.untyped_storage().nbytes())
             self.full.untyped_storage().resize_(0)
             self.full = None
 
     def reduce_scatter_grad(self, grad_full: torch.Tensor) -> None:
-        grad = grad_full.contiguous() / self.owner.world_size  # average; divide first (fp16)
+        grad = self.layout.to_rank_major(grad_full)  # one copy, as FSDP2's chunk_cat
+        grad /= self.owner.world_size  # average; divide first (fp16)
         received = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         work = reduce_scatter_into(received, grad, self.owner.process_group, async_op=True)
         self.pending.append((work, received, grad))  # keep grad alive until the work is done
@@ -159,16 +192,16 @@ class _Unit:
         self.owner._finish_at_end_of_backward()
 
     def finish(self) -> None:
-        """Wait for this unit's reduce-scatters; add each parameter's piece to its ``.grad``
+        """Wait for this unit's reduce-scatters; add each parameter's rows to its ``.grad``
         (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works)."""
         for work, received, _ in self.pending:
             work.wait()
             grad = received.to(self.shard.dtype)
-            for p, (start, end) in zip(self.params, self.pieces):
+            for p, piece in zip(self.params, self.layout.shard_views(grad, self.owner.rank)):
                 if p.grad is None:
-                    p.grad = grad[start:end]
+                    p.grad = piece
                 else:
-                    p.grad += grad[start:end]
+                    p.grad += piece
         self.pending = []
 
     # forward hooks on the unit's module
@@ -176,7 +209,7 @@ class _Unit:
         if _in_backward():
             self.bind_for_recompute()
         else:
-            self.bind(_GatherParams.apply(self.shard, self))
+            self.bind(_GatherParams.apply(self.shard, self) if self.params else None)
         dtype = self.owner.compute_dtype
         if dtype is None:
             return args, kwargs
@@ -205,22 +238,28 @@ class FSDP(nn.Module):
 
     Args:
         module: the model (on ``dtlib.launcher.get_device()``); its parameters keep their
-            names but become 1-D views of this rank's flat shards (``FSDP.parameters()``), so
-            the optimizer's groups can be built on the model before wrapping or on the wrapper.
+            names and their number of dimensions but become this rank's rows of them (dim-0
+            shards, as FSDP2), so the optimizer's groups can be built on the model before
+            wrapping or on the wrapper, by name or by ``p.dim()``.
         compute_dtype: gather parameters (and run forward/backward, and reduce gradients) in this
             dtype, e.g. ``torch.bfloat16``; the shards and the optimizer stay in fp32. Floating
             inputs of each unit are cast to it, and the output comes back in it.
         unit_types: submodule classes that become their own unit (gathered one at a time), like
             PyTorch's ``ModuleWrapPolicy``; everything else belongs to the root unit.
         process_group: the data-parallel group (default: all ranks).
+        persistence_threshold: parameters with fewer elements stay whole on every rank
+            (replicated; gradients all-reduced), as DeepSpeed's
+            ``stage3_param_persistence_threshold``. Default 0: shard everything, as FSDP2 - see
+            ``DEFAULT_PERSISTENCE_THRESHOLD`` for why.
 
     ``loss.backward(); optimizer.step()``: the gradients are synchronised at the end of
     backward. :meth:`gather_full_params` returns the full state dict, :meth:`load_full_state_dict`
-    loads one.
+    loads one. Other attributes are looked up on the wrapped module (as PyTorch's FSDP does).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 unit_types: Sequence[type[nn.Module]] = (), process_group: Any = None):
+                 unit_types: Sequence[type[nn.Module]] = (), process_group: Any = None,
+                 persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -230,6 +269,19 @@ class FSDP(nn.Module):
                              f"or None, got {compute_dtype!r}")
         if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in unit_types):
             raise TypeError(f"unit_types must be nn.Module subclasses, got {unit_types!r}")
+        validate.integer("persistence_threshold", persistence_threshold, minimum=0)
+        # FSDP runs the forward on views of its gathered buffers, never on the parameters, and
+        # writes .grad itself: hooks registered on a parameter would silently never fire (e.g.
+        # tensor_parallel's default sum of sequence-parallel gradients). Private attributes, but
+        # the only way to see them.
+        hooked = [n for n, p in module.named_parameters() if p.requires_grad
+                  and (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))]
+        if hooked:
+            raise ValueError(f"parameters {hooked[:4]}{' ...' if len(hooked) > 4 else ''} have gradient hooks, "
+                             "which FSDP's gathered views bypass: register them after wrapping on what "
+                             "FSDP produces, or (tensor_parallel with sequence parallelism) convert with "
+                             "sequence_parallel_grads='manual' and call allreduce_sequence_parallel_grads "
+                             "after backward")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: run inside dtlib.launch(...)")
         backend = dist.get_backend(process_group)
@@ -245,6 +297,7 @@ class FSDP(nn.Module):
                                  f"are not {compute_dtype}: with compute_dtype they meet inputs cast to "
                                  f"it; convert the frozen modules first (e.g. .to({compute_dtype}))")
         self.module, self.process_group, self.compute_dtype = module, process_group, compute_dtype
+        self.persistence_threshold = persistence_threshold
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self._state_keys = list(module.state_dict().keys())
@@ -255,18 +308,35 @@ class FSDP(nn.Module):
 
         self._finish_queued = False
         self.units = self._make_units(module, tuple(unit_types))
+        self.replicated = [p for u in self.units for p, _ in u.replicated]
+        for p in self.replicated:  # their gradients are averaged at the end of backward too
+            p.register_post_accumulate_grad_hook(lambda _: self._finish_at_end_of_backward())
         for u in self.units:
             u.module.register_forward_pre_hook(u.pre_forward, with_kwargs=True)
             u.module.register_forward_hook(u.post_forward)
-            inner = {id(mod): mod for owners in u.aliases for _, mod, _ in owners}
+            inner = {id(mod): mod for owners in [*u.aliases, *(o for _, o in u.replicated)]
+                     for _, mod, _ in owners}
             for mod in inner.values():
                 if mod is not u.module:
                     mod.register_forward_pre_hook(u.pre_forward_inner)
 
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped module (e.g. a pipeline stage's ``activation_shape``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")  # not yet set: no recursion
+            if module is None:
+                raise
+            return getattr(module, name)
+
     @property
     def flat_shards(self) -> list[torch.Tensor]:
-        """This rank's flat shard of each unit (the parameters are views into them)."""
-        return [u.shard for u in self.units]
+        """This rank's flat shard of each unit (the sharded parameters are views into them)."""
+        return [u.shard for u in self.units if u.shard is not None]
+
+    def _replicate(self, p: nn.Parameter) -> bool:
+        return p.dim() == 0 or p.numel() < self.persistence_threshold
 
     def _make_units(self, module: nn.Module, unit_types: tuple) -> list[_Unit]:
         unit_paths = [""] + [n for n, m in module.named_modules() if n and isinstance(m, unit_types)]
@@ -291,9 +361,12 @@ class FSDP(nn.Module):
         out = []
         for u in unit_paths:
             if members[u]:
-                aliases = [[(f"{pth}.{a}" if pth else a, m, a) for pth, m, a in owners[pid]]
-                           for pid in members[u]]
-                out.append(_Unit(self, u, modules[u], [params[pid] for pid in members[u]], aliases))
+                named = {pid: [(f"{pth}.{a}" if pth else a, m, a) for pth, m, a in owners[pid]]
+                         for pid in members[u]}
+                sharded = [pid for pid in members[u] if not self._replicate(params[pid])]
+                replicated = [(params[pid], named[pid]) for pid in members[u] if self._replicate(params[pid])]
+                out.append(_Unit(self, u, modules[u], [params[pid] for pid in sharded],
+                                 [named[pid] for pid in sharded], replicated))
         return out
 
     # ---- forward / backward ----------------------------------------------------------------
@@ -333,18 +406,34 @@ class FSDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the gradient reduce-scatters; accumulate them into the parameters' ``.grad``.
+        """Wait for the gradient reduce-scatters; accumulate them into the parameters' ``.grad``;
+        average the replicated parameters' gradients (one all-reduce).
 
         Runs by itself at the end of every backward; calling it again is a no-op."""
+        if not self._finish_queued:
+            return
         self._finish_queued = False
         for u in self.units:
             u.finish()
+        if self.replicated:
+            # every rank contributes every replicated parameter (zeros if it had no gradient), so
+            # the all-reduce has the same size everywhere; mean over ranks is linear, so a gradient
+            # averaged by an earlier backward of an accumulation stays right
+            for p in self.replicated:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in self.replicated]) / self.world_size
+            dist.all_reduce(flat, group=self.process_group)
+            offset = 0
+            for p in self.replicated:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full state dict (what :meth:`gather_full_params` or the unwrapped model's
-        ``state_dict()`` gives, on every rank): each rank copies its shard, in place, so the
-        parameters (views of it) and an optimizer built on them stay valid. No communication."""
+        ``state_dict()`` gives, on every rank): each rank copies its rows, in place, so the
+        parameters (views of the shard) and an optimizer built on them stay valid. No communication."""
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._state_keys]
         if missing or unexpected:
@@ -361,9 +450,9 @@ class FSDP(nn.Module):
                                      f"the model's is {tuple(shape)}")
                 tensors.append(state_dict[name])
                 sharded.update(n for n, _, _ in owners)
-            lo, hi = u.layout.shard_range(self.rank)
-            u.shard.copy_(u.layout.flatten_range(tensors, lo, hi))
-        # the rest is replicated: buffers and frozen parameters, copied whole
+            if tensors:
+                u.shard.copy_(u.layout.shard_of(tensors, self.rank))
+        # the rest is replicated: buffers, replicated and frozen parameters, copied whole
         replicated = dict(self.module.named_buffers(remove_duplicate=False))
         replicated.update(self.module.named_parameters(remove_duplicate=False))
         for name in self._state_keys:
@@ -377,13 +466,15 @@ class FSDP(nn.Module):
         :meth:`load_full_state_dict` is its inverse."""
         values: dict[str, torch.Tensor] = {}
         for u in self.units:
-            full = torch.empty(u.layout.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
-            all_gather_into(full, u.shard.detach(), self.process_group)
-            for owners, view in zip(u.aliases, u.layout.views(full)):
+            if not u.params:
+                continue
+            gathered = torch.empty(u.layout.padded_numel, dtype=u.shard.dtype, device=u.shard.device)
+            all_gather_into(gathered, u.shard.detach(), self.process_group)
+            for owners, view in zip(u.aliases, u.layout.full_views(u.layout.to_param_major(gathered))):
                 for name, _, _ in owners:
                     values[name] = view.clone()
-        # the rest is replicated and kept whole on every rank: buffers, and frozen parameters
-        # (requires_grad=False), which stay ordinary parameters of their modules
+        # the rest is kept whole on every rank: buffers, replicated parameters, and frozen
+        # parameters (requires_grad=False), which stay ordinary parameters of their modules
         replicated = dict(self.module.named_buffers(remove_duplicate=False))
         replicated.update(self.module.named_parameters(remove_duplicate=False))
         return {k: values[k] if k in values else replicated[k].detach().clone()
@@ -391,14 +482,21 @@ class FSDP(nn.Module):
 
     def sharded_param_bytes(self) -> int:
         """Bytes of the persistent shards on this rank."""
-        return sum(u.shard.nbytes for u in self.units)
+        return sum(s.nbytes for s in self.flat_shards)
+
+    def replicated_param_bytes(self) -> int:
+        """Bytes of the trainable parameters kept whole (below ``persistence_threshold``)."""
+        return sum(p.nbytes for p in self.replicated)
 
     def memory_stats(self) -> dict[str, int]:
-        """Parameter memory on this rank: the shards, and the peak of gathered buffers alive at
-        once (measured from their real allocation and release) since construction or reset."""
+        """Parameter memory on this rank: the shards, the replicated parameters, and the peak of
+        gathered buffers alive at once (measured from their real allocation and release) since
+        construction or reset."""
+        persistent = self.sharded_param_bytes() + self.replicated_param_bytes()
         return {"sharded_param_bytes": self.sharded_param_bytes(),
+                "replicated_param_bytes": self.replicated_param_bytes(),
                 "peak_unsharded_bytes": self.peak_unsharded_bytes,
-                "peak_param_bytes": self.sharded_param_bytes() + self.peak_unsharded_bytes}
+                "peak_param_bytes": persistent + self.peak_unsharded_bytes}
 
     def reset_peak(self) -> None:
         self.peak_unsharded_bytes = self._live_bytes

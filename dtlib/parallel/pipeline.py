@@ -29,7 +29,7 @@ from dtlib.parallel.schedules import Action, Event, Timeline, _check_ranks, stag
 from dtlib.analytic.layout import check_layout
 
 __all__ = ["GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
-           "action_seconds"]
+           "action_seconds", "embedding_groups", "allreduce_embedding_grads"]
 
 
 class GPTStage(nn.Module):
@@ -43,7 +43,11 @@ class GPTStage(nn.Module):
     def __init__(self, model: TinyGPT, blocks: range, first: bool, last: bool):
         super().__init__()
         self.cfg, self.dropout, self.first, self.last = model.cfg, model.dropout, first, last
+        self.dropout_rng = model.dropout_rng  # TinyGPT.embed runs on this stage
         self.block_ids = blocks
+        # with sequence parallelism the residual stream between stages holds s/t positions
+        tp_state = getattr(model, "tensor_parallel_state", None)
+        self.sequence_shards = tp_state.size if tp_state is not None and tp_state.sequence_parallel else 1
         if first:  # the attribute names TinyGPT.embed reads
             self.wte, self.wpe, self.emb_norm = model.wte, model.wpe, model.emb_norm
         self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
@@ -51,8 +55,10 @@ class GPTStage(nn.Module):
             self.norm_f, self.lm_head = model.norm_f, model.lm_head
 
     def activation_shape(self, tokens_shape: Sequence[int]) -> tuple[int, ...]:
-        """Shape of the hidden states that enter or leave this stage for ``tokens_shape`` = [b, s]."""
-        return (*tokens_shape, self.cfg.hidden)
+        """Shape of the hidden states that enter or leave this stage for ``tokens_shape`` = [b, s]
+        (this rank's ``s/t`` positions under sequence parallelism)."""
+        b, s = tokens_shape
+        return (b, s // self.sequence_shards, self.cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -105,6 +111,24 @@ def _measured_costs(model: TinyGPT, repeats: int = 3) -> tuple[float, list[float
     return costs
 
 
+def embedding_groups(pp_groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Megatron-LM's embedding groups: the first and the last rank of each pipeline. With tied
+    embeddings (``cfg.tied_embeddings``) the first stage looks tokens up in ``wte`` and the last
+    multiplies by the same matrix in the LM head: two copies on two ranks, kept equal by summing
+    their gradients over this group before the (identical) optimizer steps
+    (``_allreduce_word_embedding_grads`` in Megatron-LM's ``finalize_model_grads``)."""
+    return [[g[0], g[-1]] for g in pp_groups if len(g) > 1]
+
+
+def allreduce_embedding_grads(model: TinyGPT, group: Any) -> None:
+    """Sum the tied word embedding's gradient over ``group`` (this rank's embedding group: it
+    holds the first or the last stage). A copy no micro-batch used contributes zeros."""
+    weight = model.wte.weight  # the same Parameter as model.lm_head.weight when tied
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=group)
+
+
 def partition(model: TinyGPT, pp: int, virtual_stages: int = 1,
               balance: str | Sequence[int] = "params") -> list[GPTStage]:
     """Cut ``model`` into ``pp * virtual_stages`` stages (blocks in order, at least one per stage).
@@ -117,9 +141,6 @@ def partition(model: TinyGPT, pp: int, virtual_stages: int = 1,
     check_layout({"layers": layers, "pp": pp, "virtual_stages": virtual_stages},
                  schedule="interleaved" if virtual_stages > 1 else "1f1b")
     stages = pp * virtual_stages
-    if model.cfg.tied_embeddings and stages > 1:
-        raise ValueError("tied_embeddings=True shares wte between the first and the last stage, "
-                         "which this pipeline does not synchronise; use tied_embeddings=False")
     if isinstance(balance, str):
         if balance == "params":
             count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731

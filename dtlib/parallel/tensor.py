@@ -34,6 +34,7 @@ from torch import nn
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
+from dtlib.parallel.random import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
 from dtlib.parallel.tensor_regions import (SEQ_DIM, SequenceParallelLinear, rank_chunk,
                                            copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
@@ -50,8 +51,11 @@ __all__ = [
     "vocab_parallel_cross_entropy", "check_tensor_parallel_sizes", "tensor_parallel",
     "allreduce_sequence_parallel_grads",
     "full_state_dict", "full_grad_dict", "model_parallel_ranks", "initialize_model_parallel",
-    "TensorParallelState",
+    "TensorParallelState", "SequenceParallelGrads", "SEQUENCE_PARALLEL_GRADS",
 ]
+
+# who sums the sequence-parallel gradients over TP (see tensor_parallel)
+SEQUENCE_PARALLEL_GRADS = ("backward", "manual")
 
 
 # ---- layers --------------------------------------------------------------------------------------
@@ -361,7 +365,8 @@ def check_tensor_parallel_sizes(cfg: TransformerConfig, tp: int, sequence_parall
     _check_divides(sizes, tp, whole="this model")
 
 
-def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool = False) -> TinyGPT:
+def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool = False,
+                    sequence_parallel_grads: str = "backward") -> TinyGPT:
     """Convert ``model`` in place to tensor (and sequence) parallelism over ``group``; return it.
 
     Every rank of the group must have built the same model (same seed); each keeps its slice:
@@ -370,19 +375,28 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
     embedding by vocabulary, and the LM head column-parallel, so ``model(idx)`` returns this rank's
     vocabulary shard of the logits ``[b, s, v/t]`` (use :func:`vocab_parallel_cross_entropy`).
     Every rank passes the same full ``idx``. With ``sequence_parallel`` the norms and residual
-    stream hold ``s/t`` positions; call :func:`allreduce_sequence_parallel_grads` after backward
-    (Megatron-LM does it in ``finalize_model_grads``) to sum the gradients of the parameters used
-    on sequence shards.
+    stream hold ``s/t`` positions, and the gradients of the parameters used on sequence shards
+    (norms, row-parallel biases, learned positions) must be summed over the group.
+    ``sequence_parallel_grads`` says who sums them: ``"backward"`` (default) does it during every
+    backward pass, as each gradient is produced (:class:`SequenceParallelGrads`), so a plain
+    ``loss.backward(); optimizer.step()`` trains the right parameters, gradient accumulation
+    included -- as DTensor's ``SequenceParallel`` needs no extra call either; ``"manual"`` leaves
+    it to the training loop, which calls :func:`allreduce_sequence_parallel_grads` after the last
+    backward of a step, where Megatron-LM does it (``finalize_model_grads``).
     """
     if not isinstance(model, TinyGPT):
         raise TypeError(f"tensor_parallel converts a dtlib TinyGPT, got {type(model).__name__}")
     if getattr(model, "tensor_parallel_state", None) is not None:
         raise ValueError("this model is already tensor-parallel (tensor_parallel was called on it "
                          "before); build a fresh TinyGPT to convert it again")
-    if model.dropout > 0:
-        raise ValueError(f"dropout={model.dropout}: tensor parallelism needs Megatron's RNG tracker "
-                         "(different masks per rank inside TP regions), which dtlib does not have; "
-                         "use dropout=0.0")
+    if model.dropout > 0 and model.checkpoint:
+        raise ValueError(f"dropout={model.dropout} with checkpoint=True: recomputation would replay the "
+                         "attention dropout from the tracker's advanced stream, another mask than the "
+                         "forward's (Megatron restores the tracker's states in its CheckpointFunction, "
+                         "dtlib does not); use dropout=0.0 or checkpoint=False under tensor parallelism")
+    if sequence_parallel_grads not in SEQUENCE_PARALLEL_GRADS:
+        raise ValueError(f"sequence_parallel_grads must be one of {SEQUENCE_PARALLEL_GRADS}, "
+                         f"got {sequence_parallel_grads!r}")
     group = _check_group(group)
     cfg, t, rank = model.cfg, dist.get_world_size(group), dist.get_rank(group)
     check_tensor_parallel_sizes(cfg, t, sequence_parallel)  # before the first collective
@@ -414,8 +428,30 @@ def tensor_parallel(model: TinyGPT, group: Any = None, sequence_parallel: bool =
         for norm in norms:
             for p in (norm.parameters() if norm is not None else []):
                 p.sequence_parallel = True
+    if model.dropout > 0:
+        _fork_dropout(model, rank, sp)
     model.tensor_parallel_state = TensorParallelState(group, t, rank, sp)
+    if sp and sequence_parallel_grads == "backward":
+        model.sequence_parallel_grads = SequenceParallelGrads(model, group)
     return model
+
+
+def _fork_dropout(model: TinyGPT, rank: int, sequence_parallel: bool) -> None:
+    """Megatron's dropout streams (:mod:`dtlib.parallel.random`): attention probabilities are split
+    by heads, so each rank draws its own mask; the residual stream and the embeddings are this
+    rank's ``s/t`` positions under sequence parallelism (their own masks too), and replicated
+    otherwise (the default stream, the same on every TP rank). The seed is drawn from the
+    default stream, which every rank of the group holds in the same state (same model seed)."""
+    seed = int(torch.randint(0, 2 ** 31 - 1 - MODEL_PARALLEL_SEED_OFFSET - 1024, ()).item())
+    tracker = RNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + rank)
+    model.rng_tracker = tracker
+    for block in model.blocks:
+        block.attn.dropout_rng = tracker.fork
+        if sequence_parallel:
+            block.dropout_rng = tracker.fork
+    if sequence_parallel:
+        model.dropout_rng = tracker.fork
 
 
 def _state(model: nn.Module, what: str) -> TensorParallelState:
@@ -426,21 +462,62 @@ def _state(model: nn.Module, what: str) -> TensorParallelState:
     return state
 
 
-def allreduce_sequence_parallel_grads(model: TinyGPT) -> None:
-    """Sum over the TP group the gradients of parameters used on sequence shards (norms, biases
-    of row-parallel layers, learned positions): one all-reduce of one flat buffer. A no-op
-    without sequence parallelism (Megatron-LM ``finalize_model_grads``)."""
-    state = _state(model, "allreduce_sequence_parallel_grads")
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not state.sequence_parallel or not grads:
-        return
+def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters used on sequence shards, in the model's (rank-independent) order."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def _sum_over_group(grads: list[torch.Tensor], group: Any) -> None:
+    """All-reduce (sum) ``grads`` in place over ``group`` as one flat buffer: one collective."""
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.group)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+class SequenceParallelGrads:
+    """Sums each sequence-parallel gradient over the TP group as backward produces it.
+
+    Every TP rank sees only its ``s/t`` positions, so a norm weight's gradient on one rank is a
+    partial sum (Korthikanti et al. 2022, Sec. 4.2.2; DTensor marks it ``Partial(sum)`` and
+    reduces it before use). A hook on each such parameter all-reduces this backward's gradient
+    *before* autograd accumulates it into ``.grad``: gradient accumulation over micro-batches
+    stays right, and whatever consumes ``.grad`` during backward (DDP's bucket hooks, ZeRO-2's
+    reduce-scatter) already sees the full sum. The price is one small all-reduce per parameter
+    and backward, where Megatron-LM sums them all in one flat buffer after the last backward of a
+    step (``finalize_model_grads``; the ``"manual"`` mode of :func:`tensor_parallel`). The same
+    parameters receive gradients in the same order on every TP rank (same model, same graph), so
+    the all-reduces match up.
+    """
+
+    def __init__(self, model: nn.Module, group: Any):
+        self.group = group
+        self.params = _sequence_parallel_params(model)
+        for p in self.params:
+            p.register_hook(self._sum)
+
+    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()  # a fresh tensor: autograd may hand the same buffer to other nodes
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+def allreduce_sequence_parallel_grads(model: TinyGPT) -> None:
+    """Sum over the TP group the gradients of parameters used on sequence shards (norms, biases
+    of row-parallel layers, learned positions): one all-reduce of one flat buffer. A no-op
+    without sequence parallelism, and when the model sums them itself during backward
+    (``tensor_parallel(..., sequence_parallel_grads="backward")``, the default), so calling it
+    too is harmless. Megatron-LM calls it in
+    ``finalize_model_grads``."""
+    state = _state(model, "allreduce_sequence_parallel_grads")
+    if getattr(model, "sequence_parallel_grads", None) is not None:
+        return  # summed by the model's hooks already
+    grads = [p.grad for p in _sequence_parallel_params(model) if p.grad is not None]
+    if not state.sequence_parallel or not grads:
+        return
+    _sum_over_group(grads, state.group)
 
 
 def _gather_param(t: torch.Tensor, p: nn.Parameter, state: TensorParallelState) -> list[torch.Tensor]:
@@ -456,13 +533,16 @@ def _gather_param(t: torch.Tensor, p: nn.Parameter, state: TensorParallelState) 
     return segments if getattr(p, "full_names", None) else [torch.cat(segments, p.partition_dim)]
 
 
-def _full(model: TinyGPT, group: Any, what: str, grads: bool) -> dict[str, torch.Tensor]:
+def _full(model: TinyGPT, group: Any, what: str, grads: bool,
+          values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     state = _state(model, what)
     if group is not None and group is not state.group:
         raise ValueError(f"{what}: group is not the group the model was converted with")
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        t = p.grad if grads else p
+        if values is not None and name not in values:
+            continue
+        t = values[name] if values is not None else p.grad if grads else p
         if t is None:
             raise ValueError(f"{name} has no gradient: run backward before {what}")
         full = _gather_param(t, p, state)
@@ -475,10 +555,13 @@ def _full(model: TinyGPT, group: Any, what: str, grads: bool) -> dict[str, torch
     return out
 
 
-def full_state_dict(model: TinyGPT, group: Any = None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: TinyGPT, group: Any = None,
+                    values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full, unsharded parameters on every rank, with TinyGPT's own names and shapes (a
-    collective over the TP group: every rank must call it)."""
-    return _full(model, group, "full_state_dict", grads=False)
+    collective over the TP group: every rank must call it). ``values``: TP-local tensors to
+    gather instead of the parameters, by the model's names (those of FSDP's
+    ``gather_full_params``, when FSDP shards the TP slabs further); names not in it are skipped."""
+    return _full(model, group, "full_state_dict", grads=False, values=values)
 
 
 def full_grad_dict(model: TinyGPT, group: Any = None) -> dict[str, torch.Tensor]:

@@ -1,52 +1,45 @@
-"""The achievable fraction of peak: how fast a GPU runs a transformer's matmuls in practice.
+"""The planner's few fitted numbers, and where each comes from.
 
-The step-time model (:mod:`dtlib.plan.steptime`) divides the hardware FLOPs by
-``peak x fraction``. Everything the model does not describe term by term -- kernel efficiency on
-real shapes, memory-bound layers (norms, softmax, activations, the loss), launch gaps, the
-slowdown of compute that shares the GPU with overlapped communication -- ends up in this one
-number. It is an option (``efficiency=``); the defaults below were fitted once, per device
-family, on the published runs of :mod:`dtlib.plan.validation` only (no other data), by
-:func:`dtlib.plan.validation.calibrate`, and rounded to two digits. They are not predictions for
-other software stacks: a different framework, kernel library or power limit moves them.
+The compute model (:mod:`dtlib.plan.gemm`) times each GEMM from its shape (tile and wave
+quantization on the GPU's SMs, roofline against HBM) and attention from FlashAttention's work.
+What is left is how close real kernels get to the quantized peak. That is two global numbers,
+the same for every GPU generation (no per-family constant):
 
-=============  ========  ==========================================================================
-device         fraction  where it comes from
-=============  ========  ==========================================================================
-a100-40gb      0.56      fitted on Narayanan et al. 2021 Table 1 + Korthikanti et al. 2022 Table 5
-a100-80gb      0.56      (Megatron-LM on DGX A100, bf16/fp16, 312 TFLOP/s dense peak)
-h100-sxm       0.38      fitted on torchtitan's Llama 3.1 8B / 70B runs (FSDP, bf16, eager) on
-                         H100 at a 500 W power limit: a lower bound for a 700 W H100 SXM
-h100-pcie      0.38      not calibrated: the H100 SXM value
-h200           0.38      not calibrated: the H100 SXM value (same tensor cores)
-b200           0.38      not calibrated: the H100 SXM value
-mi300x         0.38      not calibrated: the H100 SXM value
-other          0.5       not calibrated: a round guess, stated as such
-=============  ========  ==========================================================================
+=====================  =========  ===========================================================
+parameter              value      meaning
+=====================  =========  ===========================================================
+``GEMM_EFFICIENCY``    see below  cuBLAS/CUTLASS GEMM throughput / the quantized tensor-core peak
+``ATTENTION_EFFICIENCY``  below   FlashAttention's throughput / the dense BF16 peak
+=====================  =========  ===========================================================
+
+Both were fitted once by :func:`dtlib.plan.validation.fit` (a grid search minimising the mean
+absolute log error of the predicted throughput) on the declared training set
+:data:`dtlib.plan.validation.PUBLISHED` (every run of every source), and rounded to the grid.
+``python -m dtlib.plan.validation`` refits them and prints the in-sample and leave-one-source-out
+errors (``docs/plan.md``). A power limit, FP8 and the SM count are physics, not fits: they are
+options and catalogue entries (``StepOptions.power_limit_w``, ``dtype``,
+:mod:`dtlib.analytic.hardware`).
+
+``efficiency=`` in :class:`dtlib.plan.steptime.StepOptions` still replaces the whole compute
+model by the older flat form (hardware FLOPs / (peak x fraction)), as an explicit option.
 """
 from __future__ import annotations
 
-__all__ = ["ACHIEVABLE_FRACTION", "UNCALIBRATED_FRACTION", "default_efficiency", "efficiency_source"]
+__all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FA2_ON_HOPPER", "FITTED_ON", "efficiency_source"]
 
-A100_FRACTION = 0.56
-H100_FRACTION = 0.38
-UNCALIBRATED_FRACTION = 0.5
-
-ACHIEVABLE_FRACTION: dict[str, tuple[float, str]] = {
-    "a100-40gb": (A100_FRACTION, "fitted on Narayanan et al. 2021 Table 1 and Korthikanti et al. 2022 Table 5"),
-    "a100-80gb": (A100_FRACTION, "fitted on Narayanan et al. 2021 Table 1 and Korthikanti et al. 2022 Table 5"),
-    "h100-sxm": (H100_FRACTION, "fitted on torchtitan Llama 3.1 8B/70B (H100 at 500 W)"),
-    "h100-pcie": (H100_FRACTION, "not calibrated: the H100 SXM value"),
-    "h200": (H100_FRACTION, "not calibrated: the H100 SXM value"),
-    "b200": (H100_FRACTION, "not calibrated: the H100 SXM value"),
-    "mi300x": (H100_FRACTION, "not calibrated: the H100 SXM value"),
-}
+# fitted by dtlib.plan.validation.fit on every run of dtlib.plan.validation.PUBLISHED
+GEMM_EFFICIENCY = 0.60
+ATTENTION_EFFICIENCY = 0.40
+# FlashAttention-2 on an H100 (PyTorch SDPA's flash backend) against the Hopper kernels that
+# ATTENTION_EFFICIENCY describes (FlashAttention-3 / cuDNN, as Transformer Engine runs them):
+# Shah et al. 2024, 'FlashAttention-3', abstract: FA2 "achieves only 35% utilization on H100",
+# FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
+FA2_ON_HOPPER = 0.35 / 0.75
+FITTED_ON = ("Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
+             "Megatron-Bridge 25.11 (A100, H100 and B200)")
 
 
-def default_efficiency(gpu: str) -> float:
-    """The documented default fraction of peak for catalogue GPU ``gpu``."""
-    return ACHIEVABLE_FRACTION.get(gpu, (UNCALIBRATED_FRACTION, ""))[0]
-
-
-def efficiency_source(gpu: str) -> str:
-    """Where :func:`default_efficiency` of ``gpu`` comes from."""
-    return ACHIEVABLE_FRACTION.get(gpu, (0, "not calibrated: a round guess of 0.5"))[1]
+def efficiency_source(gpu: str = "") -> str:
+    """Where the compute model's numbers come from (the same for every GPU)."""
+    return (f"GEMM efficiency {GEMM_EFFICIENCY:.2f} and FlashAttention efficiency {ATTENTION_EFFICIENCY:.2f}, "
+            f"the same for every GPU, fitted on {FITTED_ON} (docs/plan.md)")

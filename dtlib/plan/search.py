@@ -109,7 +109,8 @@ def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i:
             "hardware_tflops_per_gpu": float(r["hardware_flops"][i]) / (t * gpus) / 1e12,
             "mfu": float(r["model_flops"][i]) / (t * gpus * peak),
             "memory_per_gpu_bytes": float(mem[i]),
-            "breakdown": {k: float(r[k][i]) for k in TERMS}}
+            "breakdown": {k: float(r[k][i]) for k in TERMS},
+            "compute_split": {"gemm": float(r["compute_gemm"][i]), "attention": float(r["compute_attention"][i])}}
 
 
 def to_layout(config: dict[str, Any]) -> Parallelism:

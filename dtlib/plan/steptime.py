@@ -9,7 +9,8 @@ most ``gpus_per_node``, otherwise its collectives cross the inter-node fabric, a
 bandwidth per GPU divided by the fabric's oversubscription.
 
 Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Narayanan et al.
-2021 eq. 3 counts them), and what the terms leave out is in the achievable fraction of peak
+2021 eq. 3 counts them). Compute is timed from the GEMM shapes after TP/CP splitting
+(:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 """
 from __future__ import annotations
@@ -31,7 +32,9 @@ from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.precision import Precision, get_precision
 from dtlib.analytic.presets import training_of
 from dtlib.analytic.vectorised import layout_arrays
-from dtlib.plan.calibration import default_efficiency
+from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
+from dtlib.plan.eager import PASSES, eager_forward_bytes
+from dtlib.plan.gemm import clock_scale, transformer_compute
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
            "memory_recompute"]
@@ -39,16 +42,22 @@ __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "st
 DTYPES = ("bf16", "fp8")
 
 TERMS: dict[str, str] = {
-    "compute": "hardware FLOPs (dtlib.analytic.flops: 3x forward + recompute, Narayanan et al. 2021 "
-               "eq. 3 generalised) / (GPUs x peak x achievable fraction); with fp8 the weight matmuls "
-               "run at the FP8 peak, attention products and the LM head stay at the BF16 peak "
-               "(Transformer Engine keeps dot-product attention and, by default, the output layer in "
-               "BF16)",
+    "compute": "weight GEMMs timed from their shapes on one rank after TP/CP splitting (Shoeybi et al. "
+               "2019 Sec. 3): tile and wave quantization on the SMs, roofline against HBM (NVIDIA "
+               "Matrix Multiplication Background User's Guide), / the fitted GEMM efficiency; forward, "
+               "2 backward GEMMs each, full recompute repeats the forward; attention from "
+               "FlashAttention's causal work (backward 2.5x, Dao 2023) / (BF16 peak x the fitted "
+               "attention efficiency), or as batched GEMMs without it; fp8: weight GEMMs at the FP8 "
+               "peak plus the HBM traffic of casting their operands (amax, cast, transposed copy), "
+               "attention and LM head in BF16 (Transformer Engine); a power limit scales the "
+               "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm). efficiency= replaces all this by "
+               "hardware FLOPs / (GPUs x peak x efficiency) (Narayanan et al. 2021 eq. 3)",
     "elementwise": "memory-bound layers (norms, activations, dropout, residual adds, softmax): the "
                    "tensors Korthikanti et al. 2022 Sec. 4.1 count per layer are written forward, read "
                    "and their gradients written backward (3 passes; recomputed ones written again), "
                    "at the HBM bandwidth (roofline, Williams et al. 2009); with flash_attention the "
-                   "s x s scores never reach HBM (Dao et al. 2022)",
+                   "s x s scores never reach HBM (Dao et al. 2022); fused_elementwise=False (eager "
+                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager)",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
                  "TP/CP/EP communication",
@@ -82,8 +91,14 @@ TERMS: dict[str, str] = {
 class StepOptions:
     """The conventions of the step-time model; every one is an option.
 
-    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``efficiency``: achievable
-    fraction of peak (None: the calibrated default of the GPU); ``precision``: bytes per
+    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency`` /
+    ``attention_efficiency``: the kernel efficiencies of the shape-aware compute model (None: the
+    fitted global values of :mod:`dtlib.plan.calibration`); ``power_limit_w``: the GPUs' power
+    cap (None: their TDP; lower caps lower the clock, :func:`dtlib.plan.gemm.clock_scale`);
+    ``fused_elementwise``: memory-bound operators fused (Megatron/TE, torch.compile) or run
+    eagerly one kernel each (False: their traffic from :mod:`dtlib.plan.eager`);
+    ``efficiency``: if set, compute is the flat hardware FLOPs / (peak x efficiency) instead of the
+    shape-aware model; ``precision``: bytes per
     parameter (memory, gradient and optimizer traffic; default Megatron bf16 with fp32 gradients,
     which reduces gradients in fp32 as Megatron and torchtitan do); ``dp_overlap`` /
     ``tp_overlap`` / ``cp_overlap``: fraction of that communication hidden behind compute;
@@ -101,12 +116,20 @@ class StepOptions:
     cp_overlap: float = 0.0
     oversubscription: float = 1.0
     flash_attention: bool | None = None
+    gemm_efficiency: float | None = None
+    attention_efficiency: float | None = None
+    power_limit_w: float | None = None
+    fused_elementwise: bool = True
 
     def __post_init__(self) -> None:
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.one_of("attention", self.attention, ATTENTION)
-        if self.efficiency is not None:  # a fraction of peak
-            validate.number("efficiency", self.efficiency, maximum=1)
+        for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
+            if getattr(self, name) is not None:  # a fraction of peak
+                validate.number(name, getattr(self, name), maximum=1)
+        if self.power_limit_w is not None:
+            validate.number("power_limit_w", self.power_limit_w)
+        validate.boolean("fused_elementwise", self.fused_elementwise)
         for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
             validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
         validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
@@ -175,7 +198,6 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
         raise ValueError("options.flash_attention must be True or False here; fill it with as_trained(model, ...)")
     gpu, g = cluster.gpu, cluster.gpus_per_node
     prec = get_precision(options.precision)
-    eff = default_efficiency(gpu.name) if options.efficiency is None else options.efficiency
     dp, tp, pp, cp, ep = n["dp"], n["tp"], n["pp"], n["cp"], n["ep"]
     v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * pp
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
@@ -192,8 +214,18 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     attn = attention_flops_per_token(s, h, n["layers"], options.attention)
     extra = recompute_flops_per_token(recompute, weights + attn, attn)
     weight_hw = tokens * (3 * weights + extra - (recompute != "none") * attn)
-    peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
-    compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * eff)
+    if options.efficiency is not None:  # the flat convention: one fraction of peak for everything
+        peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
+        compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
+        parts = {"gemm": compute, "attention": 0 * compute}
+    else:  # shape-aware: GEMMs from their shapes, attention from FlashAttention (dtlib.plan.gemm)
+        parts = transformer_compute(
+            n, gpu, recompute=recompute, dtype=options.dtype, flash_attention=options.flash_attention,
+            gemm_efficiency=GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency,
+            attention_efficiency=(ATTENTION_EFFICIENCY if options.attention_efficiency is None
+                                  else options.attention_efficiency),
+            clock=clock_scale(gpu, options.power_limit_w))
+        compute = parts["gemm"] + parts["attention"]
 
     # ---- model-parallel communication, per layer and micro-batch ---------------------------
     intra, inter = cluster.intra, _inter_link(cluster, options.oversubscription)
@@ -215,6 +247,9 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     written = no_scores if options.flash_attention else layer_bytes(recompute="none", **per_layer)
     rewritten = {"none": 0 * written, "selective": written - no_scores, "full": written}[recompute]
     elementwise = (3 * written + rewritten) * layers_here * m / gpu.memory_bandwidth
+    if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
+        per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"]) / tp
+        elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
 
     pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
@@ -255,7 +290,8 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     out["step_time"] = sum(out[k] for k in TERMS)
     out.update(model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
                tokens=np.asarray(tokens, float), gpus=np.asarray(gpus), params_per_gpu=dense + expert,
-               dp_comm_unhidden=dp_comm_raw)
+               dp_comm_unhidden=dp_comm_raw, compute_gemm=parts["gemm"] * np.ones_like(compute, dtype=float),
+               compute_attention=parts["attention"] * np.ones_like(compute, dtype=float))
     return out
 
 
@@ -272,7 +308,7 @@ class StepTime:
     hardware_flops: float
     gpus: int
     peak: float
-    efficiency: float
+    efficiency: float | None
     dp_comm_unhidden: float = 0.0
     sources: dict[str, str] = field(default_factory=lambda: dict(TERMS))
 
@@ -315,7 +351,7 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise")
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout)
-    eff = default_efficiency(cluster.gpu.name) if options.efficiency is None else options.efficiency
+    eff = options.efficiency
     return StepTime(layout=layout, step_time=float(r["step_time"][0]),
                     breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),
                     model_flops=float(r["model_flops"][0]), hardware_flops=float(r["hardware_flops"][0]),

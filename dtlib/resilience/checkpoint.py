@@ -8,8 +8,9 @@ optimizer's hyper-parameters, and each file's size and sha256.
 * **What is saved, as the layout holds it.** Every parameter and its optimizer state in its full
   shape, as chunks each rank writes for the part it holds (:mod:`dtlib.resilience.chunks`): the
   whole tensor when it is replicated (one process, DDP: DCP writes one copy), a slab under tensor
-  parallelism, the boxes of a flat shard under :class:`~dtlib.parallel.FSDP` (model and optimizer)
-  or :class:`~dtlib.parallel.ShardedOptimizer` (ZeRO-1/2: optimizer), only its stages' or its
+  parallelism, a box of whole rows under :class:`~dtlib.parallel.FSDP` (its dim-0 shards, model
+  and optimizer), the boxes of a flat shard under :class:`~dtlib.parallel.ShardedOptimizer`
+  (ZeRO-1/2: optimizer), only its stages' or its
   experts' tensors under pipeline or expert parallelism (``owned``). DCP's planner reads any
   other split back: FSDP on 4 ranks loads on 2, dp2 x tp2 loads on dp4, tp2 x pp2 on one process
   (resharding).

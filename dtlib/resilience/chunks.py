@@ -11,9 +11,11 @@ boxes a rank holds and hands DCP views into the tensors it trains:
 * **tensor parallelism** (:mod:`dtlib.parallel.tensor`): slabs along Megatron's
   ``partition_dim``, one per segment of a fused weight (Q/K/V rows, gate/up), at the rank's offset
   in the full tensor; a row-parallel slab is a strided view (columns), written as one chunk;
-* **a flat shard** (:class:`~dtlib.parallel.FSDP`'s parameters and optimizer state,
-  :class:`~dtlib.parallel.ShardedOptimizer`'s optimizer state): a range of the flattened tensor,
-  which can start and end mid-row, cut into at most a few boxes per dimension
+* **dim-0 rows** (:class:`~dtlib.parallel.FSDP`'s parameters and optimizer state, FSDP2's
+  ``Shard(0)``): one box of whole rows at the rank's first row (``fsdp_shard`` on the parameter),
+  of the TP-local tensor when FSDP shards a tensor-parallel slab further;
+* **a flat shard** (:class:`~dtlib.parallel.ShardedOptimizer`'s optimizer state): a range of the
+  flattened tensor, which can start and end mid-row, cut into at most a few boxes per dimension
   (:func:`boxes`: a partial row, whole rows, a partial row);
 * **pipeline and expert parallelism**: the rank holds only some names (its stages, its experts).
 
@@ -231,25 +233,23 @@ def inner(model: nn.Module) -> nn.Module:
 
 
 def model_spans(model: nn.Module) -> list[Span]:
-    """Every state-dict entry of ``model`` (every name of a tied tensor) as this rank holds it."""
-    from dtlib.parallel.fsdp import FSDP
+    """Every state-dict entry of ``model`` (every name of a tied tensor) as this rank holds it.
+
+    A parameter sharded by :class:`~dtlib.parallel.FSDP` (wrapped or not: a pipeline stage's FSDP
+    leaves the model's own parameters sharded) is rows ``[start, start + rows)`` of its full shape
+    (``fsdp_shard``): one box of whole rows."""
     inner_model = inner(model)
     tp_state = getattr(inner_model, "tensor_parallel_state", None)
     tp = (tp_state.size, tp_state.rank) if tp_state is not None else (1, 0)
     spans: list[Span] = []
-    sharded: set[str] = set()
-    if isinstance(model, FSDP):
-        for u in model.units:
-            shard_start, _ = u.layout.shard_range(model.rank)
-            for p, owners, (start, end), off, shape in zip(u.params, u.aliases, u.pieces, u.layout.offsets,
-                                                           u.layout.shapes):
-                lo = shard_start + start - off  # p holds elements [lo, lo + end - start) of the parameter
-                for name, _, _ in owners:
-                    sharded.add(name)
-                    spans.append(Span(p, 0, lo, lo + end - start, tuple(shape),
-                                      segments(name, tuple(shape), p, tp)))
     for name, t in inner_model.state_dict(keep_vars=True).items():
-        if name not in sharded:
+        sharded = getattr(t, "fsdp_shard", None)
+        if sharded is not None:  # dim-0 rows of the (TP-local) tensor: elements [lo, hi) of it
+            shape, start = sharded
+            row = math.prod(shape[1:])
+            spans.append(Span(t, 0, start * row, (start + t.shape[0]) * row, tuple(shape),
+                              segments(name, tuple(shape), t, tp)))
+        else:
             shape = tuple(t.shape)
             spans.append(Span(t, 0, 0, t.numel(), shape, segments(name, shape, t, tp)))
     return spans

@@ -36,7 +36,7 @@ def torchrun_command(script: str, args: Sequence[str] = (), nproc_per_node: int 
                      nnodes: str = "1", rdzv_endpoint: str | None = None, rdzv_id: str = "dtlib",
                      monitor_interval: float = 0.5, module: bool = False) -> list[str]:
     """The argv of ``torchrun`` (as ``python -m torch.distributed.run``) for ``script args``
-    (``module=True``: ``script`` is a module, e.g. ``dtlib.train``, run as ``-m``).
+    (``module=True``: ``script`` is a module, e.g. ``dtlib`` with args ``train ...``, run as ``-m``).
 
     ``nnodes`` is ``"N"`` or ``"MIN:MAX"`` (elastic); with ``rdzv_endpoint`` ("host:port") the
     c10d rendezvous is used (needed for several agents), otherwise ``--standalone``."""

@@ -12,7 +12,7 @@ from dtlib.data import Digits
 from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 from dtlib.experiments.scaling_efficiency import scaling_efficiency
-from dtlib.training import lr_at_step, train
+from dtlib.experiments.data_parallel import lr_at_step, train
 
 
 def _probe_average(rank: int, world_size: int, fn: Callable) -> dict:

@@ -87,7 +87,7 @@ def check_groups(fn: Callable[[int, int, int], dict], train: bool = True) -> Non
 
 
 def _train(rank: int, world_size: int, groups: dict) -> dict:
-    from dtlib.train import TrainConfig, train
+    from dtlib.trainer import TrainConfig, train
 
     config = TrainConfig(layers=2, hidden=32, heads=4, seq=16, steps=2, optimizer="sgd", lr=0.5, **TRAIN_LAYOUT)
     return train(rank, world_size, config, groups=groups)
@@ -96,7 +96,7 @@ def _train(rank: int, world_size: int, groups: dict) -> dict:
 def train_with_groups(fn: Callable[[int, int, int], dict], timeout: float = 60.0) -> dict:
     """Train TinyGPT on :data:`TRAIN_LAYOUT` with the learner's groups; return rank 0's summary.
     Raises AssertionError if it fails or differs from one process."""
-    from dtlib.train import TrainConfig, train
+    from dtlib.trainer import TrainConfig, train
 
     layout = (TRAIN_LAYOUT["dp"], TRAIN_LAYOUT["tp"], 1)
     groups = {k: _canonical(v) for k, v in fn(*layout).items() if k in ("tp", "dp", "pp")}

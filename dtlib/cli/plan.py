@@ -4,7 +4,7 @@ days, dollars, energy and failures (:mod:`dtlib.plan`).
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
 prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
-including pinned flags that no valid layout has: one line on stderr, exit 2 (``dtlib.cli.main``).
+including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
-from dtlib.plan.calibration import default_efficiency, efficiency_source
+from dtlib.cli.args import model_args, model_from_args, parse_count, positive_int
+from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
+from dtlib.plan.gemm import clock_scale
 from dtlib.plan.search import search
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
@@ -65,12 +67,21 @@ def _price(text: str) -> float:
     return value
 
 
+def _watts(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}")
+    return value
+
+
 def add_plan_command(sub: Any) -> None:
-    from dtlib.cli import _model_args, parse_count, positive_int  # the shared flags
 
     p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_args(p)
+    model_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
@@ -92,7 +103,13 @@ def add_plan_command(sub: Any) -> None:
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
     m = p.add_argument_group("model of the step")
     m.add_argument("--efficiency", type=_fraction,
-                   help="achievable fraction of peak (default: the GPU's calibrated value)")
+                   help="one flat fraction of peak instead of the shape-aware compute model")
+    m.add_argument("--gemm-efficiency", type=_fraction,
+                   help=f"GEMM kernel efficiency of the compute model (default {GEMM_EFFICIENCY}, fitted)")
+    m.add_argument("--attention-efficiency", type=_fraction,
+                   help=f"FlashAttention efficiency vs the BF16 peak (default {ATTENTION_EFFICIENCY}, fitted)")
+    m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
+                   help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
     m.add_argument("--dp-overlap", type=_overlap, default=1.0, help="DP communication hidden by compute")
     m.add_argument("--tp-overlap", type=_overlap, default=0.0, help="TP communication hidden by compute")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
@@ -113,9 +130,8 @@ def add_plan_command(sub: Any) -> None:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
-    from dtlib.cli import _model
 
-    model = _model(args)
+    model = model_from_args(args)
     if not isinstance(model, TransformerConfig):
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:
@@ -129,7 +145,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     options = StepOptions(dtype=args.precision, efficiency=args.efficiency, attention=args.attention_flops,
                           dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           oversubscription=args.oversubscription,
-                          flash_attention=args.flash_attention)
+                          flash_attention=args.flash_attention, gemm_efficiency=args.gemm_efficiency,
+                          attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel")
@@ -145,19 +162,34 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                                  step_time=best["step_time_s"], gpus=args.gpus, gpus_per_node=per_node,
                                  gpu=cl.gpu.name, price_per_gpu_hour=args.price_per_gpu_hour,
                                  pue=args.pue).to_dict()
-    efficiency = default_efficiency(cl.gpu.name) if args.efficiency is None else args.efficiency
+    clock = clock_scale(cl.gpu, args.power_limit)  # a GPU without a TDP in the catalogue says so here
+    if args.efficiency is not None:
+        source = (f"--efficiency {args.efficiency:g}: hardware FLOPs / (peak x {args.efficiency:g}), "
+                  f"Narayanan et al. 2021 eq. 3")
+    else:
+        gemm = GEMM_EFFICIENCY if args.gemm_efficiency is None else args.gemm_efficiency
+        attention = ATTENTION_EFFICIENCY if args.attention_efficiency is None else args.attention_efficiency
+        if args.gemm_efficiency is None and args.attention_efficiency is None:
+            fitted = efficiency_source()
+        else:
+            fitted = (f"GEMM efficiency {gemm:.2f}{' (--gemm-efficiency)' if args.gemm_efficiency else ''}, "
+                      f"FlashAttention efficiency {attention:.2f}"
+                      f"{' (--attention-efficiency)' if args.attention_efficiency else ''}")
+        source = (f"compute from GEMM shapes (tile/wave quantization on {cl.gpu.sms} SMs, roofline at "
+                  f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
+                  f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     return {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
             "global_batch": args.global_batch, "configs": r.configs, "searched": r.searched,
             "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
-            "efficiency": efficiency,
-            "efficiency_source": "--efficiency" if args.efficiency is not None else efficiency_source(cl.gpu.name),
+            "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
             "memory_capacity_bytes": r.capacity}
 
 
 def _text(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
              f"{d['global_batch']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
-             f"{d['search_seconds']:.2f} s (fraction of peak {d['efficiency']:.2f}: {d['efficiency_source']})"]
+             f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "
+             f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])
     lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'v':>2} {'mb':>2} {'m':>4} "

@@ -19,17 +19,17 @@ on the same global batch: ``tests/test_train.py`` checks every layout against it
 
 Started three ways with the same :func:`train`: ``dtlib.launch(train, n, args=(config,))`` from a
 notebook, ``dtlib train ...`` (which launches the ranks itself), and
-``torchrun --nproc-per-node G -m dtlib.train ...`` on one or several nodes.
+``torchrun --nproc-per-node G -m dtlib train ...`` on one or several nodes (:mod:`dtlib.cli.train`
+parses the flags).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -48,13 +48,14 @@ from dtlib.launcher import launch
 from dtlib.measure import measure_cpu
 from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
-from dtlib.profile import Finding, format_summary, phase, profile_steps, report
+from dtlib.profile import phase, profile_steps, report
 from dtlib.parallel import schedules
 from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
 from dtlib.parallel.fsdp import FSDP
 from dtlib.parallel.mesh import ParallelLayout, build_groups
-from dtlib.parallel.pipeline import PipelineExecutor, partition, rank_chunks
+from dtlib.parallel.pipeline import (PipelineExecutor, allreduce_embedding_grads, embedding_groups, partition,
+                                     rank_chunks)
 from dtlib.parallel.tensor import (allreduce_sequence_parallel_grads, check_tensor_parallel_sizes,
                                    full_state_dict, tensor_parallel, vocab_parallel_cross_entropy)
 from dtlib.parallel.zero import ShardedOptimizer
@@ -63,7 +64,7 @@ from dtlib.resilience.checkpoint import (Checkpointer, CheckpointError, check_mo
 from dtlib.resilience.elastic import restart_count
 from dtlib.resilience.heartbeat import Heartbeat
 
-__all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS", "main"]
+__all__ = ["TrainConfig", "train", "run", "check_resume", "params_sha256", "SCHEDULES", "OPTIMIZERS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -133,6 +134,7 @@ class TrainConfig:
     hang_step: int | None = None
     hang_rank: int | None = None
     profile: str | None = None
+    tied_embeddings: bool = False
 
     @property
     def world_size(self) -> int:
@@ -146,7 +148,7 @@ class TrainConfig:
         return tiny_gpt_config(layers=self.layers, hidden=self.hidden, heads=self.heads,
                                kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab, seq=self.seq,
                                moe_experts=self.moe_experts, moe_top_k=self.moe_top_k,
-                               name="dtlib-train")
+                               tied_embeddings=self.tied_embeddings, name="dtlib-train")
 
     def layout(self) -> ParallelLayout:
         return ParallelLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -217,13 +219,11 @@ class TrainConfig:
 _UNSUPPORTED = [
     (lambda c: c.zero in (1, 2, 3) and c.dp * c.cp < 2,
      "ZeRO/FSDP shard over the dp x cp ranks: --zero 1-3 needs dp x cp >= 2"),
-    (lambda c: c.zero == 3 and (c.tp > 1 or c.pp > 1 or c.ep > 1),
-     "--zero 3 (FSDP) composes with dp and cp only here; use --zero 1 or 2 with tp, pp or ep"),
     (lambda c: c.ep > 1 and c.zero > 0,
      "expert parallelism averages expert gradients over their own (edp) group: use --zero 0 with --ep > 1"),
-    (lambda c: c.zero == 2 and c.sequence_parallel,
-     "--zero 2 reduce-scatters gradients during backward, before sequence parallelism sums the "
-     "norms' gradients over tp: use --zero 1 with --sequence-parallel"),
+    (lambda c: c.tied_embeddings and c.pp > 1 and c.zero >= 2,
+     "--tied-embeddings across pipeline stages sums the two copies' gradients after backward, after "
+     "ZeRO-2/FSDP have reduce-scattered them: use --zero 0 or 1 with --tied-embeddings and --pp"),
     (lambda c: c.moe_experts and (c.tp > 1 or c.pp > 1 or c.cp > 1),
      "a mixture-of-experts model composes with dp and ep here; use tp = pp = cp = 1 with --moe-experts"),
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.zero >= 2,
@@ -232,8 +232,8 @@ _UNSUPPORTED = [
     (lambda c: c.schedule == "zb-h1" and c.pp > 1 and c.tp > 1,
      "--schedule zb-h1 computes weight gradients per nn.Linear in its W pass, which the "
      "tensor-parallel layers do not split: use gpipe, 1f1b or interleaved with --tp"),
-    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1 or c.pp > 1),
-     "--sequence-parallel needs --tp >= 2 and composes with dp only here (not with cp or pp)"),
+    (lambda c: c.sequence_parallel and (c.tp < 2 or c.cp > 1),
+     "--sequence-parallel needs --tp >= 2 and does not compose with cp here (both cut the sequence)"),
 ]
 
 
@@ -273,7 +273,11 @@ class _Run:
         self.names = sorted(n for n, _ in model.named_parameters())
         self.model = model
         if c.tp > 1:
-            tensor_parallel(model, self.group("tp"), c.sequence_parallel)
+            # FSDP runs the forward on views of its gathered buffers, never on the parameters, so
+            # hooks on the parameters (the default "backward" sum of SP gradients) would not fire:
+            # with FSDP the norms' gradients are summed over tp after its reduce-scatter instead
+            tensor_parallel(model, self.group("tp"), c.sequence_parallel,
+                            sequence_parallel_grads="manual" if c.zero == 3 else "backward")
         if c.cp > 1:
             context_parallel(model, self.group("cp"))
         if c.ep > 1:
@@ -281,17 +285,24 @@ class _Run:
         self.experts = {id(p) for m in model.modules() if isinstance(m, MoE) and c.ep > 1
                         for p in m.experts.parameters()}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]
-        self.executor = self.fsdp = None
+        self.executor = self.embedding_group = None
+        # FSDP last, over dp x cp, on what TP and PP left (torchtitan's parallelize_llama: TP, then
+        # fully_shard on the TP-local slabs; with a pipeline, one FSDP per stage this rank runs)
+        self.fsdps: list[FSDP] = []
         if c.pp > 1:
             stages = partition(model, c.pp, c.virtual_stages)
             self.chunks = rank_chunks(stages, self.coords["pp"], c.pp)
+            if c.zero == 3:
+                self.fsdps = [FSDP(chunk, unit_types=(Block,), process_group=self.group("dp_cp"))
+                              for chunk in self.chunks]
             actions = schedules.schedule(c.schedule, c.pp, c.num_microbatches, c.virtual_stages)
-            self.executor = PipelineExecutor(self.chunks, actions, self.coords["pp"], self.loss,
+            self.executor = PipelineExecutor(self.fsdps or self.chunks, actions, self.coords["pp"], self.loss,
                                              pp_ranks=self.groups.ranks["pp"])
             self.params = self.executor.parameters()
+            self.embedding_group = self._embedding_group() if c.tied_embeddings else None
         elif c.zero == 3:
-            self.fsdp = FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))
-            self.params = list(self.fsdp.parameters())
+            self.fsdps = [FSDP(model, unit_types=(Block,), process_group=self.group("dp_cp"))]
+            self.params = list(self.fsdps[0].parameters())
         else:
             self.params = list(model.parameters())
         if c.zero in (1, 2):
@@ -304,6 +315,16 @@ class _Run:
         self.kill_rank = last if c.kill_rank is None else c.kill_rank
         self.hang_rank = last if c.hang_rank is None else c.hang_rank
         self.beat: Any = lambda step, where: None  # a Heartbeat's beat when train() starts one
+
+    def _embedding_group(self) -> Any:
+        """This rank's embedding group (first and last stage of its pipeline; None elsewhere).
+        Every rank creates every group, in the same order (``dist.new_group`` is collective)."""
+        mine = None
+        for members in embedding_groups(self.layout.groups["pp"]):
+            group = dist.new_group(members)
+            if self.rank in members:
+                mine = group
+        return mine
 
     def group(self, kind: str) -> Any:
         return self.groups[kind] if self.groups is not None else None
@@ -348,7 +369,7 @@ class _Run:
             local = log.loss if log.loss is not None else 0.0
         else:
             local = 0.0
-            forward = self.fsdp if self.fsdp is not None else self.model
+            forward = self.fsdps[0] if self.fsdps else self.model
             for x, y in zip(inputs.tensor_split(c.num_microbatches), targets.tensor_split(c.num_microbatches)):
                 with phase("forward"):
                     loss = self.loss(forward(x), y) / c.num_microbatches
@@ -367,13 +388,18 @@ class _Run:
 
     def synchronise_gradients(self) -> None:
         c = self.config
-        if c.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.model)
-        if c.zero == 3:
-            self.fsdp.finish_gradient_synchronization()
+        if c.zero == 3:  # averaged over dp x cp by FSDP's reduce-scatter at the end of backward
+            for fsdp in self.fsdps:
+                fsdp.finish_gradient_synchronization()
+            if c.sequence_parallel:
+                # "manual" mode (see __init__): the sum over tp commutes with FSDP's average over
+                # dp x cp (every TP rank shards a replicated norm alike), so it applies to the rows
+                allreduce_sequence_parallel_grads(self.model)
             return
         if c.zero == 2:  # reduce-scattered during backward; the step finishes it
             return
+        if self.embedding_group is not None:
+            allreduce_embedding_grads(self.model, self.embedding_group)
         for p in self.params:  # an expert no token chose: a zero gradient on every layout
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -382,11 +408,13 @@ class _Run:
 
     # ---- checkpoints (dtlib.resilience.checkpoint) ------------------------------------------
     def _checkpointed(self) -> tuple[nn.Module, Any]:
-        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names."""
-        model = self.fsdp if self.fsdp is not None else self.model
+        """What this rank saves: the (wrapped) model, and with a pipeline only its stages' names.
+        A tied embedding is in the state dict twice (``wte.weight``, ``lm_head.weight``): the
+        first stage saves and loads the one, the last stage its copy as the other."""
         if self.config.pp == 1:
-            return model, None
-        return model, lambda name: any(_in_stage(name, s) for s in self.chunks)
+            return (self.fsdps[0] if self.fsdps else self.model), None
+        # a stage's FSDP leaves the model's own parameters sharded, which the checkpoint sees
+        return self.model, lambda name: any(_in_stage(name, s) for s in self.chunks)
 
     def save(self, checkpointer: Checkpointer) -> None:
         """Checkpoint after ``step_count`` steps (a collective): sharded as this layout holds the
@@ -442,8 +470,10 @@ class _Run:
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """The full parameters with TinyGPT's names, on rank 0 (None elsewhere); a collective."""
         c = self.config
-        if self.fsdp is not None:
-            full = self.fsdp.gather_full_params()
+        if self.fsdps:
+            full = self._fsdp_full_parameters()
+            if c.tp > 1:
+                full = full_state_dict(self.model, self.group("tp"), values=full)
         elif c.tp > 1:
             full = full_state_dict(self.model, self.group("tp"))
         else:
@@ -465,6 +495,17 @@ class _Run:
         if missing:
             raise RuntimeError(f"parameters gathered from no rank: {sorted(missing)[:5]}")
         return merged
+
+    def _fsdp_full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters the FSDP wrappers hold, unsharded over dp x cp (still TP-local), with
+        TinyGPT's names (a pipeline stage names its blocks from 0; the parameters are the same)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        full = {}
+        for fsdp in self.fsdps:
+            gathered = fsdp.gather_full_params()
+            for name, p in fsdp.module.named_parameters():
+                full[names[id(p)]] = gathered[name]
+        return full
 
 
 def _layout_text(layout: dict[str, Any]) -> str:
@@ -643,39 +684,3 @@ def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, prog
         raise ValueError("--kill-agent kills a torchrun agent: start the run with torchrun")
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
                   timeout=timeout)[0]
-
-
-def config_from_args(args: Any) -> TrainConfig:
-    """A :class:`TrainConfig` from parsed ``dtlib train`` arguments (same names)."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dtlib.train ...`` (e.g. under torchrun): the ``dtlib train`` command."""
-    from dtlib.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (its env:// variables are set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def emit(summary: dict[str, Any], as_json: bool) -> str:
-    """The text ``dtlib train`` prints on rank 0."""
-    if as_json:
-        return json.dumps({k: v for k, v in summary.items() if k != "params"})
-    lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
-    if summary["tokens_per_s"] is not None:
-        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
-    lines.append(f"params_sha256 {summary['params_sha256']}")
-    if "profile" in summary:
-        profile = summary["profile"]
-        lines.append("profile (ms per step of the profiled steps; traces in --profile DIR):")
-        lines.append(format_summary(profile, [Finding(**f) for f in profile["findings"]]))
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

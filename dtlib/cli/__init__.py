@@ -1,0 +1,65 @@
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile ...`` (``--json`` for machines).
+
+One module per subcommand, each a small ``add_*_command(subparsers)`` that registers its options
+and a ``run(args) -> int``; :mod:`dtlib.cli.args` holds what they share. :data:`COMMANDS` lists
+them, so more can be added without touching the rest. Bad input prints one line on stderr and
+exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import dtlib
+from dtlib.analytic import validate
+from dtlib.cli.args import Parser, flag_of, join_negative_values, parse_count, parse_size
+from dtlib.cli.checkpoint import add_checkpoint_command
+from dtlib.cli.comm import add_comm_command
+from dtlib.cli.flops import add_flops_command
+from dtlib.cli.memory import add_memory_command
+from dtlib.cli.plan import add_plan_command
+from dtlib.cli.profile import add_profile_command
+from dtlib.cli.train import add_train_command
+
+__all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
+
+
+COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
+                                          add_plan_command, add_train_command, add_checkpoint_command,
+                                          add_profile_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dtlib`` parser with every subcommand in :data:`COMMANDS`."""
+    parser = Parser(prog="dtlib", description="Distributed-training arithmetic: memory, FLOPs, communication.")
+    parser.add_argument("--version", action="version", version=f"dtlib {dtlib.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dtlib`` console script; returns the exit status."""
+    try:
+        args = build_parser().parse_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the try
+        return code
+    except validate.InvalidArgument as exc:  # a Python parameter: say its flag
+        print(f"dtlib: error: {exc.renamed(flag_of(exc.name))}".replace("\n", " "), file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"dtlib: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except BrokenPipeError:
+        # the reader went away (``dtlib ... | head``): the Python docs' recipe (library/signal,
+        # "Note on SIGPIPE"): point stdout at devnull so the flush at exit cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+

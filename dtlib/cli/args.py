@@ -1,0 +1,313 @@
+"""What every ``dtlib`` subcommand shares: the parser that turns usage errors into one line, the
+argument types (sizes, counts, positive numbers, each checked by :mod:`dtlib.analytic.validate`),
+the model / layout / precision flags, and the text and JSON output."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any, Callable
+
+from dtlib.analytic import validate
+from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
+from dtlib.analytic.hardware import ACCELERATORS
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
+from dtlib.analytic.memory import GiB, resolve_model
+from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, PRECISIONS, get_precision, precision
+from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but usage errors become ValueError (one line, exit 2, like every bad input)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # "argument --tp: must be an integer >= 1, got '0'" -> "--tp must be ...": the wording of
+        # dtlib.analytic.validate, with the flag where Python names the parameter
+        message = re.sub(r"^argument (\S+): must be ", r"\1 must be ", message)
+        raise ValueError(f"{message} (see '{self.prog} --help')")
+
+
+# Python parameters whose flag is not "--" + name with "-" for "_" (see flag_of).
+_FLAGS = {"nbytes": "--bytes", "overhead_bytes": "--overhead", "largest_layer_params": "--largest-layer",
+          "micro_batch_size": "--micro-batch", "num_microbatches": "--microbatches"}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a Python parameter: ``step_time`` -> ``--step-time``."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+_BYTES = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # 7B = 7 billion parameters
+
+
+def checked(check: Callable[[], Any], text: str) -> Any:
+    """Run a :mod:`dtlib.analytic.validate` check for an argparse ``type``; argparse names the flag."""
+    try:
+        return check()
+    except validate.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(f"must be {exc.requirement}, got {text!r}") from None
+
+
+def _parse(text: str, units: dict[str, float], example: str, positive: bool = False) -> float:
+    """A finite number with a unit; never negative, and > 0 when ``positive``."""
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text), re.IGNORECASE)
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}")
+    try:
+        value = float(m.group(1)) * units[m.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write e.g. {example}") from None
+    return checked(lambda: validate.number("value", value, minimum=0, exclusive=positive), text)
+
+
+def parse_size(text: str) -> float:
+    """Bytes >= 0: ``"1e9"``, ``"512MiB"``, ``"4GB"``."""
+    return _parse(text, _BYTES, "1e9, 512MiB, 4GB")
+
+
+def parse_count(text: str) -> float:
+    """A count >= 0: ``"7e9"``, ``"7B"`` (billions), ``"350M"``."""
+    return _parse(text, _COUNTS, "7e9, 7B, 350M")
+
+
+def parameter_count(text: str) -> float:
+    """``--params``: a count > 0."""
+    return _parse(text, _COUNTS, "7e9, 7B, 350M", positive=True)
+
+
+def seconds(text: str) -> float:
+    """``--step-time``: seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}; write seconds, e.g. 1.5") from None
+    return checked(lambda: validate.number("value", value), text)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, widths): checked here, before any division by it."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = str(text)  # not an integer: validate says what is expected
+    return checked(lambda: validate.integer("value", value), text)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--params -7B`` -> ``--params=-7B``: argparse takes a value starting with '-' for an
+    option unless it looks like a plain number, so a negative size would be reported as a
+    missing argument instead of a negative one."""
+    out: list[str] = []
+    for tok in argv:
+        if out and re.match(r"^-\.?[0-9]", tok) and re.fullmatch(r"--[a-z][a-z0-9-]*", out[-1]):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (counts that may be zero: experts, seed, checkpoint interval)."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = str(text)
+    return checked(lambda: validate.integer("value", value, minimum=0), text)
+
+
+def positive_float(text: str, exclusive: bool = True) -> float:
+    """A finite number > 0 (learning rate, capacity factor, timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = str(text)
+    return checked(lambda: validate.number("value", value, minimum=0, exclusive=exclusive), text)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (0 turns an option off: the heartbeat)."""
+    return positive_float(text, exclusive=False)
+
+
+# ---- shared options -------------------------------------------------------------------------------
+def model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
+    g.add_argument("preset", nargs="?", metavar="MODEL", help="a preset, as --model")
+    g.add_argument("--model", help=f"preset name, one of: {', '.join(PRESETS)}")
+    g.add_argument("--params", type=parameter_count, help="bare parameter count, e.g. 7e9 or 7B")
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn"):
+        g.add_argument(f"--{name}", type=positive_int)
+    g.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary (default 50257 for a custom shape)")
+    g.add_argument("--activation", choices=ACTIVATIONS, help="MLP activation of a custom shape (default gelu)")
+    g.add_argument("--seq", type=positive_int, help="sequence length (default: the model's; 2048 for a custom shape)")
+
+
+def layout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layout")
+    g.add_argument("--gpus", type=positive_int, help="total GPUs (default dp*tp*pp*cp)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8)
+    g.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
+    for name in ("tp", "pp", "cp", "ep"):
+        g.add_argument(f"--{name}", type=positive_int, default=1)
+    g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
+    g.add_argument("--recompute", choices=RECOMPUTE,
+                   help="activation recomputation (Korthikanti et al. 2022); 'selective' drops the "
+                        "s^2 attention terms, which is also FlashAttention's memory footprint "
+                        "(default: how the preset was trained, e.g. 'selective' for Llama; else 'none')")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
+                        "--microbatches a multiple of --pp (Megatron-LM)")
+    g.add_argument("--virtual-stages", type=positive_int, default=1,
+                   help="model chunks per pipeline rank (interleaved schedule only)")
+    g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=1,
+                   help="sequences per micro-batch per replica (Megatron's --micro-batch-size)")
+    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=1,
+                   help="micro-batches per step per pipeline (Megatron's num_microbatches)")
+    g.add_argument("--offload", choices=OFFLOAD, default="none")
+
+
+def precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("precision")
+    g.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--fp32-grad-copy", action="store_true", help="Megatron fp16: +4 bytes/param")
+    g.add_argument("--convention", choices=tuple(CONVENTIONS), help="a named convention (overrides the above)")
+
+
+def model_from_args(args: argparse.Namespace) -> "TransformerConfig | float":
+    if getattr(args, "preset", None) is not None:
+        if args.model is not None and args.model != args.preset:
+            raise ValueError(f"two models given: {args.preset!r} and --model {args.model!r}; give one")
+        args.model = args.preset
+    shape = [args.layers, args.hidden, args.heads]
+    given = sum(x is not None for x in (args.model, args.params)) + any(v is not None for v in shape)
+    if given != 1:
+        raise ValueError("give exactly one of --model PRESET, --params N, or --layers/--hidden/--heads")
+    custom_only = {"--kv-heads": args.kv_heads, "--ffn": args.ffn, "--vocab": args.vocab,
+                   "--activation": args.activation}
+    if args.model is not None or args.params is not None:
+        ignored = [flag for flag, value in custom_only.items() if value is not None]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only describe a custom shape (--layers/--hidden/"
+                             f"--heads); a preset or a bare parameter count has its own")
+    if args.model is not None:
+        return resolve_model(args.model)
+    if args.params is not None:
+        return resolve_model(args.params)
+    if None in shape:
+        raise ValueError("a custom shape needs all of --layers, --hidden and --heads")
+    return TransformerConfig(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             kv_heads=args.kv_heads, ffn=args.ffn,
+                             vocab=50257 if args.vocab is None else args.vocab,
+                             seq=2048 if args.seq is None else args.seq,
+                             activation=args.activation or "gelu")
+
+
+def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = None) -> Parallelism:
+    """The layout of the flags; ``dp`` defaults to ``--gpus`` / (tp*pp*cp). When ``--gpus`` does
+    not divide, the suggestion is the smallest larger count that satisfies every rule of
+    :data:`~dtlib.analytic.layout.RULES` for this model (``shape``), not only divisibility."""
+    for name in ("tp", "pp", "cp", "ep"):
+        validate.integer(name, getattr(args, name))
+    model_parallel = args.tp * args.pp * args.cp
+    dp = args.dp
+    if dp is None:
+        gpus = model_parallel if args.gpus is None else validate.integer("gpus", args.gpus)
+        if gpus % model_parallel:
+            raise ValueError(f"--gpus {gpus} is not divisible by tp*pp*cp = {model_parallel}; "
+                             + _suggest_gpus(args, shape or {}, gpus, model_parallel))
+        dp = gpus // model_parallel
+    return Parallelism(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+                       sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
+                       num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
+                       offload=args.offload)
+
+
+def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
+                  tries: int = 4096) -> str:
+    """The smallest multiple of tp*pp*cp above ``gpus`` whose layout breaks no rule, or, when none
+    does, the rule that no GPU count can fix (e.g. tp=3 and 32 heads)."""
+    def first_broken(dp: int) -> str | None:
+        n = dict(shape, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+                 sequence_parallel=bool(args.sequence_parallel), virtual_stages=args.virtual_stages,
+                 micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+                 shard_size=dp * args.cp)
+        return next((message(**{f: n[f] for f in fields})
+                     for valid, message, fields in broken_rules(n, args.schedule, args.offload)
+                     if not bool(valid)), None)
+
+    first = -(-gpus // model_parallel)
+    for dp in range(first, first + tries):
+        if first_broken(dp) is None:
+            return f"the next valid count is --gpus {dp * model_parallel}"
+    return f"no GPU count fixes this layout: {first_broken(first)}"
+
+
+def checked_layout(args: argparse.Namespace, model: "TransformerConfig | float") -> Parallelism:
+    """The layout, checked against the model shape and the GPU count (as memory_per_gpu does)."""
+    shape = model.numbers(args.seq) if isinstance(model, TransformerConfig) else {}
+    layout = layout_from_args(args, shape)
+    check_layout(layout.numbers(**shape, gpus=args.gpus), layout.schedule, layout.offload)
+    return layout
+
+
+def training_defaults(args: argparse.Namespace, model: "TransformerConfig | float") -> list[str]:
+    """Fill ``--recompute`` and ``--dropout`` left unset with how the preset was trained
+    (:func:`dtlib.analytic.presets.training_of`; the paper's GPT convention for a custom shape or
+    a bare count). Returns the note saying what was assumed, if anything differs from the paper."""
+    trained = training_of(model) if args.model is not None else GPT_CONVENTION
+    assumed = []
+    if args.recompute is None:
+        args.recompute = trained.recompute
+        if trained.flash_attention:
+            assumed.append("FlashAttention-style attention (the s x s scores are not stored: counted "
+                           "as --recompute selective)")
+    if getattr(args, "dropout", False) is None:  # only `memory` has --dropout
+        args.dropout = trained.dropout
+        if not trained.dropout:
+            assumed.append("no dropout")
+    if not assumed:
+        return []
+    return [f"assuming {model.name} as trained: {' and '.join(assumed)} ({trained.source}); "
+            "--recompute none --dropout for the paper's GPT convention"]
+
+
+def precision_from_args(args: argparse.Namespace):
+    if args.convention:
+        return get_precision(args.convention)
+    return precision(args.precision, args.grad_dtype, args.optimizer, args.fp32_grad_copy)
+
+
+# ---- output ------------------------------------------------------------------------------------
+def table(rows: list[tuple[str, str]], title: str) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([title, "-" * len(title)] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def format_bytes_exact(x: float) -> str:
+    """Whole bytes while a float holds them exactly (< 2^53), else 4 significant digits: never
+    the noise digits of a huge float."""
+    return f"{x:,.0f}" if abs(x) < 2 ** 53 else f"{x:.4g}"
+
+
+def format_gib(x: float | None) -> str:
+    if x is None:
+        return "n/a (no model shape)"
+    gib = f"{x / GiB:10.2f}" if x < 1e6 * GiB else f"{x / GiB:10.4g}"
+    return f"{gib} GiB  ({format_bytes_exact(x)} B)"
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> int:
+    # allow_nan=False: JSON has no NaN or Infinity, and the inputs are checked so none can arise
+    print(json.dumps(data, indent=2, default=str, allow_nan=False) if args.json else text)
+    return 0
+

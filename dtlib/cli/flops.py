@@ -1,0 +1,45 @@
+"""``dtlib flops``: FLOPs per step, MFU and HFU (:func:`dtlib.analytic.flops.flops_report`)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dtlib.analytic.flops import ATTENTION, flops_report
+from dtlib.cli.args import (checked_layout, emit, layout_args, model_args, model_from_args, positive_int, seconds,
+                            table, training_defaults)
+
+__all__ = ["add_flops_command", "run_flops"]
+
+
+def add_flops_command(sub: Any) -> None:
+    p = sub.add_parser("flops", help="FLOPs per step, MFU and HFU")
+    model_args(p), layout_args(p)
+    p.add_argument("--batch", type=positive_int,
+                   help="global batch in sequences (default dp*micro_batch_size*num_microbatches)")
+    p.add_argument("--step-time", type=seconds, help="measured seconds per step (gives MFU/HFU)")
+    p.add_argument("--attention-flops", choices=ATTENTION, default="full")
+    p.add_argument("--no-logits", action="store_true", help="leave out the vocabulary projection")
+    p.add_argument("--dtype", default="bf16", help="peak to compare with: fp32, tf32, bf16, fp16, fp8")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_flops)
+
+
+def run_flops(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    assumed = training_defaults(args, model)
+    layout = checked_layout(args, model)
+    r = flops_report(model, layout.global_batch if args.batch is None else args.batch, seq=args.seq,
+                     step_time=args.step_time, gpus=layout.gpus if args.gpus is None else args.gpus,
+                     gpu=args.gpu,
+                     dtype=args.dtype, recompute=args.recompute, attention=args.attention_flops,
+                     count_logits=not args.no_logits)
+    rows = [("tokens per step", f"{r['tokens_per_step']:,}"),
+            ("FLOPs per token (train)", f"{r['flops_per_token']:.4g}"),
+            ("model FLOPs per step", f"{r['model_flops_per_step']:.4g}"),
+            ("hardware FLOPs per step", f"{r['hardware_flops_per_step']:.4g}"),
+            (f"peak per GPU ({r['gpu']}, {r['dtype']})", f"{r['peak_flops_per_gpu']:.4g} FLOP/s"),
+            ("step time at 100% MFU", f"{r['ideal_step_time']:.4g} s")]
+    if "mfu" in r:
+        rows += [("MFU", f"{100 * r['mfu']:.1f} %"), ("HFU", f"{100 * r['hfu']:.1f} %")]
+    r["notes"] = assumed
+    return emit(args, r, "\n".join([table(rows, f"FLOPs: {r['model']} on {r['gpus']} GPUs")] + assumed))

@@ -1,0 +1,166 @@
+"""``dtlib train``: the flags of :class:`dtlib.trainer.TrainConfig`, and how the ranks start --
+launched here (:func:`dtlib.trainer.run`) or joined under torchrun
+(``torchrun ... -m dtlib train ...``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from dtlib.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from dtlib.trainer import TrainConfig
+
+__all__ = ["add_train_command", "run_train", "config_from_args", "summary_text"]
+
+
+_TRAIN_DESCRIPTION = """Train TinyGPT on the bundled text (byte tokens) on a rank grid of dp x tp x pp x cp ranks.
+
+Started three ways with the same code: this command launches the ranks itself (gloo on CPU, NCCL
+with one GPU per rank); under torchrun it joins them (env:// rendezvous):
+  torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr node0 -m dtlib train --dp 2 --tp 4
+and from Python: dtlib.launch(dtlib.trainer.train, n, args=(TrainConfig(...),)).
+--json prints one JSON object (steps, losses, tokens_per_s, mfu, layout, peak_memory_bytes,
+params_sha256: SHA-256 of the full parameters, names sorted, float32 little-endian).
+Checkpoints and restarts (bit-identical resume, on this or another layout):
+  torchrun --nproc-per-node 2 --max-restarts 1 -m dtlib train --dp 2 --zero 2 \
+      --checkpoint-dir ckpt --checkpoint-every 1 --resume --json"""
+
+
+def add_train_command(sub: Any) -> None:
+    p = sub.add_parser("train", help="train TinyGPT on dp x tp x pp x cp ranks (DP/ZeRO/FSDP, TP/SP, PP, CP, EP)",
+                       description=_TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (TinyGPT)")
+    g.add_argument("--layers", type=positive_int, default=2)
+    g.add_argument("--hidden", type=positive_int, default=64)
+    g.add_argument("--heads", type=positive_int, default=4)
+    g.add_argument("--kv-heads", type=positive_int, help="K/V heads (grouped-query attention; default: --heads)")
+    g.add_argument("--ffn", type=positive_int, help="MLP width (default 4 x hidden)")
+    g.add_argument("--vocab", type=positive_int, default=256, help="vocabulary (>= 256: byte tokens)")
+    g.add_argument("--seq", type=positive_int, default=32, help="sequence length in tokens")
+    g.add_argument("--moe-experts", type=non_negative_int, default=0, help="experts per MoE MLP (0: dense)")
+    g.add_argument("--moe-top-k", type=non_negative_int, default=0, help="experts per token (MoE)")
+    g.add_argument("--capacity-factor", type=positive_float,
+                   help="MoE expert capacity factor (Switch Transformer); default: no token dropped")
+    g.add_argument("--aux-loss-coef", type=float, default=0.01, help="MoE load-balancing loss weight")
+    g = p.add_argument_group("layout (world size = dp x tp x pp x cp)")
+    g.add_argument("--dp", type=positive_int, help="data-parallel size (default: the world size "
+                                                   "under torchrun / (tp x pp x cp), else 1)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context (ring attention)"),
+                       ("ep", "expert (carved out of dp)")):
+        g.add_argument(f"--{name}", type=positive_int, default=1, help=f"{what} parallel size")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="0 all-reduce, 1-2 ZeRO (sharded optimizer), 3 FSDP")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs --tp)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"), default="1f1b",
+                   help="pipeline schedule")
+    g.add_argument("--virtual-stages", type=positive_int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=2,
+                   help="sequences per micro-batch per data-parallel replica")
+    g.add_argument("--microbatches", dest="num_microbatches", type=positive_int,
+                   help="micro-batches per step (pipeline, or gradient accumulation); default 1, or "
+                        "from --global-batch-size")
+    g.add_argument("--global-batch-size", type=positive_int,
+                   help="sequences per step; sets --microbatches = global / (dp x micro-batch) "
+                        "(Megatron-LM), so a torchrun restart on fewer ranks keeps the global batch")
+    g.add_argument("--recompute", action="store_true", help="recompute each block in backward (full)")
+    g.add_argument("--tied-embeddings", action="store_true",
+                   help="the LM head reuses the token embedding (GPT-2); across pipeline stages the two "
+                        "copies' gradients are summed (Megatron's embedding group)")
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=positive_int, default=5)
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    g.add_argument("--lr", type=positive_float, default=3e-3)
+    g.add_argument("--seed", type=non_negative_int, default=0)
+    g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
+    g.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="save every N steps (0: never)")
+    g.add_argument("--keep-last", type=positive_int, default=2, help="complete checkpoints kept (older ones deleted)")
+    g.add_argument("--milestone-every", type=non_negative_int, default=0,
+                   help="also keep every checkpoint whose step is a multiple of this (0: none)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (dcp.async_save): training waits only for the copy")
+    g.add_argument("--resume", action="store_true",
+                   help="start from the newest checkpoint in --checkpoint-dir if there is one (any layout "
+                        "of the same model: resharded); the same command serves every torchrun restart")
+    g.add_argument("--profile", metavar="DIR",
+                   help="profile the last steps (torch.profiler): per-rank Chrome traces in DIR, "
+                        "breakdown, MFU/HFU and findings printed (re-read with 'dtlib profile DIR')")
+    g = p.add_argument_group("fault drill")
+    g.add_argument("--kill-step", type=non_negative_int,
+                   help="SIGKILL one rank at the start of this step, on torchrun's first attempt only")
+    g.add_argument("--kill-rank", type=non_negative_int, help="the rank --kill-step kills (default: the last)")
+    g.add_argument("--kill-agent", action="store_true",
+                   help="also SIGKILL that rank's torchrun agent (a lost node: with --nnodes MIN:MAX the "
+                        "others restart without it)")
+    g.add_argument("--hang-step", type=non_negative_int,
+                   help="one rank hangs in the data phase of this step (a stuck data loader), first attempt only")
+    g.add_argument("--hang-rank", type=non_negative_int, help="the rank --hang-step hangs (default: the last)")
+    g.add_argument("--heartbeat", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="name a rank that makes no progress for this long and end the job (exit 75) so "
+                        "torchrun restarts it; well below --timeout, above the longest step (0: off)")
+    g = p.add_argument_group("launch")
+    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    g.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a hung run is stopped")
+    g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    # the trainer needs torch: imported when training, not for `dtlib memory`
+    from dtlib import trainer
+    from dtlib.launcher import run_from_env, under_torchrun
+
+    env_world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    if args.dp is None:
+        model_parallel = args.tp * args.pp * args.cp
+        args.dp = 1 if env_world is None else max(env_world // model_parallel, 1)
+    if args.global_batch_size is not None:
+        per_step = args.micro_batch_size * args.dp  # sequences of one micro-batch on every replica
+        if args.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch x dp "
+                             f"= {args.micro_batch_size} x {args.dp} = {per_step}")
+        derived = args.global_batch_size // per_step
+        if args.num_microbatches not in (None, derived):
+            raise ValueError(f"--microbatches {args.num_microbatches} contradicts --global-batch-size "
+                             f"{args.global_batch_size} = dp {args.dp} x micro-batch {args.micro_batch_size} "
+                             f"x {derived}: give one of them")
+        args.num_microbatches = derived
+    elif args.num_microbatches is None:
+        args.num_microbatches = 1
+    config = config_from_args(args).check(env_world)
+    trainer.check_resume(config)
+    if env_world is None:
+        summary = trainer.run(config, backend=args.backend, timeout=args.timeout, progress=not args.json)
+    else:
+        summary = run_from_env(trainer.train, config, False, not args.json, backend=args.backend,
+                               timeout=args.timeout)
+    if "losses" in summary:
+        print(summary_text(summary, args.json))
+    return 0
+
+
+def config_from_args(args: Any) -> "TrainConfig":
+    """A :class:`~dtlib.trainer.TrainConfig` from parsed ``dtlib train`` arguments (same names)."""
+    from dtlib.trainer import TrainConfig
+
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+
+
+def summary_text(summary: dict[str, Any], as_json: bool) -> str:
+    """What ``dtlib train`` prints on rank 0: one JSON object, or the losses, throughput and hash."""
+    if as_json:
+        return json.dumps({k: v for k, v in summary.items() if k != "params"})
+    lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
+    if summary["tokens_per_s"] is not None:
+        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
+    lines.append(f"params_sha256 {summary['params_sha256']}")
+    if "profile" in summary:
+        from dtlib.profile import Finding, format_summary
+
+        profile = summary["profile"]
+        lines.append("profile (ms per step of the profiled steps; traces in --profile DIR):")
+        lines.append(format_summary(profile, [Finding(**f) for f in profile["findings"]]))
+    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""Compute time from the shapes of the matrix multiplications, not from one fraction of peak.
+
+A GEMM ``C[M, N] = A[M, K] B[K, N]`` runs as tiles of ``C``, one thread block per tile, on the
+GPU's streaming multiprocessors (SMs). Its time is the larger of (NVIDIA, "Matrix Multiplication
+Background User's Guide", Deep Learning Performance documentation, sections "Math and Memory
+Bounds", "Tile Quantization" and "Wave Quantization"):
+
+* the math time: ``waves`` x the time one SM needs for one tile, where
+  ``tiles = ceil(M / tile_m) x ceil(N / tile_n)`` (tile quantization: a partial tile costs a whole
+  one) and ``waves = ceil(tiles / SMs)`` (wave quantization: a last partial wave costs a whole
+  one); one SM does ``peak / SMs`` FLOP/s; divided by the kernel efficiency (the one fitted number
+  for GEMMs, :mod:`dtlib.plan.calibration`);
+* the memory time: ``(M K + K N + M N)`` elements read and written at the HBM bandwidth
+  (the roofline, Williams et al. 2009).
+
+cuBLAS picks a tile per shape; the model takes the fastest of :data:`TILES` (the guide's
+256x128 and 128x256 for large GEMMs, 128x128 for small ones).
+
+The transformer's GEMMs per layer are those of Megatron-LM tensor parallelism on one tensor rank
+(Shoeybi et al. 2019, Sec. 3: QKV and FC1 split by columns, the attention projection and FC2 by
+rows); with context parallelism a rank holds ``s / cp`` tokens of each sequence. Backward runs two
+GEMMs per forward GEMM, ``dX = dY W^T`` (M x K, contracting N) and ``dW = X^T dY`` (K x N,
+contracting M). Attention with FlashAttention is timed from its FLOPs (the causal mask skips the
+upper half of the tiles; backward does 2.5x the forward's matmul work, Dao 2023, "FlashAttention-2",
+Sec. 3.1-3.2) at the attention kernel efficiency; without it (Megatron-LM of 2021-22) ``Q K^T``
+and ``A V`` are batched GEMMs per head, timed as above.
+
+FP8 GEMMs need their operands cast from BF16 first (Transformer Engine / torchao with current or
+dynamic scaling): the cast reads the tensor once for its absolute maximum, reads it again and
+writes FP8, and writes a transposed FP8 copy for the backward GEMMs (Hopper's FP8 tensor cores
+take only K-major operands; Transformer Engine FP8 documentation, "FP8 on Hopper"): about
+:data:`FP8_CAST_BYTES` = 2 + 2 + 1 + 1 bytes per element of each activation, weight and output
+gradient, memory-bound at the HBM bandwidth.
+
+A power limit lowers the clock: dynamic power is ``C V^2 f`` and in the DVFS range the voltage
+follows the frequency, so power goes as ``f^3`` and the clock as ``(limit / TDP)^(1/3)``
+(:func:`clock_scale`; the exponent is an option). Memory bandwidth does not depend on the SM clock.
+
+Pure numpy: every argument may be an array (one entry per layout of the search).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic import validate
+from dtlib.analytic.hardware import Accelerator
+
+__all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
+
+# (tile_m, tile_n) of C: the guide's "Tile Quantization" section lists 256x128 / 128x256 as the most
+# efficient cuBLAS tiles and 128x128 among the smaller ones chosen for small matrices.
+TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))
+
+# FlashAttention-2 backward / forward matmul work: 5 matmuls against 2 (Dao 2023, Sec. 3.2;
+# the paper's FLOP count for the backward is 2.5x the forward's)
+FLASH_BACKWARD = 2.5
+
+# bytes moved per element cast to FP8: amax read (2), cast read (2) + write (1), transposed copy (1)
+FP8_CAST_BYTES = 6.0
+
+
+def clock_scale(gpu: Accelerator, power_limit_w: float | None = None, exponent: float = 3.0) -> float:
+    """Fraction of the rated clock a GPU sustains under ``power_limit_w`` (None: its TDP, 1.0):
+    ``min(1, (limit / TDP) ** (1 / exponent))`` (power ~ f V^2 with V ~ f: exponent 3)."""
+    validate.number("exponent", exponent, minimum=1, exclusive=False)
+    if power_limit_w is None:
+        return 1.0
+    validate.number("power_limit_w", power_limit_w)
+    if gpu.tdp_w is None:
+        raise validate.InvalidArgument("power_limit_w", f"None for {gpu.name}, whose TDP the catalogue "
+                                       "does not have", power_limit_w)
+    ratio = power_limit_w / gpu.tdp_w
+    return float(min(1.0, ratio ** (1.0 / exponent)))
+
+
+def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", batch: Any = 1,
+              efficiency: float = 1.0, clock: float = 1.0, bytes_per_element: float = 2.0,
+              tiles: tuple[tuple[int, int], ...] = TILES) -> Any:
+    """Seconds of ``batch`` GEMMs of ``M x K`` by ``K x N`` on ``gpu`` (see the module docstring):
+    the larger of the quantized math time (fastest tile of ``tiles``) / ``efficiency`` and the HBM
+    time of the operands. A GPU without an SM count in the catalogue gets the plain roofline."""
+    validate.number("efficiency", efficiency, maximum=1)
+    validate.number("clock", clock, maximum=1)
+    for name, x in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        validate.array(name, x, minimum=0, exclusive=False)
+    m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
+    peak = gpu.peak(dtype) * clock * efficiency
+    if gpu.sms is None:  # no SM count: no quantization, FLOPs / peak
+        math = 2 * m * n * k * batch / peak
+    else:
+        per_sm = peak / gpu.sms
+        math = np.full(np.broadcast(m, n, k, batch).shape, np.inf)
+        for tile_m, tile_n in tiles:
+            count = batch * np.ceil(m / tile_m) * np.ceil(n / tile_n)  # tile quantization
+            waves = np.ceil(count / gpu.sms)                              # wave quantization
+            math = np.minimum(math, waves * 2 * tile_m * tile_n * k / per_sm)
+    traffic = batch * (m * k + k * n + m * n) * bytes_per_element
+    memory = traffic / gpu.memory_bandwidth
+    return np.maximum(math, memory)
+
+
+def _fwd_bwd(m: Any, n: Any, k: Any, batch: Any, **kw: Any) -> tuple[Any, Any]:
+    """Forward GEMM (M, N, K) and its two backward GEMMs: dX (M x K over N), dW (K x N over M)."""
+    forward = gemm_time(m, n, k, batch=batch, **kw)
+    backward = gemm_time(m, k, n, batch=batch, **kw) + gemm_time(k, n, m, batch=batch, **kw)
+    return forward, backward
+
+
+def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
+                        flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
+                        clock: float = 1.0) -> dict[str, Any]:
+    """Seconds per step on one GPU of the weight GEMMs (``gemm``) and of attention
+    (``attention``) for the layouts ``n`` (:func:`dtlib.analytic.vectorised.layout_arrays`).
+
+    Per micro-batch, each GPU runs ``layers / pp`` layers (stages balanced) and ``1 / pp`` of the
+    LM head (spread as Narayanan et al. 2021 eq. 3 counts it); full recompute repeats the layers'
+    forward, selective recompute the attention core (Korthikanti et al. 2022, Sec. 5). Weight GEMMs
+    run in ``dtype`` (fp8 at the FP8 peak); attention and the LM head stay in bf16 (Transformer
+    Engine keeps dot-product attention and, by default, the output layer in BF16)."""
+    validate.one_of("recompute", recompute, ("none", "selective", "full"))
+    validate.number("attention_efficiency", attention_efficiency, maximum=1)
+    tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
+    b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
+    heads, kv_heads, ffn, vocab = n["heads"], n["kv_heads"], n["ffn"], n["vocab"]
+    experts, top_k = n["experts"], n["top_k"]
+    head_dim = h // heads
+    tokens = b * s / cp  # rows of every GEMM on a rank (SP gathers the sequence before them)
+    weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
+                      bytes_per_element=1.0 if dtype == "fp8" else 2.0)
+    bf16_kw = dict(gpu=gpu, dtype="bf16", efficiency=gemm_efficiency, clock=clock)
+
+    # ---- weight GEMMs of one layer, one micro-batch (Shoeybi et al. 2019, Sec. 3) --------------
+    qkv = _fwd_bwd(tokens, (h + 2 * kv_heads * head_dim) / tp, h, 1, **weights_kw)
+    proj = _fwd_bwd(tokens, h, h / tp, 1, **weights_kw)
+    moe = experts > 0
+    local_experts = np.where(moe, experts / ep, 1)
+    # balanced routing: each of an ep group's ranks receives tokens x top_k rows over its experts
+    rows = np.where(moe, tokens * top_k / local_experts, tokens)
+    # mlp_matrices counts FC2 too: GELU has 2 (FC1 of width ffn), SwiGLU 3 (gate and up fused in FC1)
+    fc1_width = (n["mlp_matrices"] - 1) * ffn
+    fc1 = _fwd_bwd(rows, fc1_width / tp, h, local_experts, **weights_kw)
+    fc2 = _fwd_bwd(rows, h, ffn / tp, local_experts, **weights_kw)
+    router = _fwd_bwd(tokens, np.maximum(experts, 1), h, moe * 1.0, **bf16_kw)
+    forward = qkv[0] + proj[0] + fc1[0] + fc2[0] + router[0]
+    backward = qkv[1] + proj[1] + fc1[1] + fc2[1] + router[1]
+    head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
+    if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
+        inputs = tokens * (h + h / tp) + rows * local_experts * (h + ffn / tp)
+        outputs = tokens * ((h + 2 * kv_heads * head_dim) / tp + h) + rows * local_experts * (fc1_width / tp + h)
+        weight_elements = (h * (h + 2 * kv_heads * head_dim) + h * h + local_experts * n["mlp_matrices"]
+                           * h * ffn) / tp
+        cast = FP8_CAST_BYTES * (inputs + outputs + weight_elements) / gpu.memory_bandwidth
+    else:
+        cast = 0.0
+
+    # ---- attention core of one layer, one micro-batch ---------------------------------------------
+    if flash_attention:
+        # causal: FlashAttention skips the tiles above the diagonal, half of 4 b s_q s h / tp
+        work = 0.5 * 4 * b * (s / cp) * s * h / tp
+        attn_fwd = work / (gpu.peak("bf16") * clock * attention_efficiency)
+        attn_bwd = FLASH_BACKWARD * attn_fwd
+    else:  # batched GEMMs per head: Q K^T (s x s over d), A V (s x d over s), all of s x s computed
+        per_head = b * heads / tp
+        scores = _fwd_bwd(s / cp, s, head_dim, per_head, **bf16_kw)
+        context = _fwd_bwd(s / cp, head_dim, s, per_head, **bf16_kw)
+        attn_fwd, attn_bwd = scores[0] + context[0], scores[1] + context[1]
+
+    full, selective = recompute == "full", recompute == "selective"
+    layers = n["layers"] / pp
+    gemm = m * (layers * ((1 + full) * forward + backward + cast) + (head[0] + head[1]) / pp)
+    attention = m * layers * ((1 + full + selective) * attn_fwd + attn_bwd)
+    return {"gemm": np.asarray(gemm, float), "attention": np.asarray(attention, float)}
