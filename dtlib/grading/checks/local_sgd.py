@@ -12,27 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.grading.feedback import first_line
-from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
+from dtlib.grading.feedback import launch_checked
 from dtlib.parallel.local_sgd import DiLoCo
 
 __all__ = ["check_outer_step", "check_diloco_rounds", "check_weighted_average",
            "check_uneven_batches_match_one_process"]
 
 LR, MOMENTUM = 0.7, 0.9
-
-
-def _launch(worker: Callable, world_size: int, args: tuple, timeout: float) -> list:
-    """``launch`` whose failures are one-line verdicts; the rank's traceback follows the first line."""
-    try:
-        return launch(worker, world_size, args=args, timeout=timeout, output="none")
-    except LaunchTimeoutError:
-        raise AssertionError(
-            f"your function hung on {world_size} ranks (no result in {timeout:g} s): every rank "
-            "must call the same collectives, in the same order") from None
-    except RankFailedError as e:
-        raise AssertionError(f"your function raised on rank {e.rank} of {world_size}: "
-                             f"{first_line(e)}\n\n{e}") from None
 
 
 # ---- Q1: the outer step --------------------------------------------------------------------------
@@ -78,7 +64,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def check_outer_step(fn: Callable, world_size: int = 2) -> None:
     """``fn(params, global_params, momentum_buffers, lr, momentum)`` on ``world_size`` ranks does
     DiLoCo's outer step: average the pseudo-gradient, Nesterov update, everyone restarts there."""
-    out = _launch(_outer_worker, world_size, (fn,), timeout=30)
+    out = launch_checked(_outer_worker, world_size, (fn,), timeout=30)
     want = _expected_outer(world_size)
     for rank, got in enumerate(out):
         if _close(got["global"], want["global"]):
@@ -145,7 +131,7 @@ def _rounds_worker(rank: int, world_size: int, fn: Callable, h: int, rounds: int
 def check_diloco_rounds(fn: Callable, world_size: int = 3, h: int = 3, rounds: int = 3) -> None:
     """``rounds`` rounds of DiLoCo (AdamW inside, H = ``h``) with your outer step end where
     dtlib's DiLoCo (``torch.optim.SGD(nesterov=True)`` as the outer optimizer) ends."""
-    out = _launch(_rounds_worker, world_size, (fn, h, rounds), timeout=60)
+    out = launch_checked(_rounds_worker, world_size, (fn, h, rounds), timeout=60)
     for rank, r in enumerate(out):
         assert _close(r["yours"], out[0]["yours"]), (
             f"rank {rank} ends with different parameters from rank 0: after the outer step every "
@@ -173,7 +159,7 @@ def _weighted_worker(rank: int, world_size: int, fn: Callable) -> dict:
 
 def check_weighted_average(fn: Callable, world_size: int = 3) -> None:
     """``fn(model, num_samples)`` leaves sum_r n_r g_r / sum_r n_r in every gradient, weights alone."""
-    out = _launch(_weighted_worker, world_size, (fn,), timeout=30)
+    out = launch_checked(_weighted_worker, world_size, (fn,), timeout=30)
     n = SAMPLES[:world_size]
     for i, name in enumerate(out[0]):
         grads = [10.0 * (r + 1) + i for r in range(world_size)]
@@ -222,7 +208,7 @@ def check_uneven_batches_match_one_process(fn: Callable, sizes: tuple[int, ...] 
                                            steps: int = 3) -> None:
     """Ranks with ``sizes`` samples each, averaging with ``fn``, train exactly like one process on
     the whole global batch."""
-    out = _launch(_uneven_worker, len(sizes), (fn, sizes, steps), timeout=60)
+    out = launch_checked(_uneven_worker, len(sizes), (fn, sizes, steps), timeout=60)
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     g = torch.Generator().manual_seed(9)
