@@ -312,11 +312,7 @@ def _small_step_seconds(global_batch: int = 16, replicas: int = 4, repeats: int 
 def simulate_diloco(sync_every: int, outer_lr: float, outer_momentum: float = 0.9, replicas: int = 4,
                     steps: int = 48, inner_lr: float = 3e-3, global_batch: int = 16, seed: int = 0
                     ) -> tuple[tuple[int, float], ...]:
-    """DiLoCo on ``replicas`` replicas of the small TinyGPT, computed one replica after another in
-    this process (the same arithmetic as the ranks: own AdamW per replica, the mean pseudo-gradient,
-    :func:`~dtlib.parallel.local_sgd.outer_nesterov_step`'s Nesterov update). ``sync_every=1``
-    with ``outer_lr=1``, no momentum, is local SGD with H = 1. Returns ``(step, held-out loss)``
-    of the global model after every synchronisation (and at step 0). Cached: the widget asks again."""
+    """:func:`_simulate_diloco` on one thread, cached (the widget asks again)."""
     with one_thread():
         return _simulate_diloco(sync_every, outer_lr, outer_momentum, replicas, steps, inner_lr,
                                 global_batch, seed)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic import validate
+from dtlib.parallel.pipeline import balanced_split
 
 __all__ = ["slowed", "SlowClock", "proportional_batch_sizes", "weighted_average_gradients",
            "time_balanced_counts"]
@@ -108,7 +109,7 @@ def time_balanced_counts(layer_seconds: Sequence[float], stage_slowdowns: Sequen
 
     Stage k's time is ``slowdown_k x sum(its layers' seconds)``; the pipeline's pace is the largest
     of those (the slowest stage sets the pace, lesson 06). Dynamic programming over cut points, as
-    :func:`dtlib.parallel.pipeline.partition` does for equal stages; each stage gets >= 1 layer.
+    :func:`dtlib.parallel.pipeline.partition` does for equal stages (the same :func:`~dtlib.parallel.pipeline.balanced_split`); each stage gets >= 1 layer.
     """
     costs = [validate.number(f"layer_seconds[{i}]", t, minimum=0, exclusive=False)
              for i, t in enumerate(layer_seconds)]
@@ -118,21 +119,4 @@ def time_balanced_counts(layer_seconds: Sequence[float], stage_slowdowns: Sequen
     if not 1 <= parts <= n:
         raise ValueError(f"stage_slowdowns must name between 1 and {n} stages (one layer each at "
                          f"least), got {parts}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: first i layers on k stages
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                pace = max(best[k - 1][j], slow[k - 1] * (prefix[i] - prefix[j]))
-                if pace < best[k][i]:
-                    best[k][i], cut[k][i] = pace, j
-    counts, i = [], n
-    for k in range(parts, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return counts[::-1]
+    return balanced_split(costs, parts, slow)
