@@ -28,7 +28,7 @@ from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
 from dtlib.resilience.interval import interval_study
 from dtlib.viz import cluster as cluster_viz
-from dtlib.viz import (charts, collectives, comm, memory, mesh, pipeline, plan, profile, resilience, ring,
+from dtlib.viz import (charts, local_sgd, collectives, comm, memory, mesh, pipeline, plan, profile, resilience, ring,
                        tensor, timeline, training, zero)
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
@@ -164,6 +164,26 @@ FIGURES = {
     "calculator, does not fit": _calculator,
     "calculator, fits": lambda: _calculator(zero=3, recompute="full", overhead_gib=4.0),
     "alpha_beta widget": lambda: REGISTRY["alpha_beta"]().figure,
+    "plot_loss_vs_time_and_bytes": lambda: local_sgd.plot_loss_vs_time_and_bytes(
+        {name: {"loss": [5.5 - 0.05 * i * k for i in range(48)], "time": [0.05 * i * k for i in range(48)],
+                "bytes": [1e6 * i / k for i in range(48)]} for name, k in
+         (("ddp", 1.0), ("local_sgd", 1.5), ("diloco", 1.6))}),
+    "plot_staleness": lambda: local_sgd.plot_staleness(
+        {f"s = {s}": {"updates": [{"worker": i % 3, "staleness": (i * 7) % (2 * s + 3)} for i in range(36)]}
+         for s in (0, 2)}, bounds={"s = 0": 2, "s = 2": 10}),
+    "plot_rank_balance": lambda: local_sgd.plot_rank_balance(
+        {"slowdowns": [1, 1, 1, 3],
+         "equal": {"sizes": [8, 8, 8, 8], "busy": [0.02, 0.021, 0.02, 0.06], "step_time": 0.07, "throughput": 450},
+         "balanced": {"sizes": [9, 10, 9, 4], "busy": [0.02, 0.022, 0.02, 0.03], "step_time": 0.045,
+                      "throughput": 660}}),
+    "plot_stage_balance": lambda: local_sgd.plot_stage_balance(
+        {"slowdowns": [1, 3, 1, 1],
+         "even": {"counts": [2, 2, 2, 2], "stage_seconds": [0.009, 0.024, 0.008, 0.009], "step_time": 0.17},
+         "balanced": {"counts": [2, 1, 3, 2], "stage_seconds": [0.009, 0.012, 0.012, 0.009], "step_time": 0.12}}),
+    "plot_time_and_loss": lambda: local_sgd.plot_time_and_loss(
+        {"curves": {"DDP": {"time": [0, 1, 2, 3], "loss": [5.5, 4.0, 3.5, 3.0]},
+                    "DiLoCo H=8": {"time": [0, 0.3, 0.6], "loss": [5.5, 4.2, 3.4]}},
+         "title": "DiLoCo 5.0x faster than DDP"}),
     "plot_plan": lambda: plan.plot_plan(*_plan()),
     "plot_plan, nothing fits": lambda: plan.plot_plan(
         [], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB (dp=1, tp=8) but "

@@ -95,6 +95,20 @@ def positive_int(text: str) -> int:
     return checked(lambda: validate.integer("value", value), text)
 
 
+def bounded_float(requirement: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse ``type``: a number for which ``ok`` holds (NaN never does), else the error
+    "must be <requirement>, got 'text'" (argparse puts the flag in front)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+    return parse
+
+
 def join_negative_values(argv: list[str]) -> list[str]:
     """``--params -7B`` -> ``--params=-7B``: argparse takes a value starting with '-' for an
     option unless it looks like a plain number, so a negative size would be reported as a

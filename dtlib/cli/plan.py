@@ -17,7 +17,7 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
-from dtlib.cli.args import model_args, model_from_args, parse_count, positive_int
+from dtlib.cli.args import bounded_float, model_args, model_from_args, parse_count, positive_int
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
 from dtlib.plan.search import search
@@ -27,54 +27,12 @@ from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_R
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
-    return value
-
-
-def _overlap(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
-    return value
-
-
-def _at_least_one(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}") from None
-    if not 1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
-    return value
-
-
-def _price(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be dollars > 0, e.g. 2.5, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be dollars > 0, e.g. 2.5, got {text!r}")
-    return value
-
-
-def _watts(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be watts > 0, e.g. 500, got {text!r}")
-    return value
+INF = float("inf")
+_fraction = bounded_float("a number in (0, 1]", lambda v: 0 < v <= 1)
+_overlap = bounded_float("a number in [0, 1]", lambda v: 0 <= v <= 1)
+_at_least_one = bounded_float("a finite number >= 1", lambda v: 1 <= v < INF)
+_price = bounded_float("dollars > 0, e.g. 2.5", lambda v: 0 < v < INF)
+_watts = bounded_float("watts > 0, e.g. 500", lambda v: 0 < v < INF)
 
 
 def add_plan_command(sub: Any) -> None:

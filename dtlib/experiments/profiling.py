@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dtlib.analytic.comm import bytes_sent_per_rank
 from dtlib.analytic.flops import six_n_flops_per_token
 from dtlib.launcher import launch
 from dtlib.profile import diagnose, phase, profile_steps, summarize
 
-__all__ = ["FAULTS", "LEVELS", "strength_of", "run_injected", "mlp"]
+__all__ = ["FAULTS", "LEVELS", "strength_of", "run_injected", "mlp", "slow_link_seconds", "slow_link_hook"]
 
 # fault -> (what the strength means, its default)
 FAULTS: dict[str, tuple[str, int]] = {
@@ -84,15 +85,27 @@ def _weights(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.dim() == 2)
 
 
-def _slow_link_hook(latency: float):
-    """A comm hook: all-reduce the bucket synchronously (no overlap), then the link's latency."""
+def slow_link_seconds(nbytes: float, world_size: int, latency: float, bandwidth: float | None = None) -> float:
+    """Seconds an all-reduce of ``nbytes`` takes on the emulated slow link: ``latency`` per message
+    plus, with a ``bandwidth`` (bytes/s), the bytes each rank sends in a ring all-reduce
+    (2 (n-1)/n x nbytes, :func:`dtlib.analytic.comm.bytes_sent_per_rank`) over it."""
+    seconds = latency
+    if bandwidth is not None and world_size > 1:
+        seconds += float(bytes_sent_per_rank("all_reduce", nbytes, world_size)) / bandwidth
+    return seconds
+
+
+def slow_link_hook(latency: float, bandwidth: float | None = None):
+    """A comm hook: all-reduce the bucket synchronously (no overlap), then sleep what the emulated
+    link would add (:func:`slow_link_seconds`): loopback gloo is far faster than a real network."""
     def hook(state: Any, bucket: Any) -> torch.futures.Future:
         with phase("comm"):
             buf = bucket.buffer()
             buf.div_(dist.get_world_size())
             bucket.log("all_reduce", buf)
             dist.all_reduce(buf)
-            time.sleep(latency)
+            time.sleep(slow_link_seconds(buf.numel() * buf.element_size(), dist.get_world_size(),
+                                         latency, bandwidth))
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -107,7 +120,7 @@ def _ddp_worker(rank: int, world_size: int, fault: str, strength: int, width: in
     tiny = fault == "communication"
     ddp = BucketedDDP(model, bucket_size_mb=1e-6 if tiny else 0.5)
     if tiny:
-        ddp.register_comm_hook(None, _slow_link_hook(strength / 1e3))
+        ddp.register_comm_hook(None, slow_link_hook(strength / 1e3))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     xs, ys = torch.randn(4, batch, width, generator=g), torch.randn(4, batch, width, generator=g)

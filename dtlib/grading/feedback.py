@@ -10,9 +10,9 @@ otter's exception-based format (``ok_format: false``), so what a check raised is
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, Callable
 
-from dtlib.launcher import RankFailedError
+from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 
 __all__ = ["first_line", "hint", "summary_lines", "to_text", "to_html", "install"]
 
@@ -27,6 +27,20 @@ def first_line(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     text = str(cause).strip()
     return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def launch_checked(worker: Callable, world_size: int, args: tuple, timeout: float) -> list:
+    """``dtlib.launch`` for a check: a rank that raises or a hang becomes an ``AssertionError``
+    whose first line is the verdict (the rank's traceback follows it)."""
+    try:
+        return launch(worker, world_size, args=args, timeout=timeout, output="none")
+    except LaunchTimeoutError:
+        raise AssertionError(
+            f"your function hung on {world_size} ranks (no result in {timeout:g} s): every rank "
+            "must call the same collectives, in the same order") from None
+    except RankFailedError as e:
+        raise AssertionError(f"your function raised on rank {e.rank} of {world_size}: "
+                             f"{first_line(e)}\n\n{e}") from None
 
 
 def hint(message: str | None) -> str:

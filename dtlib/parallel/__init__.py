@@ -20,7 +20,11 @@ One concept per module:
   on real ranks;
 * :mod:`~dtlib.parallel.mesh` - the rank grid (Megatron-LM's order) and its process groups;
 * :mod:`~dtlib.parallel.context` - context parallelism: causal ring attention, zig-zag split;
-* :mod:`~dtlib.parallel.expert` - expert parallelism: MoE all-to-all dispatch and combine.
+* :mod:`~dtlib.parallel.expert` - expert parallelism: MoE all-to-all dispatch and combine;
+* :mod:`~dtlib.parallel.local_sgd` - :class:`LocalSGD` and :class:`DiLoCo`: synchronise every H steps;
+* :mod:`~dtlib.parallel.parameter_server` - asynchronous SGD with a parameter server, SSP's bound;
+* :mod:`~dtlib.parallel.heterogeneous` - slower ranks injected; throughput-proportional batches,
+  the sample-weighted gradient average, time-balanced pipeline stages.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
@@ -32,7 +36,11 @@ from dtlib.parallel.context import context_parallel, ring_attention, shard_seque
 from dtlib.parallel.ddp import BucketedDDP, GradBucket, NaiveDDP, SyncRecord
 from dtlib.parallel.expert import ExpertParallelMoE, all_to_all, expert_parallel
 from dtlib.parallel.fsdp import FSDP
+from dtlib.parallel.heterogeneous import (proportional_batch_sizes, slowed, time_balanced_counts,
+                                          weighted_average_gradients)
+from dtlib.parallel.local_sgd import DiLoCo, LocalSGD, outer_nesterov_step
 from dtlib.parallel.mesh import ParallelLayout, build_groups
+from dtlib.parallel.parameter_server import async_sgd, staleness_bound
 from dtlib.parallel.pipeline import (GPTStage, PipelineExecutor, StepLog, partition, rank_chunks,
                                      timeline_of)
 from dtlib.parallel.schedules import Action, Event, Timeline, fit_costs, schedule, simulate, validate
@@ -54,4 +62,6 @@ __all__ = [
     "GPTStage", "partition", "rank_chunks", "PipelineExecutor", "StepLog", "timeline_of",
     "ParallelLayout", "build_groups", "ring_attention", "context_parallel", "shard_sequence",
     "ExpertParallelMoE", "expert_parallel", "all_to_all",
+    "LocalSGD", "DiLoCo", "outer_nesterov_step", "async_sgd", "staleness_bound",
+    "slowed", "proportional_batch_sizes", "weighted_average_gradients", "time_balanced_counts",
 ]

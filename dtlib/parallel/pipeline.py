@@ -68,9 +68,11 @@ class GPTStage(nn.Module):
         return TinyGPT.head(self, x) if self.last else x
 
 
-def _balanced_split(weights: Sequence[float], parts: int) -> list[int]:
-    """Counts of consecutive items per part minimising the heaviest part (each part >= 1 item)."""
+def balanced_split(weights: Sequence[float], parts: int, slowdowns: Sequence[float] | None = None) -> list[int]:
+    """Counts of consecutive items per part minimising the heaviest part (each part >= 1 item);
+    part ``k`` weighs ``slowdowns[k]`` x its items' weights (a slower device; default 1)."""
     n = len(weights)
+    slow = list(slowdowns) if slowdowns is not None else [1.0] * parts
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
@@ -82,7 +84,7 @@ def _balanced_split(weights: Sequence[float], parts: int) -> list[int]:
     for k in range(1, parts + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                heaviest = max(best[k - 1][j], slow[k - 1] * (prefix[i] - prefix[j]))
                 if heaviest < best[k][i]:
                     best[k][i], cut[k][i] = heaviest, j
     counts, i = [], n
@@ -153,7 +155,7 @@ def partition(model: TinyGPT, pp: int, virtual_stages: int = 1,
             raise ValueError(f"balance must be 'params', 'time' or a list of block counts, got {balance!r}")
         weights[0] += emb
         weights[-1] += head
-        counts = _balanced_split(weights, stages)
+        counts = balanced_split(weights, stages)
     else:
         counts = [int(c) for c in balance]
         if len(counts) != stages or sum(counts) != layers or min(counts) < 1:

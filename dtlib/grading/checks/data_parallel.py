@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from dtlib.data import Digits
-from dtlib.grading.feedback import first_line
-from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
+from dtlib.grading.feedback import launch_checked
 from dtlib.experiments.scaling_efficiency import scaling_efficiency
 from dtlib.experiments.data_parallel import lr_at_step, train
 
@@ -26,22 +25,9 @@ def _probe_average(rank: int, world_size: int, fn: Callable) -> dict:
     return {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
 
 
-def _launch(worker: Callable, world_size: int, args: tuple, timeout: float) -> list:
-    """``launch`` whose failures are one-line verdicts; the rank's traceback follows the first line."""
-    try:
-        return launch(worker, world_size, args=args, timeout=timeout, output="none")
-    except LaunchTimeoutError:
-        raise AssertionError(
-            f"your function hung on {world_size} ranks (no result in {timeout:g} s): every rank "
-            "must call the same collectives, in the same order") from None
-    except RankFailedError as e:
-        raise AssertionError(f"your function raised on rank {e.rank} of {world_size}: "
-                             f"{first_line(e)}\n\n{e}") from None
-
-
 def check_average_gradients(fn: Callable, world_size: int = 2) -> None:
     """The learner's ``fn(model, world_size)`` averages gradients, leaves weights alone."""
-    out = _launch(_probe_average, world_size, (fn,), timeout=30)
+    out = launch_checked(_probe_average, world_size, (fn,), timeout=30)
     for name in out[0]:
         for rank, res in enumerate(out):
             weight, grad = res[name]
@@ -61,7 +47,7 @@ def check_average_gradients(fn: Callable, world_size: int = 2) -> None:
 def check_matches_single_process(fn: Callable, data: Digits, world_size: int = 2,
                                  steps: int = 3, global_batch: int = 32) -> None:
     """Training with ``fn`` on N ranks equals single-process training on the full batch."""
-    ranks = _launch(train, world_size, (data, steps, global_batch, 0.05, fn), timeout=60)
+    ranks = launch_checked(train, world_size, (data, steps, global_batch, 0.05, fn), timeout=60)
     single = train(0, 1, data, steps, global_batch, 0.05, sync=None)
     for rank, res in enumerate(ranks[1:], start=1):
         for k, v in res["state"].items():

@@ -1,0 +1,224 @@
+"""Checks for lesson 11's exercise: DiLoCo's outer step and the sample-weighted gradient average.
+
+Both run the learner's function on real ranks (:func:`dtlib.launch`) against dtlib's own
+(:func:`dtlib.parallel.local_sgd.outer_nesterov_step`, :class:`dtlib.parallel.local_sgd.DiLoCo`,
+:func:`dtlib.parallel.heterogeneous.weighted_average_gradients`), and name the classic mistakes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlib.grading.feedback import launch_checked
+from dtlib.parallel.local_sgd import DiLoCo
+
+__all__ = ["check_outer_step", "check_diloco_rounds", "check_weighted_average",
+           "check_uneven_batches_match_one_process"]
+
+LR, MOMENTUM = 0.7, 0.9
+
+
+# ---- Q1: the outer step --------------------------------------------------------------------------
+def _probe_state(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    # global parameters equal everywhere; local ones moved differently on each rank; a momentum
+    # buffer that is not zero, so that forgetting momentum or Nesterov shows
+    g = torch.Generator().manual_seed(5)
+    glob = [torch.randn(3, 2, generator=g), torch.randn(4, generator=g)]
+    bufs = [0.1 * torch.randn(t.shape, generator=g) for t in glob]
+    local_g = torch.Generator().manual_seed(100 + rank)
+    params = [t + 0.3 * torch.randn(t.shape, generator=local_g) for t in glob]
+    return params, glob, bufs
+
+
+def _outer_worker(rank: int, world_size: int, fn: Callable) -> dict:
+    params, glob, bufs = _probe_state(rank)
+    with torch.no_grad():
+        fn(params, glob, bufs, LR, MOMENTUM)
+    return {"params": params, "global": glob, "bufs": bufs}
+
+
+def _expected_outer(world_size: int, variant: str = "right") -> dict:
+    """What every rank should hold after one outer step (``variant``: a classic mistake's result)."""
+    states = [_probe_state(r) for r in range(world_size)]
+    _, glob, bufs = (list(map(torch.clone, x)) for x in states[0])
+    params_out = []
+    for i in range(len(glob)):
+        deltas = [glob[i] - s[0][i] for s in states]
+        if variant == "sign":
+            deltas = [-d for d in deltas]
+        delta = sum(deltas) if variant == "sum" else sum(deltas) / world_size
+        bufs[i] = MOMENTUM * bufs[i] + delta
+        step = bufs[i] if variant == "heavy_ball" else delta + MOMENTUM * bufs[i]
+        glob[i] = glob[i] - LR * step
+        params_out.append(glob[i].clone())
+    return {"params": params_out, "global": glob, "bufs": bufs}
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+
+def check_outer_step(fn: Callable, world_size: int = 2) -> None:
+    """``fn(params, global_params, momentum_buffers, lr, momentum)`` on ``world_size`` ranks does
+    DiLoCo's outer step: average the pseudo-gradient, Nesterov update, everyone restarts there."""
+    out = launch_checked(_outer_worker, world_size, (fn,), timeout=30)
+    want = _expected_outer(world_size)
+    for rank, got in enumerate(out):
+        if _close(got["global"], want["global"]):
+            assert _close(got["bufs"], want["bufs"]), (
+                "the global parameters are right but momentum_buffers were not updated in place: "
+                "do buf.mul_(momentum).add_(delta) so the next round remembers the momentum")
+            assert _close(got["params"], want["global"]), (
+                "the global parameters are right but params still hold this rank's local ones: "
+                "copy the new global parameters into params (p.copy_(g)) so every rank starts the "
+                "next round from the same point")
+            continue
+        mistakes = {
+            "sign": "the step goes the wrong way: the pseudo-gradient is global - local "
+                    "(delta = g - p, how far this rank moved, used like a gradient)",
+            "sum": "the pseudo-gradients are summed over ranks, not averaged: divide the "
+                   "all-reduced delta by dist.get_world_size()",
+            "heavy_ball": "that is heavy-ball momentum (step along the buffer); Nesterov steps along "
+                          "delta + momentum * buffer, with the buffer already updated",
+        }
+        for variant, hint in mistakes.items():
+            if _close(got["global"], _expected_outer(world_size, variant)["global"]):
+                raise AssertionError(hint)
+        if _close(got["global"], _probe_state(rank)[1]):
+            raise AssertionError("global_params did not change: update them in place "
+                                 "(g.sub_(lr * ...)), the caller keeps the same list")
+        raise AssertionError(
+            f"rank {rank}'s new global parameters are off by "
+            f"{max((a - b).abs().max().item() for a, b in zip(got['global'], want['global'])):.3g}: "
+            "delta = g - p, all_reduce(delta) / world_size, buf = momentum * buf + delta, "
+            "g -= lr * (delta + momentum * buf), then p.copy_(g)")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _rounds_worker(rank: int, world_size: int, fn: Callable, h: int, rounds: int) -> dict:
+    g = torch.Generator().manual_seed(50 + rank)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(h * rounds)]
+    results = {}
+    for name in ("yours", "dtlib"):
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+        if name == "dtlib":
+            outer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
+            ctx = DiLoCo(model, inner, outer, sync_every=h)
+        else:
+            glob = [p.detach().clone() for p in model.parameters()]
+            bufs = [torch.zeros_like(p) for p in glob]
+        for step, (x, y) in enumerate(data):
+            F.mse_loss(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+            if name == "dtlib" and (step + 1) % h == 0:
+                ctx.sync()
+            elif name == "yours" and (step + 1) % h == 0:
+                with torch.no_grad():
+                    fn([p.data for p in model.parameters()], glob, bufs, LR, MOMENTUM)
+        results[name] = [p.detach().clone() for p in model.parameters()]
+    return results
+
+
+def check_diloco_rounds(fn: Callable, world_size: int = 3, h: int = 3, rounds: int = 3) -> None:
+    """``rounds`` rounds of DiLoCo (AdamW inside, H = ``h``) with your outer step end where
+    dtlib's DiLoCo (``torch.optim.SGD(nesterov=True)`` as the outer optimizer) ends."""
+    out = launch_checked(_rounds_worker, world_size, (fn, h, rounds), timeout=60)
+    for rank, r in enumerate(out):
+        assert _close(r["yours"], out[0]["yours"]), (
+            f"rank {rank} ends with different parameters from rank 0: after the outer step every "
+            "rank must hold the same (averaged, stepped) global parameters")
+        assert _close(r["yours"], r["dtlib"]), (
+            f"after {rounds} rounds your DiLoCo differs from torch's Nesterov SGD on the averaged "
+            "pseudo-gradient by "
+            f"{max((a - b).abs().max().item() for a, b in zip(r['yours'], r['dtlib'])):.3g}: "
+            "check that the momentum buffer carries over from round to round")
+
+
+# ---- Q2: the sample-weighted gradient average ---------------------------------------------------
+SAMPLES = (3, 1, 5, 2)  # rank 0 not 1: dividing by its own count must show
+
+
+def _weighted_worker(rank: int, world_size: int, fn: Callable) -> dict:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.fill_(rank + 1.0 + i)
+            p.grad = torch.full_like(p, 10.0 * (rank + 1) + i)
+    fn(model, SAMPLES[rank])
+    return {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def check_weighted_average(fn: Callable, world_size: int = 3) -> None:
+    """``fn(model, num_samples)`` leaves sum_r n_r g_r / sum_r n_r in every gradient, weights alone."""
+    out = launch_checked(_weighted_worker, world_size, (fn,), timeout=30)
+    n = SAMPLES[:world_size]
+    for i, name in enumerate(out[0]):
+        grads = [10.0 * (r + 1) + i for r in range(world_size)]
+        want = sum(k * g for k, g in zip(n, grads)) / sum(n)
+        for rank, res in enumerate(out):
+            weight, grad = res[name]
+            assert torch.all(weight == rank + 1.0 + i), (
+                f"the weights ({name}) changed on rank {rank}: weight the gradients (p.grad), "
+                "never the parameters")
+            got = grad.flatten()[0].item()
+            if abs(got - want) < 1e-4 * abs(want):
+                continue
+            plain = sum(grads) / world_size
+            if abs(got - plain) < 1e-4 * abs(plain):
+                raise AssertionError(
+                    "that is the plain mean over ranks, which over-weights the ranks with few "
+                    "samples: multiply each gradient by num_samples, all-reduce, and divide by "
+                    "the total number of samples")
+            if abs(got - want * sum(n)) < 1e-4 * abs(want * sum(n)):
+                raise AssertionError("gradients hold the weighted sum: divide by the total number "
+                                     "of samples over all ranks")
+            if abs(got - want * sum(n) / n[rank]) < 1e-4 * abs(want * sum(n) / n[rank]):
+                raise AssertionError(
+                    "you divided by this rank's own sample count: divide by the total over all "
+                    "ranks (all_reduce the count too)")
+            raise AssertionError(
+                f"rank {rank}'s gradient of {name} is {got:g}, expected the sample-weighted mean "
+                f"{want:g} (samples per rank {list(n)}): sum_r n_r g_r / sum_r n_r")
+
+
+def _uneven_worker(rank: int, world_size: int, fn: Callable, sizes: tuple[int, ...], steps: int) -> list:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    g = torch.Generator().manual_seed(9)
+    begin = sum(sizes[:rank])
+    for _ in range(steps):
+        x, y = torch.randn(sum(sizes), 6, generator=g), torch.randn(sum(sizes), 3, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x[begin:begin + sizes[rank]]), y[begin:begin + sizes[rank]]).backward()
+        fn(model, sizes[rank])
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_uneven_batches_match_one_process(fn: Callable, sizes: tuple[int, ...] = (2, 7, 3),
+                                           steps: int = 3) -> None:
+    """Ranks with ``sizes`` samples each, averaging with ``fn``, train exactly like one process on
+    the whole global batch."""
+    out = launch_checked(_uneven_worker, len(sizes), (fn, sizes, steps), timeout=60)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        x, y = torch.randn(sum(sizes), 6, generator=g), torch.randn(sum(sizes), 3, generator=g)
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    for rank, params in enumerate(out):
+        diff = max((a - b.detach()).abs().max().item() for a, b in zip(params, ref.parameters()))
+        assert diff < 1e-5, (
+            f"with {list(sizes)} samples per rank, rank {rank} ends {diff:.2e} away from one "
+            "process on the whole batch: weight each rank's gradient by its sample count")
