@@ -56,10 +56,9 @@ def test_incremental_resume_is_bit_identical_to_a_full_checkpoint_resume(tmp_pat
     results = {}
     for name, extra in (("incremental", dict(incremental=True, full_every=3)), ("full", {})):
         d = str(tmp_path / name)
-        first = run(TrainConfig(**SMALL, **extra, checkpoint_dir=d, steps=5), timeout=60)
+        run(TrainConfig(**SMALL, **extra, checkpoint_dir=d, steps=5), timeout=60)
         results[name] = run(TrainConfig(**SMALL, **extra, checkpoint_dir=d, steps=7), timeout=60)
         assert "resumed at step 5" in results[name]["resumed"]
-    written = first_written = results["incremental"]["checkpoint_bytes"]
     assert results["incremental"]["params_sha256"] == results["full"]["params_sha256"] == straight["params_sha256"]
     inc = run(TrainConfig(**SMALL, incremental=True, full_every=3, checkpoint_dir=str(tmp_path / "b"), steps=4),
               timeout=60)

@@ -60,7 +60,7 @@ def plot_staleness(runs: Mapping[str, Mapping[str, list]], bounds: Mapping[str, 
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=SMALL_FONT)
     axes[0].set_ylabel("staleness (updates missed)", fontsize=FONT)
-    handles, labels = {}, []
+    handles = {}  # label -> first handle: one legend entry per worker across panels
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
