@@ -99,7 +99,9 @@ def test_a_skipped_collective_is_named_before_the_transport_error():
         launch(_rank1_skips_the_all_reduce, 2, timeout=20)
     first, rest = str(info.value).split("\n", 1)
     assert first.startswith("rank 0 of 2 failed: it waited in a collective that ranks [1] never called")
-    assert "GLHF" not in first and "closed by peer" in rest  # gloo's words stay, below
+    # gloo's words stay, below: "Connection closed by peer", or "reset by peer" when the peer's
+    # socket is torn down first (seen once on a loaded machine)
+    assert "GLHF" not in first and ("closed by peer" in rest or "reset by peer" in rest), rest[-600:]
     assert info.value.__cause__ is None  # not chained ahead of the message either
 
 
