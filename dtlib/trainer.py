@@ -50,6 +50,7 @@ from dtlib.models.gpt import Block, TinyGPT, tiny_gpt_config
 from dtlib.models.moe import MoE
 from dtlib.profile import phase, profile_steps, report
 from dtlib.parallel import schedules
+from dtlib.parallel.collectives import all_reduce_coalesced
 from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
 from dtlib.parallel.fsdp import FSDP
@@ -562,16 +563,12 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 def _average(params: list[torch.Tensor], group: Any, divisor: int) -> None:
     """Sum ``params``' gradients over ``group`` (one flat all-reduce) and divide by ``divisor``."""
-    if not params:
+    grads = [p.grad for p in params]
+    if group is None:  # a group of one rank: nothing to sum (an expert's only replica)
+        for g in grads:
+            g.div_(divisor)
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    flat /= divisor
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    all_reduce_coalesced(grads, group, divisor)
 
 
 def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = False,

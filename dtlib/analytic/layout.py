@@ -8,7 +8,7 @@ rule; :mod:`dtlib.analytic.vectorised` evaluates the same predicates on arrays.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

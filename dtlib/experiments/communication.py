@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlib.analytic.units import KiB, MiB
 from dtlib.analytic.comm import algbw, busbw, collective_time
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
 from dtlib.analytic.hardware import Link

@@ -34,7 +34,7 @@ from dtlib.parallel.buckets import shard_bounds
 
 __all__ = ["ring_schedule", "ring_progress", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "hierarchical_all_reduce", "node_groups", "broadcast_coalesced", "all_gather_into",
-           "reduce_scatter_into"]
+           "reduce_scatter_into", "all_reduce_coalesced"]
 
 Step = list[tuple[int, int, int]]  # (sender, receiver, chunk index) for every rank in one step
 
@@ -282,6 +282,26 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
             for t in ts:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+                         divisor: float = 1.0) -> int:
+    """Sum ``tensors`` in place over ``group`` as one flat buffer (one message, as a DDP bucket),
+    then divide by ``divisor``; returns the payload's bytes. ``group=None`` without an initialised
+    process group (one process) only divides."""
+    if not tensors:
+        return 0
+    with torch.no_grad():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if dist.is_initialized():
+            dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return flat.numel() * flat.element_size()
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic import validate
+from dtlib.parallel.collectives import all_reduce_coalesced
 from dtlib.parallel.pipeline import balanced_split
 
 __all__ = ["slowed", "SlowClock", "proportional_batch_sizes", "weighted_average_gradients",
@@ -92,15 +93,11 @@ def weighted_average_gradients(model: nn.Module, num_samples: int, group: Any = 
     num_samples = validate.integer("num_samples", num_samples, minimum=1)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = torch.tensor([float(num_samples)])
-    flat = torch.cat([g.reshape(-1) for g in grads]) * num_samples
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
-        dist.all_reduce(flat, group=group)
-    flat /= total
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g in grads:  # each rank's mean gradient x its samples: the sum over its samples
+        g.mul_(num_samples)
+    all_reduce_coalesced(grads, group, divisor=total.item())
 
 
 def time_balanced_counts(layer_seconds: Sequence[float], stage_slowdowns: Sequence[float]) -> list[int]:

@@ -37,6 +37,7 @@ from torch import nn
 
 from dtlib.analytic import validate
 from dtlib.analytic.comm import bytes_sent_per_rank
+from dtlib.parallel.collectives import all_reduce_coalesced
 
 __all__ = ["LocalSGD", "DiLoCo", "average_parameters", "outer_nesterov_step"]
 
@@ -48,16 +49,7 @@ def _world(group: Any) -> int:
 def _average_(tensors: list[torch.Tensor], group: Any) -> int:
     """All-reduce ``tensors`` in place to their mean over the group, as one flat buffer (one
     message, as a bucketed DDP would send); returns the payload's bytes."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    world = _world(group)
-    if world > 1:
-        dist.all_reduce(flat, group=group)
-        flat /= world
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return flat.numel() * flat.element_size()
+    return all_reduce_coalesced(tensors, group, divisor=_world(group))
 
 
 @torch.no_grad()

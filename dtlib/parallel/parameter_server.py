@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -34,6 +34,7 @@ from torch import nn
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.models.gpt import MLP, TinyGPT
+from dtlib.parallel.collectives import all_reduce_coalesced
 from dtlib.parallel.random import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
 from dtlib.parallel.tensor_regions import (SEQ_DIM, SequenceParallelLinear, rank_chunk,
                                            copy_to_tensor_model_parallel_region,
@@ -467,16 +468,6 @@ def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
-def _sum_over_group(grads: list[torch.Tensor], group: Any) -> None:
-    """All-reduce (sum) ``grads`` in place over ``group`` as one flat buffer: one collective."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 class SequenceParallelGrads:
     """Sums each sequence-parallel gradient over the TP group as backward produces it.
 
@@ -517,7 +508,7 @@ def allreduce_sequence_parallel_grads(model: TinyGPT) -> None:
     grads = [p.grad for p in _sequence_parallel_params(model) if p.grad is not None]
     if not state.sequence_parallel or not grads:
         return
-    _sum_over_group(grads, state.group)
+    all_reduce_coalesced(grads, state.group)
 
 
 def _gather_param(t: torch.Tensor, p: nn.Parameter, state: TensorParallelState) -> list[torch.Tensor]:
