@@ -392,6 +392,20 @@ def _nanogpt_groups(named, weight_decay=0.1):
             sorted(n for n, p in params.items() if p.dim() >= 2))
 
 
+def _train_side_by_side(rank, world_size, fsdp, opt, ref, ref_opt, steps=3):
+    """``steps`` AdamW steps: FSDP on this rank's slice, and the reference accumulating every
+    rank's slice in one process (the same arithmetic)."""
+    for x, y in _data("gpt", steps):
+        opt.zero_grad()
+        xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
+        loss_fn(fsdp, xs, ys).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
+            (loss_fn(ref, mx, my) / world_size).backward()
+        ref_opt.step()
+
+
 def _dims_and_groups(rank, world_size):
     torch.use_deterministic_algorithms(True)
     ref = _model("gpt")
@@ -405,15 +419,7 @@ def _dims_and_groups(rank, world_size):
         c = -(-original[n][0] // world_size)  # torch.chunk: ceil(rows / N) rows, the last ranks fewer
         rows[n] = (tuple(p.shape), (max(0, min(c, original[n][0] - rank * c)), *original[n][1:]))
     opt, ref_opt = torch.optim.AdamW(groups, lr=1e-2), torch.optim.AdamW(ref_groups, lr=1e-2)
-    for x, y in _data("gpt", 3):
-        opt.zero_grad()
-        xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-        loss_fn(fsdp, xs, ys).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
-            (loss_fn(ref, mx, my) / world_size).backward()
-        ref_opt.step()
+    _train_side_by_side(rank, world_size, fsdp, opt, ref, ref_opt)
     state, expect = fsdp.gather_full_params(), ref.state_dict()
     return {"decayed": decayed, "ref_decayed": ref_decayed, "rows": rows,
             "ndim": all(p.dim() == len(original[n]) for n, p in named),
@@ -469,15 +475,7 @@ def _persistence(rank, world_size, threshold, dtype):
     named = [(n.removeprefix("module."), p) for n, p in fsdp.named_parameters()]
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in _data("gpt", 3):
-        opt.zero_grad()
-        xs, ys = torch.tensor_split(x, world_size)[rank], torch.tensor_split(y, world_size)[rank]
-        loss_fn(fsdp, xs, ys).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        for mx, my in zip(torch.tensor_split(x, world_size), torch.tensor_split(y, world_size)):
-            (loss_fn(ref, mx, my) / world_size).backward()
-        ref_opt.step()
+    _train_side_by_side(rank, world_size, fsdp, opt, ref, ref_opt)
     state, expect = fsdp.gather_full_params(), ref.state_dict()
     values = [None] * world_size
     dist.all_gather_object(values, {n: p.detach().clone() for n, p in named})

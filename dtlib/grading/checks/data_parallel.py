@@ -14,13 +14,19 @@ from dtlib.experiments.scaling_efficiency import scaling_efficiency
 from dtlib.experiments.data_parallel import lr_at_step, train
 
 
-def _probe_average(rank: int, world_size: int, fn: Callable) -> dict:
-    # Weights and gradients deliberately differ per rank, so averaging the wrong thing shows.
+def probe_model(rank: int) -> nn.Linear:
+    """A small layer whose weights and gradients differ per rank, so averaging the wrong thing
+    (or the right thing with the wrong divisor) shows in every entry."""
     model = nn.Linear(3, 2)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.fill_(rank + 1.0 + i)
             p.grad = torch.full_like(p, 10.0 * (rank + 1) + i)
+    return model
+
+
+def _probe_average(rank: int, world_size: int, fn: Callable) -> dict:
+    model = probe_model(rank)
     fn(model, world_size)
     return {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.grading.checks.data_parallel import probe_model
 from dtlib.grading.feedback import launch_checked
 from dtlib.parallel.local_sgd import DiLoCo
 
@@ -148,11 +149,7 @@ SAMPLES = (3, 1, 5, 2)  # rank 0 not 1: dividing by its own count must show
 
 
 def _weighted_worker(rank: int, world_size: int, fn: Callable) -> dict:
-    model = nn.Linear(3, 2)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.fill_(rank + 1.0 + i)
-            p.grad = torch.full_like(p, 10.0 * (rank + 1) + i)
+    model = probe_model(rank)
     fn(model, SAMPLES[rank])
     return {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
 
