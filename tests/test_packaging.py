@@ -11,7 +11,7 @@ CONDA_TO_PYPI = {"pytorch-cpu": "torch", "pytorch": "torch"}
 
 
 def _name(spec: str) -> str:
-    return re.split(r"[<>=!~ ]", spec.strip(), maxsplit=1)[0].lower()
+    return re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0].lower()  # ray[train] -> ray
 
 
 def test_environment_yml_matches_pyproject():
@@ -33,7 +33,7 @@ def test_environment_yml_matches_pyproject():
     for name, spec in pypi.items():
         floor = re.search(r">=([\d.]+)", spec)
         if floor:
-            assert re.search(rf"(?i)(- {name}|pytorch-cpu)>={re.escape(floor.group(1))}", text), f"{name} floor differs"
+            assert re.search(rf"(?i)(- {re.escape(name)}(\[[\w,]+\])?|pytorch-cpu)>={re.escape(floor.group(1))}", text), f"{name} floor differs"
 
 
 def test_ci_runs_the_readme_test_command():
