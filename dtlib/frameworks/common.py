@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FrameworkRun", "compare"]
+__all__ = ["FrameworkRun", "compare", "token_batches"]
 
 
 @dataclass
@@ -58,3 +58,16 @@ def compare(run: FrameworkRun, reference: FrameworkRun) -> dict[str, float]:
                              f"{reference.framework} {np.shape(ref)}")
         param_diff = max(param_diff, float(np.max(np.abs(got - np.asarray(ref)), initial=0.0)))
     return {"max_loss_diff": float(loss_diff), "max_param_diff": param_diff}
+
+
+def token_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """The same training data for every framework: ``steps`` global batches of ``global_batch``
+    sequences of ``seq + 1`` token ids in ``[0, vocab)`` (inputs are ``[..., :-1]``, targets
+    ``[..., 1:]``), drawn with NumPy's PCG64 from ``seed``, shape ``(steps, global_batch, seq + 1)``.
+    A framework that splits the batch over ranks takes rank ``r``'s rows as ``r::dp`` or as
+    contiguous blocks; either way the global mean loss is the same."""
+    for name, value in (("steps", steps), ("global_batch", global_batch), ("seq", seq), ("vocab", vocab)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(steps, global_batch, seq + 1), dtype=np.int64)
