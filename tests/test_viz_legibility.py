@@ -28,6 +28,7 @@ from dtlib.analytic.hardware import cluster
 from dtlib.plan.search import search
 from dtlib.resilience.interval import interval_study
 from dtlib.viz import cluster as cluster_viz
+from dtlib.viz import frameworks as frameworks_viz
 from dtlib.viz import (charts, local_sgd, collectives, comm, memory, mesh, pipeline, plan, profile, resilience, ring,
                        tensor, timeline, training, zero)
 from dtlib.viz.style import SMALL_FONT
@@ -199,6 +200,28 @@ FIGURES = {
     "plot_checkpoint_bytes": lambda: cluster_viz.plot_checkpoint_bytes(
         {"AdamW": [{"step": 1, "kind": "full", "bytes": 380e3}, {"step": 2, "kind": "delta", "bytes": 300e3}],
          "SGD": [{"step": 1, "kind": "full", "bytes": 130e3}, {"step": 2, "kind": "delta", "bytes": 80e3}]}),
+    # lesson 13: the real frameworks
+    "plot_framework_losses": lambda: frameworks_viz.plot_framework_losses(
+        {"dtlib": [4.2, 4.0, 3.8], "DeepSpeed ZeRO-2": [4.2, 4.0, 3.8], "JAX fsdp": [4.2, 4.0, 3.8]},
+        [4.2, 4.0, 3.8], {"dtlib": {"loss": 0.0, "parameters": 3e-8},
+                          "DeepSpeed ZeRO-2": {"loss": 1.2e-7, "parameters": 3e-8},
+                          "JAX fsdp": {"loss": 2.4e-7, "parameters": 6e-8}}),
+    "plot_framework_memory": lambda: frameworks_viz.plot_framework_memory(
+        {"dtlib ZeRO-2": _STATES["ZeRO-1"], "DeepSpeed ZeRO-2": _STATES["ZeRO-1"]},
+        {"dtlib ZeRO-2": _STATES["ZeRO-1"][0], "DeepSpeed ZeRO-2": _STATES["ZeRO-1"][0]}),
+    "plot_framework_collectives": lambda: frameworks_viz.plot_framework_collectives(
+        {"dtlib": {"all_reduce": 1, "reduce_scatter": 0}, "DeepSpeed": {"all_reduce": 2, "all_gather": 1},
+         "JAX (HLO)": {"all_reduce": 1}}),
+    "plot_silent_defaults": lambda: frameworks_viz.plot_silent_defaults(
+        {"DeepSpeed\ngradient_clipping": {"default": 1.6e-2, "fixed": 3e-8},
+         "Megatron\nbatch_p2p_comm": {"default": 1.4, "fixed": 0.0},
+         "shard_map\ngradient sum": {"default": 0.3, "fixed": 1e-7}}),
+    "plot_emitted": lambda: frameworks_viz.plot_emitted(
+        {"parameters": 3 * MiB, "gradients": 1.5 * MiB, "optimizer": 6 * MiB},
+        {"DeepSpeed": '{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2}\n}',
+         "Megatron-LM": "--tensor-model-parallel-size 2\n--micro-batch-size 1",
+         "JAX": "mesh {'data': 2, 'model': 2}\nattn.qkv: P(None, 'model')"},
+        {"DeepSpeed": ["tensor parallelism (tp 2): DeepSpeed alone has no TP for a GPT"], "JAX": []}),
 }
 
 
