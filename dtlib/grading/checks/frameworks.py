@@ -1,0 +1,264 @@
+"""Checks for the frameworks exercise: one layout written in three frameworks' own languages.
+
+* Q1 :func:`check_deepspeed_batch`, :func:`check_deepspeed_memory`, :func:`check_deepspeed_run` -
+  ``deepspeed_config()``, DeepSpeed's JSON as a dict, for :data:`DEEPSPEED_TASK`: the three batch
+  sizes multiply out (DeepSpeed's own rule, ``deepspeed/runtime/config.py:_batch_assertion``), the
+  ZeRO stage shards what the task asks and no more, and two DeepSpeed ranks train equal to one process.
+* Q2 :func:`check_megatron_layout`, :func:`check_megatron_batch`, :func:`check_megatron_run` -
+  ``megatron_flags()``, Megatron-LM's command-line flags, for :data:`MEGATRON_TASK`: the parallel
+  sizes and sequence parallelism, the batch flags, and a Megatron-Core run equal to one process.
+* Q3 :func:`check_jax_tensor_parallel`, :func:`check_jax_fsdp`, :func:`check_jax_run` -
+  ``partition_specs()``, a PartitionSpec per weight role and one for the batch, for
+  :data:`JAX_TASK`: the Megatron split on the right dimension of each matrix, every weight sharded
+  over ``fsdp``, and the GSPMD run on 8 host devices equal to the unsharded one.
+
+Every failing check raises an ``AssertionError`` whose first line names the mistake and how to
+think about it, never the answer. The runs are compared with one process within
+:data:`TOLERANCE`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from dtlib.grading.feedback import first_line
+
+__all__ = ["DEEPSPEED_TASK", "MEGATRON_TASK", "JAX_TASK", "TOLERANCE", "STEPS",
+           "check_deepspeed_batch", "check_deepspeed_memory", "check_deepspeed_run",
+           "check_megatron_layout", "check_megatron_batch", "check_megatron_run",
+           "check_jax_tensor_parallel", "check_jax_fsdp", "check_jax_run", "answer"]
+
+STEPS = 3
+# fp32 runs that reorder sums (a reduce-scatter, an all-reduce, a sharded matmul) differ from one
+# process by rounding: about 1e-7 per step in the losses (shared/notes/frameworks-on-cpu.md measured
+# at most 2.4e-7 over 3 steps). A real mistake (clipping, a gradient off by a factor, a missing
+# micro-batch) moves the losses by 1e-3 or more from step 2 on, so 1e-5 separates them by 40x.
+TOLERANCE = 1e-5
+
+# The layouts the questions ask for (the learner reads them in the exercise's markdown).
+DEEPSPEED_TASK = {"world_size": 2, "global_batch": 8, "micro_batch_size": 2,
+                  "sharded": ("optimizer", "gradients")}
+MEGATRON_TASK = {"world_size": 4, "tp": 2, "pp": 2, "sequence_parallel": True, "micro_batch_size": 1,
+                 "global_batch": 4}
+JAX_TASK = {"mesh": {"fsdp": 4, "model": 2}}
+# Megatron's split (Shoeybi et al. 2019, Sec. 3): column-parallel layers split their output
+# features, row-parallel layers their input features. Dim index of each kind in a (in, out) kernel.
+_COLUMN, _ROW = ("attn.qkv", "mlp.up"), ("attn.out", "mlp.down")
+
+
+def answer(fn: Callable, name: str) -> Any:
+    """The learner's ``fn()``, with a stub (``...``/None) or an exception turned into a hint."""
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - any error of the learner's code becomes a hint
+        raise AssertionError(f"{name}() raised {first_line(e)}") from e
+    if value is ... or value is None:
+        raise AssertionError(f"{name}() returned {value}: replace the ... with your answer")
+    return value
+
+
+# ---------------------------------------------------------------- Q1: DeepSpeed's JSON
+
+def _config(deepspeed_config: Callable) -> dict:
+    cfg = answer(deepspeed_config, "deepspeed_config")
+    if not isinstance(cfg, dict):
+        raise AssertionError(f"deepspeed_config() must return a dict (DeepSpeed's JSON as a Python dict), "
+                             f"got {type(cfg).__name__}")
+    return cfg
+
+
+def _positive(cfg: dict, key: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise AssertionError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_deepspeed_batch(deepspeed_config: Callable) -> None:
+    """The three batch keys (the runner asks for all three; DeepSpeed itself derives a missing one)
+    multiply out with the ranks, and give the layout's global batch and micro-batch."""
+    cfg = _config(deepspeed_config)
+    world = DEEPSPEED_TASK["world_size"]
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise AssertionError(f"{', '.join(missing)} missing: give all three batch keys, so that the config "
+                             "says the layout without DeepSpeed guessing")
+    batch, micro, accumulate = (_positive(cfg, k) for k in keys)
+    if batch != micro * accumulate * world:
+        raise AssertionError(
+            f"the batch sizes do not multiply out: train_batch_size ({batch}) must equal "
+            f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks ({micro} x {accumulate} x {world})")
+    if batch != DEEPSPEED_TASK["global_batch"]:
+        raise AssertionError(f"your config trains {batch} sequences per optimizer step: train_batch_size is the "
+                             "global batch (all ranks, all micro-batches); read the layout's global batch again")
+    if micro != DEEPSPEED_TASK["micro_batch_size"]:
+        raise AssertionError(f"one forward pass of one rank runs {micro} sequences in your config: "
+                             "train_micro_batch_size_per_gpu is what one rank holds at once; read the layout again")
+
+
+_STAGE_HINTS = {
+    0: "stage 0 shards nothing: every rank would hold all optimizer states and all gradients",
+    1: "stage 1 shards only the optimizer states: the layout asks for the gradients sharded too",
+    3: "stage 3 also shards the parameters: the layout keeps every parameter whole on each rank "
+       "(stage 3 pays an all_gather of the weights in every forward and backward)",
+}
+
+
+def check_deepspeed_memory(deepspeed_config: Callable) -> None:
+    """``zero_optimization``: the stage that shards exactly what the layout asks, and no offload."""
+    cfg = _config(deepspeed_config)
+    zero = cfg.get("zero_optimization")
+    if zero is None:
+        raise AssertionError("zero_optimization is missing: without it DeepSpeed runs stage 0 and every rank "
+                             "holds all optimizer states and gradients")
+    if not isinstance(zero, dict):
+        raise AssertionError(f"zero_optimization must be a dict such as {{'stage': ...}}, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise AssertionError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage in _STAGE_HINTS:
+        raise AssertionError(_STAGE_HINTS[stage])
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), (dict, type(None))) else "?"
+        if device != "none":
+            raise AssertionError(f"zero_optimization.{key} moves state to the CPU: the layout keeps its shards on "
+                                 "the ranks (no offload)")
+
+
+@functools.lru_cache(maxsize=None)
+def _deepspeed_reference(key: str) -> Any:
+    """One process on the same data and optimizer, shared by every check of a session with the same
+    config (``key``: the config as sorted JSON)."""
+    import json
+
+    from dtlib.frameworks.deepspeed_zero import reference_run
+    return reference_run(json.loads(key), STEPS)
+
+
+def check_deepspeed_run(deepspeed_config: Callable) -> None:
+    """Two DeepSpeed ranks train :data:`STEPS` steps with the config; losses and final parameters
+    equal one process within :data:`TOLERANCE`."""
+    import json
+
+    from dtlib.frameworks.common import compare
+    from dtlib.frameworks.deepspeed_zero import DEFAULT_GRADIENT_CLIPPING, run_deepspeed, validate_deepspeed_config
+
+    cfg = _config(deepspeed_config)
+    world = DEEPSPEED_TASK["world_size"]
+    if "optimizer" not in cfg:
+        raise AssertionError("optimizer is missing: without it DeepSpeed has no optimizer to shard; use the one "
+                             "the question gives")
+    try:
+        validate_deepspeed_config(cfg, world)
+    except ValueError as e:
+        raise AssertionError(f"DeepSpeed would reject this config: {e}") from None
+    clipping = cfg.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
+    if clipping:  # before the run: a clipped step cannot equal one process, and the run costs seconds
+        said = "gradient_clipping" in cfg
+        raise AssertionError(
+            f"gradient_clipping is {clipping}{'' if said else ' (DeepSpeed default)'}: DeepSpeed rescales every "
+            "gradient whose norm is above it, so its steps differ from one process from step 2 on; the layout "
+            "asks for the plain optimizer step")
+    try:
+        run = run_deepspeed(cfg, world_size=world, steps=STEPS)
+    except Exception as e:  # noqa: BLE001 - a rank's error becomes the first line
+        raise AssertionError(f"the DeepSpeed run failed: {first_line(e)}") from e
+    diff = compare(run, _deepspeed_reference(json.dumps(cfg, sort_keys=True)))
+    _equal_to_one_process("DeepSpeed", diff)
+
+
+def _equal_to_one_process(who: str, diff: dict[str, float]) -> None:
+    if diff["max_loss_diff"] > TOLERANCE or diff["max_param_diff"] > TOLERANCE:
+        raise AssertionError(f"the {who} run differs from one process: losses by up to {diff['max_loss_diff']:.2g}, "
+                             f"parameters by up to {diff['max_param_diff']:.2g} (rounding is below {TOLERANCE:g})")
+
+
+# ---------------------------------------------------------------- Q3: JAX PartitionSpecs
+
+def _specs(partition_specs: Callable) -> tuple[dict, Any]:
+    value = answer(partition_specs, "partition_specs")
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict)):
+        raise AssertionError("partition_specs() must return (specs, batch_spec): a dict role -> spec and the "
+                             "batch's spec")
+    specs, batch = value
+    specs = {role: list(spec) if isinstance(spec, tuple) else spec for role, spec in specs.items()}
+    from dtlib.frameworks.jax_gspmd import ROLE_SHAPES, validate_layout
+    missing = [role for role in ROLE_SHAPES if role not in specs]
+    if missing:
+        raise AssertionError(f"no spec for {', '.join(missing)}: give every role a spec (a list with one entry "
+                             "per dim: None, an axis name or a list of axis names)")
+    try:
+        validate_layout(dict(JAX_TASK["mesh"]), specs, batch)
+    except ValueError as e:
+        raise AssertionError(str(e)) from None
+    return specs, batch
+
+
+def _axes(entry: Any) -> list[str]:
+    return [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+
+
+def _dims_with(spec: list, axis: str) -> list[int]:
+    return [d for d, entry in enumerate(spec) if axis in _axes(entry)]
+
+
+def check_jax_tensor_parallel(partition_specs: Callable) -> None:
+    """The ``model`` axis splits the four matrices of a block as Megatron splits them, and nothing
+    else: column-parallel layers their output features, row-parallel ones their input features."""
+    specs, _ = _specs(partition_specs)
+    from dtlib.frameworks.jax_gspmd import ROLE_SHAPES
+    for role in _COLUMN + _ROW:
+        dims = _dims_with(specs[role], "model")
+        if not dims:
+            raise AssertionError(f"{role} is not split over 'model': tensor parallelism splits every matrix of the "
+                                 "attention and the MLP over the model axis")
+        kind, right = ("column", 1) if role in _COLUMN else ("row", 0)
+        if dims != [right]:
+            (name, _size) = ROLE_SHAPES[role][dims[0]]
+            raise AssertionError(
+                f"{role} splits its {name} dimension over 'model', the wrong dimension for a {kind}-parallel layer: "
+                "XLA still computes the right numbers, but inserts an all_gather or all_reduce around it that "
+                "Megatron's split avoids (look at which features the next matrix needs whole)")
+    for role, spec in specs.items():
+        if role not in _COLUMN + _ROW and _dims_with(spec, "model"):
+            raise AssertionError(f"{role} is split over 'model': in this layout tensor parallelism splits only the "
+                                 "attention and MLP matrices; the other weights are sharded by fsdp alone")
+
+
+def check_jax_fsdp(partition_specs: Callable) -> None:
+    """Every weight is sharded over ``fsdp`` (ZeRO-3: each device holds a quarter) and the batch is
+    split over ``fsdp`` (each device computes its own sequences)."""
+    specs, batch = _specs(partition_specs)
+    whole = [role for role, spec in specs.items() if not _dims_with(spec, "fsdp")]
+    if whole:
+        raise AssertionError(f"{', '.join(whole)} {'is' if len(whole) == 1 else 'are'} not sharded over 'fsdp': "
+                             "FSDP shards every weight, so each device stores only its part of each")
+    if batch is None or _dims_with(list(batch), "fsdp") != [0]:
+        raise AssertionError("the batch's sequences are not split over 'fsdp': in FSDP each device of the fsdp axis "
+                             "trains on its own part of the global batch (the fsdp axis is a data-parallel axis)")
+    if _dims_with(list(batch), "model"):
+        raise AssertionError("the batch is split over 'model': the ranks of one tensor-parallel group must see "
+                             "the same sequences")
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_reference() -> Any:
+    from dtlib.frameworks.jax_gspmd import reference_run
+    return reference_run(STEPS)
+
+
+def check_jax_run(partition_specs: Callable) -> None:
+    """GSPMD on 8 host devices with these specs trains :data:`STEPS` steps equal to the unsharded
+    run (the collectives XLA inserted are in the run's ``collectives``)."""
+    from dtlib.frameworks.common import compare
+    from dtlib.frameworks.jax_gspmd import run_jax
+
+    specs, batch = _specs(partition_specs)
+    try:
+        run = run_jax(dict(JAX_TASK["mesh"]), specs, batch, STEPS)
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"the JAX run failed: {first_line(e)}") from e
+    _equal_to_one_process("JAX", compare(run, _jax_reference()))
