@@ -1,0 +1,160 @@
+"""Lesson 13's graded checks: answers written here by hand pass (the runs equal one process), the
+unfilled stub fails every check with its hint first, each classic mistake gets its own one-line
+hint, and no hint gives away a solution value."""
+import copy
+import re
+
+import pytest
+
+from dtlib.grading.checks import frameworks as checks
+
+
+def _fails(check, answer, pattern: str) -> str:
+    """``check(answer)`` fails, and the first line of what it raised matches ``pattern``."""
+    with pytest.raises(AssertionError) as info:
+        check(answer)
+    first = str(info.value).splitlines()[0]
+    assert re.search(pattern, first), first
+    return first
+
+
+# ---- q1: DeepSpeed ------------------------------------------------------------------------------
+DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+      "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+      "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+
+
+def _ds(**changes):
+    cfg = copy.deepcopy(DS)
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    return lambda: cfg
+
+
+def test_deepspeed_answer_passes_and_trains_equal_to_one_process():
+    checks.check_deepspeed_batch(_ds())
+    checks.check_deepspeed_memory(_ds())
+    checks.check_deepspeed_run(_ds())  # 2 DeepSpeed ranks, 3 steps, against one process
+
+
+DS_MISTAKES = [
+    (dict(gradient_accumulation_steps=1), "batch", r"do not multiply out"),
+    (dict(train_batch_size=4, gradient_accumulation_steps=1), "batch", r"trains 4 sequences per optimizer step"),
+    (dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1), "batch", r"one forward pass of one rank runs 4"),
+    (dict(gradient_accumulation_steps=None), "batch", r"gradient_accumulation_steps missing"),
+    (dict(train_batch_size=0), "batch", r"train_batch_size must be a positive integer"),
+    (dict(zero_optimization=None), "memory", r"zero_optimization is missing"),
+    (dict(zero_optimization={"stage": 1}), "memory", r"stage 1 shards only the optimizer states"),
+    (dict(zero_optimization={"stage": 3}), "memory", r"stage 3 also shards the parameters"),
+    (dict(zero_optimization={"stage": 0}), "memory", r"stage 0 shards nothing"),
+    (dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), "memory", r"offload_optimizer moves"),
+    (dict(gradient_clipping=None), "run", r"gradient_clipping is 1.0 \(DeepSpeed default\)"),
+    (dict(gradient_clipping=1.0), "run", r"gradient_clipping is 1.0: DeepSpeed rescales"),
+    (dict(optimizer=None), "run", r"optimizer is missing"),
+    (dict(gradient_clipping=None, gradient_cliping=0.0), "run", r"DeepSpeed would reject.*gradient_cliping"),
+]
+
+
+@pytest.mark.parametrize("changes, check, hint", DS_MISTAKES)
+def test_deepspeed_mistakes_have_their_own_hint(changes, check, hint):
+    _fails(getattr(checks, f"check_deepspeed_{check}"), _ds(**changes), hint)
+
+
+# ---- q3: JAX PartitionSpecs ------------------------------------------------------------------------
+# FSDP over "fsdp" on a dim tensor parallelism leaves whole; Megatron's split over "model"
+SPECS = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", "model"], "attn.out": ["model", "fsdp"],
+         "mlp.up": ["fsdp", "model"], "mlp.down": ["model", "fsdp"], "norm": ["fsdp"], "head": ["fsdp", None]}
+BATCH = ["fsdp", None]
+
+
+def _jax(batch=BATCH, **changes):
+    specs = {**copy.deepcopy(SPECS), **{k.replace("_", "."): v for k, v in changes.items()}}
+    specs = {k: v for k, v in specs.items() if v != "drop"}
+    return lambda: (specs, batch)
+
+
+def test_jax_answer_passes_and_trains_equal_to_the_unsharded_run():
+    checks.check_jax_tensor_parallel(_jax())
+    checks.check_jax_fsdp(_jax())
+    checks.check_jax_run(_jax())  # 8 host devices in a subprocess, against one device
+
+
+def test_jax_other_valid_answers_pass_the_pure_checks():
+    alternative = _jax(embed=[None, "fsdp"], head=[None, "fsdp"], attn_qkv=[("fsdp",), "model"])
+    checks.check_jax_tensor_parallel(alternative)
+    checks.check_jax_fsdp(alternative)
+
+
+JAX_MISTAKES = [
+    (dict(attn_qkv=["model", "fsdp"]), "tensor_parallel",
+     r"attn.qkv splits its hidden dimension over 'model', the wrong dimension for a column-parallel"),
+    (dict(mlp_down=["fsdp", "model"]), "tensor_parallel",
+     r"mlp.down splits its hidden dimension over 'model', the wrong dimension for a row-parallel"),
+    (dict(mlp_up=["fsdp", None]), "tensor_parallel", r"mlp.up is not split over 'model'"),
+    (dict(head=["fsdp", "model"]), "tensor_parallel", r"head is split over 'model'"),
+    (dict(norm=[None]), "fsdp", r"norm is not sharded over 'fsdp'"),
+    (dict(batch=[None, None]), "fsdp", r"sequences are not split over 'fsdp'"),
+    (dict(batch=[["fsdp", "model"], None]), "fsdp", r"the batch is split over .model."),
+    (dict(embed="drop"), "fsdp", r"no spec for embed"),
+    (dict(embed=["data", None]), "tensor_parallel", r"unknown axis 'data'"),
+    (dict(attn_qkv=["fsdp"]), "run", r"one entry per dim"),
+]
+
+
+def _jax_case(changes: dict):
+    changes = dict(changes)
+    return _jax(batch=changes.pop("batch", BATCH), **changes)
+
+
+@pytest.mark.parametrize("changes, check, hint", JAX_MISTAKES)
+def test_jax_mistakes_have_their_own_hint(changes, check, hint):
+    _fails(getattr(checks, f"check_jax_{check}"), _jax_case(changes), hint)
+
+
+def test_jax_wrong_dimension_is_correct_but_costs_collectives():
+    """What the wrong-dimension hint says, measured: XLA keeps the numbers (so only the pure check
+    can catch it) and inserts more collectives than Megatron's split."""
+    from dtlib.frameworks.common import compare
+    from dtlib.frameworks.jax_gspmd import run_jax
+
+    wrong = dict(copy.deepcopy(SPECS), **{"attn.qkv": ["model", "fsdp"]})
+    runs = [run_jax(dict(checks.JAX_TASK["mesh"]), s, BATCH, checks.STEPS) for s in (SPECS, wrong)]
+    assert compare(runs[1], runs[0])["max_param_diff"] < checks.TOLERANCE
+    assert sum(runs[1].collectives[0].values()) > sum(runs[0].collectives[0].values())
+
+
+# ---- every question -----------------------------------------------------------------------------------
+ALL_CHECKS = [name for name in checks.__all__ if name.startswith("check_")]
+
+
+@pytest.mark.parametrize("name", ALL_CHECKS)
+@pytest.mark.parametrize("stub", [lambda: None, lambda: ...], ids=["None", "Ellipsis"])
+def test_the_unfilled_stub_fails_each_check_with_its_hint_first(name, stub):
+    _fails(getattr(checks, name), stub, r"\(\) returned (None|Ellipsis): replace the \.\.\. with your answer")
+
+
+def test_an_answer_that_raises_is_reported():
+    def broken():
+        raise KeyError("oops")
+    _fails(checks.check_deepspeed_batch, broken, r"deepspeed_config\(\) raised KeyError")
+
+
+# What the solutions write; a hint that contains one gives the answer away.
+GIVEAWAYS = ["'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 2", "= 2 x 2 x 2",
+             "'gradient_clipping': 0", "gradient_clipping to 0", "None, 'model'", "'model', None",
+             "['fsdp', 'model']", "['model', 'fsdp']", "dim 1", "dim 0"]
+
+
+def test_each_mistake_has_its_own_hint_and_none_gives_the_answer_away():
+    hints = [_fails(getattr(checks, f"check_deepspeed_{check}"), _ds(**changes), pattern)
+             for changes, check, pattern in DS_MISTAKES]
+    hints += [_fails(getattr(checks, f"check_jax_{check}"), _jax_case(changes), pattern)
+              for changes, check, pattern in JAX_MISTAKES]
+    for hint in hints:
+        assert not [g for g in GIVEAWAYS if g in hint], hint
+    # two different mistakes never read the same (the learner could not tell them apart)
+    same = {h for h in hints if hints.count(h) > 1}
+    assert not same, same
