@@ -34,6 +34,7 @@ from dtlib.viz import (charts, local_sgd, collectives, comm, memory, mesh, pipel
 from dtlib.viz.style import SMALL_FONT
 from dtlib.widgets import REGISTRY
 import dtlib.widgets.communication  # noqa: F401  (registers the widgets drawn below)
+import dtlib.widgets.frameworks  # noqa: F401
 import dtlib.widgets.memory  # noqa: F401
 import dtlib.widgets.placement  # noqa: F401
 
@@ -216,6 +217,7 @@ FIGURES = {
         {"DeepSpeed\ngradient_clipping": {"default": 1.6e-2, "fixed": 3e-8},
          "Megatron\nbatch_p2p_comm": {"default": 1.4, "fixed": 0.0},
          "shard_map\ngradient sum": {"default": 0.3, "fixed": 1e-7}}),
+    "emitted configs widget": lambda: REGISTRY["emitted_configs"]().figure,
     "plot_emitted": lambda: frameworks_viz.plot_emitted(
         {"parameters": 3 * MiB, "gradients": 1.5 * MiB, "optimizer": 6 * MiB},
         {"DeepSpeed": '{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2}\n}',

@@ -4,10 +4,13 @@ and the model-state bytes per rank :mod:`dtlib.analytic.memory` predicts. Pure a
 is launched."""
 from __future__ import annotations
 
+import json
+
 import ipywidgets as W
 
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
+from dtlib.analytic.presets import get_preset
 from dtlib.plan.emit import emit
 from dtlib.viz.frameworks import plot_emitted
 from dtlib.widgets.base import Explorer, register
@@ -29,13 +32,28 @@ def emitted_configs(zero: int, dp: int, tp: int, pp: int, micro_batch_size: int,
         raise ValueError(f"global_batch ({global_batch}) must be a multiple of dp x micro_batch_size ({per_step})")
     layout = Parallelism(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch_size=micro_batch_size,
                          num_microbatches=global_batch // per_step)
-    memory = memory_per_gpu(MODEL, layout, precision="zero")
-    emitted = {name: emit(name, layout, MODEL, global_batch, PRECISION) for name in FRAMEWORKS}
+    model = get_preset(MODEL)
+    memory = memory_per_gpu(model, layout, precision="zero")
+    emitted = {name: emit(name, layout, model, global_batch, PRECISION) for name in FRAMEWORKS}
     return {"layout": layout, "global_batch": global_batch,
             "predicted": {"parameters": memory.parameters, "gradients": memory.gradients,
                           "optimizer": memory.optimizer},
-            "texts": {FRAMEWORKS[n]: e.text for n, e in emitted.items()},
+            "texts": {FRAMEWORKS[n]: _compact(n, e) for n, e in emitted.items()},
             "unsupported": {FRAMEWORKS[n]: list(e.unsupported) for n, e in emitted.items()}}
+
+
+def _compact(framework: str, emitted) -> str:
+    """The emitted config in few lines for a panel: DeepSpeed's keys one per line, Megatron's flags
+    without their line continuations, JAX's mesh and one spec per role."""
+    if emitted.unsupported:
+        return ""
+    if framework == "deepspeed":
+        return "\n".join(f"{key}: {json.dumps(value)}" for key, value in emitted.data.items())
+    if framework == "jax":
+        specs = [f"{role}: P({', '.join(repr(a) if a else 'None' for a in spec)})"
+                 for role, spec in emitted.data["specs"].items()]
+        return "\n".join([f"mesh {emitted.data['mesh']}"] + specs + [f"batch: P{tuple(emitted.data['batch'])}"])
+    return emitted.text.replace(" \\\n", "\n")
 
 
 def _plot(r: dict):
