@@ -27,6 +27,7 @@ import sys
 import tempfile
 from typing import Any
 
+from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun, token_batches
 
 __all__ = ["MODEL", "ROLE_SHAPES", "AXES", "MAX_DEVICES", "LAYOUTS", "run_jax", "run_layouts",
@@ -117,8 +118,7 @@ def validate_layout(mesh: dict[str, int], specs: dict[str, Spec], batch_spec: Sp
     for axis, size in mesh.items():
         if axis not in AXES:
             raise ValueError(f"mesh: unknown axis {axis!r}; valid axes: {', '.join(AXES)}")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"mesh[{axis!r}] must be a positive integer, got {size!r}")
+        validate.integer(f"mesh[{axis!r}]", size)
     devices = math.prod(mesh.values())
     if devices > MAX_DEVICES:
         raise ValueError(f"mesh {mesh} needs {devices} devices; at most {MAX_DEVICES} host devices")
@@ -153,8 +153,9 @@ _BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
 
 def hlo_collective_calls(hlo_text: str) -> list[dict[str, Any]]:
     """Every collective in HLO text, in order: ``op`` (torch spelling), ``group_size`` (devices in
-    each replica group; None when the line does not say) and ``bytes`` of its result (a combined
-    collective's tuple summed)."""
+    each replica group; None when the line does not say, as for a collective-permute) and
+    ``bytes`` of its result (a combined collective's tuple summed; an async ``-start``'s tuple
+    also holds its input)."""
     calls = []
     for line in hlo_text.splitlines():
         found = _CALL.search(line)
@@ -178,7 +179,8 @@ def _group_size(line: str) -> int | None:
 
 def _bytes(shape: str) -> int:
     """Bytes of an HLO result shape, e.g. ``f32[2,16,32]{2,1,0}`` or a tuple of them."""
-    return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape))
+    return sum(_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _ARRAY.findall(shape))
 
 
 def hlo_collectives(hlo_text: str) -> dict[str, int]:
@@ -191,12 +193,9 @@ def hlo_collectives(hlo_text: str) -> dict[str, int]:
 
 
 def _check_run_args(steps: Any, seed: Any, timeout: Any) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    validate.integer("steps", steps)
+    validate.integer("seed", seed, minimum=0)
+    validate.number("timeout", timeout)
 
 
 def _subprocess(request: dict[str, Any], devices: int, timeout: float) -> Any:
@@ -289,7 +288,6 @@ def shard_map_pitfall(devices: int = 8, seed: int = 0, *, timeout: float = 60.0)
 
     Returns ``reference`` and ``naive`` gradients, ``ratio`` (naive / reference, elementwise
     mean) and ``fixes``: name -> gradient."""
-    if not isinstance(devices, int) or isinstance(devices, bool) or not 2 <= devices <= MAX_DEVICES:
-        raise ValueError(f"devices must be an integer from 2 to {MAX_DEVICES}, got {devices!r}")
+    validate.integer("devices", devices, minimum=2, maximum=MAX_DEVICES)
     _check_run_args(1, seed, timeout)
     return _subprocess({"kind": "pitfall", "devices": devices, "seed": seed}, devices, timeout)
