@@ -160,7 +160,8 @@ def _jax_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> li
             for a in [axes] if isinstance(axes, str) else axes or []:
                 parts *= sizes[a]
             if dim % parts:
-                out.append(f"{role} dimension {dim} is not divisible by its {parts} shards ({axes})")
+                out.append(f"{role} dimension {dim} is not divisible by its {parts} shards ({axes}); pad it "
+                           f"(Megatron-LM pads the vocabulary to a multiple of 128 x tp)")
     return out
 
 

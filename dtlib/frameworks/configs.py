@@ -1,0 +1,96 @@
+"""The configs of :mod:`dtlib.plan.emit`, checked by each framework's own config classes.
+
+A config that a framework refuses at launch is a wasted cluster reservation; these checks run the
+framework's own validation here, on CPU, before anyone pays:
+
+* DeepSpeed: its ``DeepSpeedConfig`` (batch arithmetic, ZeRO and offload keys), through
+  :func:`dtlib.frameworks.deepspeed_zero.validate_deepspeed_config`;
+* Megatron: Megatron-Core's ``TransformerConfig``/``ModelParallelConfig`` built from the flags,
+  through :func:`dtlib.frameworks.megatron_core.parse_megatron_flags`;
+* torchtitan: not installed (it runs on CPU only with fragile patches, see docs/frameworks.md), so
+  the TOML is parsed with ``tomllib`` and checked against the schema read from its
+  ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`);
+* JAX: every spec built as a ``jax.sharding.PartitionSpec`` on an ``AbstractMesh`` of the emitted
+  axis sizes (no devices needed, so a 64-way mesh checks here) and each weight's shard shape
+  computed by ``NamedSharding.shard_shape``, which raises on an indivisible dimension.
+
+Frameworks are imported inside the functions, so ``import dtlib`` never needs them.
+"""
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+from dtlib.analytic.layout import Parallelism
+from dtlib.plan.emit import JAX_AXES, Emitted, check_torchtitan
+
+__all__ = ["check_deepspeed", "check_megatron", "check_torchtitan_toml", "check_jax", "check_emitted"]
+
+
+def check_deepspeed(config: dict[str, Any], world_size: int) -> Any:
+    """DeepSpeed's own ``DeepSpeedConfig`` of ``config`` on ``world_size`` data-parallel ranks."""
+    from dtlib.frameworks.deepspeed_zero import validate_deepspeed_config
+
+    return validate_deepspeed_config(config, world_size)
+
+
+def check_megatron(flags: list[str], world_size: int) -> Any:
+    """Megatron-Core's ``TransformerConfig`` built from ``flags`` on ``world_size`` ranks."""
+    from dtlib.frameworks.megatron_core import parse_megatron_flags
+
+    return parse_megatron_flags(flags, world_size)
+
+
+def check_torchtitan_toml(text: str) -> dict[str, Any]:
+    """The TOML parsed (``tomllib``) and checked against torchtitan's schema; the document."""
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"the torchtitan TOML does not parse: {exc}") from None
+    check_torchtitan(document)
+    return document
+
+
+def check_jax(document: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Each role's ``PartitionSpec`` placed on an ``AbstractMesh`` of the emitted sizes; returns
+    each role's (and ``batch``'s first dimension's) per-device shard shape."""
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    mesh = document["mesh"]
+    unknown = set(mesh) - set(JAX_AXES)
+    if unknown:
+        raise ValueError(f"mesh axes {sorted(unknown)} are not {JAX_AXES}")
+    abstract = AbstractMesh(tuple(mesh.values()), tuple(mesh))
+
+    def spec(entries: list[Any]) -> PartitionSpec:
+        return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+    shards = {}
+    for role, shape in document["shapes"].items():
+        try:
+            shards[role] = NamedSharding(abstract, spec(document["specs"][role])).shard_shape(tuple(shape))
+        except Exception as exc:  # jax's IndivisibleError / DuplicateSpecError: say which role
+            raise ValueError(f"jax rejects specs[{role!r}] = {document['specs'][role]} on shape {shape}: "
+                             f"{str(exc).splitlines()[0]}") from None
+    batch_rows = document["micro_batch_size"] * mesh["data"] * mesh["fsdp"]
+    shards["batch"] = NamedSharding(abstract, spec(document["batch"])).shard_shape((batch_rows, 1))
+    return shards
+
+
+def check_emitted(emitted: Emitted, layout: Parallelism) -> str:
+    """Run the framework's own check of ``emitted``, the config of ``layout``; one line saying what
+    accepted it. A config that was not emitted (unsupported) is an error naming why."""
+    if emitted.unsupported:
+        raise ValueError(f"{emitted.framework}: nothing to check, the layout is not expressible: "
+                         + "; ".join(emitted.unsupported))
+    if emitted.framework == "deepspeed":  # DeepSpeed's data-parallel size: world / (tp x pp)
+        check_deepspeed(emitted.data, layout.dp)
+        return f"accepted by DeepSpeed's DeepSpeedConfig on {layout.dp} data-parallel ranks"
+    if emitted.framework == "megatron":
+        check_megatron(emitted.data, layout.gpus)
+        return f"accepted by Megatron-Core's TransformerConfig on {layout.gpus} ranks"
+    if emitted.framework == "torchtitan":
+        check_torchtitan_toml(emitted.text)
+        return "matches torchtitan's job_config.py schema (v0.2.2)"
+    check_jax(emitted.data)
+    return "every PartitionSpec divides its weight on a jax.sharding.AbstractMesh"
