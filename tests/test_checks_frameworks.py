@@ -63,6 +63,57 @@ def test_deepspeed_mistakes_have_their_own_hint(changes, check, hint):
     _fails(getattr(checks, f"check_deepspeed_{check}"), _ds(**changes), hint)
 
 
+# ---- q2: Megatron-LM flags --------------------------------------------------------------------------
+MEGATRON = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--optimizer", "sgd"]
+
+
+def _meg(*drop: str, add: tuple = ()):
+    """The flags without the flags in ``drop`` (and their values), plus ``add``."""
+    out, skip = [], False
+    for i, token in enumerate(MEGATRON):
+        if skip:
+            skip = False
+            continue
+        if token in drop:
+            skip = i + 1 < len(MEGATRON) and not MEGATRON[i + 1].startswith("--")
+            continue
+        out.append(token)
+    flags = out + list(add)
+    return lambda: flags
+
+
+def test_megatron_answer_passes_and_trains_equal_to_one_process():
+    checks.check_megatron_layout(_meg())
+    checks.check_megatron_batch(_meg())
+    checks.check_megatron_run(_meg())  # 4 Megatron-Core ranks (tp 2 x pp 2, SP), 3 steps, against one process
+    checks.check_megatron_layout(lambda: " ".join(MEGATRON))  # one string, as on a command line
+
+
+MEGATRON_MISTAKES = [
+    (_meg("--tensor-model-parallel-size", add=("--tensor-model-parallel-size", "4")), "layout",
+     r"refuse.*must divide the world size"),
+    (_meg("--pipeline-model-parallel-size"), "layout", r"--pipeline-model-parallel-size is 1"),
+    (_meg("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+          add=("--pipeline-model-parallel-size", "4")), "layout", r"without tensor parallelism is ignored"),
+    (_meg("--sequence-parallel"), "layout", r"sequence parallelism is off"),
+    (_meg(add=("--num-layers-per-virtual-pipeline-stage", "1")), "layout", r"interleaved schedule"),
+    (_meg("--micro-batch-size", add=("--micro-batch-size", "2")), "batch", r"--micro-batch-size is 2"),
+    (_meg("--global-batch-size"), "batch", r"no --global-batch-size"),
+    (_meg("--global-batch-size", add=("--global-batch-size", "8")), "batch", r"--global-batch-size is 8"),
+    (_meg("--global-batch-size", "--micro-batch-size", add=("--micro-batch-size", "4", "--global-batch-size", "6")),
+     "batch", r"refuse.*must be a multiple of --micro-batch-size"),
+    (_meg("--optimizer"), "run", r"default optimizer, adam"),
+    (_meg(add=("--tensor-parallel", "2")), "run", r"unknown or unsupported Megatron-LM flag '--tensor-parallel'"),
+    (lambda: {"tp": 2}, "layout", r"must return a list of strings"),
+]
+
+
+@pytest.mark.parametrize("answer, check, hint", MEGATRON_MISTAKES)
+def test_megatron_mistakes_have_their_own_hint(answer, check, hint):
+    _fails(getattr(checks, f"check_megatron_{check}"), answer, hint)
+
+
 # ---- q3: JAX PartitionSpecs ------------------------------------------------------------------------
 # FSDP over "fsdp" on a dim tensor parallelism leaves whole; Megatron's split over "model"
 SPECS = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", "model"], "attn.out": ["model", "fsdp"],
@@ -76,10 +127,16 @@ def _jax(batch=BATCH, **changes):
     return lambda: (specs, batch)
 
 
-def test_jax_answer_passes_and_trains_equal_to_the_unsharded_run():
+@pytest.fixture(scope="module")
+def jax_answer_run():
+    """The answer's GSPMD run, as the run check made it (8 host devices, against one device)."""
+    return checks.check_jax_run(_jax())
+
+
+def test_jax_answer_passes_and_trains_equal_to_the_unsharded_run(jax_answer_run):
     checks.check_jax_tensor_parallel(_jax())
     checks.check_jax_fsdp(_jax())
-    checks.check_jax_run(_jax())  # 8 host devices in a subprocess, against one device
+    assert jax_answer_run.settings["mesh"] == checks.JAX_TASK["mesh"]
 
 
 def test_jax_other_valid_answers_pass_the_pure_checks():
@@ -114,16 +171,16 @@ def test_jax_mistakes_have_their_own_hint(changes, check, hint):
     _fails(getattr(checks, f"check_jax_{check}"), _jax_case(changes), hint)
 
 
-def test_jax_wrong_dimension_is_correct_but_costs_collectives():
+def test_jax_wrong_dimension_is_correct_but_costs_collectives(jax_answer_run):
     """What the wrong-dimension hint says, measured: XLA keeps the numbers (so only the pure check
     can catch it) and inserts more collectives than Megatron's split."""
     from dtlib.frameworks.common import compare
     from dtlib.frameworks.jax_gspmd import run_jax
 
     wrong = dict(copy.deepcopy(SPECS), **{"attn.qkv": ["model", "fsdp"]})
-    runs = [run_jax(dict(checks.JAX_TASK["mesh"]), s, BATCH, checks.STEPS) for s in (SPECS, wrong)]
-    assert compare(runs[1], runs[0])["max_param_diff"] < checks.TOLERANCE
-    assert sum(runs[1].collectives[0].values()) > sum(runs[0].collectives[0].values())
+    run = run_jax(dict(checks.JAX_TASK["mesh"]), wrong, BATCH, checks.STEPS)
+    assert compare(run, jax_answer_run)["max_param_diff"] < checks.TOLERANCE
+    assert sum(run.collectives[0].values()) > sum(jax_answer_run.collectives[0].values())
 
 
 # ---- every question -----------------------------------------------------------------------------------
@@ -143,7 +200,7 @@ def test_an_answer_that_raises_is_reported():
 
 
 # What the solutions write; a hint that contains one gives the answer away.
-GIVEAWAYS = ["'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 2", "= 2 x 2 x 2",
+GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 2", "= 2 x 2 x 2",
              "'gradient_clipping': 0", "gradient_clipping to 0", "None, 'model'", "'model', None",
              "['fsdp', 'model']", "['model', 'fsdp']", "dim 1", "dim 0"]
 
@@ -151,6 +208,8 @@ GIVEAWAYS = ["'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps
 def test_each_mistake_has_its_own_hint_and_none_gives_the_answer_away():
     hints = [_fails(getattr(checks, f"check_deepspeed_{check}"), _ds(**changes), pattern)
              for changes, check, pattern in DS_MISTAKES]
+    hints += [_fails(getattr(checks, f"check_megatron_{check}"), answer, pattern)
+              for answer, check, pattern in MEGATRON_MISTAKES]
     hints += [_fails(getattr(checks, f"check_jax_{check}"), _jax_case(changes), pattern)
               for changes, check, pattern in JAX_MISTAKES]
     for hint in hints:

@@ -203,8 +203,8 @@ FIGURES = {
          "SGD": [{"step": 1, "kind": "full", "bytes": 130e3}, {"step": 2, "kind": "delta", "bytes": 80e3}]}),
     # lesson 13: the real frameworks
     "plot_framework_losses": lambda: frameworks_viz.plot_framework_losses(
-        {"dtlib": [4.2, 4.0, 3.8], "DeepSpeed ZeRO-2": [4.2, 4.0, 3.8], "JAX fsdp": [4.2, 4.0, 3.8]},
-        [4.2, 4.0, 3.8], {"dtlib": {"loss": 0.0, "parameters": 3e-8},
+        {"dtlib": [4.2, 4.0, 3.8], "DeepSpeed ZeRO-2": [4.2, 4.0, 3.8], "JAX fsdp": [4.1, 3.7, 3.5]},
+        {"dtlib": [4.2, 4.0, 3.8], "DeepSpeed ZeRO-2": [4.2, 4.0, 3.8], "JAX fsdp": [4.1, 3.7, 3.5]}, {"dtlib": {"loss": 0.0, "parameters": 3e-8},
                           "DeepSpeed ZeRO-2": {"loss": 1.2e-7, "parameters": 3e-8},
                           "JAX fsdp": {"loss": 2.4e-7, "parameters": 6e-8}}),
     "plot_framework_memory": lambda: frameworks_viz.plot_framework_memory(

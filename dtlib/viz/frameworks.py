@@ -42,28 +42,31 @@ def _log_bars(ax, groups: Mapping[str, Mapping[str, float]], ylabel: str) -> Non
     ax.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
-def plot_framework_losses(losses: Mapping[str, Sequence[float]], reference: Sequence[float],
+def plot_framework_losses(losses: Mapping[str, Sequence[float]], references: Mapping[str, Sequence[float]],
                           diffs: Mapping[str, Mapping[str, float]], title: str = "") -> Figure:
-    """Left: each framework's loss per step (markers) on the one-process curve (dashed). Right: the
-    largest difference from one process, of any step's loss and of any parameter element
+    """Left: each framework's loss per step (markers) on its own one-process run (a dashed line of
+    the same colour: each framework trains the small model it can hold). Right: the largest
+    difference from one process, of any step's loss and of any parameter element
     (``diffs[name] = {"loss": d, "parameters": d}``, e.g. from :func:`dtlib.frameworks.common.compare`),
-    on a log axis: equal-to-one-process shows as bars near rounding error (about 1e-7 in fp32)."""
+    on a log axis: equal to one process shows as bars near fp32 rounding (about 1e-7)."""
     if not losses:
         raise ValueError("nothing to plot: losses is empty")
     fig = Figure(figsize=(11.0, 3.6))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
-    steps = range(1, len(reference) + 1)
-    left.plot(steps, reference, "k--", lw=1.5, label="one process")
     markers = "os^vDP*X"
     for i, (name, ys) in enumerate(losses.items()):
-        left.plot(range(1, len(ys) + 1), ys, markers[i % len(markers)], ms=6 - 0.6 * i, color=colour(i),
-                  label=name, linestyle="none")
+        if name in references:
+            ref = references[name]
+            left.plot(range(1, len(ref) + 1), ref, "--", lw=1.2, color=colour(i), label=f"{name}: one process")
+        left.plot(range(1, len(ys) + 1), ys, markers[i % len(markers)], ms=7, color=colour(i), label=name,
+                  linestyle="none", fillstyle="none")
+    steps = max(len(ys) for ys in losses.values())
+    left.set_xticks(range(1, steps + 1))
     left.set_xlabel("step", fontsize=FONT)
     left.set_ylabel("loss (global mean)", fontsize=FONT)
-    left.set_xticks(list(steps))
     left.tick_params(labelsize=SMALL_FONT)
     left.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    left.set_title("the same losses", fontsize=FONT)
+    left.set_title("each run on its one-process run", fontsize=FONT)
     _log_bars(right, {name: {"loss": d.get("loss", 0.0), "parameters": d.get("parameters", 0.0)}
                       for name, d in diffs.items()}, "largest |difference| from one process")
     right.set_title("how far from one process", fontsize=FONT)

@@ -176,6 +176,100 @@ def _equal_to_one_process(who: str, diff: dict[str, float]) -> None:
                              f"parameters by up to {diff['max_param_diff']:.2g} (rounding is below {TOLERANCE:g})")
 
 
+# ---------------------------------------------------------------- Q2: Megatron-LM's flags
+
+def _flags(megatron_flags: Callable) -> tuple[list[str], dict, list[str]]:
+    """The learner's flags, Megatron-LM's reading of them for the task's world size, and the
+    warnings that reading gave (Megatron-LM ignores some flags with a warning only)."""
+    import warnings
+
+    from dtlib.frameworks.megatron_flags import parse_megatron_flags
+
+    flags = answer(megatron_flags, "megatron_flags")
+    if isinstance(flags, str):
+        flags = flags.split()
+    if not (isinstance(flags, (list, tuple)) and all(isinstance(f, str) for f in flags)):
+        raise AssertionError(f"megatron_flags() must return a list of strings such as ['--micro-batch-size', '4'], "
+                             f"got {flags!r}")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            parsed = parse_megatron_flags(list(flags), MEGATRON_TASK["world_size"])
+        except ValueError as e:
+            raise AssertionError(f"Megatron-LM would refuse these flags: {e}") from None
+    return list(flags), parsed, [str(w.message) for w in said]
+
+
+def check_megatron_layout(megatron_flags: Callable) -> None:
+    """The parallel sizes Megatron-LM reads from the flags (the data-parallel size is what the
+    world size leaves) and sequence parallelism, as the layout asks."""
+    _, parsed, said = _flags(megatron_flags)
+    ignored = [w for w in said if "sequence-parallel" in w]
+    if ignored:
+        raise AssertionError("--sequence-parallel without tensor parallelism is ignored (Megatron-LM disables it "
+                             "with a warning): sequence parallelism splits the activations of a tensor-parallel "
+                             "group, so it needs one")
+    for key, flag, what in (("tp", "--tensor-model-parallel-size", "tensor-parallel group"),
+                            ("pp", "--pipeline-model-parallel-size", "pipeline")):
+        if parsed[key] != MEGATRON_TASK[key]:
+            raise AssertionError(f"{flag} is {parsed[key]}: the layout's {what} has another size (an absent flag "
+                                 f"means 1)")
+    if parsed["sequence_parallel"] != MEGATRON_TASK["sequence_parallel"]:
+        raise AssertionError("sequence parallelism is off: the layout splits the activations outside the tensor-"
+                             "parallel matmuls (norms, dropout) over the tensor-parallel ranks too; Megatron-LM has "
+                             "a switch for it")
+    if parsed["virtual_stages"] != 1:
+        raise AssertionError("--num-layers-per-virtual-pipeline-stage turns on the interleaved schedule: the layout "
+                             "asks for plain 1F1B (one model chunk per pipeline rank)")
+
+
+def check_megatron_batch(megatron_flags: Callable) -> None:
+    """``--micro-batch-size`` and ``--global-batch-size``: the layout's micro-batch and global batch
+    (the number of micro-batches is what Megatron derives from them)."""
+    flags, parsed, _ = _flags(megatron_flags)
+    if parsed["micro_batch_size"] != MEGATRON_TASK["micro_batch_size"]:
+        raise AssertionError(f"--micro-batch-size is {parsed['micro_batch_size']}: one micro-batch of the layout holds "
+                             "another number of sequences (an absent flag means 1)")
+    if "--global-batch-size" not in " ".join(flags):
+        raise AssertionError("no --global-batch-size: Megatron-LM then trains micro-batch x data-parallel size "
+                             "sequences per step, a single micro-batch that leaves the pipeline nothing to overlap")
+    global_batch = parsed["micro_batch_size"] * parsed["dp"] * parsed["num_microbatches"]
+    if global_batch != MEGATRON_TASK["global_batch"]:
+        raise AssertionError(f"--global-batch-size is {global_batch}: the layout trains another number of sequences "
+                             "per optimizer step")
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_reference(settings: tuple) -> Any:
+    """One process with the flags' model, seed, optimizer and global batch (``settings``: the
+    parsed flags as sorted items, so that equal flags share one run)."""
+    from dtlib.frameworks.megatron_core import run_megatron
+
+    s = dict(settings)
+    one = dict(s, tp=1, pp=1, dp=1, sequence_parallel=False, virtual_stages=1, batch_p2p_comm=False,
+               num_microbatches=s["num_microbatches"] * s["dp"])
+    return run_megatron(**one, steps=STEPS)
+
+
+def check_megatron_run(megatron_flags: Callable) -> None:
+    """Megatron-Core trains :data:`STEPS` steps on the flags' ranks, equal to one process with the
+    same global batch within :data:`TOLERANCE`."""
+    from dtlib.frameworks.common import compare
+    from dtlib.frameworks.megatron_flags import run_megatron_flags
+
+    flags, parsed, _ = _flags(megatron_flags)
+    if parsed["optimizer"] != "sgd":
+        raise AssertionError(f"the run would use Megatron-LM's default optimizer, {parsed['optimizer']}: the layout "
+                             "asks for plain SGD, whose steps one process repeats to rounding (Adam turns rounding "
+                             "noise into whole steps)")
+    try:
+        run = run_megatron_flags(flags, MEGATRON_TASK["world_size"], STEPS)
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"the Megatron-Core run failed: {first_line(e)}") from e
+    reference = _megatron_reference(tuple(sorted(parsed.items())))
+    _equal_to_one_process("Megatron-Core", compare(run, reference))
+
+
 # ---------------------------------------------------------------- Q3: JAX PartitionSpecs
 
 def _specs(partition_specs: Callable) -> tuple[dict, Any]:
@@ -250,9 +344,9 @@ def _jax_reference() -> Any:
     return reference_run(STEPS)
 
 
-def check_jax_run(partition_specs: Callable) -> None:
+def check_jax_run(partition_specs: Callable) -> Any:
     """GSPMD on 8 host devices with these specs trains :data:`STEPS` steps equal to the unsharded
-    run (the collectives XLA inserted are in the run's ``collectives``)."""
+    run; returns the run (the collectives XLA inserted are in its ``collectives``)."""
     from dtlib.frameworks.common import compare
     from dtlib.frameworks.jax_gspmd import run_jax
 
@@ -262,3 +356,4 @@ def check_jax_run(partition_specs: Callable) -> None:
     except Exception as e:  # noqa: BLE001
         raise AssertionError(f"the JAX run failed: {first_line(e)}") from e
     _equal_to_one_process("JAX", compare(run, _jax_reference()))
+    return run
