@@ -17,7 +17,7 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.frameworks.common import compare
 from dtlib.frameworks.jax_gspmd import (LAYOUTS, MODEL, hlo_collective_calls, hlo_collectives, reference_run,
-                                        run_jax, run_layouts, shard_map_pitfall)
+                                        run_jax, run_layouts, shard_map_pitfall, validate_layout)
 
 # find_spec, not importorskip: jax runs only in subprocesses with their own device count
 pytestmark = pytest.mark.skipif(find_spec("jax") is None, reason="jax is not installed")
@@ -184,6 +184,17 @@ def test_bad_layouts_are_refused_before_any_process_starts(mesh, specs, batch, m
 def test_bad_run_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         run_jax({"data": 2}, {}, **kwargs)
+
+
+def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="did not finish within timeout=0.2 s"):
+        run_jax({"data": 2}, {}, timeout=0.2)  # subprocess.run kills the child: nothing left running
+
+
+def test_the_default_batch_spec_splits_over_data_and_fsdp_axes():
+    assert validate_layout({"data": 2, "model": 2}, {}) == ["data", None]
+    assert validate_layout({"data": 2, "fsdp": 2, "model": 2}, {}) == [["data", "fsdp"], None]
+    assert validate_layout({"model": 2}, {}) == [None, None]
 
 
 def test_unknown_layouts_and_device_counts_are_refused():

@@ -130,7 +130,7 @@ def validate_layout(mesh: dict[str, int], specs: dict[str, Spec], batch_spec: Sp
         _check_spec(f"specs[{role!r}]", spec, ROLE_SHAPES[role], mesh)
     if batch_spec is None:
         split = [a for a in mesh if a != "model"]
-        batch_spec = [split or None, None]
+        batch_spec = [split[0] if len(split) == 1 else split or None, None]
     _check_spec("batch_spec", batch_spec, BATCH_SHAPE, mesh)
     return [list(e) if isinstance(e, (list, tuple)) else e for e in batch_spec]
 
