@@ -66,7 +66,7 @@ def _replicated() -> dict[str, Spec]:
 # down by input rows, so each block needs one all-reduce after attention and one after the MLP.
 _MEGATRON = {"attn.qkv": [None, "model"], "attn.out": ["model", None],
              "mlp.up": [None, "model"], "mlp.down": ["model", None]}
-# FSDP shards every parameter along a dim that tensor parallelism leaves whole.
+# FSDP (ZeRO-3) splits every parameter on its first dim; with TP, on the dim Megatron leaves whole.
 _FSDP = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", None], "attn.out": ["fsdp", None],
          "mlp.up": ["fsdp", None], "mlp.down": ["fsdp", None], "norm": ["fsdp"], "head": ["fsdp", None]}
 _FSDP_TP = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", "model"], "attn.out": ["model", "fsdp"],
