@@ -147,22 +147,27 @@ _CALL = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all
 _EXPLICIT = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# JAX's metadata names autodiff's backward ops transpose(jvp(...))
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([\d,]*)\]")
 _BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def hlo_collective_calls(hlo_text: str) -> list[dict[str, Any]]:
     """Every collective in HLO text, in order: ``op`` (torch spelling), ``group_size`` (devices in
-    each replica group; None when the line does not say, as for a collective-permute) and
+    each replica group; None when the line does not say, as for a collective-permute),
     ``bytes`` of its result (a combined collective's tuple summed; an async ``-start``'s tuple
-    also holds its input)."""
+    also holds its input) and ``backward`` (JAX's ``op_name`` metadata names a ``transpose``,
+    autodiff's backward pass; False without metadata)."""
     calls = []
     for line in hlo_text.splitlines():
         found = _CALL.search(line)
         if not found:
             continue
         shape, op = found.groups()
-        calls.append({"op": _HLO_OPS[op], "group_size": _group_size(line), "bytes": _bytes(shape)})
+        op_name = _OP_NAME.search(line)
+        calls.append({"op": _HLO_OPS[op], "group_size": _group_size(line), "bytes": _bytes(shape),
+                      "backward": bool(op_name and "transpose(" in op_name.group(1))})
     return calls
 
 
