@@ -101,7 +101,7 @@ def train(run: dict[str, Any], model: dict[str, Any], tokens: np.ndarray, seed: 
         jitted = jax.jit(step)
     else:
         axes, sizes = tuple(run["mesh"]), tuple(run["mesh"].values())
-        # jax.make_mesh defaults to Explicit axes since 0.7; Auto is classic GSPMD, where XLA's
+        # jax.make_mesh defaults to Explicit axes (JAX 0.10); Auto is classic GSPMD, where XLA's
         # sharding propagation inserts the collectives (Explicit needs out_sharding annotations)
         mesh = jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes),
                              devices=_devices(math.prod(sizes)))
