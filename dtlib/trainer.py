@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -572,14 +572,17 @@ def _average(params: list[torch.Tensor], group: Any, divisor: int) -> None:
 
 
 def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = False,
-          progress: bool = False, groups: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
+          progress: bool = False, groups: dict[str, list[list[int]]] | None = None,
+          on_checkpoint: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
     ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
     ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; with checkpoints
     ``resumed`` (what ``resume`` found) and ``checkpoint_blocking_s`` (per save); ``params`` too with
     ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
-    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`)."""
+    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`).
+    ``on_checkpoint(step, loss)`` runs on every rank after each save returns (published unless
+    ``async_checkpoint``): a launcher's hook, e.g. Ray Train's ``report`` (:mod:`dtlib.frameworks.ray_train`)."""
     config.check(world_size)
     run = _Run(rank, config, groups)
     losses, seconds = [], []
@@ -623,6 +626,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         if config.checkpoint_every and run.step_count % config.checkpoint_every == 0:
             run.beat(run.step_count, "checkpoint")
             run.save(checkpointer)
+            if on_checkpoint is not None:
+                on_checkpoint(run.step_count, losses[-1])
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens / seconds[-1]:,.0f}",
                             mfu=f"{100 * _mfu(config, seconds[-1], peak):.2f}%")
