@@ -31,10 +31,12 @@ from dtlib.frameworks.megatron_cpu import CPU_CONFIG, cpu_shims, gpt_block_spec
 from dtlib.launcher import launch
 from dtlib.measure import CollectiveCounter, model_state_bytes_held
 
-__all__ = ["run_megatron", "MODELS", "LR"]
+__all__ = ["run_megatron", "MODELS", "OPTIMIZERS", "LR"]
 
 MODELS = ("gpt", "mlp")
-LR = 0.5  # large enough that a wrong gradient moves the parameters visibly within 3 steps
+OPTIMIZERS = ("sgd", "adam")
+# learning rates: large enough that a wrong gradient moves the parameters visibly within 3 steps
+LR = {"sgd": 0.5, "adam": 1e-2}
 
 
 def _init_full(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -96,7 +98,9 @@ def _transformer_config(s: dict[str, Any]) -> Any:
         tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
         virtual_pipeline_model_parallel_size=s["virtual_stages"] if s["virtual_stages"] > 1 else None,
         sequence_parallel=s["sequence_parallel"], pipeline_dtype=torch.float32,
-        batch_p2p_comm=s["batch_p2p_comm"], **cpu)
+        batch_p2p_comm=s["batch_p2p_comm"], recompute_granularity=s["recompute_granularity"],
+        recompute_method="uniform" if s["recompute_granularity"] == "full" else None,
+        recompute_num_layers=1 if s["recompute_granularity"] == "full" else None, **cpu)
 
 
 class _MLPBlock(torch.nn.Module):
@@ -156,8 +160,10 @@ def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=False, vp_stage=vp_stage)
         module.model_type = ModelType.encoder_or_decoder
-        ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
-                                      module=module)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=s["use_distributed_optimizer"],
+            overlap_grad_reduce=s["overlap_grad_reduce"])
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
         ddp.chunk_id = vp
         chunks.append(ddp)
     return chunks
@@ -203,10 +209,14 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
         chunks = _build_chunks(s, config)
         _load_initial(chunks, s, tp_rank)
         config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training.py
-        params = [p for chunk in chunks for p in chunk.parameters()]
-        optimizer = torch.optim.SGD(params, lr=LR)
+        optimizer = _optimizer(chunks, s)
         order: list[str] = []
         positions = torch.arange(s["seq_length"]).unsqueeze(0)
+        # the causal mask, True where attention is masked out, passed as Megatron-LM's data loader
+        # does (get_ltor_masks_and_position_ids); without it Megatron builds one on "cuda"
+        # (transformer/utils.py get_default_causal_mask), also while recomputing in backward,
+        # where the device shim is not active
+        mask = torch.ones(s["seq_length"], s["seq_length"]).triu(diagonal=1).bool()[None, None]
 
         def forward_step(iterator: Any, chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             k, tokens, labels = next(iterator)
@@ -214,7 +224,7 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
             if s["model"] == "mlp":
                 out = chunk(tokens, labels)
             else:
-                out = chunk(tokens, positions.expand_as(tokens), None, labels=labels)
+                out = chunk(tokens, positions.expand_as(tokens), mask, labels=labels)
             tag = f"B{k}" + (f".{chunk.chunk_id}" if chunk.chunk_id else "")
             out.register_hook(lambda grad: order.append(tag) or grad)
             return out, _loss
@@ -225,6 +235,7 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
                 chunk.zero_grad_buffer()
             order.clear()
             iterators = [_microbatches(data, step, s, dp_rank) for _ in chunks]
+            optimizer.zero_grad()
             with CollectiveCounter() as counter:
                 reduced = get_forward_backward_func()(
                     forward_step_func=forward_step,
@@ -232,17 +243,10 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
                     model=chunks if len(chunks) > 1 else chunks[0],
                     num_microbatches=s["num_microbatches"], seq_length=s["seq_length"],
                     micro_batch_size=s["micro_batch_size"], forward_only=False)
+                optimizer.step()
             counts = dict(counter.counts)
-            # Megatron's DDP accumulates gradients into main_grad (its optimizer reads them from
-            # there); .grad must be None again before the next backward, or autograd would add
-            # into main_grad's storage and the DDP hook would add it a second time
-            for p in params:
-                p.grad = p.main_grad
-            optimizer.step()
-            memory = model_state_bytes_held(torch.nn.ModuleList(chunks), optimizer)
-            for p in params:
-                p.grad = None
             losses.append([float(r["lm loss"]) for r in reduced])
+        memory = _memory(chunks, optimizer)
         full = _gather_full(chunks, s)
         return {"losses": losses, "params": full, "memory": memory, "collectives": counts,
                 "order": list(order), "notes": notes,
@@ -254,11 +258,32 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
         parallel_state.destroy_model_parallel()
 
 
+def _optimizer(chunks: list[torch.nn.Module], s: dict[str, Any]) -> Any:
+    """Megatron's own optimizer, as plain SGD (or Adam): its defaults (SGD momentum 0.9, weight
+    decay 0.01, gradient clipping at norm 1.0) would each change the numbers a gradient check
+    compares, so all three are turned off."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer=s["optimizer"], lr=LR[s["optimizer"]], sgd_momentum=0.0,
+                             weight_decay=0.0, clip_grad=0.0,
+                             use_distributed_optimizer=s["use_distributed_optimizer"])
+    return get_megatron_optimizer(config, chunks)
+
+
 def _loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean loss of a micro-batch; the logged copy is a clone because the schedule divides the
     returned loss by ``num_microbatches`` in place (schedules.py, forward_step_calc_loss)."""
     loss = per_token.float().mean()
     return loss, {"lm loss": loss.detach().clone()}
+
+
+def _memory(chunks: list[torch.nn.Module], optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds: its parameter slabs, its gradient buffer (Megatron's DDP keeps
+    gradients in one contiguous ``main_grad`` buffer per chunk) and optimizer state (none: SGD)."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    return {"parameters": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(p.main_grad.numel() * p.main_grad.element_size() for p in params),
+            "optimizer": 0}
 
 
 def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -285,12 +310,15 @@ def run_megatron(*, tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bo
                  virtual_stages: int = 1, micro_batch_size: int = 1, num_microbatches: int = 1,
                  steps: int = 3, batch_p2p_comm: bool = False, model: str = "gpt", seed: int = 0,
                  num_layers: int = 4, hidden_size: int = 32, num_attention_heads: int = 4,
-                 seq_length: int = 16, vocab_size: int = 64, timeout: float = 120.0) -> FrameworkRun:
+                 seq_length: int = 16, vocab_size: int = 64, optimizer: str = "sgd",
+                 use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False, recompute_granularity: str | None = None, timeout: float = 120.0) -> FrameworkRun:
     s = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
              micro_batch_size=micro_batch_size, num_microbatches=num_microbatches, steps=steps,
              batch_p2p_comm=batch_p2p_comm, model=model, seed=seed, num_layers=num_layers,
              hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-             seq_length=seq_length, vocab_size=vocab_size)
+             seq_length=seq_length, vocab_size=vocab_size,
+             optimizer=optimizer, use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+             recompute_granularity=recompute_granularity)
     global_batch = dp * micro_batch_size * num_microbatches
     data = token_batches(steps, global_batch, seq_length, vocab_size, seed)
     world = tp * pp * dp

@@ -39,6 +39,8 @@ SHIM_NOTES = [
     "total_num_tokens with a literal device='cuda' (schedules.py)",
     "get_cuda_rng_tracker().fork -> a null context: it saves and restores the CUDA RNG state; "
     "dtlib runs without dropout, so no random number is drawn inside it",
+    "the CUDA RNG state that activation recomputation saves and restores (tensor_parallel.random"
+    "._get_cuda_rng_state/_set_cuda_rng_state) -> an empty state: there is no CUDA generator",
     *(f"ModelParallelConfig({name}={value}): {why}" for name, (value, why) in CPU_CONFIG.items()),
 ]
 
@@ -77,16 +79,18 @@ def cpu_shims() -> Iterator[list[str]]:
         return
     from megatron.core.tensor_parallel import random as mrandom
 
-    saved_device = torch.cuda.current_device
-    saved_fork = mrandom.CudaRNGStatesTracker.fork
+    saved = (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork,
+             mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     torch.cuda.current_device = lambda: torch.device("cpu")
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
         with _CudaToCpu():
             yield list(SHIM_NOTES)
     finally:
-        torch.cuda.current_device = saved_device
-        mrandom.CudaRNGStatesTracker.fork = saved_fork
+        (torch.cuda.current_device, mrandom.CudaRNGStatesTracker.fork,
+         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) = saved
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
