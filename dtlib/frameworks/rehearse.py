@@ -9,8 +9,8 @@ The rehearsal a platform engineer does before renting the cluster, in the framew
 2. shrink as :func:`dtlib.experiments.shrunk_layout.shrink_layout` shrinks a plan (every size
    > 1 becomes 2, at most 8 ranks, the batch cut down), with its lines;
 3. emit the framework's config for the shrunk layout and the runner's tiny model
-   (:func:`dtlib.plan.emit.emit`), in float32: CPU ranks compare in float32, where bf16
-   rounding (~4e-3 relative) would hide a wrong gradient inside any tolerance;
+   (:func:`dtlib.plan.emit.emit`), then run it in float32 with SGD and no clipping, as the
+   one-process reference trains (:func:`_for_cpu` says why, one line per change);
 4. run it a few steps and the same model on one process, and :func:`~dtlib.frameworks.common.compare`.
 
 torchtitan is not rehearsed: it is not installed (it runs on CPU only with five patches; see
@@ -49,15 +49,23 @@ RUNS: dict[str, tuple[tuple[str, ...], str]] = {
     "jax": (("dp", "tp", "zero"),
             "the GSPMD mesh has data, fsdp and model axes and the runner's fixed batch of 8 sequences"),
 }
-# the runners' models as TransformerConfigs (their MODEL constants), so the emitted config matches
-# what runs: dtlib.frameworks.jax_gspmd.MODEL; megatron_core.run_megatron's defaults (4 layers:
-# pp 2 x 2 chunks); deepspeed_zero's TinyGPT
-_MODELS = {
-    "jax": TransformerConfig(name="jax-tiny", layers=2, hidden=32, heads=4, ffn=128, vocab=64, seq=16,
-                             bias=False, norm="rmsnorm", position="rope"),
-    "megatron": TransformerConfig(name="megatron-tiny", layers=4, hidden=32, heads=4, vocab=64, seq=16),
-    "deepspeed": TransformerConfig(name="deepspeed-tiny", layers=2, hidden=32, heads=4, vocab=64, seq=16),
-}
+# SGD as the runners and the one-process references train (dtlib.experiments.shrunk_layout.TINY's
+# rate): its update is proportional to the gradient, so a gradient off by a factor moves the
+# weights, where Adam's normalised update would hide it
+LR = 0.5
+
+
+def _model(framework: str) -> TransformerConfig:
+    """The runner's model as a TransformerConfig, so the emitted config describes what runs."""
+    if framework == "deepspeed":  # TinyGPT of dtlib.experiments.shrunk_layout.TINY
+        from dtlib.frameworks.deepspeed_zero import MODEL
+
+        return MODEL
+    if framework == "megatron":  # run_megatron's defaults (4 layers: pp 2 x 2 chunks)
+        return TransformerConfig(name="megatron-tiny", layers=4, hidden=32, heads=4, vocab=64, seq=16)
+    # jax_gspmd.MODEL: RMSNorm, no biases, no position embedding (rope stands in: no weights either)
+    return TransformerConfig(name="jax-tiny", layers=2, hidden=32, heads=4, ffn=128, vocab=64, seq=16, bias=False,
+                             norm="rmsnorm", position="rope")
 
 
 def _check_framework(framework: str) -> None:
@@ -84,25 +92,32 @@ def shrink_for(framework: str, layout: Parallelism) -> tuple[Parallelism, Transf
                          sequence_parallel=config.sequence_parallel, schedule=config.schedule,
                          virtual_stages=config.virtual_stages, micro_batch_size=config.micro_batch_size,
                          num_microbatches=config.num_microbatches)
-    model = _MODELS[framework]
+    model = _model(framework)
     if framework == "jax":  # the runner's batch is fixed: one step of 8 sequences, no accumulation
         shrunk = shrunk.with_(micro_batch_size=8 // shrunk.dp, num_microbatches=1)
         lines.append(f"batch -> {shrunk.global_batch} sequences in one step: jax_gspmd.MODEL's batch")
     return shrunk, model, lines
 
 
-def _fp32(e: Emitted) -> Emitted:
-    """The emitted config in float32 (see the module docstring), everything else as emitted."""
+def _for_cpu(e: Emitted) -> tuple[Any, list[str]]:
+    """The emitted config as the CPU ranks and the one-process reference run it, and what changed:
+    float32 (bf16 rounding, ~4e-3 relative, would hide a wrong gradient inside any tolerance) and,
+    for DeepSpeed, SGD without clipping (what :func:`~dtlib.frameworks.deepspeed_zero.reference_run`
+    mirrors; DeepSpeed's default clipping would change the numbers)."""
     if e.framework == "megatron":
         data = [f for f in e.data if f not in ("--bf16", "--fp16")]
         if "--fp8-format" in data:
             i = data.index("--fp8-format")
             del data[i:i + 2]
-    elif e.framework == "deepspeed":
+        return data, ["precision -> float32: CPU ranks compare in float32"]
+    if e.framework == "deepspeed":
         data = {k: v for k, v in e.data.items() if k not in ("bf16", "fp16")}
-    else:
-        data = {**e.data, "dtype": "float32"}
-    return Emitted(e.framework, e.text, data, e.unsupported, e.notes)
+        data.update(gradient_clipping=0.0, optimizer={"type": "SGD", "params": {"lr": LR}})
+        if e.data["zero_optimization"]["stage"] >= 1:  # the engine asserts it for a torch optimizer under ZeRO
+            data["zero_allow_untested_optimizer"] = True
+        return data, [f"precision -> float32, optimizer AdamW -> SGD lr {LR:g} (zero_allow_untested_optimizer), "
+                      f"gradient_clipping {e.data['gradient_clipping']:g} -> 0: as the one-process reference trains"]
+    return {**e.data, "dtype": "float32"}, ["precision -> float32: CPU devices compare in float32"]
 
 
 def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: Any, steps: int,
@@ -137,15 +152,16 @@ def rehearse(framework: str, layout: Parallelism, precision: str = "bf16", *, st
     emitted = emit(framework, shrunk, model, shrunk.global_batch, precision)
     if emitted.unsupported:  # a shrink rule is wrong, not the plan
         raise ValueError(f"the shrunk layout is not expressible in {framework}: {'; '.join(emitted.unsupported)}")
-    emitted = _fp32(emitted)
-    run, reference = _run(framework, shrunk, model, emitted.data, steps, timeout)
+    config, cpu_lines = _for_cpu(emitted)
+    changes += cpu_lines
+    run, reference = _run(framework, shrunk, model, config, steps, timeout)
     diff = compare(run, reference)
     passed = all(diff[k] <= TOLERANCE[k] for k in TOLERANCE)
     described = (f"{model.layers} layers, hidden {model.hidden}, {model.heads} heads, {model.seq}-token sequences, "
-                 f"vocabulary {model.vocab} (the runner's model), float32")
+                 f"vocabulary {model.vocab} (the runner's model)")
     return {"framework": framework, "layout": asdict(shrunk), "ranks": shrunk.gpus, "changes": changes,
             "model": described,
-            "config": emitted.data, "steps": steps, **diff, "tolerance": dict(TOLERANCE), "passed": passed,
+            "config": config, "steps": steps, **diff, "tolerance": dict(TOLERANCE), "passed": passed,
             "notes": run.notes}
 
 
