@@ -18,6 +18,8 @@ docs/frameworks.md), so its TOML is checked against its schema instead.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -154,14 +156,17 @@ def rehearse(framework: str, layout: Parallelism, precision: str = "bf16", *, st
         raise ValueError(f"the shrunk layout is not expressible in {framework}: {'; '.join(emitted.unsupported)}")
     config, cpu_lines = _for_cpu(emitted)
     changes += cpu_lines
-    run, reference = _run(framework, shrunk, model, config, steps, timeout)
+    # a framework's own chatter (DeepSpeed's logger writes to the sys.stdout it finds at import)
+    # goes to stderr: stdout is the report, e.g. `dtlib plan --json`
+    with contextlib.redirect_stdout(sys.stderr):
+        run, reference = _run(framework, shrunk, model, config, steps, timeout)
     diff = compare(run, reference)
     passed = all(diff[k] <= TOLERANCE[k] for k in TOLERANCE)
     described = (f"{model.layers} layers, hidden {model.hidden}, {model.heads} heads, {model.seq}-token sequences, "
                  f"vocabulary {model.vocab} (the runner's model)")
     return {"framework": framework, "layout": asdict(shrunk), "ranks": shrunk.gpus, "changes": changes,
             "model": described,
-            "config": config, "steps": steps, **diff, "tolerance": dict(TOLERANCE), "passed": passed,
+            "config": config, "steps": steps, "losses": run.losses, "reference_losses": reference.losses, **diff, "tolerance": dict(TOLERANCE), "passed": passed,
             "notes": run.notes}
 
 
@@ -171,11 +176,11 @@ def rehearse_all(emitted: dict[str, dict[str, Any]], layout: Parallelism, precis
     one not rehearsed here (torchtitan, or a layout it cannot express) says why."""
     out = {}
     for name, e in emitted.items():
-        if name not in REHEARSABLE:
+        if e["unsupported"]:
+            out[name] = {"framework": name, "passed": None, "why": "it cannot express this layout: nothing emitted"}
+        elif name not in REHEARSABLE:
             out[name] = {"framework": name, "passed": None,
                          "why": "not installed here: its TOML was checked against its job_config.py schema"}
-        elif e["unsupported"]:
-            out[name] = {"framework": name, "passed": None, "why": "nothing emitted to rehearse"}
         else:
             out[name] = rehearse(name, layout, precision, steps=steps)
     return out
