@@ -17,7 +17,7 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.frameworks.common import compare
 from dtlib.frameworks.jax_gspmd import (LAYOUTS, MODEL, hlo_collective_calls, hlo_collectives, reference_run,
-                                        run_jax, run_layouts, shard_map_pitfall)
+                                        run_jax, run_layouts, shard_map_pitfall, validate_layout)
 
 # find_spec, not importorskip: jax runs only in subprocesses with their own device count
 pytestmark = pytest.mark.skipif(find_spec("jax") is None, reason="jax is not installed")
@@ -90,19 +90,23 @@ def test_fsdp_gathers_each_parameter_once_and_all_reduces_the_gradients(runs):
     norms = 2 * MODEL["layers"] + 1
     assert dtlib["dp_param_gather"]["calls"] == 2
     assert sum(c["bytes"] for c in gathers) == params + norms * MODEL["hidden"] * FP32
-    assert Counter(c["bytes"] for c in gathers)[MODEL["hidden"] * FP32] == 2 * norms
+    norm_gathers = [c for c in gathers if c["bytes"] == MODEL["hidden"] * FP32]
+    assert Counter(c["backward"] for c in norm_gathers) == {False: norms, True: norms}
     # the CPU backend writes the reduce-scatter as a full all-reduce, each device keeping its slice
     assert "reduce_scatter" in {v["collective"] for v in dtlib.values()}
     assert "reduce_scatter" not in runs["fsdp"].collectives[0]
     assert [c for c in calls if c["op"] == "all_reduce"] == [
-        {"op": "all_reduce", "group_size": 8, "bytes": params + LOSS_SCALAR}]
+        {"op": "all_reduce", "group_size": 8, "bytes": params + LOSS_SCALAR, "backward": True}]
 
 
 def test_dp_tp_has_megatrons_activation_all_reduces_and_a_gradient_all_reduce_over_data(runs):
     dtlib = strategy_volumes(CFG, DTLIB["dp_tp"], precision="fp32")
     tp, grads = dtlib["tp_activations"], dtlib["dp_grad_all_reduce"]
     assert tp["calls"] == 4 * MODEL["layers"]  # 2 forward + 2 backward per block (lesson 05)
-    # each an all-reduce of one replica's (2, seq, hidden) activations over a model pair
+    # each an all-reduce of one replica's (2, seq, hidden) activations over a model pair, half of
+    # them in backward
+    activations = [c for c in runs["dp_tp"].settings["hlo_collectives"] if c["group_size"] == tp["ranks"]]
+    assert Counter(c["backward"] for c in activations) == {False: tp["calls"] / 2, True: tp["calls"] / 2}
     assert _calls(runs["dp_tp"]) == {
         ("all_reduce", tp["ranks"], tp["bytes"]): tp["calls"],
         ("all_reduce", grads["ranks"], grads["bytes"] + EMBED_AND_HEAD / 2 + LOSS_SCALAR): 1}
@@ -186,6 +190,17 @@ def test_bad_run_arguments_are_refused(kwargs, message):
         run_jax({"data": 2}, {}, **kwargs)
 
 
+def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="did not finish within timeout=0.2 s"):
+        run_jax({"data": 2}, {}, timeout=0.2)  # subprocess.run kills the child: nothing left running
+
+
+def test_the_default_batch_spec_splits_over_data_and_fsdp_axes():
+    assert validate_layout({"data": 2, "model": 2}, {}) == ["data", None]
+    assert validate_layout({"data": 2, "fsdp": 2, "model": 2}, {}) == [["data", "fsdp"], None]
+    assert validate_layout({"model": 2}, {}) == [None, None]
+
+
 def test_unknown_layouts_and_device_counts_are_refused():
     with pytest.raises(ValueError, match="unknown layout"):
         run_layouts(("dp", "zero2"))
@@ -196,8 +211,8 @@ def test_unknown_layouts_and_device_counts_are_refused():
 HLO = """
 HloModule jit_step, entry_computation_layout={(f32[8,4]{1,0})->f32[]}
   %all-reduce.16 = (f32[64,32]{1,0}, f32[32]{0}, /*index=2*/f32[]) all-reduce(%a, %b, %c), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
-  %all-reduce.1 = f32[2,16,32]{2,1,0} all-reduce(%bitcast.15), channel_id=16, replica_groups=[4,2]<=[8], to_apply=%add.2.clone
-  %all-gather.2 = f32[32,96]{1,0} all-gather(%param.3), channel_id=6, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}
+  %all-reduce.1 = f32[2,16,32]{2,1,0} all-reduce(%bitcast.15), channel_id=16, replica_groups=[4,2]<=[8], to_apply=%add.2.clone, metadata={op_name="jit(step)/transpose(jvp())/dot_general" stack_frame_id=30}
+  %all-gather.2 = f32[32,96]{1,0} all-gather(%param.3), channel_id=6, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
   %reduce-scatter = bf16[4,32]{1,0} reduce-scatter(%x), channel_id=2, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
   %all-to-all = f32[8,8]{1,0} all-to-all(%y), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
   %collective-permute = f32[16,32]{1,0} collective-permute(%param), channel_id=9, source_target_pairs={{0,1},{1,0}}
@@ -215,7 +230,9 @@ def test_hlo_collectives_counts_each_call_once_in_torch_spelling():
 
 
 def test_hlo_collective_calls_read_group_sizes_and_bytes_in_every_spelling():
-    assert [(c["op"], c["group_size"], c["bytes"]) for c in hlo_collective_calls(HLO)] == [
+    calls = hlo_collective_calls(HLO)
+    assert [c["backward"] for c in calls] == [False, True, False, False, False, False, False]
+    assert [(c["op"], c["group_size"], c["bytes"]) for c in calls] == [
         ("all_reduce", 8, (64 * 32 + 32 + 1) * 4),  # combined tuple, iota groups
         ("all_reduce", 2, 2 * 16 * 32 * 4),
         ("all_gather", 4, 32 * 96 * 4),  # mesh form: the group spans axis_0

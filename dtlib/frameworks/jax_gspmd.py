@@ -66,7 +66,7 @@ def _replicated() -> dict[str, Spec]:
 # down by input rows, so each block needs one all-reduce after attention and one after the MLP.
 _MEGATRON = {"attn.qkv": [None, "model"], "attn.out": ["model", None],
              "mlp.up": [None, "model"], "mlp.down": ["model", None]}
-# FSDP shards every parameter along a dim that tensor parallelism leaves whole.
+# FSDP (ZeRO-3) splits every parameter on its first dim; with TP, on the dim Megatron leaves whole.
 _FSDP = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", None], "attn.out": ["fsdp", None],
          "mlp.up": ["fsdp", None], "mlp.down": ["fsdp", None], "norm": ["fsdp"], "head": ["fsdp", None]}
 _FSDP_TP = {"embed": ["fsdp", None], "attn.qkv": ["fsdp", "model"], "attn.out": ["model", "fsdp"],
@@ -130,7 +130,7 @@ def validate_layout(mesh: dict[str, int], specs: dict[str, Spec], batch_spec: Sp
         _check_spec(f"specs[{role!r}]", spec, ROLE_SHAPES[role], mesh)
     if batch_spec is None:
         split = [a for a in mesh if a != "model"]
-        batch_spec = [split or None, None]
+        batch_spec = [split[0] if len(split) == 1 else split or None, None]
     _check_spec("batch_spec", batch_spec, BATCH_SHAPE, mesh)
     return [list(e) if isinstance(e, (list, tuple)) else e for e in batch_spec]
 
@@ -147,22 +147,27 @@ _CALL = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all
 _EXPLICIT = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# JAX's metadata names autodiff's backward ops transpose(jvp(...))
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([\d,]*)\]")
 _BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def hlo_collective_calls(hlo_text: str) -> list[dict[str, Any]]:
     """Every collective in HLO text, in order: ``op`` (torch spelling), ``group_size`` (devices in
-    each replica group; None when the line does not say, as for a collective-permute) and
+    each replica group; None when the line does not say, as for a collective-permute),
     ``bytes`` of its result (a combined collective's tuple summed; an async ``-start``'s tuple
-    also holds its input)."""
+    also holds its input) and ``backward`` (JAX's ``op_name`` metadata names a ``transpose``,
+    autodiff's backward pass; False without metadata)."""
     calls = []
     for line in hlo_text.splitlines():
         found = _CALL.search(line)
         if not found:
             continue
         shape, op = found.groups()
-        calls.append({"op": _HLO_OPS[op], "group_size": _group_size(line), "bytes": _bytes(shape)})
+        op_name = _OP_NAME.search(line)
+        calls.append({"op": _HLO_OPS[op], "group_size": _group_size(line), "bytes": _bytes(shape),
+                      "backward": bool(op_name and "transpose(" in op_name.group(1))})
     return calls
 
 
@@ -201,9 +206,12 @@ def _check_run_args(steps: Any, seed: Any, timeout: Any) -> None:
 def _subprocess(request: dict[str, Any], devices: int, timeout: float) -> Any:
     """Run :mod:`dtlib.frameworks.jax_worker` with ``devices`` host devices; return its result."""
     env = dict(os.environ)
-    # read by XLA when jax is imported: N CPU devices in one process (ignored by a GPU backend)
-    flag = f"--xla_force_host_platform_device_count={devices}"
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    # read by XLA when jax is imported: N CPU devices in one process (ignored by a GPU backend).
+    # Backend optimization level 0 (default 3) skips LLVM's optimization of the generated code,
+    # half the CPU time of a run this small; the HLO passes that insert, combine and place the
+    # collectives (SPMD partitioner, all-reduce combiner) run as before.
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     with tempfile.TemporaryDirectory(prefix="dtlib-jax-") as tmp:
         out = os.path.join(tmp, "result.pkl")
         try:

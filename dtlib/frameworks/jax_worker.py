@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import sys
 from typing import Any
@@ -100,7 +101,7 @@ def train(run: dict[str, Any], model: dict[str, Any], tokens: np.ndarray, seed: 
         jitted = jax.jit(step)
     else:
         axes, sizes = tuple(run["mesh"]), tuple(run["mesh"].values())
-        # jax.make_mesh defaults to Explicit axes since 0.7; Auto is classic GSPMD, where XLA's
+        # jax.make_mesh defaults to Explicit axes (JAX 0.10); Auto is classic GSPMD, where XLA's
         # sharding propagation inserts the collectives (Explicit needs out_sharding annotations)
         mesh = jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes),
                              devices=_devices(math.prod(sizes)))
@@ -112,10 +113,10 @@ def train(run: dict[str, Any], model: dict[str, Any], tokens: np.ndarray, seed: 
         jitted = jax.jit(step, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
         notes.append(f"mesh {dict(zip(axes, sizes))} with AxisType.Auto on {mesh.devices.size} "
                      f"{mesh.devices.flat[0].platform} devices")
-    hlo = jitted.lower(placed, batches[0]).compile().as_text()
+    compiled = jitted.lower(placed, batches[0]).compile()  # compiled once: run and read
     losses = []
     for batch in batches:
-        placed, loss = jitted(placed, batch)
+        placed, loss = compiled(placed, batch)
         losses.append(float(loss))
     memory: dict[int, int] = {}
     for array in placed.values():
@@ -123,8 +124,8 @@ def train(run: dict[str, Any], model: dict[str, Any], tokens: np.ndarray, seed: 
             memory[shard.device.id] = memory.get(shard.device.id, 0) + shard.data.nbytes
     return {"losses": losses, "params": {n: np.asarray(a) for n, a in placed.items()},
             "memory": [{"parameters": memory[d], "optimizer": 0} for d in sorted(memory)],
-            "hlo": hlo, "mesh": run["mesh"], "specs": run["specs"], "batch": run["batch"],
-            "notes": notes + ["plain SGD: no optimizer state"]}
+            "hlo": compiled.as_text(), "mesh": run["mesh"], "specs": run["specs"], "batch": run["batch"],
+            "notes": notes + [f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}", "plain SGD: no optimizer state"]}
 
 
 def pitfall(devices: int, seed: int) -> dict[str, Any]:

@@ -26,17 +26,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun, token_batches
-from dtlib.frameworks.megatron_cpu import CPU_CONFIG, cpu_shims, gpt_block_spec
-from dtlib.launcher import launch
-from dtlib.measure import CollectiveCounter, model_state_bytes_held
+from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec
+from dtlib.frameworks.megatron_flags import check_settings, ddp_config, transformer_config
+from dtlib.launcher import MAX_TIMEOUT, launch
+from dtlib.measure import CollectiveCounter
 
-__all__ = ["run_megatron", "MODELS", "OPTIMIZERS", "LR"]
+__all__ = ["run_megatron", "executed_order", "schedule_order", "LR", "DECISIONS"]
 
-MODELS = ("gpt", "mlp")
-OPTIMIZERS = ("sgd", "adam")
 # learning rates: large enough that a wrong gradient moves the parameters visibly within 3 steps
 LR = {"sgd": 0.5, "adam": 1e-2}
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+# what dtlib decides for every run, beyond the CPU shims (FrameworkRun.notes)
+DECISIONS = [
+    "initial weights drawn per parameter name (the same full weights for every layout)",
+    "dropout 0: runs differ only by their arithmetic",
+    "Megatron's optimizer as plain SGD/Adam: sgd_momentum 0, weight_decay 0, clip_grad 0 "
+    "(OptimizerConfig defaults 0.9, 0.01 and 1.0)",
+    "the causal attention mask passed explicitly, as Megatron-LM's data loader does",
+]
 
 
 def _init_full(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -86,23 +98,6 @@ def _gather_tp(p: torch.Tensor, group: Any, tp: int) -> torch.Tensor:
     return torch.cat(slabs, dim=p.partition_dim)
 
 
-def _transformer_config(s: dict[str, Any]) -> Any:
-    """Megatron-Core's ``TransformerConfig`` for the run ``s`` (fp32, no dropout, no fused kernels)."""
-    from megatron.core.transformer import TransformerConfig
-
-    cpu = {name: value for name, (value, _) in CPU_CONFIG.items()} if not torch.cuda.is_available() else {}
-    return TransformerConfig(
-        num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-        num_attention_heads=s["num_attention_heads"],
-        hidden_dropout=0.0, attention_dropout=0.0,  # dropout would make runs differ by RNG, not by math
-        tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
-        virtual_pipeline_model_parallel_size=s["virtual_stages"] if s["virtual_stages"] > 1 else None,
-        sequence_parallel=s["sequence_parallel"], pipeline_dtype=torch.float32,
-        batch_p2p_comm=s["batch_p2p_comm"], recompute_granularity=s["recompute_granularity"],
-        recompute_method="uniform" if s["recompute_granularity"] == "full" else None,
-        recompute_num_layers=1 if s["recompute_granularity"] == "full" else None, **cpu)
-
-
 class _MLPBlock(torch.nn.Module):
     """Embedding (fixed) -> ColumnParallelLinear -> GELU -> RowParallelLinear -> cross-entropy over
     the vocabulary: the tensor-parallel pair of Shoeybi et al. 2019, Sec. 3, in Megatron's layers."""
@@ -143,7 +138,7 @@ class _MLPBlock(torch.nn.Module):
 def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
     """This rank's model chunks (``virtual_stages`` of them), each in Megatron's DDP wrapper."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
 
@@ -158,12 +153,10 @@ def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
                 vocab_size=s["vocab_size"], max_sequence_length=s["seq_length"],
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+                share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
+                vp_stage=vp_stage)
         module.model_type = ModelType.encoder_or_decoder
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=s["use_distributed_optimizer"],
-            overlap_grad_reduce=s["overlap_grad_reduce"])
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(s), module=module)
         ddp.chunk_id = vp
         chunks.append(ddp)
     return chunks
@@ -174,7 +167,9 @@ def _load_initial(chunks: list[torch.nn.Module], s: dict[str, Any], tp_rank: int
         for chunk in chunks:
             numbers = _layer_numbers(chunk)
             for name, p in chunk.named_parameters():
-                full = _init_full(_global_name(name, numbers), _full_shape(p, s["tp"]), s["seed"])
+                # a tied output layer on the last stage is Megatron's copy of the word embeddings
+                name = _EMBEDDING if getattr(p, "shared_embedding", False) else _global_name(name, numbers)
+                full = _init_full(name, _full_shape(p, s["tp"]), s["seed"])
                 p.copy_(_tp_slice(full, p, s["tp"], tp_rank))
 
 
@@ -205,7 +200,7 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
     try:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank()
-        config = _transformer_config(s)
+        config = transformer_config(s)
         chunks = _build_chunks(s, config)
         _load_initial(chunks, s, tp_rank)
         config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training.py
@@ -246,11 +241,10 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
                 optimizer.step()
             counts = dict(counter.counts)
             losses.append([float(r["lm loss"]) for r in reduced])
-        memory = _memory(chunks, optimizer)
-        full = _gather_full(chunks, s)
-        return {"losses": losses, "params": full, "memory": memory, "collectives": counts,
-                "order": list(order), "notes": notes,
-                "keep": parallel_state.get_data_parallel_rank() == 0 and tp_rank == 0,
+        full = _gather_full(chunks, s)  # every TP rank takes part in the all-gather
+        keep = dp_rank == 0 and tp_rank == 0  # one copy of each stage's parameters comes back
+        return {"losses": losses, "params": full if keep else {}, "memory": _memory(chunks),
+                "collectives": counts, "order": list(order), "notes": notes,
                 "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
                 "tp_rank": tp_rank, "dp_rank": dp_rank,
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
@@ -277,7 +271,7 @@ def _loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _memory(chunks: list[torch.nn.Module], optimizer: Any) -> dict[str, int]:
+def _memory(chunks: list[torch.nn.Module]) -> dict[str, int]:
     """Bytes this rank holds: its parameter slabs, its gradient buffer (Megatron's DDP keeps
     gradients in one contiguous ``main_grad`` buffer per chunk) and optimizer state (none: SGD)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
@@ -294,7 +288,10 @@ def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, 
     for chunk in chunks:
         numbers = _layer_numbers(chunk)
         for name, p in chunk.named_parameters():
-            out[_global_name(name, numbers)] = _gather_tp(p, group, s["tp"]).numpy()
+            name = _global_name(name, numbers)
+            if name != _EMBEDDING and getattr(p, "shared_embedding", False):
+                continue  # the last stage's copy of the tied word embeddings: the first stage has it
+            out[name] = _gather_tp(p, group, s["tp"]).numpy()
     return out
 
 
@@ -311,28 +308,73 @@ def run_megatron(*, tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bo
                  steps: int = 3, batch_p2p_comm: bool = False, model: str = "gpt", seed: int = 0,
                  num_layers: int = 4, hidden_size: int = 32, num_attention_heads: int = 4,
                  seq_length: int = 16, vocab_size: int = 64, optimizer: str = "sgd",
-                 use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False, recompute_granularity: str | None = None, timeout: float = 120.0) -> FrameworkRun:
+                 context_parallel_size: int = 1, use_distributed_optimizer: bool = False,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 recompute_granularity: str | None = None, recompute_method: str | None = None,
+                 recompute_num_layers: int | None = None,
+                 untie_embeddings_and_output_weights: bool = True,
+                 timeout: float = 120.0) -> FrameworkRun:
+    """Train Megatron-Core's ``GPTModel`` (or ``model="mlp"``: its column/row-parallel pair) for
+    ``steps`` steps on ``tp x pp x dp`` CPU ranks (NCCL with one GPU per rank where there are
+    enough GPUs) and return the :class:`FrameworkRun`.
+
+    The global batch is ``dp x micro_batch_size x num_microbatches`` sequences of
+    :func:`~dtlib.frameworks.common.token_batches` (Megatron's rule); ``losses`` are the global mean
+    loss of each step, ``params`` the full final parameters under the ``tp = pp = 1`` model's
+    names, ``memory``/``collectives`` per rank (the collectives of the last step, optimizer step
+    included), ``notes`` the shims applied and, one line per rank, the order of forward (``F``)
+    and backward (``B``) micro-batch passes the schedule ran in the last step (``F3.1``:
+    micro-batch 3 on model chunk 1), read back by :func:`executed_order`. ``batch_p2p_comm``
+    defaults to False, unlike Megatron-Core's ``ModelParallelConfig``: with True, interleaved
+    pp = 2 is silently wrong on gloo (see the module docstring of
+    :mod:`dtlib.frameworks.megatron_flags`). Invalid settings raise ``ValueError`` naming the
+    argument before any process starts. The reference run is ``run_megatron()`` with the same
+    batch: the same code on one rank.
+    """
     s = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
              micro_batch_size=micro_batch_size, num_microbatches=num_microbatches, steps=steps,
              batch_p2p_comm=batch_p2p_comm, model=model, seed=seed, num_layers=num_layers,
              hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-             seq_length=seq_length, vocab_size=vocab_size,
-             optimizer=optimizer, use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-             recompute_granularity=recompute_granularity)
-    global_batch = dp * micro_batch_size * num_microbatches
-    data = token_batches(steps, global_batch, seq_length, vocab_size, seed)
-    world = tp * pp * dp
+             seq_length=seq_length, vocab_size=vocab_size, optimizer=optimizer,
+             context_parallel_size=context_parallel_size,
+             use_distributed_optimizer=use_distributed_optimizer,
+             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
+             recompute_num_layers=recompute_num_layers,
+             untie_embeddings_and_output_weights=untie_embeddings_and_output_weights)
+    check_settings(s)
+    validate.number("timeout", timeout, maximum=MAX_TIMEOUT)
+    data = token_batches(steps, dp * micro_batch_size * num_microbatches, seq_length, vocab_size, seed)
     _import_megatron()
-    results = launch(_worker, world, args=(s, data), timeout=timeout, output="none")
+    results = launch(_worker, tp * pp * dp, args=(s, data), timeout=timeout, output="none")
     params: dict[str, np.ndarray] = {}
     for r in results:
-        if r["keep"]:
-            params.update(r["params"])
+        params.update(r["params"])
     last = [r["losses"] for r in results if r["last_stage"] and r["tp_rank"] == 0]
     losses = [float(np.mean([np.mean(rank[step]) for rank in last])) for step in range(steps)]
+    order = [f"pipeline rank {r['pp_rank']} ran: {' '.join(r['order'])}" for r in results
+             if r["tp_rank"] == 0 and r["dp_rank"] == 0]
     layout = f"tp{tp} pp{pp} dp{dp}" + (" sp" if sequence_parallel else "") + \
              (f" vp{virtual_stages}" if virtual_stages > 1 else "")
     return FrameworkRun(framework="megatron-core", layout=layout, losses=losses, params=params,
                         memory=[r["memory"] for r in results],
                         collectives=[r["collectives"] for r in results], settings=s,
-                        notes=results[0]["notes"])
+                        notes=[*results[0]["notes"], *DECISIONS, *order])
+
+
+def executed_order(run: FrameworkRun) -> list[list[str]]:
+    """Per pipeline rank, the forward/backward passes ``run``'s last step ran, in order, spelled
+    as :class:`dtlib.parallel.schedules.Action` prints (``F0``, ``B1``, ``F2.1``)."""
+    prefix = "pipeline rank "
+    lines = sorted((int(n.split()[2]), n.split(": ", 1)[1]) for n in run.notes if n.startswith(prefix))
+    return [text.split() for _, text in lines]
+
+
+def schedule_order(pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[str]]:
+    """The order of forward/backward micro-batch passes Megatron's schedule
+    (``get_forward_backward_func``) runs on each of ``pp`` pipeline ranks, recorded in the
+    ``forward_step_func`` and by a gradient hook on each stage's output (one training step of a
+    GPTModel with one layer per model chunk)."""
+    run = run_megatron(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches,
+                       num_layers=pp * virtual_stages, steps=1)
+    return executed_order(run)

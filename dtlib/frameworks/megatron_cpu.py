@@ -35,8 +35,9 @@ CPU_CONFIG: dict[str, tuple[Any, str]] = {
 SHIM_NOTES = [
     "torch.cuda.current_device() -> cpu: Megatron allocates gather/scatter buffers (sequence "
     "parallelism), pipeline receive buffers and DDP gradient buffers on it",
-    "device='cuda' -> cpu in tensor factories (a TorchFunctionMode): the schedules create "
-    "total_num_tokens with a literal device='cuda' (schedules.py)",
+    "device='cuda' -> cpu in tensor factories and .to(), .cuda() -> the tensor itself (a "
+    "TorchFunctionMode): the schedules create total_num_tokens with a literal device='cuda' "
+    "(schedules.py), tied embeddings move to .cuda() before their first all-reduce",
     "get_cuda_rng_tracker().fork -> a null context: it saves and restores the CUDA RNG state; "
     "dtlib runs without dropout, so no random number is drawn inside it",
     "the CUDA RNG state that activation recomputation saves and restores (tensor_parallel.random"
@@ -61,9 +62,15 @@ def _cpu(device: Any) -> Any:
 
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites ``device=`` arguments that name a CUDA device to the CPU, for every torch call
-    made inside the block (``torch.zeros(..., device="cuda")``, ``tensor.to("cuda")``, ...)."""
+    made inside the block (``torch.zeros(..., device="cuda")``, ``tensor.to("cuda")``), and makes
+    ``tensor.cuda()`` return the (CPU) tensor itself, as it does for a tensor already on the GPU.
+    Not active inside ``backward()`` (a mode is off while the call it intercepted runs)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _cpu(kwargs["device"])
