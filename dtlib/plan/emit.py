@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dtlib.analytic import validate
@@ -35,7 +36,7 @@ from dtlib.analytic.layout import Parallelism, check_layout
 
 __all__ = ["FRAMEWORKS", "FILENAMES", "PRECISIONS", "Emitted", "emit", "unsupported", "megatron_flags",
            "deepspeed_config", "torchtitan_toml", "torchtitan_document", "jax_mesh", "check_torchtitan",
-           "TORCHTITAN_SCHEMA", "JAX_AXES", "JAX_ROLES"]
+           "TORCHTITAN_SCHEMA", "JAX_AXES", "JAX_ROLES", "emit_all", "emitted_lines", "check_emit_options"]
 
 FRAMEWORKS = ("megatron", "deepspeed", "torchtitan", "jax")
 FILENAMES = {"megatron": "megatron_flags.txt", "deepspeed": "ds_config.json", "torchtitan": "torchtitan.toml",
@@ -482,6 +483,11 @@ def _jax_notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str
     return notes
 
 
+def _json(data: dict[str, Any]) -> str:
+    """JSON with one top-level key per line: short enough to read, still one valid document."""
+    return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}\n"
+
+
 def _flag_lines(flags: list[str]) -> str:
     """One flag (and its value) per line, continued with backslashes, as a launch script has them."""
     lines: list[str] = []
@@ -510,9 +516,45 @@ def emit(framework: str, layout: Parallelism, model: TransformerConfig, global_b
         return Emitted(framework, _flag_lines(data), data, [], notes)
     if framework == "deepspeed":
         data = deepspeed_config(layout, model, global_batch, precision)
-        return Emitted(framework, json.dumps(data, indent=2) + "\n", data, [], notes)
+        return Emitted(framework, _json(data), data, [], notes)
     if framework == "torchtitan":
         data = torchtitan_document(layout, model, global_batch, precision)
         return Emitted(framework, torchtitan_toml(layout, model, global_batch, precision), data, [], notes)
     data = jax_mesh(layout, model, global_batch, precision)
-    return Emitted(framework, json.dumps(data, indent=2) + "\n", data, [], notes)
+    return Emitted(framework, _json(data), data, [], notes)
+
+
+def check_emit_options(frameworks: list[str] | None, directory: str | None, rehearse: bool) -> None:
+    """The command line's ``--emit``/``--emit-dir``/``--rehearse``, checked before anything runs."""
+    for flag, given in (("--emit-dir", directory is not None), ("--rehearse", rehearse)):
+        if given and not frameworks:
+            raise ValueError(f"{flag} needs --emit FRAMEWORK (one of {', '.join(FRAMEWORKS)})")
+    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"--emit-dir {directory} is a file; give a directory (created if missing)")
+
+
+def emit_all(frameworks: list[str], layout: Parallelism, model: TransformerConfig, global_batch: int,
+             precision: str = "bf16", directory: str | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`emit` for each framework (once each, in order) as dicts; with ``directory``, each
+    expressible config is also written there under :data:`FILENAMES` (key ``written``)."""
+    out = {f: emit(f, layout, model, global_batch, precision).to_dict() for f in dict.fromkeys(frameworks)}
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for e in out.values():
+            if e["text"]:
+                e["written"] = str(Path(directory) / e["file"])
+                Path(e["written"]).write_text(e["text"])
+    return out
+
+
+def emitted_lines(emitted: dict[str, dict[str, Any]]) -> list[str]:
+    """The text of :func:`emit_all`'s result: each config (indented) with its notes, or why not."""
+    lines = []
+    for name, e in emitted.items():
+        if e["unsupported"]:
+            lines += [f"{name}: cannot express layout #1:"] + [f"  - {r}" for r in e["unsupported"]]
+            continue
+        where = f", written to {e['written']}" if "written" in e else ""
+        lines += ([f"{name} ({e['file']}) of layout #1{where}:"] + [("  " + x).rstrip() for x in e["text"].rstrip().splitlines()]
+                  + [f"  note: {n}" for n in e["notes"]])
+    return lines
