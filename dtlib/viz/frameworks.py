@@ -87,14 +87,15 @@ def plot_framework_memory(measured: Mapping[str, Sequence[Mapping[str, float]]],
                             title=title or "model states per rank: measured (bars) vs dtlib.analytic.memory (dashed)")
 
 
-def plot_framework_collectives(counts: Mapping[str, Mapping[str, float]], title: str = "") -> Figure:
-    """Collectives one rank issued per training step, by operation (``all_reduce``, ``all_gather``,
-    ``reduce_scatter``, ``send``, ...), one bar per framework: ``counts[framework][op]``."""
+def plot_framework_collectives(counts: Mapping[str, Mapping[str, float]], ylabel: str = "calls per rank per step",
+                               title: str = "") -> Figure:
+    """Collectives one rank issued, by operation (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+    ``send``, ...), one bar per framework: ``counts[framework][op]`` (``ylabel`` says over what)."""
     if not counts:
         raise ValueError("nothing to plot: counts is empty")
     ops = sorted({op for c in counts.values() for op in c})
     return plot_grouped_bars({op: {name: c.get(op, 0) for name, c in counts.items()} for op in ops},
-                             "calls per rank per step", title=title or "the collectives each framework issued",
+                             ylabel, title=title or "the collectives each framework issued",
                              fmt="{:g}")
 
 
