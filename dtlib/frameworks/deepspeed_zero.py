@@ -40,7 +40,7 @@ from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import precision
 from dtlib.experiments.shrunk_layout import TINY
 from dtlib.frameworks.common import FrameworkRun, token_batches
-from dtlib.launcher import launch
+from dtlib.launcher import get_device, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 from dtlib.models.gpt import Block, TinyGPT
 
@@ -332,7 +332,7 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
         local = 0.0
         for i, tokens in enumerate(micro):
             with counter:  # forward, backward and step only: not the loss logging below
-                loss = _loss(engine, tokens)
+                loss = _loss(engine, tokens.to(engine.device))
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
                 if step == steps - 1:  # the most held after any backward of the last step
                     gradients = tuple(map(max, gradients, _gradient_bytes(engine)))
@@ -344,10 +344,25 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
     gather = (deepspeed.zero.GatheredParameters(params) if _stage(ds_config) == 3
               else contextlib.nullcontext())
     with gather:  # ZeRO-3: DeepSpeed all-gathers the partitions for the block, fp32 here
-        full = {n: p.detach().clone().float().numpy() for n, p in engine.module.named_parameters()}
+        full = {n: p.detach().float().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     persistent = sum(1 for p in params if getattr(p, "ds_persist", False))
     return {"losses": losses, "params": full if rank == 0 else None, "memory": memory,
             "collectives": dict(counter.counts), "persistent": persistent}
+
+
+def _build_ops(ds_config: dict) -> list[str]:
+    """Compile (first time on a machine, ~40-60 s on 2 idle cores; cached in
+    ``~/.cache/torch_extensions``) or load the ops the run needs, here in the calling process:
+    once rather than in every rank, outside the ranks' timeout, and never killed half-way (a
+    compiler ninja started in a rank escapes the launcher's kill of that rank's process group).
+    The forked ranks inherit the loaded op."""
+    optimizer = ds_config.get("optimizer", {})
+    if not _offloaded(ds_config) or optimizer.get("params", {}).get("torch_adam", False):
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+    return ["CPU Adam op loaded in the calling process (compiled on first use), inherited by the ranks"]
 
 
 def _notes(ds_config: dict, shims: list[str], persistent: int) -> list[str]:
@@ -368,15 +383,19 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
     """Train TinyGPT ``steps`` steps under ``deepspeed.initialize(config=ds_config)`` on
     ``world_size`` ranks. The config is used as given (never changed): a missing
     ``gradient_clipping`` leaves DeepSpeed's default 1.0 in force, and ``notes`` says so.
-    ``timeout`` (seconds) bounds the whole launch, op compiles included (CPU Adam: ~40-60 s once,
-    cached in ``~/.cache/torch_extensions``). ``collectives``: calls per rank over the ``steps``
+    ``timeout`` (seconds) bounds the ranks; an op they need (CPU Adam with offload) is compiled
+    or loaded before they start (:func:`_build_ops`). ``collectives``: calls per rank over the ``steps``
     steps (forward, backward, optimizer step), as the c10d layer saw them."""
     validate_deepspeed_config(ds_config, world_size)
     _check_runnable(ds_config)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     shims = _cpu_shims()
-    import deepspeed  # noqa: F401 - imported once here, inherited by the forked ranks
+    # imported once here and inherited by the forked ranks: ZeRO's optimizer check imports
+    # DeepSpeed's Muon, whose torch.compile decorators import inductor (~9 s on 2 cores, per rank)
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
+    shims += _build_ops(ds_config)
 
     ranks = launch(_deepspeed_rank, world_size, args=(copy.deepcopy(ds_config), steps, seed),
                    timeout=timeout, output="none")
@@ -420,7 +439,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
     from dtlib.parallel.zero import ShardedOptimizer
 
     torch.manual_seed(seed)
-    model = TinyGPT(MODEL)
+    model = TinyGPT(MODEL).to(get_device())
     cls, kwargs = _torch_optimizer(ds_config)
     stage = _stage(ds_config)
     forward: Any = model
@@ -435,7 +454,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
         local = 0.0
         with counter:
             for tokens in micro:
-                loss = _loss(forward, tokens)
+                loss = _loss(forward, tokens.to(get_device()))
                 (loss / len(micro)).backward()
                 local += loss.item() / len(micro)
             if stage == 1:  # ZeRO-1 shards the optimizer only: gradients are averaged first
@@ -444,7 +463,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
             optimizer.zero_grad(set_to_none=True)
         losses.append(_global_mean(local))
     full = forward.gather_full_params() if stage == 3 else dict(model.named_parameters())
-    full = {n: t.detach().clone().numpy() for n, t in full.items() if n in dict(model.named_parameters())}
+    full = {n: t.detach().cpu().numpy().copy() for n, t in full.items() if n in dict(model.named_parameters())}
     return {"losses": losses, "params": full if rank == 0 else None, "collectives": dict(counter.counts)}
 
 
