@@ -216,7 +216,9 @@ def test_runs_refuse_before_starting():
     for changes, message in [(dict(optimizer={"type": "Lamb"}), "optimizer.type must be one of SGD, Adam, AdamW"),
                              (dict(scheduler={"type": "WarmupLR"}), "scheduler must be left out"),
                              (dict(bf16={"enabled": True}), "bf16.enabled must be false"),
-                             (dict(train_micro_batch_size_per_gpu=2), "train_batch_size must equal")]:
+                             (dict(train_micro_batch_size_per_gpu=2), "train_batch_size must equal"),
+                             (dict(optimizer={"type": "SGD", "params": {"lrr": 0.5}}),
+                              "optimizer.params are not valid for SGD: .* unexpected keyword argument 'lrr'")]:
         with pytest.raises(ValueError, match=message):
             run_deepspeed(config(2, **changes), WORLD, timeout=5)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):

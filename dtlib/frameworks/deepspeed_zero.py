@@ -30,7 +30,6 @@ import io
 import os
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,10 +56,13 @@ DEFAULT_GRADIENT_CLIPPING = 1.0
 
 
 # ---- the config ------------------------------------------------------------------------------
-class _RecordingDict(dict):
-    """A config that remembers which top-level keys DeepSpeed read (``copy.copy`` shares the set)."""
+class _Recording(dict):
+    """A config (or its ``keys()``) that adds every top-level key DeepSpeed looks up to ``read``
+    (``copy.copy`` of it shares the set)."""
 
-    read: set
+    def __init__(self, items: Any, read: set):
+        super().__init__(items)
+        self.read = read
 
     def get(self, key: Any, default: Any = None) -> Any:
         self.read.add(key)
@@ -75,23 +77,14 @@ class _RecordingDict(dict):
         return super().__contains__(key)
 
     def keys(self) -> Any:  # ``KEY in config.keys()`` is how DeepSpeed reads some sections
-        return _RecordingKeys(self)
+        return _Recording(dict.fromkeys(dict.keys(self)), self.read)
 
 
-class _RecordingKeys(set):
-    def __init__(self, owner: _RecordingDict):
-        super().__init__(dict.keys(owner))
-        self.owner = owner
-
-    def __contains__(self, key: Any) -> bool:
-        self.owner.read.add(key)
-        return super().__contains__(key)
-
-
-def _deepspeed_config(ds_config: dict, world_size: int) -> tuple[Any, set]:
-    """DeepSpeed's own ``DeepSpeedConfig`` of ``ds_config`` for ``world_size`` data-parallel ranks,
-    and the top-level keys it read. It takes the world size from an initialised process group
-    (1 without one); the subclass gives it the run's instead, just before its batch-size rule."""
+def _keys_deepspeed_reads(ds_config: dict, world_size: int) -> set:
+    """Run DeepSpeed's own ``DeepSpeedConfig`` on ``ds_config`` for ``world_size`` data-parallel
+    ranks (raising what it raises); return the top-level keys it read. It takes the world size
+    from an initialised process group (1 without one): the subclass gives it the run's instead,
+    just before its batch-size rule."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     class _PlannedConfig(DeepSpeedConfig):
@@ -99,11 +92,10 @@ def _deepspeed_config(ds_config: dict, world_size: int) -> tuple[Any, set]:
             self.world_size = world_size
             super()._configure_train_batch_size()
 
-    recorded = _RecordingDict(copy.deepcopy(ds_config))
-    recorded.read = set()
+    read: set = set()
     with contextlib.redirect_stdout(io.StringIO()):
-        config = _PlannedConfig(recorded)
-    return config, recorded.read
+        _PlannedConfig(_Recording(copy.deepcopy(ds_config), read))
+    return read
 
 
 def _section(ds_config: dict, key: str) -> dict:
@@ -111,6 +103,21 @@ def _section(ds_config: dict, key: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{key} must be a JSON object (a dict), got {value!r}")
     return value
+
+
+def _batch_sizes(ds_config: dict) -> dict[str, int]:
+    """The three batch keys, each a positive integer (DeepSpeed derives a missing one; the side
+    by side runs need all three to cut the same data)."""
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
+    sizes = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1 (all three batch keys are required here), "
+                             f"got {value!r}")
+        sizes[key] = value
+    return sizes
 
 
 def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
@@ -121,17 +128,9 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
     :func:`reference_run` can mirror, and keys DeepSpeed does not read (it ignores them silently,
     so a typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
     ``DeepSpeedConfig`` runs, and its error (an assertion or pydantic's) becomes one line."""
-    if not isinstance(ds_config, dict):
-        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    sizes = {}
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        value = ds_config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be an integer >= 1 (all three batch keys are required here), "
-                             f"got {value!r}")
-        sizes[key] = value
+    sizes = _batch_sizes(ds_config)
     product = sizes["train_micro_batch_size_per_gpu"] * sizes["gradient_accumulation_steps"] * world_size
     if sizes["train_batch_size"] != product:
         raise ValueError(
@@ -156,7 +155,7 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
                          f"zero_optimization.offload_optimizer (DeepSpeed's CPU optimizers; "
                          f"zero_force_ds_cpu_optimizer), got {optimizer['type']!r}")
     try:
-        _, read = _deepspeed_config(ds_config, world_size)
+        read = _keys_deepspeed_reads(ds_config, world_size)
     except Exception as exc:  # noqa: BLE001 - any refusal of DeepSpeed's becomes one line
         raise ValueError(f"DeepSpeedConfig refused the config: {_one_line(exc)}") from None
     unknown = sorted(set(ds_config) - read)
@@ -194,6 +193,11 @@ def _check_runnable(ds_config: dict) -> None:
                              "one-process reference does")
     if "scheduler" in ds_config:
         raise ValueError("scheduler must be left out here: reference_run keeps optimizer.params.lr constant")
+    cls, kwargs = _torch_optimizer(ds_config)
+    try:  # a typo in optimizer.params fails here, not in every rank
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer.params are not valid for {cls.__name__}: {exc}") from None
 
 
 def _offloaded(ds_config: dict) -> bool:
@@ -410,11 +414,10 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
 def reference_run(ds_config: dict, steps: int = 3, *, seed: int = 0) -> FrameworkRun:
     """``ds_config``'s training in one process, plain PyTorch: the same TinyGPT, initialisation,
     data (the whole global batch at once) and optimizer (:func:`_torch_optimizer`), no clipping."""
-    if not isinstance(ds_config, dict):
-        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
-    batch = ds_config.get("train_batch_size")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"train_batch_size must be an integer >= 1, got {batch!r}")
+    sizes = _batch_sizes(ds_config)
+    per_rank = sizes["train_micro_batch_size_per_gpu"] * sizes["gradient_accumulation_steps"]
+    # the world size the config was written for (validation names the key if it does not divide)
+    validate_deepspeed_config(ds_config, max(1, sizes["train_batch_size"] // per_rank))
     _check_runnable(ds_config)
     torch.manual_seed(seed)
     model = TinyGPT(MODEL)
