@@ -243,7 +243,7 @@ def test_cpu_shims_redirect_cuda_only_inside_the_block():
     assert torch.cuda.current_device is current
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
-    with pytest.raises(ValueError, match="use_distributed_optimizer=True needs GPUs"):
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True needs one GPU per rank"):
         run_megatron(dp=2, optimizer="adam", use_distributed_optimizer=True)
 
 

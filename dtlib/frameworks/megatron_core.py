@@ -146,6 +146,7 @@ def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
     for vp in range(s["virtual_stages"]):
         if s["model"] == "mlp":
             module = _MLPBlock(config, s["vocab_size"], s["seed"])
+            module.table = module.table.to(module.linear_fc1.weight.device)
         else:
             vp_stage = vp if s["virtual_stages"] > 1 else None
             module = GPTModel(
@@ -186,7 +187,8 @@ def _microbatches(data: torch.Tensor, step: int, s: dict[str, Any], dp_rank: int
 
 def _worker(rank: int, world_size: int, s: dict[str, Any], data: np.ndarray) -> dict[str, Any]:
     with cpu_shims() as notes:
-        return _train(s, torch.from_numpy(data), notes)
+        device = torch.device("cpu") if notes else torch.device("cuda", torch.cuda.current_device())
+        return _train(s, torch.from_numpy(data).to(device), notes)
 
 
 def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str, Any]:
@@ -206,12 +208,12 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
         config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training.py
         optimizer = _optimizer(chunks, s)
         order: list[str] = []
-        positions = torch.arange(s["seq_length"]).unsqueeze(0)
+        positions = torch.arange(s["seq_length"], device=data.device).unsqueeze(0)
         # the causal mask, True where attention is masked out, passed as Megatron-LM's data loader
         # does (get_ltor_masks_and_position_ids); without it Megatron builds one on "cuda"
         # (transformer/utils.py get_default_causal_mask), also while recomputing in backward,
         # where the device shim is not active
-        mask = torch.ones(s["seq_length"], s["seq_length"]).triu(diagonal=1).bool()[None, None]
+        mask = torch.ones(s["seq_length"], s["seq_length"], device=data.device).triu(1).bool()[None, None]
 
         def forward_step(iterator: Any, chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             k, tokens, labels = next(iterator)
@@ -291,7 +293,7 @@ def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, 
             name = _global_name(name, numbers)
             if name != _EMBEDDING and getattr(p, "shared_embedding", False):
                 continue  # the last stage's copy of the tied word embeddings: the first stage has it
-            out[name] = _gather_tp(p, group, s["tp"]).numpy()
+            out[name] = _gather_tp(p, group, s["tp"]).cpu().numpy()
     return out
 
 

@@ -34,10 +34,9 @@ import shlex
 import warnings
 from typing import Any
 
-import torch
-
 from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun
+from dtlib.launcher import resolve_backend
 
 __all__ = ["parse_megatron_flags", "megatron_configs", "run_megatron_flags", "check_settings",
            "transformer_config", "ddp_config", "VALUE_FLAGS", "SWITCH_FLAGS", "MODELS", "OPTIMIZERS",
@@ -242,9 +241,9 @@ def check_settings(s: dict[str, Any]) -> None:
     if s["overlap_param_gather"] and not (s["use_distributed_optimizer"] and s["overlap_grad_reduce"]):
         raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True and "
                          "overlap_grad_reduce=True (Megatron-LM)")
-    if s["use_distributed_optimizer"] and not torch.cuda.is_available():
-        raise ValueError("use_distributed_optimizer=True needs GPUs: Megatron-Core's DistributedOptimizer "
-                         "accepts only torch.cuda tensors (distrib_optimizer.py) and only Adam")
+    if s["use_distributed_optimizer"] and resolve_backend("auto", world) != "nccl":
+        raise ValueError(f"use_distributed_optimizer=True needs one GPU per rank ({world}): Megatron-Core's "
+                         "DistributedOptimizer accepts only torch.cuda tensors (distrib_optimizer.py)")
     if s["use_distributed_optimizer"] and s["optimizer"] != "adam":
         raise ValueError("use_distributed_optimizer=True needs optimizer='adam' (Megatron-Core's "
                          "DistributedOptimizer: only Adam currently supported)")
@@ -254,6 +253,7 @@ def transformer_config(s: dict[str, Any]) -> Any:
     """Megatron-Core's ``TransformerConfig`` for settings ``s``: fp32, dropout 0 (runs then differ
     only by their math, never by random numbers), the CPU settings of
     :data:`~dtlib.frameworks.megatron_cpu.CPU_CONFIG` where there is no GPU. Megatron validates it."""
+    import torch
     from megatron.core.transformer import TransformerConfig
 
     from dtlib.frameworks.megatron_cpu import CPU_CONFIG, needs_cpu_shims

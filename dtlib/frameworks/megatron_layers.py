@@ -163,4 +163,6 @@ def compare_parallel_layers(tp: int = 2, sequence_parallel: bool = False, seed: 
     from dtlib.frameworks.megatron_core import _import_megatron
 
     _import_megatron()
-    return launch(_worker, tp, args=(sequence_parallel, seed), timeout=timeout, output="none")[0]
+    # gloo even on GPUs: a comparison on CPU tensors (the full layers live on the CPU)
+    return launch(_worker, tp, args=(sequence_parallel, seed), backend="gloo", timeout=timeout,
+                  output="none")[0]
