@@ -12,13 +12,12 @@ parameters are gathered back to full tensors under the names of the ``tp = pp = 
 so ``compare(run, run_megatron())`` is the side-by-side test. The reference is
 ``run_megatron()`` itself: the same code on one rank, where Megatron skips every collective.
 
-On a machine without GPUs the CPU shims of :mod:`dtlib.frameworks.megatron_cpu` are applied
-inside each rank (and listed in the run's ``notes``); with GPUs nothing is patched.
+On CPU ranks (gloo) the shims of :mod:`dtlib.frameworks.megatron_cpu` are applied inside each
+rank and listed in the run's ``notes``; ranks with one GPU each (NCCL) patch nothing.
 """
 from __future__ import annotations
 
 import zlib
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec
 from dtlib.frameworks.megatron_flags import check_settings, ddp_config, transformer_config
 from dtlib.launcher import MAX_TIMEOUT, launch
-from dtlib.measure import CollectiveCounter
+from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 
 __all__ = ["run_megatron", "executed_order", "schedule_order", "LR", "DECISIONS"]
 
@@ -57,7 +56,7 @@ def _init_full(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     from one stream whose order depends on which layers a pipeline stage builds)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     value = 0.02 * torch.randn(shape, generator=g)  # Megatron's init_method_std default (0.02)
-    return value + 1.0 if "layernorm.weight" in name or name.endswith("norm.weight") else value
+    return value + 1.0 if name.endswith("norm.weight") else value  # norms start near the identity
 
 
 def _global_name(name: str, layer_numbers: dict[int, int]) -> str:
@@ -109,6 +108,7 @@ class _MLPBlock(torch.nn.Module):
         self.config = config
         h = config.hidden_size
         init = torch.nn.init.zeros_  # overwritten by _init_full, as every parameter is
+        # a fixed input embedding, scaled from std 0.02 to 1: unit-size inputs to the block
         self.register_buffer("table", _init_full("table", (vocab_size, h), seed) * 50.0)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             h, 4 * h, config=config, init_method=init, bias=True, gather_output=False)
@@ -245,7 +245,7 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
             losses.append([float(r["lm loss"]) for r in reduced])
         full = _gather_full(chunks, s)  # every TP rank takes part in the all-gather
         keep = dp_rank == 0 and tp_rank == 0  # one copy of each stage's parameters comes back
-        return {"losses": losses, "params": full if keep else {}, "memory": _memory(chunks),
+        return {"losses": losses, "params": full if keep else {}, "memory": _memory(chunks, optimizer),
                 "collectives": counts, "order": list(order), "notes": notes,
                 "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
                 "tp_rank": tp_rank, "dp_rank": dp_rank,
@@ -273,13 +273,15 @@ def _loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _memory(chunks: list[torch.nn.Module]) -> dict[str, int]:
+def _memory(chunks: list[torch.nn.Module], optimizer: Any) -> dict[str, int]:
     """Bytes this rank holds: its parameter slabs, its gradient buffer (Megatron's DDP keeps
-    gradients in one contiguous ``main_grad`` buffer per chunk) and optimizer state (none: SGD)."""
+    gradients in one contiguous ``main_grad`` buffer per chunk) and the state of the torch
+    optimizer(s) Megatron's optimizer wraps (none for plain SGD; Adam's two moments)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
+    wrapped = getattr(optimizer, "chained_optimizers", [optimizer])
     return {"parameters": sum(p.numel() * p.element_size() for p in params),
             "gradients": sum(p.main_grad.numel() * p.main_grad.element_size() for p in params),
-            "optimizer": 0}
+            "optimizer": sum(optimizer_state_bytes(o.optimizer)["optimizer"] for o in wrapped)}
 
 
 def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, np.ndarray]:

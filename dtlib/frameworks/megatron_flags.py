@@ -117,8 +117,9 @@ def _read(flags: str | list[str]) -> dict[str, Any]:
                 raise ValueError(f"{flag} must be an integer, got {inline!r}") from None
             if flag in _CHOICES and value not in _CHOICES[flag]:
                 raise ValueError(f"{flag} must be one of {', '.join(_CHOICES[flag])}, got {value!r}")
-            if kind is int and value < 1 and flag != "--seed":
-                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+            least = 0 if flag == "--seed" else 1
+            if kind is int and value < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {value}")
             args[_attr(flag)] = value
         else:
             known = ", ".join(sorted([*VALUE_FLAGS, *SWITCH_FLAGS]))
@@ -133,7 +134,8 @@ def parse_megatron_flags(flags: str | list[str], world_size: int) -> dict[str, A
     naming the flag. ``--optimizer`` defaults to Adam, as in Megatron-LM."""
     validate.integer("world_size", world_size)
     a = _read(flags)
-    tp, pp, cp = a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"], a["context_parallel_size"]
+    tp, pp = a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"]
+    cp = a["context_parallel_size"]
     model_size = tp * pp * cp
     if world_size % model_size:
         raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
