@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dtlib.frameworks.common import compare
-from dtlib.frameworks.megatron_core import executed_order, run_megatron, schedule_order
+from dtlib.frameworks.megatron_core import (executed_order, run_megatron, run_megatron_flags,
+                                            schedule_order)
 from dtlib.frameworks.megatron_cpu import cpu_shims, needs_cpu_shims
-from dtlib.frameworks.megatron_flags import (megatron_configs, parse_megatron_flags,
-                                             run_megatron_flags)
+from dtlib.frameworks.megatron_flags import megatron_configs, parse_megatron_flags
 from dtlib.frameworks.megatron_layers import compare_parallel_layers
 from dtlib.parallel.schedules import schedule
 

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec
-from dtlib.frameworks.megatron_flags import check_settings, ddp_config, transformer_config
+from dtlib.frameworks.megatron_flags import (check_settings, ddp_config, parse_megatron_flags,
+                                             transformer_config)
 from dtlib.launcher import MAX_TIMEOUT, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 
-__all__ = ["run_megatron", "executed_order", "schedule_order", "LR", "DECISIONS"]
+__all__ = ["run_megatron", "run_megatron_flags", "executed_order", "schedule_order", "LR",
+           "DECISIONS"]
 
 # learning rates: large enough that a wrong gradient moves the parameters visibly within 3 steps
 LR = {"sgd": 0.5, "adam": 1e-2}
@@ -382,3 +384,12 @@ def schedule_order(pp: int, num_microbatches: int, virtual_stages: int = 1) -> l
     run = run_megatron(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches,
                        num_layers=pp * virtual_stages, steps=1)
     return executed_order(run)
+
+
+def run_megatron_flags(flags: str | list[str], world_size: int, steps: int = 3) -> FrameworkRun:
+    """Megatron-LM ``flags`` on ``world_size`` ranks, parsed and checked by
+    :func:`~dtlib.frameworks.megatron_flags.parse_megatron_flags`, run by :func:`run_megatron`;
+    ``settings["flags"]`` keeps the flags as given."""
+    run = run_megatron(**parse_megatron_flags(flags, world_size), steps=steps)
+    run.settings["flags"] = flags if isinstance(flags, str) else " ".join(flags)
+    return run

@@ -25,20 +25,19 @@ August 2026) and Megatron-Core 0.16.1's ``num_microbatches_calculator.py``:
   ``ModelParallelConfig`` raises instead, and so does ``run_megatron``.
 
 :func:`megatron_configs` then builds Megatron-Core's own ``TransformerConfig`` and
-``DistributedDataParallelConfig`` from the flags, so Megatron's classes check them too.
+``DistributedDataParallelConfig`` from the flags, so Megatron's classes check them too;
+:func:`~dtlib.frameworks.megatron_core.run_megatron_flags` parses and runs them.
 """
 from __future__ import annotations
 
-import inspect
 import shlex
 import warnings
 from typing import Any
 
 from dtlib.analytic import validate
-from dtlib.frameworks.common import FrameworkRun
 from dtlib.launcher import resolve_backend
 
-__all__ = ["parse_megatron_flags", "megatron_configs", "run_megatron_flags", "check_settings",
+__all__ = ["parse_megatron_flags", "megatron_configs", "check_settings",
            "transformer_config", "ddp_config", "VALUE_FLAGS", "SWITCH_FLAGS", "MODELS", "OPTIMIZERS",
            "MAX_RANKS"]
 
@@ -283,27 +282,9 @@ def ddp_config(s: dict[str, Any]) -> Any:
                                          overlap_param_gather=s["overlap_param_gather"])
 
 
-def _settings(flags: str | list[str], world_size: int, steps: int) -> dict[str, Any]:
-    from dtlib.frameworks.megatron_core import run_megatron  # its defaults fill the rest
-
-    defaults = {k: p.default for k, p in inspect.signature(run_megatron).parameters.items()}
-    return {**defaults, **parse_megatron_flags(flags, world_size), "steps": steps}
-
-
 def megatron_configs(flags: str | list[str], world_size: int) -> tuple[Any, Any]:
     """Megatron-Core's ``(TransformerConfig, DistributedDataParallelConfig)`` for ``flags`` on
     ``world_size`` ranks, built by Megatron's own classes, which refuse what they cannot run
     (e.g. attention heads not divisible by the tensor-parallel size)."""
-    s = _settings(flags, world_size, 1)
+    s = parse_megatron_flags(flags, world_size)
     return transformer_config(s), ddp_config(s)
-
-
-def run_megatron_flags(flags: str | list[str], world_size: int, steps: int = 3) -> FrameworkRun:
-    """Parse ``flags`` for ``world_size`` ranks (:func:`parse_megatron_flags`) and run them
-    (:func:`~dtlib.frameworks.megatron_core.run_megatron`); ``settings["flags"]`` keeps the flags."""
-    from dtlib.frameworks.megatron_core import run_megatron
-
-    kwargs = parse_megatron_flags(flags, world_size)
-    run = run_megatron(**kwargs, steps=steps)
-    run.settings["flags"] = " ".join(_tokens(flags))
-    return run
