@@ -59,6 +59,13 @@ def test_gpt_model_under_megatron_equals_one_process(runs, reference, layout):
     _equal(runs[layout], reference)
 
 
+@pytest.mark.parametrize("kwargs", [dict(tp=2, recompute_granularity="full"),
+                                    dict(dp=2, num_microbatches=2, overlap_grad_reduce=True)],
+                         ids=["recompute", "overlap-grad-reduce"])
+def test_memory_and_overlap_options_keep_the_numbers(reference, kwargs):
+    _equal(_run(**kwargs), reference)
+
+
 @pytest.mark.parametrize("layout, pp, v", [("1f1b", 2, 1), ("interleaved", 2, 2)])
 def test_megatron_runs_the_passes_in_dtlib_schedule_order(runs, layout, pp, v):
     expected = [[str(a) for a in ops] for ops in
