@@ -193,6 +193,7 @@ def test_flags_run_equal_one_process(reference):
      "--num-layers-per-virtual-pipeline-stage 3 must divide the 2 layers per pipeline stage"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--no-overlap-p2p-communication", 2, "needs --pipeline-model-parallel-size >= 3"),
+    ("--num-layers-per-virtual-pipeline-stage 2", 1, "needs --pipeline-model-parallel-size >= 2, got 1"),
     ("--overlap-param-gather", 2, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--recompute-granularity selective --recompute-method uniform", 1, "--recompute-method is not"),
     ("--recompute-granularity most", 1, "--recompute-granularity must be one of full, selective"),
