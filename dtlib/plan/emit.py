@@ -99,6 +99,12 @@ def _megatron_unsupported(p: Parallelism, m: TransformerConfig, precision: str) 
     if p.offload == "params":
         out.append("offload params: Megatron-LM has no parameter offload flag for training "
                    "(only --optimizer-cpu-offload for the optimizer)")
+    if p.offload == "optimizer" and p.zero >= 2:
+        out.append(f"offload optimizer with ZeRO-{p.zero}: Megatron-LM offloads through the distributed optimizer "
+                   f"(ZeRO-1) only (OptimizerConfig: precision-aware optimizer only with the distributed optimizer)")
+    if m.moe_experts and m.bias and p.tp > 1:
+        out.append(f"MoE with biases at tp={p.tp}: Megatron-Core supports expert biases only with expert tensor "
+                   f"parallel size 1 (TransformerConfig)")
     if p.shard_size is not None:
         out.append(f"shard_size {p.shard_size}: hybrid sharding is not emitted for Megatron-LM")
     return out
@@ -241,6 +247,8 @@ def _megatron_notes(p: Parallelism, m: TransformerConfig, precision: str) -> lis
                      f"fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS != 1")
     if precision == "fp8":
         notes.append("--fp8-format needs Transformer Engine (--transformer-impl transformer_engine, the default)")
+    if p.offload == "optimizer":
+        notes.append("--use-precision-aware-optimizer needs Transformer Engine >= 2.1 (Megatron-Core OptimizerConfig)")
     if m.position == "alibi":
         notes.append("position alibi: pretrain_gpt.py has no ALiBi; pick --position-embedding-type yourself")
     return notes
