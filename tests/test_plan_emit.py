@@ -109,6 +109,8 @@ def test_megatron_experts_gpt3_shape_and_no_data_parallel_overlap():
     (Parallelism(pp=2, virtual_stages=3, schedule="interleaved", num_microbatches=4), LLAMA, "32 layers over pp=2 x 3"),
     (Parallelism(dp=4, zero=3, offload="params"), LLAMA, "offload params"),
     (Parallelism(cp=4), LLAMA.with_(seq=4100), "2 x context-parallel-size = 8"),
+    (Parallelism(dp=4, zero=3, offload="optimizer"), LLAMA, "offload optimizer with ZeRO-3"),
+    (Parallelism(dp=4, tp=2, ep=2), MOE, "MoE with biases at tp=2"),
 ])
 def test_megatron_cannot_express(layout, model, reason):
     (line,) = unsupported("megatron", layout, model, layout.global_batch)
