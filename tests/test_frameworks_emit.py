@@ -91,10 +91,15 @@ def test_the_frameworks_checks_refuse_a_broken_config():
         check_emitted(emit("jax", Parallelism(pp=2, num_microbatches=2), LLAMA, 2), Parallelism(pp=2, num_microbatches=2))
 
 
-def test_megatrons_check_refuses_flags_that_do_not_fit_the_world():
+def test_megatrons_check_refuses_flags_that_do_not_fit():
     flags = emit("megatron", Parallelism(dp=2, tp=4), LLAMA, 2).data
-    with pytest.raises(ValueError):
-        check_megatron(flags, 6)  # 6 ranks are not a multiple of tp 4
+    with pytest.raises(ValueError, match="must divide the world size 6"):
+        check_megatron(flags, 6)  # Megatron-LM's launch rule: 6 ranks are not a multiple of tp 4
+    groups = flags.index("--num-query-groups") + 1
+    with pytest.raises(ValueError, match=r"Megatron-Core refuses the flags: num_query_groups \(6\)"):
+        check_megatron(flags[:groups] + ["6"] + flags[groups + 1:], 8)  # TransformerConfig's own rule
+    with pytest.raises(ValueError, match="unknown Megatron-LM flag '--tensor-parallel-size'"):
+        check_megatron(["--tensor-parallel-size", "2"], 2)
 
 
 def test_cli_prints_the_configs_after_the_plan_and_writes_them(capsys, tmp_path):

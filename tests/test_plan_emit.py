@@ -10,7 +10,7 @@ import pytest
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
-from dtlib.plan.emit import (FILENAMES, FRAMEWORKS, TORCHTITAN_SCHEMA, check_torchtitan, deepspeed_config, emit,
+from dtlib.plan.emit import (FILENAMES, FRAMEWORKS, JAX_ROLES, TORCHTITAN_SCHEMA, check_torchtitan, deepspeed_config, emit,
                              jax_mesh, megatron_flags, torchtitan_document, torchtitan_toml, unsupported)
 
 LLAMA = get_preset("llama3-8b")    # GQA, SwiGLU, RMSNorm, RoPE, untied, no biases
@@ -109,6 +109,8 @@ def test_megatron_experts_gpt3_shape_and_no_data_parallel_overlap():
     (Parallelism(pp=2, virtual_stages=3, schedule="interleaved", num_microbatches=4), LLAMA, "32 layers over pp=2 x 3"),
     (Parallelism(dp=4, zero=3, offload="params"), LLAMA, "offload params"),
     (Parallelism(cp=4), LLAMA.with_(seq=4100), "2 x context-parallel-size = 8"),
+    (Parallelism(dp=4, zero=3, offload="optimizer"), LLAMA, "offload optimizer with ZeRO-3"),
+    (Parallelism(dp=4, tp=2, ep=2), MOE, "MoE with biases at tp=2"),
 ])
 def test_megatron_cannot_express(layout, model, reason):
     (line,) = unsupported("megatron", layout, model, layout.global_batch)
@@ -235,6 +237,7 @@ def test_the_torchtitan_schema_covers_every_emitted_key():
 def test_jax_mesh_axes_and_specs():
     m = jax_mesh(Parallelism(dp=4, tp=2), LLAMA, 4)
     assert m["mesh"] == {"data": 4, "fsdp": 1, "model": 2} and m["batch"] == ["data", None]
+    assert list(m["specs"]) == list(m["shapes"]) == list(JAX_ROLES)
     assert m["specs"] == {"embed": ["model", None], "attn.qkv": [None, "model"], "attn.out": ["model", None],
                           "mlp.up": [None, "model"], "mlp.down": ["model", None], "norm": [None],
                           "head": [None, "model"]}

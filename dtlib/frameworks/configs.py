@@ -34,11 +34,102 @@ def check_deepspeed(config: dict[str, Any], world_size: int) -> Any:
     return validate_deepspeed_config(config, world_size)
 
 
-def check_megatron(flags: list[str], world_size: int) -> Any:
-    """Megatron-Core's ``TransformerConfig`` built from ``flags`` on ``world_size`` ranks."""
-    from dtlib.frameworks.megatron_core import parse_megatron_flags
+# The emitted flags dtlib's Megatron runner does not take (dtlib.frameworks.megatron_flags runs a
+# tiny GPT), as the Megatron-Core config fields Megatron-LM sets from them (arguments.py at
+# core_v0.16.1 generates most flags from TransformerConfig's field names; --swiglu, --num-experts,
+# --disable-bias-linear and --fp8-format are renamed there). flag -> (config, field, value or type).
+_MODEL_FLAGS: dict[str, tuple[str, str, Any]] = {
+    "--ffn-hidden-size": ("transformer", "ffn_hidden_size", int),
+    "--num-query-groups": ("transformer", "num_query_groups", int),
+    "--group-query-attention": ("gqa", "", True),
+    "--swiglu": ("transformer", "gated_linear_unit", True),
+    "--normalization": ("transformer", "normalization", str),
+    "--disable-bias-linear": ("transformer", "add_bias_linear", False),
+    "--bf16": ("transformer", "bf16", True),
+    "--fp16": ("transformer", "fp16", True),
+    "--fp8-format": ("transformer", "fp8", str),
+    "--expert-model-parallel-size": ("transformer", "expert_model_parallel_size", int),
+    "--num-experts": ("transformer", "num_moe_experts", int),
+    "--moe-router-topk": ("transformer", "moe_router_topk", int),
+    "--use-megatron-fsdp": ("ddp", "use_megatron_fsdp", True),
+    "--overlap-param-gather": ("ddp", "overlap_param_gather", True),
+    "--data-parallel-sharding-strategy": ("ddp", "data_parallel_sharding_strategy", str),
+    "--optimizer-cpu-offload": ("optimizer", "optimizer_cpu_offload", True),
+    "--use-precision-aware-optimizer": ("optimizer", "use_precision_aware_optimizer", True),
+    "--position-embedding-type": ("choice", "", ("learned_absolute", "rope", "mrope", "relative", "none")),
+    "--ckpt-format": ("choice", "", ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
+}
 
-    return parse_megatron_flags(flags, world_size)
+
+def _split_megatron(flags: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """(the flags the runner's parser reads, {other flag: its value or True})."""
+    from dtlib.frameworks.megatron_flags import SWITCH_FLAGS, VALUE_FLAGS
+
+    runner, other, i = [], {}, 0
+    while i < len(flags):
+        flag = flags[i]
+        takes_value = flag in VALUE_FLAGS or (flag in _MODEL_FLAGS and _MODEL_FLAGS[flag][2] not in (True, False))
+        value = flags[i + 1] if takes_value and i + 1 < len(flags) else True
+        if flag in VALUE_FLAGS or flag in SWITCH_FLAGS:
+            runner += [flag] + ([value] if takes_value else [])
+        elif flag in _MODEL_FLAGS:
+            other[flag] = value
+        else:
+            raise ValueError(f"unknown Megatron-LM flag {flag!r}")
+        i += 2 if takes_value else 1
+    return runner, other
+
+
+def check_megatron(flags: list[str], world_size: int) -> tuple[Any, Any, Any]:
+    """Megatron-Core's ``(TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)`` built
+    from ``flags`` on ``world_size`` ranks: Megatron-LM's launch rules and the layout through
+    :func:`dtlib.frameworks.megatron_flags.megatron_configs`, then the model, precision, Megatron-FSDP
+    and offload flags set on those configs (``dataclasses.replace`` runs Megatron-Core's
+    ``__post_init__`` checks again, e.g. query groups vs tensor-parallel size)."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.optimizer import OptimizerConfig
+
+    from dtlib.frameworks.megatron_flags import megatron_configs
+
+    runner, other = _split_megatron(list(flags))
+    if "--use-megatron-fsdp" in other and "--overlap-param-gather" in runner:
+        # validate_args: --overlap-param-gather needs the distributed optimizer *or* Megatron-FSDP
+        # (the runner's parser knows only the former), and --overlap-grad-reduce either way
+        runner.remove("--overlap-param-gather")
+        if "--overlap-grad-reduce" not in runner:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM)")
+        other["--overlap-param-gather"] = True
+    transformer, ddp = megatron_configs(runner, world_size)
+    fields: dict[str, dict[str, Any]] = {"transformer": {}, "ddp": {}, "optimizer": {}}
+    for flag, value in other.items():
+        config, name, kind = _MODEL_FLAGS[flag]
+        if config == "choice" and value not in kind:
+            raise ValueError(f"{flag} must be one of {', '.join(kind)}, got {value!r}")
+        if config in fields:
+            fields[config][name] = kind(value) if isinstance(kind, type) else kind
+    if "--num-query-groups" in other and "--group-query-attention" not in other:
+        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it otherwise)")
+    t = fields["transformer"]
+    if t.get("gated_linear_unit"):  # Megatron-LM's --swiglu: a gated SiLU MLP
+        t["activation_func"] = F.silu
+    if t.get("bf16") or t.get("fp16"):
+        t["params_dtype"] = torch.bfloat16 if t.get("bf16") else torch.float16
+    try:
+        transformer = dataclasses.replace(transformer, **t)
+        ddp = dataclasses.replace(ddp, **fields["ddp"])
+        optimizer = OptimizerConfig(optimizer="adam", bf16=bool(t.get("bf16")), fp16=bool(t.get("fp16")),
+                                    use_distributed_optimizer=ddp.use_distributed_optimizer, **fields["optimizer"])
+    except (AssertionError, ValueError) as exc:  # Megatron-Core's own refusal, as one line
+        raise ValueError(f"Megatron-Core refuses the flags: {str(exc).splitlines()[0]}") from None
+    except TypeError as exc:  # utils.is_te_min_version compares None (no Transformer Engine) with a version
+        if "NoneType" not in str(exc):
+            raise
+        raise ValueError("these flags need Transformer Engine (Megatron-Core checks its version), which is not "
+                         "installed here: checked up to that point") from None
+    return transformer, ddp, optimizer
 
 
 def check_torchtitan_toml(text: str) -> dict[str, Any]:

@@ -46,8 +46,9 @@ RUNS: dict[str, tuple[tuple[str, ...], str]] = {
     "deepspeed": (("dp", "zero", "micro_batch_size", "num_microbatches"),
                   "DeepSpeed alone runs data parallelism x ZeRO (tp/pp/cp need Megatron-DeepSpeed)"),
     "megatron": (("dp", "tp", "pp", "sequence_parallel", "schedule", "virtual_stages", "micro_batch_size",
-                  "num_microbatches"),
-                 "dtlib.frameworks.megatron_core runs tp x pp x dp with sequence parallelism and interleaving"),
+                  "num_microbatches", "recompute"),
+                 "dtlib.frameworks.megatron_core runs tp x pp x dp with sequence parallelism, interleaving and "
+                 "recomputation (its DistributedOptimizer, ZeRO-1, takes CUDA tensors only)"),
     "jax": (("dp", "tp", "zero"),
             "the GSPMD mesh has data, fsdp and model axes and the runner's fixed batch of 8 sequences"),
 }
@@ -63,8 +64,9 @@ def _model(framework: str) -> TransformerConfig:
         from dtlib.frameworks.deepspeed_zero import MODEL
 
         return MODEL
-    if framework == "megatron":  # run_megatron's defaults (4 layers: pp 2 x 2 chunks)
-        return TransformerConfig(name="megatron-tiny", layers=4, hidden=32, heads=4, vocab=64, seq=16)
+    if framework == "megatron":  # run_megatron's defaults (4 layers: pp 2 x 2 chunks; tied, as Megatron's default)
+        return TransformerConfig(name="megatron-tiny", layers=4, hidden=32, heads=4, vocab=64, seq=16,
+                                 tied_embeddings=True)
     # jax_gspmd.MODEL: RMSNorm, no biases, no position embedding (rope stands in: no weights either)
     return TransformerConfig(name="jax-tiny", layers=2, hidden=32, heads=4, ffn=128, vocab=64, seq=16, bias=False,
                              norm="rmsnorm", position="rope")
@@ -89,11 +91,13 @@ def shrink_for(framework: str, layout: Parallelism) -> tuple[Parallelism, Transf
              + f": {why}"] if changes else []
     kept = layout.with_(**changes)
     config, shrunk_lines = shrink_layout(kept, MAX_RANKS)
-    lines += shrunk_lines[:-1]  # the last line describes dtlib's TinyGPT, not the framework's model
+    # the last line describes dtlib's TinyGPT, not the framework's model; the recompute line dtlib's
+    # trainer (a framework that recomputes keeps the planned kind)
+    lines += [line for line in shrunk_lines[:-1] if not line.startswith("recompute ")]
     shrunk = Parallelism(dp=config.dp, tp=config.tp, pp=config.pp, cp=config.cp, zero=config.zero,
                          sequence_parallel=config.sequence_parallel, schedule=config.schedule,
                          virtual_stages=config.virtual_stages, micro_batch_size=config.micro_batch_size,
-                         num_microbatches=config.num_microbatches)
+                         num_microbatches=config.num_microbatches, recompute=kept.recompute)
     model = _model(framework)
     if framework == "jax":  # the runner's batch is fixed: one step of 8 sequences, no accumulation
         shrunk = shrunk.with_(micro_batch_size=8 // shrunk.dp, num_microbatches=1)
@@ -108,10 +112,12 @@ def _for_cpu(e: Emitted) -> tuple[Any, list[str]]:
     mirrors; DeepSpeed's default clipping would change the numbers)."""
     if e.framework == "megatron":
         data = [f for f in e.data if f not in ("--bf16", "--fp16")]
-        if "--fp8-format" in data:
-            i = data.index("--fp8-format")
-            del data[i:i + 2]
-        return data, ["precision -> float32: CPU ranks compare in float32"]
+        for flag in ("--fp8-format", "--ffn-hidden-size"):  # the tiny GPT's FFN is Megatron's default 4 x hidden
+            if flag in data:
+                i = data.index(flag)
+                del data[i:i + 2]
+        return data + ["--optimizer", "sgd"], ["precision -> float32, optimizer Adam (Megatron-LM's default) -> "
+                                               "--optimizer sgd: as the one-process reference trains"]
     if e.framework == "deepspeed":
         data = {k: v for k, v in e.data.items() if k not in ("bf16", "fp16")}
         data.update(gradient_clipping=0.0, optimizer={"type": "SGD", "params": {"lr": LR}})
@@ -130,14 +136,14 @@ def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: An
 
         return run_deepspeed(data, layout.dp, steps), reference_run(data, steps)
     if framework == "megatron":
-        from dtlib.frameworks.megatron_core import run_megatron, run_megatron_flags
+        from dtlib.frameworks.megatron_core import run_megatron
+        from dtlib.frameworks.megatron_flags import parse_megatron_flags, run_megatron_flags
 
-        reference = run_megatron(tp=1, pp=1, dp=1, micro_batch_size=layout.micro_batch_size,
-                                 num_microbatches=layout.num_microbatches * layout.dp, steps=steps,
-                                 num_layers=model.layers, hidden_size=model.hidden,
-                                 num_attention_heads=model.heads, seq_length=model.seq, vocab_size=model.vocab,
-                                 timeout=timeout)
-        return run_megatron_flags(data, layout.gpus, steps), reference
+        # the reference: the same flags read by the same parser (model, seed, optimizer), on one rank
+        single = {**parse_megatron_flags(data, layout.gpus), "tp": 1, "pp": 1, "dp": 1, "sequence_parallel": False,
+                  "virtual_stages": 1, "num_microbatches": layout.num_microbatches * layout.dp,
+                  "overlap_grad_reduce": False}
+        return run_megatron_flags(data, layout.gpus, steps), run_megatron(**single, steps=steps, timeout=timeout)
     from dtlib.frameworks.jax_gspmd import reference_run, run_jax
 
     return (run_jax(data["mesh"], data["specs"], data["batch"], steps, timeout=timeout),

@@ -86,7 +86,21 @@ def _check(layout: Parallelism, model: TransformerConfig, global_batch: int, pre
                          f"= {layout.dp}x{layout.micro_batch_size}x{layout.num_microbatches} = {layout.global_batch}")
 
 
-# ---- what each framework cannot express: one line each --------------------------------------------
+def unsupported(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
+                precision: str = "bf16") -> list[str]:
+    """Why ``framework`` cannot express ``layout`` (one line each; empty when it can)."""
+    validate.one_of("framework", framework, FRAMEWORKS)
+    _check(layout, model, global_batch, precision)
+    return _UNSUPPORTED[framework](layout, model, precision)
+
+
+def _refuse(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str) -> None:
+    reasons = unsupported(framework, layout, model, global_batch, precision)
+    if reasons:
+        raise ValueError(f"{framework} cannot express this layout: " + "; ".join(reasons))
+
+
+# ---- Megatron-LM ---------------------------------------------------------------------------------------
 def _megatron_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     out = []
     if p.schedule == "gpipe":
@@ -99,92 +113,16 @@ def _megatron_unsupported(p: Parallelism, m: TransformerConfig, precision: str) 
     if p.offload == "params":
         out.append("offload params: Megatron-LM has no parameter offload flag for training "
                    "(only --optimizer-cpu-offload for the optimizer)")
+    if p.offload == "optimizer" and p.zero >= 2:
+        out.append(f"offload optimizer with ZeRO-{p.zero}: Megatron-LM offloads through the distributed optimizer "
+                   f"(ZeRO-1) only (OptimizerConfig: precision-aware optimizer only with the distributed optimizer)")
+    if m.moe_experts and m.bias and p.tp > 1:
+        out.append(f"MoE with biases at tp={p.tp}: Megatron-Core supports expert biases only with expert tensor "
+                   f"parallel size 1 (TransformerConfig)")
     if p.shard_size is not None:
         out.append(f"shard_size {p.shard_size}: hybrid sharding is not emitted for Megatron-LM")
     return out
 
-
-def _deepspeed_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
-    out = []
-    if p.cp > 1:
-        out.append(f"cp={p.cp}: DeepSpeed has no ring context parallelism (DeepSpeed-Ulysses splits the "
-                   f"sequence with all-to-all over heads: another algorithm)")
-    if p.schedule != "1f1b" and p.pp > 1:
-        out.append(f"schedule {p.schedule}: DeepSpeed's PipelineEngine runs its 1F1B TrainSchedule only")
-    if p.pp > 1 and p.zero >= 2:
-        out.append(f"ZeRO-{p.zero} with pp={p.pp}: DeepSpeed refuses it (pipe/engine.py: \"ZeRO-2 and ZeRO-3 "
-                   f"are incompatible with pipeline parallelism\")")
-    if precision == "fp8":
-        out.append("precision fp8: DeepSpeed's config has bf16 and fp16 only; FP8 matmuls come from "
-                   "Transformer Engine layers in the model's code")
-    if p.shard_size is not None:
-        out.append(f"shard_size {p.shard_size}: hybrid sharding (DeepSpeed MiCS) is not emitted")
-    return out
-
-
-def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
-    out = []
-    if p.zero == 1:
-        out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
-                   "ZeRO-3; no key shards the optimizer state alone")
-    if p.zero == 0 and p.tp * p.pp * p.cp > 1:
-        out.append("ZeRO-0 with tp/pp/cp > 1: torchtitan's DDP runs only as the sole parallelism "
-                   "(parallelize.py: \"DDP has not supported > 1D parallelism\"; cp > 1 always shards with FSDP)")
-    if p.offload == "optimizer":
-        out.append("offload optimizer: torchtitan's training.enable_cpu_offload moves parameters, gradients "
-                   "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
-    if precision == "fp16":
-        out.append("precision fp16: torchtitan's mixed_precision_param is bfloat16 or float32")
-    if m.seq % (2 * p.tp * p.cp):
-        out.append(f"seq {m.seq}: torchtitan needs seq_len divisible by 2 x tp x cp = {2 * p.tp * p.cp} "
-                   f"(ParallelDims.seq_len_divisor)")
-    if p.pp > 1 and m.layers % (p.pp * p.virtual_stages):
-        out.append(f"{m.layers} layers over {p.pp * p.virtual_stages} pipeline stages: not an even "
-                   f"pipeline_parallel_layers_per_stage")
-    if p.shard_size is not None and p.shard_size % p.cp:
-        out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
-    return out
-
-
-def _jax_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
-    out = [f"{name}={size}: not expressed by a GSPMD mesh of weights here (pipelining and ring attention "
-           f"are program structure, not a PartitionSpec)" for name, size in (("pp", p.pp), ("cp", p.cp)) if size > 1]
-    if p.ep > 1:
-        out.append(f"ep={p.ep}: the weight roles are a dense transformer's; experts are not laid out here")
-    if p.offload != "none":
-        out.append(f"offload {p.offload}: a mesh places arrays on devices only")
-    sizes = dict(zip(JAX_AXES, _jax_sizes(p)))
-    specs = _jax_specs(m, *sizes.values())
-    for role, shape in _jax_shapes(m).items():
-        for dim, axes in zip(shape, specs[role]):
-            parts = 1
-            for a in [axes] if isinstance(axes, str) else axes or []:
-                parts *= sizes[a]
-            if dim % parts:
-                out.append(f"{role} dimension {dim} is not divisible by its {parts} shards ({axes}); pad it "
-                           f"(Megatron-LM pads the vocabulary to a multiple of 128 x tp)")
-    return out
-
-
-_UNSUPPORTED = {"megatron": _megatron_unsupported, "deepspeed": _deepspeed_unsupported,
-                "torchtitan": _torchtitan_unsupported, "jax": _jax_unsupported}
-
-
-def unsupported(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
-                precision: str = "bf16") -> list[str]:
-    """Why ``framework`` cannot express ``layout`` (one line each; empty when it can)."""
-    validate.one_of("framework", framework, FRAMEWORKS)
-    _check(layout, model, global_batch, precision)
-    return _UNSUPPORTED[framework](layout, model, precision)
-
-
-def _refuse(framework: str, layout, model, global_batch, precision) -> None:
-    reasons = unsupported(framework, layout, model, global_batch, precision)
-    if reasons:
-        raise ValueError(f"{framework} cannot express this layout: " + "; ".join(reasons))
-
-
-# ---- Megatron-LM ---------------------------------------------------------------------------------------
 def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: int,
                    precision: str = "bf16") -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` flags of the layout, the model's shape, the batch and the
@@ -241,12 +179,31 @@ def _megatron_notes(p: Parallelism, m: TransformerConfig, precision: str) -> lis
                      f"fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS != 1")
     if precision == "fp8":
         notes.append("--fp8-format needs Transformer Engine (--transformer-impl transformer_engine, the default)")
+    if p.offload == "optimizer":
+        notes.append("--use-precision-aware-optimizer needs Transformer Engine >= 2.1 (Megatron-Core OptimizerConfig)")
     if m.position == "alibi":
         notes.append("position alibi: pretrain_gpt.py has no ALiBi; pick --position-embedding-type yourself")
     return notes
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------------
+def _deepspeed_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
+    out = []
+    if p.cp > 1:
+        out.append(f"cp={p.cp}: DeepSpeed has no ring context parallelism (DeepSpeed-Ulysses splits the "
+                   f"sequence with all-to-all over heads: another algorithm)")
+    if p.schedule != "1f1b" and p.pp > 1:
+        out.append(f"schedule {p.schedule}: DeepSpeed's PipelineEngine runs its 1F1B TrainSchedule only")
+    if p.pp > 1 and p.zero >= 2:
+        out.append(f"ZeRO-{p.zero} with pp={p.pp}: DeepSpeed refuses it (pipe/engine.py: \"ZeRO-2 and ZeRO-3 "
+                   f"are incompatible with pipeline parallelism\")")
+    if precision == "fp8":
+        out.append("precision fp8: DeepSpeed's config has bf16 and fp16 only; FP8 matmuls come from "
+                   "Transformer Engine layers in the model's code")
+    if p.shard_size is not None:
+        out.append(f"shard_size {p.shard_size}: hybrid sharding (DeepSpeed MiCS) is not emitted")
+    return out
+
 def deepspeed_config(layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str = "bf16",
                      *, gradient_clipping: float = GRADIENT_CLIPPING) -> dict[str, Any]:
     """The DeepSpeed JSON: batch sizes (DeepSpeed checks train_batch_size = micro x accumulation x
@@ -293,6 +250,29 @@ def _deepspeed_notes(p: Parallelism, m: TransformerConfig, precision: str) -> li
 
 
 # ---- torchtitan ----------------------------------------------------------------------------------------
+def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
+    out = []
+    if p.zero == 1:
+        out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
+                   "ZeRO-3; no key shards the optimizer state alone")
+    if p.zero == 0 and p.tp * p.pp * p.cp > 1:
+        out.append("ZeRO-0 with tp/pp/cp > 1: torchtitan's DDP runs only as the sole parallelism "
+                   "(parallelize.py: \"DDP has not supported > 1D parallelism\"; cp > 1 always shards with FSDP)")
+    if p.offload == "optimizer":
+        out.append("offload optimizer: torchtitan's training.enable_cpu_offload moves parameters, gradients "
+                   "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
+    if precision == "fp16":
+        out.append("precision fp16: torchtitan's mixed_precision_param is bfloat16 or float32")
+    if m.seq % (2 * p.tp * p.cp):
+        out.append(f"seq {m.seq}: torchtitan needs seq_len divisible by 2 x tp x cp = {2 * p.tp * p.cp} "
+                   f"(ParallelDims.seq_len_divisor)")
+    if p.pp > 1 and m.layers % (p.pp * p.virtual_stages):
+        out.append(f"{m.layers} layers over {p.pp * p.virtual_stages} pipeline stages: not an even "
+                   f"pipeline_parallel_layers_per_stage")
+    if p.shard_size is not None and p.shard_size % p.cp:
+        out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
+    return out
+
 # section -> key -> type, read from torchtitan/config/job_config.py at v0.2.2 (73a0e697): a type
 # is a Python type, a tuple of Literal choices, or "list[str]". Only the sections emitted here.
 _SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "PipelineScheduleSingle",
@@ -430,6 +410,25 @@ def _torchtitan_notes(p: Parallelism, m: TransformerConfig, precision: str) -> l
 
 
 # ---- JAX -------------------------------------------------------------------------------------------------
+def _jax_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
+    out = [f"{name}={size}: not expressed by a GSPMD mesh of weights here (pipelining and ring attention "
+           f"are program structure, not a PartitionSpec)" for name, size in (("pp", p.pp), ("cp", p.cp)) if size > 1]
+    if p.ep > 1:
+        out.append(f"ep={p.ep}: the weight roles are a dense transformer's; experts are not laid out here")
+    if p.offload != "none":
+        out.append(f"offload {p.offload}: a mesh places arrays on devices only")
+    sizes = dict(zip(JAX_AXES, _jax_sizes(p)))
+    specs = _jax_specs(*sizes.values())
+    for role, shape in _jax_shapes(m).items():
+        for dim, axes in zip(shape, specs[role]):
+            parts = 1
+            for a in [axes] if isinstance(axes, str) else axes or []:
+                parts *= sizes[a]
+            if dim % parts:
+                out.append(f"{role} dimension {dim} is not divisible by its {parts} shards ({axes}); pad it "
+                           f"(Megatron-LM pads the vocabulary to a multiple of 128 x tp)")
+    return out
+
 def _jax_sizes(p: Parallelism) -> tuple[int, int, int]:
     """(data, fsdp, model): replicas without ZeRO go to ``data``, sharded ones to ``fsdp`` (hybrid:
     shard_size of them), tensor parallelism to ``model``."""
@@ -446,7 +445,7 @@ def _jax_shapes(m: TransformerConfig) -> dict[str, tuple[int, ...]]:
             "head": (m.hidden, m.vocab)}
 
 
-def _jax_specs(m: TransformerConfig, data: int, fsdp: int, model: int) -> dict[str, list[Any]]:
+def _jax_specs(data: int, fsdp: int, model: int) -> dict[str, list[Any]]:
     """Megatron's split on ``model`` (column-parallel: output dim; row-parallel and the vocabulary-
     parallel embedding: input dim, Shoeybi et al. 2019, Sec. 3) and FSDP's on the other dim."""
     f = "fsdp" if fsdp > 1 else None
@@ -464,7 +463,7 @@ def jax_mesh(layout: Parallelism, model: TransformerConfig, global_batch: int, p
     data, fsdp, tp = _jax_sizes(layout)
     batch_axes = [a for a, n in (("data", data), ("fsdp", fsdp)) if n > 1]
     batch = [batch_axes[0] if len(batch_axes) == 1 else batch_axes or None, None]
-    return {"mesh": dict(zip(JAX_AXES, (data, fsdp, tp))), "specs": _jax_specs(model, data, fsdp, tp),
+    return {"mesh": dict(zip(JAX_AXES, (data, fsdp, tp))), "specs": _jax_specs(data, fsdp, tp),
             "batch": batch, "shapes": {k: list(v) for k, v in _jax_shapes(model).items()},
             "micro_batch_size": layout.micro_batch_size, "num_microbatches": layout.num_microbatches,
             "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}[precision]}
@@ -500,6 +499,8 @@ def _flag_lines(flags: list[str]) -> str:
 
 
 # ---- one entry point -------------------------------------------------------------------------------------
+_UNSUPPORTED = {"megatron": _megatron_unsupported, "deepspeed": _deepspeed_unsupported,
+                "torchtitan": _torchtitan_unsupported, "jax": _jax_unsupported}
 _NOTES = {"megatron": _megatron_notes, "deepspeed": _deepspeed_notes, "torchtitan": _torchtitan_notes,
           "jax": _jax_notes}
 
