@@ -255,7 +255,7 @@ def check_megatron_run(megatron_flags: Callable) -> None:
     """Megatron-Core trains :data:`STEPS` steps on the flags' ranks, equal to one process with the
     same global batch within :data:`TOLERANCE`."""
     from dtlib.frameworks.common import compare
-    from dtlib.frameworks.megatron_flags import run_megatron_flags
+    from dtlib.frameworks.megatron_core import run_megatron_flags
 
     flags, parsed, _ = _flags(megatron_flags)
     if parsed["optimizer"] != "sgd":
