@@ -67,10 +67,8 @@ def _config(deepspeed_config: Callable) -> dict:
     return cfg
 
 
-def _positive(cfg: dict, key: str) -> int | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
+def _positive(cfg: dict, key: str) -> int:
+    value = cfg[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise AssertionError(f"{key} must be a positive integer, got {value!r}")
     return value
@@ -122,8 +120,8 @@ def check_deepspeed_memory(deepspeed_config: Callable) -> None:
     if stage in _STAGE_HINTS:
         raise AssertionError(_STAGE_HINTS[stage])
     for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), (dict, type(None))) else "?"
-        if device != "none":
+        section = zero.get(key)
+        if section is not None and (not isinstance(section, dict) or section.get("device", "none") != "none"):
             raise AssertionError(f"zero_optimization.{key} moves state to the CPU: the layout keeps its shards on "
                                  "the ranks (no offload)")
 
