@@ -195,6 +195,9 @@ def test_validation_names_the_key():
          "zero_optimization.offload_param needs zero_optimization.stage >= 3, got stage 2"),
         (dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
          "optimizer.type must be one of Adam, AdamW, Adagrad, Lion with zero_optimization.offload_optimizer"),
+        (dict(zero_optimization={"stage": 3, "offload_param": {"device": "gpu"}}),
+         "zero_optimization.offload_param.device must be 'none', 'cpu' or 'nvme', got 'gpu'"),
+        (dict(zero_optimization=3), "zero_optimization must be a JSON object (a dict), got 3"),
         (dict(gradient_cliping=0.0), "'gradient_cliping' is not a key DeepSpeed reads (it would be ignored "
                                      "silently); did you mean 'gradient_clipping'?"),
         # DeepSpeed's own DeepSpeedConfig, its pydantic error in one line
@@ -209,6 +212,10 @@ def test_validation_names_the_key():
         assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
     with pytest.raises(ValueError, match="train_batch_size must equal .* x 3 = 6, got 4"):
         validate_deepspeed_config(good, 3)
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+        validate_deepspeed_config(good, 0)
+    with pytest.raises(ValueError, match="ds_config must be a dict"):
+        validate_deepspeed_config("ds_config.json", WORLD)
 
 
 def test_runs_refuse_before_starting():

@@ -166,16 +166,16 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
 
 
 # pydantic models of DeepSpeed's config sections -> the key a user writes
-_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
-             "DeepSpeedBF16Config": "bf16", "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
-             "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
+# ("" where pydantic's location already starts with the key, as for the monitors)
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16",
+             "DeepSpeedMonitorConfig": ""}
 
 
 def _one_line(exc: Exception) -> str:
     """DeepSpeed's refusal in one line: pydantic's first error as ``key.path: message (got value)``."""
     if hasattr(exc, "errors") and hasattr(exc, "title"):
         error = exc.errors()[0]
-        where = ".".join([_SECTIONS.get(exc.title, exc.title), *map(str, error["loc"])])
+        where = ".".join(p for p in [_SECTIONS.get(exc.title, exc.title), *map(str, error["loc"])] if p)
         return f"{where}: {error['msg']} (got {error.get('input')!r})"
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
@@ -390,11 +390,15 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
     ``timeout`` (seconds) bounds the ranks; an op they need (CPU Adam with offload) is compiled
     or loaded before they start (:func:`_build_ops`). ``collectives``: calls per rank over the ``steps``
     steps (forward, backward, optimizer step), as the c10d layer saw them."""
+    shims = _cpu_shims()  # before DeepSpeed picks its accelerator (validation imports it)
     validate_deepspeed_config(ds_config, world_size)
     _check_runnable(ds_config)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    shims = _cpu_shims()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < world_size:  # DeepSpeed's CUDA accelerator puts rank r on cuda:r
+        raise ValueError(f"world_size must be <= {gpus}, the GPUs visible (DeepSpeed's CUDA accelerator "
+                         f"needs one per rank), got {world_size}")
     # imported once here and inherited by the forked ranks: ZeRO's optimizer check imports
     # DeepSpeed's Muon, whose torch.compile decorators import inductor (~9 s on 2 cores, per rank)
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
