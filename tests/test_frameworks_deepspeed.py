@@ -200,6 +200,9 @@ def test_validation_names_the_key():
         (dict(zero_optimization=3), "zero_optimization must be a JSON object (a dict), got 3"),
         (dict(gradient_cliping=0.0), "'gradient_cliping' is not a key DeepSpeed reads (it would be ignored "
                                      "silently); did you mean 'gradient_clipping'?"),
+        (dict(optimizer={"type": "SGD", "parms": {"lr": 0.5}}),
+         "optimizer.parms is not a key DeepSpeed reads (it would be ignored silently); optimizer takes 'type' and "
+         "'params'"),
         # DeepSpeed's own DeepSpeedConfig, its pydantic error in one line
         (dict(zero_optimization={"stage": 2, "overlap_com": True}),
          "DeepSpeedConfig refused the config: zero_optimization.overlap_com: Extra inputs are not permitted"),

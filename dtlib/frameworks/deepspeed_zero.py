@@ -124,9 +124,9 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
     """Refuse ``ds_config`` for ``world_size`` ranks with one line naming the key and the valid
     range, before any process starts: DeepSpeed's batch rule (``train_batch_size`` =
     ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x ``world_size``), ZeRO
-    stage 0-3, optimizer offload only with stage >= 1 (DeepSpeed's ZeRO-Offload), an optimizer
-    :func:`reference_run` can mirror, and keys DeepSpeed does not read (it ignores them silently,
-    so a typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
+    stage 0-3, optimizer offload only with stage >= 1 (DeepSpeed's ZeRO-Offload) and one of
+    DeepSpeed's CPU optimizers, and keys DeepSpeed does not read (it ignores them silently, so a
+    typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
     ``DeepSpeedConfig`` runs, and its error (an assertion or pydantic's) becomes one line."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -149,6 +149,11 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
         if device != "none" and stage < lowest:
             raise ValueError(f"zero_optimization.{what} needs zero_optimization.stage >= {lowest}, got stage {stage}")
     optimizer = _section(ds_config, "optimizer")
+    for section in ("optimizer", "scheduler"):  # DeepSpeed reads their "type" and "params" only
+        extra = sorted(set(_section(ds_config, section)) - {"type", "params", "legacy_fusion"})
+        if extra:
+            raise ValueError(f"{section}.{extra[0]} is not a key DeepSpeed reads (it would be ignored "
+                             f"silently); {section} takes 'type' and 'params'")
     if (_offloaded(ds_config) and "type" in optimizer and optimizer["type"] not in CPU_OPTIMIZERS
             and ds_config.get("zero_force_ds_cpu_optimizer", True)):
         raise ValueError(f"optimizer.type must be one of {', '.join(CPU_OPTIMIZERS)} with "
