@@ -5,6 +5,24 @@ check before any rank starts.
 ``checkpoint_every`` steps with a :class:`~dtlib.resilience.checkpoint.Checkpointer` (DCP, any
 layout resumes it) or, with ``incremental``, a
 :class:`~dtlib.resilience.incremental.TrainerCheckpointer` (deltas against a full save).
+
+What changed since the checkpoint. Every checkpoint records the run (:func:`run_record`: the
+model's shape, the optimizer and its hyper-parameters) in ``extra["config"]`` (the DCP manifest,
+the incremental records), and :func:`check_resume` compares it with the new configuration before
+any rank starts (the ranks compare again, for :func:`~dtlib.trainer.train` launched directly):
+
+* another model (``--layers``, ``--heads``, ..., ``--tied-embeddings``: a changed ``--heads``
+  keeps every shape, a changed ``--tied-embeddings`` every name, so loading would "work" -- and
+  untied into tied silently drops the trained LM head) or another ``--optimizer`` (its state
+  does not exist in the checkpoint) is refused, naming the flag and the saved value;
+* another ``--lr`` would be silently ignored -- the checkpoint restores the optimizer's param
+  groups, so the run trains at the saved learning rate -- and is refused unless
+  ``--override-optimizer-params`` says to take this command's value, which then takes effect.
+  Megatron-LM's precedent: ``--override-opt_param-scheduler`` (megatron-core's
+  ``OptimizerParamScheduler._check_and_set``, ``megatron/core/optimizer_param_scheduler.py``,
+  asserts "class input value ... and checkpoint value ... do not match" unless told to override
+  or to use the checkpoint's). ``dtlib train`` has no learning-rate schedule; the pipeline
+  ``--schedule``, the layout and the batch hold no state and may change (resharding).
 """
 from __future__ import annotations
 
@@ -22,7 +40,54 @@ from dtlib.trainer.config import TrainConfig
 from dtlib.trainer.hooks import Hook
 from dtlib.trainer.rank import in_stage
 
-__all__ = ["CheckpointHook", "check_resume"]
+__all__ = ["CheckpointHook", "check_resume", "run_record", "compare_run", "MODEL_FIELDS", "OPTIMIZER_PARAMS"]
+
+# the model's shape as TransformerConfig resolves it (kv_heads and ffn filled in)
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "moe_experts", "moe_top_k",
+                "tied_embeddings")
+OPTIMIZER_PARAMS = ("lr",)  # the optimizer's hyper-parameters dtlib train sets (the rest: PyTorch's defaults)
+
+
+def run_record(config: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records of the run: the model's shape, the optimizer, its hyper-parameters."""
+    model = config.model_config()
+    return {**{k: getattr(model, k) for k in MODEL_FIELDS}, "optimizer": config.optimizer,
+            **{k: getattr(config, k) for k in OPTIMIZER_PARAMS}}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def compare_run(saved: dict[str, Any] | None, config: TrainConfig, where: str) -> list[str]:
+    """A one-line ValueError for a change a resume from ``where`` would silently ignore or lose
+    (see the module doc); the notes of the overridden values otherwise. ``saved`` None (a
+    checkpoint from before dtlib recorded its run): nothing to compare."""
+    if saved is None:
+        return []
+    mine = run_record(config)
+    for k in MODEL_FIELDS:
+        if k in saved and saved[k] != mine[k]:
+            if k == "tied_embeddings":
+                raise ValueError(
+                    f"{where} was trained {'with' if saved[k] else 'without'} --tied-embeddings "
+                    f"({'one matrix for the embedding and the LM head' if saved[k] else 'an LM head of its own, which a tied model would discard'}); "
+                    f"resume {'with' if saved[k] else 'without'} it")
+            raise ValueError(f"{_flag(k)} {mine[k]} differs from the checkpoint's {saved[k]} ({where}): another "
+                             f"model; resume with {_flag(k)} {saved[k]}")
+    if "optimizer" in saved and saved["optimizer"] != mine["optimizer"]:
+        raise ValueError(f"--optimizer {mine['optimizer']} differs from the checkpoint's {saved['optimizer']} "
+                         f"({where}): its state holds no {mine['optimizer']} state; resume with "
+                         f"--optimizer {saved['optimizer']}")
+    notes = []
+    for k in OPTIMIZER_PARAMS:
+        if k in saved and saved[k] != mine[k]:
+            if not config.override_optimizer_params:
+                raise ValueError(f"{_flag(k)} {mine[k]:g} differs from the checkpoint's {saved[k]:g} ({where}), which "
+                                 f"a resume restores: pass --override-optimizer-params to train at {mine[k]:g}, "
+                                 f"or {_flag(k)} {saved[k]:g}")
+            notes.append(f"{k} {saved[k]:g} -> {mine[k]:g} (--override-optimizer-params)")
+    return notes
 
 
 def checkpointed(run: Any) -> tuple[nn.Module, Any]:
@@ -74,7 +139,7 @@ class CheckpointHook(Hook):
         c = run.config
         model, owned = checkpointed(run)
         extra = {"global_batch": c.global_batch, "seq": c.seq, "seed": c.seed,
-                 "num_microbatches": c.num_microbatches}
+                 "num_microbatches": c.num_microbatches, "config": run_record(c)}
         if run.stream is not None:  # lesson 12: the streaming position, global so any world resumes it
             extra["data_state"] = run.stream.state_dict()
         self.checkpointer.save(run.step_count, model, run.optimizer, data_position=run.step_count,
@@ -84,17 +149,25 @@ class CheckpointHook(Hook):
         """Load the newest checkpoint, whatever layout wrote it; returns the line to log."""
         c = run.config
         model, owned = checkpointed(run)
-        info = self.checkpointer.load(model, run.optimizer, owned=owned)
+        notes: list[str] = []
+        info = self.checkpointer.load(model, run.optimizer, owned=owned,
+                                      check=lambda extra, path: notes.extend(compare_run(extra.get("config"), c, path)))
         if info is None:
             return f"no checkpoint in {self.checkpointer.directory} yet: starting at step 0"
         if info["data_position"] > c.steps:
             raise ValueError(f"the checkpoint {info['path']} is at step {info['data_position']}, past "
                              f"--steps {c.steps}: ask for more steps")
+        if c.override_optimizer_params:  # the checkpoint restored the saved values: this run's instead
+            for group in run.optimizer.param_groups:
+                for k in OPTIMIZER_PARAMS:
+                    group[k] = getattr(c, k)
         run.step_count = info["data_position"]
         if run.stream is not None:  # lesson 12: samples consumed, whatever world size saved them
             run.stream.load_state_dict(info["extra"].get("data_state", {**run.stream.state_dict(),
                                                                         "consumed": run.step_count * c.global_batch}))
         line = f"resumed at step {run.step_count} from {info['path']}"
+        if info.get("skipped"):  # incremental: newer steps whose files did not verify
+            line += f", the last good checkpoint ({'; '.join(info['skipped'])})"
         saved, mine = info["layout"], saved_layout(run)
         if saved != mine:
             line += f" (resharded from {_layout_text(saved)} to {_layout_text(mine)})"
@@ -106,6 +179,8 @@ class CheckpointHook(Hook):
         elif extra["num_microbatches"] != c.num_microbatches:
             line += (f"; num_microbatches {extra['num_microbatches']} -> {c.num_microbatches} keeps the "
                      f"global batch of {c.global_batch}")
+        if notes:
+            line += f"; {', '.join(notes)}"
         return line
 
     def close(self) -> None:
@@ -122,20 +197,50 @@ class CheckpointHook(Hook):
 
 
 def check_resume(config: TrainConfig) -> None:
-    """Before any process starts: the newest checkpoint ``resume`` would load is complete (every
-    file there with its size and sha256) and holds this model (every tensor's full shape); a
-    ValueError naming the file otherwise. Nothing to resume is fine (the run starts at step 0)."""
+    """Before any process starts: the checkpoint ``resume`` would load is complete and intact
+    (every file with its size and sha256), holds this model (every tensor's full shape) and was
+    trained with the same model and optimizer settings (:func:`compare_run`); a one-line
+    ValueError naming the file or the flag otherwise. Incremental checkpoints: the newest step
+    whose every rank file verifies (a newer corrupt one is skipped, and the ranks say so); none
+    verifying is an error. Nothing to resume is fine (the run starts at step 0)."""
     if not (config.resume and config.checkpoint_dir):
         return
-    path = latest_checkpoint(config.checkpoint_dir)
-    if path is None:
-        return
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = TinyGPT(config.model_config())
-    shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     try:
+        if config.incremental:
+            _check_incremental(config)
+            return
+        path = latest_checkpoint(config.checkpoint_dir)
+        if path is None:
+            return
+        with torch.device("meta"):  # shapes only: no memory, no initialisation
+            model = TinyGPT(config.model_config())
+        shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
         manifest = read_manifest(path)
         verify_files(path, manifest)
+        compare_run(manifest["extra"].get("config"), config, path)
         check_model(path, manifest, shapes, shapes)
     except CheckpointError as e:  # names the file: a one-line error before any rank starts
         raise ValueError(str(e)) from None
+
+
+def _check_incremental(config: TrainConfig) -> None:
+    """:func:`check_resume` for ``--incremental`` checkpoints (every rank's files read here)."""
+    directory, world = config.checkpoint_dir, config.world_size
+    saved = _incremental.complete_steps(directory, 1)  # steps rank 0 wrote: how many ranks did?
+    if saved:
+        ranks = _incremental.read_record(directory, saved[-1], 0)["info"].get("world_size", world)
+        if ranks != world:
+            raise ValueError(f"--incremental checkpoints resume on the layout that saved them: {ranks} ranks "
+                             f"saved {directory}, this run has {world}")
+    errors = []
+    for step in reversed(_incremental.complete_steps(directory, world)):
+        try:
+            records = [_incremental.verify_step(directory, step, r) for r in range(world)]
+        except CheckpointError as e:  # the ranks fall back to an older step, and say so
+            errors.append(str(e))
+            continue
+        where = _incremental.step_dir(directory, step)
+        compare_run(records[0]["info"].get("extra", {}).get("config"), config, where)
+        return
+    if errors:
+        raise CheckpointError(errors[0])

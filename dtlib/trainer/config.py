@@ -48,7 +48,10 @@ class TrainConfig:
     step (``async_checkpoint``: written
     in the background). ``resume`` loads the newest one if there is one -- on any layout of the
     same model (resharding) -- and starts from scratch otherwise, so the same command serves every
-    attempt under ``torchrun --max-restarts``. Fault drill: rank ``kill_rank`` (default: the
+    attempt under ``torchrun --max-restarts``. A checkpoint records the model's shape, the
+    optimizer and its hyper-parameters (``lr``); a resume refuses another model or optimizer, and
+    another ``lr`` unless ``override_optimizer_params`` (then the new one takes effect; see
+    :mod:`dtlib.trainer.checkpoints`). Fault drill: rank ``kill_rank`` (default: the
     last) SIGKILLs itself (and its torchrun agent with ``kill_agent``: a lost node) at the start of
     step ``kill_step`` on torchrun's first attempt only; rank ``hang_rank`` (default: the last) hangs
     in the data phase of step ``hang_step`` (a stuck data loader), also on the first attempt only.
@@ -87,6 +90,7 @@ class TrainConfig:
     milestone_every: int = 0
     async_checkpoint: bool = False
     resume: bool = False
+    override_optimizer_params: bool = False
     kill_step: int | None = None
     kill_rank: int | None = None
     kill_agent: bool = False
@@ -98,7 +102,7 @@ class TrainConfig:
     # ---- data, monitoring, integrity, incremental checkpoints (lesson 12) ----------------------------
     # data: a dtlib.streaming shard directory instead of the built-in corpus (its global order,
     # resumable position, data_workers reader threads, prefetch steps read ahead, data_delay s per
-    # read: a slow-storage drill); sample_log: each rank appends the sample ids it trained on there.
+    # read: a slow-storage drill); sample_log: each replica's first rank appends its sample ids there.
     # metrics (JSON lines) / tensorboard (a SummaryWriter directory), loss-spike and grad-norm alerts
     # (factor x the recent median); checksum_every: cross-replica parameter checksums
     # (dtlib.resilience.integrity), flip_bit_step/rank: the silent-corruption drill; incremental:
@@ -164,6 +168,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
+        if self.override_optimizer_params and not self.resume:
+            raise ValueError("--override-optimizer-params replaces what a resume loads: it needs --resume")
         validate.number("heartbeat", self.heartbeat, exclusive=False)
         if self.kill_agent and self.kill_step is None:
             raise ValueError("--kill-agent needs --kill-step (the step at which the node is lost)")

@@ -74,8 +74,9 @@ class MonitorHook(Hook):
 
 
 class SampleLog(Hook):
-    """Each rank appends the sample ids it trained on to ``sample_log`` (lesson 12's exactly-once
-    audit, :func:`dtlib.streaming.log_samples`)."""
+    """A data-parallel replica's first rank (tp, cp and pp rank 0) appends the sample ids the
+    replica trained on to ``sample_log`` (lesson 12's exactly-once audit,
+    :func:`dtlib.streaming.log_samples`): its other ranks see the same rows, logged once."""
 
     def __init__(self, directory: str, rank: int):
         self.directory, self.rank = directory, rank

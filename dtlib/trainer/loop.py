@@ -61,7 +61,9 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     hooks: list[Hook] = [FaultDrill(config, rank)]
     if watch is not None:
         hooks.append(MonitorHook(watch))
-    if config.sample_log and run.stream is not None:
+    # the tp, cp and pp ranks of a data-parallel replica train on the same rows: its first rank logs them
+    owns_rows = run.coords["tp"] == 0 and run.coords["cp"] == 0 and run.coords["pp"] == 0
+    if config.sample_log and run.stream is not None and owns_rows:
         hooks.append(SampleLog(config.sample_log, rank))
     if checkpoints is not None:
         hooks.append(checkpoints)
