@@ -217,8 +217,8 @@ def check_resume(config: TrainConfig) -> None:
         shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
         manifest = read_manifest(path)
         verify_files(path, manifest)
+        check_model(path, manifest, shapes, shapes)  # another shape: the manifest names the tensors
         compare_run(manifest["extra"].get("config"), config, path)
-        check_model(path, manifest, shapes, shapes)
     except CheckpointError as e:  # names the file: a one-line error before any rank starts
         raise ValueError(str(e)) from None
 
