@@ -195,14 +195,16 @@ class DiLoCo(_EveryH):
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters (:meth:`LocalSGD.state_dict <_EveryH.state_dict>`), ``global_params`` (the
-        anchor, in ``model.parameters()`` order) and ``outer_optimizer``'s state dict; tensors are
-        references, as ``nn.Module.state_dict`` returns (``torch.save`` or ``copy.deepcopy`` them)."""
+        """The step counter and traffic (as :class:`LocalSGD`'s), ``global_params`` (the anchor, in
+        ``model.parameters()`` order) and ``outer_optimizer``'s state dict; tensors are references,
+        as ``nn.Module.state_dict`` returns (``torch.save`` or ``copy.deepcopy`` them)."""
         return {**super().state_dict(), "global_params": list(self.global_params),
                 "outer_optimizer": self.outer_optimizer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after the rebuilt model and inner optimizer are loaded: the
+        anchor the constructor took from rank 0's parameters is replaced by the saved one."""
         anchor = state.get("global_params")
         if anchor is None or "outer_optimizer" not in state:
             raise ValueError("state is missing 'global_params' or 'outer_optimizer': pass what "

@@ -117,7 +117,6 @@ def _file(directory: str, step: int, rank: int, suffix: str = ".pt") -> str:
     return os.path.join(step_dir(directory, step), f"rank{rank}{suffix}")
 
 
-
 def complete_steps(directory: str, world_size: int) -> list[int]:
     """Steps whose every rank file and record are written, oldest first."""
     if not os.path.isdir(directory):

@@ -68,11 +68,11 @@ def compare_run(saved: dict[str, Any] | None, config: TrainConfig, where: str) -
     mine = run_record(config)
     for k in MODEL_FIELDS:
         if k in saved and saved[k] != mine[k]:
-            if k == "tied_embeddings":
-                raise ValueError(
-                    f"{where} was trained {'with' if saved[k] else 'without'} --tied-embeddings "
-                    f"({'one matrix for the embedding and the LM head' if saved[k] else 'an LM head of its own, which a tied model would discard'}); "
-                    f"resume {'with' if saved[k] else 'without'} it")
+            if k == "tied_embeddings":  # the same names either way: nothing else would notice
+                how = "with" if saved[k] else "without"
+                held = ("one matrix for the embedding and the LM head" if saved[k]
+                        else "an LM head of its own, which a tied model would discard")
+                raise ValueError(f"{where} was trained {how} --tied-embeddings ({held}); resume {how} it")
             raise ValueError(f"{_flag(k)} {mine[k]} differs from the checkpoint's {saved[k]} ({where}): another "
                              f"model; resume with {_flag(k)} {saved[k]}")
     if "optimizer" in saved and saved["optimizer"] != mine["optimizer"]:
