@@ -4,8 +4,10 @@ launched here (:func:`dtlib.trainer.run`) or joined under torchrun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +25,9 @@ Started three ways with the same code: this command launches the ranks itself (g
 with one GPU per rank); under torchrun it joins them (env:// rendezvous):
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr node0 -m dtlib train --dp 2 --tp 4
 and from Python: dtlib.launch(dtlib.trainer.train, n, args=(TrainConfig(...),)).
---json prints one JSON object (steps, losses, tokens_per_s, mfu, layout, peak_memory_bytes,
-params_sha256: SHA-256 of the full parameters, names sorted, float32 little-endian).
+--json prints one JSON object on stdout and nothing else (rank messages go to stderr): steps,
+losses, tokens_per_s, mfu, layout, peak_memory_bytes, params_sha256 (SHA-256 of the full
+parameters, names sorted, float32 little-endian).
 Checkpoints and restarts (bit-identical resume, on this or another layout):
   torchrun --nproc-per-node 2 --max-restarts 1 -m dtlib train --dp 2 --zero 2 \
       --checkpoint-dir ckpt --checkpoint-every 1 --resume --json"""
@@ -85,6 +88,9 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--resume", action="store_true",
                    help="start from the newest checkpoint in --checkpoint-dir if there is one (any layout "
                         "of the same model: resharded); the same command serves every torchrun restart")
+    g.add_argument("--override-optimizer-params", action="store_true",
+                   help="with --resume: train at this command's --lr, not the checkpoint's (a changed --lr "
+                        "is refused otherwise; Megatron-LM's --override-opt_param-scheduler)")
     g.add_argument("--profile", metavar="DIR",
                    help="profile the last steps (torch.profiler): per-rank Chrome traces in DIR, "
                         "breakdown, MFU/HFU and findings printed (re-read with 'dtlib profile DIR')")
@@ -110,7 +116,8 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--prefetch", type=non_negative_int, default=1, help="steps read ahead in the background (--data)")
     g.add_argument("--data-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
                    help="drill: every read of --data sleeps this long (slow storage)")
-    g.add_argument("--sample-log", metavar="DIR", help="each rank appends the sample ids of every step to DIR/rankN.jsonl")
+    g.add_argument("--sample-log", metavar="DIR", help="each data-parallel replica's first rank (tp, cp, pp "
+                   "rank 0) appends the sample ids of every step to DIR/rankN.jsonl")
     g.add_argument("--metrics", metavar="FILE", help="rank 0 appends one JSON line per step (loss, grad_norm, ...)")
     g.add_argument("--tensorboard", metavar="DIR", help="rank 0 writes TensorBoard scalars to DIR")
     g.add_argument("--checksum-every", type=non_negative_int, default=0,
@@ -158,7 +165,10 @@ def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args).check(env_world)
     trainer.check_resume(config)
     if env_world is None:
-        summary = trainer.run(config, backend=args.backend, timeout=args.timeout, progress=not args.json)
+        # rank 0's output (resume line, drills, alerts, progress: all meant for stderr) reaches this
+        # process through the launcher, which writes it to sys.stdout: stdout is the summary's alone
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = trainer.run(config, backend=args.backend, timeout=args.timeout, progress=not args.json)
     else:
         summary = run_from_env(trainer.train, config, False, not args.json, backend=args.backend,
                                timeout=args.timeout)

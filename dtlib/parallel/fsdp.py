@@ -52,6 +52,8 @@ the root gathered between forward and backward, CPU offload, per-unit mixed prec
 reentrant activation checkpointing. Parameters with ``requires_grad=False`` stay ordinary,
 replicated parameters (not sharded, not cast: with ``compute_dtype`` they must already have that
 dtype), and :meth:`FSDP.gather_full_params` returns them with the rest.
+
+About 500 lines in one file: the unit and the wrapper share their hooks' state, read together.
 """
 from __future__ import annotations
 
@@ -209,6 +211,10 @@ class _Unit:
         if _in_backward():
             self.bind_for_recompute()
         else:
+            if not self.owner._forwarding:  # its parameters are shards; the wrapper gathers them
+                raise RuntimeError(f"{type(module).__name__} was called directly after FSDP(model) sharded its "
+                                   "parameters: call the wrapper, fsdp = FSDP(model); fsdp(x) (unlike FSDP2's "
+                                   "fully_shard, this FSDP does not turn the module itself into one)")
             self.bind(_GatherParams.apply(self.shard, self) if self.params else None)
         dtype = self.owner.compute_dtype
         if dtype is None:
@@ -307,6 +313,7 @@ class FSDP(nn.Module):
         self._live_bytes = 0
 
         self._finish_queued = False
+        self._forwarding = False
         self.units = self._make_units(module, tuple(unit_types))
         self.replicated = [p for u in self.units for p, _ in u.replicated]
         for p in self.replicated:  # their gradients are averaged at the end of backward too
@@ -371,8 +378,12 @@ class FSDP(nn.Module):
 
     # ---- forward / backward ----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+        self._forwarding = True  # the units' hooks refuse a forward that bypasses this one
+        try:  # (without the pack hook autograd would save views of buffers freed after forward)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        finally:
+            self._forwarding = False
 
     def _pack(self, t: torch.Tensor) -> Any:
         # Only views of a currently gathered buffer are swapped for a recipe; activations pass.
