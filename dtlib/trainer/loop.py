@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.analytic.flops import step_flops, utilization
-from dtlib.analytic.hardware import get_gpu
+from dtlib.analytic.hardware import catalogue_name, get_gpu
 from dtlib.launcher import launch
 from dtlib.measure import measure_cpu
 from dtlib.profile import profile_steps, report
@@ -88,9 +88,11 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     profile = None
     if profiled:
         gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        # on a GPU the catalogue's peak of this GPU at the trainer's precision; on CPU, measured
+        accelerator, _, dtype = _peak_flops(world_size) if gpu else (None, 1, "fp32")
         flops = step_flops(tokens, **config.model_config().numbers())["model"]
         mine = profile_steps(one_step, steps=profiled, warmup=1, trace_dir=config.profile, rank=rank,
-                             peak=get_gpu("h100-sxm") if gpu else None, dtype="bf16" if gpu else "fp32",
+                             peak=get_gpu(accelerator) if gpu else None, dtype=dtype,
                              model_flops=flops / world_size, tokens=tokens // world_size)
         ranks = [mine]
         if run.distributed:
@@ -138,11 +140,15 @@ def _peak_memory() -> int | None:
 
 
 def _peak_flops(world_size: int) -> tuple[Any, int, str]:
-    """(accelerator, how many of it, dtype) the MFU divides by: on CUDA the catalogue's H100, one
-    per rank, bf16; on CPU the ranks share one machine, whose fp32 matmul peak is measured here
-    (:func:`dtlib.measure.measure_cpu`), counted once."""
+    """(accelerator, how many of it, dtype) the MFU divides by. On CUDA: the catalogue's entry for
+    this GPU (:func:`dtlib.analytic.hardware.catalogue_name`; an H100 SXM for one it does not
+    have), one per rank, at the precision the trainer computes in -- fp32, or tf32 when PyTorch
+    lets float32 matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``). On CPU the ranks
+    share one machine, whose fp32 matmul peak is measured here (:func:`dtlib.measure.measure_cpu`),
+    counted once."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "h100-sxm", world_size, "bf16"
+        gpu = catalogue_name(torch.cuda.get_device_name()) or "h100-sxm"
+        return gpu, world_size, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
     return measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), 1, "fp32"
 
 

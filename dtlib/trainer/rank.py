@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlib.corpus import token_batch
+from dtlib.launcher import get_device
 from dtlib.models.gpt import Block, TinyGPT
 from dtlib.models.moe import MoE
 from dtlib.profile import phase
@@ -83,7 +84,11 @@ class _Run:
         self.coords = self.layout.coordinates(rank)
         self.replicas = c.dp * c.cp  # ranks whose gradients are averaged
         torch.manual_seed(c.seed)
+        # cuda:LOCAL_RANK under NCCL, else the CPU: initialised on the CPU (the same numbers on
+        # every machine), then moved, so a GPU run starts from the CPU run's weights
+        self.device = get_device()
         model = TinyGPT(c.model_config(), checkpoint=c.recompute, moe_capacity_factor=c.capacity_factor)
+        model.to(self.device)
         self.names = sorted(n for n, _ in model.named_parameters())
         self.model = model
         if c.tp > 1:
@@ -171,7 +176,7 @@ class _Run:
             inputs, targets = inputs[rows], targets[rows]
         if c.cp > 1:
             inputs, targets = (shard_sequence(t, self.coords["cp"], c.cp) for t in (inputs, targets))
-        return inputs, targets
+        return inputs.to(self.device), targets.to(self.device)
 
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same on every rank)."""
@@ -236,7 +241,7 @@ class _Run:
         if not self.distributed:
             return local
         last = self.coords["pp"] == self.config.pp - 1 and self.coords["tp"] == 0
-        t = torch.tensor([local / self.replicas if last else 0.0], dtype=torch.float64)
+        t = torch.tensor([local / self.replicas if last else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.item()
 
