@@ -13,7 +13,8 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
 from dtlib.frameworks.configs import check_deepspeed, check_emitted, check_jax, check_megatron, check_torchtitan_toml
-from dtlib.frameworks.rehearse import TOLERANCE, rehearse, rehearse_all, shrink_for
+from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL
+from dtlib.frameworks.rehearse import rehearse, rehearse_all, shrink_for
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, emit
 from dtlib.plan.search import to_layout
 
@@ -156,7 +157,8 @@ def test_cli_rehearse_under_deepspeed_equals_one_process(rehearsed):
     assert (ds["layout"]["dp"], ds["layout"]["tp"], ds["layout"]["pp"], ds["layout"]["zero"]) == (2, 1, 1, 1)
     assert ds["config"]["zero_optimization"]["stage"] == 1 and ds["config"]["gradient_clipping"] == 0.0
     assert "Megatron-DeepSpeed" in ds["changes"][0]
-    assert ds["max_loss_diff"] <= TOLERANCE["max_loss_diff"] and ds["max_param_diff"] <= TOLERANCE["max_param_diff"]
+    assert ds["tolerance"] == {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}
+    assert ds["max_loss_diff"] <= LOSS_TOL and ds["max_param_diff"] <= PARAM_TOL
     assert ds["losses"][0] != ds["losses"][-1]  # it trained
 
 
@@ -188,3 +190,15 @@ def test_shrink_for_each_framework_keeps_what_its_runner_runs():
     assert (jax.dp, jax.tp, jax.pp, jax.cp, jax.global_batch) == (2, 2, 1, 1, 8) and model.ffn == 128
     with pytest.raises(ValueError, match="torchtitan.*cannot be rehearsed"):
         shrink_for("torchtitan", layout)
+
+
+def test_a_failed_rehearsal_says_fail_and_exits_1(capsys, monkeypatch):
+    """The verdict and the exit status, without running a framework: a rehearsal whose parameters
+    are off by more than the tolerance."""
+    failed = {"framework": "deepspeed", "layout": {**PINNED_LAYOUT.__dict__, "tp": 1, "pp": 1, "dp": 2}, "ranks": 2,
+              "changes": ["tp 4 -> 1"], "model": "tiny", "steps": 3, "max_loss_diff": 0.0, "max_param_diff": 1e-3,
+              "tolerance": {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}, "passed": False}
+    monkeypatch.setattr("dtlib.cli.plan.rehearse_all", lambda *args, **kwargs: {"deepspeed": failed})
+    code, out, _ = run(capsys, *PINNED, "--top", "1", "--emit", "deepspeed", "--rehearse")
+    assert code == 1
+    assert "max param diff 1.00e-03 (tolerances 1e-05, 1e-06): FAIL" in out
