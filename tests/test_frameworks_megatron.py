@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dtlib.frameworks.common import compare
-from dtlib.frameworks.megatron_core import executed_order, run_megatron, schedule_order
+from dtlib.frameworks.megatron_core import (executed_order, run_megatron, run_megatron_flags,
+                                            schedule_order)
 from dtlib.frameworks.megatron_cpu import cpu_shims, needs_cpu_shims
-from dtlib.frameworks.megatron_flags import (megatron_configs, parse_megatron_flags,
-                                             run_megatron_flags)
+from dtlib.frameworks.megatron_flags import megatron_configs, parse_megatron_flags
 from dtlib.frameworks.megatron_layers import compare_parallel_layers
 from dtlib.parallel.schedules import schedule
 
@@ -57,6 +57,13 @@ def test_the_reference_trains(reference):
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "dp2", "1f1b", "interleaved"])
 def test_gpt_model_under_megatron_equals_one_process(runs, reference, layout):
     _equal(runs[layout], reference)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2, recompute_granularity="full"),
+                                    dict(dp=2, num_microbatches=2, overlap_grad_reduce=True)],
+                         ids=["recompute", "overlap-grad-reduce"])
+def test_memory_and_overlap_options_keep_the_numbers(reference, kwargs):
+    _equal(_run(**kwargs), reference)
 
 
 @pytest.mark.parametrize("layout, pp, v", [("1f1b", 2, 1), ("interleaved", 2, 2)])
@@ -186,6 +193,7 @@ def test_flags_run_equal_one_process(reference):
      "--num-layers-per-virtual-pipeline-stage 3 must divide the 2 layers per pipeline stage"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
      "--no-overlap-p2p-communication", 2, "needs --pipeline-model-parallel-size >= 3"),
+    ("--num-layers-per-virtual-pipeline-stage 2", 1, "needs --pipeline-model-parallel-size >= 2, got 1"),
     ("--overlap-param-gather", 2, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--recompute-granularity selective --recompute-method uniform", 1, "--recompute-method is not"),
     ("--recompute-granularity most", 1, "--recompute-granularity must be one of full, selective"),
@@ -243,7 +251,7 @@ def test_cpu_shims_redirect_cuda_only_inside_the_block():
     assert torch.cuda.current_device is current
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
-    with pytest.raises(ValueError, match="use_distributed_optimizer=True needs GPUs"):
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True needs one GPU per rank"):
         run_megatron(dp=2, optimizer="adam", use_distributed_optimizer=True)
 
 

@@ -30,7 +30,6 @@ import io
 import os
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,7 +39,7 @@ from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import precision
 from dtlib.experiments.shrunk_layout import TINY
 from dtlib.frameworks.common import FrameworkRun, token_batches
-from dtlib.launcher import launch
+from dtlib.launcher import get_device, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 from dtlib.models.gpt import Block, TinyGPT
 
@@ -57,10 +56,13 @@ DEFAULT_GRADIENT_CLIPPING = 1.0
 
 
 # ---- the config ------------------------------------------------------------------------------
-class _RecordingDict(dict):
-    """A config that remembers which top-level keys DeepSpeed read (``copy.copy`` shares the set)."""
+class _Recording(dict):
+    """A config (or its ``keys()``) that adds every top-level key DeepSpeed looks up to ``read``
+    (``copy.copy`` of it shares the set)."""
 
-    read: set
+    def __init__(self, items: Any, read: set):
+        super().__init__(items)
+        self.read = read
 
     def get(self, key: Any, default: Any = None) -> Any:
         self.read.add(key)
@@ -75,23 +77,14 @@ class _RecordingDict(dict):
         return super().__contains__(key)
 
     def keys(self) -> Any:  # ``KEY in config.keys()`` is how DeepSpeed reads some sections
-        return _RecordingKeys(self)
+        return _Recording(dict.fromkeys(dict.keys(self)), self.read)
 
 
-class _RecordingKeys(set):
-    def __init__(self, owner: _RecordingDict):
-        super().__init__(dict.keys(owner))
-        self.owner = owner
-
-    def __contains__(self, key: Any) -> bool:
-        self.owner.read.add(key)
-        return super().__contains__(key)
-
-
-def _deepspeed_config(ds_config: dict, world_size: int) -> tuple[Any, set]:
-    """DeepSpeed's own ``DeepSpeedConfig`` of ``ds_config`` for ``world_size`` data-parallel ranks,
-    and the top-level keys it read. It takes the world size from an initialised process group
-    (1 without one); the subclass gives it the run's instead, just before its batch-size rule."""
+def _keys_deepspeed_reads(ds_config: dict, world_size: int) -> set:
+    """Run DeepSpeed's own ``DeepSpeedConfig`` on ``ds_config`` for ``world_size`` data-parallel
+    ranks (raising what it raises); return the top-level keys it read. It takes the world size
+    from an initialised process group (1 without one): the subclass gives it the run's instead,
+    just before its batch-size rule."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     class _PlannedConfig(DeepSpeedConfig):
@@ -99,11 +92,10 @@ def _deepspeed_config(ds_config: dict, world_size: int) -> tuple[Any, set]:
             self.world_size = world_size
             super()._configure_train_batch_size()
 
-    recorded = _RecordingDict(copy.deepcopy(ds_config))
-    recorded.read = set()
+    read: set = set()
     with contextlib.redirect_stdout(io.StringIO()):
-        config = _PlannedConfig(recorded)
-    return config, recorded.read
+        _PlannedConfig(_Recording(copy.deepcopy(ds_config), read))
+    return read
 
 
 def _section(ds_config: dict, key: str) -> dict:
@@ -111,6 +103,21 @@ def _section(ds_config: dict, key: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{key} must be a JSON object (a dict), got {value!r}")
     return value
+
+
+def _batch_sizes(ds_config: dict) -> dict[str, int]:
+    """The three batch keys, each a positive integer (DeepSpeed derives a missing one; the side
+    by side runs need all three to cut the same data)."""
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
+    sizes = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be an integer >= 1 (all three batch keys are required here), "
+                             f"got {value!r}")
+        sizes[key] = value
+    return sizes
 
 
 def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
@@ -121,17 +128,9 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
     :func:`reference_run` can mirror, and keys DeepSpeed does not read (it ignores them silently,
     so a typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
     ``DeepSpeedConfig`` runs, and its error (an assertion or pydantic's) becomes one line."""
-    if not isinstance(ds_config, dict):
-        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    sizes = {}
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        value = ds_config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be an integer >= 1 (all three batch keys are required here), "
-                             f"got {value!r}")
-        sizes[key] = value
+    sizes = _batch_sizes(ds_config)
     product = sizes["train_micro_batch_size_per_gpu"] * sizes["gradient_accumulation_steps"] * world_size
     if sizes["train_batch_size"] != product:
         raise ValueError(
@@ -156,7 +155,7 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
                          f"zero_optimization.offload_optimizer (DeepSpeed's CPU optimizers; "
                          f"zero_force_ds_cpu_optimizer), got {optimizer['type']!r}")
     try:
-        _, read = _deepspeed_config(ds_config, world_size)
+        read = _keys_deepspeed_reads(ds_config, world_size)
     except Exception as exc:  # noqa: BLE001 - any refusal of DeepSpeed's becomes one line
         raise ValueError(f"DeepSpeedConfig refused the config: {_one_line(exc)}") from None
     unknown = sorted(set(ds_config) - read)
@@ -194,6 +193,11 @@ def _check_runnable(ds_config: dict) -> None:
                              "one-process reference does")
     if "scheduler" in ds_config:
         raise ValueError("scheduler must be left out here: reference_run keeps optimizer.params.lr constant")
+    cls, kwargs = _torch_optimizer(ds_config)
+    try:  # a typo in optimizer.params fails here, not in every rank
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer.params are not valid for {cls.__name__}: {exc}") from None
 
 
 def _offloaded(ds_config: dict) -> bool:
@@ -332,7 +336,7 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
         local = 0.0
         for i, tokens in enumerate(micro):
             with counter:  # forward, backward and step only: not the loss logging below
-                loss = _loss(engine, tokens)
+                loss = _loss(engine, tokens.to(engine.device))
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
                 if step == steps - 1:  # the most held after any backward of the last step
                     gradients = tuple(map(max, gradients, _gradient_bytes(engine)))
@@ -344,10 +348,25 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
     gather = (deepspeed.zero.GatheredParameters(params) if _stage(ds_config) == 3
               else contextlib.nullcontext())
     with gather:  # ZeRO-3: DeepSpeed all-gathers the partitions for the block, fp32 here
-        full = {n: p.detach().clone().float().numpy() for n, p in engine.module.named_parameters()}
+        full = {n: p.detach().float().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     persistent = sum(1 for p in params if getattr(p, "ds_persist", False))
     return {"losses": losses, "params": full if rank == 0 else None, "memory": memory,
             "collectives": dict(counter.counts), "persistent": persistent}
+
+
+def _build_ops(ds_config: dict) -> list[str]:
+    """Compile (first time on a machine, ~40-60 s on 2 idle cores; cached in
+    ``~/.cache/torch_extensions``) or load the ops the run needs, here in the calling process:
+    once rather than in every rank, outside the ranks' timeout, and never killed half-way (a
+    compiler ninja started in a rank escapes the launcher's kill of that rank's process group).
+    The forked ranks inherit the loaded op."""
+    optimizer = ds_config.get("optimizer", {})
+    if not _offloaded(ds_config) or optimizer.get("params", {}).get("torch_adam", False):
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+    return ["CPU Adam op loaded in the calling process (compiled on first use), inherited by the ranks"]
 
 
 def _notes(ds_config: dict, shims: list[str], persistent: int) -> list[str]:
@@ -368,15 +387,19 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
     """Train TinyGPT ``steps`` steps under ``deepspeed.initialize(config=ds_config)`` on
     ``world_size`` ranks. The config is used as given (never changed): a missing
     ``gradient_clipping`` leaves DeepSpeed's default 1.0 in force, and ``notes`` says so.
-    ``timeout`` (seconds) bounds the whole launch, op compiles included (CPU Adam: ~40-60 s once,
-    cached in ``~/.cache/torch_extensions``). ``collectives``: calls per rank over the ``steps``
+    ``timeout`` (seconds) bounds the ranks; an op they need (CPU Adam with offload) is compiled
+    or loaded before they start (:func:`_build_ops`). ``collectives``: calls per rank over the ``steps``
     steps (forward, backward, optimizer step), as the c10d layer saw them."""
     validate_deepspeed_config(ds_config, world_size)
     _check_runnable(ds_config)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     shims = _cpu_shims()
-    import deepspeed  # noqa: F401 - imported once here, inherited by the forked ranks
+    # imported once here and inherited by the forked ranks: ZeRO's optimizer check imports
+    # DeepSpeed's Muon, whose torch.compile decorators import inductor (~9 s on 2 cores, per rank)
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
+    shims += _build_ops(ds_config)
 
     ranks = launch(_deepspeed_rank, world_size, args=(copy.deepcopy(ds_config), steps, seed),
                    timeout=timeout, output="none")
@@ -391,11 +414,10 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
 def reference_run(ds_config: dict, steps: int = 3, *, seed: int = 0) -> FrameworkRun:
     """``ds_config``'s training in one process, plain PyTorch: the same TinyGPT, initialisation,
     data (the whole global batch at once) and optimizer (:func:`_torch_optimizer`), no clipping."""
-    if not isinstance(ds_config, dict):
-        raise ValueError(f"ds_config must be a dict (DeepSpeed's JSON config), got {type(ds_config).__name__}")
-    batch = ds_config.get("train_batch_size")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"train_batch_size must be an integer >= 1, got {batch!r}")
+    sizes = _batch_sizes(ds_config)
+    per_rank = sizes["train_micro_batch_size_per_gpu"] * sizes["gradient_accumulation_steps"]
+    # the world size the config was written for (validation names the key if it does not divide)
+    validate_deepspeed_config(ds_config, max(1, sizes["train_batch_size"] // per_rank))
     _check_runnable(ds_config)
     torch.manual_seed(seed)
     model = TinyGPT(MODEL)
@@ -420,7 +442,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
     from dtlib.parallel.zero import ShardedOptimizer
 
     torch.manual_seed(seed)
-    model = TinyGPT(MODEL)
+    model = TinyGPT(MODEL).to(get_device())
     cls, kwargs = _torch_optimizer(ds_config)
     stage = _stage(ds_config)
     forward: Any = model
@@ -435,7 +457,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
         local = 0.0
         with counter:
             for tokens in micro:
-                loss = _loss(forward, tokens)
+                loss = _loss(forward, tokens.to(get_device()))
                 (loss / len(micro)).backward()
                 local += loss.item() / len(micro)
             if stage == 1:  # ZeRO-1 shards the optimizer only: gradients are averaged first
@@ -444,7 +466,7 @@ def _dtlib_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: i
             optimizer.zero_grad(set_to_none=True)
         losses.append(_global_mean(local))
     full = forward.gather_full_params() if stage == 3 else dict(model.named_parameters())
-    full = {n: t.detach().clone().numpy() for n, t in full.items() if n in dict(model.named_parameters())}
+    full = {n: t.detach().cpu().numpy().copy() for n, t in full.items() if n in dict(model.named_parameters())}
     return {"losses": losses, "params": full if rank == 0 else None, "collectives": dict(counter.counts)}
 
 

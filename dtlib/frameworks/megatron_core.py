@@ -12,13 +12,12 @@ parameters are gathered back to full tensors under the names of the ``tp = pp = 
 so ``compare(run, run_megatron())`` is the side-by-side test. The reference is
 ``run_megatron()`` itself: the same code on one rank, where Megatron skips every collective.
 
-On a machine without GPUs the CPU shims of :mod:`dtlib.frameworks.megatron_cpu` are applied
-inside each rank (and listed in the run's ``notes``); with GPUs nothing is patched.
+On CPU ranks (gloo) the shims of :mod:`dtlib.frameworks.megatron_cpu` are applied inside each
+rank and listed in the run's ``notes``; ranks with one GPU each (NCCL) patch nothing.
 """
 from __future__ import annotations
 
 import zlib
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,11 +28,13 @@ import torch.nn.functional as F
 from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec
-from dtlib.frameworks.megatron_flags import check_settings, ddp_config, transformer_config
+from dtlib.frameworks.megatron_flags import (check_settings, ddp_config, parse_megatron_flags,
+                                             transformer_config)
 from dtlib.launcher import MAX_TIMEOUT, launch
-from dtlib.measure import CollectiveCounter
+from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 
-__all__ = ["run_megatron", "executed_order", "schedule_order", "LR", "DECISIONS"]
+__all__ = ["run_megatron", "run_megatron_flags", "executed_order", "schedule_order", "LR",
+           "DECISIONS"]
 
 # learning rates: large enough that a wrong gradient moves the parameters visibly within 3 steps
 LR = {"sgd": 0.5, "adam": 1e-2}
@@ -57,7 +58,7 @@ def _init_full(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     from one stream whose order depends on which layers a pipeline stage builds)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     value = 0.02 * torch.randn(shape, generator=g)  # Megatron's init_method_std default (0.02)
-    return value + 1.0 if "layernorm.weight" in name or name.endswith("norm.weight") else value
+    return value + 1.0 if name.endswith("norm.weight") else value  # norms start near the identity
 
 
 def _global_name(name: str, layer_numbers: dict[int, int]) -> str:
@@ -109,6 +110,7 @@ class _MLPBlock(torch.nn.Module):
         self.config = config
         h = config.hidden_size
         init = torch.nn.init.zeros_  # overwritten by _init_full, as every parameter is
+        # a fixed input embedding, scaled from std 0.02 to 1: unit-size inputs to the block
         self.register_buffer("table", _init_full("table", (vocab_size, h), seed) * 50.0)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             h, 4 * h, config=config, init_method=init, bias=True, gather_output=False)
@@ -146,6 +148,7 @@ def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
     for vp in range(s["virtual_stages"]):
         if s["model"] == "mlp":
             module = _MLPBlock(config, s["vocab_size"], s["seed"])
+            module.table = module.table.to(module.linear_fc1.weight.device)
         else:
             vp_stage = vp if s["virtual_stages"] > 1 else None
             module = GPTModel(
@@ -186,7 +189,8 @@ def _microbatches(data: torch.Tensor, step: int, s: dict[str, Any], dp_rank: int
 
 def _worker(rank: int, world_size: int, s: dict[str, Any], data: np.ndarray) -> dict[str, Any]:
     with cpu_shims() as notes:
-        return _train(s, torch.from_numpy(data), notes)
+        device = torch.device("cpu") if notes else torch.device("cuda", torch.cuda.current_device())
+        return _train(s, torch.from_numpy(data).to(device), notes)
 
 
 def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str, Any]:
@@ -206,12 +210,12 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
         config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training.py
         optimizer = _optimizer(chunks, s)
         order: list[str] = []
-        positions = torch.arange(s["seq_length"]).unsqueeze(0)
+        positions = torch.arange(s["seq_length"], device=data.device).unsqueeze(0)
         # the causal mask, True where attention is masked out, passed as Megatron-LM's data loader
         # does (get_ltor_masks_and_position_ids); without it Megatron builds one on "cuda"
         # (transformer/utils.py get_default_causal_mask), also while recomputing in backward,
         # where the device shim is not active
-        mask = torch.ones(s["seq_length"], s["seq_length"]).triu(diagonal=1).bool()[None, None]
+        mask = torch.ones(s["seq_length"], s["seq_length"], device=data.device).triu(1).bool()[None, None]
 
         def forward_step(iterator: Any, chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             k, tokens, labels = next(iterator)
@@ -243,7 +247,7 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
             losses.append([float(r["lm loss"]) for r in reduced])
         full = _gather_full(chunks, s)  # every TP rank takes part in the all-gather
         keep = dp_rank == 0 and tp_rank == 0  # one copy of each stage's parameters comes back
-        return {"losses": losses, "params": full if keep else {}, "memory": _memory(chunks),
+        return {"losses": losses, "params": full if keep else {}, "memory": _memory(chunks, optimizer),
                 "collectives": counts, "order": list(order), "notes": notes,
                 "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
                 "tp_rank": tp_rank, "dp_rank": dp_rank,
@@ -271,13 +275,15 @@ def _loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _memory(chunks: list[torch.nn.Module]) -> dict[str, int]:
+def _memory(chunks: list[torch.nn.Module], optimizer: Any) -> dict[str, int]:
     """Bytes this rank holds: its parameter slabs, its gradient buffer (Megatron's DDP keeps
-    gradients in one contiguous ``main_grad`` buffer per chunk) and optimizer state (none: SGD)."""
+    gradients in one contiguous ``main_grad`` buffer per chunk) and the state of the torch
+    optimizer(s) Megatron's optimizer wraps (none for plain SGD; Adam's two moments)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
+    wrapped = getattr(optimizer, "chained_optimizers", [optimizer])
     return {"parameters": sum(p.numel() * p.element_size() for p in params),
             "gradients": sum(p.main_grad.numel() * p.main_grad.element_size() for p in params),
-            "optimizer": 0}
+            "optimizer": sum(optimizer_state_bytes(o.optimizer)["optimizer"] for o in wrapped)}
 
 
 def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -291,7 +297,7 @@ def _gather_full(chunks: list[torch.nn.Module], s: dict[str, Any]) -> dict[str, 
             name = _global_name(name, numbers)
             if name != _EMBEDDING and getattr(p, "shared_embedding", False):
                 continue  # the last stage's copy of the tied word embeddings: the first stage has it
-            out[name] = _gather_tp(p, group, s["tp"]).numpy()
+            out[name] = _gather_tp(p, group, s["tp"]).cpu().numpy()
     return out
 
 
@@ -378,3 +384,12 @@ def schedule_order(pp: int, num_microbatches: int, virtual_stages: int = 1) -> l
     run = run_megatron(pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches,
                        num_layers=pp * virtual_stages, steps=1)
     return executed_order(run)
+
+
+def run_megatron_flags(flags: str | list[str], world_size: int, steps: int = 3) -> FrameworkRun:
+    """Megatron-LM ``flags`` on ``world_size`` ranks, parsed and checked by
+    :func:`~dtlib.frameworks.megatron_flags.parse_megatron_flags`, run by :func:`run_megatron`;
+    ``settings["flags"]`` keeps the flags as given."""
+    run = run_megatron(**parse_megatron_flags(flags, world_size), steps=steps)
+    run.settings["flags"] = flags if isinstance(flags, str) else " ".join(flags)
+    return run

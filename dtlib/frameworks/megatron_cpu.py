@@ -5,8 +5,8 @@ has literal ``device="cuda"`` tensors in its pipeline schedules, forks the CUDA 
 initialisation and dropout, and synchronises CUDA streams around batched point-to-point calls.
 None of that computes anything a CPU run needs, so :func:`cpu_shims` redirects it to the CPU for
 the duration of a run and :data:`CPU_CONFIG` turns off the two options that need CUDA kernels or
-streams. On a machine with GPUs (``torch.cuda.is_available()``) nothing is patched: the same
-functions run on NCCL and CUDA unchanged.
+streams. A rank that runs NCCL on its GPU (``dtlib.launch`` with one GPU per rank) patches
+nothing: the same functions run on NCCL and CUDA unchanged.
 
 Checked with megatron-core 0.16.1 and torch 2.13.0+cpu (``shared/notes/frameworks-on-cpu.md``);
 no upstream issue tracks CPU support, Megatron-Core states it targets NVIDIA GPUs only.
@@ -17,6 +17,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["cpu_shims", "needs_cpu_shims", "CPU_CONFIG", "SHIM_NOTES", "gpt_block_spec",
@@ -47,7 +48,11 @@ SHIM_NOTES = [
 
 
 def needs_cpu_shims() -> bool:
-    """True on a machine without a usable GPU, where Megatron-Core's CUDA calls must be redirected."""
+    """True where this process computes on the CPU, so Megatron-Core's CUDA calls must be
+    redirected: inside a gloo process group (``dtlib.launch`` uses gloo without GPUs, or with fewer
+    GPUs than ranks), or, outside one, on a machine without a usable GPU."""
+    if dist.is_initialized():
+        return dist.get_backend() != "nccl"
     return not torch.cuda.is_available()
 
 
@@ -79,8 +84,8 @@ class _CudaToCpu(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[list[str]]:
-    """Apply the CPU shims for the block (no-op where a GPU is present) and yield the notes that
-    say which were applied (empty on GPUs); everything is restored on exit."""
+    """Apply the CPU shims for the block where :func:`needs_cpu_shims` (a no-op on NCCL ranks)
+    and yield the notes that say which were applied (none on GPUs); all is restored on exit."""
     if not needs_cpu_shims():
         yield []
         return

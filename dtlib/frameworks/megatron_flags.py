@@ -25,21 +25,19 @@ August 2026) and Megatron-Core 0.16.1's ``num_microbatches_calculator.py``:
   ``ModelParallelConfig`` raises instead, and so does ``run_megatron``.
 
 :func:`megatron_configs` then builds Megatron-Core's own ``TransformerConfig`` and
-``DistributedDataParallelConfig`` from the flags, so Megatron's classes check them too.
+``DistributedDataParallelConfig`` from the flags, so Megatron's classes check them too;
+:func:`~dtlib.frameworks.megatron_core.run_megatron_flags` parses and runs them.
 """
 from __future__ import annotations
 
-import inspect
 import shlex
 import warnings
 from typing import Any
 
-import torch
-
 from dtlib.analytic import validate
-from dtlib.frameworks.common import FrameworkRun
+from dtlib.launcher import resolve_backend
 
-__all__ = ["parse_megatron_flags", "megatron_configs", "run_megatron_flags", "check_settings",
+__all__ = ["parse_megatron_flags", "megatron_configs", "check_settings",
            "transformer_config", "ddp_config", "VALUE_FLAGS", "SWITCH_FLAGS", "MODELS", "OPTIMIZERS",
            "MAX_RANKS"]
 
@@ -118,8 +116,9 @@ def _read(flags: str | list[str]) -> dict[str, Any]:
                 raise ValueError(f"{flag} must be an integer, got {inline!r}") from None
             if flag in _CHOICES and value not in _CHOICES[flag]:
                 raise ValueError(f"{flag} must be one of {', '.join(_CHOICES[flag])}, got {value!r}")
-            if kind is int and value < 1 and flag != "--seed":
-                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+            least = 0 if flag == "--seed" else 1
+            if kind is int and value < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {value}")
             args[_attr(flag)] = value
         else:
             known = ", ".join(sorted([*VALUE_FLAGS, *SWITCH_FLAGS]))
@@ -134,7 +133,8 @@ def parse_megatron_flags(flags: str | list[str], world_size: int) -> dict[str, A
     naming the flag. ``--optimizer`` defaults to Adam, as in Megatron-LM."""
     validate.integer("world_size", world_size)
     a = _read(flags)
-    tp, pp, cp = a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"], a["context_parallel_size"]
+    tp, pp = a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"]
+    cp = a["context_parallel_size"]
     model_size = tp * pp * cp
     if world_size % model_size:
         raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
@@ -242,9 +242,9 @@ def check_settings(s: dict[str, Any]) -> None:
     if s["overlap_param_gather"] and not (s["use_distributed_optimizer"] and s["overlap_grad_reduce"]):
         raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True and "
                          "overlap_grad_reduce=True (Megatron-LM)")
-    if s["use_distributed_optimizer"] and not torch.cuda.is_available():
-        raise ValueError("use_distributed_optimizer=True needs GPUs: Megatron-Core's DistributedOptimizer "
-                         "accepts only torch.cuda tensors (distrib_optimizer.py) and only Adam")
+    if s["use_distributed_optimizer"] and resolve_backend("auto", world) != "nccl":
+        raise ValueError(f"use_distributed_optimizer=True needs one GPU per rank ({world}): Megatron-Core's "
+                         "DistributedOptimizer accepts only torch.cuda tensors (distrib_optimizer.py)")
     if s["use_distributed_optimizer"] and s["optimizer"] != "adam":
         raise ValueError("use_distributed_optimizer=True needs optimizer='adam' (Megatron-Core's "
                          "DistributedOptimizer: only Adam currently supported)")
@@ -254,6 +254,7 @@ def transformer_config(s: dict[str, Any]) -> Any:
     """Megatron-Core's ``TransformerConfig`` for settings ``s``: fp32, dropout 0 (runs then differ
     only by their math, never by random numbers), the CPU settings of
     :data:`~dtlib.frameworks.megatron_cpu.CPU_CONFIG` where there is no GPU. Megatron validates it."""
+    import torch
     from megatron.core.transformer import TransformerConfig
 
     from dtlib.frameworks.megatron_cpu import CPU_CONFIG, needs_cpu_shims
@@ -281,27 +282,9 @@ def ddp_config(s: dict[str, Any]) -> Any:
                                          overlap_param_gather=s["overlap_param_gather"])
 
 
-def _settings(flags: str | list[str], world_size: int, steps: int) -> dict[str, Any]:
-    from dtlib.frameworks.megatron_core import run_megatron  # its defaults fill the rest
-
-    defaults = {k: p.default for k, p in inspect.signature(run_megatron).parameters.items()}
-    return {**defaults, **parse_megatron_flags(flags, world_size), "steps": steps}
-
-
 def megatron_configs(flags: str | list[str], world_size: int) -> tuple[Any, Any]:
     """Megatron-Core's ``(TransformerConfig, DistributedDataParallelConfig)`` for ``flags`` on
     ``world_size`` ranks, built by Megatron's own classes, which refuse what they cannot run
     (e.g. attention heads not divisible by the tensor-parallel size)."""
-    s = _settings(flags, world_size, 1)
+    s = parse_megatron_flags(flags, world_size)
     return transformer_config(s), ddp_config(s)
-
-
-def run_megatron_flags(flags: str | list[str], world_size: int, steps: int = 3) -> FrameworkRun:
-    """Parse ``flags`` for ``world_size`` ranks (:func:`parse_megatron_flags`) and run them
-    (:func:`~dtlib.frameworks.megatron_core.run_megatron`); ``settings["flags"]`` keeps the flags."""
-    from dtlib.frameworks.megatron_core import run_megatron
-
-    kwargs = parse_megatron_flags(flags, world_size)
-    run = run_megatron(**kwargs, steps=steps)
-    run.settings["flags"] = " ".join(_tokens(flags))
-    return run

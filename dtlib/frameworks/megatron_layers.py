@@ -63,7 +63,8 @@ def _compare(tp: int, sequence_parallel: bool, seed: int) -> dict[str, Any]:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        group, rank = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
+        group = parallel_state.get_tensor_model_parallel_group()
+        rank = parallel_state.get_tensor_model_parallel_rank()
         config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
                                    hidden_dropout=0.0, attention_dropout=0.0,
                                    tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
@@ -91,7 +92,8 @@ def _compare(tp: int, sequence_parallel: bool, seed: int) -> dict[str, Any]:
         megatron = _run(lambda x: row(F.gelu(col(x)[0]))[0], shard(x_sbh, 0), shard(weight_sbh, 0))
 
         # dtlib's pair (batch-first [b, s, h]) from the same full layers
-        dcol = dtlib_tp.ColumnParallelLinear.from_linear(fc1, group=group, sequence_parallel=sequence_parallel)
+        dcol = dtlib_tp.ColumnParallelLinear.from_linear(fc1, group=group,
+                                                         sequence_parallel=sequence_parallel)
         drow = dtlib_tp.RowParallelLinear.from_linear(fc2, group=group, input_is_parallel=True,
                                                       sequence_parallel=sequence_parallel)
         dtlib = _run(lambda x: drow(F.gelu(dcol(x))), shard(x_sbh.transpose(0, 1), 1),
@@ -163,4 +165,6 @@ def compare_parallel_layers(tp: int = 2, sequence_parallel: bool = False, seed: 
     from dtlib.frameworks.megatron_core import _import_megatron
 
     _import_megatron()
-    return launch(_worker, tp, args=(sequence_parallel, seed), timeout=timeout, output="none")[0]
+    # gloo even on GPUs: a comparison on CPU tensors (the full layers live on the CPU)
+    return launch(_worker, tp, args=(sequence_parallel, seed), backend="gloo", timeout=timeout,
+                  output="none")[0]
