@@ -6,7 +6,8 @@ framework's own validation here, on CPU, before anyone pays:
 * DeepSpeed: its ``DeepSpeedConfig`` (batch arithmetic, ZeRO and offload keys), through
   :func:`dtlib.frameworks.deepspeed_zero.validate_deepspeed_config`;
 * Megatron: Megatron-Core's ``TransformerConfig``/``ModelParallelConfig`` built from the flags,
-  through :func:`dtlib.frameworks.megatron_core.parse_megatron_flags`;
+  through :func:`dtlib.frameworks.megatron_flags.megatron_configs` (Megatron-LM's launch rules in
+  ``parse_megatron_flags``), then the model flags on those configs;
 * torchtitan: not installed (it runs on CPU only with fragile patches, see docs/frameworks.md), so
   the TOML is parsed with ``tomllib`` and checked against the schema read from its
   ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`);

@@ -132,8 +132,8 @@ def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: An
 
         return run_deepspeed(data, layout.dp, steps), reference_run(data, steps)
     if framework == "megatron":
-        from dtlib.frameworks.megatron_core import run_megatron
-        from dtlib.frameworks.megatron_flags import parse_megatron_flags, run_megatron_flags
+        from dtlib.frameworks.megatron_core import run_megatron, run_megatron_flags
+        from dtlib.frameworks.megatron_flags import parse_megatron_flags
 
         # the reference: the same flags read by the same parser (model, seed, optimizer), on one rank
         single = {**parse_megatron_flags(data, layout.gpus), "tp": 1, "pp": 1, "dp": 1, "sequence_parallel": False,
