@@ -130,7 +130,7 @@ def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: An
     if framework == "deepspeed":
         from dtlib.frameworks.deepspeed_zero import reference_run, run_deepspeed
 
-        return run_deepspeed(data, layout.dp, steps), reference_run(data, steps)
+        return run_deepspeed(data, layout.dp, steps, timeout=timeout), reference_run(data, steps)
     if framework == "megatron":
         from dtlib.frameworks.megatron_core import run_megatron, run_megatron_flags
         from dtlib.frameworks.megatron_flags import parse_megatron_flags

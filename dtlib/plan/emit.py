@@ -171,7 +171,9 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
 
 def _megatron_notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     notes = [f"Megatron-LM derives data-parallel size = world / (tp x pp x cp) = {p.dp}: launch "
-             f"{p.gpus} ranks (torchrun --nproc-per-node ... pretrain_gpt.py FLAGS)"]
+             f"{p.gpus} ranks (torchrun --nproc-per-node ... pretrain_gpt.py FLAGS)",
+             "--vocab-size is what --tokenizer-type NullTokenizer reads; with a real tokenizer Megatron-LM takes "
+             "its size (padded to a multiple of 128 x tp) and the flag can go"]
     if p.tp * p.cp > 1 and p.zero < 2:
         notes.append("tp or cp > 1: validate_args requires CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell GPUs")
     if p.zero >= 2:
