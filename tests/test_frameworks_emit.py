@@ -78,6 +78,22 @@ def test_the_pinned_3d_layout_where_it_is_expressible(plans):
     assert "on 8 data-parallel ranks" in check_emitted(deepspeed, layout)
 
 
+@pytest.mark.parametrize("framework, layout, model, precision", [
+    ("deepspeed", Parallelism(dp=8, tp=2, zero=1, recompute="full", num_microbatches=4), LLAMA, "bf16"),
+    ("deepspeed", Parallelism(dp=8, zero=3, offload="params", micro_batch_size=2, num_microbatches=4), LLAMA, "fp16"),
+    ("deepspeed", Parallelism(dp=8, zero=2, offload="optimizer"), LLAMA, "bf16"),
+    ("megatron", Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2,
+                             sequence_parallel=True, num_microbatches=8, recompute="selective"), LLAMA, "fp8"),
+    ("megatron", Parallelism(dp=8, tp=2, cp=2, zero=1, micro_batch_size=2, num_microbatches=4, recompute="full"),
+     LLAMA, "bf16"),
+    ("megatron", Parallelism(dp=8, tp=8, pp=8, num_microbatches=16), get_preset("gpt3-175b"), "fp16"),
+    ("jax", Parallelism(dp=16, tp=4, zero=3, shard_size=8), LLAMA, "bf16"),
+])
+def test_variants_accepted_by_the_frameworks_own_checks(framework, layout, model, precision):
+    e = emit(framework, layout, model, layout.global_batch, precision)
+    assert not e.unsupported and check_emitted(e, layout)
+
+
 def test_the_frameworks_checks_refuse_a_broken_config():
     layout = Parallelism(dp=8, zero=3, num_microbatches=2)
     ds = emit("deepspeed", layout, LLAMA, 16).data
