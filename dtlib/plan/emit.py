@@ -257,9 +257,12 @@ def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str
     if p.zero == 1:
         out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
                    "ZeRO-3; no key shards the optimizer state alone")
-    if p.zero == 0 and p.tp * p.pp * p.cp > 1:
-        out.append("ZeRO-0 with tp/pp/cp > 1: torchtitan's DDP runs only as the sole parallelism "
-                   "(parallelize.py: \"DDP has not supported > 1D parallelism\"; cp > 1 always shards with FSDP)")
+    if p.zero == 0 and p.dp > 1 and p.tp * p.pp * p.cp > 1:
+        out.append(f"ZeRO-0 (DDP) over dp={p.dp} with tp/pp/cp > 1: torchtitan's DDP runs only as the sole "
+                   f"parallelism (parallelize.py: \"DDP has not supported > 1D parallelism\")")
+    if p.zero == 0 and p.cp > 1:
+        out.append(f"ZeRO-0 with cp={p.cp}: torchtitan shards the parameters over the context-parallel ranks "
+                   f"with FSDP2 whenever cp > 1 (ParallelDims.fsdp_enabled)")
     if p.offload == "optimizer":
         out.append("offload optimizer: torchtitan's training.enable_cpu_offload moves parameters, gradients "
                    "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
