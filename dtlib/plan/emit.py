@@ -15,8 +15,7 @@ Sources, read for the names below (re-check them when a framework moves):
   ``add_megatron_arguments`` parser (many are generated from ``TransformerConfig``'s fields by
   ``ArgumentGroupFactory``), and that file's ``validate_args`` accepted the flags of an FSDP, a
   TP x PP interleaved + SP, a TP x CP + offload, a GPT-3 3D and an expert-parallel MoE layout
-  (bf16 and fp8); the rules
-  quoted are its assertions.
+  (bf16 and fp8); the rules quoted are its assertions.
 * DeepSpeed 0.19 ``deepspeed/runtime/config.py`` and ``constants.py`` (the installed version).
 * torchtitan ``torchtitan/config/job_config.py`` at tag ``v0.2.2`` (commit 73a0e697, Feb 2026),
   the last release configured by TOML: main (commit b5bcd76, Aug 2026) replaced TOML files with
