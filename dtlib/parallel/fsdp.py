@@ -64,6 +64,7 @@ from torch.utils._pytree import tree_map_only
 
 from dtlib.analytic import validate
 from dtlib.parallel.buckets import Dim0Layout, unique_parameters
+from dtlib.parallel.clip import clip_grad_norm_
 from dtlib.parallel.collectives import all_gather_into, broadcast_coalesced, reduce_scatter_into
 
 __all__ = ["FSDP", "DEFAULT_PERSISTENCE_THRESHOLD"]
@@ -458,6 +459,15 @@ class FSDP(nn.Module):
         for name in self._state_keys:
             if name not in sharded:
                 replicated[name].copy_(state_dict[name])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, group: Any = None) -> float:
+        """Clip the gradients to global norm ``max_norm`` and return the norm before clipping, as
+        FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm of the whole model (each
+        rank's rows summed over the group; a tensor-parallel model inside counts its replicated
+        parameters once), not of this rank's shard -- ``torch.nn.utils.clip_grad_norm_`` on
+        ``fsdp.parameters()`` would see only the shard. A collective over ``group`` (default: all
+        ranks); see :func:`dtlib.parallel.clip.clip_grad_norm_`."""
+        return clip_grad_norm_(self, max_norm, norm_type, group=group)
 
     # ---- inspection --------------------------------------------------------------------------
     @torch.no_grad()
