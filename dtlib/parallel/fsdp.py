@@ -131,6 +131,7 @@ class _Unit:
         self.full: torch.Tensor | None = None
         self.recompute_bound = False  # bound for a recomputation during backward
         self.pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        self.used = [False] * len(params)  # which parameters this backward reached, here
 
     def gather(self) -> torch.Tensor:
         """All-gather the shards and copy them out into a fresh param-major buffer (no autograd),
@@ -150,7 +151,9 @@ class _Unit:
         ``compute_dtype``). Written into ``_parameters`` (as FSDP's use_orig_params swaps tensors
         for parameters) so the registration order is kept."""
         if full is not None:
-            for owners, view in zip(self.aliases, self.layout.full_views(full)):
+            for i, (owners, view) in enumerate(zip(self.aliases, self.layout.full_views(full))):
+                if view.requires_grad:  # fires only if backward reaches this parameter
+                    view.register_hook(lambda g, i=i: self.used.__setitem__(i, True))
                 for _, mod, attr in owners:  # a tied weight is bound in every owning module
                     mod._parameters[attr] = view
         dtype = self.owner.compute_dtype
@@ -192,18 +195,23 @@ class _Unit:
         self.free()
         self.owner._finish_at_end_of_backward()
 
-    def finish(self) -> None:
+    def finish(self, used_anywhere: list[bool]) -> None:
         """Wait for this unit's reduce-scatters; add each parameter's rows to its ``.grad``
-        (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works)."""
+        (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works).
+        A parameter no rank's backward reached gets nothing: its ``.grad`` stays ``None`` as in
+        one process (its rows are zeros), so AdamW does not decay or move it."""
         for work, received, _ in self.pending:
             work.wait()
             grad = received.to(self.shard.dtype)
-            for p, piece in zip(self.params, self.layout.shard_views(grad, self.owner.rank)):
+            for p, piece, used in zip(self.params, self.layout.shard_views(grad, self.owner.rank), used_anywhere):
+                if not used:
+                    continue
                 if p.grad is None:
                     p.grad = piece
                 else:
                     p.grad += piece
         self.pending = []
+        self.used = [False] * len(self.params)
 
     # forward hooks on the unit's module
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -310,8 +318,9 @@ class FSDP(nn.Module):
         self._finish_queued = False
         self.units = self._make_units(module, tuple(unit_types))
         self.replicated = [p for u in self.units for p, _ in u.replicated]
+        self._replicated_used: set[int] = set()  # replicated parameters this backward reached
         for p in self.replicated:  # their gradients are averaged at the end of backward too
-            p.register_post_accumulate_grad_hook(lambda _: self._finish_at_end_of_backward())
+            p.register_post_accumulate_grad_hook(self._replicated_grad_ready)
         for u in self.units:
             u.module.register_forward_pre_hook(u.pre_forward, with_kwargs=True)
             u.module.register_forward_hook(u.post_forward)
@@ -406,29 +415,48 @@ class FSDP(nn.Module):
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
 
+    def _replicated_grad_ready(self, p: torch.Tensor) -> None:
+        self._replicated_used.add(id(p))
+        self._finish_at_end_of_backward()
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradient reduce-scatters; accumulate them into the parameters' ``.grad``;
-        average the replicated parameters' gradients (one all-reduce).
+        average the replicated parameters' gradients. One all-reduce carries those gradients and
+        a flag per parameter (did this rank's backward reach it?): a parameter that no rank's
+        backward reached keeps ``.grad = None``, as in one process (PyTorch DDP's
+        ``find_unused_parameters`` all-reduces the same flags), so AdamW leaves it alone instead
+        of decaying it with a zero gradient.
 
         Runs by itself at the end of every backward; calling it again is a no-op."""
         if not self._finish_queued:
             return
         self._finish_queued = False
+        # every rank contributes every replicated parameter (zeros if it had no gradient), so
+        # the all-reduce has the same size everywhere; mean over ranks is linear, so a gradient
+        # averaged by an earlier backward of an accumulation stays right
+        had_grad = [p.grad is not None for p in self.replicated]
+        for p in self.replicated:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flags = [float(f) for u in self.units for f in u.used]
+        flags += [float(id(p) in self._replicated_used) for p in self.replicated]
+        self._replicated_used = set()
+        like = self.replicated[0] if self.replicated else self.flat_shards[0]
+        flat = torch.cat([*(p.grad.reshape(-1) / self.world_size for p in self.replicated),
+                          torch.tensor(flags, dtype=like.dtype, device=like.device)])
+        dist.all_reduce(flat, group=self.process_group)
+        used = (flat[flat.numel() - len(flags):] > 0).tolist()
+        offset = 0
         for u in self.units:
-            u.finish()
-        if self.replicated:
-            # every rank contributes every replicated parameter (zeros if it had no gradient), so
-            # the all-reduce has the same size everywhere; mean over ranks is linear, so a gradient
-            # averaged by an earlier backward of an accumulation stays right
-            for p in self.replicated:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in self.replicated]) / self.world_size
-            dist.all_reduce(flat, group=self.process_group)
-            offset = 0
-            for p in self.replicated:
+            u.finish(used[offset:offset + len(u.params)])
+            offset += len(u.params)
+        offset = 0
+        for p, had, reached in zip(self.replicated, had_grad, used[len(used) - len(self.replicated):]):
+            if had or reached:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            else:
+                p.grad = None  # reached by no rank: no gradient, as in one process
+            offset += p.numel()
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
