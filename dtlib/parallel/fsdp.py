@@ -13,9 +13,11 @@ Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p) and PyTorch's FSDP2
   names, and become this piece - so ``p.dim()`` is the original one on every rank, every rank
   holds the same parameters with the same trailing dimensions, and a nanoGPT
   ``configure_optimizers`` (decay if ``p.dim() >= 2``) works before or after wrapping, as does
-  code that runs one collective per parameter. A unit's padded pieces are packed into one flat
-  shard per rank (:class:`~dtlib.parallel.buckets.Dim0Layout`), the only persistent copy, so a
-  unit still costs one all-gather and one reduce-scatter;
+  code that runs one collective per parameter (but not ``torch.nn.utils.clip_grad_norm_``,
+  which sees this rank's rows: :meth:`FSDP.clip_grad_norm_` clips by the global norm). A unit's
+  padded pieces are packed into one flat shard per rank
+  (:class:`~dtlib.parallel.buckets.Dim0Layout`), the only persistent copy, so a unit still costs
+  one all-gather and one reduce-scatter;
 * parameters with fewer than ``persistence_threshold`` elements (and 0-d ones) are not sharded:
   they stay whole on every rank (replicated) and their gradients are all-reduced (averaged) at the
   end of backward - DeepSpeed ZeRO-3's ``stage3_param_persistence_threshold``;
@@ -262,8 +264,10 @@ class FSDP(nn.Module):
             ``DEFAULT_PERSISTENCE_THRESHOLD`` for why.
 
     ``loss.backward(); optimizer.step()``: the gradients are synchronised at the end of
-    backward. :meth:`gather_full_params` returns the full state dict, :meth:`load_full_state_dict`
-    loads one. Other attributes are looked up on the wrapped module (as PyTorch's FSDP does).
+    backward. To clip them (nanoGPT clips at 1.0), call :meth:`clip_grad_norm_` before the step:
+    ``torch.nn.utils.clip_grad_norm_`` would see only this rank's rows and clip each rank by its
+    own, smaller norm. :meth:`gather_full_params` returns the full state dict,
+    :meth:`load_full_state_dict` loads one. Other attributes are looked up on the wrapped module (as PyTorch's FSDP does).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
