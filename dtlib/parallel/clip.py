@@ -81,6 +81,7 @@ def _sources(parameters: Any) -> list[Any]:
 def _pieces(parameters: Any, dp_group: Any, tp_group: Any, expert_dp_group: Any,
             shared: Iterable[torch.Tensor]) -> list[_Piece]:
     """The gradients this rank holds, each marked owned or not (see the module docstring)."""
+    # imported here: fsdp and zero import this module for their clip_grad_norm_ methods
     from dtlib.parallel.ddp import _DataParallel
     from dtlib.parallel.expert import ExpertParallelMoE
     from dtlib.parallel.fsdp import FSDP
