@@ -50,6 +50,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic import validate
+from dtlib.parallel.expert import ExpertParallelMoE
+from dtlib.parallel.pipeline import GPTStage, PipelineExecutor
 
 __all__ = ["grad_norm", "clip_grad_norm_", "clip_grads_by_total_norm_"]
 
@@ -81,13 +83,6 @@ def _sources(parameters: Any) -> list[Any]:
 def _pieces(parameters: Any, dp_group: Any, tp_group: Any, expert_dp_group: Any,
             shared: Iterable[torch.Tensor]) -> list[_Piece]:
     """The gradients this rank holds, each marked owned or not (see the module docstring)."""
-    # imported here: fsdp and zero import this module for their clip_grad_norm_ methods
-    from dtlib.parallel.ddp import _DataParallel
-    from dtlib.parallel.expert import ExpertParallelMoE
-    from dtlib.parallel.fsdp import FSDP
-    from dtlib.parallel.pipeline import GPTStage, PipelineExecutor
-    from dtlib.parallel.zero import ShardedOptimizer
-
     sources: list[tuple[Any, Any]] = []  # (source, the group its plain gradients are replicated over)
     for s in _sources(parameters):
         if isinstance(s, PipelineExecutor):  # its dp_group averages the stages' gradients
@@ -115,47 +110,23 @@ def _pieces(parameters: Any, dp_group: Any, tp_group: Any, expert_dp_group: Any,
             return False  # replicated over TP: counted on TP rank 0
         return _first_in(expert_dp_group if id(p) in experts else replicas)
 
-    out: list[_Piece] = []
-    seen: set[int] = set()
-
-    def add(p: torch.Tensor, grad: torch.Tensor | None, replicas: Any) -> None:
-        if grad is not None and id(p) not in seen:
-            seen.add(id(p))
-            out.append(_Piece(grad, owned(p, replicas)))
-
+    held: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     for s, replicas in sources:
-        if isinstance(s, ShardedOptimizer):
-            if s.stage == 1:  # full gradients, averaged over the group by DDP
-                for b in s.buckets:
-                    for p in b.params:
-                        add(p, p.grad, _world(s.process_group))
-                continue
-            s.finish_gradient_synchronization()  # stage 2: this rank's shard of each bucket
-            for b in s.buckets:
-                if b.grad_shard is None:
-                    continue
-                lo, hi = b.layout.shard_range(s.rank)
-                for p, start, n in zip(b.params, b.layout.offsets, b.layout.numels):
-                    first, last = max(start, lo), min(start + n, hi)
-                    if first < last and id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(_Piece(b.grad_shard[first - lo:last - lo], owned(p, None)))
-        elif isinstance(s, FSDP):
-            s.finish_gradient_synchronization()
-            replicated = {id(p) for p in s.replicated}
-            for p in s.parameters():  # sharded rows are disjoint over the group
-                add(p, p.grad, _world(s.process_group) if id(p) in replicated else None)
-        elif isinstance(s, _DataParallel):
-            for p in s.module.parameters():
-                add(p, p.grad, _world(s.process_group))
+        if hasattr(s, "held_gradients"):  # FSDP, ShardedOptimizer, BucketedDDP/NaiveDDP know theirs
+            held += s.held_gradients()
         elif isinstance(s, nn.Module):
-            for p in s.parameters():
-                add(p, p.grad, replicas)
+            held += [(p, p.grad, replicas) for p in s.parameters() if p.grad is not None]
         elif isinstance(s, torch.Tensor):
-            add(s, s.grad, replicas)
+            held += [(s, s.grad, replicas)] if s.grad is not None else []
         else:
             raise TypeError(f"parameters must be tensors, modules, FSDP, a data-parallel wrapper, a "
                             f"ShardedOptimizer or a PipelineExecutor, got {type(s).__name__}")
+    out: list[_Piece] = []
+    seen: set[int] = set()
+    for p, grad, replicas in held:
+        if id(p) not in seen:  # a parameter reached through two sources counts once
+            seen.add(id(p))
+            out.append(_Piece(grad, owned(p, replicas)))
     return out
 
 

@@ -492,6 +492,16 @@ class FSDP(nn.Module):
             if name not in sharded:
                 replicated[name].copy_(state_dict[name])
 
+    def held_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
+        """``(parameter, the gradient this rank holds for it, the group over which that gradient
+        is replicated or None)`` for :mod:`dtlib.parallel.clip`: a sharded parameter's rows are
+        this rank's alone, a replicated parameter's gradient is the same on the whole group."""
+        self.finish_gradient_synchronization()
+        replicated = {id(p) for p in self.replicated}
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        return [(p, p.grad, group if id(p) in replicated else None)
+                for p in self.parameters() if p.grad is not None]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, group: Any = None) -> float:
         """Clip the gradients to global norm ``max_norm`` and return the norm before clipping, as
         FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm of the whole model (each

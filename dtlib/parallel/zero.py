@@ -201,6 +201,26 @@ class ShardedOptimizer:
             bucket.grad_shard = None
         return loss
 
+    def held_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
+        """``(parameter, the gradient this rank holds for it, the group over which that gradient
+        is replicated or None)`` for :mod:`dtlib.parallel.clip`. Stage 1: the full gradients,
+        averaged (equal) over the group. Stage 2: each parameter's part of this rank's gradient
+        shard (a view: scaling it scales the shard), this rank's alone."""
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        if self.stage == 1:
+            return [(p, p.grad, group) for b in self.buckets for p in b.params if p.grad is not None]
+        self.finish_gradient_synchronization()
+        out = []
+        for b in self.buckets:
+            if b.grad_shard is None:
+                continue
+            lo, hi = b.layout.shard_range(self.rank)
+            for p, start, n in zip(b.params, b.layout.offsets, b.layout.numels):
+                first, last = max(start, lo), min(start + n, hi)
+                if first < last:
+                    out.append((p, b.grad_shard[first - lo:last - lo], None))
+        return out
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, tp_group: Any = None,
                         group: Any = None) -> float:
         """Clip the gradients to global norm ``max_norm`` before :meth:`step` and return the norm
