@@ -74,8 +74,9 @@ def _first_in(group: Any) -> bool:
 
 
 def _sources(parameters: Any) -> list[Any]:
-    if isinstance(parameters, (torch.Tensor, nn.Module)) or hasattr(parameters, "buckets") \
-            or hasattr(parameters, "chunks"):
+    """``parameters`` as a list of gradient holders: one holder (a tensor, a module, a
+    ShardedOptimizer, a PipelineExecutor) or an iterable of them."""
+    if isinstance(parameters, (torch.Tensor, nn.Module, PipelineExecutor)) or hasattr(parameters, "held_gradients"):
         return [parameters]
     return list(parameters)
 
