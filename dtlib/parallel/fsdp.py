@@ -54,6 +54,10 @@ the root gathered between forward and backward, CPU offload, per-unit mixed prec
 reentrant activation checkpointing. Parameters with ``requires_grad=False`` stay ordinary,
 replicated parameters (not sharded, not cast: with ``compute_dtype`` they must already have that
 dtype), and :meth:`FSDP.gather_full_params` returns them with the rest.
+
+About 550 lines, over the usual 400: one wrapper and its unit, whose hooks (gather, bind, free,
+reduce-scatter, the end-of-backward callback with its used-parameter flags) and checkpoint functions
+all read and write the same per-unit state; split, each piece would need the others' internals.
 """
 from __future__ import annotations
 
