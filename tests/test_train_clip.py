@@ -4,7 +4,8 @@ within PARAM_TOL after steps that all clip); the monitored grad_norm is the same
 embedding across pipeline stages counted once, ZeRO-2's gradient shards measured)."""
 import pytest
 
-from dtlib.cli import main as cli_main
+from dtlib.cli import build_parser, main as cli_main
+from dtlib.cli.train import config_from_args
 from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL, single_process_config
 from dtlib.launcher import launch
 from dtlib.monitor import read_metrics
@@ -71,6 +72,11 @@ def test_clipping_changes_the_run(runs):
     unclipped = train(0, 1, single_process_config(BASE.with_(dp=2, clip_grad=0.0)), keep_params=True)
     clipped = runs["dp2"][2]
     assert max((clipped["params"][n] - unclipped["params"][n]).abs().max().item() for n in unclipped["params"]) > 1e-3
+
+
+def test_clip_grad_flag_reaches_the_config():
+    assert config_from_args(build_parser().parse_args(["train"])).clip_grad == 0.0  # off by default
+    assert config_from_args(build_parser().parse_args(["train", "--clip-grad", "1.0"])).clip_grad == 1.0
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
