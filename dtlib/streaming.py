@@ -17,12 +17,19 @@ order and resumes by skipping, not by position. The format here is MDS-like and 
 shards of fixed-length samples (``seq + 1`` byte tokens each: inputs and next-token targets) and
 an ``index.json`` with every shard's sample count and sha256.
 
+Integrity: a shard is checked against ``index.json``'s sha256 when a rank first opens it (lazily,
+as Mosaic checks a shard's hash when it is first used, ``validate_hash``); a flipped byte or a
+truncated file is a ValueError naming the shard, before its samples are trained on. The cost is
+one extra sequential read of each shard a rank opens, once per run: ``benchmarks/
+bench_streaming_verify.py`` measured a 67 MB shard at 0.11 s (sha256 at 0.6 GB/s on a busy
+2-core machine), against 1.5 s to read its samples once; checking every shard at open instead
+would make a rank pay for shards it never reads. ``verify=False`` skips it.
+
 Order (Mosaic's ``py1s`` shuffle, simplified): the shards' order is shuffled, then the samples
 inside each shard, with a generator seeded by (seed, epoch) -- reads stay shard-local.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 
 from dtlib.analytic import validate
+from dtlib.resilience.checkpoint import file_sha256
 
 __all__ = ["write_shards", "ShardedTokens", "epoch_order", "replica_positions", "check_shards", "check_options",
            "log_samples", "read_sample_log", "FORMAT"]
@@ -60,13 +68,13 @@ def write_shards(directory: str, tokens: Any, seq: int, samples_per_shard: int =
         name = f"shard.{k:05d}.npy"
         path = os.path.join(directory, name)
         np.save(path, samples[start:start + samples_per_shard])
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest = file_sha256(path)
         shards.append({"file": name, "samples": int(len(samples[start:start + samples_per_shard])), "sha256": digest})
     index = {"format": FORMAT, "seq": seq, "samples": n, "shards": shards}
     with open(os.path.join(directory, INDEX), "w") as f:
         json.dump(index, f, indent=1)
     return index
+
 
 
 def check_shards(directory: str, seq: int | None = None) -> dict[str, Any]:
@@ -113,10 +121,13 @@ class ShardedTokens:
     """Samples of a shard directory in the global order, read by ``workers`` threads, with the next
     step's rows read ahead by ``prefetch`` (0: read when asked). ``delay``: seconds each read sleeps
     (a slow-storage drill the profiler's ``input`` finding shows). ``consumed``: the resumable
-    position (samples consumed by all replicas together)."""
+    position (samples consumed by all replicas together). ``verify``: check each shard's sha256
+    against the index when it is first opened (see the module doc)."""
 
-    def __init__(self, directory: str, seed: int = 0, workers: int = 0, prefetch: int = 0, delay: float = 0.0):
+    def __init__(self, directory: str, seed: int = 0, workers: int = 0, prefetch: int = 0, delay: float = 0.0,
+                 verify: bool = True):
         self.directory = directory
+        self.verify = validate.boolean("verify", verify)
         self.index = check_shards(directory)
         self.seed = seed
         self.sizes = [s["samples"] for s in self.index["shards"]]
@@ -150,7 +161,12 @@ class ShardedTokens:
     def _shard(self, k: int) -> np.ndarray:
         with self._lock:
             if k not in self._shards:
-                self._shards[k] = np.load(os.path.join(self.directory, self.index["shards"][k]["file"]), mmap_mode="r")
+                shard = self.index["shards"][k]
+                path = os.path.join(self.directory, shard["file"])
+                if self.verify and file_sha256(path) != shard["sha256"]:
+                    raise ValueError(f"{path} is corrupt or truncated: its sha256 differs from {INDEX}'s "
+                                     "(write the shards again)")
+                self._shards[k] = np.load(path, mmap_mode="r")
             return self._shards[k]
 
     def _read_one(self, sample: int) -> np.ndarray:

@@ -13,7 +13,8 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
 from dtlib.frameworks.configs import check_deepspeed, check_emitted, check_jax, check_megatron, check_torchtitan_toml
-from dtlib.frameworks.rehearse import TOLERANCE, rehearse, rehearse_all, shrink_for
+from dtlib.experiments.parallel3d import LOSS_TOL, PARAM_TOL
+from dtlib.frameworks.rehearse import rehearse, rehearse_all, shrink_for
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, emit
 from dtlib.plan.search import to_layout
 
@@ -77,6 +78,22 @@ def test_the_pinned_3d_layout_where_it_is_expressible(plans):
     assert "on 8 data-parallel ranks" in check_emitted(deepspeed, layout)
 
 
+@pytest.mark.parametrize("framework, layout, model, precision", [
+    ("deepspeed", Parallelism(dp=8, tp=2, zero=1, recompute="full", num_microbatches=4), LLAMA, "bf16"),
+    ("deepspeed", Parallelism(dp=8, zero=3, offload="params", micro_batch_size=2, num_microbatches=4), LLAMA, "fp16"),
+    ("deepspeed", Parallelism(dp=8, zero=2, offload="optimizer"), LLAMA, "bf16"),
+    ("megatron", Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2,
+                             sequence_parallel=True, num_microbatches=8, recompute="selective"), LLAMA, "fp8"),
+    ("megatron", Parallelism(dp=8, tp=2, cp=2, zero=1, micro_batch_size=2, num_microbatches=4, recompute="full"),
+     LLAMA, "bf16"),
+    ("megatron", Parallelism(dp=8, tp=8, pp=8, num_microbatches=16), get_preset("gpt3-175b"), "fp16"),
+    ("jax", Parallelism(dp=16, tp=4, zero=3, shard_size=8), LLAMA, "bf16"),
+])
+def test_variants_accepted_by_the_frameworks_own_checks(framework, layout, model, precision):
+    e = emit(framework, layout, model, layout.global_batch, precision)
+    assert not e.unsupported and check_emitted(e, layout)
+
+
 def test_the_frameworks_checks_refuse_a_broken_config():
     layout = Parallelism(dp=8, zero=3, num_microbatches=2)
     ds = emit("deepspeed", layout, LLAMA, 16).data
@@ -100,6 +117,10 @@ def test_megatrons_check_refuses_flags_that_do_not_fit():
         check_megatron(flags[:groups] + ["6"] + flags[groups + 1:], 8)  # TransformerConfig's own rule
     with pytest.raises(ValueError, match="unknown Megatron-LM flag '--tensor-parallel-size'"):
         check_megatron(["--tensor-parallel-size", "2"], 2)
+    with pytest.raises(ValueError, match="--ffn-hidden-size must be a positive integer, got 'x'"):
+        check_megatron(["--ffn-hidden-size", "x"], 1)
+    with pytest.raises(ValueError, match="--num-query-groups needs a value"):
+        check_megatron(["--num-query-groups"], 1)
 
 
 def test_cli_prints_the_configs_after_the_plan_and_writes_them(capsys, tmp_path):
@@ -156,7 +177,8 @@ def test_cli_rehearse_under_deepspeed_equals_one_process(rehearsed):
     assert (ds["layout"]["dp"], ds["layout"]["tp"], ds["layout"]["pp"], ds["layout"]["zero"]) == (2, 1, 1, 1)
     assert ds["config"]["zero_optimization"]["stage"] == 1 and ds["config"]["gradient_clipping"] == 0.0
     assert "Megatron-DeepSpeed" in ds["changes"][0]
-    assert ds["max_loss_diff"] <= TOLERANCE["max_loss_diff"] and ds["max_param_diff"] <= TOLERANCE["max_param_diff"]
+    assert ds["tolerance"] == {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}
+    assert ds["max_loss_diff"] <= LOSS_TOL and ds["max_param_diff"] <= PARAM_TOL
     assert ds["losses"][0] != ds["losses"][-1]  # it trained
 
 
@@ -188,3 +210,15 @@ def test_shrink_for_each_framework_keeps_what_its_runner_runs():
     assert (jax.dp, jax.tp, jax.pp, jax.cp, jax.global_batch) == (2, 2, 1, 1, 8) and model.ffn == 128
     with pytest.raises(ValueError, match="torchtitan.*cannot be rehearsed"):
         shrink_for("torchtitan", layout)
+
+
+def test_a_failed_rehearsal_says_fail_and_exits_1(capsys, monkeypatch):
+    """The verdict and the exit status, without running a framework: a rehearsal whose parameters
+    are off by more than the tolerance."""
+    failed = {"framework": "deepspeed", "layout": {**PINNED_LAYOUT.__dict__, "tp": 1, "pp": 1, "dp": 2}, "ranks": 2,
+              "changes": ["tp 4 -> 1"], "model": "tiny", "steps": 3, "max_loss_diff": 0.0, "max_param_diff": 1e-3,
+              "tolerance": {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}, "passed": False}
+    monkeypatch.setattr("dtlib.cli.plan.rehearse_all", lambda *args, **kwargs: {"deepspeed": failed})
+    code, out, _ = run(capsys, *PINNED, "--top", "1", "--emit", "deepspeed", "--rehearse")
+    assert code == 1
+    assert "max param diff 1.00e-03 (tolerances 1e-05, 1e-06): FAIL" in out

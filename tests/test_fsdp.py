@@ -368,6 +368,19 @@ def _misuse(rank, world_size):
             call()
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
+    # the module FSDP took over, called directly (as FSDP2's fully_shard allows): a clear error,
+    # not autograd's "setStorage ... storage of size 0" in backward
+    model = _model("gpt")
+    fsdp = FSDP(model, unit_types=(Block,))
+    x = torch.randint(0, GPT["vocab"], (2, GPT["seq"]))
+    for name, call in {"original module": lambda: model(x).sum().backward(),
+                       "a unit's module": lambda: model.blocks[0](torch.zeros(2, GPT["seq"], GPT["hidden"]))}.items():
+        try:
+            call()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    fsdp(x).sum().backward()  # the wrapper still works after the refusals
+    errors["wrapper trains"] = all(p.grad is not None for p in fsdp.parameters())
     dist.barrier()
     return errors
 
@@ -379,6 +392,10 @@ def test_bad_input_gives_clear_errors():
     assert errors["module"].startswith("TypeError")
     assert "mixes parameter dtypes" in errors["mixed"]
     assert "frozen parameters ['1.weight', '1.bias']" in errors["frozen fp32 with bf16"]
+    assert errors["original module"].startswith("TinyGPT was called directly after FSDP(model) sharded its "
+                                                "parameters: call the wrapper, fsdp = FSDP(model); fsdp(x)")
+    assert errors["a unit's module"].startswith("Block was called directly after FSDP(model)")
+    assert errors["wrapper trains"]
 
 
 # ---- FSDP2's dim-0 sharding: parameters keep their dimensions (issue 19) --------------------------

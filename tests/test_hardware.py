@@ -2,7 +2,7 @@
 entries added (the measured local CPU: test_measure.py)."""
 import pytest
 
-from dtlib.analytic.hardware import (ACCELERATORS, COMPUTE_DTYPES, LINKS, Accelerator, Cluster, add_accelerator,
+from dtlib.analytic.hardware import (ACCELERATORS, catalogue_name, COMPUTE_DTYPES, LINKS, Accelerator, Cluster, add_accelerator,
                                      cluster, get_gpu, get_link)
 
 REQUIRED = {"a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"}
@@ -58,3 +58,12 @@ def test_cluster_shares_nics():
 def test_added_entries_need_a_source():
     with pytest.raises(ValueError, match="needs a source"):
         add_accelerator(Accelerator("x", {"fp32": 1.0}, 1, 1.0, ""))
+
+
+@pytest.mark.parametrize("device, entry", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA B200", "b200"),
+    ("AMD Instinct MI300X", "mi300x"), ("Tesla T4", None),
+])
+def test_catalogue_name_from_the_driver_name(device, entry):
+    assert catalogue_name(device) == entry

@@ -189,6 +189,8 @@ def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
     hsdp = _toml(Parallelism(dp=16, zero=3, shard_size=8, offload="params"))
     assert (hsdp["parallelism"]["data_parallel_replicate_degree"], hsdp["parallelism"]["data_parallel_shard_degree"]) == (2, 8)
     assert hsdp["training"]["enable_cpu_offload"] is True
+    tp_only = _toml(Parallelism(tp=8))  # no data parallelism: neither DDP nor FSDP
+    assert (tp_only["parallelism"]["data_parallel_replicate_degree"], tp_only["parallelism"]["tensor_parallel_degree"]) == (1, 8)
     ddp = _toml(Parallelism(dp=8))
     assert (ddp["parallelism"]["data_parallel_replicate_degree"], ddp["parallelism"]["data_parallel_shard_degree"]) == (8, 1)
     assert emit("torchtitan", Parallelism(dp=2, tp=2, zero=3), LLAMA, 2).notes[-1].startswith(
@@ -198,6 +200,7 @@ def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
 @pytest.mark.parametrize("layout, precision, reason", [
     (Parallelism(dp=8, zero=1), "bf16", "ZeRO-1"),
     (Parallelism(dp=4, tp=2), "bf16", "DDP has not supported"),
+    (Parallelism(cp=2), "bf16", "ZeRO-0 with cp=2"),
     (Parallelism(dp=4, zero=1, offload="optimizer"), "bf16", "ZeRO-1"),
     (Parallelism(dp=4, zero=3, offload="optimizer"), "bf16", "offload optimizer"),
     (FSDP, "fp16", "precision fp16"),

@@ -146,7 +146,7 @@ def test_dtlib_train_killed_rank_resumes_bit_identical(layout, tmp_path, capsys)
     assert code == 0, where
     assert f"fault drill: rank {rank} SIGKILLs itself at step {kill}" in err, where
     assert f"resumed at step {resumed_at} from {tmp_path / 'ck'}" in err, where
-    summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    summary = json.loads(out)  # --json: stdout is the one JSON object, drills and resume lines on stderr
     assert summary["first_step"] == resumed_at, where
     assert summary["losses"] == straight["losses"][resumed_at:], where  # the steps redone, bit for bit
     assert summary["params_sha256"] == straight["params_sha256"], where
@@ -171,7 +171,7 @@ def test_dtlib_train_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_pat
     assert sorted(code for code, _, _ in agents) == [-signal.SIGKILL, 0], log[-4000:]
     assert "resumed at step 3 from" in log and "(resharded from dp2 to 1 process); num_microbatches 2 -> 4 " \
         "keeps the global batch of 8" in log, log[-4000:]
-    summary = json.loads(next(line for _, out, _ in agents for line in out.splitlines() if line.startswith("{")))
+    summary = json.loads(next(out for code, out, _ in agents if code == 0))  # stdout: the JSON object alone
     assert summary["world_size"] == 1 and summary["first_step"] == 3 and summary["global_batch"] == 8
     assert summary["losses"] == pytest.approx(straight["losses"][3:], abs=1e-5)
 
@@ -191,5 +191,5 @@ def test_dtlib_train_hung_rank_is_named_and_the_run_resumes(tmp_path, capsys):
     assert "fault drill: rank 1 hangs in the data phase of step 3" in err, err[-4000:]
     assert "heartbeat: hung rank 1 (last step 3, phase 'data'" in err, err[-4000:]
     assert f"resumed at step 2 from {tmp_path / 'ck'}" in err, err[-4000:]
-    summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    summary = json.loads(out)  # --json: stdout is the one JSON object, drills and resume lines on stderr
     assert summary["losses"] == straight["losses"][2:] and summary["params_sha256"] == straight["params_sha256"]

@@ -112,6 +112,20 @@ def get_gpu(name: str) -> Accelerator:
     return _lookup("GPU", ACCELERATORS, name)
 
 
+# substrings of the CUDA device name (torch.cuda.get_device_name) -> catalogue entry, most specific
+# first: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe" the PCIe one
+_DEVICE_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"),
+                 ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
+                 ("mi300x", "mi300x"))
+
+
+def catalogue_name(device_name: str) -> str | None:
+    """The catalogue entry of a GPU from the name its driver reports (e.g. ``"NVIDIA H200"`` ->
+    ``"h200"``), or None for a GPU the catalogue does not have."""
+    key = device_name.lower()
+    return next((entry for part, entry in _DEVICE_NAMES if part in key), None)
+
+
 def get_link(name: str) -> Link:
     """The link called ``name`` (case-insensitive)."""
     return _lookup("link", LINKS, name)

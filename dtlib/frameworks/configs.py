@@ -6,7 +6,8 @@ framework's own validation here, on CPU, before anyone pays:
 * DeepSpeed: its ``DeepSpeedConfig`` (batch arithmetic, ZeRO and offload keys), through
   :func:`dtlib.frameworks.deepspeed_zero.validate_deepspeed_config`;
 * Megatron: Megatron-Core's ``TransformerConfig``/``ModelParallelConfig`` built from the flags,
-  through :func:`dtlib.frameworks.megatron_core.parse_megatron_flags`;
+  through :func:`dtlib.frameworks.megatron_flags.megatron_configs` (Megatron-LM's launch rules in
+  ``parse_megatron_flags``), then the model flags on those configs;
 * torchtitan: not installed (it runs on CPU only with fragile patches, see docs/frameworks.md), so
   the TOML is parsed with ``tomllib`` and checked against the schema read from its
   ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`);
@@ -69,7 +70,9 @@ def _split_megatron(flags: list[str]) -> tuple[list[str], dict[str, Any]]:
     while i < len(flags):
         flag = flags[i]
         takes_value = flag in VALUE_FLAGS or (flag in _MODEL_FLAGS and _MODEL_FLAGS[flag][2] not in (True, False))
-        value = flags[i + 1] if takes_value and i + 1 < len(flags) else True
+        if takes_value and (i + 1 == len(flags) or flags[i + 1].startswith("--")):
+            raise ValueError(f"{flag} needs a value")
+        value = flags[i + 1] if takes_value else True
         if flag in VALUE_FLAGS or flag in SWITCH_FLAGS:
             runner += [flag] + ([value] if takes_value else [])
         elif flag in _MODEL_FLAGS:
@@ -108,6 +111,8 @@ def check_megatron(flags: list[str], world_size: int) -> tuple[Any, Any, Any]:
         config, name, kind = _MODEL_FLAGS[flag]
         if config == "choice" and value not in kind:
             raise ValueError(f"{flag} must be one of {', '.join(kind)}, got {value!r}")
+        if config in fields and kind is int and not value.isdigit():
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
         if config in fields:
             fields[config][name] = kind(value) if isinstance(kind, type) else kind
     if "--num-query-groups" in other and "--group-query-attention" not in other:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from dtlib.analytic import validate
 from dtlib.frameworks.common import FrameworkRun, token_batches
-from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec
+from dtlib.frameworks.megatron_cpu import cpu_shims, gpt_block_spec, needs_cpu_shims
 from dtlib.frameworks.megatron_flags import (check_settings, ddp_config, parse_megatron_flags,
                                              transformer_config)
 from dtlib.launcher import MAX_TIMEOUT, launch
@@ -159,6 +159,10 @@ def _build_chunks(s: dict[str, Any], config: Any) -> list[torch.nn.Module]:
                 share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
                 vp_stage=vp_stage)
         module.model_type = ModelType.encoder_or_decoder
+        if torch.cuda.is_available() and not needs_cpu_shims():
+            # on a GPU: the layers Megatron builds with plain torch.nn (position embeddings, norms)
+            # start on the CPU; Megatron-LM's get_model moves each chunk before wrapping it in DDP
+            module.cuda(torch.cuda.current_device())
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(s), module=module)
         ddp.chunk_id = vp
         chunks.append(ddp)
@@ -201,6 +205,10 @@ def _train(s: dict[str, Any], data: torch.Tensor, notes: list[str]) -> dict[str,
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
         virtual_pipeline_model_parallel_size=s["virtual_stages"] if s["virtual_stages"] > 1 else None)
+    if not notes:  # on a GPU: the CUDA RNG states Megatron forks while initialising weights, as
+        # Megatron-LM's initialize.py (_set_random_seed) registers them (the CPU shims stub them)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(s["seed"])
     try:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank()

@@ -99,6 +99,23 @@ class _EveryH:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides the model and the inner optimizer (saved by the caller,
+        per rank: between syncs the replicas differ): the inner steps since the last sync (a
+        resume mid-round syncs at the same step as the uninterrupted run) and the traffic
+        counters."""
+        return {"local_step": self.local_step, "syncs": self.syncs, "payload_bytes": self.payload_bytes,
+                "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the model and the inner optimizer are loaded)."""
+        missing = sorted({"local_step", "syncs", "payload_bytes", "bytes_sent"} - set(state))
+        if missing:
+            raise ValueError(f"state is missing {missing}: pass what state_dict() returned")
+        self.local_step = validate.integer("local_step", state["local_step"], minimum=0,
+                                           maximum=self.sync_every - 1)
+        self.syncs, self.payload_bytes, self.bytes_sent = state["syncs"], state["payload_bytes"], state["bytes_sent"]
+
 
 class LocalSGD(_EveryH):
     """Average the parameters every ``sync_every`` optimizer steps (Stich 2019; Lin et al. 2020).
@@ -151,6 +168,13 @@ class DiLoCo(_EveryH):
 
     The parameters are broadcast from rank 0 at construction, so every rank starts from the same
     global copy (as DDP does). Counters as :class:`LocalSGD`.
+
+    Checkpoints: :meth:`state_dict` adds the global parameters (the anchor every rank's
+    pseudo-gradient is measured from) and the outer optimizer's state (Nesterov's momentum) to
+    the step counter. A resume rebuilds the model, the optimizers and ``DiLoCo`` (whose
+    construction broadcasts rank 0's parameters), then loads each rank's own model and inner
+    optimizer state and :meth:`load_state_dict`: mid-round it goes on bit for bit (without it the
+    anchor would be rank 0's drifted parameters).
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
@@ -169,6 +193,29 @@ class DiLoCo(_EveryH):
     def __enter__(self) -> "DiLoCo":
         super().__enter__()
         return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter and traffic (as :class:`LocalSGD`'s), ``global_params`` (the anchor, in
+        ``model.parameters()`` order) and ``outer_optimizer``'s state dict; tensors are references,
+        as ``nn.Module.state_dict`` returns (``torch.save`` or ``copy.deepcopy`` them)."""
+        return {**super().state_dict(), "global_params": list(self.global_params),
+                "outer_optimizer": self.outer_optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after the rebuilt model and inner optimizer are loaded: the
+        anchor the constructor took from rank 0's parameters is replaced by the saved one."""
+        anchor = state.get("global_params")
+        if anchor is None or "outer_optimizer" not in state:
+            raise ValueError("state is missing 'global_params' or 'outer_optimizer': pass what "
+                             "DiLoCo.state_dict() returned")
+        if len(anchor) != len(self.global_params) or any(a.shape != g.shape for a, g in zip(anchor, self.global_params)):
+            raise ValueError(f"global_params holds {[tuple(a.shape) for a in anchor][:4]}..., this model's parameters "
+                             f"are {[tuple(g.shape) for g in self.global_params][:4]}...: another model")
+        super().load_state_dict(state)
+        for g, a in zip(self.global_params, anchor):
+            g.copy_(a)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
     @torch.no_grad()
     def sync(self) -> None:

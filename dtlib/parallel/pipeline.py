@@ -269,7 +269,8 @@ class PipelineExecutor:
             received = None
             if (a.kind == "F" and stage > 0) or (a.kind == "B" and stage < last_stage):
                 param = next(chunk.parameters())
-                received = torch.empty(chunk.activation_shape(xs[a.microbatch].shape), dtype=param.dtype)
+                received = torch.empty(chunk.activation_shape(xs[a.microbatch].shape), dtype=param.dtype,
+                                       device=param.device)
                 src = stage - 1 if a.kind == "F" else stage + 1
                 dist.recv(received, src=self._peer(src), tag=self._tag(stage, a.microbatch, a.kind == "B"))
             start = time.perf_counter()

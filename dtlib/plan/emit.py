@@ -14,13 +14,13 @@ Sources, read for the names below (re-check them when a framework moves):
   release of the installed megatron-core): every flag emitted here was parsed by that file's own
   ``add_megatron_arguments`` parser (many are generated from ``TransformerConfig``'s fields by
   ``ArgumentGroupFactory``), and that file's ``validate_args`` accepted the flags of an FSDP, a
-  TP x PP interleaved + SP, a TP x CP + offload and a GPT-3 3D layout (bf16 and fp8); the rules
-  quoted are its assertions.
+  TP x PP interleaved + SP, a TP x CP + offload, a GPT-3 3D and an expert-parallel MoE layout
+  (bf16 and fp8); the rules quoted are its assertions.
 * DeepSpeed 0.19 ``deepspeed/runtime/config.py`` and ``constants.py`` (the installed version).
 * torchtitan ``torchtitan/config/job_config.py`` at tag ``v0.2.2`` (commit 73a0e697, Feb 2026),
   the last release configured by TOML: main (commit b5bcd76, Aug 2026) replaced TOML files with
   Python ``Trainer.Config`` functions (#2386) and froze the ``--section.key`` flags, whose names are
-  these keys. :data:`TORCHTITAN_SCHEMA` encodes the keys and types read there.
+  these keys. :mod:`dtlib.plan.torchtitan_schema` encodes the keys and types read there.
 * JAX: the mesh axes and weight roles are those :func:`dtlib.frameworks.jax_gspmd.run_jax` takes.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism, check_layout
+from dtlib.plan.torchtitan_schema import TORCHTITAN_SCHEMA, check_torchtitan
 
 __all__ = ["FRAMEWORKS", "FILENAMES", "PRECISIONS", "Emitted", "emit", "unsupported", "megatron_flags",
            "deepspeed_config", "torchtitan_toml", "torchtitan_document", "jax_mesh", "check_torchtitan",
@@ -171,7 +172,9 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
 
 def _megatron_notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     notes = [f"Megatron-LM derives data-parallel size = world / (tp x pp x cp) = {p.dp}: launch "
-             f"{p.gpus} ranks (torchrun --nproc-per-node ... pretrain_gpt.py FLAGS)"]
+             f"{p.gpus} ranks (torchrun --nproc-per-node ... pretrain_gpt.py FLAGS)",
+             "--vocab-size is what --tokenizer-type NullTokenizer reads; with a real tokenizer Megatron-LM takes "
+             "its size (padded to a multiple of 128 x tp) and the flag can go"]
     if p.tp * p.cp > 1 and p.zero < 2:
         notes.append("tp or cp > 1: validate_args requires CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell GPUs")
     if p.zero >= 2:
@@ -255,9 +258,12 @@ def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str
     if p.zero == 1:
         out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
                    "ZeRO-3; no key shards the optimizer state alone")
-    if p.zero == 0 and p.tp * p.pp * p.cp > 1:
-        out.append("ZeRO-0 with tp/pp/cp > 1: torchtitan's DDP runs only as the sole parallelism "
-                   "(parallelize.py: \"DDP has not supported > 1D parallelism\"; cp > 1 always shards with FSDP)")
+    if p.zero == 0 and p.dp > 1 and p.tp * p.pp * p.cp > 1:
+        out.append(f"ZeRO-0 (DDP) over dp={p.dp} with tp/pp/cp > 1: torchtitan's DDP runs only as the sole "
+                   f"parallelism (parallelize.py: \"DDP has not supported > 1D parallelism\")")
+    if p.zero == 0 and p.cp > 1:
+        out.append(f"ZeRO-0 with cp={p.cp}: torchtitan shards the parameters over the context-parallel ranks "
+                   f"with FSDP2 whenever cp > 1 (ParallelDims.fsdp_enabled)")
     if p.offload == "optimizer":
         out.append("offload optimizer: torchtitan's training.enable_cpu_offload moves parameters, gradients "
                    "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
@@ -273,69 +279,8 @@ def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str
         out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
     return out
 
-# section -> key -> type, read from torchtitan/config/job_config.py at v0.2.2 (73a0e697): a type
-# is a Python type, a tuple of Literal choices, or "list[str]". Only the sections emitted here.
-_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "PipelineScheduleSingle",
-              "PipelineScheduleMulti", "ZBVZeroBubble", "DualPipeV")  # torch.distributed.pipelining get_schedule_class
-TORCHTITAN_SCHEMA: dict[str, dict[str, Any]] = {
-    "job": {"config_file": str, "dump_folder": str, "description": str},
-    "model": {"name": str, "flavor": str, "hf_assets_path": str, "converters": "list[str]"},
-    "optimizer": {"name": str, "lr": float, "eps": float, "weight_decay": float,
-                  "implementation": ("for-loop", "foreach", "fused")},
-    "training": {"dataset": str, "local_batch_size": int, "global_batch_size": int, "seq_len": int,
-                 "max_norm": float, "steps": int, "enable_cpu_offload": bool, "dtype": ("bfloat16", "float32"),
-                 "mixed_precision_param": ("bfloat16", "float32"), "mixed_precision_reduce": ("float32",)},
-    "parallelism": {"data_parallel_replicate_degree": int, "data_parallel_shard_degree": int,
-                    "fsdp_reshard_after_forward": ("default", "always", "never"), "tensor_parallel_degree": int,
-                    "disable_loss_parallel": bool, "enable_async_tensor_parallel": bool,
-                    "pipeline_parallel_degree": int, "pipeline_parallel_layers_per_stage": int,
-                    "pipeline_parallel_schedule": _SCHEDULES, "pipeline_parallel_microbatch_size": int,
-                    "context_parallel_degree": int, "expert_parallel_degree": int,
-                    "expert_tensor_parallel_degree": int},
-    "activation_checkpoint": {"mode": ("selective", "full", "memory_budget", "none"), "selective_ac_option": str},
-    "quantize.linear.float8": {"enable_fsdp_float8_all_gather": bool, "precompute_float8_dynamic_scale_for_fsdp": bool,
-                               "recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
-                               "filter_fqns": "list[str]", "emulate": bool},
-}
 # torchtitan's registered Llama 3 flavors (torchtitan/models/llama3/__init__.py) for dtlib's presets
 _TORCHTITAN_FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
-
-
-def check_torchtitan(document: dict[str, Any]) -> None:
-    """Raise ValueError naming ``[section] key`` for a section, key or value type that
-    :data:`TORCHTITAN_SCHEMA` does not have (a TOML document as ``tomllib`` reads it, dotted
-    sections nested)."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, table: dict[str, Any]) -> None:
-        for key, value in table.items():
-            name = f"{prefix}.{key}" if prefix else key
-            if isinstance(value, dict):
-                walk(name, value)
-            else:
-                section, _, leaf = name.rpartition(".")
-                flat.setdefault(section, {})[leaf] = value
-
-    walk("", document)
-    for section, table in flat.items():
-        if section not in TORCHTITAN_SCHEMA:
-            raise ValueError(f"[{section}] is not a torchtitan section; valid: {', '.join(TORCHTITAN_SCHEMA)}")
-        for key, value in table.items():
-            kind = TORCHTITAN_SCHEMA[section].get(key)
-            if kind is None:
-                raise ValueError(f"[{section}] {key} is not a torchtitan key; valid: "
-                                 f"{', '.join(TORCHTITAN_SCHEMA[section])}")
-            if isinstance(kind, tuple):
-                ok = value in kind
-            elif kind == "list[str]":
-                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-            elif kind is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            else:
-                ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-            if not ok:
-                want = f"one of {kind}" if isinstance(kind, tuple) else getattr(kind, "__name__", kind)
-                raise ValueError(f"[{section}] {key} must be {want}, got {value!r}")
 
 
 def torchtitan_document(layout: Parallelism, model: TransformerConfig, global_batch: int,

@@ -129,7 +129,10 @@ def _step_parts(events: list[dict], main: Any, window: tuple[float, float]) -> d
 
 def _events(trace: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    step_events = sorted((e for e in events if e["name"] == "dtlib/step"), key=lambda e: e["ts"])
+    # on a GPU each record_function range is also drawn on the stream ("gpu_user_annotation":
+    # from its first kernel to its last); the step is the host's range, which waits for them
+    step_events = sorted((e for e in events if e["name"] == "dtlib/step" and e.get("cat") != "gpu_user_annotation"),
+                         key=lambda e: e["ts"])
     if not step_events:
         raise ValueError("no 'dtlib/step' range in the trace: nothing to break down")
     return events, step_events

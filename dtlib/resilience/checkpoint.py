@@ -63,7 +63,7 @@ from dtlib.analytic import validate
 from dtlib.resilience import chunks
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_steps", "latest_checkpoint", "read_manifest",
-           "verify_files", "check_model", "to_torch", "rng_state", "set_rng_state"]
+           "verify_files", "check_model", "to_torch", "rng_state", "set_rng_state", "file_sha256"]
 
 FORMAT = 2  # 2: tensors in their full shapes (1 stored them flattened)
 MANIFEST = "manifest.json"
@@ -139,7 +139,8 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -148,7 +149,7 @@ def _sha256(path: str) -> str:
 
 
 def _fingerprint(path: str) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
+    return {name: {"bytes": os.path.getsize(os.path.join(path, name)), "sha256": file_sha256(os.path.join(path, name))}
             for name in sorted(os.listdir(path)) if name != MANIFEST}
 
 
@@ -165,7 +166,7 @@ def verify_files(path: str, manifest: dict[str, Any] | None = None, checksums: b
         if size != want["bytes"]:
             raise CheckpointError(f"{file} is truncated or overwritten: {size} bytes, the manifest "
                                   f"says {want['bytes']}")
-        if checksums and _sha256(file) != want["sha256"]:
+        if checksums and file_sha256(file) != want["sha256"]:
             raise CheckpointError(f"{file} is corrupt: its sha256 differs from the manifest's")
 
 
@@ -332,10 +333,12 @@ class Checkpointer:
 
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, model: nn.Module, optimizer: Any = None, step: int | None = None,
-             owned: Callable[[str], bool] | None = None) -> dict[str, Any] | None:
+             owned: Callable[[str], bool] | None = None,
+             check: Callable[[dict[str, Any], str], None] | None = None) -> dict[str, Any] | None:
         """Load the newest complete checkpoint (or ``step``) into ``model``/``optimizer`` in place,
         on this layout whatever the saving one was; restore this rank's RNGs if the world size is
-        the same. ``owned`` as for :meth:`save`. Returns the manifest's ``step``,
+        the same. ``owned`` as for :meth:`save`; ``check(extra, path)`` runs before anything is
+        loaded (it raises to refuse the checkpoint). Returns the manifest's ``step``,
         ``data_position``, ``extra``, ``layout`` and ``world_size``, the ``path`` and
         ``rng_restored`` (None if there is no checkpoint yet)."""
         import torch.distributed.checkpoint as dcp
@@ -352,6 +355,8 @@ class Checkpointer:
         manifest = read_manifest(path)
         if self.verify:
             verify_files(path, manifest)
+        if check is not None:
+            check(manifest["extra"], path)
         spans, shapes = self._spans(model, owned)
         check_model(path, manifest, shapes, self._everyone(shapes))
         optim, optim_spans = (None, [])
