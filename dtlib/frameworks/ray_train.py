@@ -58,6 +58,7 @@ from typing import Any, Iterator
 
 from dtlib.analytic import validate
 from dtlib.trainer import TrainConfig, check_resume, train
+from dtlib.trainer.hooks import Hook
 
 __all__ = ["run_ray", "check_ray_config"]
 
@@ -116,7 +117,7 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
         if started:
             ray.init(num_cpus=config.world_size, object_store_memory=_OBJECT_STORE_BYTES,
                      include_dashboard=False)
-        attempts = ray.remote(num_cpus=0)(_AttemptCounter).remote()
+        attempts = _attempt_counter()
         trainer = TorchTrainer(
             _worker, train_loop_config={"config": asdict(config), "attempts": attempts, "timeout": timeout},
             torch_config=TorchConfig(backend="gloo", timeout_s=math.ceil(timeout)),
@@ -177,19 +178,24 @@ def _fit(trainer: Any, timeout: float) -> Any:
     return outcome["result"]
 
 
-class _AttemptCounter:
-    """Counts each rank's starts (a Ray actor, one per run): a rank's n-th start is attempt n - 1,
-    since Ray restarts the whole group and every rank starts once per attempt."""
+def _attempt_counter() -> Any:
+    """A Ray actor counting each rank's starts: a rank's n-th start is attempt n - 1, since Ray
+    restarts the whole group and every rank starts once per attempt. The class is defined here, not
+    at module level, so Ray ships it by value and its process imports neither dtlib nor torch."""
+    import ray
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
+    class AttemptCounter:
+        def __init__(self) -> None:
+            self.counts: dict[int, int] = {}
 
-    def start(self, rank: int) -> int:
-        self.counts[rank] = self.counts.get(rank, 0) + 1
-        return self.counts[rank] - 1
+        def start(self, rank: int) -> int:
+            self.counts[rank] = self.counts.get(rank, 0) + 1
+            return self.counts[rank] - 1
 
-    def starts(self) -> dict[int, int]:
-        return self.counts
+        def starts(self) -> dict[int, int]:
+            return self.counts
+
+    return ray.remote(num_cpus=0)(AttemptCounter).remote()
 
 
 def _worker(loop_config: dict[str, Any]) -> None:
@@ -229,18 +235,23 @@ def _worker(loop_config: dict[str, Any]) -> None:
                     json.dump(summary, f)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-    def on_checkpoint(step: int, loss: float) -> None:
-        nonlocal saved
-        saved = step
-        report({"step": step, "loss": loss})
-        if rank == 0:
-            # Ray's controller registers a report when it next polls the workers; a worker dying
-            # before that loses it. Wait until it is committed, so a restart after this step
-            # resumes from it (as dtlib's own save returns once the checkpoint is published).
-            ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED,
-                                                   timeout_s=timeout)
+    class ReportSaves(Hook):
+        """After the step dtlib's checkpoint hook saved (the same condition), report it to Ray."""
 
-    summary = train(rank, world_size, config, on_checkpoint=on_checkpoint)
+        def after_step(self, run: Any, loss: float, seconds: float) -> None:
+            nonlocal saved
+            if not config.checkpoint_every or run.step_count % config.checkpoint_every:
+                return
+            saved = run.step_count
+            report({"step": saved, "loss": loss})
+            if rank == 0:
+                # Ray's controller registers a report when it next polls the workers; a worker dying
+                # before that loses it. Wait until it is committed, so a restart after this step
+                # resumes from it (as dtlib's own save returns once the checkpoint is published).
+                ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED,
+                                                       timeout_s=timeout)
+
+    summary = train(rank, world_size, config, extra_hooks=[ReportSaves()])
     if rank != 0:
         report({"step": config.steps})
         return
