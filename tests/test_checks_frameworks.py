@@ -202,7 +202,8 @@ def test_an_answer_that_raises_is_reported():
 # What the solutions write; a hint that contains one gives the answer away.
 GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 2", "= 2 x 2 x 2",
              "'gradient_clipping': 0", "gradient_clipping to 0", "None, 'model'", "'model', None",
-             "['fsdp', 'model']", "['model', 'fsdp']", "dim 1", "dim 0"]
+             "qkv': ['fsdp', 'model']", "up': ['fsdp', 'model']", "out': ['model', 'fsdp']",
+             "down': ['model', 'fsdp']", "('fsdp', 'model')", "dim 1", "dim 0"]
 
 
 def test_each_mistake_has_its_own_hint_and_none_gives_the_answer_away():
