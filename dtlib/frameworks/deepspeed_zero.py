@@ -124,9 +124,9 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
     """Refuse ``ds_config`` for ``world_size`` ranks with one line naming the key and the valid
     range, before any process starts: DeepSpeed's batch rule (``train_batch_size`` =
     ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x ``world_size``), ZeRO
-    stage 0-3, optimizer offload only with stage >= 1 (DeepSpeed's ZeRO-Offload), an optimizer
-    :func:`reference_run` can mirror, and keys DeepSpeed does not read (it ignores them silently,
-    so a typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
+    stage 0-3, optimizer offload only with stage >= 1 (DeepSpeed's ZeRO-Offload) and one of
+    DeepSpeed's CPU optimizers, and keys DeepSpeed does not read (it ignores them silently, so a
+    typo such as ``gradient_cliping`` would leave its default in force). Then DeepSpeed's own
     ``DeepSpeedConfig`` runs, and its error (an assertion or pydantic's) becomes one line."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -149,6 +149,11 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
         if device != "none" and stage < lowest:
             raise ValueError(f"zero_optimization.{what} needs zero_optimization.stage >= {lowest}, got stage {stage}")
     optimizer = _section(ds_config, "optimizer")
+    for section in ("optimizer", "scheduler"):  # DeepSpeed reads their "type" and "params" only
+        extra = sorted(set(_section(ds_config, section)) - {"type", "params", "legacy_fusion"})
+        if extra:
+            raise ValueError(f"{section}.{extra[0]} is not a key DeepSpeed reads (it would be ignored "
+                             f"silently); {section} takes 'type' and 'params'")
     if (_offloaded(ds_config) and "type" in optimizer and optimizer["type"] not in CPU_OPTIMIZERS
             and ds_config.get("zero_force_ds_cpu_optimizer", True)):
         raise ValueError(f"optimizer.type must be one of {', '.join(CPU_OPTIMIZERS)} with "
@@ -166,16 +171,16 @@ def validate_deepspeed_config(ds_config: dict, world_size: int) -> None:
 
 
 # pydantic models of DeepSpeed's config sections -> the key a user writes
-_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
-             "DeepSpeedBF16Config": "bf16", "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
-             "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
+# ("" where pydantic's location already starts with the key, as for the monitors)
+_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16",
+             "DeepSpeedMonitorConfig": ""}
 
 
 def _one_line(exc: Exception) -> str:
     """DeepSpeed's refusal in one line: pydantic's first error as ``key.path: message (got value)``."""
     if hasattr(exc, "errors") and hasattr(exc, "title"):
         error = exc.errors()[0]
-        where = ".".join([_SECTIONS.get(exc.title, exc.title), *map(str, error["loc"])])
+        where = ".".join(p for p in [_SECTIONS.get(exc.title, exc.title), *map(str, error["loc"])] if p)
         return f"{where}: {error['msg']} (got {error.get('input')!r})"
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
@@ -242,7 +247,7 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _global_mean(value: float) -> float:
-    t = torch.tensor([value / dist.get_world_size()], dtype=torch.float64)
+    t = torch.tensor([value / dist.get_world_size()], dtype=torch.float64, device=get_device())
     dist.all_reduce(t)
     return t.item()
 
@@ -264,12 +269,13 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _held_bytes(engine: Any, gradients: tuple[int, int]) -> dict[str, int]:
+def _held_bytes(engine: Any, gradients: dict[str, int]) -> dict[str, int]:
     """What this rank holds, read from DeepSpeed's objects: ``parameters`` (the working copy the
     model computes with: all of it below stage 3, this rank's partition and the persistent small
-    parameters at stage 3), ``master`` (the fp32 partition ZeRO keeps for the optimizer, even when
-    training in fp32), ``optimizer_states`` (its state tensors), ``optimizer`` (the two: what ZeRO-1
-    shards) and ``offloaded`` (the optimizer bytes DeepSpeed placed on the CPU)."""
+    parameters at stage 3), the ``gradients`` entries of :func:`_gradient_bytes`, ``master`` (the
+    fp32 partition ZeRO keeps for the optimizer, even when training in fp32), ``optimizer_states``
+    (its state tensors), ``optimizer`` (the two: what ZeRO-1 shards) and ``offloaded`` (the
+    optimizer and gradient bytes DeepSpeed keeps on the CPU with ``offload_optimizer``)."""
     opt = engine.optimizer
     model_params = list(engine.module.parameters())
     stage = engine.zero_optimization_stage()
@@ -284,10 +290,15 @@ def _held_bytes(engine: Any, gradients: tuple[int, int]) -> dict[str, int]:
         parameters = _nbytes(opt.fp16_partitioned_groups_flat) + _nbytes(persistent)
         master = _nbytes(opt.fp32_partitioned_groups_flat)
         states = optimizer_state_bytes(opt.optimizer)["optimizer"]
-    offloaded = master + states if getattr(opt, "cpu_offload", False) else 0
-    return {"parameters": parameters, "gradients": gradients[0], "gradient_buffers": gradients[1],
-            "optimizer": master + states,
-            "master": master, "optimizer_states": states, "offloaded": offloaded}
+    offloaded = master + states + gradients["offloaded_gradients"] if _offloading(opt) else 0
+    return {"parameters": parameters, **gradients, "optimizer": master + states, "master": master,
+            "optimizer_states": states, "offloaded": offloaded}
+
+
+def _offloading(opt: Any) -> bool:
+    """Whether DeepSpeed's ZeRO optimizer keeps its state on the CPU (ZeRO-1/2 call it
+    ``cpu_offload``, ZeRO-3 ``offload_optimizer``)."""
+    return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
 
 
 def _distinct_bytes(tensors: Any) -> int:
@@ -300,26 +311,31 @@ def _distinct_bytes(tensors: Any) -> int:
     return sum(storages.values())
 
 
-def _gradient_bytes(engine: Any) -> tuple[int, int]:
-    """Gradient bytes this rank holds right after a backward: ``(gradients, buffers)``. Gradients:
-    the parameters' ``.grad`` and ZeRO's gradient partitions (stage 1-2: ``averaged_gradients``,
+def _gradient_bytes(engine: Any) -> dict[str, int]:
+    """Gradient bytes this rank holds right after a backward. ``gradients``: the parameters'
+    ``.grad`` and ZeRO's gradient partitions (stage 1-2: ``averaged_gradients``,
     ``all_grad_tensors``, ``grads_in_partition``; stage 3: ``grad_partitions_flat_buffer``).
-    Buffers: stage 1-2's contiguous bucket a backward copies gradients into before reducing them."""
+    ``offloaded_gradients`` (with offload): the reduced partition as the fp32 master's ``.grad`` on
+    the CPU, and at stage 1-2 its accumulator across micro-batches (``accumulated_grads_in_cpu``).
+    ``gradient_buffers``: stage 1-2's contiguous bucket a backward copies gradients into."""
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
     tensors = [p.grad for p in engine.module.parameters()]
-    buffers: list = []
+    offloaded, buffers = [], []
     if stage in (1, 2):
         for group in (opt.averaged_gradients, getattr(opt, "all_grad_tensors", {})):
             tensors += [g for part in group.values() for g in (part or [])]
         tensors.append(getattr(opt, "grads_in_partition", None))
-        # with optimizer offload the reduced partition goes to the fp32 master's .grad on the CPU
-        tensors += [p.grad for p in opt.single_partition_of_fp32_groups]
-        tensors += list(getattr(opt, "accumulated_grads_in_cpu", {}).values())
+        if _offloading(opt):
+            offloaded = [p.grad for p in opt.single_partition_of_fp32_groups]
+            offloaded += list(getattr(opt, "accumulated_grads_in_cpu", {}).values())
         buffers = [b for bucket in opt.ipg_buckets.values() for b in bucket.buffer]
     if stage == 3:
         tensors.append(opt.grad_partitions_flat_buffer)
-    return _distinct_bytes(tensors), _distinct_bytes(buffers)
+        if _offloading(opt):
+            offloaded = [p.grad for p in opt.fp32_partitioned_groups_flat]
+    return {"gradients": _distinct_bytes(tensors), "offloaded_gradients": _distinct_bytes(offloaded),
+            "gradient_buffers": _distinct_bytes(buffers)}
 
 
 def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: int) -> dict[str, Any]:
@@ -331,7 +347,7 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
                                            config=copy.deepcopy(ds_config))
     batches = _micro_batches(ds_config, world_size, rank, steps, seed)
     counter = CollectiveCounter()
-    losses, gradients = [], (0, 0)
+    losses, gradients = [], dict.fromkeys(("gradients", "offloaded_gradients", "gradient_buffers"), 0)
     for step, micro in enumerate(batches):
         local = 0.0
         for i, tokens in enumerate(micro):
@@ -339,7 +355,7 @@ def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, see
                 loss = _loss(engine, tokens.to(engine.device))
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
                 if step == steps - 1:  # the most held after any backward of the last step
-                    gradients = tuple(map(max, gradients, _gradient_bytes(engine)))
+                    gradients = {k: max(v, gradients[k]) for k, v in _gradient_bytes(engine).items()}
                 engine.step()  # an optimizer step at the accumulation boundary only
             local += loss.item() / len(micro)
         losses.append(_global_mean(local))
@@ -390,11 +406,15 @@ def run_deepspeed(ds_config: dict, world_size: int = 2, steps: int = 3, *, seed:
     ``timeout`` (seconds) bounds the ranks; an op they need (CPU Adam with offload) is compiled
     or loaded before they start (:func:`_build_ops`). ``collectives``: calls per rank over the ``steps``
     steps (forward, backward, optimizer step), as the c10d layer saw them."""
+    shims = _cpu_shims()  # before DeepSpeed picks its accelerator (validation imports it)
     validate_deepspeed_config(ds_config, world_size)
     _check_runnable(ds_config)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    shims = _cpu_shims()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < world_size:  # DeepSpeed's CUDA accelerator puts rank r on cuda:r
+        raise ValueError(f"world_size must be <= {gpus}, the GPUs visible (DeepSpeed's CUDA accelerator "
+                         f"needs one per rank), got {world_size}")
     # imported once here and inherited by the forked ranks: ZeRO's optimizer check imports
     # DeepSpeed's Muon, whose torch.compile decorators import inductor (~9 s on 2 cores, per rank)
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
@@ -538,7 +558,6 @@ def memory_estimates(ds_config: dict, world_size: int = 2, measured: FrameworkRu
                       "temporary": b.temporary, "gpu": b.model_states + b.temporary, "cpu": b.cpu}
     if measured is not None:
         worst = {k: max(m[k] for m in measured.memory) for k in measured.memory[0]}
-        on_cpu = worst["offloaded"]
-        rows["measured"] = {**worst, "gpu": worst["parameters"] + worst["gradients"] + worst["optimizer"] - on_cpu,
-                            "cpu": on_cpu}
+        on_gpu = worst["parameters"] + worst["gradients"] + (0 if offload else worst["optimizer"])
+        rows["measured"] = {**worst, "gpu": on_gpu, "cpu": worst["offloaded"]}
     return rows
