@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import precision
-from dtlib.experiments.shrunk_layout import TINY
+from dtlib.trainer.shrink import TINY
 from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.launcher import get_device, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
