@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.precision import precision
-from dtlib.experiments.shrunk_layout import TINY
+from dtlib.trainer.shrink import TINY
 from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.launcher import get_device, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
@@ -247,7 +247,7 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _global_mean(value: float) -> float:
-    t = torch.tensor([value / dist.get_world_size()], dtype=torch.float64)
+    t = torch.tensor([value / dist.get_world_size()], dtype=torch.float64, device=get_device())
     dist.all_reduce(t)
     return t.item()
 
@@ -290,9 +290,15 @@ def _held_bytes(engine: Any, gradients: dict[str, int]) -> dict[str, int]:
         parameters = _nbytes(opt.fp16_partitioned_groups_flat) + _nbytes(persistent)
         master = _nbytes(opt.fp32_partitioned_groups_flat)
         states = optimizer_state_bytes(opt.optimizer)["optimizer"]
-    offloaded = master + states + gradients["offloaded_gradients"] if getattr(opt, "cpu_offload", False) else 0
+    offloaded = master + states + gradients["offloaded_gradients"] if _offloading(opt) else 0
     return {"parameters": parameters, **gradients, "optimizer": master + states, "master": master,
             "optimizer_states": states, "offloaded": offloaded}
+
+
+def _offloading(opt: Any) -> bool:
+    """Whether DeepSpeed's ZeRO optimizer keeps its state on the CPU (ZeRO-1/2 call it
+    ``cpu_offload``, ZeRO-3 ``offload_optimizer``)."""
+    return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
 
 
 def _distinct_bytes(tensors: Any) -> int:
@@ -309,8 +315,8 @@ def _gradient_bytes(engine: Any) -> dict[str, int]:
     """Gradient bytes this rank holds right after a backward. ``gradients``: the parameters'
     ``.grad`` and ZeRO's gradient partitions (stage 1-2: ``averaged_gradients``,
     ``all_grad_tensors``, ``grads_in_partition``; stage 3: ``grad_partitions_flat_buffer``).
-    ``offloaded_gradients`` (stage 1-2 with offload): the reduced partition, as the fp32 master's
-    ``.grad``, and its accumulator across micro-batches (``accumulated_grads_in_cpu``), on the CPU.
+    ``offloaded_gradients`` (with offload): the reduced partition as the fp32 master's ``.grad`` on
+    the CPU, and at stage 1-2 its accumulator across micro-batches (``accumulated_grads_in_cpu``).
     ``gradient_buffers``: stage 1-2's contiguous bucket a backward copies gradients into."""
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
@@ -320,11 +326,14 @@ def _gradient_bytes(engine: Any) -> dict[str, int]:
         for group in (opt.averaged_gradients, getattr(opt, "all_grad_tensors", {})):
             tensors += [g for part in group.values() for g in (part or [])]
         tensors.append(getattr(opt, "grads_in_partition", None))
-        offloaded = [p.grad for p in opt.single_partition_of_fp32_groups]
-        offloaded += list(getattr(opt, "accumulated_grads_in_cpu", {}).values())
+        if _offloading(opt):
+            offloaded = [p.grad for p in opt.single_partition_of_fp32_groups]
+            offloaded += list(getattr(opt, "accumulated_grads_in_cpu", {}).values())
         buffers = [b for bucket in opt.ipg_buckets.values() for b in bucket.buffer]
     if stage == 3:
         tensors.append(opt.grad_partitions_flat_buffer)
+        if _offloading(opt):
+            offloaded = [p.grad for p in opt.fp32_partitioned_groups_flat]
     return {"gradients": _distinct_bytes(tensors), "offloaded_gradients": _distinct_bytes(offloaded),
             "gradient_buffers": _distinct_bytes(buffers)}
 

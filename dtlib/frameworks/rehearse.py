@@ -76,7 +76,7 @@ def _check_framework(framework: str) -> None:
 
 def shrink_for(framework: str, layout: Parallelism) -> tuple[Parallelism, TransformerConfig, list[str]]:
     """The layout ``framework``'s runner runs here, the runner's model, and one line per change."""
-    from dtlib.experiments.shrunk_layout import shrink_layout
+    from dtlib.trainer.shrink import shrink_layout
 
     _check_framework(framework)
     keeps, why = RUNS[framework]
