@@ -81,9 +81,12 @@ def plot_framework_memory(measured: Mapping[str, Sequence[Mapping[str, float]]],
     """Model-state bytes each rank of each framework held (stacked parameters / gradients /
     optimizer, one bar per rank) and the prediction of :func:`dtlib.analytic.memory.memory_per_gpu`
     for the same layout (dashed)."""
-    return plot_stage_costs({name: [{p: d.get(p, 0) for p in _STATES} for d in ranks]
+    def label(name: str) -> str:  # framework over layout, so that neighbouring groups' labels never touch
+        return name.replace(" ", "\n", 1)
+
+    return plot_stage_costs({label(name): [{p: d.get(p, 0) for p in _STATES} for d in ranks]
                              for name, ranks in measured.items()},
-                            predicted={name: {p: d.get(p, 0) for p in _STATES} for name, d in predicted.items()},
+                            predicted={label(name): {p: d.get(p, 0) for p in _STATES} for name, d in predicted.items()},
                             title=title or "model states per rank: measured (bars) vs dtlib.analytic.memory (dashed)")
 
 
