@@ -51,7 +51,7 @@ def plot_framework_losses(losses: Mapping[str, Sequence[float]], references: Map
     on a log axis: equal to one process shows as bars near fp32 rounding (about 1e-7)."""
     if not losses:
         raise ValueError("nothing to plot: losses is empty")
-    fig = Figure(figsize=(11.0, 3.6))
+    fig = Figure(figsize=(12.0, 3.8))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
     markers = "os^vDP*X"
     for i, (name, ys) in enumerate(losses.items()):
@@ -67,7 +67,7 @@ def plot_framework_losses(losses: Mapping[str, Sequence[float]], references: Map
     left.tick_params(labelsize=SMALL_FONT)
     left.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     left.set_title("each run on its one-process run", fontsize=FONT)
-    _log_bars(right, {name: {"loss": d.get("loss", 0.0), "parameters": d.get("parameters", 0.0)}
+    _log_bars(right, {_two_lines(name): {"loss": d.get("loss", 0.0), "parameters": d.get("parameters", 0.0)}
                       for name, d in diffs.items()}, "largest |difference| from one process")
     right.set_title("how far from one process", fontsize=FONT)
     if title:
@@ -81,12 +81,9 @@ def plot_framework_memory(measured: Mapping[str, Sequence[Mapping[str, float]]],
     """Model-state bytes each rank of each framework held (stacked parameters / gradients /
     optimizer, one bar per rank) and the prediction of :func:`dtlib.analytic.memory.memory_per_gpu`
     for the same layout (dashed)."""
-    def label(name: str) -> str:  # framework over layout, so that neighbouring groups' labels never touch
-        return name.replace(" ", "\n", 1)
-
-    return plot_stage_costs({label(name): [{p: d.get(p, 0) for p in _STATES} for d in ranks]
+    return plot_stage_costs({_two_lines(name): [{p: d.get(p, 0) for p in _STATES} for d in ranks]
                              for name, ranks in measured.items()},
-                            predicted={label(name): {p: d.get(p, 0) for p in _STATES} for name, d in predicted.items()},
+                            predicted={_two_lines(name): {p: d.get(p, 0) for p in _STATES} for name, d in predicted.items()},
                             title=title or "model states per rank: measured (bars) vs dtlib.analytic.memory (dashed)")
 
 
@@ -159,6 +156,11 @@ def plot_emitted(predicted: Mapping[str, float], texts: Mapping[str, str],
         fig.suptitle(title, fontsize=FONT + 1)
     fig.subplots_adjust(left=0.06, right=0.99, top=0.86, bottom=0.2, wspace=0.35)
     return fig
+
+
+def _two_lines(name: str) -> str:
+    """``"DeepSpeed ZeRO-2"`` as framework over layout, so that neighbouring labels never touch."""
+    return name.replace(" ", "\n", 1)
 
 
 def _wrap(text: str, width: int) -> list[str]:
