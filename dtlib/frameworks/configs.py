@@ -4,7 +4,7 @@ A config that a framework refuses at launch is a wasted cluster reservation; the
 framework's own validation here, on CPU, before anyone pays:
 
 * DeepSpeed: its ``DeepSpeedConfig`` (batch arithmetic, ZeRO and offload keys), through
-  :func:`dtlib.frameworks.deepspeed_zero.validate_deepspeed_config`;
+  :func:`dtlib.frameworks.deepspeed_config.validate_deepspeed_config`;
 * Megatron: Megatron-Core's ``TransformerConfig``/``ModelParallelConfig`` built from the flags,
   through :func:`dtlib.frameworks.megatron_flags.megatron_configs` (Megatron-LM's launch rules in
   ``parse_megatron_flags``), then the model flags on those configs;
@@ -30,7 +30,7 @@ __all__ = ["check_deepspeed", "check_megatron", "check_torchtitan_toml", "check_
 
 def check_deepspeed(config: dict[str, Any], world_size: int) -> Any:
     """DeepSpeed's own ``DeepSpeedConfig`` of ``config`` on ``world_size`` data-parallel ranks."""
-    from dtlib.frameworks.deepspeed_zero import validate_deepspeed_config
+    from dtlib.frameworks.deepspeed_config import validate_deepspeed_config
 
     return validate_deepspeed_config(config, world_size)
 
