@@ -10,7 +10,8 @@ severity comes from it.
 * ``bubble``: pipeline stages waiting for their neighbours, mean over ranks;
 * ``straggler``: the slowest rank's busy time (step minus exposed communication and bubble)
   above the median of the others', when it is more than ``straggler_skew`` above it;
-* ``launch``: host gaps between operators inside forward/backward (launch-bound small kernels);
+* ``launch``: host gaps between operators inside forward/backward on the rank with the fewest
+  (the host, not the device, sets the pace: Python and operator dispatch between small kernels);
 * ``recompute``: compute x (HFU - MFU) / HFU, when HFU / MFU exceeds ``recompute_ratio``.
 
 MFU = model FLOPs / (step time x peak), HFU = hardware FLOPs / (step time x peak) per rank
@@ -132,9 +133,12 @@ def diagnose(profile: dict[str, Any], thresholds: Thresholds = Thresholds()) -> 
     bubble = mean_of("bubble")
     candidates.append(("bubble", bubble, f"stages wait for their neighbours {_ms(bubble)} per "
                                          f"step, {_pct(bubble / step)} (pipeline bubble)"))
-    gaps, compute = mean_of("host_gaps"), mean_of("compute")
-    candidates.append(("launch", gaps, f"host gaps between operators {_ms(gaps)} per step "
-                                       f"against {_ms(compute)} of operators"))
+    # the rank with the fewest gaps: a straggler's own sleep inside forward is idle time too, and
+    # it is the straggler's (counted below), not every rank's launch overhead
+    gaps = per_step(lambda i: min(steps[k][i]["host_gaps"] for k in ranks))
+    compute = mean_of("compute")
+    candidates.append(("launch", gaps, f"host gaps between operators {_ms(gaps)} per step even on "
+                                       f"the rank with the fewest, against {_ms(compute)} of operators"))
     if len(ranks) > 1:
         def busy(k: Any, i: int) -> float:
             s = steps[k][i]
