@@ -98,3 +98,12 @@ def test_widget_defaults_match_the_lessons_numbers():
     from dtlib.widgets.local_sgd import diloco_explorer
 
     assert diloco_explorer().controls["bandwidth_mb_s"].value * 1e6 == Run().bandwidth
+
+
+def test_checkpoint_widget_opens_on_the_lessons_mtbf():
+    """Lesson 08 prints Llama 3's per-GPU MTBF (a failure every 3.09 h at 16,384 GPUs); the widget
+    opened on it rounded (3.06 h)."""
+    from dtlib.analytic.reliability import LLAMA3_GPU_MTBF_HOURS
+    from dtlib.widgets.resilience import checkpoint_interval_explorer
+
+    assert checkpoint_interval_explorer().controls["gpu_mtbf_hours"].value == LLAMA3_GPU_MTBF_HOURS
