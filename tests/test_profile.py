@@ -349,6 +349,7 @@ def test_dtlib_train_profile_writes_traces_and_the_summary(tmp_path, capsys):
     assert {"kind", "severity", "evidence", "fix"} <= set(out["findings"][0])
     assert out["findings"][0]["kind"] == "bubble"  # GPipe, 2 stages, 1 micro-batch: (p-1)/(m+p-1) = 1/2
     assert 0 < out["mfu"] <= 1
+    assert out["hfu"] >= out["mfu"] * (1 - 1e-9)  # lesson 12's profiles come from here
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.json", "rank1.json"]
     assert read_dir(str(trace_dir))["breakdown"][1]["bubble"] == out["breakdown"]["1"]["bubble"]
     assert main(["train", "--steps", "1", "--profile", str(trace_dir)]) == 2
