@@ -73,24 +73,28 @@ class Finding:
 def summarize(ranks: Sequence[dict[str, Any]], peak: "Accelerator | None" = None) -> dict[str, Any]:
     """Combine the ranks' parsed profiles (:func:`~dtlib.profile.breakdown.parse_trace`) into the
     job's profile: ``breakdown`` {rank: {part: seconds}}, ``step_time`` (slowest rank), MFU/HFU
-    (mean over ranks of each rank's own FLOPs and peak), achieved model FLOP/s per rank and
+    (the ranks' FLOPs summed over the step time x their peaks summed), achieved model FLOP/s per rank and
     ``tokens_per_second`` (the ranks' ``tokens`` per step over the step; None if none given)."""
     if not ranks:
         raise ValueError("no rank profiles to summarise")
     by_rank = {r["rank"]: r for r in sorted(ranks, key=lambda r: r["rank"])}
     step_time = max(r["breakdown"]["step"] for r in by_rank.values())
-    mfu, hfu, achieved = [], [], []
+    # the job's MFU/HFU: all ranks' FLOPs over all ranks' peak capacity in the step. (A mean of
+    # per-rank ratios weighs each rank by its own measured peak: with uneven pipeline stages it
+    # could put HFU below MFU although the ranks ran every model FLOP.)
+    capacity, model, hardware, achieved = 0.0, 0.0, 0.0, []
     for r in by_rank.values():
         own_peak = peak if peak is not None else r["peak_flops"]
         acc = own_peak if isinstance(own_peak, Accelerator) else _flat_peak(own_peak, r["dtype"])
-        mfu.append(utilization(r["flops"]["model"], step_time, 1, acc, r["dtype"]))
-        hfu.append(utilization(r["flops"]["hardware"], step_time, 1, acc, r["dtype"]))
+        capacity += 1.0 / utilization(1.0, step_time, 1, acc, r["dtype"])  # step_time x this rank's peak
+        model += r["flops"]["model"]
+        hardware += r["flops"]["hardware"]
         achieved.append(r["flops"]["model"] / step_time)
     return {"breakdown": {k: {p: r["breakdown"][p] for p in (*PARTS, "overlapped_comm", "host_gaps", "step")}
                           for k, r in by_rank.items()},
             "steps": {k: r["steps"] for k, r in by_rank.items()},
             "wall": {k: r["wall"] for k, r in by_rank.items()},
-            "step_time": step_time, "mfu": mean(mfu), "hfu": mean(hfu),
+            "step_time": step_time, "mfu": model / capacity, "hfu": hardware / capacity,
             "achieved_flops_per_rank": mean(achieved),
             "tokens_per_second": sum(r.get("tokens") or 0 for r in by_rank.values()) / step_time or None,
             "flops": {k: r["flops"] for k, r in by_rank.items()}}
