@@ -15,7 +15,7 @@ with a few-GPU "smoke test" of their config before the full job.
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, Sequence
 
 from dtlib.analytic.layout import Parallelism
 from dtlib.experiments.parallel3d import compare_with_single_process
@@ -55,10 +55,11 @@ def train_command(config: TrainConfig) -> str:
     return " ".join(words)
 
 
-def train_shrunk(layout: Parallelism, max_ranks: int = 8, timeout: float = 120.0) -> dict[str, Any]:
+def train_shrunk(layout: Parallelism, max_ranks: int = 8, timeout: float = 120.0,
+                 drop_order: Sequence[str] = DROP_ORDER) -> dict[str, Any]:
     """Shrink ``layout`` (:func:`shrink_layout`), train it on its ranks and on one process
     (:func:`~dtlib.experiments.parallel3d.compare_with_single_process`). Returns the comparison
     plus ``config``, ``lines`` and ``command``."""
-    config, lines = shrink_layout(layout, max_ranks)
+    config, lines = shrink_layout(layout, max_ranks, drop_order)
     return {"config": config, "lines": lines, "command": train_command(config),
             **compare_with_single_process(config, timeout=timeout)}

@@ -13,6 +13,7 @@ each change with the trainer's own one-line reason.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from dtlib.analytic import validate
 from dtlib.analytic.layout import Parallelism
@@ -57,11 +58,17 @@ def _relax(config: TrainConfig, lines: list[str]) -> TrainConfig:
     return accepted
 
 
-def shrink_layout(layout: Parallelism, max_ranks: int = 8) -> tuple[TrainConfig, list[str]]:
+def shrink_layout(layout: Parallelism, max_ranks: int = 8,
+                  drop_order: Sequence[str] = DROP_ORDER) -> tuple[TrainConfig, list[str]]:
     """``layout`` (e.g. ``dtlib.plan.search.to_layout`` of the planner's best) as a
     :class:`TrainConfig` of :data:`TINY` on at most ``max_ranks`` ranks, and one line per change
-    saying why. The result always passes :meth:`TrainConfig.check` (see the module docstring)."""
+    saying why. The result always passes :meth:`TrainConfig.check` (see the module docstring).
+    ``drop_order``: which dimensions give way first when the sizes need more than ``max_ranks``
+    (a permutation of :data:`DIMENSIONS`; e.g. ``("dp", "pp", "tp", "cp")`` rehearses a layout with
+    all four dimensions as tp x pp x cp = 8 ranks, keeping context parallelism)."""
     validate.integer("max_ranks", max_ranks)
+    if sorted(drop_order) != sorted(DIMENSIONS):
+        raise ValueError(f"drop_order must be an ordering of {DIMENSIONS}, got {tuple(drop_order)!r}")
     lines = []
     sizes = {}
     for d in DIMENSIONS:
@@ -69,13 +76,13 @@ def shrink_layout(layout: Parallelism, max_ranks: int = 8) -> tuple[TrainConfig,
         sizes[d] = min(planned, SIZE)
         if planned > SIZE:
             lines.append(f"{d} {planned} -> {SIZE}: the smallest size that still splits (same collectives, fewer ranks)")
-    for d in DROP_ORDER:
+    for d in drop_order:
         world = math.prod(sizes.values())
         if world <= max_ranks:
             break
         if sizes[d] > 1:
             lines.append(f"{d} {sizes[d]} -> 1: dp x tp x pp x cp = {world} > {max_ranks} ranks "
-                         f"(dropped in the order {', '.join(DROP_ORDER)})")
+                         f"(dropped in the order {', '.join(drop_order)})")
             sizes[d] = 1
     if layout.ep > 1:
         lines.append(f"ep {layout.ep} -> 1: the shrunk TinyGPT is dense (the trainer composes MoE with dp only; "
