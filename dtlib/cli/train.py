@@ -1,6 +1,6 @@
 """``dtlib train``: the flags of :class:`dtlib.trainer.TrainConfig`, and how the ranks start --
-launched here (:func:`dtlib.trainer.run`) or joined under torchrun
-(``torchrun ... -m dtlib train ...``)."""
+launched here (:func:`dtlib.trainer.run`), joined under torchrun (``torchrun ... -m dtlib train ...``)
+or run as a Ray Train job (``--launcher ray``, :func:`dtlib.frameworks.ray_train.run_ray`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,9 @@ from dtlib.cli.args import non_negative_float, non_negative_int, positive_float,
 if TYPE_CHECKING:
     from dtlib.trainer import TrainConfig
 
-__all__ = ["add_train_command", "run_train", "config_from_args", "summary_text"]
+__all__ = ["add_train_command", "run_train", "config_from_args", "summary_text", "LAUNCHERS"]
+
+LAUNCHERS = ("local", "torchrun", "ray")
 
 
 _TRAIN_DESCRIPTION = """Train TinyGPT on the bundled text (byte tokens) on a rank grid of dp x tp x pp x cp ranks.
@@ -25,6 +27,9 @@ Started three ways with the same code: this command launches the ranks itself (g
 with one GPU per rank); under torchrun it joins them (env:// rendezvous):
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr node0 -m dtlib train --dp 2 --tp 4
 and from Python: dtlib.launch(dtlib.trainer.train, n, args=(TrainConfig(...),)).
+--launcher ray runs the same ranks as Ray Train workers (TorchTrainer, gloo); with --max-failures
+Ray restarts the group after a worker dies, from the last --checkpoint-every save:
+  dtlib train --launcher ray --dp 2 --checkpoint-dir ckpt --checkpoint-every 2 --max-failures 1 --json
 --json prints one JSON object on stdout and nothing else (rank messages go to stderr): steps,
 losses, tokens_per_s, mfu, layout, peak_memory_bytes, params_sha256 (SHA-256 of the full
 parameters, names sorted, float32 little-endian).
@@ -137,6 +142,12 @@ def add_train_command(sub: Any) -> None:
                    help="checkpoints as deltas against the last full one (same layout to resume; --zero 0)")
     g.add_argument("--full-every", type=positive_int, default=4, help="with --incremental: every Nth save is full")
     g = p.add_argument_group("launch")
+    g.add_argument("--launcher", choices=LAUNCHERS,
+                   help="local: dtlib.launch starts the ranks here; torchrun: join torchrun's ranks "
+                        "(torchrun ... -m dtlib train); ray: a Ray Train TorchTrainer job, restarted from "
+                        "the last checkpoint by --max-failures (default: torchrun under torchrun, else local)")
+    g.add_argument("--max-failures", type=non_negative_int,
+                   help="with --launcher ray: worker-group restarts Ray may do (FailureConfig; default 0)")
     g.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     g.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a hung run is stopped")
     g.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
@@ -148,7 +159,9 @@ def run_train(args: argparse.Namespace) -> int:
     from dtlib import trainer
     from dtlib.launcher import run_from_env, under_torchrun
 
-    env_world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    launcher = args.launcher or ("torchrun" if under_torchrun() else "local")
+    _check_launcher(launcher, args, under_torchrun())
+    env_world = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else None
     if args.dp is None:
         model_parallel = args.tp * args.pp * args.cp
         args.dp = 1 if env_world is None else max(env_world // model_parallel, 1)
@@ -167,7 +180,11 @@ def run_train(args: argparse.Namespace) -> int:
         args.num_microbatches = 1
     config = config_from_args(args).check(env_world)
     trainer.check_resume(config)
-    if env_world is None:
+    if launcher == "ray":
+        ray_train = _import_ray_train()
+        with contextlib.redirect_stdout(sys.stderr):  # Ray's forwarded worker and raylet lines
+            summary = ray_train.run_ray(config, max_failures=args.max_failures or 0, timeout=args.timeout)
+    elif launcher == "local":
         # rank 0's output (resume line, drills, alerts, progress: all meant for stderr) reaches this
         # process through the launcher, which writes it to sys.stdout: stdout is the summary's alone
         with contextlib.redirect_stdout(sys.stderr):
@@ -178,6 +195,33 @@ def run_train(args: argparse.Namespace) -> int:
     if "losses" in summary:
         print(summary_text(summary, args.json))
     return 0
+
+
+def _check_launcher(launcher: str, args: argparse.Namespace, in_torchrun: bool) -> None:
+    """Refuse, by flag, what the chosen launcher cannot do (before anything starts)."""
+    if in_torchrun and launcher != "torchrun":
+        raise ValueError(f"--launcher {launcher} under torchrun would start ranks inside each torchrun rank: "
+                         f"drop --launcher (torchrun's ranks join one job)")
+    if launcher == "torchrun" and not in_torchrun:
+        raise ValueError("--launcher torchrun: this process was not started by torchrun (RANK, WORLD_SIZE, "
+                         "MASTER_ADDR, MASTER_PORT unset); run torchrun --nproc-per-node N -m dtlib train ...")
+    if args.max_failures is not None and launcher != "ray":
+        raise ValueError(f"--max-failures is Ray Train's FailureConfig: use it with --launcher ray "
+                         f"(torchrun restarts with its own --max-restarts), not --launcher {launcher}")
+    if launcher == "ray" and args.backend == "nccl":
+        raise ValueError("--backend nccl: --launcher ray runs CPU workers over gloo (dtlib's trainer keeps "
+                         "its tensors on the CPU); use --backend auto or gloo")
+
+
+def _import_ray_train() -> Any:
+    """:mod:`dtlib.frameworks.ray_train`, or a one-line error saying how to install Ray Train."""
+    try:
+        import ray.train  # noqa: F401 - only to tell a missing install apart
+    except ImportError as exc:
+        raise ValueError(f'--launcher ray needs Ray Train: pip install "ray[train]" ({exc})') from None
+    from dtlib.frameworks import ray_train
+
+    return ray_train
 
 
 def config_from_args(args: Any) -> "TrainConfig":
