@@ -116,7 +116,7 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
         if started:
             ray.init(num_cpus=config.world_size, object_store_memory=_OBJECT_STORE_BYTES,
                      include_dashboard=False)
-        attempts = ray.remote(num_cpus=0)(_AttemptCounter).remote()
+        attempts = _attempt_counter()
         trainer = TorchTrainer(
             _worker, train_loop_config={"config": asdict(config), "attempts": attempts, "timeout": timeout},
             torch_config=TorchConfig(backend="gloo", timeout_s=math.ceil(timeout)),
@@ -177,19 +177,24 @@ def _fit(trainer: Any, timeout: float) -> Any:
     return outcome["result"]
 
 
-class _AttemptCounter:
-    """Counts each rank's starts (a Ray actor, one per run): a rank's n-th start is attempt n - 1,
-    since Ray restarts the whole group and every rank starts once per attempt."""
+def _attempt_counter() -> Any:
+    """A Ray actor counting each rank's starts: a rank's n-th start is attempt n - 1, since Ray
+    restarts the whole group and every rank starts once per attempt. The class is defined here, not
+    at module level, so Ray ships it by value and its process imports neither dtlib nor torch."""
+    import ray
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
+    class AttemptCounter:
+        def __init__(self) -> None:
+            self.counts: dict[int, int] = {}
 
-    def start(self, rank: int) -> int:
-        self.counts[rank] = self.counts.get(rank, 0) + 1
-        return self.counts[rank] - 1
+        def start(self, rank: int) -> int:
+            self.counts[rank] = self.counts.get(rank, 0) + 1
+            return self.counts[rank] - 1
 
-    def starts(self) -> dict[int, int]:
-        return self.counts
+        def starts(self) -> dict[int, int]:
+            return self.counts
+
+    return ray.remote(num_cpus=0)(AttemptCounter).remote()
 
 
 def _worker(loop_config: dict[str, Any]) -> None:
