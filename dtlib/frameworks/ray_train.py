@@ -58,6 +58,7 @@ from typing import Any, Iterator
 
 from dtlib.analytic import validate
 from dtlib.trainer import TrainConfig, check_resume, train
+from dtlib.trainer.hooks import Hook
 
 __all__ = ["run_ray", "check_ray_config"]
 
@@ -234,18 +235,23 @@ def _worker(loop_config: dict[str, Any]) -> None:
                     json.dump(summary, f)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-    def on_checkpoint(step: int, loss: float) -> None:
-        nonlocal saved
-        saved = step
-        report({"step": step, "loss": loss})
-        if rank == 0:
-            # Ray's controller registers a report when it next polls the workers; a worker dying
-            # before that loses it. Wait until it is committed, so a restart after this step
-            # resumes from it (as dtlib's own save returns once the checkpoint is published).
-            ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED,
-                                                   timeout_s=timeout)
+    class ReportSaves(Hook):
+        """After the step dtlib's checkpoint hook saved (the same condition), report it to Ray."""
 
-    summary = train(rank, world_size, config, on_checkpoint=on_checkpoint)
+        def after_step(self, run: Any, loss: float, seconds: float) -> None:
+            nonlocal saved
+            if not config.checkpoint_every or run.step_count % config.checkpoint_every:
+                return
+            saved = run.step_count
+            report({"step": saved, "loss": loss})
+            if rank == 0:
+                # Ray's controller registers a report when it next polls the workers; a worker dying
+                # before that loses it. Wait until it is committed, so a restart after this step
+                # resumes from it (as dtlib's own save returns once the checkpoint is published).
+                ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED,
+                                                       timeout_s=timeout)
+
+    summary = train(rank, world_size, config, extra_hooks=[ReportSaves()])
     if rank != 0:
         report({"step": config.steps})
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,14 +31,17 @@ __all__ = ["train", "run"]
 
 
 def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = False,
-          progress: bool = False, groups: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
+          progress: bool = False, groups: dict[str, list[list[int]]] | None = None,
+          extra_hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
     ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
     ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; with checkpoints
     ``resumed`` (what ``resume`` found) and ``checkpoint_blocking_s`` (per save); ``params`` too with
     ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
-    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`)."""
+    layout's process groups (lists of ranks per kind, see :func:`~dtlib.parallel.mesh.build_groups`).
+    ``extra_hooks``: a launcher's hooks, called after the checkpoint hook (so after each save),
+    e.g. Ray Train's report of each checkpoint (:mod:`dtlib.frameworks.ray_train`)."""
     config.check(world_size)
     run = _Run(rank, config, groups)
     losses, seconds = [], []
@@ -67,6 +70,7 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
         hooks.append(SampleLog(config.sample_log, rank))
     if checkpoints is not None:
         hooks.append(checkpoints)
+    hooks.extend(extra_hooks)
     if bar is not None:
         hooks.append(bar)
 
