@@ -111,12 +111,12 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started = not ray.is_initialized()
+    before = _children()
     temporary = tempfile.mkdtemp(prefix="dtlib-ray-") if storage_path is None else None
     attempts = None
     try:
         if started:
-            ray.init(num_cpus=config.world_size, object_store_memory=_OBJECT_STORE_BYTES,
-                     include_dashboard=False)
+            _start_ray(config.world_size)
         attempts = _attempt_counter()
         trainer = TorchTrainer(
             _worker, train_loop_config={"config": asdict(config), "attempts": attempts, "timeout": timeout},
@@ -139,10 +139,53 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
     finally:
         if started:
             ray.shutdown()
+            _kill_children(before)  # normally none: a safety net if Ray's shutdown missed one
         elif attempts is not None:  # a Ray session of the caller's: leave nothing of this run in it
             ray.kill(attempts)
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _start_ray(num_cpus: int) -> None:
+    """``ray.init`` with the settings above. Ray gives its raylet 30 s to register with the GCS
+    (``raylet_start_wait_time_s`` in ray/_private/node.py, not configurable), which an overloaded
+    machine can miss, and a failed ``ray.init`` leaves the processes it started running: they are
+    killed here and the start is tried once more."""
+    import ray
+
+    for attempt in range(2):
+        before = _children()
+        try:
+            ray.init(num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False)
+            return
+        except Exception:
+            ray.shutdown()
+            _kill_children(before)
+            if attempt == 1:
+                raise
+
+
+def _children() -> set[int]:
+    """The process ids of this process's descendants."""
+    import psutil  # a dependency of Ray
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_children(before: set[int]) -> None:
+    """Kill Ray's processes among the descendants of this process that ``before`` did not list
+    (``gcs_server``, ``raylet``, ``ray::...`` workers, Ray's Python helpers)."""
+    import psutil
+
+    left = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.pid not in before and "ray" in " ".join(proc.cmdline()):
+                left.append(proc)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(left, timeout=10)
 
 
 @contextlib.contextmanager
