@@ -53,6 +53,7 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 from dataclasses import asdict
 from typing import Any, Iterator
 
@@ -69,6 +70,7 @@ _OBJECT_STORE_BYTES = 256 * 2 ** 20
 # poll the workers every 0.5 s instead of 2 s (a report, a dead worker and the end are seen sooner;
 # each save waits for its report to be committed), and no spot-preemption watcher (an extra
 # process polling the nodes every 5 s, for cloud preemptions a local run never has)
+_SESSION_VARIABLE = "DTLIB_RAY_SESSION"  # marks the processes of a Ray that run_ray started
 _RAY_TRAIN_SETTINGS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 # TrainConfig's paths: Ray's workers run in its run directory (os.chdir), so they get absolute ones
 _PATHS = ("checkpoint_dir", "profile", "data", "sample_log", "metrics", "tensorboard")
@@ -111,12 +113,12 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started = not ray.is_initialized()
-    before = _children()
+    token = None
     temporary = tempfile.mkdtemp(prefix="dtlib-ray-") if storage_path is None else None
     attempts = None
     try:
         if started:
-            _start_ray(config.world_size)
+            token = _start_ray(config.world_size)
         attempts = _attempt_counter()
         trainer = TorchTrainer(
             _worker, train_loop_config={"config": asdict(config), "attempts": attempts, "timeout": timeout},
@@ -139,52 +141,48 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
     finally:
         if started:
             ray.shutdown()
-            _kill_children(before)  # normally none: a safety net if Ray's shutdown missed one
+            if token is not None:  # workers and agents exit on their own soon after; now, for sure
+                _kill_session(token)
         elif attempts is not None:  # a Ray session of the caller's: leave nothing of this run in it
             ray.kill(attempts)
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _start_ray(num_cpus: int) -> None:
-    """``ray.init`` with the settings above. Ray gives its raylet 30 s to register with the GCS
+def _start_ray(num_cpus: int) -> str:
+    """``ray.init`` with the settings above; returns the token that marks every process of this
+    Ray (an environment variable its GCS and raylet inherit and pass on to every worker and agent,
+    whatever they rename themselves to, and wherever they are re-parented), so that
+    :func:`_kill_session` can end them all. Ray gives its raylet 30 s to register with the GCS
     (``raylet_start_wait_time_s`` in ray/_private/node.py, not configurable), which an overloaded
-    machine can miss, and a failed ``ray.init`` leaves the processes it started running: they are
-    killed here and the start is tried once more."""
+    machine can miss, and a failed ``ray.init`` leaves what it started running: that is killed and
+    the start is tried once more."""
     import ray
 
-    for attempt in range(2):
-        before = _children()
+    token = uuid.uuid4().hex
+    for attempt in (1, 2):
         try:
-            ray.init(num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False)
-            return
+            with _environment({_SESSION_VARIABLE: token}):
+                ray.init(num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False)
+            break
         except Exception:
             ray.shutdown()
-            _kill_children(before)
-            if attempt == 1:
+            _kill_session(token)
+            if attempt == 2:
                 raise
+    return token
 
 
-def _children() -> set[int]:
-    """The process ids of this process's descendants."""
+def _kill_session(token: str) -> None:
+    """SIGKILL every process (but this one) that carries ``token``: what a Ray start left."""
     import psutil  # a dependency of Ray
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _kill_children(before: set[int]) -> None:
-    """Kill Ray's processes among the descendants of this process that ``before`` did not list
-    (``gcs_server``, ``raylet``, ``ray::...`` workers, Ray's Python helpers)."""
-    import psutil
-
     left = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if proc.pid not in before and "ray" in " ".join(proc.cmdline()):
+            if proc.pid != os.getpid() and proc.environ().get(_SESSION_VARIABLE) == token:
+                proc.kill()
                 left.append(proc)
-    for proc in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
     psutil.wait_procs(left, timeout=10)
 
 
