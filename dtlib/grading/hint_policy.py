@@ -32,7 +32,7 @@ import nbformat
 
 __all__ = ["MAX_FIRST_LINE", "solution_fragments", "forbidden_patterns", "violations", "master_of"]
 
-MAX_FIRST_LINE = 240
+MAX_FIRST_LINE = 300
 _MIN_FRAGMENT = 8  # shorter pieces ("g - p", "n * t") occur in any sentence about the question
 _ASSIGN = re.compile(r"^[\w.\[\]\"', ]+?\s*(?:[-+*/%]|//)?=\s*(?!=)(.+)$")
 _RETURN = re.compile(r"^(?:return|yield)\s+(.+)$")
