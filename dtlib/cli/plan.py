@@ -50,7 +50,8 @@ def add_plan_command(sub: Any) -> None:
                    help="fabric oversubscription above the leaf (bandwidth across nodes / it)")
     b = p.add_argument_group("batch and precision")
     b.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    b.add_argument("--precision", type=precision_choice(DTYPES), default="bf16", metavar="{" + ",".join(DTYPES) + "}",
+    b.add_argument("--precision", type=precision_choice(DTYPES), default="bf16",
+                   metavar="{" + ",".join(DTYPES) + "}",
                    help="matmul precision; with fp8 attention and the LM head stay in bf16; " + PRECISION_HELP)
     b.add_argument("--attention-flops", choices=ATTENTION, default="full")
     g = p.add_argument_group("layout (each pins the search; all of them = one configuration)")
@@ -138,7 +139,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     return {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
-            "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision, "configs": r.configs, "searched": r.searched,
+            "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
+            "configs": r.configs, "searched": r.searched,
             "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
             "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
             "memory_capacity_bytes": r.capacity}
@@ -151,7 +153,8 @@ _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert par
 
 def _text(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
-             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: "
+             f"{d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:
