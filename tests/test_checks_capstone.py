@@ -114,6 +114,8 @@ def test_q2_hint_is_one_line_without_the_formula(answer):
         first = text.splitlines()[0]
         assert "max(" not in text and "n * t(" not in text and "t(bucket)" not in text, text
         assert len(first) <= 300, first
+    assert _hint(checks.check_teaching_cases, lambda g, b, backward, t: None).startswith(
+        "exposed_time(1e+09, 2.5e+07, backward=1, t) returned None: fill in exposed_time")
 
 
 def test_q1_hint_of_a_slow_layout_does_not_name_the_best_layout():

@@ -92,7 +92,10 @@ def _compare(fn: Callable, case: tuple, why: str) -> None:
         got = fn(grad_bytes, bucket_bytes, backward, timer)
     except Exception as exc:  # the learner's code: say what it raised, on which case
         raise AssertionError(f"{call} raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
+    if got is None or isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise AssertionError(f"{call} returned {got!r}: fill in exposed_time and return the exposed seconds "
+                             "(a number)")
+    if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
         # the verdict first; the case in full (the link, the buckets) on the next line
         raise AssertionError(f"{why}: {call} returned {got!r}, expected {want:.6g} s\n"
                              f"t(bytes) = {latency:g} s + bytes / {bandwidth:g} B/s; "
