@@ -8,8 +8,10 @@ compared with their recent past. An alert here is a line on stderr and a record 
 what to do about it (skip batches, roll back, lower the learning rate) stays the operator's call.
 
 :class:`Monitor` is what :func:`dtlib.trainer.train` drives: every rank calls :meth:`gradients`
-between the gradient synchronisation and the optimizer step (a collective: the norm) and
-:meth:`after_step` after it (a collective on checksum steps); rank 0 writes the files.
+between the gradient synchronisation and the optimizer step (the drill), the run measures the
+global gradient norm there with :func:`dtlib.parallel.clip.grad_norm` (a collective; the same
+function ``--clip-grad`` clips with), and every rank calls :meth:`after_step` after the update (a
+collective on checksum steps); rank 0 writes the files.
 """
 from __future__ import annotations
 
@@ -79,17 +81,15 @@ def check_options(config: Any, world_size: int) -> None:
 class Monitor:
     """One rank's monitoring of a :class:`~dtlib.trainer.TrainConfig` run (see the module doc).
 
-    ``replica_key``: what ranks holding the same parameters share (their tp/pp/ep coordinates);
-    ``replicas``: how many ranks hold each gradient (the norm divides their sum of squares by it)."""
+    ``replica_key``: what ranks holding the same parameters share (their tp/pp/ep coordinates)."""
 
-    def __init__(self, config: Any, rank: int, replica_key: Any, replicas: int, tokens_per_step: int):
+    def __init__(self, config: Any, rank: int, replica_key: Any, tokens_per_step: int):
         c = config
         self.config, self.rank, self.key = c, rank, replica_key
-        self.replicas, self.tokens = replicas, tokens_per_step
+        self.tokens = tokens_per_step
         self.distributed = dist.is_available() and dist.is_initialized()
         self.loss_alarm = Alarm("loss", c.loss_spike_factor)
         self.grad_alarm = Alarm("grad_norm", c.grad_norm_factor)
-        self.grad_norm: float | None = None
         self.alerts: list[dict[str, Any]] = []
         self.integrity: list[dict[str, Any]] = []
         self.flip_rank = (dist.get_world_size() - 1 if self.distributed else 0) if c.flip_bit_rank is None \
@@ -104,24 +104,23 @@ class Monitor:
 
     @classmethod
     def for_run(cls, run: Any, rank: int, tokens_per_step: int) -> "Monitor | None":
-        """The monitor of a trainer's ``_Run`` if any monitoring option is on (None otherwise), its
-        gradient-norm hook installed."""
+        """The monitor of a trainer's ``_Run`` if any monitoring option is on (None otherwise): it
+        asks the run for the gradient norm of every step and installs the gradient drill."""
         c = run.config
         if not (c.metrics or c.tensorboard or c.checksum_every or c.flip_bit_step is not None
                 or c.spike_step is not None):
             return None
         key = (run.coords["tp"], run.coords["pp"], run.coords["ep"] if c.ep > 1 else 0)
-        m = cls(c, rank, key, run.replicas, tokens_per_step)
-        run.on_gradients = lambda r: m.gradients(r.params, r.coords["tp"], r.step_count)
+        m = cls(c, rank, key, tokens_per_step)
+        run.measure_grad_norm = True
+        run.on_gradients = lambda r: m.gradients(r.params, r.step_count)
         return m
 
-    def gradients(self, params: Sequence[torch.Tensor], tp_rank: int = 0, step: int | None = None) -> None:
-        """The global gradient norm (a collective): every rank's sum of squares, summed over the
-        world and divided by how many ranks hold each gradient (the dp x cp replicas with ZeRO 0-1;
-        FSDP's shards are held once). A parameter replicated in the TP group (not
-        ``tensor_model_parallel``, Megatron's attribute) counts on TP rank 0 only. With ZeRO-2 the
-        gradient shards are finished inside the optimizer step, so the norm is not measured (None);
-        with FSDP x TP or expert parallelism it is approximate."""
+    def gradients(self, params: Sequence[torch.Tensor], step: int | None = None) -> None:
+        """Between the gradient synchronisation and the norm: the ``spike_step`` drill. The norm
+        itself is the run's (:func:`dtlib.parallel.clip.grad_norm`, the one the clipping uses: the
+        whole model's gradient, each element counted once whatever the layout -- a tied embedding
+        on two pipeline stages once, TP-replicated weights once, shards once each)."""
         if self.config.spike_step is not None and step == self.config.spike_step:
             # the drill, on every rank alike (replicas stay equal): a gradient explosion, as a bad
             # batch or a too-high learning rate makes one
@@ -130,28 +129,18 @@ class Monitor:
                     p.grad.mul_(SPIKE)
             if self.rank == 0:
                 print(f"fault drill: gradients x {SPIKE:g} at step {step}", file=sys.stderr, flush=True)
-        if self.config.zero == 2:
-            self.grad_norm = None
-            return
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if p.grad is None or (tp_rank and not getattr(p, "tensor_model_parallel", False)):
-                continue
-            sq += p.grad.detach().double().pow(2).sum().cpu()
-        if self.distributed:
-            dist.all_reduce(sq)
-        divisor = self.replicas if self.config.zero in (0, 1) else 1
-        self.grad_norm = math.sqrt(sq.item() / divisor)
 
-    def after_step(self, step: int, loss: float, seconds: float, params: Sequence[torch.Tensor]) -> None:
+    def after_step(self, step: int, loss: float, seconds: float, params: Sequence[torch.Tensor],
+                   grad_norm: float | None = None) -> None:
         """After step ``step`` (0-based; the update is applied): the bit-flip drill, the checksum
-        comparison every ``checksum_every`` steps, the alerts, and rank 0's records."""
+        comparison every ``checksum_every`` steps, the alerts, and rank 0's records (``grad_norm``:
+        the step's global gradient norm before clipping, the run's ``grad_norm``)."""
         c = self.config
         if c.flip_bit_step == step and self.rank == self.flip_rank:
             flip_bit(next(p for p in params if p.dtype == torch.float32 and p.numel()))
             print(f"fault drill: rank {self.rank} flips a bit of its parameters after step {step}",
                   file=sys.stderr, flush=True)
-        record: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": self.grad_norm,
+        record: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm,
                                   "step_seconds": seconds, "tokens_per_s": self.tokens / seconds if seconds else None}
         if c.checksum_every and (step + 1) % c.checksum_every == 0:
             report = replica_report(params, self.key)
@@ -164,7 +153,7 @@ class Monitor:
                     print(f"integrity: after step {step} rank(s) {report['diverged']} hold parameters that differ "
                           f"from their replicas'{how}", file=sys.stderr, flush=True)
         alerts = [a for a in (self.loss_alarm(loss),
-                              self.grad_alarm(self.grad_norm) if self.grad_norm is not None else None) if a]
+                              self.grad_alarm(grad_norm) if grad_norm is not None else None) if a]
         if alerts:
             record["alerts"] = alerts
             self.alerts += [{"step": step, "alert": a} for a in alerts]

@@ -79,3 +79,51 @@ def test_lesson0_prediction_ships_unanswered_and_is_checked(capsys):
     assert said["..."].startswith("replace ... with your prediction")
     assert said["[2, 12, 22]"] == "correct!\n"
     assert said["[20, 21, 22]"].startswith("not quite") and "[2, 12, 22]" in said["[20, 21, 22]"]
+
+
+# Sentences that compare numbers the lesson prints ("X beats Y", "under 20%", "the same bubble"):
+# each section that says one must check it with dtlib.claims.claim in one of its code cells.
+_COMPARISON = re.compile(
+    r"\b(beats?|faster than|slower than|fewer than|(?<!no )more than|several times|x fewer|x faster|"
+    r"(?:under|below|above|at most|within) \d+(?:\.\d+)?%|the same bubble|same numbers|bit for bit|identical)\b", re.I)
+_UNCHECKED_SECTIONS = ("Learning goals", "Explore", "Exercise", "What the real frameworks do")
+
+
+def _sections(path: Path) -> list[dict]:
+    """The lesson's ``## `` sections: title, comparison sentences of their prose, and whether a
+    code cell of theirs calls ``claim(``."""
+    sections: list[dict] = []
+    for cell in json.loads(path.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code":
+            if sections and "claim(" in source:
+                sections[-1]["claimed"] = True
+            continue
+        for block in re.split(r"^(?=## )", source, flags=re.M):
+            if block.startswith("## "):
+                title, _, block = block.partition("\n")
+                sections.append({"title": title[3:], "sentences": [], "claimed": False})
+            if not sections or sections[-1]["title"].startswith(_UNCHECKED_SECTIONS):
+                continue
+            sentences = re.split(r"(?<=[.:])\s+", re.sub(r"\s+", " ", block))
+            sections[-1]["sentences"] += [s for s in sentences if _COMPARISON.search(s)]
+    return sections
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_claims_are_checked_on_its_numbers(path):
+    """Every lesson checks its quantitative sentences on the numbers its run computes
+    (dtlib.claims.claim, executed by nbval under `make test`), so a change that makes a number
+    contradict the prose fails the build."""
+    text = path.read_text()
+    assert "from dtlib.claims import claim" in text, f"{path.name} makes no claim (dtlib.claims.claim)"
+    unchecked = [(s["title"], s["sentences"][0][:100]) for s in _sections(path) if s["sentences"] and not s["claimed"]]
+    assert unchecked == [], f"{path.name}: sections whose comparisons no claim(...) checks: {unchecked}"
+
+
+def test_the_claims_check_finds_an_unchecked_comparison(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "source": ["## 1. Speed\n", "Ours beats theirs by 2x."]},
+                    {"cell_type": "code", "source": ["print(2.0)"]}]}
+    (tmp_path / "x.ipynb").write_text(json.dumps(nb))
+    assert _sections(tmp_path / "x.ipynb") == [{"title": "1. Speed", "sentences": ["Ours beats theirs by 2x."],
+                                                "claimed": False}]

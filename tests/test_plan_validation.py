@@ -141,3 +141,12 @@ def test_error_grid_rejects_bad_grids():
         error_grid((0.0, 0.5), (0.3,))
     with pytest.raises(ValueError, match="attention_grid must be a non-empty list"):
         error_grid((0.8,), ())
+
+
+def test_every_row_carries_its_unit(table):
+    """Lesson 10 printed 27 rows mixing TFLOP/s, seconds and tokens/s with no unit."""
+    from dtlib.plan.validation import METRIC_UNITS
+
+    assert {r["unit"] for r in table.values()} == set(METRIC_UNITS.values())
+    for r in table.values():
+        assert r["unit"] == METRIC_UNITS[r["metric"]], r["name"]

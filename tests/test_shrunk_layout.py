@@ -135,3 +135,13 @@ def test_the_comparison_notices_a_reference_that_is_not_the_same_training(monkey
     monkeypatch.setattr(parallel3d, "single_process_config", lambda c: real(c).with_(lr=c.lr * 1.01))
     run = train_shrunk(Parallelism(dp=4, zero=1), max_ranks=2)
     assert run["max_param_diff"] > 100 * parallel3d.PARAM_TOL and not run["equal"]
+
+
+def test_drop_order_dp_first_rehearses_context_parallelism_on_eight_ranks():
+    """Lesson 10 rehearses the layout that uses all four dimensions: dropping dp first keeps
+    tp x pp x cp = 8 ranks (on main cp was always dropped, so CP was never rehearsed)."""
+    config, lines = shrink_layout(EVERY_DIMENSION, drop_order=("dp", "pp", "tp", "cp"))
+    assert (config.dp, config.tp, config.pp, config.cp) == (1, 2, 2, 2)
+    assert [line.split(":")[0] for line in lines if "ranks (dropped" in line] == ["dp 2 -> 1"]
+    with pytest.raises(ValueError, match="drop_order must be an ordering of"):
+        shrink_layout(EVERY_DIMENSION, drop_order=("dp", "tp"))

@@ -332,3 +332,13 @@ def test_overlap_timelines_share_one_time_axis():
     fig = FIGURES["plot_overlap_timeline"]()
     limits = {ax.get_xlim() for ax in fig.axes}
     assert len(fig.axes) == 2 and len(limits) == 1, f"panels on different x ranges: {limits}"
+
+
+def test_one_block_is_not_plural():
+    """Lesson 11's stage balance labelled a stage '1 blocks'."""
+    fig = local_sgd.plot_stage_balance(
+        {"slowdowns": [1, 3, 1, 1],
+         "even": {"counts": [2, 2, 2, 2], "stage_seconds": [0.009, 0.024, 0.008, 0.009], "step_time": 0.17},
+         "balanced": {"counts": [2, 1, 3, 2], "stage_seconds": [0.009, 0.012, 0.012, 0.009], "step_time": 0.12}})
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "1 block" in labels and "1 blocks" not in labels

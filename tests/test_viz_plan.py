@@ -30,3 +30,11 @@ def test_bars_are_the_breakdown_and_the_memory():
 def test_nothing_fits_draws_why():
     fig = plot_plan([], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB")
     assert "857.6 GiB" in fig.axes[0].texts[0].get_text()
+
+
+def test_a_long_why_is_wrapped_between_words():
+    """The widget's 'nothing fits' text was cut every 110 characters, mid-word."""
+    why = ("nothing fits: the smallest memory per GPU found is 184.5 GiB (dp=1, tp=8, pp=1, cp=2, zero=3, "
+           "micro_batch_size=1, recompute=full) but 0.9 x 80 GiB = 72.0 GiB is available on a h100-sxm; use more GPUs")
+    lines = plot_plan([], 72 * GiB, why=why).axes[0].texts[0].get_text().split("\n")
+    assert len(lines) > 1 and " ".join(lines) == why

@@ -89,3 +89,21 @@ def test_explorer_shows_the_figure_and_reports_bad_settings():
     assert explorer.error == "n must be >= 0" and "n must be >= 0" in explorer.out.outputs[0]["text"]
     explorer.controls["n"].value = 2
     assert explorer.result == 2 and "image/png" in explorer.out.outputs[0]["data"]
+
+
+def test_widget_defaults_match_the_lessons_numbers():
+    """A widget opens on the lesson's own setting, so its first picture repeats the lesson's numbers
+    (lesson 11's link was 20 MB/s in the text and 10 MB/s in the widget)."""
+    from dtlib.experiments.local_sgd import Run
+    from dtlib.widgets.local_sgd import diloco_explorer
+
+    assert diloco_explorer().controls["bandwidth_mb_s"].value * 1e6 == Run().bandwidth
+
+
+def test_checkpoint_widget_opens_on_the_lessons_mtbf():
+    """Lesson 08 prints Llama 3's per-GPU MTBF (a failure every 3.09 h at 16,384 GPUs); the widget
+    opened on it rounded (3.06 h)."""
+    from dtlib.analytic.reliability import LLAMA3_GPU_MTBF_HOURS
+    from dtlib.widgets.resilience import checkpoint_interval_explorer
+
+    assert checkpoint_interval_explorer().controls["gpu_mtbf_hours"].value == LLAMA3_GPU_MTBF_HOURS

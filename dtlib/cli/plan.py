@@ -21,7 +21,9 @@ from dtlib.cli.args import (PRECISION_HELP, bounded_float, model_args, model_fro
                             precision_choice)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
-from dtlib.plan.search import search
+from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
+from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
+from dtlib.plan.search import search, to_layout
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
 
@@ -85,12 +87,35 @@ def add_plan_command(sub: Any) -> None:
     t.add_argument("--pue", type=_at_least_one, default=DEFAULT_PUE)
     t.add_argument("--top", type=positive_int, default=5)
     t.add_argument("--json", action="store_true")
+    e = p.add_argument_group("framework configs of the top layout (or of the one the layout flags pin)")
+    e.add_argument("--emit", type=_frameworks, action="extend", metavar="FRAMEWORK",
+                   help=f"write its launch config, repeatable or a comma list: {', '.join(FRAMEWORKS)}")
+    e.add_argument("--emit-dir", metavar="DIR", help="also write each config to DIR (" +
+                   ", ".join(FILENAMES.values()) + ")")
+    e.add_argument("--rehearse", action="store_true",
+                   help="run each emitted layout, shrunk to <= 8 CPU ranks, under its framework vs one process")
     p.set_defaults(run=run_plan)
+
+
+def _frameworks(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",")]
+    bad = [n for n in names if n not in FRAMEWORKS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown framework {bad[0]!r}; valid: {', '.join(FRAMEWORKS)}")
+    return names
+
+
+def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any]) -> dict[str, Any]:
+    """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s runs."""
+    emitted = emit_all(args.emit, to_layout(best), model, args.global_batch, args.precision, args.emit_dir)
+    return {"emitted": emitted} | ({"rehearsals": rehearse_all(emitted, to_layout(best), args.precision)}
+                                   if args.rehearse else {})
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
 
+    check_emit_options(args.emit, args.emit_dir, args.rehearse)
     model = model_from_args(args)
     if not isinstance(model, TransformerConfig):
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
@@ -138,12 +163,15 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         source = (f"compute from GEMM shapes (tile/wave quantization on {cl.gpu.sms} SMs, roofline at "
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
-    return {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
-            "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
-            "configs": r.configs, "searched": r.searched,
-            "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
-            "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
-            "memory_capacity_bytes": r.capacity}
+    d = {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
+         "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
+         "configs": r.configs, "searched": r.searched,
+         "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
+         "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
+         "memory_capacity_bytes": r.capacity}
+    if args.emit and r.configs:
+        d.update(_framework_configs(args, model, r.configs[0]))
+    return d
 
 
 _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
@@ -179,10 +207,12 @@ def _text(d: dict[str, Any]) -> str:
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
+    lines += emitted_lines(d.get("emitted", {})) + rehearsal_lines(d.get("rehearsals", {}))
     return "\n".join(lines)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     d = plan_report(args)
     print(json.dumps(d, indent=2, allow_nan=False) if args.json else _text(d))  # strict JSON: no NaN or inf
-    return 0 if d["configs"] else 1
+    failed = [r for r in d.get("rehearsals", {}).values() if r.get("passed") is False]
+    return 1 if failed or not d["configs"] else 0

@@ -77,6 +77,9 @@ def add_train_command(sub: Any) -> None:
     g.add_argument("--steps", type=positive_int, default=5)
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--lr", type=positive_float, default=3e-3)
+    g.add_argument("--clip-grad", type=non_negative_float, default=0.0,
+                   help="clip the global gradient norm to this before each step, right on every layout "
+                        "(0: off; Megatron-LM and nanoGPT default to 1.0)")
     g.add_argument("--seed", type=non_negative_int, default=0)
     g.add_argument("--checkpoint-dir", help="directory for torch.distributed.checkpoint saves")
     g.add_argument("--checkpoint-every", type=non_negative_int, default=0, help="save every N steps (0: never)")

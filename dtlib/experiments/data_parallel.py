@@ -65,7 +65,10 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
     ``torch.nn.parallel.DistributedDataParallel`` instead, or None (single process).
     With ``base_batch`` set, the learning rate follows :func:`lr_at_step`.
     Returns the final ``state`` dict, per-step ``losses`` (this rank's) and learning rates
-    (``lrs``), and the median ``seconds_per_step``.
+    (``lrs``), and the median ``seconds_per_step``, of it ``sync_seconds_per_step`` (inside a
+    callable ``sync``: the gradient all-reduce; 0 for ``"ddp"``, which syncs inside backward) and
+    ``cpu_seconds_per_step`` (the CPU time this process got in the step: below the step's length
+    when it waited, for a peer or for a core shared with other processes).
     """
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} must be divisible by world_size={world_size} "
@@ -77,9 +80,10 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
     batches = global_batches(len(data), global_batch, seed=seed)
     if not batches:
         raise ValueError(f"global_batch={global_batch} is larger than the dataset ({len(data)})")
-    losses, lrs, step_times = [], [], []
+    losses, lrs, step_times, sync_times, cpu_times = [], [], [], [], []
     for step in range(steps):
         start = time.perf_counter()
+        cpu_start = time.process_time()
         if base_batch is not None:
             for group in opt.param_groups:
                 group["lr"] = lr_at_step(step, lr, base_batch, global_batch, warmup_steps)
@@ -87,18 +91,25 @@ def train(rank: int, world_size: int, data: Digits, steps: int = 10, global_batc
         loss = F.cross_entropy(model(data.images[idx]), data.labels[idx])
         opt.zero_grad()
         loss.backward()
+        sync_start = time.perf_counter()
         if callable(sync):
             sync(model, world_size)
+        sync_times.append(time.perf_counter() - sync_start)
         opt.step()
         losses.append(loss.item())
         lrs.append(opt.param_groups[0]["lr"])
         step_times.append(time.perf_counter() - start)
-    # median of the steps after the first (which pays for allocations and the first connections)
-    timed = step_times[1:] or step_times
-    seconds = float(torch.tensor(timed).median()) if timed else 0.0
+        cpu_times.append(time.process_time() - cpu_start)
+
+    def median(values: list[float]) -> float:
+        # the steps after the first (which pays for allocations and the first connections)
+        timed = values[1:] or values
+        return float(torch.tensor(timed).median()) if timed else 0.0
+
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-            "losses": losses, "lrs": lrs, "seconds_per_step": seconds}
+            "losses": losses, "lrs": lrs, "seconds_per_step": median(step_times),
+            "sync_seconds_per_step": median(sync_times), "cpu_seconds_per_step": median(cpu_times)}
 
 
 @torch.no_grad()

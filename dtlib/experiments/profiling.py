@@ -16,7 +16,10 @@ the issue names, made strong and measurable on a loaded 2-core machine:
 * ``recompute``: full activation recomputation (``torch.utils.checkpoint``) of ``strength`` layers.
 
 Model FLOPs come from the 6N rule (:func:`dtlib.analytic.flops.six_n_flops_per_token`, one
-"token" per sample, N = the weights this rank multiplies by), hardware FLOPs from FlopCounterMode.
+"token" per sample, N = the weights this rank multiplies by) less the input gradient the model
+never needs: the first layer's input is the data, which needs no gradient, so autograd skips its
+2 x weights FLOPs per sample (:func:`model_flops`). Counting them anyway made MFU exceed HFU.
+Hardware FLOPs come from FlopCounterMode.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from dtlib.analytic.flops import six_n_flops_per_token
 from dtlib.launcher import launch
 from dtlib.profile import diagnose, phase, profile_steps, summarize
 
-__all__ = ["FAULTS", "LEVELS", "strength_of", "run_injected", "mlp", "slow_link_seconds", "slow_link_hook"]
+__all__ = ["FAULTS", "LEVELS", "strength_of", "run_injected", "mlp", "model_flops", "slow_link_seconds",
+           "slow_link_hook"]
 
 # fault -> (what the strength means, its default)
 FAULTS: dict[str, tuple[str, int]] = {
@@ -83,6 +87,18 @@ def mlp(width: int, depth: int, recompute: int = 0, seed: int = 0) -> nn.Module:
 
 def _weights(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+
+def model_flops(layers: nn.Module, samples: int, input_needs_grad: bool) -> float:
+    """The FLOPs one step of ``layers`` (Linear layers in sequence) needs for ``samples`` samples:
+    forward 2N, weight gradients 2N, input gradients 2N per sample (Narayanan et al. 2021, Sec. 5.1:
+    backward = 2 x forward, one for each), less the first layer's input gradient (2 x its weights)
+    when its input needs none - the data itself, or the first pipeline stage's micro-batches."""
+    per_sample = six_n_flops_per_token(_weights(layers))
+    if not input_needs_grad:
+        first = next(p for p in layers.parameters() if p.dim() == 2)
+        per_sample -= 2 * first.numel()
+    return float(per_sample * samples)
 
 
 def slow_link_seconds(nbytes: float, world_size: int, latency: float, bandwidth: float | None = None) -> float:
@@ -143,7 +159,7 @@ def _ddp_worker(rank: int, world_size: int, fault: str, strength: int, width: in
             opt.step()
             opt.zero_grad()
 
-    flops = six_n_flops_per_token(_weights(model)) * batch
+    flops = model_flops(model, batch, input_needs_grad=False)
     return profile_steps(step, steps=steps, warmup=2, model_flops=flops, trace_dir=trace_dir)
 
 
@@ -175,7 +191,7 @@ def _pipeline_worker(rank: int, world_size: int, microbatches: int, width: int, 
             opt.step()
             opt.zero_grad()
 
-    flops = six_n_flops_per_token(_weights(stage_module)) * batch
+    flops = model_flops(stage_module, batch, input_needs_grad=rank > 0)
     return profile_steps(step, steps=steps, warmup=2, model_flops=flops, trace_dir=trace_dir)
 
 

@@ -9,6 +9,8 @@ One concept per module:
 * :mod:`~dtlib.parallel.compression` - communication hooks: fp16/bf16, top-k, PowerSGD;
 * :mod:`~dtlib.parallel.zero` - :class:`ShardedOptimizer` (ZeRO stages 1 and 2);
 * :mod:`~dtlib.parallel.fsdp` - :class:`FSDP`, a toy ZeRO-3;
+* :mod:`~dtlib.parallel.clip` - :func:`clip_grad_norm_`: the global gradient norm, clipped, right for
+  every layout (``torch.nn.utils.clip_grad_norm_`` is not, on sharded or split parameters);
 * :mod:`~dtlib.parallel.buckets` - the flat-buffer and bucket bookkeeping they share;
 * :mod:`~dtlib.parallel.tensor_regions` - the f/g operators of tensor and sequence parallelism;
 * :mod:`~dtlib.parallel.tensor` - Megatron-LM's column- and row-parallel layers, vocabulary-parallel
@@ -27,6 +29,7 @@ One concept per module:
   the sample-weighted gradient average, time-balanced pipeline stages.
 """
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
+from dtlib.parallel.clip import clip_grad_norm_, grad_norm
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,
                                         ring_reduce_scatter, ring_schedule)
 from dtlib.parallel.compression import (PowerSGDState, TopKState, allreduce_hook,
@@ -54,7 +57,7 @@ __all__ = [
     "NaiveDDP", "BucketedDDP", "GradBucket", "SyncRecord",
     "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "TopKState", "topk_hook",
     "PowerSGDState", "powersgd_hook", "powersgd_plan",
-    "ShardedOptimizer", "FSDP",
+    "ShardedOptimizer", "FSDP", "clip_grad_norm_", "grad_norm",
     "tensor_parallel", "full_state_dict", "ColumnParallelLinear", "RowParallelLinear",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "FlatLayout", "assign_buckets", "shard_bounds",

@@ -411,6 +411,13 @@ class _DataParallel(nn.Module):
                           (self._index[id(p)] for p in b.parameters())]:
             self._build_buckets(order_list)
 
+    def held_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
+        """``(parameter, its gradient, the group over which it is replicated)`` for
+        :mod:`dtlib.parallel.clip`: after :meth:`finish_gradient_synchronization` every rank of the
+        group holds the same averaged gradients."""
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        return [(p, p.grad, group) for p in self._params if p.grad is not None]
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forward/backward passes inside accumulate gradients locally, without communication;

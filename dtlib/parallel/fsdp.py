@@ -13,9 +13,11 @@ Rajbhandari et al. 2020 (ZeRO, Sec. 5.3, stage 3 / P_os+g+p) and PyTorch's FSDP2
   names, and become this piece - so ``p.dim()`` is the original one on every rank, every rank
   holds the same parameters with the same trailing dimensions, and a nanoGPT
   ``configure_optimizers`` (decay if ``p.dim() >= 2``) works before or after wrapping, as does
-  code that runs one collective per parameter. A unit's padded pieces are packed into one flat
-  shard per rank (:class:`~dtlib.parallel.buckets.Dim0Layout`), the only persistent copy, so a
-  unit still costs one all-gather and one reduce-scatter;
+  code that runs one collective per parameter (but not ``torch.nn.utils.clip_grad_norm_``,
+  which sees this rank's rows: :meth:`FSDP.clip_grad_norm_` clips by the global norm). A unit's
+  padded pieces are packed into one flat shard per rank
+  (:class:`~dtlib.parallel.buckets.Dim0Layout`), the only persistent copy, so a unit still costs
+  one all-gather and one reduce-scatter;
 * parameters with fewer than ``persistence_threshold`` elements (and 0-d ones) are not sharded:
   they stay whole on every rank (replicated) and their gradients are all-reduced (averaged) at the
   end of backward - DeepSpeed ZeRO-3's ``stage3_param_persistence_threshold``;
@@ -53,7 +55,9 @@ reentrant activation checkpointing. Parameters with ``requires_grad=False`` stay
 replicated parameters (not sharded, not cast: with ``compute_dtype`` they must already have that
 dtype), and :meth:`FSDP.gather_full_params` returns them with the rest.
 
-About 500 lines in one file: the unit and the wrapper share their hooks' state, read together.
+About 570 lines, over the usual 400: one wrapper and its unit, whose hooks (gather, bind, free,
+reduce-scatter, the end-of-backward callback with its used-parameter flags) and checkpoint functions
+all read and write the same per-unit state; split, each piece would need the others' internals.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ from torch.utils._pytree import tree_map_only
 
 from dtlib.analytic import validate
 from dtlib.parallel.buckets import Dim0Layout, unique_parameters
+from dtlib.parallel.clip import clip_grad_norm_
 from dtlib.parallel.collectives import all_gather_into, broadcast_coalesced, reduce_scatter_into
 
 __all__ = ["FSDP", "DEFAULT_PERSISTENCE_THRESHOLD"]
@@ -132,6 +137,7 @@ class _Unit:
         self.full: torch.Tensor | None = None
         self.recompute_bound = False  # bound for a recomputation during backward
         self.pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        self.used = [False] * len(params)  # which parameters this backward reached, here
 
     def gather(self) -> torch.Tensor:
         """All-gather the shards and copy them out into a fresh param-major buffer (no autograd),
@@ -151,7 +157,9 @@ class _Unit:
         ``compute_dtype``). Written into ``_parameters`` (as FSDP's use_orig_params swaps tensors
         for parameters) so the registration order is kept."""
         if full is not None:
-            for owners, view in zip(self.aliases, self.layout.full_views(full)):
+            for i, (owners, view) in enumerate(zip(self.aliases, self.layout.full_views(full))):
+                if view.requires_grad:  # fires only if backward reaches this parameter
+                    view.register_hook(lambda g, i=i: self.used.__setitem__(i, True))
                 for _, mod, attr in owners:  # a tied weight is bound in every owning module
                     mod._parameters[attr] = view
         dtype = self.owner.compute_dtype
@@ -193,18 +201,23 @@ class _Unit:
         self.free()
         self.owner._finish_at_end_of_backward()
 
-    def finish(self) -> None:
+    def finish(self, used_anywhere: list[bool]) -> None:
         """Wait for this unit's reduce-scatters; add each parameter's rows to its ``.grad``
-        (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works)."""
+        (accumulating like autograd, so any ``zero_grad`` - the model's or the optimizer's - works).
+        A parameter no rank's backward reached gets nothing: its ``.grad`` stays ``None`` as in
+        one process (its rows are zeros), so AdamW does not decay or move it."""
         for work, received, _ in self.pending:
             work.wait()
             grad = received.to(self.shard.dtype)
-            for p, piece in zip(self.params, self.layout.shard_views(grad, self.owner.rank)):
+            for p, piece, used in zip(self.params, self.layout.shard_views(grad, self.owner.rank), used_anywhere):
+                if not used:
+                    continue
                 if p.grad is None:
                     p.grad = piece
                 else:
                     p.grad += piece
         self.pending = []
+        self.used = [False] * len(self.params)
 
     # forward hooks on the unit's module
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -259,8 +272,10 @@ class FSDP(nn.Module):
             ``DEFAULT_PERSISTENCE_THRESHOLD`` for why.
 
     ``loss.backward(); optimizer.step()``: the gradients are synchronised at the end of
-    backward. :meth:`gather_full_params` returns the full state dict, :meth:`load_full_state_dict`
-    loads one. Other attributes are looked up on the wrapped module (as PyTorch's FSDP does).
+    backward. To clip them (nanoGPT clips at 1.0), call :meth:`clip_grad_norm_` before the step:
+    ``torch.nn.utils.clip_grad_norm_`` would see only this rank's rows and clip each rank by its
+    own, smaller norm. :meth:`gather_full_params` returns the full state dict,
+    :meth:`load_full_state_dict` loads one. Other attributes are looked up on the wrapped module (as PyTorch's FSDP does).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -316,8 +331,9 @@ class FSDP(nn.Module):
         self._forwarding = False
         self.units = self._make_units(module, tuple(unit_types))
         self.replicated = [p for u in self.units for p, _ in u.replicated]
+        self._replicated_used: set[int] = set()  # replicated parameters this backward reached
         for p in self.replicated:  # their gradients are averaged at the end of backward too
-            p.register_post_accumulate_grad_hook(lambda _: self._finish_at_end_of_backward())
+            p.register_post_accumulate_grad_hook(self._replicated_grad_ready)
         for u in self.units:
             u.module.register_forward_pre_hook(u.pre_forward, with_kwargs=True)
             u.module.register_forward_hook(u.post_forward)
@@ -416,29 +432,48 @@ class FSDP(nn.Module):
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
 
+    def _replicated_grad_ready(self, p: torch.Tensor) -> None:
+        self._replicated_used.add(id(p))
+        self._finish_at_end_of_backward()
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradient reduce-scatters; accumulate them into the parameters' ``.grad``;
-        average the replicated parameters' gradients (one all-reduce).
+        average the replicated parameters' gradients. One all-reduce carries those gradients and
+        a flag per parameter (did this rank's backward reach it?): a parameter that no rank's
+        backward reached keeps ``.grad = None``, as in one process (PyTorch DDP's
+        ``find_unused_parameters`` all-reduces the same flags), so AdamW leaves it alone instead
+        of decaying it with a zero gradient.
 
         Runs by itself at the end of every backward; calling it again is a no-op."""
         if not self._finish_queued:
             return
         self._finish_queued = False
+        # every rank contributes every replicated parameter (zeros if it had no gradient), so
+        # the all-reduce has the same size everywhere; mean over ranks is linear, so a gradient
+        # averaged by an earlier backward of an accumulation stays right
+        had_grad = [p.grad is not None for p in self.replicated]
+        for p in self.replicated:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flags = [float(f) for u in self.units for f in u.used]
+        flags += [float(id(p) in self._replicated_used) for p in self.replicated]
+        self._replicated_used = set()
+        like = self.replicated[0] if self.replicated else self.flat_shards[0]
+        flat = torch.cat([*(p.grad.reshape(-1) / self.world_size for p in self.replicated),
+                          torch.tensor(flags, dtype=like.dtype, device=like.device)])
+        dist.all_reduce(flat, group=self.process_group)
+        used = (flat[flat.numel() - len(flags):] > 0).tolist()
+        offset = 0
         for u in self.units:
-            u.finish()
-        if self.replicated:
-            # every rank contributes every replicated parameter (zeros if it had no gradient), so
-            # the all-reduce has the same size everywhere; mean over ranks is linear, so a gradient
-            # averaged by an earlier backward of an accumulation stays right
-            for p in self.replicated:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in self.replicated]) / self.world_size
-            dist.all_reduce(flat, group=self.process_group)
-            offset = 0
-            for p in self.replicated:
+            u.finish(used[offset:offset + len(u.params)])
+            offset += len(u.params)
+        offset = 0
+        for p, had, reached in zip(self.replicated, had_grad, used[len(used) - len(self.replicated):]):
+            if had or reached:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            else:
+                p.grad = None  # reached by no rank: no gradient, as in one process
+            offset += p.numel()
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -469,6 +504,25 @@ class FSDP(nn.Module):
         for name in self._state_keys:
             if name not in sharded:
                 replicated[name].copy_(state_dict[name])
+
+    def held_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
+        """``(parameter, the gradient this rank holds for it, the group over which that gradient
+        is replicated or None)`` for :mod:`dtlib.parallel.clip`: a sharded parameter's rows are
+        this rank's alone, a replicated parameter's gradient is the same on the whole group."""
+        self.finish_gradient_synchronization()
+        replicated = {id(p) for p in self.replicated}
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        return [(p, p.grad, group if id(p) in replicated else None)
+                for p in self.parameters() if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, group: Any = None) -> float:
+        """Clip the gradients to global norm ``max_norm`` and return the norm before clipping, as
+        FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm of the whole model (each
+        rank's rows summed over the group; a tensor-parallel model inside counts its replicated
+        parameters once), not of this rank's shard -- ``torch.nn.utils.clip_grad_norm_`` on
+        ``fsdp.parameters()`` would see only the shard. A collective over ``group`` (default: all
+        ranks); see :func:`dtlib.parallel.clip.clip_grad_norm_`."""
+        return clip_grad_norm_(self, max_norm, norm_type, group=group)
 
     # ---- inspection --------------------------------------------------------------------------
     @torch.no_grad()

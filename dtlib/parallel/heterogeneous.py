@@ -87,17 +87,29 @@ def weighted_average_gradients(model: nn.Module, num_samples: int, group: Any = 
     ``g = sum_r n_r g_r / sum_r n_r``: rank r's gradient is the mean over its ``n_r`` samples, so
     ``n_r g_r`` is its *sum*; summing those and dividing by the total number of samples gives the
     mean over the global batch - one process's gradient. (A plain mean ``sum_r g_r / world`` would
-    over-weight the samples of small batches.) Two all-reduces: the sample count, then the
-    weighted gradients as one flat buffer.
+    over-weight the samples of small batches.) Two all-reduces: the sample count with a flag per
+    parameter (did this rank's loss reach it?), then the weighted gradients as one flat buffer.
+
+    The buffer has the same layout on every rank: every trainable parameter, zeros where a rank
+    has no gradient (its samples did not use that parameter: a skipped branch, an expert no token
+    chose), which is exactly their contribution to the global mean. Packing only the gradients that
+    exist would sum one parameter's gradient into another's when ranks skip different ones. A
+    parameter no rank used keeps ``.grad = None``, as in one process.
     """
     num_samples = validate.integer("num_samples", num_samples, minimum=1)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.tensor([float(num_samples)])
+    params = [p for p in model.parameters() if p.requires_grad]
+    counts = torch.tensor([float(num_samples)] + [float(p.grad is not None) for p in params],
+                          device=params[0].device if params else None)
     if dist.is_initialized():
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(counts, group=group)
+    used = (counts[1:] > 0).tolist()
+    for p, used_anywhere in zip(params, used):
+        if p.grad is None and used_anywhere:
+            p.grad = torch.zeros_like(p)  # this rank's samples add nothing to it
+    grads = [p.grad for p, used_anywhere in zip(params, used) if used_anywhere]
     for g in grads:  # each rank's mean gradient x its samples: the sum over its samples
         g.mul_(num_samples)
-    all_reduce_coalesced(grads, group, divisor=total.item())
+    all_reduce_coalesced(grads, group, divisor=counts[0].item())
 
 
 def time_balanced_counts(layer_seconds: Sequence[float], stage_slowdowns: Sequence[float]) -> list[int]:

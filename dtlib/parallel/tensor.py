@@ -19,6 +19,11 @@ The rest follows Megatron-LM's ``core/tensor_parallel``: :class:`VocabParallelEm
 so the ``b x s x v`` logits are never gathered), :func:`tensor_parallel` to convert a
 :class:`~dtlib.models.gpt.TinyGPT`, :func:`full_state_dict` to gather it back, and
 :func:`initialize_model_parallel` for data x tensor parallelism (TP ranks adjacent).
+
+About 600 lines, over the usual 400, as Megatron-LM's ``core/tensor_parallel/layers.py``: the
+layers, the vocabulary-parallel embedding and loss and the TinyGPT conversion share the group
+checks and the parameter attributes (``tensor_model_parallel``, ``partition_dim``) that
+:func:`full_state_dict` and :mod:`dtlib.parallel.clip` read; the f/g operators are already apart.
 """
 from __future__ import annotations
 
@@ -235,12 +240,22 @@ class VocabParallelEmbedding(nn.Module):
 
     Rank ``r`` holds rows ``[r*v/t, (r+1)*v/t)``; a token outside them gives zeros, so the sum over
     ranks (``g``, or ``g-bar`` to sequence shards with ``reduce_scatter_embeddings``) is the
-    embedding.
+    embedding. ``embedding.padding_idx`` is kept: the pad row, on the rank that holds it, gets no
+    gradient, as in ``nn.Embedding``. ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are
+    refused: each looks at the lookups of the whole vocabulary (a rank's out-of-shard tokens are
+    looked up as its row 0 and masked, so it would renormalise or count that row).
     """
 
     def __init__(self, embedding: nn.Embedding, group: Any = None,
                  reduce_scatter_embeddings: bool = False):
         super().__init__()
+        unsupported = {"max_norm": embedding.max_norm is not None,
+                       "scale_grad_by_freq": embedding.scale_grad_by_freq, "sparse": embedding.sparse}
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"VocabParallelEmbedding does not support nn.Embedding's {name} "
+                                 f"(got {name}={getattr(embedding, name)!r}): build the embedding "
+                                 "without it; padding_idx is supported")
         self.group = _check_group(group)
         t, rank = dist.get_world_size(group), dist.get_rank(group)
         _check_divides({"vocab": embedding.num_embeddings}, t)
@@ -248,6 +263,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * embedding.num_embeddings // t
         self.vocab_end = self.vocab_start + embedding.num_embeddings // t
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.padding_idx = embedding.padding_idx  # nn.Embedding stores it >= 0
+        pad = self.padding_idx
+        self.local_padding_idx = (pad - self.vocab_start if pad is not None
+                                  and self.vocab_start <= pad < self.vocab_end else None)
         with torch.no_grad():
             self.weight = nn.Parameter(embedding.weight[self.vocab_start:self.vocab_end].clone())
         _mark(self.weight, 0)
@@ -259,7 +278,7 @@ class VocabParallelEmbedding(nn.Module):
                              f" to be divisible by the tensor-parallel degree {t}")
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = F.embedding(local, self.weight, self.local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sequence_parallel_region(partial, self.group)
         return reduce_from_tensor_model_parallel_region(partial, self.group)
@@ -307,44 +326,56 @@ class ParallelMLP(nn.Module):
 # ---- the loss on vocabulary-sharded logits --------------------------------------------------------
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy from vocabulary shards (Megatron-LM ``_VocabParallelCrossEntropy``):
-    the max and ``[target logit, sum of exp]`` are all-reduced; only ``b*s`` numbers travel."""
+    the max and ``[target logit, sum of exp]`` are all-reduced; only ``b*s`` numbers travel.
+    Tokens whose target is ``ignore_index`` count for nothing: the mean is over the others and
+    their gradient is zero (``F.cross_entropy``'s ``ignore_index``, reduction ``"mean"``)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, ignore_index):
         logits = logits.float()
         v_local = logits.shape[-1]
         start = dist.get_rank(group) * v_local
         logits_max = logits.amax(dim=-1)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # for a stable exp
         shifted = logits - logits_max.unsqueeze(-1)
-        outside = (targets < start) | (targets >= start + v_local)
+        ignored = targets == ignore_index
+        outside = (targets < start) | (targets >= start + v_local) | ignored
         local = (targets - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
         stats = torch.stack([target_logit, exp.sum(dim=-1)])
         dist.all_reduce(stats, group=group)  # one message for both sums
-        loss = stats[1].log() - stats[0]
+        loss = (stats[1].log() - stats[0]).masked_fill(ignored, 0.0)
+        counted = (~ignored).sum()  # 0 if every token is ignored: NaN, as F.cross_entropy gives
         softmax = exp.div_(stats[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
-        return loss.mean()
+        ctx.save_for_backward(softmax, local, outside, ignored, counted)
+        return loss.sum() / counted
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, outside = ctx.saved_tensors
+        softmax, local, outside, ignored, counted = ctx.saved_tensors
         onehot = F.one_hot(local, softmax.shape[-1]).masked_fill(outside.unsqueeze(-1), 0)
-        scale = grad / local.numel()  # d mean / d token loss
-        return (softmax - onehot) * scale, None, None
+        scale = grad / counted  # d mean / d token loss
+        return ((softmax - onehot) * scale).masked_fill(ignored.unsqueeze(-1), 0.0), None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
-                                 group: Any = None) -> torch.Tensor:
-    """``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten())`` (mean over tokens) from
-    this rank's vocabulary shard ``local_logits[..., v/t]``, never materialising the full logits.
-    ``targets`` holds token ids of the full vocabulary, the same on every rank."""
+                                 group: Any = None, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)``
+    (the mean over the tokens whose target is not ``ignore_index``, PyTorch's default -100 for
+    padding) from this rank's vocabulary shard ``local_logits[..., v/t]``, never materialising the
+    full logits. ``targets`` holds token ids of the full vocabulary, the same on every rank; one
+    outside ``[0, vocab)`` (other than ``ignore_index``) raises before any communication, as
+    PyTorch raises on it."""
     if local_logits.shape[:-1] != targets.shape:
         raise ValueError(f"targets {tuple(targets.shape)} must be local_logits' shape without the "
                          f"vocabulary dimension, {tuple(local_logits.shape[:-1])}")
-    return _VocabParallelCrossEntropy.apply(local_logits, targets, group)
+    vocab = local_logits.shape[-1] * dist.get_world_size(group)
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bad.any():
+        raise IndexError(f"targets hold {targets[bad][0].item()}, outside the vocabulary [0, {vocab}) "
+                         f"and not ignore_index={ignore_index} (F.cross_entropy raises on it too)")
+    return _VocabParallelCrossEntropy.apply(local_logits, targets, group, ignore_index)
 
 
 # ---- a whole TinyGPT --------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from dtlib.analytic.units import MiB
 from dtlib.measure import optimizer_state_bytes
 from dtlib.parallel.buckets import (FlatLayout, InOrderLauncher, assign_buckets,
                                     register_grad_ready_hooks, unique_parameters)
+from dtlib.parallel.clip import clip_grad_norm_
 from dtlib.parallel.collectives import all_gather_into, broadcast_coalesced, reduce_scatter_into
 
 __all__ = ["ShardedOptimizer"]
@@ -199,6 +200,36 @@ class ShardedOptimizer:
             bucket.shard.grad = None
             bucket.grad_shard = None
         return loss
+
+    def held_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
+        """``(parameter, the gradient this rank holds for it, the group over which that gradient
+        is replicated or None)`` for :mod:`dtlib.parallel.clip`. Stage 1: the full gradients,
+        averaged (equal) over the group. Stage 2: each parameter's part of this rank's gradient
+        shard (a view: scaling it scales the shard), this rank's alone."""
+        group = dist.group.WORLD if self.process_group is None else self.process_group
+        if self.stage == 1:
+            return [(p, p.grad, group) for b in self.buckets for p in b.params if p.grad is not None]
+        self.finish_gradient_synchronization()
+        out = []
+        for b in self.buckets:
+            if b.grad_shard is None:
+                continue
+            lo, hi = b.layout.shard_range(self.rank)
+            for p, start, n in zip(b.params, b.layout.offsets, b.layout.numels):
+                first, last = max(start, lo), min(start + n, hi)
+                if first < last:
+                    out.append((p, b.grad_shard[first - lo:last - lo], None))
+        return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, tp_group: Any = None,
+                        group: Any = None) -> float:
+        """Clip the gradients to global norm ``max_norm`` before :meth:`step` and return the norm
+        before clipping, as DeepSpeed's ZeRO optimizers do inside their step. Stage 2 clips its
+        gradient shards (``p.grad`` is already freed there, so ``torch.nn.utils.clip_grad_norm_``
+        would see a norm of 0); stage 1 the full, averaged gradients. ``tp_group``: the
+        tensor-parallel group of a TP model (replicated parameters counted once). A collective
+        over ``group`` (default: all ranks); see :func:`dtlib.parallel.clip.clip_grad_norm_`."""
+        return clip_grad_norm_(self, max_norm, norm_type, tp_group=tp_group, group=group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

@@ -184,7 +184,9 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             t = step_time_arrays(n, cluster, recompute=recompute, schedule=schedule, options=options,
                                  dropout=dropout)
             times = np.where(fits, t["step_time"], np.inf)
-            best = np.argsort(times, kind="stable")[:top]
+            # fastest first, equal times by memory (as the rows below): a top-1 search must pick
+            # the same layout as the first of a top-5 one
+            best = np.lexsort((mem, times))[:top]
             rows += [(float(times[i]), float(mem[i]), _row(grid, t, mem, int(i), recompute, peak))
                      for i in best if np.isfinite(times[i])]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare

@@ -31,7 +31,7 @@ from dtlib.plan.calibration import ATTENTION_EFFICIENCY, FA2_ON_HOPPER, GEMM_EFF
 from dtlib.plan.search import search
 from dtlib.plan.steptime import StepOptions
 
-__all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "predict", "validation_table", "mean_absolute_error",
+__all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table", "mean_absolute_error",
            "fit", "leave_one_source_out", "error_grid", "GEMM_GRID", "ATTENTION_GRID"]
 
 _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
@@ -57,6 +57,11 @@ TITAN_H100 = replace(get_gpu("h100-sxm"), name="h100-96gb", memory_bytes=96 * Gi
                      memory_bandwidth=2.4e12, source=_TITAN + ": hardware section")
 # Jean Zay's A100 nodes: 4 Omni-Path 100 Gb/s links per node of 8 GPUs (BLOOM Sec. 3.4)
 OMNI_PATH = Link("omni-path-100", 12.5e9, 14e-6, "Intel Omni-Path 100 Gb/s per link; NCCL Net latency")
+
+
+# the unit each published metric is quoted in (every row of the table carries its own)
+METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "step_time_s": "s/step",
+                "tokens_per_gpu_s": "tokens/s/GPU"}
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,7 @@ def _prediction(run: PublishedRun, gemm: float | None = None, attention: float |
 
 def predict(run: PublishedRun, gemm: float | None = None, attention: float | None = None,
             rank: bool = True) -> dict[str, Any]:
-    """The planner on one published run: ``predicted`` (same metric as ``published``),
+    """The planner on one published run: ``predicted`` (same ``metric`` and ``unit`` as ``published``),
     ``error`` (relative, signed), ``fits``, ``memory_gib``, the compute split (``gemm_s``,
     ``attention_s``), and with ``rank`` the published layout's ``rank`` among the layouts with the
     same recompute / sequence parallelism / ZeRO choice, with ``gap_to_best`` (relative step-time
@@ -224,7 +229,8 @@ def predict(run: PublishedRun, gemm: float | None = None, attention: float | Non
     fits = bool(mine.configs)
     best = (mine if fits else _published_layout(run, options, fit=False)).configs[0]
     predicted = _metric(best, run)
-    out = {"name": run.name, "source": run.source, "family": run.family, "published": run.published,
+    out = {"name": run.name, "source": run.source, "family": run.family, "metric": run.metric,
+           "unit": METRIC_UNITS[run.metric], "published": run.published,
            "predicted": predicted, "error": (predicted - run.published) / run.published, "fits": fits,
            "why": mine.why, "memory_gib": best["memory_per_gpu_bytes"] / GiB, "config": best}
     if rank:
@@ -316,7 +322,7 @@ def _num(x: float) -> str:
 
 
 def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None) -> str:
-    unit = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "step_time_s": "s/step", "tokens_per_gpu_s": "tokens/s/GPU"}
+    unit = METRIC_UNITS
     by_name = {r.name: r for r in PUBLISHED}
     lines = ["| run | GPUs | published layout | metric | published | predicted | error | GEMM s | attention s "
              "| fits (GiB/GPU) | rank | gap to best |", "|---" * 12 + "|"]

@@ -10,7 +10,8 @@ severity comes from it.
 * ``bubble``: pipeline stages waiting for their neighbours, mean over ranks;
 * ``straggler``: the slowest rank's busy time (step minus exposed communication and bubble)
   above the median of the others', when it is more than ``straggler_skew`` above it;
-* ``launch``: host gaps between operators inside forward/backward (launch-bound small kernels);
+* ``launch``: host gaps between operators inside forward/backward on the rank with the fewest
+  (the host, not the device, sets the pace: Python and operator dispatch between small kernels);
 * ``recompute``: compute x (HFU - MFU) / HFU, when HFU / MFU exceeds ``recompute_ratio``.
 
 MFU = model FLOPs / (step time x peak), HFU = hardware FLOPs / (step time x peak) per rank
@@ -72,24 +73,28 @@ class Finding:
 def summarize(ranks: Sequence[dict[str, Any]], peak: "Accelerator | None" = None) -> dict[str, Any]:
     """Combine the ranks' parsed profiles (:func:`~dtlib.profile.breakdown.parse_trace`) into the
     job's profile: ``breakdown`` {rank: {part: seconds}}, ``step_time`` (slowest rank), MFU/HFU
-    (mean over ranks of each rank's own FLOPs and peak), achieved model FLOP/s per rank and
+    (the ranks' FLOPs summed over the step time x their peaks summed), achieved model FLOP/s per rank and
     ``tokens_per_second`` (the ranks' ``tokens`` per step over the step; None if none given)."""
     if not ranks:
         raise ValueError("no rank profiles to summarise")
     by_rank = {r["rank"]: r for r in sorted(ranks, key=lambda r: r["rank"])}
     step_time = max(r["breakdown"]["step"] for r in by_rank.values())
-    mfu, hfu, achieved = [], [], []
+    # the job's MFU/HFU: all ranks' FLOPs over all ranks' peak capacity in the step. (A mean of
+    # per-rank ratios weighs each rank by its own measured peak: with uneven pipeline stages it
+    # could put HFU below MFU although the ranks ran every model FLOP.)
+    capacity, model, hardware, achieved = 0.0, 0.0, 0.0, []
     for r in by_rank.values():
         own_peak = peak if peak is not None else r["peak_flops"]
         acc = own_peak if isinstance(own_peak, Accelerator) else _flat_peak(own_peak, r["dtype"])
-        mfu.append(utilization(r["flops"]["model"], step_time, 1, acc, r["dtype"]))
-        hfu.append(utilization(r["flops"]["hardware"], step_time, 1, acc, r["dtype"]))
+        capacity += 1.0 / utilization(1.0, step_time, 1, acc, r["dtype"])  # step_time x this rank's peak
+        model += r["flops"]["model"]
+        hardware += r["flops"]["hardware"]
         achieved.append(r["flops"]["model"] / step_time)
     return {"breakdown": {k: {p: r["breakdown"][p] for p in (*PARTS, "overlapped_comm", "host_gaps", "step")}
                           for k, r in by_rank.items()},
             "steps": {k: r["steps"] for k, r in by_rank.items()},
             "wall": {k: r["wall"] for k, r in by_rank.items()},
-            "step_time": step_time, "mfu": mean(mfu), "hfu": mean(hfu),
+            "step_time": step_time, "mfu": model / capacity, "hfu": hardware / capacity,
             "achieved_flops_per_rank": mean(achieved),
             "tokens_per_second": sum(r.get("tokens") or 0 for r in by_rank.values()) / step_time or None,
             "flops": {k: r["flops"] for k, r in by_rank.items()}}
@@ -132,9 +137,12 @@ def diagnose(profile: dict[str, Any], thresholds: Thresholds = Thresholds()) -> 
     bubble = mean_of("bubble")
     candidates.append(("bubble", bubble, f"stages wait for their neighbours {_ms(bubble)} per "
                                          f"step, {_pct(bubble / step)} (pipeline bubble)"))
-    gaps, compute = mean_of("host_gaps"), mean_of("compute")
-    candidates.append(("launch", gaps, f"host gaps between operators {_ms(gaps)} per step "
-                                       f"against {_ms(compute)} of operators"))
+    # the rank with the fewest gaps: a straggler's own sleep inside forward is idle time too, and
+    # it is the straggler's (counted below), not every rank's launch overhead
+    gaps = per_step(lambda i: min(steps[k][i]["host_gaps"] for k in ranks))
+    compute = mean_of("compute")
+    candidates.append(("launch", gaps, f"host gaps between operators {_ms(gaps)} per step even on "
+                                       f"the rank with the fewest, against {_ms(compute)} of operators"))
     if len(ranks) > 1:
         def busy(k: Any, i: int) -> float:
             s = steps[k][i]

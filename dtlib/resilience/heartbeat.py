@@ -136,6 +136,6 @@ def _message(hung: list[int], records: dict[int, dict[str, Any]], stalled: dict[
     who = ", ".join(f"rank {r} (last step {records[r]['step']}, phase {records[r]['phase']!r}, "
                     f"no progress for {stalled[r]:.1f} s)" for r in hung)
     waiting = [r for r in records if r not in hung and records[r]["phase"] != "done"]
-    tail = (f"; ranks {waiting} wait at " + ", ".join(f"{r}: step {records[r]['step']} {records[r]['phase']!r}"
-                                                     for r in waiting)) if waiting else ""
+    tail = ("; waiting for it: " + ", ".join(f"rank {r} in step {records[r]['step']}, phase {records[r]['phase']!r}"
+                                             for r in waiting)) if waiting else ""
     return f"heartbeat: hung {who}{tail}. Aborting the job (exit {EXIT_CODE}) so it can restart from the last checkpoint."

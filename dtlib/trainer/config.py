@@ -83,6 +83,10 @@ class TrainConfig:
     steps: int = 5
     optimizer: str = "adamw"
     lr: float = 3e-3
+    # clip the global gradient norm to this before each update (dtlib.parallel.clip, right on every
+    # layout); 0: off, this trainer's default (unchanged results). Megatron-LM (--clip-grad) and
+    # nanoGPT (grad_clip) clip at 1.0 by default.
+    clip_grad: float = 0.0
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -152,6 +156,7 @@ class TrainConfig:
             validate.integer(name, getattr(self, name), minimum=0)
         validate.integer("keep_last", self.keep_last, minimum=1)
         validate.number("lr", self.lr)
+        validate.number("clip_grad", self.clip_grad, exclusive=False)
         validate.number("aux_loss_coef", self.aux_loss_coef, exclusive=False)
         if self.capacity_factor is not None:
             validate.number("capacity_factor", self.capacity_factor)

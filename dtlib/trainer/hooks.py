@@ -64,7 +64,7 @@ class MonitorHook(Hook):
         self.watch = watch
 
     def after_step(self, run: Any, loss: float, seconds: float) -> None:
-        self.watch.after_step(run.step_count - 1, loss, seconds, run.params)
+        self.watch.after_step(run.step_count - 1, loss, seconds, run.params, run.grad_norm)
 
     def close(self) -> None:
         self.watch.close()

@@ -182,12 +182,14 @@ def _mfu(config: TrainConfig, step_seconds: float, peak: tuple[Any, int, str]) -
 
 
 def run(config: TrainConfig, backend: str = "auto", timeout: float = 600.0, progress: bool = False,
-        keep_params: bool = False) -> dict[str, Any]:
+        keep_params: bool = False, output: str = "rank0") -> dict[str, Any]:
     """Check ``config`` (and the checkpoint it resumes from), start its ``world_size`` ranks with
-    :func:`dtlib.launch` and return rank 0's summary (see :func:`train`)."""
+    :func:`dtlib.launch` and return rank 0's summary (see :func:`train`). ``output`` as
+    :func:`dtlib.launch`'s: ``"none"`` keeps the ranks' log lines (alerts, drills, the profiler's
+    own messages) out of a notebook that prints what it needs from the summary."""
     config.check()
     check_resume(config)
     if config.kill_agent:  # the parent of a dtlib.launch rank is this process, not an agent
         raise ValueError("--kill-agent kills a torchrun agent: start the run with torchrun")
     return launch(train, config.world_size, args=(config, keep_params, progress), backend=backend,
-                  timeout=timeout)[0]
+                  timeout=timeout, output=output)[0]

@@ -35,6 +35,7 @@ from dtlib.models.gpt import Block, TinyGPT
 from dtlib.models.moe import MoE
 from dtlib.profile import phase
 from dtlib.parallel import schedules
+from dtlib.parallel.clip import clip_grad_norm_, grad_norm
 from dtlib.parallel.collectives import all_reduce_coalesced
 from dtlib.parallel.context import context_parallel, shard_sequence
 from dtlib.parallel.expert import expert_parallel
@@ -139,6 +140,8 @@ class _Run:
                        if c.data else None)
         self.sample_ids: list[int] = []
         self.on_gradients: Any = lambda run: None
+        self.measure_grad_norm = False  # dtlib.monitor asks for the norm of every step
+        self.grad_norm: float | None = None  # the last step's, before clipping
 
     def _embedding_group(self) -> Any:
         """This rank's embedding group (first and last stage of its pipeline; None elsewhere).
@@ -206,7 +209,11 @@ class _Run:
         self.beat(self.step_count, "gradient sync")
         with phase("comm"):
             self.synchronise_gradients()
-        self.on_gradients(self)  # lesson 12: dtlib.monitor's gradient norm
+        self.on_gradients(self)  # lesson 12: dtlib.monitor's gradient-explosion drill
+        if c.clip_grad:  # the norm before clipping, as Megatron logs it
+            self.grad_norm = clip_grad_norm_(self.gradient_holders(), c.clip_grad, **self.gradient_groups())
+        elif self.measure_grad_norm:
+            self.grad_norm = grad_norm(self.gradient_holders(), **self.gradient_groups())
         self.beat(self.step_count, "optimizer")
         with phase("optimizer"):
             self.optimizer.step()
@@ -214,11 +221,26 @@ class _Run:
         self.step_count += 1
         return self.global_loss(local)
 
+    def gradient_holders(self) -> list[Any]:
+        """Where this rank's synchronised gradients are, for :mod:`dtlib.parallel.clip`: ZeRO's
+        optimizer (stage 2: its gradient shards), and the pipeline executor (its stages: the last
+        stage's copy of a tied embedding counts on the first), the FSDP wrappers or the model."""
+        holders: list[Any] = [self.optimizer] if self.config.zero in (1, 2) else []
+        return holders + ([self.executor] if self.executor is not None else self.fsdps or [self.model])
+
+    def gradient_groups(self) -> dict[str, Any]:
+        """The groups over which gradients are replicated or split (None: one rank)."""
+        return {"dp_group": self.group("dp_cp"), "tp_group": self.group("tp"),
+                "expert_dp_group": self.group("edp")}
+
     def synchronise_gradients(self) -> None:
         c = self.config
         if c.zero == 3:  # averaged over dp x cp by FSDP's reduce-scatter at the end of backward
             for fsdp in self.fsdps:
                 fsdp.finish_gradient_synchronization()
+            for p in self.params:  # an expert no token chose: a zero gradient on every layout (below)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             if c.sequence_parallel:
                 # "manual" mode (see __init__): the sum over tp commutes with FSDP's average over
                 # dp x cp (every TP rank shards a replicated norm alike), so it applies to the rows

@@ -109,7 +109,7 @@ def plot_stage_balance(result: Mapping, plans: Sequence[str] = ("even", "balance
         ms = [s * 1e3 for s in r["stage_seconds"]]
         ax.bar(stages, ms, color=[colour(3) if s == max(ms) else colour(0) for s in ms])
         for k in stages:
-            ax.text(k, ms[k], f"{r['counts'][k]} blocks", ha="center", va="bottom", fontsize=SMALL_FONT)
+            ax.text(k, ms[k], f"{r['counts'][k]} block{'s' if r['counts'][k] != 1 else ''}", ha="center", va="bottom", fontsize=SMALL_FONT)
         ax.set_xticks(list(stages), [f"stage {k}\nx{result['slowdowns'][k]:g}" for k in stages],
                       fontsize=SMALL_FONT)
         ax.set_title(f"{plan}: step {r['step_time'] * 1e3:.0f} ms", fontsize=FONT + 1)

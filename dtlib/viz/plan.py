@@ -5,6 +5,7 @@ Functions take the rows of :attr:`dtlib.plan.search.SearchResult.configs` (plain
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Sequence
 
 from matplotlib.figure import Figure
@@ -33,7 +34,7 @@ def plot_plan(configs: Sequence[dict[str, Any]], capacity: float, title: str = "
         ax = fig.add_subplot()
         ax.axis("off")
         text = why or "no layout"
-        wrapped = "\n".join(text[i:i + 110] for i in range(0, len(text), 110))
+        wrapped = textwrap.fill(text, 110, break_long_words=False)  # at spaces, never mid-word
         ax.text(0, 0.5, wrapped, fontsize=FONT, va="center")
         ax.set_title(title, fontsize=FONT + 1)
         return fig

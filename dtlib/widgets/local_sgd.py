@@ -21,7 +21,8 @@ def diloco_explorer() -> Explorer:
     return Explorer(
         {"sync_every": W.SelectionSlider(options=[1, 2, 4, 8, 16], value=8, description="H (steps per sync)"),
          "outer_lr": W.SelectionSlider(options=[0.3, 0.5, 0.7, 1.0], value=0.7, description="outer lr"),
-         "bandwidth_mb_s": W.FloatLogSlider(value=10.0, base=10, min=-1, max=3, step=0.25,
+         # the lesson's link (dtlib.experiments.local_sgd.Run: 20 MB/s) by default
+         "bandwidth_mb_s": W.FloatLogSlider(value=20.0, base=10, min=-1, max=3, step=0.1, readout_format=".3g",
                                             description="link MB/s"),
          "slowdown": W.FloatSlider(value=1.0, min=1.0, max=4.0, step=0.5, description="slowest rank x")},
         compute=diloco_tradeoff, plot=plot_time_and_loss,

@@ -41,7 +41,7 @@ def planner_plot(d: dict[str, Any]) -> Figure:
     title = f"{d['model']} on {d['gpus']:,} x {d['gpu']}: {r.fitting:,} of {r.searched:,} layouts fit"
     if plan is not None:
         title += (f"; {plan.tokens / 1e12:g}T tokens: {plan.days:.1f} days, ${plan.cost_usd / 1e6:.2f}M, "
-                  f"{plan.energy_mwh:,.0f} MWh, {plan.expected_failures:.0f} failures")
+                  f"{plan.energy_mwh:,.0f} MWh, {plan.expected_failures:.1f} failures expected")
     return plot_plan(r.configs, r.capacity, title=title, why=r.why)
 
 

@@ -32,7 +32,7 @@ def checkpoint_interval_explorer() -> Explorer:
     return Explorer(
         {"gpus": W.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384, 32768, 100000], value=16384,
                                    description="GPUs"),
-         "gpu_mtbf_hours": W.FloatLogSlider(value=round(LLAMA3_GPU_MTBF_HOURS), base=10, min=3.5, max=6,
+         "gpu_mtbf_hours": W.FloatLogSlider(value=LLAMA3_GPU_MTBF_HOURS, base=10, min=3.5, max=6, readout_format=",.0f",
                                             description="MTBF/GPU (h)"),
          "checkpoint_gb": W.FloatLogSlider(value=800, base=10, min=1, max=4, description="ckpt (GB)"),
          "bandwidth_gbs": W.FloatLogSlider(value=10, base=10, min=0, max=3, description="storage GB/s"),

@@ -1,0 +1,284 @@
+"""A planned layout as each framework's launch config (dtlib.plan.emit): every flag and key for
+FSDP, interleaved + SP, CP, EP, offload and fp8 layouts; batch sizes that multiply out; one-line
+reasons where a framework cannot express a layout; the torchtitan schema catching wrong keys.
+Pure: no framework is imported (tests/test_frameworks_emit.py runs the frameworks' own checks)."""
+import json
+import tomllib
+
+import pytest
+
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.presets import get_preset
+from dtlib.plan.emit import (FILENAMES, FRAMEWORKS, JAX_ROLES, TORCHTITAN_SCHEMA, check_torchtitan, deepspeed_config, emit,
+                             jax_mesh, megatron_flags, torchtitan_document, torchtitan_toml, unsupported)
+
+LLAMA = get_preset("llama3-8b")    # GQA, SwiGLU, RMSNorm, RoPE, untied, no biases
+GPT3 = get_preset("gpt3-175b")     # MHA, GELU, LayerNorm, learned positions, tied, biases
+MOE = TransformerConfig(name="moe", layers=8, hidden=1024, heads=16, vocab=32000, seq=4096, moe_experts=8,
+                        moe_top_k=2)
+FSDP = Parallelism(dp=64, zero=3, num_microbatches=8)
+INTERLEAVED = Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2, sequence_parallel=True,
+                          num_microbatches=8, recompute="selective")
+CP = Parallelism(dp=8, tp=2, cp=2, zero=1, micro_batch_size=2, num_microbatches=4, recompute="full",
+                 offload="optimizer")
+EP = Parallelism(dp=8, ep=4, zero=1, micro_batch_size=2, num_microbatches=2)
+
+# every flag name below was parsed by Megatron-LM core_v0.16.1's own add_megatron_arguments
+# (megatron/training/arguments.py, commit 55ac7082) and its validate_args accepted these layouts'
+# flags; a flag outside this set is a typo or an unchecked addition
+MEGATRON_FLAGS = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size", "--sequence-parallel",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer",
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format", "--optimizer-cpu-offload",
+    "--use-precision-aware-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--micro-batch-size",
+    "--global-batch-size", "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+    "--seq-length", "--max-position-embeddings", "--vocab-size", "--group-query-attention", "--num-query-groups",
+    "--num-experts", "--moe-router-topk", "--swiglu", "--normalization", "--position-embedding-type",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--fp16", "--fp8-format"}
+
+
+def _parse(flags):
+    """Megatron flags as {flag: value, switch: True}, failing on a repeated flag."""
+    out, i = {}, 0
+    while i < len(flags):
+        assert flags[i].startswith("--") and flags[i] not in out, flags[i]
+        has_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        out[flags[i]] = flags[i + 1] if has_value else True
+        i += 2 if has_value else 1
+    return out
+
+
+@pytest.mark.parametrize("model, layout", [(LLAMA, FSDP), (LLAMA, INTERLEAVED), (LLAMA, CP), (MOE, EP),
+                                           (GPT3, Parallelism(dp=8, tp=8, pp=8, num_microbatches=16))])
+def test_megatron_flags_are_known_and_the_batch_multiplies_out(model, layout):
+    f = _parse(megatron_flags(layout, model, layout.global_batch))
+    assert set(f) <= MEGATRON_FLAGS, set(f) - MEGATRON_FLAGS
+    tp, pp, cp = (int(f[k]) for k in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                       "--context-parallel-size"))
+    data_parallel = layout.gpus // (tp * pp * cp)  # what Megatron-LM derives from the world size
+    assert data_parallel == layout.dp
+    assert int(f["--global-batch-size"]) == int(f["--micro-batch-size"]) * layout.num_microbatches * data_parallel
+    assert [f[k] for k in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+                           "--seq-length", "--vocab-size")] == [str(v) for v in (
+        model.layers, model.hidden, model.heads, model.ffn, model.seq, model.vocab)]
+
+
+def test_megatron_fsdp_layout_and_the_llama_shape():
+    f = _parse(megatron_flags(FSDP, LLAMA, 512))
+    assert f["--use-megatron-fsdp"] and f["--data-parallel-sharding-strategy"] == "optim_grads_params"
+    assert f["--ckpt-format"] == "fsdp_dtensor" and "--use-distributed-optimizer" not in f
+    assert f["--overlap-grad-reduce"] and f["--overlap-param-gather"]
+    assert (f["--micro-batch-size"], f["--global-batch-size"]) == ("1", "512")
+    assert f["--group-query-attention"] and f["--num-query-groups"] == "8"
+    assert f["--swiglu"] and f["--normalization"] == "RMSNorm" and f["--position-embedding-type"] == "rope"
+    assert f["--untie-embeddings-and-output-weights"] and f["--disable-bias-linear"] and f["--bf16"]
+    assert _parse(megatron_flags(FSDP.with_(zero=2), LLAMA, 512))["--data-parallel-sharding-strategy"] == "optim_grads"
+
+
+def test_megatron_interleaved_sequence_parallel_selective_and_zero1():
+    f = _parse(megatron_flags(INTERLEAVED, LLAMA, 32))
+    assert f["--num-layers-per-virtual-pipeline-stage"] == "4"  # 32 layers / (pp 4 x 2 chunks)
+    assert f["--sequence-parallel"] and f["--recompute-granularity"] == "selective"
+    assert "--recompute-method" not in f and f["--use-distributed-optimizer"]
+    assert "--use-megatron-fsdp" not in f
+
+
+def test_megatron_context_parallel_full_recompute_offload_and_fp8():
+    f = _parse(megatron_flags(CP, LLAMA, 64, "fp8"))
+    assert f["--context-parallel-size"] == "2" and "--sequence-parallel" not in f
+    assert (f["--recompute-granularity"], f["--recompute-method"], f["--recompute-num-layers"]) == ("full", "uniform", "1")
+    assert f["--optimizer-cpu-offload"] and f["--use-precision-aware-optimizer"]
+    assert f["--bf16"] and f["--fp8-format"] == "hybrid"
+
+
+def test_megatron_experts_gpt3_shape_and_no_data_parallel_overlap():
+    f = _parse(megatron_flags(EP, MOE, EP.global_batch))
+    assert (f["--expert-model-parallel-size"], f["--num-experts"], f["--moe-router-topk"]) == ("4", "8", "2")
+    g = _parse(megatron_flags(Parallelism(tp=8, pp=8, num_microbatches=16), GPT3, 16, "fp16"))
+    for absent in ("--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
+                   "--swiglu", "--normalization", "--position-embedding-type", "--overlap-grad-reduce", "--bf16"):
+        assert absent not in g, absent
+    assert g["--fp16"]
+
+
+@pytest.mark.parametrize("layout, model, reason", [
+    (Parallelism(pp=4, num_microbatches=8, schedule="gpipe"), LLAMA, "schedule gpipe"),
+    (Parallelism(pp=4, num_microbatches=8), LLAMA.with_(layers=30), "30 layers over pp=4"),
+    (Parallelism(pp=2, virtual_stages=3, schedule="interleaved", num_microbatches=4), LLAMA, "32 layers over pp=2 x 3"),
+    (Parallelism(dp=4, zero=3, offload="params"), LLAMA, "offload params"),
+    (Parallelism(cp=4), LLAMA.with_(seq=4100), "2 x context-parallel-size = 8"),
+    (Parallelism(dp=4, zero=3, offload="optimizer"), LLAMA, "offload optimizer with ZeRO-3"),
+    (Parallelism(dp=4, tp=2, ep=2), MOE, "MoE with biases at tp=2"),
+])
+def test_megatron_cannot_express(layout, model, reason):
+    (line,) = unsupported("megatron", layout, model, layout.global_batch)
+    assert reason in line
+    e = emit("megatron", layout, model, layout.global_batch)
+    assert (e.text, e.data, e.unsupported) == ("", None, [line])
+    with pytest.raises(ValueError, match="megatron cannot express"):
+        megatron_flags(layout, model, layout.global_batch)
+
+
+def test_deepspeed_config_batch_zero_offload_precision_and_clipping():
+    c = deepspeed_config(FSDP, LLAMA, 512)
+    assert c["train_batch_size"] == c["train_micro_batch_size_per_gpu"] * c["gradient_accumulation_steps"] * 64 == 512
+    assert c["zero_optimization"] == {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    assert c["bf16"] == {"enabled": True} and "fp16" not in c
+    assert c["gradient_clipping"] == 1.0  # written out, not DeepSpeed's silent default
+    assert c["optimizer"]["type"] == "AdamW"
+    offload = deepspeed_config(Parallelism(dp=8, zero=3, offload="params", micro_batch_size=2, num_microbatches=4),
+                               LLAMA, 64, "fp16")
+    z = offload["zero_optimization"]
+    assert z["offload_optimizer"]["device"] == z["offload_param"]["device"] == "cpu"
+    assert offload["fp16"] == {"enabled": True} and offload["gradient_accumulation_steps"] == 4
+    only_optimizer = deepspeed_config(Parallelism(dp=8, zero=1, offload="optimizer"), LLAMA, 8)["zero_optimization"]
+    assert "offload_optimizer" in only_optimizer and "offload_param" not in only_optimizer
+    assert deepspeed_config(FSDP, LLAMA, 512, gradient_clipping=0.0)["gradient_clipping"] == 0.0
+    assert deepspeed_config(Parallelism(dp=2), LLAMA, 2)["zero_optimization"] == {"stage": 0}
+
+
+def test_deepspeed_with_tensor_parallelism_is_megatron_deepspeeds_json():
+    layout = Parallelism(dp=4, tp=2, pp=2, zero=1, num_microbatches=4)
+    e = emit("deepspeed", layout, LLAMA, 16)
+    assert e.data["train_batch_size"] == 16 == e.data["train_micro_batch_size_per_gpu"] * 4 * layout.dp
+    assert any("Megatron-DeepSpeed" in n for n in e.notes)
+    assert json.loads(e.text) == e.data
+
+
+@pytest.mark.parametrize("layout, precision, reason", [
+    (INTERLEAVED, "bf16", "schedule interleaved"),
+    (Parallelism(dp=2, pp=2, zero=2, num_microbatches=2), "bf16", "ZeRO-2 with pp=2"),
+    (Parallelism(dp=2, cp=2), "bf16", "cp=2"),
+    (FSDP, "fp8", "precision fp8"),
+])
+def test_deepspeed_cannot_express(layout, precision, reason):
+    reasons = unsupported("deepspeed", layout, LLAMA, layout.global_batch, precision)
+    assert len(reasons) == 1 and reason in reasons[0]
+
+
+def _toml(layout, model=LLAMA, precision="bf16"):
+    return tomllib.loads(torchtitan_toml(layout, model, layout.global_batch, precision))
+
+
+def test_torchtitan_fsdp_and_gradient_accumulation():
+    doc = _toml(FSDP)
+    assert doc == torchtitan_document(FSDP, LLAMA, 512)  # the TOML writer round-trips
+    par, training = doc["parallelism"], doc["training"]
+    assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (64, 1)
+    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"]) == (1, 1, 1)
+    # no pipeline: local batch is one micro-batch, torchtitan accumulates global / (local x dp) = 8 of them
+    assert training["global_batch_size"] // (training["local_batch_size"] * 64) == FSDP.num_microbatches
+    assert training["seq_len"] == 8192 and doc["model"]["flavor"] == "8B"
+    assert doc["activation_checkpoint"] == {"mode": "none"}
+
+
+def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
+    layout = Parallelism(dp=4, tp=2, pp=4, zero=2, schedule="interleaved", virtual_stages=2, num_microbatches=8,
+                         micro_batch_size=2, sequence_parallel=True, recompute="selective")
+    doc = _toml(layout, precision="fp8")
+    par, training = doc["parallelism"], doc["training"]
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and par["pipeline_parallel_layers_per_stage"] == 4
+    assert par["fsdp_reshard_after_forward"] == "never"  # ZeRO-2: PyTorch's SHARD_GRAD_OP
+    # pipeline micro-batches: local batch = micro x m, no accumulation
+    assert training["local_batch_size"] == par["pipeline_parallel_microbatch_size"] * 8
+    assert training["local_batch_size"] * par["data_parallel_shard_degree"] == training["global_batch_size"] == 64
+    assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert doc["model"]["converters"] == ["float8"] and doc["quantize"]["linear"]["float8"]["filter_fqns"] == ["output"]
+    hsdp = _toml(Parallelism(dp=16, zero=3, shard_size=8, offload="params"))
+    assert (hsdp["parallelism"]["data_parallel_replicate_degree"], hsdp["parallelism"]["data_parallel_shard_degree"]) == (2, 8)
+    assert hsdp["training"]["enable_cpu_offload"] is True
+    tp_only = _toml(Parallelism(tp=8))  # no data parallelism: neither DDP nor FSDP
+    assert (tp_only["parallelism"]["data_parallel_replicate_degree"], tp_only["parallelism"]["tensor_parallel_degree"]) == (1, 8)
+    ddp = _toml(Parallelism(dp=8))
+    assert (ddp["parallelism"]["data_parallel_replicate_degree"], ddp["parallelism"]["data_parallel_shard_degree"]) == (8, 1)
+    assert emit("torchtitan", Parallelism(dp=2, tp=2, zero=3), LLAMA, 2).notes[-1].startswith(
+        "torchtitan's tensor parallelism always shards")
+
+
+@pytest.mark.parametrize("layout, precision, reason", [
+    (Parallelism(dp=8, zero=1), "bf16", "ZeRO-1"),
+    (Parallelism(dp=4, tp=2), "bf16", "DDP has not supported"),
+    (Parallelism(cp=2), "bf16", "ZeRO-0 with cp=2"),
+    (Parallelism(dp=4, zero=1, offload="optimizer"), "bf16", "ZeRO-1"),
+    (Parallelism(dp=4, zero=3, offload="optimizer"), "bf16", "offload optimizer"),
+    (FSDP, "fp16", "precision fp16"),
+])
+def test_torchtitan_cannot_express(layout, precision, reason):
+    assert reason in unsupported("torchtitan", layout, LLAMA, layout.global_batch, precision)[0]
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("parallelism", "tensor_parallel_size", 2, "tensor_parallel_size is not a torchtitan key"),
+    ("parallelism", "tensor_parallel_degree", "2", "must be int"),
+    ("parallelism", "tensor_parallel_degree", True, "must be int"),
+    ("parallelism", "pipeline_parallel_schedule", "interleaved", "must be one of"),
+    ("activation_checkpoint", "mode", "op", "must be one of"),
+    ("training", "max_norm", "1", "must be float"),
+    ("model", "converters", "float8", "must be list[str]"),
+    ("parallel", "tensor_parallel_degree", 2, "[parallel] is not a torchtitan section"),
+])
+def test_the_torchtitan_schema_catches_a_wrong_key_or_type(section, key, value, message):
+    doc = torchtitan_document(FSDP, LLAMA, 512)
+    doc.setdefault(section, {})[key] = value
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_torchtitan(doc)
+
+
+def test_the_torchtitan_schema_covers_every_emitted_key():
+    layouts = [FSDP, INTERLEAVED.with_(zero=2), Parallelism(dp=16, zero=3, shard_size=8, offload="params"),
+               Parallelism(dp=8, ep=4, zero=3, num_microbatches=2)]
+    for layout in layouts:
+        model = MOE if layout.ep > 1 else LLAMA
+        check_torchtitan(tomllib.loads(torchtitan_toml(layout, model, layout.global_batch, "fp8")))
+    assert set(TORCHTITAN_SCHEMA["parallelism"]) >= {"data_parallel_shard_degree", "data_parallel_replicate_degree",
+                                                     "tensor_parallel_degree", "pipeline_parallel_degree",
+                                                     "context_parallel_degree", "pipeline_parallel_schedule"}
+
+
+def test_jax_mesh_axes_and_specs():
+    m = jax_mesh(Parallelism(dp=4, tp=2), LLAMA, 4)
+    assert m["mesh"] == {"data": 4, "fsdp": 1, "model": 2} and m["batch"] == ["data", None]
+    assert list(m["specs"]) == list(m["shapes"]) == list(JAX_ROLES)
+    assert m["specs"] == {"embed": ["model", None], "attn.qkv": [None, "model"], "attn.out": ["model", None],
+                          "mlp.up": [None, "model"], "mlp.down": ["model", None], "norm": [None],
+                          "head": [None, "model"]}
+    assert m["shapes"]["attn.qkv"] == [4096, 4096 + 2 * 8 * 128]  # GQA: q + k + v of 8 KV heads
+    f = jax_mesh(Parallelism(dp=4, tp=2, zero=3), LLAMA, 4)
+    assert f["mesh"] == {"data": 1, "fsdp": 4, "model": 2} and f["batch"] == ["fsdp", None]
+    assert f["specs"]["mlp.up"] == ["fsdp", "model"] and f["specs"]["mlp.down"] == ["model", "fsdp"]
+    assert f["specs"]["norm"] == ["fsdp"]
+    hybrid = jax_mesh(Parallelism(dp=8, zero=3, shard_size=4), LLAMA, 8)
+    assert hybrid["mesh"] == {"data": 2, "fsdp": 4, "model": 1} and hybrid["batch"] == [["data", "fsdp"], None]
+    notes = emit("jax", Parallelism(dp=4, zero=1), LLAMA, 4).notes
+    assert any("ZeRO-1 has no exact GSPMD equivalent" in n for n in notes)
+    # each sharded dimension divides by its axes' sizes
+    for role, spec in f["specs"].items():
+        for dim, axis in zip(f["shapes"][role], spec):
+            assert dim % (f["mesh"][axis] if axis else 1) == 0, role
+
+
+def test_jax_cannot_express_pipelines_context_experts_or_an_indivisible_vocabulary():
+    assert "pp=2" in unsupported("jax", Parallelism(pp=2, num_microbatches=2), LLAMA, 2)[0]
+    assert "cp=2" in unsupported("jax", Parallelism(cp=2), LLAMA, 1)[0]
+    assert "ep=4" in unsupported("jax", EP, MOE, EP.global_batch)[0]
+    reasons = unsupported("jax", Parallelism(tp=2), GPT3, 1)  # vocabulary 50257 over model=2
+    assert reasons and all("50257" in r for r in reasons)
+
+
+def test_emit_results_and_bad_input():
+    for framework in FRAMEWORKS:
+        e = emit(framework, Parallelism(dp=8, zero=3), LLAMA, 8)
+        assert e.unsupported == [] and e.text and e.filename == FILENAMES[framework]
+        assert e.to_dict()["file"] == FILENAMES[framework]
+    with pytest.raises(ValueError, match="global_batch=16 but the layout's .* = 8"):
+        emit("megatron", Parallelism(dp=8), LLAMA, 16)
+    with pytest.raises(ValueError, match="framework must be one of"):
+        emit("mxnet", Parallelism(dp=8), LLAMA, 8)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        emit("jax", Parallelism(dp=8), LLAMA, 8, "int4")
+    with pytest.raises(ValueError, match="tensor parallel size tp=3"):
+        emit("jax", Parallelism(tp=3), LLAMA, 1)
+    with pytest.raises(ValueError, match="model must be"):
+        emit("jax", Parallelism(dp=8), "llama3-8b", 8)
