@@ -23,7 +23,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-lab: install
+# JupyterLab's defaults for the course, installed where it reads packages' overrides (its
+# app settings' overrides.d/): no "get notified about Jupyter news?" pop-up over the plots.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/dtlib.json
+
+$(LAB_OVERRIDES): lab/overrides.json
+	mkdir -p $(dir $@)
+	cp $< $@
+
+lab: install $(LAB_OVERRIDES)
 	$(VENV)/bin/jupyter lab $(AS_ROOT) --ServerApp.root_dir=$(CURDIR) \
 		--LabApp.default_url=/lab/tree/$(FIRST_LESSON) $(LAB_ARGS)
 

@@ -34,16 +34,26 @@ def test_outer_step_checks_accept_the_reference():
 
 
 @pytest.mark.parametrize("mistake, message", [
-    (dict(sign=-1.0), "wrong way: the pseudo-gradient is global - local"),
+    (dict(sign=-1.0), "wrong way: check the sign of the pseudo-gradient"),
     (dict(average=False), "summed over ranks, not averaged"),
     (dict(nesterov=False), "heavy-ball momentum"),
-    (dict(copy=False), "copy the new global parameters into params"),
+    (dict(copy=False), "params still hold this rank's local ones"),
     (dict(update_bufs=False), "momentum_buffers were not updated in place"),
 ])
 def test_outer_step_check_names_each_mistake(mistake, message):
     with pytest.raises(AssertionError) as failed:
         checks.check_outer_step(_outer(**mistake))
     assert message in str(failed.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("wrong", [lambda *args: None, _outer(average=False)], ids=["unfilled", "summed"])
+def test_the_rounds_check_does_not_blame_momentum_for_a_wrong_step(wrong):
+    """Issue 28, item 9: Q1's second check blamed the momentum buffer for every mistake."""
+    with pytest.raises(AssertionError) as failed:
+        checks.check_diloco_rounds(wrong)
+    first = str(failed.value).splitlines()[0]
+    assert first.startswith("one outer step is already wrong") and "fix it first" in first
+    assert "momentum" not in first
 
 
 def test_unfinished_and_hanging_outer_steps_fail_with_a_hint():

@@ -69,3 +69,24 @@ def test_mfu_percentage_and_stub():
         checks.check_mfu(lambda *a: 100 * mfu(*a))
     with pytest.raises(AssertionError, match="returned None"):
         checks.check_mfu(lambda *a: None)
+
+
+def test_each_profile_is_judged_on_its_own():
+    """Issue 28, item 9: two right diagnoses of three scored 0 of 3 (Q1 was one all-or-nothing check)."""
+    one_wrong = {**RIGHT, "B": {"bottleneck": "communication", "fix": "e"}}
+    checks.check_diagnosis(one_wrong, "A")
+    checks.check_diagnosis(one_wrong, "C")
+    with pytest.raises(AssertionError, match="profile B: not 'communication'"):
+        checks.check_diagnosis(one_wrong, "B")
+    with pytest.raises(AssertionError, match="keys"):  # an unfilled answer fails every part
+        checks.check_diagnosis(..., "A")
+
+
+def test_the_exercise_gives_one_point_per_profile():
+    import json
+    from pathlib import Path
+    master = json.loads((Path(__file__).parent.parent / "masters" / "07_profiling.ipynb").read_text())
+    tests = ["".join(c["source"]) for c in master["cells"] if "checks.check_diagnosis(" in "".join(c["source"])
+             and "def test_" in "".join(c["source"])]
+    assert sorted(t.split("check_diagnosis(diagnosis(), ")[1][:3] for t in tests) == ['"A"', '"B"', '"C"']
+    assert all("points: 1" in t for t in tests)

@@ -25,7 +25,7 @@ def shard_params(params, world_size):
 
 def test_shard_check_accepts_greedy_and_rejects_mistakes():
     checks.check_shard_params(shard_params)  # the hand-written greedy, not the check's own reference
-    with pytest.raises(AssertionError, match="Balance by size, not by count"):
+    with pytest.raises(AssertionError, match="balance by size, not by count"):
         checks.check_shard_params(lambda ps, n: [i % n for i in range(len(ps))])  # round-robin
     with pytest.raises(AssertionError, match="returned None"):
         checks.check_shard_params(lambda ps, n: None)

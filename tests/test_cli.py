@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from dtlib.cli import build_parser, main
-from dtlib.cli.args import layout_from_args
+from dtlib.cli.args import layout_from_args, plain
+from dtlib.cli.train import header, summary_text
 from dtlib.analytic.comm import collective_time, hierarchical_time
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.flops import flops_report
@@ -334,3 +335,65 @@ def test_a_preset_is_counted_as_its_model_was_trained(capsys):
     d = json.loads(out)
     gpt = memory_per_gpu("gpt3-175b", Parallelism(tp=8, pp=8), precision=precision("bf16-mixed"))
     assert d["per_gpu"]["activations"] == gpt.activations and not any("assuming" in n for n in d["notes"])
+
+
+# ---- issue 28: the command line as a platform engineer reads it ---------------------------------
+def _subcommands() -> list[str]:
+    return list(build_parser()._subparsers._group_actions[0].choices)
+
+
+def test_top_level_help_describes_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    description = out.split("positional arguments:")[0]
+    for name in _subcommands():  # each has a line of its own in the description
+        assert re.search(rf"^  {name}\s+\w", description, re.M), name
+
+
+def test_help_has_no_sphinx_markup(capsys):
+    for name in _subcommands():
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert not re.search(r":[a-z]+:`|``", out), (name, re.findall(r".*(?::[a-z]+:`|``).*", out))
+    assert main(["plan", "--help"]) == 0
+    assert "(dtlib.plan)" in capsys.readouterr().out
+    assert plain(":func:`~dtlib.plan.search.search` and :mod:`dtlib.plan`, ``--json``") == \
+        "search and dtlib.plan, --json"
+
+
+@pytest.mark.parametrize("old,new", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
+def test_one_precision_vocabulary_old_spellings_still_accepted(capsys, old, new):
+    base = ["memory", "--model", "llama3-8b", "--json"]
+    assert main(base + ["--precision", old]) == 0
+    with_old = capsys.readouterr().out
+    assert main(base + ["--precision", new]) == 0
+    assert capsys.readouterr().out == with_old
+    assert main(["memory", "--help"]) == 0
+    assert "{bf16,fp16,fp32}" in capsys.readouterr().out
+
+
+def test_precision_outside_a_subcommand_s_range_names_it(capsys):
+    assert main(["memory", "--model", "llama3-8b", "--precision", "fp8"]) == 2
+    assert "--precision must be one of bf16, fp16, fp32 (or the old spelling bf16-mixed, fp16-mixed), got 'fp8'" \
+        in capsys.readouterr().err
+
+
+def test_memory_names_the_pipeline_stage_next_to_zero(capsys):
+    assert main(["memory", "--model", "llama3-8b", "--tp", "2", "--pp", "4", "--dp", "2", "--zero", "1"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert "pipeline stage 3 of 0-3" in title and "zero=1" in title and "(stage" not in title
+    assert main(["memory", "--model", "llama3-8b", "--dp", "2", "--zero", "1"]) == 0
+    assert "stage" not in capsys.readouterr().out.splitlines()[0]  # one stage: nothing to say
+
+
+def test_train_summary_says_what_ran_and_which_peak():
+    summary = {"model": {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "parameters": 42880},
+               "layout": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1}, "losses": [5.5, 5.4], "first_step": 0,
+               "global_batch": 4, "world_size": 2, "backend": "gloo", "tokens_per_s": 1000.0, "mfu": 0.0281,
+               "mfu_peak": "this CPU's measured fp32 matmul peak (100.0 GFLOP/s, shared by all ranks)",
+               "params_sha256": "0" * 64}
+    lines = summary_text(summary, as_json=False).splitlines()
+    assert lines[0] == ("TinyGPT (2 layers, hidden 32, 4 heads, 42,880 parameters), 2 steps of 4 sequences x 16 "
+                        "tokens on 2 ranks (dp=2 tp=1 pp=1 cp=1 ep=1), backend gloo")
+    assert "1,000 tokens/s, MFU 2.81% of this CPU's measured fp32 matmul peak (100.0 GFLOP/s" in lines[3]
+    assert "from step 3" in header({**summary, "first_step": 2})

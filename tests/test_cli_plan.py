@@ -59,9 +59,9 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert code == 0
     lines = out.splitlines()
     assert "searched in" in lines[0] and lines[1].startswith("where the numbers come from:")
-    assert lines[2].split()[:3] == ["#", "dp", "tp"]
-    assert lines[3].startswith(" 1") and lines[4].startswith(" 2") and "breakdown" in lines[5]
-    assert lines[6].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert lines[2].startswith("columns: ") and lines[3].split()[:3] == ["#", "dp", "tp"]
+    assert lines[4].startswith(" 1") and lines[5].startswith(" 2") and "breakdown" in lines[6]
+    assert lines[7].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -81,7 +81,7 @@ def test_nothing_fits_explains_and_exits_1(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
      "a100-80gb has no fp8 peak"),
-    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision: invalid choice"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--precision", "fp4"], "--precision must be one of bf16, fp8"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--efficiency", "1.2"], "--efficiency must be a number in (0, 1]"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--power-limit", "-5"], "--power-limit must be watts > 0"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gemm-efficiency", "0"], "--gemm-efficiency must be a number in (0, 1]"),
@@ -119,3 +119,18 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
     code, out, _ = run(capsys, *base[:-1])
     assert code == 0 and out.splitlines()[1].startswith("where the numbers come from: compute from GEMM shapes")
+
+
+def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
+    """Issue 28: the header lacked the sequence length and the precision; m, mb, v, sp were unexplained."""
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1")
+    lines = out.splitlines()
+    assert code == 0 and "global batch 64 sequences of 8,192 tokens, bf16 matmuls" in lines[0]
+    legend = next(line for line in lines if line.startswith("columns:"))
+    for column in ("v: virtual stages", "mb: micro-batch size", "m: micro-batches per step", "sp: sequence parallelism",
+                   "zero: ZeRO stage"):
+        assert column in legend, column
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1",
+                       "--precision", "bf16-mixed", "--json")  # the memory command's old spelling
+    d = json.loads(out)
+    assert code == 0 and d["seq"] == 8192 and d["precision"] == "bf16"

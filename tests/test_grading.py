@@ -15,7 +15,7 @@ from nbclient import NotebookClient
 from otter.test_files import ExceptionTestFile
 
 from dtlib import grading
-from dtlib.grading import feedback
+from dtlib.grading import feedback, hint_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_every_master_has_fresh_generated_copies():
     assert grading.masters(), "no masters found"
     assert grading.check() == [], "run `make exercises` and commit the result"
+
+
+def _slug(nb) -> str:
+    """The checks module an exercise's setup imports (``from dtlib.grading.checks import X as checks``)."""
+    found = re.search(r"from dtlib\.grading\.checks import (\w+) as checks", "\n".join(c.source for c in nb.cells))
+    return found.group(1)
 
 
 def _text(output) -> str:
@@ -42,6 +48,8 @@ def test_unsolved_exercise_runs_and_each_check_shows_its_hint_first(path):
         assert lines[0].startswith(f"{question}: 0 of "), shown[:500]
         assert lines[1].startswith("❌ ") and lines[2].startswith("   → ") and len(lines[2]) > 10, shown[:500]
         assert "Connection closed by peer" not in "\n".join(lines[:3]), shown[:500]
+        for hint in (line[5:] for line in lines if line.startswith("   → ")):  # the hint policy, on the stub
+            assert not hint_policy.violations(hint, _slug(nb), ROOT / "masters" / path.name), hint
     # and no cell ends with an empty result ({} or None) when the exercise is not done yet
     results = [_text(o) for c in nb.cells if c.cell_type == "code" for o in c.outputs
                if o.output_type == "execute_result"]

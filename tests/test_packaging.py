@@ -47,6 +47,7 @@ def test_ci_runs_the_readme_test_command():
 def test_make_lab_serves_the_first_lesson():
     """The README's other command starts JupyterLab (as root too) with the course at its root, and
     the URL it prints (what a headless machine's user opens) lands on lesson 0, not the Launcher."""
+    import json
     import os
     import signal
     import socket
@@ -96,6 +97,11 @@ def test_make_lab_serves_the_first_lesson():
         assert path == "/lab/tree/notebooks/00_collectives.ipynb", f"`make lab` prints {path}, not lesson 0"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=10) as r:
             assert r.status == 200 and "JupyterLab" in r.read().decode()
+        # no "get notified about Jupyter news?" pop-up: the served defaults say no (lab/overrides.json)
+        notification = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(f"{notification}?token={token}", timeout=10) as r:
+            schema = json.loads(r.read())["schema"]["properties"]
+        assert schema["fetchNews"]["default"] == "false" and schema["checkForUpdates"]["default"] is False
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -104,6 +110,26 @@ def test_make_lab_serves_the_first_lesson():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def test_make_lab_installs_the_course_s_jupyterlab_defaults(tmp_path):
+    """`make lab` puts lab/overrides.json where JupyterLab reads packages' default overrides, and
+    JupyterLab reads it: the news pop-up is off (issue 28: it covered the plots)."""
+    import subprocess
+
+    from jupyterlab_server.settings_utils import _get_overrides
+
+    venv = tmp_path / "venv"
+    target = venv / "share/jupyter/lab/settings/overrides.d/dtlib.json"
+    subprocess.run(["make", "-C", str(ROOT), f"VENV={venv}", str(target)], check=True, capture_output=True,
+                   timeout=60)
+    overrides, error = _get_overrides(str(venv / "share/jupyter/lab/settings"))
+    assert not error
+    assert overrides["@jupyterlab/apputils-extension:notification"] == {"fetchNews": "false", "checkForUpdates": False}
+    # and `make lab` depends on it
+    dry = subprocess.run(["make", "-C", str(ROOT), "-n", f"VENV={venv}", "lab"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "jupyter lab" in dry and not re.search(r"^cp .*overrides", dry, re.M)  # already there: not copied again
 
 
 def test_layout_by_concept_and_a_pure_analytic_core():

@@ -175,6 +175,9 @@ def test_command_line_json_and_help(capsys):
     assert out["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
     assert out["steps"] == 2 and out["layout"]["dp"] == 2 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 1
     assert len(out["params_sha256"]) == 64 and len(out["peak_memory_bytes"]) == 2
+    # what ran, and which peak the MFU is of (issue 28: "MFU 2.81%" said neither)
+    assert out["backend"] == "gloo" and out["model"]["layers"] == 2 and out["model"]["seq"] == 16
+    assert out["mfu_peak"].startswith("this CPU's measured fp32 matmul peak (")
 
 
 def test_command_line_runs_fsdp_with_tensor_and_sequence_parallelism(capsys):

@@ -24,8 +24,19 @@ from dtlib.cli.profile import add_profile_command
 from dtlib.cli.shards import add_shards_command
 from dtlib.cli.train import add_train_command
 
-__all__ = ["main", "build_parser", "COMMANDS", "parse_size", "parse_count"]
+__all__ = ["main", "build_parser", "COMMANDS", "DESCRIPTION", "parse_size", "parse_count"]
 
+
+DESCRIPTION = """Distributed training, planned, run and inspected:
+  train       train TinyGPT on dp x tp x pp x cp ranks (torchrun), with checkpoints and drills
+  plan        search the layouts of a model on a cluster: step time, MFU, memory, days, cost
+  profile     re-read a run's per-rank traces: step breakdown, MFU/HFU, bottlenecks
+  memory      memory per GPU of a model and layout
+  flops       FLOPs per step, MFU and HFU
+  comm        a collective's cost, or a model's communication volume per strategy
+  checkpoint  inspect a checkpoint directory, or convert it to one file
+  shards      write a text as token shards for train --data
+Each takes --help; most take --json."""
 
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
                                           add_plan_command, add_train_command, add_checkpoint_command,
@@ -34,7 +45,7 @@ COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dtlib`` parser with every subcommand in :data:`COMMANDS`."""
-    parser = Parser(prog="dtlib", description="Distributed-training arithmetic: memory, FLOPs, communication.")
+    parser = Parser(prog="dtlib", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dtlib {dtlib.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in COMMANDS:

@@ -13,12 +13,24 @@ from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.hardware import ACCELERATORS
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.memory import GiB, resolve_model
-from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, PRECISIONS, get_precision, precision
+from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, get_precision, precision
 from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
 
 
+def plain(text: str) -> str:
+    """Help text without reST markup: a module docstring used as ``--help`` reads
+    ``dtlib.plan``, not ``:mod:`dtlib.plan```; ``:func:`~a.b.c``` shows ``c`` as Sphinx does."""
+    text = re.sub(r":[a-z]+:`~[\w.]*?(\w+)`", r"\1", text)
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but usage errors become ValueError (one line, exit 2, like every bad input)."""
+    """argparse, but usage errors become ValueError (one line, exit 2, like every bad input), and
+    help without reST markup (:func:`plain`), for every subcommand at once."""
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # "argument --tp: must be an integer >= 1, got '0'" -> "--tp must be ...": the wording of
@@ -187,9 +199,33 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", choices=OFFLOAD, default="none")
 
 
+# One precision vocabulary for every subcommand (memory, comm, plan): the training precision,
+# mixed for 16 bits (16-bit weights and activations, fp32 master weights), as PyTorch Lightning's
+# "bf16-mixed" means. The long spellings memory used to take stay accepted.
+PRECISION_NAMES = ("bf16", "fp16", "fp32", "fp8")
+PRECISION_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+PRECISION_HELP = "bf16 and fp16 are mixed precision with fp32 master weights; bf16-mixed, fp16-mixed: old spellings"
+
+
+def precision_choice(valid: tuple[str, ...]) -> Callable[[str], str]:
+    """``--precision``'s argparse type: one of ``valid`` (a subset of :data:`PRECISION_NAMES`), or
+    an old spelling of one (:data:`PRECISION_ALIASES`)."""
+    def parse(text: str) -> str:
+        name = PRECISION_ALIASES.get(text, text)
+        if name not in valid:
+            old = [alias for alias, new in PRECISION_ALIASES.items() if new in valid]
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(valid)}"
+                                             + (f" (or the old spelling {', '.join(old)})" if old else "")
+                                             + f", got {text!r}")
+        return name
+    parse.__name__ = "precision"
+    return parse
+
+
 def precision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
-    g.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    g.add_argument("--precision", type=precision_choice(("bf16", "fp16", "fp32")), default="bf16",
+                   metavar="{bf16,fp16,fp32}", help=PRECISION_HELP)
     g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     g.add_argument("--fp32-grad-copy", action="store_true", help="Megatron fp16: +4 bytes/param")
@@ -298,7 +334,8 @@ def training_defaults(args: argparse.Namespace, model: "TransformerConfig | floa
 def precision_from_args(args: argparse.Namespace):
     if args.convention:
         return get_precision(args.convention)
-    return precision(args.precision, args.grad_dtype, args.optimizer, args.fp32_grad_copy)
+    recipe = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}[args.precision]  # PRECISIONS' spelling
+    return precision(recipe, args.grad_dtype, args.optimizer, args.fp32_grad_copy)
 
 
 # ---- output ------------------------------------------------------------------------------------

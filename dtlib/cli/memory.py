@@ -56,6 +56,8 @@ def run_memory(args: argparse.Namespace) -> int:
     rows = [(k, format_gib(v)) for k, v in m.to_dict()["per_gpu"].items()]
     rows += [("offloaded to CPU", format_gib(m.cpu)), (f"{m.gpu.name} memory", format_gib(m.gpu.memory_bytes)),
              ("fits", "yes" if m.fits else "NO")]
-    title = (f"memory per GPU (stage {m.stage}; dp={layout.dp} tp={layout.tp} pp={layout.pp} "
+    # "pipeline stage", 0-based: next to zero= a bare "stage 3" reads like a ZeRO stage
+    where = f"most loaded: pipeline stage {m.stage} of 0-{layout.pp - 1}; " if layout.pp > 1 else ""
+    title = (f"memory per GPU ({where}dp={layout.dp} tp={layout.tp} pp={layout.pp} "
              f"cp={layout.cp} zero={layout.zero} recompute={layout.recompute})")
     return emit(args, m.to_dict(), table(rows, title) + "\n" + "\n".join(m.notes))

@@ -17,7 +17,8 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
-from dtlib.cli.args import bounded_float, model_args, model_from_args, parse_count, positive_int
+from dtlib.cli.args import (PRECISION_HELP, bounded_float, model_args, model_from_args, parse_count, positive_int,
+                            precision_choice)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
@@ -51,8 +52,9 @@ def add_plan_command(sub: Any) -> None:
                    help="fabric oversubscription above the leaf (bandwidth across nodes / it)")
     b = p.add_argument_group("batch and precision")
     b.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    b.add_argument("--precision", choices=DTYPES, default="bf16",
-                   help="matmul precision; with fp8 attention and the LM head stay in bf16")
+    b.add_argument("--precision", type=precision_choice(DTYPES), default="bf16",
+                   metavar="{" + ",".join(DTYPES) + "}",
+                   help="matmul precision; with fp8 attention and the LM head stay in bf16; " + PRECISION_HELP)
     b.add_argument("--attention-flops", choices=ATTENTION, default="full")
     g = p.add_argument_group("layout (each pins the search; all of them = one configuration)")
     for name in ("tp", "pp", "dp", "cp", "ep", "virtual-stages"):
@@ -162,7 +164,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     d = {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
-         "global_batch": args.global_batch, "configs": r.configs, "searched": r.searched,
+         "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
+         "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity}
@@ -171,13 +174,20 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     return d
 
 
+_LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
+           "pipeline rank; mb: micro-batch size in sequences; m: micro-batches per step; zero: ZeRO stage; "
+           "sp: sequence parallelism")
+
+
 def _text(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
-             f"{d['global_batch']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: "
+             f"{d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])
+    lines.append(_LEGEND)
     lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'v':>2} {'mb':>2} {'m':>4} "
                  f"{'zero':>4} {'recompute':>9} {'sp':>3} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'GiB/GPU':>8}")
     for i, c in enumerate(d["configs"], 1):

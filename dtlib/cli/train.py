@@ -16,7 +16,7 @@ from dtlib.cli.args import non_negative_float, non_negative_int, positive_float,
 if TYPE_CHECKING:
     from dtlib.trainer import TrainConfig
 
-__all__ = ["add_train_command", "run_train", "config_from_args", "summary_text", "LAUNCHERS"]
+__all__ = ["add_train_command", "run_train", "config_from_args", "header", "summary_text", "LAUNCHERS"]
 
 LAUNCHERS = ("local", "torchrun", "ray")
 
@@ -231,13 +231,28 @@ def config_from_args(args: Any) -> "TrainConfig":
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
 
 
+def header(summary: dict[str, Any]) -> str:
+    """What ran: the model, the steps, the layout on how many ranks, the backend."""
+    m, layout = summary["model"], summary["layout"]
+    sizes = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in layout)
+    steps = len(summary["losses"])
+    first = summary.get("first_step", 0)
+    return (f"TinyGPT ({m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, "
+            f"{m['parameters']:,} parameters), {steps} step{'s' * (steps != 1)}"
+            + (f" from step {first + 1}" if first else "")
+            + f" of {summary['global_batch']} sequences x {m['seq']} tokens on {summary['world_size']} "
+            f"rank{'s' * (summary['world_size'] != 1)} ({sizes}), backend {summary['backend']}")
+
+
 def summary_text(summary: dict[str, Any], as_json: bool) -> str:
     """What ``dtlib train`` prints on rank 0: one JSON object, or the losses, throughput and hash."""
     if as_json:
         return json.dumps({k: v for k, v in summary.items() if k != "params"})
-    lines = [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
+    lines = [header(summary)]
+    lines += [f"step {i + 1:4d}  loss {loss:.4f}" for i, loss in enumerate(summary["losses"])]
     if summary["tokens_per_s"] is not None:
-        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}%")
+        lines.append(f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.2f}% of "
+                     f"{summary['mfu_peak']}")
     lines.append(f"params_sha256 {summary['params_sha256']}")
     if "profile" in summary:
         from dtlib.profile import Finding, format_summary

@@ -35,7 +35,8 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
           extra_hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     """Train ``config`` on this rank (inside ``dtlib.launch`` or torchrun; with one rank and no
     process group it also runs in the calling process). Rank 0 returns the run's summary:
-    ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``, ``layout``,
+    ``steps``, ``first_step`` (after ``resume``), ``losses`` (global mean per step run), ``tokens_per_s``, ``mfu``,
+    ``mfu_peak`` (the peak the MFU divides by, in words), ``layout``, ``model`` (its shape), ``backend``,
     ``peak_memory_bytes`` (per rank, where measurable) and ``params_sha256``; with checkpoints
     ``resumed`` (what ``resume`` found) and ``checkpoint_blocking_s`` (per save); ``params`` too with
     ``keep_params``. Other ranks return ``{"rank": rank}``. ``groups`` replaces some of the
@@ -119,7 +120,9 @@ def train(rank: int, world_size: int, config: TrainConfig, keep_params: bool = F
     timed = seconds[1:] or seconds
     steady = sorted(timed)[len(timed) // 2] if timed else None  # median, first step aside
     out = {"steps": config.steps, "first_step": first, "losses": losses, "tokens_per_s": tokens / steady if steady else None,
-           "mfu": _mfu(config, steady, peak) if steady else None, "layout": asdict(config.layout()),
+           "mfu": _mfu(config, steady, peak) if steady else None, "mfu_peak": _peak_name(peak),
+           "layout": asdict(config.layout()), "model": _model_summary(config),
+           "backend": dist.get_backend() if run.distributed else "none (one process)",
            "world_size": world_size, "global_batch": config.global_batch,
            "peak_memory_bytes": memory, "params_sha256": params_sha256(full)}
     if resumed is not None:
@@ -154,6 +157,22 @@ def _peak_flops(world_size: int) -> tuple[Any, int, str]:
         gpu = catalogue_name(torch.cuda.get_device_name()) or "h100-sxm"
         return gpu, world_size, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
     return measure_cpu(n=256, repeats=3, copy_bytes=2 ** 20), 1, "fp32"
+
+
+def _peak_name(peak: tuple[Any, int, str]) -> str:
+    """Which peak the MFU divides by, in words (``dtlib train`` prints "MFU x% of <this>")."""
+    accelerator, count, dtype = peak
+    if isinstance(accelerator, str):
+        each = get_gpu(accelerator).peak(dtype)
+        return f"{count} x {accelerator} {dtype} peak ({each / 1e12:,.1f} TFLOP/s each)"
+    return (f"this CPU's measured {dtype} matmul peak ({accelerator.peak(dtype) / 1e9:,.1f} GFLOP/s, "
+            "shared by all ranks)")
+
+
+def _model_summary(config: TrainConfig) -> dict[str, Any]:
+    model = config.model_config()
+    return {"layers": model.layers, "hidden": model.hidden, "heads": model.heads, "seq": model.seq,
+            "parameters": model.num_parameters()}
 
 
 def _mfu(config: TrainConfig, step_seconds: float, peak: tuple[Any, int, str]) -> float:

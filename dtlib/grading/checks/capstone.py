@@ -23,7 +23,7 @@ from dtlib.analytic.reliability import LLAMA3_GPU_MTBF_HOURS
 from dtlib.plan.design import check_design, system_report
 from dtlib.plan.finetune import bucket_exposed_time
 
-__all__ = ["JOB", "SYSTEM", "REPORT_KEYS", "check_layout_is_the_job", "check_layout_is_feasible",
+__all__ = ["JOB", "SYSTEM", "REPORT_KEYS", "HINT_FORBIDDEN", "check_layout_is_the_job", "check_layout_is_feasible",
            "check_layout_is_fast", "check_teaching_cases", "check_exposed_time", "check_report_consistent",
            "check_report_matches_dtlib", "reference_exposed_time", "reference_report"]
 
@@ -32,6 +32,9 @@ SYSTEM = dict(model="llama3-405b", gpus=10240, global_batch=2048, tokens=15e12, 
               checkpoint_cost_s=60.0, restart_s=600.0)
 REPORT_KEYS = ("switches", "days", "gpu_hours", "cost_usd", "failures_per_day", "checkpoint_interval_min", "goodput")
 _REL = 0.01
+# The answers, spelled other than in the master's solution (dtlib.grading.hint_policy, rule 3):
+# Q2's formula, Q1's best layout.
+HINT_FORBIDDEN = (r"max\(\s*n\b", r"\bn\s*[*x]\s*t\(", r"best layout is", r"\bdp\s*=\s*\d+,?\s+tp\s*=\s*\d+")
 
 
 # ---- q1 ------------------------------------------------------------------------------------------
@@ -80,37 +83,39 @@ def _alpha_beta(latency: float, bandwidth: float) -> Callable[[float], float]:
     return lambda nbytes: latency + nbytes / bandwidth
 
 
-def _compare(fn: Callable, case: tuple, hint: str) -> None:
+def _compare(fn: Callable, case: tuple, why: str) -> None:
     grad_bytes, bucket_bytes, backward, (latency, bandwidth) = case
     timer = _alpha_beta(latency, bandwidth)
     want = reference_exposed_time(grad_bytes, bucket_bytes, backward, timer)
+    call = f"exposed_time({grad_bytes:g}, {bucket_bytes:g}, backward={backward:g}, t)"
     try:
         got = fn(grad_bytes, bucket_bytes, backward, timer)
     except Exception as exc:  # the learner's code: say what it raised, on which case
-        raise AssertionError(f"exposed_time({grad_bytes:g}, {bucket_bytes:g}, {backward:g}, t) raised "
-                             f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
-        n = math.ceil(grad_bytes / bucket_bytes)
-        raise AssertionError(f"exposed_time(grad_bytes={grad_bytes:g}, bucket_bytes={bucket_bytes:g}, "
-                             f"backward={backward:g} s, all-reduce = {latency:g} s + bytes / {bandwidth:g}) "
-                             f"returned {got!r}, expected {want:.6g} s ({n} buckets of {grad_bytes / n:g} bytes). "
-                             + hint)
+        raise AssertionError(f"{call} raised {type(exc).__name__}: {exc}") from None
+    if got is None or isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise AssertionError(f"{call} returned {got!r}: fill in exposed_time and return the exposed seconds "
+                             "(a number)")
+    if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
+        # the verdict first; the case in full (the link, the buckets) on the next line
+        raise AssertionError(f"{why}: {call} returned {got!r}, expected {want:.6g} s\n"
+                             f"t(bytes) = {latency:g} s + bytes / {bandwidth:g} B/s; "
+                             f"{math.ceil(grad_bytes / bucket_bytes)} buckets")
 
 
-_HINT = ("There are n = ceil(grad_bytes / bucket_bytes) buckets of grad_bytes / n bytes, each all-reduced "
-         "once (each pays the latency); backward hides up to `backward` seconds of them, but the last "
-         "bucket starts only when backward ends: max(n * t(bucket) - backward, t(bucket)).")
+# Each verdict names the mistake and the bullet of the question to re-read, never the formula.
+_ANY_MISTAKE = "re-read the three bullets of Q2 (the buckets, one all-reduce each, the last one after backward)"
 
 
 def check_teaching_cases(fn: Callable) -> None:
     """Three cases that each catch one classic mistake."""
     cases = [
-        (1e9, 25e6, 1.0, (1e-4, 1e10), "With a long backward only the last bucket is exposed, not 0."),
-        (1e9, 1e6, 0.0, (1e-3, 1e10), "Each of the 1,000 buckets pays the latency: n x t(bucket), not t(all bytes)."),
-        (1e9, 3e8, 0.01, (1e-2, 1e9), "ceil: 1e9 bytes in 3e8-byte buckets is 4 buckets of 2.5e8 bytes."),
+        (1e9, 25e6, 1.0, (1e-4, 1e10), "with a long backward the last bucket is still exposed (bullet 3), not 0"),
+        (1e9, 1e6, 0.0, (1e-3, 1e10), "each of the 1,000 buckets pays the latency (bullet 2), not one all-reduce "
+                                      "of all the bytes"),
+        (1e9, 3e8, 0.01, (1e-2, 1e9), "1e9 bytes in 3e8-byte buckets is 4 buckets (bullet 1: round up)"),
     ]
     for *case, why in cases:
-        _compare(fn, tuple(case), why + " " + _HINT)
+        _compare(fn, tuple(case), why)
 
 
 def check_exposed_time(fn: Callable, n: int = 300, seed: int = 0) -> None:
@@ -119,7 +124,7 @@ def check_exposed_time(fn: Callable, n: int = 300, seed: int = 0) -> None:
     for _ in range(n):
         case = (rng.uniform(1e6, 1e11), rng.choice([1e5, 1e6, 25 * 2 ** 20, 1e8, 1e9]), rng.uniform(0, 2.0),
                 (rng.choice([0.0, 5e-6, 5e-5]), rng.choice([2.5e10, 5e10, 4.5e11])))
-        _compare(fn, case, _HINT)
+        _compare(fn, case, _ANY_MISTAKE)
 
 
 # ---- q3 ------------------------------------------------------------------------------------------
@@ -170,6 +175,8 @@ def check_report_matches_dtlib(report: Any) -> None:
     """The fabric and the run time are dtlib's: fat_tree(10240, 64) and the planner's best layout."""
     r, want = _numbers(report), reference_report()
     if int(r["switches"]) != want["switches"]:
-        raise AssertionError(f"switches = {r['switches']:g}, but fat_tree({SYSTEM['gpus']}, 64) needs "
-                             f"{want['switches']} (leaf + spine + core)")
-    _close("days", r["days"], want["days"], "the planner's best layout (search) with training_plan")
+        raise AssertionError(f"switches = {r['switches']:g} is not dtlib's fat-tree of 64-port switches for "
+                             f"{SYSTEM['gpus']:,} NICs: take it from dtlib.plan.topology.fat_tree")
+    if not math.isclose(r["days"], want["days"], rel_tol=_REL):
+        raise AssertionError(f"days = {r['days']:.6g} is not the run time of the planner's best layout: take "
+                             "search's best step time into dtlib.plan.training.training_plan")

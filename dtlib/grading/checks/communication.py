@@ -94,9 +94,8 @@ def _ring_diagnosis(world_size: int, results: list[list[dict]]) -> str | None:
         one_chunk_each = all(reduced_chunks(rec) == 1 for _, rec in wrong)
         if bad_shapes == uneven:
             return (f"correct when the size divides by the world size, wrong for {numel} elements "
-                    f"on {n} ranks: split the flat tensor into {n} chunks whose sizes differ by at "
-                    f"most one (flat.tensor_split({n}), or sizes numel // n plus one for the first "
-                    "numel % n chunks), and send each chunk whole - don't drop the remainder")
+                    f"on {n} ranks: the remainder is lost; split into {n} chunks whose sizes differ by "
+                    "at most one and send each chunk whole")
         if torch.allclose(res, inp):
             return (f"rank {rank}'s tensor of {numel} elements is unchanged: nothing was summed "
                     "(did the received chunks get added into the tensor?)")
@@ -106,12 +105,10 @@ def _ring_diagnosis(world_size: int, results: list[list[dict]]) -> str | None:
                     f"{n - 1} more step{'s' * (n > 2)} passing the finished chunks around the ring, "
                     "copying (not adding) what you receive")
         i = int((res - exp).abs().argmax())
-        return (f"on {n} ranks, rank {rank}'s result for a tensor of {numel} elements is wrong at "
-                f"index {i}: got {res[i].item():.4f}, expected the sum over ranks {exp[i].item():.4f}. "
-                "In reduce-scatter step s = 0..n-2 rank r sends chunk (r - s - 1) mod n to rank "
-                "r + 1 and adds the chunk (r - s - 2) mod n it receives from rank r - 1 (so it ends "
-                "owning chunk r); in all-gather step s it sends chunk (r - s) mod n and overwrites "
-                "chunk (r - s - 1) mod n with what it receives")
+        return (f"on {n} ranks, rank {rank}'s result is wrong at index {i} of {numel}: got "
+                f"{res[i].item():.4f}, expected the sum over ranks {exp[i].item():.4f}; check which chunk "
+                "each step sends and which it adds (reduce-scatter) or copies (all-gather): see the "
+                "lesson's ring diagram")
     for rank, per_shape in enumerate(results):
         for r in per_shape:
             numel = math.prod(r["shape"])
@@ -139,11 +136,9 @@ def check_ring_all_reduce(fn: Callable, world_sizes: tuple[int, ...] = (2, 3, 4)
                              output="none")
         except LaunchTimeoutError:
             raise AssertionError(
-                f"on {n} ranks the ranks hung (no result in {timeout:g} s): a deadlock. If every "
-                "rank calls the blocking dist.send before dist.recv, all of them wait for a "
-                "receiver at once. Post the receive and the send together: "
-                "reqs = [dist.isend(chunk, right), dist.irecv(buf, left)], then wait() on both; "
-                "and make sure every rank runs the same number of steps") from None
+                f"on {n} ranks the ranks hung (no result in {timeout:g} s): a deadlock, every rank "
+                "blocked in a send that no rank receives yet; post each step's send and receive "
+                "together (non-blocking), and run the same number of steps on every rank") from None
         except RankFailedError as e:
             raise AssertionError(
                 f"your function raised on rank {e.rank} of {n}: {first_line(e)}. Tensors have "
@@ -202,14 +197,13 @@ def check_make_buckets(fn: Callable) -> None:
             continue  # the order inside a bucket is free
         if got and 0 in got[0] and 0 not in want[0]:
             raise AssertionError(
-                f"{where} your first bucket starts with parameter 0, but backward produces the "
-                f"gradients of the last parameters first: walk params in reverse order "
-                f"(expected {want}, got {got})")
+                "your first bucket starts with parameter 0, but backward produces the gradients of "
+                f"the last parameters first: walk params in reverse order\n{where}: expected "
+                f"{want}, got {got}")
         raise AssertionError(
-            f"{where} expected buckets {want}, got {got}. Walk the parameters from last to first, "
-            "add each to the open bucket, and close the bucket as soon as it holds at least "
-            "cap_bytes (PyTorch's rule: a parameter bigger than the cap gets a bucket of its own, "
-            "cap 0 gives one bucket per parameter); the last, partly filled bucket counts too")
+            "a bucket closes at the wrong parameter: re-read when PyTorch closes a bucket (at least "
+            f"cap_bytes; a big parameter, cap 0; the last partial bucket)\n{where}: expected buckets "
+            f"{want}, got {got}")
 
 
 # ---- the learner's bucketed DDP on real ranks -------------------------------------------------------

@@ -51,7 +51,7 @@ def _exactly(read: list[list[int]], expected: range, where: str) -> None:
     outside = sorted(set(flat) - set(expected))
     if twice:
         raise AssertionError(f"{where}: positions {twice[:8]} were read by more than one rank (or twice): each "
-                             f"rank takes its own slice of global_batch // world_size positions")
+                             f"rank reads its own positions, shared with no other rank")
     if outside:
         hint = ("start from consumed: the step reads positions consumed .. consumed + global_batch - 1"
                 if any(p < expected.start for p in outside) else

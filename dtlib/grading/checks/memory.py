@@ -87,11 +87,14 @@ def _diagnose(got: float, want: float, candidates: list[tuple[float, str]]) -> s
     return ""
 
 
-def _fail(where: str, term: str, want: float, got: float, formula: str, hint: str) -> AssertionError:
+def _fail(where: str, term: str, want: float, got: float, hint: str) -> AssertionError:
+    """The likely mistake first (one line), the case and both numbers on the next; never the
+    formula (dtlib.grading.hint_policy)."""
     shown = f"{got:,.0f}" if abs(got) >= 1 else f"{got:.6g}"
-    return AssertionError(
-        f"{where}: {term} should be {want:,.0f} bytes ({formula}), yours is {shown}"
-        + (f". Likely mistake: {hint}" if hint else ""))
+    numbers = f"{term} should be {want:,.0f} bytes, yours is {shown}"
+    if hint:
+        return AssertionError(f"{term}: {hint}\n{where}: {numbers}")
+    return AssertionError(f"{numbers}: re-read the question's description of this term\n{where}")
 
 
 # ---- q1: model states ------------------------------------------------------------------------
@@ -109,16 +112,13 @@ def _state_where(params: float, prec: Precision, zero: int, dp: int, tp: int, pp
 
 
 def _state_candidates(term: str, params: float, prec: Precision, zero: int, dp: int, tp: int,
-                      pp: int) -> tuple[str, list[tuple[float, str]]]:
-    """The formula of ``term`` and the values the classic mistakes give, with their explanation."""
+                      pp: int) -> list[tuple[float, str]]:
+    """The values the classic mistakes give for ``term``, with their explanation."""
     stage = {"parameters": 3, "gradients": 2, "optimizer": 1}[term]
     per_param = {"parameters": prec.param, "gradients": prec.grad, "optimizer": prec.optimizer}[term]
-    sym = {"parameters": "prec.param", "gradients": "prec.grad",
-           "optimizer": "(prec.master + prec.grad_copy + prec.states)"}[term]
     mp = tp * pp
     sharded = zero >= stage
     shard = dp if sharded else 1
-    formula = f"{sym} x params / (tp*pp)" + (" / dp" if sharded else "")
     c: list[tuple[float, str]] = []
     if sharded:
         c.append((per_param * params / mp / (dp * mp),
@@ -162,7 +162,7 @@ def _state_candidates(term: str, params: float, prec: Precision, zero: int, dp: 
         c.append((prec.param * params / mp / shard,
                   f"gradients take prec.grad = {prec.grad:g} bytes/param (Megatron keeps fp32 "
                   "gradients), not prec.param"))
-    return formula, c
+    return c
 
 
 def _check_states(fn: Callable, params: float, prec: Precision, zero: int, dp: int, tp: int,
@@ -178,8 +178,8 @@ def _check_states(fn: Callable, params: float, prec: Precision, zero: int, dp: i
     for term in TERMS:
         value = _number(got[term], f"model_state_bytes(...)[{term!r}]", where)
         if not _close(value, want[term]):
-            formula, candidates = _state_candidates(term, params, prec, zero, dp, tp, pp)
-            raise _fail(where, term, want[term], value, formula, _diagnose(value, want[term], candidates))
+            candidates = _state_candidates(term, params, prec, zero, dp, tp, pp)
+            raise _fail(where, term, want[term], value, _diagnose(value, want[term], candidates))
 
 
 def check_zero_paper(fn: Callable) -> None:
@@ -252,7 +252,6 @@ def _check_layer(fn: Callable, s: int, b: int, h: int, a: int, t: int, sp: bool,
     sbh, scores = s * b * h, 5 * a * s * s * b
     if not _close(got_scores, want_scores):
         if recompute == "none":
-            formula = "5*a*s^2*b/t: softmax output (2 bytes), its dropout mask (1) and the dropout output (2) per score"
             candidates = [
                 (0.0, "the attention-score term 5*a*s^2*b/t is missing: the s x s softmax output, "
                       "its dropout mask and the dropout output are kept for every head (Korthikanti "
@@ -269,11 +268,10 @@ def _check_layer(fn: Callable, s: int, b: int, h: int, a: int, t: int, sp: bool,
             what_kept = ("selective recompute drops exactly this term: QK^T, softmax, dropout and "
                          "attention over V are recomputed in backward (Sec. 5)" if recompute == "selective"
                          else "full recompute keeps only each layer's input")
-            formula, candidates = "0 with recompute", [(got_scores, what_kept)]
-        raise _fail(where, "the attention-score term (the part that grows with a)", want_scores,
-                    got_scores, formula, _diagnose(got_scores, want_scores, candidates))
+            candidates = [(got_scores, what_kept)]
+        raise _fail(where, "the attention scores (the term that grows with a)", want_scores,
+                    got_scores, _diagnose(got_scores, want_scores, candidates))
     if recompute == "full":
-        formula = "2*s*b*h" + ("/t" if sp else "") + ": only the layer's 16-bit input is kept"
         candidates = [
             (2 * sbh / t, "without sequence parallelism every TP rank keeps the whole layer input: "
                           "2*s*b*h, not divided by t"),
@@ -283,9 +281,6 @@ def _check_layer(fn: Callable, s: int, b: int, h: int, a: int, t: int, sp: bool,
                                           "per element), not the 34*s*b*h of the whole layer"),
         ]
     else:
-        formula = ("s*b*h*34/t" if sp else "s*b*h*(10 + 24/t)") + (
-            ": 10*s*b*h outside the tensor-parallel regions (norm inputs, dropout masks, ...) and "
-            "24*s*b*h inside them (QKV, attention output, MLP)")
         candidates = [
             (34 * sbh / t, "without sequence parallelism, the 10*s*b*h outside the tensor-parallel "
                            "regions (layer-norm inputs, residual dropout masks) is replicated on every "
@@ -295,8 +290,7 @@ def _check_layer(fn: Callable, s: int, b: int, h: int, a: int, t: int, sp: bool,
             (34 * sbh, "tensor parallelism splits the 24*s*b*h inside attention and MLP: divide "
                        "that part by t"),
         ]
-    raise _fail(where, "the terms proportional to s*b*h", want_rest, got_rest, formula,
-                _diagnose(got_rest, want_rest, candidates))
+    raise _fail(where, "the s*b*h terms", want_rest, got_rest, _diagnose(got_rest, want_rest, candidates))
 
 
 def check_layer_activation_bytes(fn: Callable, parallel: bool = True, trials: int = 200,
@@ -334,7 +328,6 @@ def check_first_stage_activations(fn: Callable, trials: int = 200, seed: int = 1
             continue
         lf = -(-layers // pp)
         flight = want / (per_layer * lf)
-        formula = f"per_layer x ceil(layers/pp) = {lf} layers x {flight:g} micro-batches in flight"
         candidates = [
             (per_layer * layers / pp * flight, f"{layers} layers do not split evenly over {pp} stages: "
                                                f"the first stage holds ceil(layers/pp) = {lf}"),
@@ -359,5 +352,4 @@ def check_first_stage_activations(fn: Callable, trials: int = 200, seed: int = 1
                             f"the p = {pp} the warm-up would start: min(m, p)"),
                            (per_layer * lf, "the first stage of 1F1B holds min(m, p) micro-batches "
                             "(the last stage holds 1)")]
-        raise _fail(where, "the first stage's activations", want, got, formula,
-                    _diagnose(got, want, candidates))
+        raise _fail(where, "the first stage's activations", want, got, _diagnose(got, want, candidates))

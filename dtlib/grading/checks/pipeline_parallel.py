@@ -62,8 +62,10 @@ def check_one_f_one_b(fn: Callable[[int, int], Any]) -> None:
         try:
             validate(actions)
         except ValueError as e:
-            hint = ("; the warm-up is longest on rank 0: " + _WARMUP_HINT) if "deadlock" in str(e) else \
-                   ("; " + _WARMUP_HINT) if "never runs" in str(e) else ""
+            if "deadlock" in str(e):  # the verdict first; which rank waits for which on the next line
+                raise AssertionError(f"{where}: deadlock; the warm-up is longest on rank 0: {_WARMUP_HINT}"
+                                     f"\n{e}") from None
+            hint = ("; " + _WARMUP_HINT) if "never runs" in str(e) else ""
             raise AssertionError(f"{where}: {e}{hint}") from None
         timeline = simulate(actions)
         if abs(timeline.bubble_ratio - (p - 1) / m) > 1e-9:

@@ -63,19 +63,23 @@ _EVIDENCE = {
 }
 
 
-def check_diagnosis(answers: Any) -> None:
-    """``answers[name] = {"bottleneck": one of KINDS, "fix": a letter of FIX_MENU}`` for A, B, C."""
+def check_diagnosis(answers: Any, profile: str | None = None) -> None:
+    """``answers[name] = {"bottleneck": one of KINDS, "fix": a letter of FIX_MENU}`` for A, B, C;
+    only ``answers[profile]`` is judged when ``profile`` is given (one point per profile: the
+    three diagnoses are independent)."""
     if not isinstance(answers, dict) or set(answers) != set(SAVED_PROFILES):
         raise AssertionError(f"answers must be a dict with keys {sorted(SAVED_PROFILES)}, e.g. "
-                             "{'A': {'bottleneck': 'input', 'fix': 'f'}, ...}")
-    for name, profile in SAVED_PROFILES.items():
+                             "{'A': {'bottleneck': ..., 'fix': ...}, ...}")
+    for name in [profile] if profile else SAVED_PROFILES:
+        if name not in SAVED_PROFILES:
+            raise ValueError(f"profile must be one of {sorted(SAVED_PROFILES)}, got {name!r}")
         answer = answers[name]
         if not isinstance(answer, dict) or not {"bottleneck", "fix"} <= set(answer):
             raise AssertionError(f"answers[{name!r}] must be a dict with 'bottleneck' and 'fix'")
         kind, fix = answer["bottleneck"], answer["fix"]
         if kind not in KINDS:
             raise AssertionError(f"profile {name}: bottleneck {kind!r} is not one of {KINDS}")
-        truth = diagnose(profile)[0].kind
+        truth = diagnose(SAVED_PROFILES[name])[0].kind
         if kind != truth:
             hint = _EVIDENCE[truth] if kind != "communication" else _EVIDENCE["communication"]
             raise AssertionError(f"profile {name}: not {kind!r}; {hint}")
@@ -118,13 +122,13 @@ def check_mfu(fn: Callable[..., float]) -> None:
             raise AssertionError(f"{where} = {got:.4g}: return a fraction (0.4), not a percentage")
         if math.isclose(got, forward_only, rel_tol=1e-6):
             raise AssertionError(f"{where}: you counted the forward pass only; a training step is "
-                                 "forward + backward = 3 x forward: 6N + 12 L H Q T per token")
+                                 "forward + backward (see the FLOPs per token in Q2)")
         if math.isclose(got, no_attention, rel_tol=1e-6):
-            raise AssertionError(f"{where}: the attention term is missing: add 12 x layers x hidden "
-                                 "x seq FLOPs per token (QK^T and AV, forward and backward)")
+            raise AssertionError(f"{where}: the attention term is missing from the FLOPs per token "
+                                 "(QK^T and AV; see Q2)")
         if math.isclose(got, want * gpus, rel_tol=1e-6) and gpus > 1:
-            raise AssertionError(f"{where}: divide by all the GPUs' peak: step_time x gpus x peak")
+            raise AssertionError(f"{where}: the step ran on {gpus} GPUs: divide by all the GPUs' peak")
         if math.isclose(got, want / seq, rel_tol=1e-6):
-            raise AssertionError(f"{where}: FLOPs are per token: multiply by batch x seq tokens")
-        raise AssertionError(f"{where} = {got:.4g}, expected {want:.4g}: MFU = (6N + 12 L h s) x "
-                             "batch x seq / (step_time x gpus x peak)")
+            raise AssertionError(f"{where}: the FLOPs are per token: count every token of the step")
+        raise AssertionError(f"{where} = {got:.4g}, expected {want:.4g}: re-read Q2's FLOPs per token "
+                             "and what MFU compares them with")

@@ -44,27 +44,39 @@ def check_coordinates(fn: Callable[[int, int, int, int], Any]) -> None:
                 raise AssertionError(f"{where}: you returned {got}; return three numbers, "
                                      "(dp_rank, tp_rank, pp_rank)")
             if got[1] != want[1]:
-                raise AssertionError(
-                    f"{where}: you returned {got}, expected {want}. The tensor-parallel index varies "
-                    "fastest: ranks 0..tp-1 form the first TP group (they share a node), so "
-                    "tp_rank = rank % tp")
+                raise AssertionError(f"{where}: you returned {got}, expected {want}: tp_rank is wrong; the "
+                                     "tensor-parallel index varies fastest (see the rank formula in Q1)")
             if got[2] != want[2]:
-                raise AssertionError(
-                    f"{where}: you returned {got}, expected {want}. The pipeline stage is outermost: "
-                    "pp_rank = rank // (tp * dp)")
-            raise AssertionError(
-                f"{where}: you returned {got}, expected {want}. Data parallelism sits between: "
-                "dp_rank = (rank // tp) % dp")
+                raise AssertionError(f"{where}: you returned {got}, expected {want}: pp_rank is wrong; the "
+                                     "pipeline stage is outermost (see the rank formula in Q1)")
+            raise AssertionError(f"{where}: you returned {got}, expected {want}: dp_rank is wrong; the "
+                                 "data-parallel index sits between tp and pp (see the rank formula in Q1)")
 
 
 def _canonical(groups: Any) -> list[list[int]]:
     return sorted(sorted(int(r) for r in g) for g in groups)
 
 
-def check_groups(fn: Callable[[int, int, int], dict], train: bool = True) -> None:
+def check_groups(fn: Callable[[int, int, int], dict], coordinates: Callable | None = None,
+                 train: bool = True) -> None:
     """``fn(dp, tp, pp) -> {"tp": [[ranks]...], "dp": [...], "pp": [...]}`` equals Megatron-LM's
     groups on every layout of :data:`LAYOUTS`; then (``train``) TinyGPT trained on 4 real ranks
-    with these groups equals single-process training."""
+    with these groups equals single-process training. Groups built from the learner's
+    ``coordinates`` (Q1) are wrong while Q1 is: then the verdict is "fix Q1 first", not a blame
+    on the groups."""
+    try:
+        _check_groups(fn, train)
+    except AssertionError:
+        if coordinates is not None:
+            try:
+                check_coordinates(coordinates)
+            except AssertionError:
+                raise AssertionError("your groups are wrong, and so is coordinates (Q1), which they use: "
+                                     "fix Q1 first") from None
+        raise
+
+
+def _check_groups(fn: Callable[[int, int, int], dict], train: bool) -> None:
     hints = {"tp": "ranks that differ only in tp_rank: tp consecutive ranks",
              "dp": "ranks that differ only in dp_rank: same tp_rank and pp_rank, tp apart",
              "pp": "ranks that differ only in pp_rank: tp * dp apart"}

@@ -69,10 +69,9 @@ def check_shard_params(fn: Callable) -> None:
         bound = sum(sizes) / n + max(sizes)
         if max(load) > bound:
             raise AssertionError(
-                f"{where} the ranks own {load} elements: rank {load.index(max(load))} has more than "
-                f"1/N of the total ({sum(sizes) / n:g}) plus the largest parameter ({max(sizes)}). "
-                "Balance by size, not by count: take the parameters largest first and give each to "
-                "the rank that owns the fewest elements so far")
+                f"rank {load.index(max(load))} owns more than 1/N of the elements plus the largest "
+                f"parameter: balance by size, not by count (see the question)\n{where}: the ranks "
+                f"own {load} elements; the bound is {sum(sizes) / n:g} + {max(sizes)}")
 
 
 # ---- ZeRO-1 on real ranks --------------------------------------------------------------------------
