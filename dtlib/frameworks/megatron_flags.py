@@ -30,6 +30,8 @@ August 2026) and Megatron-Core 0.16.1's ``num_microbatches_calculator.py``:
 """
 from __future__ import annotations
 
+import difflib
+
 import shlex
 import warnings
 from typing import Any
@@ -121,8 +123,10 @@ def _read(flags: str | list[str]) -> dict[str, Any]:
                 raise ValueError(f"{flag} must be an integer >= {least}, got {value}")
             args[_attr(flag)] = value
         else:
-            known = ", ".join(sorted([*VALUE_FLAGS, *SWITCH_FLAGS]))
-            raise ValueError(f"unknown or unsupported Megatron-LM flag {flag!r}; dtlib runs: {known}")
+            close = difflib.get_close_matches(flag, [*VALUE_FLAGS, *SWITCH_FLAGS], n=1, cutoff=0.6)
+            guess = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"unknown or unsupported Megatron-LM flag {flag!r}{guess}; the flags dtlib runs are "
+                             f"dtlib.frameworks.megatron_flags.VALUE_FLAGS and SWITCH_FLAGS")
         i += 1
     return args
 
