@@ -209,8 +209,8 @@ def _check_launcher(launcher: str, args: argparse.Namespace, in_torchrun: bool) 
         raise ValueError(f"--max-failures is Ray Train's FailureConfig: use it with --launcher ray "
                          f"(torchrun restarts with its own --max-restarts), not --launcher {launcher}")
     if launcher == "ray" and args.backend == "nccl":
-        raise ValueError("--backend nccl: --launcher ray runs CPU workers over gloo (dtlib's trainer keeps "
-                         "its tensors on the CPU); use --backend auto or gloo")
+        raise ValueError("--backend nccl: --launcher ray starts CPU workers over gloo (ScalingConfig "
+                         "use_gpu=False); use --backend auto or gloo")
 
 
 def _import_ray_train() -> Any:
