@@ -22,6 +22,9 @@ Sources, read for the names below (re-check them when a framework moves):
   Python ``Trainer.Config`` functions (#2386) and froze the ``--section.key`` flags, whose names are
   these keys. :mod:`dtlib.plan.torchtitan_schema` encodes the keys and types read there.
 * JAX: the mesh axes and weight roles are those :func:`dtlib.frameworks.jax_gspmd.run_jax` takes.
+
+About 500 lines: four emitters that share one layout check and one refusal path, each with the
+list of what its framework cannot express next to the config it writes (read side by side).
 """
 from __future__ import annotations
 
