@@ -1,0 +1,164 @@
+"""Walls around a process that runs a learner's code: its own user, its own network, hard limits.
+
+Each submission is executed, and judged, by child processes started with :func:`child_setup` as
+their ``preexec_fn``. In that child, before Python or any learner code runs:
+
+* ``resource.setrlimit`` caps CPU seconds, address space, file size and the number of processes
+  (``RLIMIT_NPROC`` counts every process of the user, which is why each submission gets a user of
+  its own);
+* ``unshare(CLONE_NEWNET)`` gives it a network namespace whose only interface is a fresh loopback
+  (the ranks and the Jupyter kernel talk over 127.0.0.1; nothing else is reachable);
+* when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
+  so it cannot write the course checkout, another submission's folder or the grader's files, nor
+  signal or trace their processes; :func:`kill_user` then ends everything that user started,
+  double-forked escapees included.
+
+What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import functools
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+__all__ = ["Limits", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree"]
+
+_CLONE_NEWNET = 0x40000000  # <linux/sched.h>
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_REC, _MS_PRIVATE = 0x1, 0x4000, 0x40000  # <linux/mount.h>
+_SIOCSIFFLAGS = 0x8914      # <linux/sockios.h>
+_IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x1, 0x8, 0x40
+# Unprivileged user ids handed to submissions: far above any system or login user (login.defs
+# ends at 60000), below the 32-bit (uid_t)-1 that means "no change".
+_FIRST_UID = 3_000_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-process limits of a learner's processes (``RLIMIT_*``); ``processes`` is per user."""
+    cpu_seconds: int = 600
+    memory_bytes: int = 8 << 30   # address space: torch alone maps ~2 GiB
+    file_bytes: int = 256 << 20   # any file written, logs and notebook outputs included
+    processes: int = 512          # threads count too: torch, gloo and the kernel start dozens
+
+
+def _netns_available() -> bool:
+    return hasattr(os, "fork") and os.geteuid() == 0 and os.path.exists("/proc/self/ns/net")
+
+
+def _usable_by_others(path: str) -> bool:
+    """Whether any user may reach ``path`` (every folder above it searchable by others)."""
+    real = os.path.realpath(path)
+    folders = [real] if os.path.isdir(real) else []
+    parent = os.path.dirname(real)
+    while True:
+        folders.append(parent)
+        if parent == os.path.dirname(parent):
+            break
+        parent = os.path.dirname(parent)
+    return all(os.stat(f).st_mode & 0o001 for f in folders) and bool(os.stat(real).st_mode & 0o004)
+
+
+@functools.lru_cache(maxsize=1)
+def _can_drop_user() -> bool:
+    """Root, and the interpreter, its libraries and dtlib reachable by an unprivileged user."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return False
+    import dtlib
+
+    needed = [sys.executable, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+              os.path.dirname(dtlib.__file__)]
+    return all(_usable_by_others(p) for p in needed)
+
+
+def isolation() -> str:
+    """One line: what walls this machine gives each submission (printed by the grader)."""
+    parts = ["own temporary folder", "CPU/memory/file-size/process limits"]
+    weak = []
+    if _can_drop_user():
+        parts.append("own unprivileged user per submission (cannot write the checkout or other submissions)")
+    elif os.name == "posix" and os.geteuid() == 0:
+        weak.append(f"submissions run as root: the interpreter ({sys.executable}) or dtlib is not "
+                    "readable by other users (e.g. under /root), so no unprivileged user can run it; "
+                    "install Python and the course where every user can read them")
+    else:
+        weak.append("grader not root: submissions run as your user and could read or write your files")
+    if _netns_available():
+        parts.append("no network (own network namespace, loopback only)")
+        parts.append("other submissions, masters and solutions hidden (own mount namespace)")
+    else:
+        weak.append("network not isolated")
+    line = "isolation: " + ", ".join(parts)
+    return line + ("; weaker than intended (warning): " + "; ".join(weak) if weak else "")
+
+
+def submission_user(index: int) -> int | None:
+    """The user id for the ``index``-th learner process group of a batch, or ``None`` (not root)."""
+    return _FIRST_UID + index if _can_drop_user() else None
+
+
+def chown_tree(path: str, uid: int | None) -> None:
+    """Give ``path`` (a submission's own folder) and what is inside it to ``uid``."""
+    if uid is None:
+        return
+    for root, dirs, files in os.walk(path):
+        for name in [root, *[os.path.join(root, n) for n in dirs + files]]:
+            os.chown(name, uid, uid, follow_symlinks=False)
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING))
+
+
+def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = ()) -> None:
+    """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
+    empty read-only folder mounted over each of ``hide`` (other submissions, masters, solutions)."""
+    os.setsid()
+    if _netns_available():
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(_CLONE_NEWNET) == 0:
+            _loopback_up()
+        if hide and libc.unshare(_CLONE_NEWNS) == 0:
+            # private first, so the hiding mounts never reach the grader's own view of the disk
+            libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
+            for path in hide:
+                libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
+    for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
+                        (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(what, (value, value))
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    # After setuid: RLIMIT_NPROC counts the processes of the new user only.
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+
+def kill_user(uid: int | None) -> None:
+    """SIGKILL every process of ``uid`` (``kill(-1)`` from a child running as that user)."""
+    if uid is None:
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(3):  # a fork bomb may spawn between two rounds
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except OSError as exc:
+                    if exc.errno != errno.ESRCH:
+                        raise
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
