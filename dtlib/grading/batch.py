@@ -113,20 +113,30 @@ def _child_env(home: Path) -> dict[str, str]:
 
 def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: sandbox.Limits,
            cwd: Path, hide: tuple[str, ...], stdin: int | None = None, stdout: int | None = None) -> subprocess.Popen:
+    group = sandbox.process_group_cap(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits.processes)
     with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdin=stdin, stdout=stdout if stdout is not None else log, stderr=log,
-                                cwd=cwd, env=_child_env(home),
-                                preexec_fn=lambda: sandbox.child_setup(limits, uid, hide))
+        child = subprocess.Popen(cmd, stdin=stdin, stdout=stdout if stdout is not None else log, stderr=log,
+                                 cwd=cwd, env=_child_env(home),
+                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, hide, group))
+    child.cgroup = group
+    return child
 
 
 def _stop(child: subprocess.Popen, uid: int | None) -> None:
-    """End the child and everything it started: its session, and every process of its user."""
+    """End the child and everything it started: its session, its cgroup, every process of its user."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     sandbox.kill_user(uid)
+    sandbox.kill_group(child.cgroup)
     child.wait()
+    for _ in range(50):
+        sandbox.kill_group(child.cgroup)
+        sandbox.remove_group(child.cgroup)
+        if not os.path.exists(child.cgroup or ""):
+            break
+        time.sleep(0.1)
 
 
 def _run_children(autograder_zip: Path, notebook: Path, master: Path | None, cells: dict,

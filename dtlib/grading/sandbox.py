@@ -30,7 +30,8 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
-__all__ = ["Limits", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree"]
+__all__ = ["Limits", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
+           "process_group_cap", "remove_group", "kill_group"]
 
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
@@ -82,8 +83,14 @@ def _can_drop_user() -> bool:
 
 def isolation() -> str:
     """One line: what walls this machine gives each submission (printed by the grader)."""
-    parts = ["own temporary folder", "CPU/memory/file-size/process limits"]
+    parts = ["own temporary folder", "CPU/memory/file-size limits"]
     weak = []
+    group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
+    remove_group(group)
+    if group or _can_drop_user():
+        parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
+    else:
+        weak.append("no process-count cap (root ignores RLIMIT_NPROC and no pids cgroup): a fork bomb is not contained")
     if _can_drop_user():
         parts.append("own unprivileged user per submission (cannot write the checkout or other submissions)")
     elif os.name == "posix" and os.geteuid() == 0:
@@ -120,10 +127,47 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING))
 
 
-def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = ()) -> None:
+_PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, or v2's
+
+
+def process_group_cap(name: str, processes: int) -> str | None:
+    """A fresh ``pids`` cgroup allowing ``processes`` tasks, or ``None`` where none can be made.
+
+    ``RLIMIT_NPROC`` does not bind root (the kernel exempts it), so a grader that cannot drop to
+    an unprivileged user caps fork bombs with the cgroup's ``pids.max`` instead."""
+    for root in _PIDS_ROOTS:
+        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue
+        if root == "/sys/fs/cgroup" and not os.path.exists(os.path.join(root, "cgroup.controllers")):
+            continue
+        path = os.path.join(root, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(processes))
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def remove_group(path: str | None) -> None:
+    """Remove a cgroup made by :func:`process_group_cap` (its processes must be gone)."""
+    if path:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), group: str | None = None) -> None:
     """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
-    empty read-only folder mounted over each of ``hide`` (other submissions, masters, solutions)."""
+    empty read-only folder mounted over each of ``hide`` (other submissions, masters, solutions),
+    inside the ``group`` cgroup of :func:`process_group_cap`."""
     os.setsid()
+    if group:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     if _netns_available():
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(_CLONE_NEWNET) == 0:
@@ -142,6 +186,25 @@ def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = ()) -> 
         os.setuid(uid)
     # After setuid: RLIMIT_NPROC counts the processes of the new user only.
     resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+
+def kill_group(path: str | None) -> None:
+    """SIGKILL every process in the cgroup ``path`` (what a submission left running)."""
+    if not path:
+        return
+    for _ in range(5):  # a fork bomb may spawn between two rounds; pids.max bounds it
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(line) for line in f if line.strip()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def kill_user(uid: int | None) -> None:
