@@ -42,6 +42,8 @@ from dtlib.grading import sandbox, verdict
 __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "grade", "question_points"]
 
 _MAX_REPORT = 1 << 20  # bytes of a child's JSON report read back
+# The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
+_READONLY = (str(Path(__file__).resolve().parents[2]),)
 
 DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
@@ -117,7 +119,7 @@ def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: 
     with open(log_path, "w") as log:
         child = subprocess.Popen(cmd, stdin=stdin, stdout=stdout if stdout is not None else log, stderr=log,
                                  cwd=cwd, env=_child_env(home),
-                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, hide, group))
+                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, hide, group, _READONLY))
     child.cgroup = group
     return child
 
@@ -296,6 +298,8 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     # What no submission may read: the other submissions, and the masters and solutions.
     hide = tuple(str(p) for p in {files[0].parent.resolve(), *(
         [master.parent.resolve(), master.parent.parent.resolve() / "solutions"] if master else [])} if p.is_dir())
+    global _READONLY
+    _READONLY = tuple(dict.fromkeys([_READONLY[0], *([str(master.parent.parent.resolve())] if master else [])]))
 
     def grade_next(path: Path) -> dict:
         i = next(order)

@@ -35,7 +35,7 @@ __all__ = ["Limits", "isolation", "child_setup", "kill_user", "submission_user",
 
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
-_MS_RDONLY, _MS_REC, _MS_PRIVATE = 0x1, 0x4000, 0x40000  # <linux/mount.h>
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x20, 0x1000, 0x4000, 0x40000  # <linux/mount.h>
 _SIOCSIFFLAGS = 0x8914      # <linux/sockios.h>
 _IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x1, 0x8, 0x40
 # Unprivileged user ids handed to submissions: far above any system or login user (login.defs
@@ -101,7 +101,7 @@ def isolation() -> str:
         weak.append("grader not root: submissions run as your user and could read or write your files")
     if _netns_available():
         parts.append("no network (own network namespace, loopback only)")
-        parts.append("other submissions, masters and solutions hidden (own mount namespace)")
+        parts.append("course checkout read-only, other submissions, masters and solutions hidden (own mount namespace)")
     else:
         weak.append("network not isolated")
     line = "isolation: " + ", ".join(parts)
@@ -160,7 +160,8 @@ def remove_group(path: str | None) -> None:
             pass
 
 
-def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), group: str | None = None) -> None:
+def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), group: str | None = None,
+                readonly: tuple[str, ...] = ()) -> None:
     """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
     empty read-only folder mounted over each of ``hide`` (other submissions, masters, solutions),
     inside the ``group`` cgroup of :func:`process_group_cap`."""
@@ -172,9 +173,12 @@ def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), gro
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(_CLONE_NEWNET) == 0:
             _loopback_up()
-        if hide and libc.unshare(_CLONE_NEWNS) == 0:
-            # private first, so the hiding mounts never reach the grader's own view of the disk
+        if (hide or readonly) and libc.unshare(_CLONE_NEWNS) == 0:
+            # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
+            for path in readonly:  # the course checkout: readable, never writable
+                libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None)
+                libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
             for path in hide:
                 libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
     for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
