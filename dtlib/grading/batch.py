@@ -133,7 +133,7 @@ def _stop(child: subprocess.Popen, uid: int | None) -> None:
     sandbox.kill_user(uid)
     sandbox.kill_group(child.cgroup)
     child.wait()
-    for _ in range(50):
+    for _ in range(300):  # orphans of a fork bomb take a while to be reaped
         sandbox.kill_group(child.cgroup)
         sandbox.remove_group(child.cgroup)
         if not os.path.exists(child.cgroup or ""):
