@@ -106,9 +106,18 @@ def encode(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _data_class(qualified: str) -> type:
-    """A dtlib data class named in a learner's reply (dataclass, named tuple or enum), else refuse."""
+# numpy's scalars and arrays (a learner's float is often a numpy one): the globals
+# torch's weights_only documentation lists for them.
+_NUMPY = {"numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar", "numpy.dtype",
+          "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray"}
+
+
+def _data_class(qualified: str) -> Any:
+    """A dtlib data class named in a learner's reply (dataclass, named tuple or enum), or one of
+    numpy's scalar and array globals; anything else is refused."""
     module, _, name = qualified.rpartition(".")
+    if qualified in _NUMPY or module == "numpy.dtypes":
+        return getattr(importlib.import_module(module), name)
     if not module.startswith("dtlib.") or module.startswith("dtlib.grading"):
         raise ValueError(f"refusing to load {qualified}: only data and dtlib's data classes come back")
     obj = getattr(importlib.import_module(module), name, None)
@@ -119,7 +128,8 @@ def _data_class(qualified: str) -> type:
 
 def decode(blob: bytes) -> Any:
     """Read what a learner child sent: ``torch.load(weights_only=True)``, plus the dtlib data
-    classes it names (checked one by one before loading); anything else is refused."""
+    classes and numpy globals it names (checked one by one before loading); anything else is
+    refused."""
     import torch
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
