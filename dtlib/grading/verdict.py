@@ -134,6 +134,10 @@ def decode(blob: bytes) -> Any:
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
     allowed = [_data_class(name) for name in needed]
+    if any(name.startswith("numpy") for name in needed):
+        import numpy.dtypes  # a dtype's class is built, never named, so it is not in `needed`
+
+        allowed += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
     with torch.serialization.safe_globals(allowed):
         return torch.load(io.BytesIO(blob), weights_only=True)
 
