@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from dtlib import grading
 from dtlib.grading import sandbox
@@ -144,3 +145,50 @@ def test_loops_bombs_and_floods_cost_only_their_row(tmp_path, tiny):
                                                          "tampered", "cell raised"), (name, row)
     leftover = [p for p in Path("/sys/fs/cgroup/pids").glob(f"dtlib-grade-{os.getpid()}-*")]
     assert not leftover, leftover
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dtlib-decode-ran",))
+
+
+def test_decode_reads_data_and_refuses_code():
+    from dtlib.analytic.layout import Parallelism
+    from dtlib.grading.verdict import decode, encode
+
+    value = {"layout": Parallelism(dp=4, tp=2), "t": torch.arange(3), "x": [1.5, "a", None]}
+    got = decode(encode(value))
+    assert got["layout"] == value["layout"] and torch.equal(got["t"], value["t"]) and got["x"] == value["x"]
+    for hostile in (_RunsCode(), {"k": _RunsCode()}):
+        with pytest.raises(ValueError, match="refusing to load"):
+            decode(encode(hostile))
+    assert not Path("/tmp/dtlib-decode-ran").exists()
+
+
+def _raises(rank, world_size):
+    if rank == 1:
+        raise KeyError("no such bucket")
+    return {"rank": torch.tensor([rank])}
+
+
+def _returns_code(rank, world_size):
+    return _RunsCode()
+
+
+def test_launcher_result_codec_sends_data_and_errors_as_text():
+    from dtlib.grading.verdict import decode, encode
+    from dtlib.launcher import RankFailedError, launch, set_result_codec
+
+    set_result_codec(encode, decode)
+    try:
+        with pytest.raises(RankFailedError) as failed:
+            launch(_raises, 2, timeout=30, output="none")
+        assert failed.value.rank == 1 and type(failed.value.__cause__).__name__ == "KeyError"
+        assert "no such bucket" in str(failed.value.__cause__)
+        with pytest.raises(ValueError, match="refusing to load"):
+            launch(_returns_code, 2, timeout=30, output="none")
+    finally:
+        set_result_codec(None)
+    assert not Path("/tmp/dtlib-decode-ran").exists()
+    with pytest.raises(ValueError, match="both encode and decode"):
+        set_result_codec(encode)
