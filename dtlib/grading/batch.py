@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -205,13 +206,23 @@ def _run_children(autograder_zip: Path, notebook: Path, master: Path | None, cel
     return None, "grader failed", why, found, why_verdict
 
 
-def _disagreement(in_notebook: dict, isolated: dict) -> str:
+def _scores(report: object, questions: dict) -> dict[str, float]:
+    """``{question: score}`` from a child's report, keeping finite numbers for known questions only
+    (otter's report is written where the submission's own code could overwrite it)."""
+    found = report.get("scores") if isinstance(report, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    return {q: float(s) for q, s in found.items()
+            if q in questions and isinstance(s, (int, float)) and math.isfinite(s)}
+
+
+def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], failures: dict[str, str]) -> str:
     """``"q1 4 in the notebook, 0 isolated (why)"`` for each question whose scores differ."""
     parts = []
-    for q, score in isolated["scores"].items():
-        mine = float(in_notebook.get(q, 0.0))
+    for q, score in isolated.items():
+        mine = in_notebook.get(q, 0.0)
         if abs(mine - score) > 1e-9:
-            why = isolated["failures"].get(q)
+            why = failures.get(q)
             parts.append(f"{q} {mine:g} in the notebook, {score:g} isolated" + (f" ({why})" if why else ""))
     return "; ".join(parts)
 
@@ -242,17 +253,17 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
         elif master is not None and isolated is None:
             row.update(status="verdict failed", error=why_verdict)
         else:
-            in_notebook = {q: float(s) for q, s in report.get("scores", {}).items() if q in scores}
-            final = in_notebook if master is None else {q: float(s) for q, s in isolated["scores"].items() if q in scores}
-            scores.update(final)
-            differ = _disagreement(in_notebook, isolated) if master is not None else ""
+            in_notebook = _scores(report, scores)
+            scores.update(in_notebook if master is None else _scores(isolated, scores))
+            differ = _disagreement(in_notebook, _scores(isolated, scores), isolated.get("failures", {})) \
+                if master is not None else ""
             missing = _missing_checks(nb, list(points))
             if differ:
                 row.update(status="tampered", error=f"in-notebook and isolated scores differ: {differ}")
             elif missing:
                 row.update(status="cells missing", error=f"no grader.check cell for {', '.join(missing)}")
-            elif report.get("cell_error"):
-                row.update(status="cell raised", error=str(report["cell_error"])[:300])
+            elif isinstance(report, dict) and report.get("cell_error"):
+                row.update(status="cell raised", error=_first_line(str(report["cell_error"]), 300))
     row.update({q: f"{s:g}" for q, s in scores.items()})
     row.update(total=f"{sum(scores.values()):g}", possible=f"{sum(points.values()):g}")
     return row
