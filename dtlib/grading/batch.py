@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "grade", "que
 
 _MAX_REPORT = 1 << 20  # bytes of a child's JSON report read back
 # The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
-_READONLY = (str(Path(__file__).resolve().parents[2]),)
+_CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
@@ -115,12 +115,12 @@ def _child_env(home: Path) -> dict[str, str]:
 
 
 def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: sandbox.Limits,
-           cwd: Path, hide: tuple[str, ...], stdin: int | None = None, stdout: int | None = None) -> subprocess.Popen:
+           cwd: Path, mounts: sandbox.Mounts, stdin: int | None = None, stdout: int | None = None) -> subprocess.Popen:
     group = sandbox.process_group_cap(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits.processes)
     with open(log_path, "w") as log:
         child = subprocess.Popen(cmd, stdin=stdin, stdout=stdout if stdout is not None else log, stderr=log,
                                  cwd=cwd, env=_child_env(home),
-                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, hide, group, _READONLY))
+                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, mounts, group))
     child.cgroup = group
     return child
 
@@ -144,7 +144,7 @@ def _stop(child: subprocess.Popen, uid: int | None) -> None:
 
 def _run_children(autograder_zip: Path, notebook: Path, master: Path | None, cells: dict,
                   timeout: float, workdir: Path, uids: tuple[int | None, int | None],
-                  hide: tuple[str, ...] = ()) -> tuple[dict | None, str, str, dict | None, str]:
+                  mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
     """Execute ``notebook`` with otter and, at the same time, compute its isolated verdict.
 
     Returns otter's report (or ``None``), a status and why, then the verdict (or ``None``) and
@@ -163,14 +163,14 @@ def _run_children(autograder_zip: Path, notebook: Path, master: Path | None, cel
         sandbox.chown_tree(str(home), uid)
     out_json, log_path = homes[0] / "report.json", workdir / "grader.log"
     executor = _start([sys.executable, "-m", "dtlib.grading.batch", str(zips[0]), str(target), str(out_json)],
-                      homes[0], log_path, uids[0], limits, cwd=homes[0], hide=hide)
+                      homes[0], log_path, uids[0], limits, cwd=homes[0], mounts=mounts)
     judge = None
     if master is not None:
         setup = verdict.setup_sources(nbformat.read(master, as_version=4))
         job = json.dumps({"autograder_zip": str(zips[1]), "setup": setup, "cells": cells})
         judge_cwd = master.parent.parent / "exercises"
         judge = _start([sys.executable, "-P", "-m", "dtlib.grading.verdict"], homes[1],
-                       workdir / "verdict.log", uids[1], limits, hide=hide,
+                       workdir / "verdict.log", uids[1], limits, mounts=mounts,
                        cwd=judge_cwd if judge_cwd.is_dir() else master.parent,
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     deadline = time.monotonic() + timeout
@@ -228,7 +228,8 @@ def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], fai
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float, master: Path | None = None, index: int = 0, hide: tuple[str, ...] = ()) -> dict:
+               timeout: float, master: Path | None = None, index: int = 0,
+               mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
     scores = dict.fromkeys(points, 0.0)
     nb, why = _read_notebook(path)
@@ -247,7 +248,7 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
             nbformat.write(nb, target)
             os.chmod(target, 0o600)
             report, status, why, isolated, why_verdict = _run_children(
-                autograder_zip, target, master, cells, timeout, Path(tmp), uids, hide)
+                autograder_zip, target, master, cells, timeout, Path(tmp), uids, mounts)
         if report is None:
             row.update(status=status, error=why)
         elif master is not None and isolated is None:
@@ -306,18 +307,18 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
         progress("warning: no master given: scores are otter's in-notebook ones, which a submission can forge")
     points = question_points(autograder_zip)
     order = itertools.count(1)
-    # What no submission may read: the other submissions, and the masters and solutions.
-    hide = tuple(str(p) for p in {files[0].parent.resolve(), *(
-        [master.parent.resolve(), master.parent.parent.resolve() / "solutions"] if master else [])} if p.is_dir())
-    global _READONLY
-    _READONLY = tuple(dict.fromkeys([_READONLY[0], *([str(master.parent.parent.resolve())] if master else [])]))
+    # What no submission may read (the other submissions, the masters and solutions) or change.
+    course = master.parent.parent.resolve() if master else None
+    hidden = {files[0].parent.resolve(), *([master.parent.resolve(), course / "solutions"] if master else [])}
+    mounts = sandbox.Mounts(hidden=tuple(str(p) for p in hidden if p.is_dir()),
+                            read_only=tuple(dict.fromkeys([_CHECKOUT, *([str(course)] if course else [])])))
 
     def grade_next(path: Path) -> dict:
         i = next(order)
         where = f"[{i}/{len(files)}] {path.name}"
         progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
-        row = _grade_one(path, autograder_zip, master_name, points, timeout, master, i, hide)
+        row = _grade_one(path, autograder_zip, master_name, points, timeout, master, i, mounts)
         why = f" - {row['error']}" if row["error"] else ""
         progress(f"{where}: {row['total']}/{row['possible']}, {row['status']}{why} "
                  f"({time.monotonic() - start:.0f} s)")

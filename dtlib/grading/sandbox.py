@@ -30,7 +30,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
-__all__ = ["Limits", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
+__all__ = ["Limits", "Mounts", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
            "process_group_cap", "remove_group", "kill_group"]
 
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
@@ -160,10 +160,17 @@ def remove_group(path: str | None) -> None:
             pass
 
 
-def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), group: str | None = None,
-                readonly: tuple[str, ...] = ()) -> None:
+@dataclass(frozen=True)
+class Mounts:
+    """Folders a learner's process must not see (``hidden``) or change (``read_only``)."""
+    hidden: tuple[str, ...] = ()
+    read_only: tuple[str, ...] = ()
+
+
+def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), group: str | None = None) -> None:
     """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
-    empty read-only folder mounted over each of ``hide`` (other submissions, masters, solutions),
+    empty read-only folder mounted over each of ``mounts.hidden`` (other submissions, masters,
+    solutions), ``mounts.read_only`` (the course checkout) bound read-only,
     inside the ``group`` cgroup of :func:`process_group_cap`."""
     os.setsid()
     if group:
@@ -173,6 +180,7 @@ def child_setup(limits: Limits, uid: int | None, hide: tuple[str, ...] = (), gro
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(_CLONE_NEWNET) == 0:
             _loopback_up()
+        hide, readonly = mounts.hidden, mounts.read_only
         if (hide or readonly) and libc.unshare(_CLONE_NEWNS) == 0:
             # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
