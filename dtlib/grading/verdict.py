@@ -69,31 +69,25 @@ def setup_sources(master: nbformat.NotebookNode) -> list[str]:
 
 
 def question_cells(nb: nbformat.NotebookNode, questions: list[str], setup: list[str]) -> dict[str, list[str]]:
-    """``{question: code cells}``: the cells after the previous ``grader.check`` cell, up to the
-    question's own. Copies of the master's setup cells and otter's init cell are left out (the
+    """``{question: code cells}``: every code cell before the question's ``grader.check`` cell, as
+    a notebook run would have executed them (a later answer may use an earlier one's helper).
+    Check cells, copies of the master's setup cells and otter's init cell are left out (the
     verdict runs the master's setup). A question whose check cell was deleted gets the cells
-    before the next check cell that is there (or after the last one)."""
+    before the next check cell that is there (or all of them)."""
     skip = {s.strip() for s in setup}
-    found: dict[str, list[str]] = {}
-    pending: list[str] = []
-    waiting: list[str] = []  # questions before the next present check cell
     order = {q: i for i, q in enumerate(questions)}
+    found: dict[str, list[str]] = {}
+    so_far: list[str] = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         called = [q for q in _CHECK_CALL.findall(cell.source) if q in order]
-        if called:
-            for q in called:
-                waiting += [m for m in questions if order[m] < order[q] and m not in found and m not in waiting]
-                for m in waiting + [q]:
-                    found.setdefault(m, list(pending))
-                waiting = []
-            pending = []
-        elif cell.source.strip() not in skip and "otter.Notebook(" not in cell.source:
-            pending.append(cell.source)
-    for q in questions:
-        found.setdefault(q, list(pending))
-    return found
+        for q in called:
+            for m in questions[:order[q] + 1]:
+                found.setdefault(m, list(so_far))
+        if not called and cell.source.strip() not in skip and "otter.Notebook(" not in cell.source:
+            so_far.append(cell.source)
+    return {q: found.get(q, so_far) for q in questions}
 
 
 # ---- data-only transfer ----------------------------------------------------------------------
