@@ -154,7 +154,7 @@ class _RunsCode:
 
 def test_decode_reads_data_and_refuses_code():
     from dtlib.analytic.layout import Parallelism
-    from dtlib.grading.verdict import decode, encode
+    from dtlib.grading.transfer import decode, encode
 
     value = {"layout": Parallelism(dp=4, tp=2), "t": torch.arange(3), "x": [1.5, "a", None]}
     got = decode(encode(value))
@@ -176,7 +176,7 @@ def _returns_code(rank, world_size):
 
 
 def test_launcher_result_codec_sends_data_and_errors_as_text():
-    from dtlib.grading.verdict import decode, encode
+    from dtlib.grading.transfer import decode, encode
     from dtlib.launcher import RankFailedError, launch, set_result_codec
 
     set_result_codec(encode, decode)

@@ -17,19 +17,15 @@ setup does not define is a stand-in for the learner's object:
 Learner code runs only in forked children: each first closes this process's report pipe, and this
 process is not dumpable (``PR_SET_DUMPABLE``), so no child can trace it or open its files through
 ``/proc``. Everything a child sends back is read with ``torch.load(weights_only=True)`` (plain
-containers, numbers, strings, tensors and dtlib's data classes; :func:`decode`) and ranks' results
+containers, numbers, strings, tensors and dtlib's data classes; :func:`dtlib.grading.transfer.decode`) and ranks' results
 through :func:`dtlib.launcher.set_result_codec` the same way: no pickle a learner wrote is ever
 loaded here. The report (scores and the first failure per question) is one JSON object on stdout.
 """
 from __future__ import annotations
 
-import builtins
 import ctypes
-import dataclasses
-import enum
 import importlib
 import inspect
-import io
 import json
 import os
 import re
@@ -43,7 +39,9 @@ from typing import Any
 
 import nbformat
 
-__all__ = ["question_cells", "setup_sources", "encode", "decode", "LearnerCallable", "main"]
+from dtlib.grading.transfer import decode, encode, stand_in_error
+
+__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "judge", "main"]
 
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 _CALL_TIMEOUT = 120.0  # seconds one call of a learner function may take in the worker
@@ -88,60 +86,6 @@ def question_cells(nb: nbformat.NotebookNode, questions: list[str], setup: list[
         if not called and cell.source.strip() not in skip and "otter.Notebook(" not in cell.source:
             so_far.append(cell.source)
     return {q: found.get(q, so_far) for q in questions}
-
-
-# ---- data-only transfer ----------------------------------------------------------------------
-def encode(obj: Any) -> bytes:
-    """``torch.save`` bytes of ``obj`` (what a learner child sends back)."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-# numpy's scalars and arrays (a learner's float is often a numpy one): the globals
-# torch's weights_only documentation lists for them.
-_NUMPY = {"numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar", "numpy.dtype",
-          "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray"}
-
-
-def _data_class(qualified: str) -> Any:
-    """A dtlib data class named in a learner's reply (dataclass, named tuple or enum), or one of
-    numpy's scalar and array globals; anything else is refused."""
-    module, _, name = qualified.rpartition(".")
-    if qualified in _NUMPY or module == "numpy.dtypes":
-        return getattr(importlib.import_module(module), name)
-    if not module.startswith("dtlib.") or module.startswith("dtlib.grading"):
-        raise ValueError(f"refusing to load {qualified}: only data and dtlib's data classes come back")
-    obj = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, (tuple, enum.Enum)))):
-        raise ValueError(f"refusing to load {qualified}: not a data class")
-    return obj
-
-
-def decode(blob: bytes) -> Any:
-    """Read what a learner child sent: ``torch.load(weights_only=True)``, plus the dtlib data
-    classes and numpy globals it names (checked one by one before loading); anything else is
-    refused."""
-    import torch
-
-    needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
-    allowed = [_data_class(name) for name in needed]
-    if any(name.startswith("numpy") for name in needed):
-        import numpy.dtypes  # a dtype's class is built, never named, so it is not in `needed`
-
-        allowed += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(blob), weights_only=True)
-
-
-def _stand_in_error(name: str, message: str) -> BaseException:
-    """An exception of the learner's type name (a builtin one when it is a builtin name)."""
-    kind = getattr(builtins, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, Exception)):
-        kind = type(name if name.isidentifier() else "LearnerError", (Exception,), {})
-    return kind(message)
 
 
 # ---- learner children ------------------------------------------------------------------------
@@ -281,7 +225,7 @@ class _Worker:
             raise AssertionError(f"{name} did not return within {_CALL_TIMEOUT:g} s, or ended its process")
         reply = decode(blob)
         if not reply.get("ok"):
-            raise _stand_in_error(str(reply.get("type")), str(reply.get("message")))
+            raise stand_in_error(str(reply.get("type")), str(reply.get("message")))
         return reply.get("value")
 
     def close(self) -> None:
