@@ -90,7 +90,8 @@ def isolation() -> str:
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
-        weak.append("no process-count cap (root ignores RLIMIT_NPROC and no pids cgroup): a fork bomb is not contained")
+        weak.append("no process-count cap (needs root: a user of its own or a pids cgroup): "
+                    "a fork bomb is not contained")
     if _can_drop_user():
         parts.append("own unprivileged user per submission (cannot write the checkout or other submissions)")
     elif os.name == "posix" and os.geteuid() == 0:
@@ -103,7 +104,8 @@ def isolation() -> str:
         parts.append("no network (own network namespace, loopback only)")
         parts.append("course checkout read-only, other submissions, masters and solutions hidden (own mount namespace)")
     else:
-        weak.append("network not isolated")
+        weak.append("network reachable, checkout writable, other submissions and masters readable "
+                    "(namespaces need root)")
     line = "isolation: " + ", ".join(parts)
     return line + ("; weaker than intended (warning): " + "; ".join(weak) if weak else "")
 
@@ -196,8 +198,9 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    # After setuid: RLIMIT_NPROC counts the processes of the new user only.
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        # After setuid, RLIMIT_NPROC counts the processes of this submission's user only (for
+        # the grader's own user it would count all of theirs; root ignores it).
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
 def kill_group(path: str | None) -> None:
