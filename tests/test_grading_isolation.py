@@ -123,6 +123,8 @@ def test_the_one_cell_forgery_of_issue_29_scores_zero(tmp_path):
 
 
 def test_loops_bombs_and_floods_cost_only_their_row(tmp_path, tiny):
+    # One limit for the batch: 90 s, well above an honest tiny submission (10-40 s on a loaded
+    # 2-core machine), which every never-ending cheat pays.
     masters, copies = tiny
     if not (sandbox.submission_user(0) is not None or sandbox.process_group_cap("dtlib-grade-probe-test", 1)):
         pytest.skip("no process-count cap here (not root, no pids cgroup): a fork bomb would not be contained")
@@ -136,7 +138,7 @@ def test_loops_bombs_and_floods_cost_only_their_row(tmp_path, tiny):
                           "        except OSError:\n            pass\nwhile True:\n    print('x' * 100000)"),
     }
     _write_batch(copies, masters, subs, cheats)
-    rows = _grade(masters, subs, tmp_path / "grades.csv", "--timeout", "60", "--jobs", "2")
+    rows = _grade(masters, subs, tmp_path / "grades.csv", "--timeout", "90", "--jobs", "2")
     assert (rows["honest_full.ipynb"]["status"], rows["honest_full.ipynb"]["total"]) == ("graded", "3")
     assert rows["honest_q1.ipynb"]["total"] == "2"
     for name in cheats:
