@@ -327,6 +327,7 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     # Threads only wait: each grading runs in a child process of its own.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rows = list(pool.map(grade_next, files))
+    sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
     with open(out_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -28,10 +28,11 @@ import socket
 import struct
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 
 __all__ = ["Limits", "Mounts", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
-           "process_group_cap", "remove_group", "kill_group"]
+           "process_group_cap", "remove_group", "kill_group", "sweep_groups"]
 
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
@@ -167,6 +168,19 @@ class Mounts:
     """Folders a learner's process must not see (``hidden``) or change (``read_only``)."""
     hidden: tuple[str, ...] = ()
     read_only: tuple[str, ...] = ()
+
+
+def sweep_groups(prefix: str, wait: float = 60.0) -> None:
+    """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
+    bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
+    deadline = time.monotonic() + wait
+    for root in _PIDS_ROOTS:
+        for name in (os.listdir(root) if os.path.isdir(root) else []):
+            path = os.path.join(root, name)
+            while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
+                kill_group(path)
+                remove_group(path)
+                time.sleep(0.1)
 
 
 def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), group: str | None = None) -> None:
