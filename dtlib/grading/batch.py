@@ -5,17 +5,26 @@ process of its own, under a wall-clock limit: a notebook that hangs, crashes its
 otter costs only its own row. A row holds ``submission``, ``status``, ``error`` (why, in one
 line), one column per question, ``total`` and ``possible``; scores are written with ``:g``.
 
+The points are the isolated verdict's (:mod:`dtlib.grading.verdict`), computed at the same time
+in a second child that never runs the submission's top-level code; otter's in-notebook score is
+only compared with it. Both children run walled off (:mod:`dtlib.grading.sandbox`): their own
+folder, user, network namespace and limits.
+
 Statuses: ``graded`` (every cell ran), ``cell raised`` (graded; ``error`` names the first cell
 that raised), ``cells missing`` (graded; the ``grader.check`` cells of some questions were
-deleted), ``not a notebook`` (not JSON, or not nbformat), ``timed out``, ``grader failed``.
+deleted), ``tampered`` (graded by the isolated verdict; the in-notebook score differed, ``error``
+says where), ``not a notebook`` (not JSON, or not nbformat), ``timed out``, ``grader failed``,
+``verdict failed`` (the isolated verdict did not finish: 0 points).
 """
 from __future__ import annotations
 
 import csv
 import itertools
 import json
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,8 +38,13 @@ from typing import Callable
 import nbformat
 
 from dtlib.analytic import validate
+from dtlib.grading import sandbox, verdict
 
 __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "grade", "question_points"]
+
+_MAX_REPORT = 1 << 20  # bytes of a child's JSON report read back
+# The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
+_CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
@@ -92,34 +106,130 @@ def _grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> Non
     out_json.write_text(json.dumps(report))
 
 
-def _run_child(autograder_zip: Path, notebook: Path, timeout: float,
-               workdir: Path) -> tuple[dict | None, str, str]:
-    """Grade ``notebook`` in a child process: its report, or ``None``, a status and why.
+def _child_env(home: Path) -> dict[str, str]:
+    """The environment of a walled-off child: ours, with a home and temp folder of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "IPYTHON"))}
+    env.update(HOME=str(home), TMPDIR=str(home), JUPYTER_RUNTIME_DIR=str(home / ".jupyter"),
+               MPLCONFIGDIR=str(home / ".mpl"), PYTHONDONTWRITEBYTECODE="1")
+    return env
 
-    The child runs in a session of its own, so a timeout kills it and everything it started
-    (the kernel exits when its parent does; ranks die with the kernel). Its output, otter's and
-    the kernel's warnings included, goes to a log that only a failure quotes.
-    """
-    out_json, log_path = workdir / "report.json", workdir / "grader.log"
-    cmd = [sys.executable, "-m", "dtlib.grading.batch", str(autograder_zip), str(notebook), str(out_json)]
+
+def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: sandbox.Limits,
+           cwd: Path, mounts: sandbox.Mounts, stdin: int | None = None, stdout: int | None = None) -> subprocess.Popen:
+    group = sandbox.process_group_cap(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits.processes)
     with open(log_path, "w") as log:
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-                                 start_new_session=True)
+        child = subprocess.Popen(cmd, stdin=stdin, stdout=stdout if stdout is not None else log, stderr=log,
+                                 cwd=cwd, env=_child_env(home),
+                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, mounts, group))
+    child.cgroup = group
+    return child
+
+
+def _stop(child: subprocess.Popen, uid: int | None) -> None:
+    """End the child and everything it started: its session, its cgroup, every process of its user."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    sandbox.kill_user(uid)
+    sandbox.kill_group(child.cgroup)
+    child.wait()
+    for _ in range(300):  # orphans of a fork bomb take a while to be reaped
+        sandbox.kill_group(child.cgroup)
+        sandbox.remove_group(child.cgroup)
+        if not os.path.exists(child.cgroup or ""):
+            break
+        time.sleep(0.1)
+
+
+def _run_children(autograder_zip: Path, notebook: Path, master: Path | None, cells: dict,
+                  timeout: float, workdir: Path, uids: tuple[int | None, int | None],
+                  mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
+    """Execute ``notebook`` with otter and, at the same time, compute its isolated verdict.
+
+    Returns otter's report (or ``None``), a status and why, then the verdict (or ``None``) and
+    why it failed. Each child has its own user (``uids``) and folder, a session of its own (a
+    timeout kills it and all it started) and the limits of :class:`sandbox.Limits`.
+    """
+    limits = sandbox.Limits(cpu_seconds=max(1, int(timeout) + 5))
+    homes = workdir / "execute", workdir / "verdict"
+    for home, uid in zip(homes, uids):
+        home.mkdir(mode=0o700)
+        sandbox.chown_tree(str(home), uid)
+    target = homes[0] / notebook.name
+    shutil.copy(notebook, target)
+    zips = [shutil.copy(autograder_zip, home / autograder_zip.name) for home in homes]
+    for home, uid in zip(homes, uids):
+        sandbox.chown_tree(str(home), uid)
+    out_json, log_path = homes[0] / "report.json", workdir / "grader.log"
+    executor = _start([sys.executable, "-m", "dtlib.grading.batch", str(zips[0]), str(target), str(out_json)],
+                      homes[0], log_path, uids[0], limits, cwd=homes[0], mounts=mounts)
+    judge = None
+    if master is not None:
+        setup = verdict.setup_sources(nbformat.read(master, as_version=4))
+        job = json.dumps({"autograder_zip": str(zips[1]), "setup": setup, "cells": cells})
+        judge_cwd = master.parent.parent / "exercises"
+        judge = _start([sys.executable, "-P", "-m", "dtlib.grading.verdict"], homes[1],
+                       workdir / "verdict.log", uids[1], limits, mounts=mounts,
+                       cwd=judge_cwd if judge_cwd.is_dir() else master.parent,
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    found, why_verdict = None, ""
+    if judge is not None:
         try:
-            code = child.wait(timeout)
+            out, _ = judge.communicate(job.encode(), timeout=timeout)
+            if judge.returncode == 0:
+                found = json.loads(out[:_MAX_REPORT])
+            else:
+                why_verdict = f"the verdict process exited with code {judge.returncode}"
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            return None, "timed out", (f"no result within {timeout:g} s (a cell that never ends?); "
-                                       "raise --timeout if it is just slow")
-    if code == 0 and out_json.exists():
-        return json.loads(out_json.read_text()), "graded", ""
-    lines = [s for s in log_path.read_text(errors="replace").splitlines() if s.strip()]
-    return None, "grader failed", _first_line(lines[-1] if lines else f"the grader exited with code {code}")
+            why_verdict = f"no verdict within {timeout:g} s"
+        except ValueError:
+            why_verdict = "the verdict's report was not JSON"
+        finally:
+            _stop(judge, uids[1])
+    try:
+        code = executor.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _stop(executor, uids[0])
+        return None, "timed out", (f"no result within {timeout:g} s (a cell that never ends?); "
+                                   "raise --timeout if it is just slow"), found, why_verdict
+    _stop(executor, uids[0])
+    if code == 0 and out_json.is_file():
+        try:
+            with open(out_json, "rb") as f:
+                return json.loads(f.read(_MAX_REPORT)), "graded", "", found, why_verdict
+        except ValueError:
+            pass
+    lines = [s for s in log_path.read_text(errors="replace")[-20000:].splitlines() if s.strip()]
+    why = _first_line(lines[-1] if lines else f"the grader exited with code {code}")
+    return None, "grader failed", why, found, why_verdict
+
+
+def _scores(report: object, questions: dict) -> dict[str, float]:
+    """``{question: score}`` from a child's report, keeping finite numbers for known questions only
+    (otter's report is written where the submission's own code could overwrite it)."""
+    found = report.get("scores") if isinstance(report, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    return {q: float(s) for q, s in found.items()
+            if q in questions and isinstance(s, (int, float)) and math.isfinite(s)}
+
+
+def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], failures: dict[str, str]) -> str:
+    """``"q1 4 in the notebook, 0 isolated (why)"`` for each question whose scores differ."""
+    parts = []
+    for q, score in isolated.items():
+        mine = in_notebook.get(q, 0.0)
+        if abs(mine - score) > 1e-9:
+            why = failures.get(q)
+            parts.append(f"{q} {mine:g} in the notebook, {score:g} isolated" + (f" ({why})" if why else ""))
+    return "; ".join(parts)
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float) -> dict:
+               timeout: float, master: Path | None = None, index: int = 0,
+               mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
     scores = dict.fromkeys(points, 0.0)
     nb, why = _read_notebook(path)
@@ -128,20 +238,33 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
     elif not any(cell.cell_type == "code" for cell in nb.cells):
         row.update(status="cells missing", error="no code cells: every cell was deleted")
     else:
+        setup = verdict.setup_sources(nbformat.read(master, as_version=4)) if master else []
+        cells = verdict.question_cells(nb, list(points), setup)
+        uids = sandbox.submission_user(2 * index), sandbox.submission_user(2 * index + 1)
         with tempfile.TemporaryDirectory() as tmp:
+            os.chmod(tmp, 0o711)  # the children may reach their own folders inside, not list it
             # otter grades a notebook named like the master; submissions may be named by student.
             target = Path(tmp) / master_name
             nbformat.write(nb, target)
-            report, status, why = _run_child(autograder_zip, target, timeout, Path(tmp))
+            os.chmod(target, 0o600)
+            report, status, why, isolated, why_verdict = _run_children(
+                autograder_zip, target, master, cells, timeout, Path(tmp), uids, mounts)
         if report is None:
             row.update(status=status, error=why)
+        elif master is not None and isolated is None:
+            row.update(status="verdict failed", error=why_verdict)
         else:
-            scores.update({q: float(s) for q, s in report["scores"].items() if q in scores})
+            in_notebook = _scores(report, scores)
+            scores.update(in_notebook if master is None else _scores(isolated, scores))
+            differ = _disagreement(in_notebook, _scores(isolated, scores), isolated.get("failures", {})) \
+                if master is not None else ""
             missing = _missing_checks(nb, list(points))
-            if missing:
+            if differ:
+                row.update(status="tampered", error=f"in-notebook and isolated scores differ: {differ}")
+            elif missing:
                 row.update(status="cells missing", error=f"no grader.check cell for {', '.join(missing)}")
-            elif report["cell_error"]:
-                row.update(status="cell raised", error=report["cell_error"])
+            elif isinstance(report, dict) and report.get("cell_error"):
+                row.update(status="cell raised", error=_first_line(str(report["cell_error"]), 300))
     row.update({q: f"{s:g}" for q, s in scores.items()})
     row.update(total=f"{sum(scores.values()):g}", possible=f"{sum(points.values()):g}")
     return row
@@ -169,23 +292,33 @@ def check_options(timeout: float, jobs: int) -> None:
 
 def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: str | os.PathLike,
           timeout: float = DEFAULT_TIMEOUT, jobs: int = 1,
-          progress: Callable[[str], None] | None = None) -> list[dict]:
+          progress: Callable[[str], None] | None = None, master: Path | None = None) -> list[dict]:
     """Grade each of ``files``, ``jobs`` at a time; write and return one row each, in file order.
 
-    Progress goes to stderr by default: a line when a file starts (how many are left after it)
-    and one with its score and status when it is done.
+    With ``master`` (the master notebook), the points are the isolated verdict's; without it,
+    otter's in-notebook score (forgeable: only for a quick look). Progress goes to stderr by
+    default: the isolation used, a line when a file starts (how many are left after it) and one
+    with its score and status when it is done.
     """
     check_options(timeout, jobs)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    progress(sandbox.isolation())
+    if master is None:
+        progress("warning: no master given: scores are otter's in-notebook ones, which a submission can forge")
     points = question_points(autograder_zip)
     order = itertools.count(1)
+    # What no submission may read (the other submissions, the masters and solutions) or change.
+    course = master.parent.parent.resolve() if master else None
+    hidden = {files[0].parent.resolve(), *([master.parent.resolve(), course / "solutions"] if master else [])}
+    mounts = sandbox.Mounts(hidden=tuple(str(p) for p in hidden if p.is_dir()),
+                            read_only=tuple(dict.fromkeys([_CHECKOUT, *([str(course)] if course else [])])))
 
     def grade_next(path: Path) -> dict:
         i = next(order)
         where = f"[{i}/{len(files)}] {path.name}"
         progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
-        row = _grade_one(path, autograder_zip, master_name, points, timeout)
+        row = _grade_one(path, autograder_zip, master_name, points, timeout, master, i, mounts)
         why = f" - {row['error']}" if row["error"] else ""
         progress(f"{where}: {row['total']}/{row['possible']}, {row['status']}{why} "
                  f"({time.monotonic() - start:.0f} s)")
@@ -194,6 +327,7 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     # Threads only wait: each grading runs in a child process of its own.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         rows = list(pool.map(grade_next, files))
+    sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
     with open(out_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -155,7 +155,7 @@ def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLik
     zips = list((_assigned(master) / "autograder").glob("*.zip"))
     if len(zips) != 1:
         raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
-    return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs)
+    return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs, master=master)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,72 @@
+"""What comes back from a process that ran a learner's code: data, never code.
+
+A learner child sends its answers with :func:`encode` (``torch.save``); the verdict reads them with
+:func:`decode`: ``torch.load(weights_only=True)``, which builds only containers, numbers, strings
+and tensors, plus the globals it names that are dtlib's own data classes (dataclasses, named
+tuples, enums outside ``dtlib.grading``) or numpy's scalar and array types, each checked by name
+before loading. A pickle can run any code when loaded; this cannot.
+"""
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import enum
+import importlib
+import io
+from typing import Any
+
+__all__ = ["encode", "decode", "stand_in_error"]
+
+
+# ---- data-only transfer ----------------------------------------------------------------------
+def encode(obj: Any) -> bytes:
+    """``torch.save`` bytes of ``obj`` (what a learner child sends back)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# numpy's scalars and arrays (a learner's float is often a numpy one): the globals
+# torch's weights_only documentation lists for them.
+_NUMPY = {"numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar", "numpy.dtype",
+          "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray"}
+
+
+def _data_class(qualified: str) -> Any:
+    """A dtlib data class named in a learner's reply (dataclass, named tuple or enum), or one of
+    numpy's scalar and array globals; anything else is refused."""
+    module, _, name = qualified.rpartition(".")
+    if qualified in _NUMPY or module == "numpy.dtypes":
+        return getattr(importlib.import_module(module), name)
+    if not module.startswith("dtlib.") or module.startswith("dtlib.grading"):
+        raise ValueError(f"refusing to load {qualified}: only data and dtlib's data classes come back")
+    obj = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, (tuple, enum.Enum)))):
+        raise ValueError(f"refusing to load {qualified}: not a data class")
+    return obj
+
+
+def decode(blob: bytes) -> Any:
+    """Read what a learner child sent: ``torch.load(weights_only=True)``, plus the dtlib data
+    classes and numpy globals it names (checked one by one before loading); anything else is
+    refused."""
+    import torch
+
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
+    allowed = [_data_class(name) for name in needed]
+    if any(name.startswith("numpy") for name in needed):
+        import numpy.dtypes  # a dtype's class is built, never named, so it is not in `needed`
+
+        allowed += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def stand_in_error(name: str, message: str) -> BaseException:
+    """An exception of the learner's type name (a builtin one when it is a builtin name)."""
+    kind = getattr(builtins, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = type(name if name.isidentifier() else "LearnerError", (Exception,), {})
+    return kind(message)
