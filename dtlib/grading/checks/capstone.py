@@ -149,26 +149,29 @@ def _numbers(report: Any) -> dict[str, float]:
     return {k: float(report[k]) for k in REPORT_KEYS}
 
 
-def _close(name: str, got: float, want: float, how: str) -> None:
+def _close(name: str, got: float, want: float, where: str) -> None:
+    """The hint names the quantity that disagrees and where to look, never the formula or value."""
     if not math.isclose(got, want, rel_tol=_REL):
-        raise AssertionError(f"{name} = {got:.6g}, but {how} gives {want:.6g}")
+        raise AssertionError(f"{name} = {got:.6g} does not agree with the report's other numbers: {where}")
 
 
 def check_report_consistent(report: Any) -> None:
     """The numbers agree with each other: GPU-hours, cost, failures, Young's interval, goodput."""
     r, s = _numbers(report), SYSTEM
-    _close("gpu_hours", r["gpu_hours"], r["days"] * 24 * s["gpus"], f"days x 24 x {s['gpus']:,} GPUs")
+    _close("gpu_hours", r["gpu_hours"], r["days"] * 24 * s["gpus"], "GPU-hours count every GPU of SYSTEM for the run's days")
     _close("cost_usd", r["cost_usd"], r["gpu_hours"] * s["price_per_gpu_hour"],
-           f"gpu_hours x ${s['price_per_gpu_hour']}/GPU-hour")
+           "the cost is what SYSTEM's price charges for the GPU-hours")
     mtbf_h = LLAMA3_GPU_MTBF_HOURS / s["gpus"]
     _close("failures_per_day", r["failures_per_day"], 24 / mtbf_h,
-           f"24 h / job MTBF (Llama 3's {LLAMA3_GPU_MTBF_HOURS:,.0f} GPU-hours per failure / {s['gpus']:,} GPUs)")
+           "failures per day come from the job's MTBF (dtlib.analytic.reliability.job_mtbf)")
     mtbf_s, c = mtbf_h * 3600, s["checkpoint_cost_s"]
     tau = math.sqrt(2 * c * mtbf_s)
     _close("checkpoint_interval_min", r["checkpoint_interval_min"], tau / 60,
-           f"Young's sqrt(2 x {c:g} s x job MTBF), in minutes,")
+           "Young's interval from SYSTEM's checkpoint cost and the job's MTBF, in minutes "
+           "(dtlib.analytic.reliability.young_interval)")
     _close("goodput", r["goodput"], 1 - c / tau - (tau / 2 + s["restart_s"]) / mtbf_s,
-           f"1 - C/tau - (tau/2 + R)/MTBF with C = {c:g} s, R = {s['restart_s']:g} s")
+           "goodput at that interval, with SYSTEM's checkpoint and restart times "
+           "(dtlib.analytic.reliability.goodput)")
 
 
 def check_report_matches_dtlib(report: Any) -> None:
