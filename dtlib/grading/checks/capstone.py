@@ -158,7 +158,8 @@ def _close(name: str, got: float, want: float, where: str) -> None:
 def check_report_consistent(report: Any) -> None:
     """The numbers agree with each other: GPU-hours, cost, failures, Young's interval, goodput."""
     r, s = _numbers(report), SYSTEM
-    _close("gpu_hours", r["gpu_hours"], r["days"] * 24 * s["gpus"], "GPU-hours count every GPU of SYSTEM for the run's days")
+    _close("gpu_hours", r["gpu_hours"], r["days"] * 24 * s["gpus"],
+           "GPU-hours count every GPU of SYSTEM for the run's days")
     _close("cost_usd", r["cost_usd"], r["gpu_hours"] * s["price_per_gpu_hour"],
            "the cost is what SYSTEM's price charges for the GPU-hours")
     mtbf_h = LLAMA3_GPU_MTBF_HOURS / s["gpus"]
