@@ -113,7 +113,7 @@ def test_run_ray_refuses_before_ray_starts(change, kwargs, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--launcher", "ray", "--kill-step", "1", "--kill-agent"], "--kill-agent"),
-    (["--launcher", "ray", "--backend", "nccl"], "--backend nccl: --launcher ray runs CPU workers over gloo"),
+    (["--launcher", "ray", "--backend", "nccl"], "--backend nccl: --launcher ray starts CPU workers over gloo"),
     (["--launcher", "ray", "--max-failures", "-1"], "--max-failures"),
     (["--max-failures", "1"], "--max-failures is Ray Train's FailureConfig"),
     (["--launcher", "torchrun"], "not started by torchrun"),
