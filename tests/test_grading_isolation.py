@@ -177,6 +177,14 @@ def _returns_code(rank, world_size):
     return _RunsCode()
 
 
+def _returns_numpy(rank, world_size):
+    import numpy as np
+
+    # what dtlib.frameworks' runners return: float32 arrays from .numpy() (exercise 13's Megatron
+    # check came back 'tampered' when a reply of such arrays needed a numpy dtype not allowed)
+    return {"params": {"w": torch.full((3,), float(rank)).numpy()}, "loss": np.float32(rank)}
+
+
 def test_launcher_result_codec_sends_data_and_errors_as_text():
     from dtlib.grading.transfer import decode, encode
     from dtlib.launcher import RankFailedError, launch, set_result_codec
@@ -189,6 +197,8 @@ def test_launcher_result_codec_sends_data_and_errors_as_text():
         assert "no such bucket" in str(failed.value.__cause__)
         with pytest.raises(ValueError, match="refusing to load"):
             launch(_returns_code, 2, timeout=30, output="none")
+        arrays = launch(_returns_numpy, 2, timeout=30, output="none")
+        assert arrays[1]["params"]["w"].tolist() == [1.0, 1.0, 1.0] and arrays[1]["loss"] == 1.0
     finally:
         set_result_codec(None)
     assert not Path("/tmp/dtlib-decode-ran").exists()

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import importlib
 import io
+import warnings
 from typing import Any
 
 __all__ = ["encode", "decode", "stand_in_error"]
@@ -48,18 +49,34 @@ def _data_class(qualified: str) -> Any:
     return obj
 
 
+def _numpy_globals() -> list[Any]:
+    """numpy's array, scalar and dtype globals (data only: torch's weights_only documentation lists
+    them as safe), allowed in every reply: exercise 13's Megatron replies (dicts of float32 arrays)
+    once failed to load with only the ones the scan had named."""
+    import numpy.dtypes
+
+    out = [_data_class(name) for name in sorted(_NUMPY) if _importable(name)]
+    return out + [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+
+
+def _importable(qualified: str) -> bool:
+    module, _, name = qualified.rpartition(".")
+    try:  # numpy 2 has numpy._core; numpy 1 numpy.core (numpy 2 still answers to it, deprecated)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
 def decode(blob: bytes) -> Any:
-    """Read what a learner child sent: ``torch.load(weights_only=True)``, plus the dtlib data
-    classes and numpy globals it names (checked one by one before loading); anything else is
+    """Read what a learner child sent: ``torch.load(weights_only=True)``, plus numpy's data globals
+    and the dtlib data classes it names (checked one by one before loading); anything else is
     refused."""
     import torch
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
-    allowed = [_data_class(name) for name in needed]
-    if any(name.startswith("numpy") for name in needed):
-        import numpy.dtypes  # a dtype's class is built, never named, so it is not in `needed`
-
-        allowed += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    allowed = [_data_class(name) for name in needed] + _numpy_globals()
     with torch.serialization.safe_globals(allowed):
         return torch.load(io.BytesIO(blob), weights_only=True)
 
