@@ -46,6 +46,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator
+from dtlib.plan.moe import expert_load, expert_rows, moe_numbers
 
 __all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
 
@@ -108,9 +109,20 @@ def _fwd_bwd(m: Any, n: Any, k: Any, batch: Any, **kw: Any) -> tuple[Any, Any]:
     return forward, backward
 
 
+def _mlp(rows: Any, width: Any, h: Any, matrices: Any, batch: Any, kw: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Forward and backward seconds of ``batch`` MLPs of ``rows`` tokens, FFN ``width`` on this
+    rank (FC1 and FC2), and the elements an FP8 cast reads (inputs, outputs, weights). ``matrices``
+    counts FC2 too: GELU has 2 (FC1 of width ``width``), SwiGLU 3 (gate and up fused in FC1)."""
+    fc1_width = (matrices - 1) * width
+    fc1 = _fwd_bwd(rows, fc1_width, h, batch, **kw)
+    fc2 = _fwd_bwd(rows, h, width, batch, **kw)
+    cast = batch * (rows * (h + width) + rows * (fc1_width + h) + matrices * h * width)
+    return fc1[0] + fc2[0], fc1[1] + fc2[1], cast
+
+
 def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
                         flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
-                        clock: float = 1.0) -> dict[str, Any]:
+                        clock: float = 1.0, moe_imbalance: float = 1.0) -> dict[str, Any]:
     """Seconds per step on one GPU of the weight GEMMs (``gemm``) and of attention
     (``attention``) for the layouts ``n`` (:func:`dtlib.analytic.vectorised.layout_arrays`).
 
@@ -118,13 +130,17 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     LM head (spread as Narayanan et al. 2021 eq. 3 counts it); full recompute repeats the layers'
     forward, selective recompute the attention core (Korthikanti et al. 2022, Sec. 5). Weight GEMMs
     run in ``dtype`` (fp8 at the FP8 peak); attention and the LM head stay in bf16 (Transformer
-    Engine keeps dot-product attention and, by default, the output layer in BF16)."""
+    Engine keeps dot-product attention and, by default, the output layer in BF16). In an MoE layer
+    the MLP is the local experts' grouped GEMM, ``experts / ep`` GEMMs of the rows each receives
+    (:func:`dtlib.plan.moe.expert_rows` / local experts: small per-expert M pays tile quantization),
+    FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless; plus the
+    shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.number("attention_efficiency", attention_efficiency, maximum=1)
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
     heads, kv_heads, ffn, vocab = n["heads"], n["kv_heads"], n["ffn"], n["vocab"]
-    experts, top_k = n["experts"], n["top_k"]
+    experts = n["experts"]
     head_dim = h // heads
     tokens = b * s / cp  # rows of every GEMM on a rank (SP gathers the sequence before them)
     weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
@@ -134,24 +150,25 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     # ---- weight GEMMs of one layer, one micro-batch (Shoeybi et al. 2019, Sec. 3) --------------
     qkv = _fwd_bwd(tokens, (h + 2 * kv_heads * head_dim) / tp, h, 1, **weights_kw)
     proj = _fwd_bwd(tokens, h, h / tp, 1, **weights_kw)
-    moe = experts > 0
-    local_experts = np.where(moe, experts / ep, 1)
-    # balanced routing: each of an ep group's ranks receives tokens x top_k rows over its experts
-    rows = np.where(moe, tokens * top_k / local_experts, tokens)
-    # mlp_matrices counts FC2 too: GELU has 2 (FC1 of width ffn), SwiGLU 3 (gate and up fused in FC1)
-    fc1_width = (n["mlp_matrices"] - 1) * ffn
-    fc1 = _fwd_bwd(rows, fc1_width / tp, h, local_experts, **weights_kw)
-    fc2 = _fwd_bwd(rows, h, ffn / tp, local_experts, **weights_kw)
-    router = _fwd_bwd(tokens, np.maximum(experts, 1), h, moe * 1.0, **bf16_kw)
-    forward = qkv[0] + proj[0] + fc1[0] + fc2[0] + router[0]
-    backward = qkv[1] + proj[1] + fc1[1] + fc2[1] + router[1]
+    attn_cast = (tokens * (h + h / tp) + tokens * ((h + 2 * kv_heads * head_dim) / tp + h)
+                 + (h * (h + 2 * kv_heads * head_dim) + h * h) / tp)
+    dense_mlp = _mlp(tokens, ffn / tp, h, n["mlp_matrices"], 1, weights_kw)
+    # MoE layers (dtlib.plan.moe): a grouped GEMM of the local experts, the always-active shared
+    # experts (a dense MLP split over tp, Megatron-Core SharedExpertMLP) and the router
+    moe = moe_numbers(n)
+    local_experts = np.where(moe["moe"], experts / ep, 1)
+    rows = expert_rows(tokens, tp, moe, expert_load(moe, moe_imbalance)) / local_experts
+    grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, weights_kw)
+    shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
+                  (moe["shared_experts"] > 0) * 1.0, weights_kw)
+    router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)
+    share = moe["moe_share"]
+    forward = qkv[0] + proj[0] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
+    backward = qkv[1] + proj[1] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
     head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
     if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
-        inputs = tokens * (h + h / tp) + rows * local_experts * (h + ffn / tp)
-        outputs = tokens * ((h + 2 * kv_heads * head_dim) / tp + h) + rows * local_experts * (fc1_width / tp + h)
-        weight_elements = (h * (h + 2 * kv_heads * head_dim) + h * h + local_experts * n["mlp_matrices"]
-                           * h * ffn) / tp
-        cast = FP8_CAST_BYTES * (inputs + outputs + weight_elements) / gpu.memory_bandwidth
+        elements = attn_cast + (1 - share) * dense_mlp[2] + share * (grouped[2] + shared[2])
+        cast = FP8_CAST_BYTES * elements / gpu.memory_bandwidth
     else:
         cast = 0.0
 

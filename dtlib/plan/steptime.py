@@ -35,6 +35,7 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
+from dtlib.plan.moe import check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
            "memory_recompute"]
@@ -68,8 +69,13 @@ TERMS: dict[str, str] = {
     "cp_comm": "ring attention: K and V of the local sequence shard pass around the cp ranks once "
                "forward, their gradients once backward, per layer and micro-batch (Liu et al. 2023, "
                "Ring Attention; Megatron-LM context parallelism), exposed unless cp_overlap",
-    "ep_comm": "2 all-to-alls of the routed tokens (b s h x top_k) per MoE layer forward, 2 backward "
-               "(Lepikhin et al. 2021, GShard, Sec. 2; DeepSpeed-MoE)",
+    "ep_comm": "per MoE layer and micro-batch, the dispatch and combine all-to-alls of the routed tokens "
+               "(b s/(cp tp) x top_k x h, x the capacity factor when set, else x moe_imbalance) forward "
+               "and backward (+2 with full recompute) (Lepikhin et al. 2021, GShard, Sec. 2; "
+               "Megatron-Core MoEAlltoAllTokenDispatcher), on NVLink when the EP group's etp x ep "
+               "consecutive ranks fit a node (Megatron-Core's expert grid), else bounded by the NIC "
+               "share per GPU (DeepSeek-V3 report, Sec. 3.2.2); with etp > 1 an all-gather and a "
+               "reduce-scatter over the ETP group; exposed unless ep_overlap (dtlib.plan.moe)",
     "pp_p2p": "each stage boundary sends the micro-batch's activations forward and their gradients "
               "back (x v chunks interleaved), point to point on the link between stages (Narayanan "
               "et al. 2021, Sec. 4.1), each of the t tensor ranks sending 1/t of it (their "
@@ -80,7 +86,9 @@ TERMS: dict[str, str] = {
                "NVLink, inter-node phase on the NICs, NCCL's faster of ring and tree (tuning.cc); the "
                "exposed part is what dp_overlap x (backward of the last micro-batch; + forward of the "
                "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide "
-               "(PyTorch DDP buckets, Li et al. 2020; Megatron --overlap-grad-reduce)",
+               "(PyTorch DDP buckets, Li et al. 2020; Megatron --overlap-grad-reduce)"
+               "; expert gradients over the expert-data-parallel group, tp x cp x dp / (etp x ep) "
+               "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
                  "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
                  "(roofline, Williams et al. 2009)",
@@ -105,7 +113,11 @@ class StepOptions:
     ``oversubscription``: the fabric's over the leaf (bandwidth across nodes divided by it);
     ``flash_attention``: attention never writes the s x s scores to HBM (Dao et al. 2022), as
     PyTorch's SDPA and Megatron-Core do today; False for 2021-22 Megatron-LM (fused softmax);
-    None: as the model was trained (:func:`dtlib.analytic.presets.training_of`, see :func:`as_trained`).
+    None: as the model was trained (:func:`dtlib.analytic.presets.training_of`, see :func:`as_trained`);
+    ``ep_overlap``: fraction of the EP all-to-all hidden behind compute (DeepSeek-V3's DualPipe,
+    Megatron's ``--overlap-moe-expert-parallel-comm``; default 0: exposed, Megatron's default);
+    ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
+    scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`).
     """
     dtype: str = "bf16"
     efficiency: float | None = None
@@ -120,6 +132,8 @@ class StepOptions:
     attention_efficiency: float | None = None
     power_limit_w: float | None = None
     fused_elementwise: bool = True
+    ep_overlap: float = 0.0
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         validate.one_of("dtype", self.dtype, DTYPES)
@@ -133,6 +147,8 @@ class StepOptions:
         for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
             validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
         validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
+        validate.number("ep_overlap", self.ep_overlap, minimum=0, exclusive=False, maximum=1)
+        validate.number("moe_imbalance", self.moe_imbalance, minimum=1, exclusive=False)
         get_precision(self.precision)
         if self.flash_attention is not None:
             validate.boolean("flash_attention", self.flash_attention)
@@ -224,7 +240,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
             gemm_efficiency=GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency,
             attention_efficiency=(ATTENTION_EFFICIENCY if options.attention_efficiency is None
                                   else options.attention_efficiency),
-            clock=clock_scale(gpu, options.power_limit_w))
+            clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance)
         compute = parts["gemm"] + parts["attention"]
 
     # ---- model-parallel communication, per layer and micro-batch ---------------------------
@@ -236,9 +252,15 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     kv = 2 * b * (s / cp) * n["kv_heads"] * (h // n["heads"]) * prec.activation / tp
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", kv * cp, cp, intra, inter)
-    moe = n["experts"] > 0
-    ep_comm = moe * 4 * layers_here * m * _on(tp * cp * ep <= g, "all_to_all", act * n["top_k"], ep,
-                                             intra, inter)
+    # ---- EP: all-to-all of the routed tokens per MoE layer (dtlib.plan.moe) -----------------
+    moe = moe_numbers(n)
+    check_imbalance(moe, options.moe_imbalance)
+    load = expert_load(moe, options.moe_imbalance)
+    ep_calls = (4 + 2 * full) * moe["moe_share"] * layers_here * m
+    ep_parts = ep_comm_time(b=b, s=s, h=h, tp=tp, cp=cp, dp=dp, ep=ep, moe=moe, load=load,
+                            act_bytes=prec.activation, calls=ep_calls, gpus_per_node=g,
+                            intra=intra, inter=inter)
+    ep_comm = (1 - options.ep_overlap) * (ep_parts["all_to_all"] + ep_parts["etp"])
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
     per_layer = dict(seq=s, micro_batch_size=b, hidden=h, heads=n["heads"], kv_heads=n["kv_heads"],
                      ffn=n["ffn"], tp=tp, cp=cp, sequence_parallel=n["sequence_parallel"],
@@ -264,8 +286,10 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     expert = np.where(use_last, stages["last"]["expert"], stages["first"]["expert"])
     zero = n["zero"]
     dp_comm_raw = 0 * compute
-    for params, ranks in ((dense, dp * cp), (expert, dp * cp / ep)):
-        local = np.where(tp <= g, np.minimum(ranks, np.maximum(g // tp, 1)), 1)
+    dense_local = np.where(tp <= g, np.minimum(dp * cp, np.maximum(g // tp, 1)), 1)
+    # expert parameters: reduced over the expert-data-parallel group (Megatron-Core's expert grid)
+    grid = expert_grid(tp, cp, dp, ep, moe["etp"], g)
+    for params, ranks, local in ((dense, dp * cp, dense_local), (expert, grid["edp"], grid["edp_local"])):
         grads, weights_bytes = params * prec.grad, params * prec.param
         t = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter),
                      _hierarchical("reduce_scatter", grads, ranks, local, intra, inter)
@@ -280,7 +304,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, 0)
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
-    owned = (dense + expert) / np.where(zero >= 1, dp * cp, 1)
+    owned = dense / np.where(zero >= 1, dp * cp, 1) + expert / np.where(zero >= 1, grid["edp"], 1)
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
 

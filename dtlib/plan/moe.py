@@ -1,0 +1,135 @@
+"""Mixture-of-experts layers in the step time: the expert grid, the token load, the EP all-to-all.
+
+**The expert grid** follows Megatron-Core's MoE parallel folding
+(``parallel_state.initialize_model_parallel``, Megatron-Core 0.16): the dense part of a pipeline
+stage is laid out ``tp-cp-dp`` and the expert part of the *same* ranks ``etp-ep-edp``, with
+``edp = tp x cp x dp / (etp x ep)`` (``expert_data_parallel_size = world_size //
+(expert_tensor_parallel_size x expert_model_parallel_size x pipeline_model_parallel_size)``, which
+must divide evenly), tensor-expert ranks adjacent. An EP group is therefore ``ep`` ranks at stride
+``etp``, spanning ``etp x ep`` consecutive ranks; nodes hold ``gpus_per_node`` consecutive ranks
+(``g``, the NVLink domain: 8 on HGX, 72 on a GB200 NVL72 rack). Groups start at multiples of the
+span and nodes at multiples of ``g``, so the worst-placed group has ``gcd(etp x ep, g) / etp`` of
+its members on one node: all of them when the span divides ``g`` (the group lives in NVLink),
+``g / etp`` when ``g`` divides the span, and fewer when neither divides the other (a group of 16
+starting at rank 64 straddles two 72-GPU racks, 8 + 8).
+
+**The token load.** Each rank dispatches its sequence-parallel shard of ``b s / (cp tp)`` tokens
+(Megatron-Core runs MoE with TP only sequence-parallel: ``MoELayer.forward`` refuses otherwise),
+``top_k`` copies of each. With a capacity factor ``C`` every expert's buffer holds ``C`` x the mean
+(tokens over it dropped, the rest padded: GShard, Lepikhin et al. 2021, Sec. 2.2; Switch
+Transformer, Fedus et al. 2022, Sec. 2.2; Megatron ``--moe-expert-capacity-factor`` with
+``--moe-pad-expert-input-to-capacity``); dropless routing (``C`` = None) sends what the router
+chose, and the busiest expert gets ``moe_imbalance`` x the mean (1 = balanced, the goal of an
+auxiliary balance loss or DeepSeek-V3's aux-loss-free bias, DeepSeek-AI 2024, Sec. 2.1.2). The
+busiest rank sets the pace, so the load multiplies both the all-to-all and the expert GEMMs; it is
+an upper bound when a rank holds several experts (their loads average).
+
+**The all-to-all** (Megatron-Core ``MoEAlltoAllTokenDispatcher``: dispatch before the experts,
+combine after, each once forward and once backward; full recompute repeats the forward two) sends
+``(n-1)/n`` of a rank's buffer to its ``n = ep`` peers. Inside one node it is the pairwise
+exchange of :func:`dtlib.analytic.comm.collective_time`. Across nodes the bytes to peers on the
+same node go over NVLink and the rest through the GPU's share of the node's NICs at the same time;
+the NIC share bounds it (DeepSeek-V3 technical report, Sec. 3.2.2: cross-node all-to-all limited by
+the InfiniBand bandwidth per GPU, the NVLink part concurrent), with ``(n-1)`` message latencies of
+the inter-node link. With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP
+group and the expert outputs reduce-scattered back (``gather_from_sequence_parallel_region`` /
+``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
+
+Pure numpy; every argument may be an array (one entry per layout of the search).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dtlib.analytic import validate
+from dtlib.analytic.comm import collective_time
+from dtlib.analytic.hardware import Link
+
+__all__ = ["moe_numbers", "expert_grid", "expert_load", "expert_rows", "all_to_all_time",
+           "ep_comm_time"]
+
+
+def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of the numbers ``n`` with their defaults: ``experts``, ``top_k``, expert width
+    ``moe_ffn`` (default ``ffn``), ``shared_experts``, ``capacity_factor`` (0: dropless), ``etp``
+    and ``moe_share``, the fraction of the layers that are MoE layers (0 for a dense model)."""
+    experts = np.asarray(n["experts"])
+    moe = experts > 0
+    layers = np.asarray(n["layers"])
+    moe_layers = np.asarray(n.get("moe_layers", np.where(moe, layers, 0)))
+    capacity = n.get("capacity_factor")
+    return {"experts": experts, "top_k": np.asarray(n["top_k"]), "moe": moe,
+            "moe_ffn": np.asarray(n.get("moe_ffn", n["ffn"])),
+            "shared_experts": np.asarray(n.get("shared_experts", 0)),
+            "capacity_factor": np.asarray(0.0 if capacity is None else capacity, float),
+            "etp": np.asarray(n.get("etp", 1)),
+            "moe_share": moe_layers / layers}
+
+
+def expert_grid(tp: Any, cp: Any, dp: Any, ep: Any, etp: Any, gpus_per_node: int) -> dict[str, Any]:
+    """Megatron-Core's expert grid (module docstring): ``edp``, the expert-data-parallel size;
+    ``ep_local``, the EP ranks of the worst-placed group on one node; ``edp_local``, the EDP ranks
+    on one node (the group's stride is ``etp x ep``)."""
+    tp, cp, dp, ep, etp = (np.asarray(x) for x in (tp, cp, dp, ep, etp))
+    span = etp * ep
+    edp = tp * cp * dp // span
+    ep_local = np.maximum(np.gcd(span, gpus_per_node) // etp, 1)
+    edp_local = np.clip(gpus_per_node // span, 1, np.maximum(edp, 1))
+    return {"edp": edp, "ep_local": np.minimum(ep_local, ep), "edp_local": edp_local}
+
+
+def expert_load(moe: dict[str, Any], imbalance: float) -> Any:
+    """Rows of the busiest expert over the balanced mean: the capacity factor when set (padded
+    buffers), else ``imbalance`` (dropless)."""
+    capacity = moe["capacity_factor"]
+    return np.where(capacity > 0, capacity, imbalance)
+
+
+def check_imbalance(moe: dict[str, Any], imbalance: float) -> None:
+    """``imbalance`` can be at most ``experts / top_k``: the busiest expert gets every token once."""
+    most = np.where(moe["moe"], moe["experts"] / np.maximum(moe["top_k"], 1), np.inf)
+    if np.any(imbalance > most):
+        bound = float(np.min(most))
+        raise validate.InvalidArgument(
+            "moe_imbalance", f"between 1 and experts / top_k = {bound:g} (the busiest expert gets "
+            "each token at most once)", imbalance)
+
+
+def expert_rows(tokens: Any, tp: Any, moe: dict[str, Any], load: Any) -> Any:
+    """Rows of the expert GEMMs on the busiest rank per micro-batch and MoE layer, over all of its
+    local experts: ``tokens`` (``b s / cp``) sequence-sharded over ``tp``, ``top_k`` copies,
+    all-gathered over ``etp``, times the ``load``."""
+    return tokens / tp * moe["top_k"] * moe["etp"] * load
+
+
+def all_to_all_time(nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link) -> Any:
+    """Seconds of an all-to-all of ``nbytes`` per rank over ``ranks`` of which ``local`` share the
+    sender's node (module docstring): the pairwise exchange on ``intra`` when all do, else the
+    slower of the NVLink part and the NIC part, plus ``ranks - 1`` latencies of ``inter``."""
+    nbytes, ranks, local = (np.asarray(x, float) for x in (nbytes, ranks, local))
+    inside = collective_time("all_to_all", nbytes, ranks.astype(int), intra)
+    on_node = (local - 1) / ranks * nbytes / intra.bandwidth
+    off_node = (ranks - local) / ranks * nbytes / inter.bandwidth
+    across = (ranks - 1) * inter.latency + np.maximum(on_node, off_node)
+    return np.where(local >= ranks, inside, across)
+
+
+def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, moe: dict[str, Any],
+                 load: Any, act_bytes: float, calls: Any, gpus_per_node: int, intra: Link,
+                 inter: Link) -> dict[str, Any]:
+    """EP communication of one rank per step, before overlap: ``calls`` all-to-alls (4 per MoE
+    layer and micro-batch, 6 with full recompute) of the dispatched tokens' bytes
+    (``bytes_per_call``), plus as many ETP all-gathers / reduce-scatters of ``etp`` x that when
+    ``etp > 1``. Returns ``all_to_all``, ``etp`` (seconds) and ``bytes_per_call``."""
+    etp = moe["etp"]
+    grid = expert_grid(tp, cp, dp, ep, etp, gpus_per_node)
+    tokens = b * s / (cp * tp)
+    nbytes = moe["moe"] * tokens * moe["top_k"] * h * act_bytes * load
+    a2a = calls * all_to_all_time(nbytes, ep, grid["ep_local"], intra, inter)
+    gathered = nbytes * etp
+    within = (etp <= gpus_per_node) & (gpus_per_node % etp == 0)
+    etp_time = np.where(within, collective_time("all_gather", gathered, etp, intra),
+                        collective_time("all_gather", gathered, etp, inter))
+    return {"all_to_all": a2a, "etp": calls * etp_time, "bytes_per_call": nbytes}
