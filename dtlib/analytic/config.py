@@ -16,8 +16,8 @@ import numpy as np
 from dtlib.analytic import validate
 
 __all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS",
-           "norm_params", "attention_params", "mlp_params", "layer_params", "embedding_params",
-           "swiglu_ffn", "SHAPE_RULES"]
+           "norm_params", "attention_params", "mlp_params", "moe_mlp_params", "layer_params",
+           "moe_layer_count", "embedding_params", "swiglu_ffn", "SHAPE_RULES"]
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -37,10 +37,35 @@ def norm_params(hidden: Any, norm_has_bias: Any) -> Any:
     return hidden * (1 + norm_has_bias)
 
 
-def attention_params(hidden: Any, heads: Any, kv_heads: Any, bias: Any) -> Any:
-    """Q and O are h x h; K and V are h x (kv_heads * head_dim) (GQA, Ainslie et al. 2023)."""
-    kv_dim = kv_heads * (hidden // heads)
-    return 2 * hidden * hidden + 2 * hidden * kv_dim + bias * (2 * hidden + 2 * kv_dim)
+def attention_params(hidden: Any, heads: Any, kv_heads: Any, bias: Any, head_dim: Any = None,
+                     q_lora_rank: Any = 0, kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0,
+                     qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, norm_has_bias: Any = 0) -> Any:
+    """Weights (+ biases) of one attention block.
+
+    GQA/MHA (Ainslie et al. 2023): Q is h x (heads x head_dim), K and V h x (kv_heads x head_dim),
+    O (heads x head_dim) x h; ``head_dim`` defaults to h / heads (HF ``head_dim``: Qwen3 and
+    GPT-OSS set heads x head_dim != h). With ``kv_lora_rank > 0`` multi-head latent attention
+    (DeepSeek-V2, Sec. 2.1.2-2.1.3, eqs. 9-13; HF ``DeepseekV3Attention``): the query is
+    ``q_a_proj`` h x q_lora_rank, its RMSNorm and ``q_b_proj`` q_lora_rank x heads(nope + rope)
+    (or one h x heads(nope + rope) matrix when ``q_lora_rank == 0``); keys and values share
+    ``kv_a_proj_with_mqa`` h x (kv_lora_rank + rope) (the latent plus one shared rope key), its
+    RMSNorm and ``kv_b_proj`` kv_lora_rank x heads(nope + v_head_dim); O is heads v_head_dim x h.
+    """
+    d = hidden // heads if head_dim is None else head_dim
+    q_dim, kv_dim = heads * d, kv_heads * d
+    gqa = (2 * hidden * q_dim + 2 * hidden * kv_dim
+           + bias * (q_dim + 2 * kv_dim + hidden))
+    qk = qk_nope_head_dim + qk_rope_head_dim
+    compressed_q = q_lora_rank > 0
+    query = (compressed_q * (hidden * q_lora_rank + norm_params(q_lora_rank, norm_has_bias)
+                             + q_lora_rank * heads * qk + bias * (q_lora_rank + heads * qk))
+             + (q_lora_rank == 0) * (hidden * heads * qk + bias * heads * qk))
+    key_value = (hidden * (kv_lora_rank + qk_rope_head_dim) + norm_params(kv_lora_rank, norm_has_bias)
+                 + kv_lora_rank * heads * (qk_nope_head_dim + v_head_dim)
+                 + bias * (kv_lora_rank + qk_rope_head_dim + heads * (qk_nope_head_dim + v_head_dim)))
+    output = heads * v_head_dim * hidden + bias * hidden
+    mla = kv_lora_rank > 0
+    return (kv_lora_rank == 0) * gqa + mla * (query + key_value + output)
 
 
 def mlp_params(hidden: Any, ffn: Any, mlp_matrices: Any, bias: Any) -> Any:
@@ -48,12 +73,34 @@ def mlp_params(hidden: Any, ffn: Any, mlp_matrices: Any, bias: Any) -> Any:
     return mlp_matrices * hidden * ffn + bias * ((mlp_matrices - 1) * ffn + hidden)
 
 
+def moe_mlp_params(hidden: Any, moe_ffn: Any, mlp_matrices: Any, bias: Any, experts: Any,
+                   shared_experts: Any = 0) -> Any:
+    """An MoE MLP: ``experts`` routed and ``shared_experts`` always-active MLPs, each ``moe_ffn``
+    wide (DeepSeekMoE, Dai et al. 2024, Sec. 3; HF ``DeepseekV3MoE`` sizes its shared expert
+    ``moe_intermediate_size x n_shared_experts``, the same count), plus the h x E router (no bias)."""
+    return (experts + shared_experts) * mlp_params(hidden, moe_ffn, mlp_matrices, bias) + hidden * experts
+
+
 def layer_params(hidden: Any, heads: Any, kv_heads: Any, ffn: Any, mlp_matrices: Any, bias: Any,
-                 norm_has_bias: Any, experts: Any = 0) -> Any:
-    """One transformer block: 2 norms + attention + MLP (or ``experts`` MLPs and an h x E router)."""
-    n_mlp = experts + (experts == 0)  # a dense block has one MLP
-    return (2 * norm_params(hidden, norm_has_bias) + attention_params(hidden, heads, kv_heads, bias)
-            + n_mlp * mlp_params(hidden, ffn, mlp_matrices, bias) + hidden * experts)
+                 norm_has_bias: Any, experts: Any = 0, moe_ffn: Any = None, shared_experts: Any = 0,
+                 **attention: Any) -> Any:
+    """One transformer block: 2 norms + attention + a dense MLP ``ffn`` wide (``experts == 0``) or
+    an MoE MLP (:func:`moe_mlp_params`, experts ``moe_ffn`` wide, default ``ffn``). ``attention``:
+    the keyword arguments of :func:`attention_params` after ``bias`` (head_dim, MLA ranks)."""
+    moe_ffn = ffn if moe_ffn is None else moe_ffn
+    moe = experts > 0
+    mlp = ((experts == 0) * mlp_params(hidden, ffn, mlp_matrices, bias)
+           + moe * moe_mlp_params(hidden, moe_ffn, mlp_matrices, bias, experts, shared_experts))
+    attn = attention_params(hidden, heads, kv_heads, bias, norm_has_bias=norm_has_bias, **attention)
+    return 2 * norm_params(hidden, norm_has_bias) + attn + mlp
+
+
+def moe_layer_count(layers: Any, experts: Any, dense_layers: Any = 0, layer_freq: Any = 1) -> Any:
+    """MoE layers of a model: after ``dense_layers`` dense ones (DeepSeek's
+    ``first_k_dense_replace``), every ``layer_freq``-th layer, starting with the first
+    (Megatron-Core ``--moe-layer-freq N``: layer i is MoE when i % N == 0); none when dense."""
+    remaining = layers - dense_layers
+    return (experts > 0) * ((remaining + layer_freq - 1) // layer_freq)
 
 
 def embedding_params(hidden: Any, vocab: Any, seq: Any, learned_positions: Any) -> Any:
@@ -73,14 +120,33 @@ SHAPE_RULES = [
 
 
 # ---- the description ---------------------------------------------------------------------------
+_MOE_ONLY = dict(moe_ffn=None, moe_shared_experts=0, moe_dense_layers=0, moe_layer_freq=1,
+                 moe_capacity_factor=None)
+_MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """Shape of a decoder (GPT/Llama-style, pre-norm) transformer.
 
     ``kv_heads`` defaults to ``heads`` (multi-head attention); ``ffn`` defaults to ``4*hidden``
-    for GELU and to :func:`swiglu_ffn` for SwiGLU. ``bias`` applies to every linear layer and to
-    LayerNorm (as nanoGPT's ``bias`` flag). ``moe_experts=0`` is a dense model.
+    for GELU and to :func:`swiglu_ffn` for SwiGLU; ``head_dim`` to ``hidden // heads``. ``bias``
+    applies to every linear layer but the router and to LayerNorm (as nanoGPT's ``bias`` flag).
     ``embedding_norm`` adds a norm after the embedding (BLOOM).
+
+    Mixture of experts (HF/Megatron names; docs/models.md): ``moe_experts`` routed experts
+    (0: dense), ``moe_top_k`` of them per token, each ``moe_ffn`` wide (HF
+    ``moe_intermediate_size``; default ``ffn``), plus ``moe_shared_experts`` always-active ones
+    of the same width; the first ``moe_dense_layers`` layers are dense (``ffn`` wide), then every
+    ``moe_layer_freq``-th layer is MoE; ``moe_capacity_factor`` caps the tokens per expert at
+    that multiple of the balanced load (None: dropless).
+
+    Multi-head latent attention (DeepSeek-V2/V3): ``kv_lora_rank > 0`` switches it on, with
+    ``q_lora_rank`` (0: no query compression), ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
+    ``v_head_dim``; ``head_dim`` is then the query/key head size nope + rope.
+
+    Sliding-window attention: ``sliding_window`` keys per query (0: full attention) on every layer,
+    or with ``global_attention_every = k`` on all but every k-th layer (Gemma-3, GPT-OSS: k = 2).
     """
     name: str = "custom"
     layers: int
@@ -90,6 +156,7 @@ class TransformerConfig:
     seq: int
     kv_heads: int | None = None
     ffn: int | None = None
+    head_dim: int | None = None
     activation: str = "gelu"
     tied_embeddings: bool = False
     bias: bool = True
@@ -97,6 +164,18 @@ class TransformerConfig:
     position: str = "learned"
     moe_experts: int = 0
     moe_top_k: int = 0
+    moe_ffn: int | None = None
+    moe_shared_experts: int = 0
+    moe_dense_layers: int = 0
+    moe_layer_freq: int = 1
+    moe_capacity_factor: float | None = None
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    global_attention_every: int = 0
     embedding_norm: bool = False
     source: str = field(default="", compare=False)
 
@@ -119,23 +198,73 @@ class TransformerConfig:
             values = {f: getattr(self, f) for f in fields}
             if not ok(**values):
                 raise ValueError(message(**values))
+        self._check_attention()
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got hidden/heads = {self.head_dim}")
+            raise ValueError(f"rope needs an even head dimension, got head_dim = {self.head_dim}")
+        self._check_moe()
+        validate.integer("sliding_window", self.sliding_window, minimum=0)
+        validate.integer("global_attention_every", self.global_attention_every, minimum=0,
+                         maximum=self.layers)
+        if self.global_attention_every and not self.sliding_window:
+            raise validate.InvalidArgument(
+                "global_attention_every", "0 without a sliding window (it says which layers "
+                "attend to the whole sequence; set sliding_window > 0)", self.global_attention_every)
+
+    def _check_attention(self) -> None:
+        validate.integer("kv_lora_rank", self.kv_lora_rank, minimum=0)
+        for name in _MLA_ONLY:
+            validate.integer(name, getattr(self, name), minimum=0)
+        if not self.kv_lora_rank:
+            for name in _MLA_ONLY:
+                if getattr(self, name):
+                    raise validate.InvalidArgument(
+                        name, "0 without multi-head latent attention (set kv_lora_rank > 0 for MLA)",
+                        getattr(self, name))
+            if self.head_dim is None:
+                object.__setattr__(self, "head_dim", self.hidden // self.heads)
+            validate.integer("head_dim", self.head_dim)
+            return
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            validate.integer(name, getattr(self, name), minimum=1)
+        if self.kv_heads != self.heads:
+            raise validate.InvalidArgument(
+                "kv_heads", f"equal to heads ({self.heads}) with multi-head latent attention "
+                "(every head decompresses its own keys and values)", self.kv_heads)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.head_dim not in (None, qk):
+            raise validate.InvalidArgument(
+                "head_dim", f"qk_nope_head_dim + qk_rope_head_dim = {qk} with multi-head latent "
+                "attention (or leave it unset)", self.head_dim)
+        object.__setattr__(self, "head_dim", qk)
+
+    def _check_moe(self) -> None:
         validate.integer("moe_experts", self.moe_experts, minimum=0)
         validate.integer("moe_top_k", self.moe_top_k, minimum=0)
         if self.moe_experts == 1:
             raise validate.InvalidArgument("moe_experts", "0 (dense) or an integer >= 2", 1)
-        if self.moe_experts and not (1 <= self.moe_top_k <= self.moe_experts):
+        if not self.moe_experts:
+            if self.moe_top_k:
+                raise ValueError(f"moe_top_k={self.moe_top_k} needs moe_experts >= 2 (got a dense model)")
+            for name, default in _MOE_ONLY.items():
+                if getattr(self, name) != default:
+                    raise validate.InvalidArgument(
+                        name, f"{default} for a dense model (set moe_experts >= 2 for MoE)",
+                        getattr(self, name))
+            return
+        if not (1 <= self.moe_top_k <= self.moe_experts):
             raise ValueError(f"moe_top_k must be in 1..{self.moe_experts} for an MoE model, "
                              f"got {self.moe_top_k!r}")
-        if not self.moe_experts and self.moe_top_k:
-            raise ValueError(f"moe_top_k={self.moe_top_k} needs moe_experts >= 2 (got a dense model)")
+        if self.moe_ffn is None:
+            object.__setattr__(self, "moe_ffn", self.ffn)
+        validate.integer("moe_ffn", self.moe_ffn)
+        validate.integer("moe_shared_experts", self.moe_shared_experts, minimum=0)
+        validate.integer("moe_dense_layers", self.moe_dense_layers, minimum=0, maximum=self.layers - 1)
+        validate.integer("moe_layer_freq", self.moe_layer_freq, minimum=1,
+                         maximum=self.layers - self.moe_dense_layers)
+        if self.moe_capacity_factor is not None:
+            validate.number("moe_capacity_factor", self.moe_capacity_factor, minimum=0)
 
     # derived sizes -------------------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
     @property
     def mlp_matrices(self) -> int:
         return 3 if self.activation == "swiglu" else 2
@@ -144,10 +273,34 @@ class TransformerConfig:
     def norm_has_bias(self) -> bool:
         return self.norm == "layernorm" and self.bias
 
-    def layer_parameters(self) -> int:
-        """Parameters of one transformer block."""
-        return layer_params(self.hidden, self.heads, self.kv_heads, self.ffn, self.mlp_matrices,
-                            self.bias, self.norm_has_bias, self.moe_experts)
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE (:func:`moe_layer_count`); 0 for a dense model."""
+        return int(moe_layer_count(self.layers, self.moe_experts, self.moe_dense_layers, self.moe_layer_freq))
+
+    @property
+    def sliding_layers(self) -> int:
+        """How many layers attend within the sliding window: all but every
+        ``global_attention_every``-th (layer i is global when (i + 1) % k == 0: GPT-OSS's
+        ``layer_types`` start with a sliding layer, Gemma-3's pattern ends each group with a global one)."""
+        if not self.sliding_window:
+            return 0
+        if not self.global_attention_every:
+            return self.layers
+        return self.layers - self.layers // self.global_attention_every
+
+    def _attention_kw(self) -> dict[str, Any]:
+        return dict(head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim)
+
+    def layer_parameters(self, moe: bool | None = None) -> int:
+        """Parameters of one transformer block: an MoE block when ``moe`` (default: whether the
+        model has experts), else a dense one."""
+        moe = bool(self.moe_experts) if moe is None else moe
+        return int(layer_params(self.hidden, self.heads, self.kv_heads, self.ffn, self.mlp_matrices,
+                                self.bias, self.norm_has_bias, self.moe_experts if moe else 0,
+                                self.moe_ffn, self.moe_shared_experts, **self._attention_kw()))
 
     def embedding_parameters(self) -> int:
         """Input side: token (+ learned position) embeddings and the optional embedding norm."""
@@ -160,20 +313,25 @@ class TransformerConfig:
                 + (not self.tied_embeddings) * self.vocab * self.hidden)
 
     def num_parameters(self) -> int:
-        """Exact parameter count (tied embeddings counted once)."""
+        """Exact parameter count (tied embeddings counted once): what memory holds."""
         return num_parameters(self)
 
     def active_parameters(self) -> int:
-        """Parameters a token passes through: MoE layers count ``moe_top_k`` experts, not all."""
-        if not self.moe_experts:
-            return self.num_parameters()
+        """Parameters a token passes through: MoE layers count ``moe_top_k`` routed experts (and
+        the shared ones), not all ``moe_experts``; what FLOPs use. The embedding table counts
+        whole, as DeepSeek, Qwen and Mistral count active parameters (docs/models.md)."""
         unused = (self.moe_experts - self.moe_top_k) * mlp_params(
-            self.hidden, self.ffn, self.mlp_matrices, self.bias)
-        return self.num_parameters() - self.layers * unused
+            self.hidden, self.moe_ffn or self.ffn, self.mlp_matrices, self.bias)
+        return int(self.num_parameters() - self.moe_layers * unused)
 
     def numbers(self, seq: int | None = None) -> dict[str, Any]:
         """The numbers the formulas of :mod:`dtlib.analytic.memory` and :mod:`dtlib.analytic.flops` read (booleans
-        as 0/1), so that :mod:`dtlib.analytic.vectorised` can replace any of them by an array."""
+        as 0/1, None as 0), so that :mod:`dtlib.analytic.vectorised` can replace any of them by an array.
+
+        MoE: ``experts top_k moe_ffn shared_experts dense_layers moe_layer_freq moe_layers``
+        (count) and ``capacity_factor`` (0 = dropless); attention: ``head_dim``, MLA's
+        ``q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim``;
+        ``sliding_window`` (0 = none), ``global_attention_every`` and ``sliding_layers`` (count)."""
         if seq is not None:
             check = validate.rule("seq")[1](seq=seq)
             if not np.all(check):
@@ -182,17 +340,35 @@ class TransformerConfig:
                     ffn=self.ffn, vocab=self.vocab, seq=self.seq if seq is None else seq, mlp_matrices=self.mlp_matrices,
                     bias=int(self.bias), norm_has_bias=int(self.norm_has_bias),
                     experts=self.moe_experts, top_k=self.moe_top_k,
+                    moe_ffn=self.moe_ffn or self.ffn, shared_experts=self.moe_shared_experts,
+                    dense_layers=self.moe_dense_layers, moe_layer_freq=self.moe_layer_freq,
+                    moe_layers=self.moe_layers, capacity_factor=self.moe_capacity_factor or 0,
+                    head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, sliding_window=self.sliding_window,
+                    global_attention_every=self.global_attention_every, sliding_layers=self.sliding_layers,
                     learned_positions=int(self.position == "learned"),
                     embedding_norm=int(self.embedding_norm), tied=int(self.tied_embeddings),
                     swiglu=int(self.activation == "swiglu"))
 
     def with_(self, **changes: Any) -> "TransformerConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A head size or expert width that
+        was derived (equal to its default) is derived again from the new widths."""
+        if {"hidden", "heads"} & set(changes) and "head_dim" not in changes and not self.kv_lora_rank \
+                and self.head_dim == self.hidden // self.heads:
+            changes["head_dim"] = None
+        if "ffn" in changes and "moe_ffn" not in changes and self.moe_ffn == self.ffn:
+            changes["moe_ffn"] = None
+        if "kv_lora_rank" in changes and "head_dim" not in changes:
+            changes["head_dim"] = None
+        if changes.get("moe_experts", self.moe_experts) == 0 and self.moe_experts:
+            changes = {**_MOE_ONLY, **changes}  # a dense copy of an MoE model drops its MoE fields
         return replace(self, **changes)
 
 
 def num_parameters(cfg: TransformerConfig) -> int:
-    """Exact parameter count of ``cfg`` (= ``sum(p.numel())`` of ``TinyGPT(cfg)``)."""
-    return int(cfg.embedding_parameters() + cfg.layers * cfg.layer_parameters()
-               + cfg.head_parameters())
-
+    """Exact parameter count of ``cfg`` (= ``sum(p.numel())`` of ``TinyGPT(cfg)`` for what TinyGPT
+    builds): the dense layers, the :attr:`~TransformerConfig.moe_layers` MoE layers, embeddings, head."""
+    dense_layers = cfg.layers - cfg.moe_layers
+    return int(cfg.embedding_parameters() + dense_layers * cfg.layer_parameters(moe=False)
+               + cfg.moe_layers * cfg.layer_parameters(moe=True) + cfg.head_parameters())

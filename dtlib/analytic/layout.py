@@ -32,12 +32,17 @@ class Parallelism:
     per step (pipeline micro-batches, or gradient-accumulation steps when ``pp == 1``).
     ``shard_size`` (default: all ``dp*cp`` replicas) shards ZeRO/FSDP state over fewer ranks, as
     FSDP's HYBRID_SHARD does within a node. ``ep`` is carved out of ``dp`` (Megatron, DeepSpeed-MoE).
+    ``etp`` splits each expert's matrices (Megatron-Core ``--expert-tensor-parallel-size``; its
+    expert grid etp x ep x expert-dp spans the same ranks as tp x cp x dp, so etp x ep must divide
+    them: ``parallel_state.initialize_model_parallel``). Default 1: experts are not tensor-split
+    (Megatron-Core's own default is etp = tp; today's MoE recipes set 1).
     """
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -49,7 +54,7 @@ class Parallelism:
     shard_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "num_microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "num_microbatches"):
             validate.integer(name, getattr(self, name))
         validate.integer("zero", self.zero, minimum=0, maximum=3)
         if self.shard_size is not None:
@@ -109,7 +114,7 @@ Rule = validate.Rule
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
 # comparisons so they work on numpy arrays; a rule is skipped when one of its fields is absent.
 RULES: list[Rule] = [
-    *[validate.rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
+    *[validate.rule(f) for f in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                  "num_microbatches", "shard_size", "layers", "hidden", "heads",
                                  "kv_heads", "ffn", "vocab", "seq")],
     validate.rule("params", integer=False, minimum=0, exclusive=True),  # a bare parameter count
@@ -140,6 +145,16 @@ RULES: list[Rule] = [
     (("experts", "ep"), lambda experts, ep: (ep == 1) | ((experts > 0) & (experts % np.maximum(ep, 1) == 0)),
      lambda experts, ep: f"expert parallel size ep={ep} needs an MoE model whose expert count "
                          f"({experts}) it divides; use ep=1 for a dense model"),
+    (("experts", "etp"), lambda experts, etp: (etp == 1) | (experts > 0),
+     lambda experts, etp: f"expert tensor parallel size etp={etp} needs an MoE model; use etp=1 "
+                          f"for a dense model"),
+    (("moe_ffn", "etp"), lambda moe_ffn, etp: moe_ffn % etp == 0,
+     lambda moe_ffn, etp: f"expert tensor parallel size etp={etp} must divide the expert FFN width "
+                          f"{moe_ffn}; valid etp: {validate.divisors(moe_ffn)}"),
+    (("dp", "tp", "cp", "ep", "etp"), lambda dp, tp, cp, ep, etp: (dp * tp * cp) % (ep * etp) == 0,
+     lambda dp, tp, cp, ep, etp: f"ep x etp = {ep}x{etp} must divide the {dp * tp * cp} GPUs of a "
+                                 f"pipeline stage (dp x tp x cp; Megatron-Core's expert grid); "
+                                 f"valid ep x etp: {validate.divisors(dp * tp * cp)}"),
     (("dp", "cp", "shard_size"), lambda dp, cp, shard_size: (dp * cp) % shard_size == 0,
      lambda dp, cp, shard_size: f"shard_size={shard_size} must divide the {dp * cp} replicas "
                                  f"(dp x cp); valid: {validate.divisors(dp * cp)}"),

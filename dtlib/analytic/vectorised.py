@@ -25,10 +25,24 @@ from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
 
-_LAYOUT_DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False,
+_LAYOUT_DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, etp=1, zero=0, sequence_parallel=False,
                         virtual_stages=1, micro_batch_size=1, num_microbatches=1)
 _SAFE = dict(_LAYOUT_DEFAULTS, shard_size=1, gpus=None, layers=1, hidden=1, heads=1, kv_heads=1,
-             ffn=1, vocab=1, seq=1, params=1.0, largest_layer=0.0)
+             ffn=1, moe_ffn=1, head_dim=1, vocab=1, seq=1, params=1.0, largest_layer=0.0)
+
+
+def _derived(cfg: "TransformerConfig | None", arrays: dict[str, Any]) -> dict[str, Any]:
+    """``arrays`` plus the config numbers derived from the widths they replace: a default head
+    size (hidden // heads) follows new ``hidden``/``heads`` arrays, as :meth:`TransformerConfig.with_`
+    does."""
+    out = dict(arrays)
+    if cfg is None or arrays.get("head_dim") is not None or cfg.kv_lora_rank:
+        return out
+    if cfg.head_dim == cfg.hidden // cfg.heads and ({"hidden", "heads"} & {k for k, v in arrays.items() if v is not None}):
+        hidden = np.asarray(arrays.get("hidden") if arrays.get("hidden") is not None else cfg.hidden)
+        heads = np.asarray(arrays.get("heads") if arrays.get("heads") is not None else cfg.heads)
+        out["head_dim"] = hidden // np.maximum(heads, 1)
+    return out
 
 
 def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], schedule: str = "1f1b",
@@ -45,7 +59,7 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
     unknown = set(arrays) - set(_SAFE) - set(n)
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}; valid: {sorted(set(_SAFE) | set(n))}")
-    n.update({k: v for k, v in arrays.items() if v is not None})
+    n.update({k: v for k, v in _derived(cfg, arrays).items() if v is not None})
     n.setdefault("shard_size", np.asarray(n["dp"]) * np.asarray(n["cp"]))
     keys = [k for k, v in n.items() if v is not None]
     shaped = np.broadcast_arrays(*(np.asarray(n[k]) for k in keys))
@@ -114,7 +128,7 @@ def flops_batch(cfg: TransformerConfig, *, batch: Any, step_time: Any = None, gp
     unknown = set(arrays) - set(shape)
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}; valid: {sorted(shape)}")
-    shape.update(arrays)
+    shape.update(_derived(cfg, arrays))
     validate.array("batch", batch, integer=True, minimum=1, exclusive=False)
     batch = np.asarray(batch)
     f = step_flops(batch * np.asarray(shape["seq"]), recompute=recompute, attention=attention,
