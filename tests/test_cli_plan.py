@@ -11,7 +11,7 @@ from dtlib.cli import main
 from dtlib.plan.steptime import TERMS, step_time
 from dtlib.plan.training import training_plan
 
-KEYS = {"dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
+KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
         "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
         "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split"}
 
@@ -90,7 +90,7 @@ def test_nothing_fits_explains_and_exits_1(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be an integer >= 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "3"], "tp x pp x cp = 3 must divide the 8 GPUs"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "8", "--pp", "1", "--cp", "1",
-      "--ep", "2"], "expert parallel size ep=2 must divide dp=1"),
+      "--ep", "2"], "expert parallel size ep=2 needs an MoE model"),
     (["--params", "7B", "--gpus", "8", "--global-batch", "8"], "plan needs a model shape"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--oversubscription", "0.5"], "--oversubscription must be a finite number >= 1"),
 ])

@@ -31,7 +31,8 @@ class Parallelism:
     ``micro_batch_size`` is sequences per micro-batch per model replica; ``num_microbatches`` is micro-batches
     per step (pipeline micro-batches, or gradient-accumulation steps when ``pp == 1``).
     ``shard_size`` (default: all ``dp*cp`` replicas) shards ZeRO/FSDP state over fewer ranks, as
-    FSDP's HYBRID_SHARD does within a node. ``ep`` is carved out of ``dp`` (Megatron, DeepSpeed-MoE).
+    FSDP's HYBRID_SHARD does within a node. ``ep`` is carved out of ``tp x cp x dp`` (Megatron-Core's
+    MoE parallel folding), not only out of ``dp`` as in DeepSpeed-MoE.
     ``etp`` splits each expert's matrices (Megatron-Core ``--expert-tensor-parallel-size``; its
     expert grid etp x ep x expert-dp spans the same ranks as tp x cp x dp, so etp x ep must divide
     them: ``parallel_state.initialize_model_parallel``). Default 1: experts are not tensor-split
@@ -139,9 +140,6 @@ RULES: list[Rule] = [
      lambda seq, cp, tp, sequence_parallel: ~np.asarray(sequence_parallel, bool) | ((seq // cp) % tp == 0),
      lambda seq, cp, tp, sequence_parallel: f"sequence parallelism splits the {seq // cp} tokens per "
                                             f"context shard over tp={tp}; tp must divide {seq // cp}"),
-    (("dp", "ep"), lambda dp, ep: dp % ep == 0,
-     lambda dp, ep: f"expert parallel size ep={ep} must divide dp={dp} (experts are sharded inside "
-                    f"the data-parallel group); valid ep: {validate.divisors(dp)}"),
     (("experts", "ep"), lambda experts, ep: (ep == 1) | ((experts > 0) & (experts % np.maximum(ep, 1) == 0)),
      lambda experts, ep: f"expert parallel size ep={ep} needs an MoE model whose expert count "
                          f"({experts}) it divides; use ep=1 for a dense model"),

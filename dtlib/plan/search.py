@@ -37,7 +37,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
-FIXABLE = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "zero", "recompute",
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
            "sequence_parallel")
 
 
@@ -61,37 +61,58 @@ class SearchResult:
 
 def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
           tp_within_node: bool, interleaved: bool) -> dict[str, np.ndarray]:
-    """The candidate product for one schedule, as flat integer arrays."""
+    """The candidate product for one schedule, as flat integer arrays.
+
+    The model-parallel sizes are combined and filtered first (they must divide the GPUs; ``ep x
+    etp`` must divide the ``tp x cp x dp`` ranks of a stage, Megatron-Core's expert grid), then
+    crossed with the batch and memory knobs, so the product stays small for a 2,048-GPU MoE."""
     gpus, g = cluster.world_size, cluster.gpus_per_node
-    tp_options = _divisors(g) if tp_within_node else _divisors(gpus)
-    options = {
-        "tp": tp_options,
+    within = _divisors(g) if tp_within_node else _divisors(gpus)
+    moe = cfg.moe_experts > 0
+    parallel = {
+        "tp": within,
         "pp": [p for p in _divisors(gpus) if p <= cfg.layers],
         "cp": [c for c in CONTEXT_SIZES if gpus % c == 0],
-        "ep": _divisors(cfg.moe_experts) if cfg.moe_experts else [1],
+        "ep": _divisors(cfg.moe_experts) if moe else [1],
+        # expert tensor parallelism (Megatron-Core --expert-tensor-parallel-size) inside a node
+        "etp": [t for t in _divisors(g) if cfg.moe_ffn % t == 0] if moe else [1],
+    }
+    batch = {
         "micro_batch_size": list(MICRO_BATCHES),
         "virtual_stages": list(VIRTUAL_STAGES) if interleaved else [1],
         "zero": [0, 1, 2, 3],
         "sequence_parallel": [0, 1],
     }
-    for name, value in fixed.items():
-        if name in options:
-            options[name] = [int(value)]
-    cols = np.array(list(itertools.product(*options.values())), dtype=np.int64).reshape(-1, len(options))
-    a = dict(zip(options, cols.T))
+    for options in (parallel, batch):
+        for name, value in fixed.items():
+            if name in options:
+                options[name] = [int(value)]
+    a = _product(parallel)
     model_parallel = a["tp"] * a["pp"] * a["cp"]
     keep = gpus % model_parallel == 0
     dp = np.where(keep, gpus // np.maximum(model_parallel, 1), 1)
-    per_step = dp * a["micro_batch_size"]
-    keep &= global_batch % per_step == 0
-    keep &= (a["tp"] > 1) | (a["sequence_parallel"] == 0)   # SP means nothing without TP
+    keep &= (dp * a["tp"] * a["cp"]) % (a["ep"] * a["etp"]) == 0
     if "dp" in fixed:
         keep &= dp == fixed["dp"]
     a = {k: v[keep] for k, v in a.items()}
     a["dp"] = dp[keep]
+    rest = _product(batch)
+    a = {k: np.repeat(v, len(rest["zero"])) for k, v in a.items()} | \
+        {k: np.tile(v, len(a["dp"])) for k, v in rest.items()}
+    keep = global_batch % (a["dp"] * a["micro_batch_size"]) == 0
+    keep &= (a["tp"] > 1) | (a["sequence_parallel"] == 0)   # SP means nothing without TP
+    if moe:  # Megatron-Core's MoELayer runs with TP only sequence-parallel (it raises otherwise)
+        keep &= (a["tp"] == 1) | (a["sequence_parallel"] == 1)
+    a = {k: v[keep] for k, v in a.items()}
     a["num_microbatches"] = global_batch // (a["dp"] * a["micro_batch_size"])
     a["gpus"] = np.full(a["dp"].shape, gpus)
     return a
+
+
+def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """Every combination of ``options``' values, one flat integer array per name."""
+    cols = np.array(list(itertools.product(*options.values())), dtype=np.int64).reshape(-1, len(options))
+    return dict(zip(options, cols.T))
 
 
 def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i: int, recompute: str,
@@ -100,7 +121,7 @@ def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i:
     t = float(r["step_time"][i])
     gpus = int(r["gpus"][i])
     return {"dp": int(a["dp"][i]), "tp": int(a["tp"][i]), "pp": int(a["pp"][i]), "cp": int(a["cp"][i]),
-            "ep": int(a["ep"][i]), "virtual_stages": int(a["virtual_stages"][i]),
+            "ep": int(a["ep"][i]), "etp": int(a["etp"][i]), "virtual_stages": int(a["virtual_stages"][i]),
             "micro_batch": int(a["micro_batch_size"][i]), "microbatches": int(a["num_microbatches"][i]),
             "zero": int(a["zero"][i]), "recompute": recompute,
             "sequence_parallel": bool(a["sequence_parallel"][i]), "step_time_s": t,
@@ -116,6 +137,7 @@ def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i:
 def to_layout(config: dict[str, Any]) -> Parallelism:
     """The :class:`Parallelism` of one row of :attr:`SearchResult.configs`."""
     return Parallelism(dp=config["dp"], tp=config["tp"], pp=config["pp"], cp=config["cp"], ep=config["ep"],
+                       etp=config.get("etp", 1),
                        zero=config["zero"], sequence_parallel=config["sequence_parallel"],
                        schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
                        virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
