@@ -120,13 +120,11 @@ def test_bad_arguments(kwargs, match):
         search(SMALL, cluster("h100-sxm", 1, 8), args.pop("global_batch"), **args)
 
 
-def test_the_whole_search_of_a_10b_model_on_10000_gpus_stays_under_a_second():
-    # the target, with the shape-aware compute model; best of 3 (the machine is shared)
+def test_the_whole_search_of_a_10b_model_on_10000_gpus_times_every_candidate():
+    # its speed (the 1 s) is measured in benchmarks/bench_plan_search.py, not here
     model = get_preset("capstone-10b")
-    c = cluster("h100-sxm", 1250, 8)
-    runs = [search(model, c, 5000, top=5) for _ in range(3)]
-    assert {r.searched for r in runs} == {10_788} and runs[0].fitting == 10_555  # every candidate, timed
-    assert min(r.seconds for r in runs) < 1.0
+    r = search(model, cluster("h100-sxm", 1250, 8), 5000, top=5)
+    assert r.searched == 10_788 and r.fitting == 10_555 and len(r.configs) == 5
 
 
 def test_a_top_1_search_names_the_same_best_layout_as_a_top_5_one():

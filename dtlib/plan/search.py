@@ -228,8 +228,12 @@ def _why_not(model: TransformerConfig, cluster: Cluster, global_batch: int, fixe
         pinned = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
         gpus = cluster.world_size
         pinned_mp = fixed.get("tp", 1) * fixed.get("pp", 1) * fixed.get("cp", 1)
+        ep, etp = fixed.get("ep", 1), fixed.get("etp", 1)
+        stage = gpus // fixed.get("pp", 1)
         reason = broken or (
             f"tp x pp x cp = {pinned_mp} must divide the {gpus} GPUs" if gpus % pinned_mp else
+            f"ep x etp = {ep}x{etp} must divide the {stage} GPUs of a pipeline stage (tp x cp x dp; "
+            f"Megatron-Core's expert grid)" if stage % (ep * etp) else
             f"the global batch {global_batch} must be a multiple of dp x micro-batch, with "
             f"dp = {gpus} / (tp x pp x cp)")
         return (f"no valid layout of {model.name} on {cluster.world_size} GPUs at global batch "

@@ -1,0 +1,238 @@
+"""MoE in the step time and the search: the EP all-to-all moves exactly the routed tokens, on NVLink
+while the EP group's ranks share a node and through the NICs otherwise (Megatron-Core's expert
+grid), expert gradients are reduced over the expert-data-parallel group, load imbalance scales
+only the expert terms, and the search enumerates ep and etp by Megatron-Core's rule.
+Hand-written closed forms: the pairwise all-to-all and ring collectives of the alpha-beta table in
+dtlib.analytic.comm."""
+import math
+
+import numpy as np
+import pytest
+
+from dtlib.analytic.hardware import Link, cluster
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.memory import stage_parameters
+from dtlib.analytic.validate import InvalidArgument
+from dtlib.models import TransformerConfig
+from dtlib.plan.moe import all_to_all_time, ep_comm_time, expert_grid, expert_rows, moe_numbers
+from dtlib.plan.search import search, to_layout
+from dtlib.plan.steptime import StepOptions, step_time
+
+MOE = TransformerConfig(name="moe-small", layers=4, hidden=512, heads=8, vocab=4096, seq=1024,
+                        activation="swiglu", bias=False, norm="rmsnorm", position="rope",
+                        moe_experts=24, moe_top_k=2, moe_ffn=256)
+DENSE = MOE.with_(name="dense-small", moe_experts=0, moe_top_k=0, moe_ffn=None)
+OPTIONS = StepOptions(flash_attention=True, dp_overlap=0.0)
+
+
+def pairwise(nbytes, n, link):
+    """Pairwise all-to-all of nbytes per rank inside one link (comm module table)."""
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def ring_phase(nbytes, n, link):
+    """Ring reduce-scatter or all-gather of an nbytes buffer."""
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def nic(c):
+    """One GPU's share of the node's NICs (no oversubscription)."""
+    return c.inter.latency, c.inter_bandwidth_per_gpu
+
+
+def routed_bytes(layout, model=MOE):
+    """Bytes one rank dispatches per all-to-all: its sequence-parallel shard of b s tokens, top_k
+    copies of h values in bf16."""
+    return layout.micro_batch_size * model.seq / (layout.cp * layout.tp) * model.moe_top_k * model.hidden * 2
+
+
+@pytest.mark.parametrize("layout", [Parallelism(dp=16, ep=8), Parallelism(dp=4, tp=2, cp=2, ep=4,
+                                    sequence_parallel=True), Parallelism(dp=2, tp=8, ep=8, sequence_parallel=True,
+                                    micro_batch_size=2)])
+def test_the_all_to_all_moves_exactly_the_routed_tokens(layout):
+    """Summed over the tp x cp x dp ranks of a stage, one call's buffers are every token of the
+    step's micro-batch routed top_k times: nothing duplicated across TP or CP ranks, nothing lost."""
+    n = MOE.numbers() | layout.numbers()
+    r = ep_comm_time(b=layout.micro_batch_size, s=MOE.seq, h=MOE.hidden, tp=layout.tp, cp=layout.cp,
+                     dp=layout.dp, ep=layout.ep, moe=moe_numbers(n), load=1.0, act_bytes=2, calls=1,
+                     gpus_per_node=8, intra=cluster().intra, inter=cluster().inter)
+    ranks = layout.dp * layout.tp * layout.cp
+    tokens = layout.dp * layout.micro_batch_size * MOE.seq
+    assert r["bytes_per_call"] * ranks == pytest.approx(tokens * MOE.moe_top_k * MOE.hidden * 2, rel=1e-12)
+
+
+def test_ep_comm_is_dispatch_and_combine_forward_and_backward_by_hand():
+    layout = Parallelism(dp=8, tp=2, ep=4, sequence_parallel=True, num_microbatches=3)
+    c = cluster("h100-sxm", 2, 8)
+    r = step_time(MOE, layout, c, options=OPTIONS)
+    calls = 4 * MOE.layers * 3  # 2 forward + 2 backward per MoE layer and micro-batch
+    assert r.breakdown["ep_comm"] == pytest.approx(calls * pairwise(routed_bytes(layout), 4, c.intra), rel=1e-12)
+    full = step_time(MOE, layout.with_(recompute="full"), c, options=OPTIONS)
+    assert full.breakdown["ep_comm"] == pytest.approx(1.5 * r.breakdown["ep_comm"], rel=1e-12)
+    hidden = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, ep_overlap=0.25))
+    assert hidden.breakdown["ep_comm"] == pytest.approx(0.75 * r.breakdown["ep_comm"], rel=1e-12)
+
+
+def test_placement_leaves_nvlink_when_tp_x_ep_crosses_the_node_and_not_in_an_nvl72_rack():
+    # tp 2 x ep 12 = 24 consecutive ranks (Megatron-Core: expert-tensor ranks adjacent, then EP)
+    layout = Parallelism(dp=36, tp=2, ep=12, etp=2, sequence_parallel=True)
+    nbytes = routed_bytes(layout)
+    calls = 4 * MOE.layers
+    hgx, nvl72 = cluster("h100-sxm", 9, 8), cluster("h100-sxm", 1, 72)
+    across = step_time(MOE, layout, hgx, options=OPTIONS).breakdown["ep_comm"]
+    inside = step_time(MOE, layout, nvl72, options=OPTIONS).breakdown["ep_comm"]
+    etp_phases = calls * ring_phase(2 * nbytes, 2, hgx.intra)  # the ETP all-gather/reduce-scatter, in a node
+    # 8-GPU nodes: 4 of the 12 EP ranks share a node; 8/12 of the buffer leaves through the NIC share
+    latency, bandwidth = nic(hgx)
+    by_hand = 11 * latency + max(3 / 12 * nbytes / hgx.intra.bandwidth, 8 / 12 * nbytes / bandwidth)
+    assert across == pytest.approx(calls * by_hand + etp_phases, rel=1e-12)
+    # a 72-GPU NVLink domain holds the 24 ranks (72 is a multiple of 24): NVLink only
+    assert inside == pytest.approx(calls * pairwise(nbytes, 12, nvl72.intra) + etp_phases, rel=1e-12)
+    assert across > 3 * inside
+
+
+def test_a_group_straddling_two_racks_pays_the_nic_even_when_it_is_smaller_than_the_rack():
+    """Groups of 16 ranks start at multiples of 16, racks at multiples of 72: the group at ranks
+    64-79 has 8 ranks in each rack, so the all-to-all of that layout is paced by the NICs."""
+    grid = expert_grid(tp=1, cp=1, dp=144, ep=16, etp=1, gpus_per_node=72)
+    assert grid["ep_local"] == 8 and grid["edp"] == 9
+    assert expert_grid(tp=1, cp=1, dp=144, ep=8, etp=1, gpus_per_node=72)["ep_local"] == 8  # 72 = 9 x 8
+    c = cluster("h100-sxm", 2, 72)
+    latency, bandwidth = nic(c)
+    t = all_to_all_time(1e6, 16, 8, c.intra, Link("nic share", bandwidth, latency, "one GPU's share"))
+    assert t == pytest.approx(15 * latency + max(7 / 16 * 1e6 / c.intra.bandwidth, 8 / 16 * 1e6 / bandwidth))
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
+    """tp 1, dp 8, ep 4 in one node: dense gradients all-reduced over 8 ranks, expert ones over
+    edp = 8 / 4 = 2 ranks (reduce-scatter + all-gather inside the node); with ep 8, edp = 1."""
+    c = cluster("h100-sxm", 1, 8)
+    prec_grad = 4  # megatron-bf16: fp32 gradients
+    for ep, edp in ((4, 2), (8, 1)):
+        layout = Parallelism(dp=8, ep=ep)
+        r = step_time(MOE, layout, c, options=OPTIONS)
+        params = stage_parameters(**(MOE.numbers() | layout.numbers()))["first"]
+        dense, expert = params["dense"] * prec_grad, params["expert"] * prec_grad
+        by_hand = 2 * ring_phase(dense, 8, c.intra) + (edp > 1) * 2 * ring_phase(expert, edp, c.intra)
+        assert expert > 0 and r.dp_comm_unhidden == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_imbalance_scales_only_the_expert_terms():
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    c = cluster("h100-sxm", 1, 8)
+    even = step_time(MOE, layout, c, options=OPTIONS)
+    skewed = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, moe_imbalance=2.0))
+    for term in ("elementwise", "tp_comm", "cp_comm", "pp_p2p", "dp_comm", "optimizer"):
+        assert skewed.breakdown[term] == even.breakdown[term]
+    # the all-to-all's bandwidth part doubles, its latency does not
+    calls = 4 * MOE.layers * 2
+    bandwidth_part = calls * 7 / 8 * routed_bytes(layout) / c.intra.bandwidth
+    assert skewed.breakdown["ep_comm"] - even.breakdown["ep_comm"] == pytest.approx(bandwidth_part, rel=1e-9)
+    assert skewed.breakdown["compute"] > even.breakdown["compute"]  # the busiest rank's expert GEMMs
+    # a dense model has no experts to unbalance, nor an all-to-all to overlap
+    dense = [step_time(DENSE, Parallelism(dp=8), c, options=StepOptions(flash_attention=True, **kw))
+             for kw in ({}, {"moe_imbalance": 3.0, "ep_overlap": 0.5})]
+    assert dense[0].breakdown == dense[1].breakdown and dense[0].breakdown["ep_comm"] == 0
+
+
+def test_a_capacity_factor_pads_every_expert_to_capacity_whatever_the_imbalance():
+    layout = Parallelism(dp=8, ep=8)
+    c = cluster("h100-sxm", 1, 8)
+    capped = MOE.with_(moe_capacity_factor=1.25)
+    times = [step_time(capped, layout, c, options=StepOptions(flash_attention=True, moe_imbalance=x)).breakdown
+             for x in (1.0, 4.0)]
+    assert times[0] == times[1]
+    calls = 4 * MOE.layers
+    assert times[0]["ep_comm"] == pytest.approx(calls * pairwise(1.25 * routed_bytes(layout), 8, c.intra), rel=1e-12)
+
+
+def test_dense_layers_of_an_moe_model_cost_what_a_dense_model_s_layers_cost():
+    """First-k-dense (DeepSeek): the all-to-all runs in the MoE layers only, and the GEMM time is
+    the dense model's for the dense layers plus the all-MoE model's for the rest."""
+    layout = Parallelism(dp=8, ep=8)
+    c = cluster("h100-sxm", 1, 8)
+    mixed = step_time(MOE.with_(moe_dense_layers=1), layout, c, options=OPTIONS)
+    all_moe = step_time(MOE, layout, c, options=OPTIONS)
+    dense = step_time(DENSE, Parallelism(dp=8), c, options=OPTIONS)
+    assert mixed.breakdown["ep_comm"] == pytest.approx(0.75 * all_moe.breakdown["ep_comm"], rel=1e-12)
+    gemm = {k: v.breakdown["compute"] for k, v in (("mixed", mixed), ("moe", all_moe), ("dense", dense))}
+    assert gemm["mixed"] == pytest.approx(0.25 * gemm["dense"] + 0.75 * gemm["moe"], rel=1e-12)
+
+
+def test_each_rank_s_expert_gemms_take_its_tokens_routed_top_k_times_gathered_over_etp():
+    """Rows of the busiest rank's grouped expert GEMM: b s / (cp tp) tokens, top_k copies each,
+    all-gathered over etp, x the load; per local expert, / (experts / ep)."""
+    n = MOE.numbers() | Parallelism(dp=2, tp=4, ep=4, etp=2, sequence_parallel=True).numbers()
+    rows = expert_rows(2 * 1024, 4, moe_numbers(n), 1.5)
+    assert rows == 2 * 1024 / 4 * 2 * 2 * 1.5
+
+
+def test_more_smaller_experts_at_equal_flops_are_never_faster():
+    """Same routed FLOPs per token (top_k x moe_ffn), tokens spread over 4 or 64 local experts:
+    the grouped GEMM of 8 rows per expert wastes most of each 128-row tile (and reads 16x the
+    expert weights)."""
+    c = cluster("h100-sxm", 1, 1)
+    few = MOE.with_(moe_experts=4, seq=256)     # 256 x 2 / 4 = 128 rows per expert
+    many = MOE.with_(moe_experts=64, seq=256)   # 8 rows per expert
+    t = [step_time(m, Parallelism(), c, options=OPTIONS).breakdown["compute"] for m in (few, many)]
+    assert t[1] > 1.5 * t[0]
+
+
+def test_expert_tensor_parallelism_adds_the_etp_gather_and_splits_the_expert_gemms():
+    c = cluster("h100-sxm", 1, 8)
+    one = step_time(MOE, Parallelism(dp=4, tp=2, ep=4, etp=1, sequence_parallel=True), c, options=OPTIONS)
+    two = step_time(MOE, Parallelism(dp=4, tp=2, ep=4, etp=2, sequence_parallel=True), c, options=OPTIONS)
+    calls = 4 * MOE.layers
+    nbytes = routed_bytes(Parallelism(dp=4, tp=2, sequence_parallel=True))
+    # etp 1: ep 4 spans 4 ranks; etp 2: 8 ranks, still one node; + all-gather / reduce-scatter over 2
+    assert one.breakdown["ep_comm"] == pytest.approx(calls * pairwise(nbytes, 4, c.intra), rel=1e-12)
+    assert two.breakdown["ep_comm"] == pytest.approx(calls * (pairwise(nbytes, 4, c.intra)
+                                                              + ring_phase(2 * nbytes, 2, c.intra)), rel=1e-12)
+    # expert gradients: edp = tp x dp / (ep x etp) = 2 with etp 1, 1 with etp 2 (none to reduce)
+    params = stage_parameters(**(MOE.numbers() | Parallelism(dp=4, tp=2, ep=4, etp=2).numbers()))["first"]
+    dense_only = 2 * ring_phase(params["dense"] * 4, 4, c.intra)
+    assert two.dp_comm_unhidden == pytest.approx(dense_only, rel=1e-12)
+    assert one.dp_comm_unhidden > dense_only
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(moe_imbalance=0.5), "moe_imbalance must be a finite number >= 1"),
+    (dict(moe_imbalance=math.nan), "moe_imbalance"),
+    (dict(ep_overlap=1.5), "ep_overlap must be a finite number >= 0 and <= 1"),
+])
+def test_bad_options_name_the_field(options, match):
+    with pytest.raises(InvalidArgument, match=match):
+        StepOptions(**options)
+
+
+def test_an_imbalance_beyond_every_token_on_one_expert_is_refused():
+    with pytest.raises(InvalidArgument, match="moe_imbalance must be between 1 and experts / top_k = 12"):
+        step_time(MOE, Parallelism(dp=8, ep=8), cluster("h100-sxm", 1, 8),
+                  options=StepOptions(flash_attention=True, moe_imbalance=13))
+
+
+@pytest.fixture(scope="module")
+def moe_search():
+    return search(MOE, cluster("h100-sxm", 2, 8), 64, options=OPTIONS, top=10 ** 6)
+
+
+def test_the_search_enumerates_ep_and_etp_on_megatron_cores_expert_grid(moe_search):
+    rows = moe_search.configs
+    assert rows and moe_search.fitting == len(rows)
+    for x in rows:
+        assert (x["dp"] * x["tp"] * x["cp"]) % (x["ep"] * x["etp"]) == 0 and MOE.moe_experts % x["ep"] == 0
+        assert x["tp"] == 1 or x["sequence_parallel"]  # Megatron-Core's MoE layer needs SP with TP
+    # folding: EP larger than DP (carved out of tp x dp), and expert tensor parallelism, both searched
+    assert any(x["ep"] > x["dp"] for x in rows) and {x["etp"] for x in rows} >= {1, 2, 4}
+
+
+def test_search_rows_are_the_scalar_step_times(moe_search):
+    c = cluster("h100-sxm", 2, 8)
+    rows = moe_search.configs[:: max(len(moe_search.configs) // 25, 1)]
+    for x in rows:
+        assert step_time(MOE, to_layout(x), c, options=OPTIONS).step_time == pytest.approx(x["step_time_s"], rel=1e-12)
+
+
+def test_a_pinned_expert_grid_that_does_not_divide_the_stage_is_explained():
+    r = search(MOE, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 1, "pp": 1, "cp": 1, "ep": 12})
+    assert r.configs == [] and "ep x etp = 12x1 must divide the 8 GPUs of a pipeline stage" in r.why
