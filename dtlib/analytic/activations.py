@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["layer_bytes", "embedding_bytes", "output_bytes", "activation_breakdown"]
+__all__ = ["layer_bytes", "mean_layer_bytes", "embedding_bytes", "output_bytes", "activation_breakdown"]
 
 
 def _where(cond: Any, a: Any, b: Any) -> Any:
@@ -27,7 +27,11 @@ def _where(cond: Any, a: Any, b: Any) -> Any:
 def layer_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
                 tp: Any = 1, cp: Any = 1, sequence_parallel: Any = False, recompute: str = "none",
                 swiglu: Any = False, dropout: Any = True, act_bytes: Any = 2, mask_bytes: Any = 1,
-                norm_saved: Any = 1, experts: Any = 0, top_k: Any = 0) -> Any:
+                norm_saved: Any = 1, experts: Any = 0, top_k: Any = 0, *, moe_ffn: Any = None,
+                shared_experts: Any = 0, capacity_factor: Any = 0, etp: Any = 1, head_dim: Any = None,
+                q_lora_rank: Any = 0, kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0,
+                qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, sliding_window: Any = 0,
+                **_unused: Any) -> Any:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one GPU.
 
     An MoE layer (``experts > 0``) routes each token to ``top_k`` experts: the paper's per-token
@@ -36,31 +40,63 @@ def layer_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_hea
     Megatron-Core's ``MoEAlltoAllTokenDispatcher`` does). The norm output (router and dispatch
     input) and the residual dropout mask stay once per token; the router's s x E logits are left
     out (E/h of one h-sized tensor: 0.2% for 8 experts and h = 4096). With balanced routing each
-    expert-parallel rank processes ``top_k`` copies of its own tokens, so ``ep`` does not appear.
+    expert-parallel rank processes ``top_k`` copies of its own tokens, so ``ep`` does not appear;
+    expert tensor parallelism gathers each copy over the ``etp`` ranks that split its ``moe_ffn``
+    columns (Megatron-Core's ``MoEAlltoAllTokenDispatcher`` all-gathers over the expert-TP group),
+    so the h-sized copies count ``etp`` times and the f-sized ones once. With a capacity factor
+    C the expert buffers hold up to C x the balanced load (GShard, Lepikhin et al. 2020, Sec. 2.2;
+    Megatron-Core pads to capacity with ``--moe-pad-expert-input-to-capacity``): ``top_k x C``
+    copies. ``shared_experts`` MLPs (``moe_ffn`` wide) read the norm output and keep their own
+    f-sized tensors for every token. A dense layer (``experts == 0``) keeps one ``ffn``-wide MLP.
+
+    Attention keeps Q, K, V and the attention output, ``heads x head_dim`` and ``kv_heads x
+    head_dim`` wide (``head_dim`` default h / heads). Multi-head latent attention (``kv_lora_rank
+    > 0``; Megatron-Core ``MLASelfAttention``): the compressed query and key-value latents
+    (``q_lora_rank``, ``kv_lora_rank``) twice each, as their RMSNorm's input and as the
+    up-projection's input, sequence-sharded with SP but not split by TP (the down-projections are
+    replicated), the shared rope key (``qk_rope_head_dim``, gathered over the sequence), and the
+    decompressed heads: Q and K ``heads x (nope + rope)``, V and the output ``heads x v_head_dim``.
+    ``sliding_window`` (this layer attends within a window; 0: to the whole sequence): explicit
+    attention (``recompute="none"``) stores s x min(window, s) scores per head instead of s x s;
+    a FlashAttention-style kernel (``"selective"``) stores none either way.
 
     ``norm_saved``: h-sized tensors each norm keeps (1 for fused LayerNorm/RMSNorm as counted by
     the paper; 2 for PyTorch's composite ``nn.RMSNorm``, which also keeps its normalised output).
     ``cp`` splits the sequence; each rank's queries still attend to all ``seq`` keys.
     """
     s, b, h, a = seq / cp, micro_batch_size, hidden, heads
-    sbh = s * b * h
-    kv = kv_heads / heads                     # K and V are kv/a the size of Q (GQA)
+    sb = s * b
+    sbh = sb * h
     sp = _where(sequence_parallel, tp, 1)     # SP also shards the "outside TP" tensors (Sec. 4.2.2)
     drop = _where(dropout, 1, 0)
-    # Sec. 4.1, attention block: QKV input, Q and K, V, output-projection input; with dropout also
-    # the residual dropout mask.
-    attention = (act_bytes * sbh / sp                        # QKV input (norm output)
-                 + act_bytes * sbh * (2 + 2 * kv) / tp       # Q, K (for QK^T), V, projection input
-                 + drop * mask_bytes * sbh / sp)             # residual dropout mask
+    d = hidden // heads if head_dim is None else head_dim
+    mla = kv_lora_rank > 0
+    gqa = kv_lora_rank == 0
+    qk = qk_nope_head_dim + qk_rope_head_dim
+    # Q, K (for QK^T), V, and the projection input (the attention output), per token
+    heads_width = (gqa * (heads * d + 2 * kv_heads * d + heads * d)
+                   + mla * (2 * heads * qk + 2 * heads * v_head_dim))
+    latents = mla * ((1 + norm_saved) * (q_lora_rank + kv_lora_rank) / sp + qk_rope_head_dim)
+    # Sec. 4.1, attention block: QKV input (norm output), the heads above, MLA's latents; with
+    # dropout also the residual dropout mask.
+    attention = (act_bytes * sbh / sp
+                 + act_bytes * sb * heads_width / tp
+                 + act_bytes * sb * latents
+                 + drop * mask_bytes * sbh / sp)
     # softmax output, its dropout mask, and the dropout output (= softmax output without dropout)
-    scores = a * s * seq * b * (act_bytes + drop * (mask_bytes + act_bytes)) / tp
+    keys = seq + (sliding_window > 0) * (np.minimum(sliding_window, seq) - seq)
+    scores = a * s * keys * b * (act_bytes + drop * (mask_bytes + act_bytes)) / tp
     # MLP: input; GELU keeps its input and fc2 input (2 f-sized tensors), unfused SwiGLU keeps gate,
     # silu(gate), up and their product (4); plus the residual dropout mask. MoE: top_k routed
-    # copies, each with its f-sized tensors and its own h-sized expert input.
+    # copies (x C with a capacity factor), each with its f-sized tensors and its own h-sized input.
     moe = experts > 0
-    routed = _where(moe, top_k, 1)
+    width = _where(moe, ffn if moe_ffn is None else moe_ffn, ffn)
+    f_tensors = _where(swiglu, 4, 2)
+    routed = _where(moe, top_k * _where(capacity_factor > 0, capacity_factor, 1), 1)
+    shared = _where(moe, shared_experts, 0)
     mlp = (act_bytes * sbh / sp
-           + routed * (act_bytes * s * b * ffn * _where(swiglu, 4, 2) / tp + _where(moe, act_bytes * sbh / sp, 0))
+           + routed * (act_bytes * sb * width * f_tensors / tp + _where(moe, etp * act_bytes * sbh / sp, 0))
+           + shared * act_bytes * sb * width * f_tensors / tp
            + drop * mask_bytes * sbh / sp)
     norms = 2 * norm_saved * act_bytes * sbh / sp             # inputs of the two norms
     stored = norms + attention + mlp
@@ -71,6 +107,25 @@ def layer_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_hea
     if recompute == "full":                    # keep only each layer's input (Sec. 4.3)
         return act_bytes * sbh / sp
     raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+
+def mean_layer_bytes(*, layers: Any, moe_layers: Any = None, sliding_layers: Any = 0,
+                     experts: Any = 0, sliding_window: Any = 0, **shape: Any) -> Any:
+    """:func:`layer_bytes` averaged over a model's layers: ``layers - moe_layers`` dense and
+    ``moe_layers`` MoE layers (default: all, for an MoE model), ``sliding_layers`` of them within
+    the ``sliding_window`` (the kinds are independent: GPT-OSS alternates windows in MoE layers).
+    ``shape`` holds :func:`layer_bytes`'s other arguments (the keys of
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers` are accepted and the rest ignored).
+    A pipeline stage holding ``n`` layers keeps about ``n`` times this; exact with one stage."""
+    moe_layers = (experts > 0) * layers if moe_layers is None else moe_layers
+    total = 0
+    for moe, sliding in ((False, False), (False, True), (True, False), (True, True)):
+        count = ((moe_layers if moe else layers - moe_layers)
+                 * (sliding_layers if sliding else layers - sliding_layers) / layers)
+        one = layer_bytes(experts=experts if moe else 0, sliding_window=sliding_window if sliding else 0,
+                          **shape)
+        total = total + count * one
+    return total
 
 
 def embedding_bytes(seq: Any, micro_batch_size: Any, hidden: Any, tp: Any = 1, cp: Any = 1,

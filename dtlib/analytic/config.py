@@ -316,13 +316,16 @@ class TransformerConfig:
         """Exact parameter count (tied embeddings counted once): what memory holds."""
         return num_parameters(self)
 
-    def active_parameters(self) -> int:
+    def active_parameters(self, input_embedding: bool = True) -> int:
         """Parameters a token passes through: MoE layers count ``moe_top_k`` routed experts (and
-        the shared ones), not all ``moe_experts``; what FLOPs use. The embedding table counts
-        whole, as DeepSeek, Qwen and Mistral count active parameters (docs/models.md)."""
+        the shared ones), not all ``moe_experts``; what FLOPs use. ``input_embedding=False``
+        leaves out the V x h input table (a lookup), as DeepSeek (README_WEIGHTS: "36.6B incl. the
+        0.9B output head") and OpenAI's gpt-oss card count; Mistral and Qwen count it."""
+        validate.boolean("input_embedding", input_embedding)
         unused = (self.moe_experts - self.moe_top_k) * mlp_params(
             self.hidden, self.moe_ffn or self.ffn, self.mlp_matrices, self.bias)
-        return int(self.num_parameters() - self.moe_layers * unused)
+        lookup = (not input_embedding) * self.vocab * self.hidden
+        return int(self.num_parameters() - self.moe_layers * unused - lookup)
 
     def numbers(self, seq: int | None = None) -> dict[str, Any]:
         """The numbers the formulas of :mod:`dtlib.analytic.memory` and :mod:`dtlib.analytic.flops` read (booleans

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator, get_gpu
-from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.config import TransformerConfig, attention_params
 
-__all__ = ["matmul_params_per_layer", "forward_flops_per_token", "attention_flops_per_token",
+__all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token", "attention_flops_per_token",
            "step_flops", "recompute_flops_per_token", "megatron_flops_per_step", "palm_flops_per_token", "six_n_flops_per_token",
            "utilization", "flops_report", "shape_of", "ATTENTION"]
 
@@ -39,28 +41,77 @@ def _attention_factor(attention: str) -> float:
 
 
 def matmul_params_per_layer(hidden: Any, heads: Any, kv_heads: Any, ffn: Any, mlp_matrices: Any,
-                            experts: Any = 0, top_k: Any = 0) -> Any:
-    """Weights a token is multiplied by in one layer: Q, O (h x h), K, V (h x kv*d), the MLP
-    (``top_k`` experts of an MoE layer) and the h x E router."""
-    kv_dim = kv_heads * (hidden // heads)
-    active = top_k + (experts == 0)  # dense: one MLP
-    return 2 * hidden * hidden + 2 * hidden * kv_dim + active * mlp_matrices * hidden * ffn + hidden * experts
+                            experts: Any = 0, top_k: Any = 0, *, moe_ffn: Any = None,
+                            shared_experts: Any = 0, head_dim: Any = None, q_lora_rank: Any = 0,
+                            kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0, qk_rope_head_dim: Any = 0,
+                            v_head_dim: Any = 0, **_unused: Any) -> Any:
+    """Weights a token is multiplied by in one layer (a dense layer when ``experts == 0``).
+
+    Attention: the projections of :func:`dtlib.analytic.config.attention_params` without biases
+    and norms (Q and O heads x head_dim wide; MLA's down- and up-projections, DeepSeek-V2 Sec.
+    2.1.2-2.1.3). MLP: one ``ffn``-wide MLP, or in an MoE layer ``top_k`` routed plus
+    ``shared_experts`` always-active ``moe_ffn``-wide MLPs and the h x E router (Megatron-Core's
+    ``num_floating_point_operations`` counts the same experts but not the router)."""
+    weights_and_norms = attention_params(hidden, heads, kv_heads, 0, head_dim, q_lora_rank, kv_lora_rank,
+                                         qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    mla_norms = (kv_lora_rank > 0) * (q_lora_rank + kv_lora_rank)  # RMSNorm weights, not matmuls
+    moe = experts > 0
+    moe_ffn = ffn if moe_ffn is None else moe_ffn
+    mlp = ((experts == 0) * mlp_matrices * hidden * ffn
+           + moe * ((top_k + shared_experts) * mlp_matrices * hidden * moe_ffn + hidden * experts))
+    return weights_and_norms - mla_norms + mlp
 
 
-def attention_flops_per_token(seq: Any, hidden: Any, layers: Any, attention: str = "full") -> Any:
+def layers_matmul_params(*, layers: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
+                         mlp_matrices: Any = 2, experts: Any = 0, top_k: Any = 0, moe_layers: Any = None,
+                         **shape: Any) -> Any:
+    """Weights a token is multiplied by in all layers: ``layers - moe_layers`` dense layers and
+    ``moe_layers`` MoE layers (default: every layer of an MoE model) of
+    :func:`matmul_params_per_layer`; ``shape`` holds the other keys of
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers`."""
+    moe_layers = (experts > 0) * layers if moe_layers is None else moe_layers
+    dense = matmul_params_per_layer(hidden, heads, kv_heads, ffn, mlp_matrices, 0, 0, **shape)
+    moe = matmul_params_per_layer(hidden, heads, kv_heads, ffn, mlp_matrices, experts, top_k, **shape)
+    return (layers - moe_layers) * dense + moe_layers * moe
+
+
+def keys_per_query(seq: Any, window: Any = 0, attention: str = "full") -> Any:
+    """Keys each query is counted against: ``seq`` (or ``window`` when 0 < window < seq) under the
+    ``"full"`` convention; under ``"causal"`` the mean over queries of min(window, position), taken
+    continuously, w - w^2 / 2s (= s/2 without a window, Megatron-Core's causal halving). A
+    sliding-window kernel (FlashAttention's ``window_size``, Mistral 7B Sec. 2) does O(s w) work."""
+    factor = _attention_factor(attention)
+    span = seq + (window > 0) * (np.minimum(window, seq) - seq)
+    causal = span - span * span / (2 * seq)
+    return (factor == 1.0) * span + (factor != 1.0) * causal
+
+
+def attention_flops_per_token(seq: Any, hidden: Any, layers: Any, attention: str = "full", *,
+                              heads: Any = None, head_dim: Any = None, v_head_dim: Any = 0,
+                              sliding_window: Any = 0, sliding_layers: Any = 0, **_unused: Any) -> Any:
     """Forward FLOPs of ``QK^T`` and ``A V`` per token: ``2 * 2 * s * h`` per layer (Narayanan et al.
-    2021, Sec. 5.1; ``h`` = heads x head_dim), halved for ``attention="causal"``."""
-    return 4 * seq * hidden * layers * _attention_factor(attention)
+    2021, Sec. 5.1; ``h`` = heads x head_dim), halved for ``attention="causal"``.
+
+    In general ``2 * heads * (head_dim + v_head_dim) * keys`` per layer: the query/key head size
+    (MLA: nope + rope) for the scores, the value head size for ``A V`` (Megatron-Core's MLA count);
+    ``sliding_layers`` of the ``layers`` see :func:`keys_per_query` of ``sliding_window``."""
+    width = hidden if heads is None else heads * (hidden // heads if head_dim is None else head_dim)
+    v_width = width if heads is None else heads * (v_head_dim + (v_head_dim == 0) * width / heads)
+    per_key = 2 * (width + v_width)
+    full = keys_per_query(seq, 0, attention)
+    windowed = keys_per_query(seq, sliding_window, attention)
+    return per_key * ((layers - sliding_layers) * full + sliding_layers * windowed)
 
 
 def forward_flops_per_token(*, layers: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
                             vocab: Any, seq: Any, mlp_matrices: Any = 2, experts: Any = 0,
                             top_k: Any = 0, attention: str = "full", count_logits: bool = True,
-                            **_unused: Any) -> Any:
+                            **shape: Any) -> Any:
     """Forward FLOPs per token: 2 x matmul weights + attention + (optionally) the 2hV logits."""
-    weights = layers * matmul_params_per_layer(hidden, heads, kv_heads, ffn, mlp_matrices, experts, top_k)
-    return 2 * weights + attention_flops_per_token(seq, hidden, layers, attention) + \
-        count_logits * 2 * hidden * vocab
+    weights = layers_matmul_params(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                                   mlp_matrices=mlp_matrices, experts=experts, top_k=top_k, **shape)
+    attn = attention_flops_per_token(seq, hidden, layers, attention, heads=heads, **shape)
+    return 2 * weights + attn + count_logits * 2 * hidden * vocab
 
 
 def recompute_flops_per_token(recompute: str, layers_forward: Any, attention_forward: Any) -> Any:
@@ -78,7 +129,7 @@ def step_flops(tokens: Any, *, recompute: str = "none", attention: str = "full",
     """Model FLOPs (3 x forward) and hardware FLOPs (+ recomputation) of a step of ``tokens``."""
     fwd = forward_flops_per_token(attention=attention, count_logits=count_logits, **shape)
     layers_fwd = fwd - count_logits * 2 * shape["hidden"] * shape["vocab"]
-    attn_fwd = attention_flops_per_token(shape["seq"], shape["hidden"], shape["layers"], attention)
+    attn_fwd = attention_flops_per_token(attention=attention, **shape)
     extra = recompute_flops_per_token(recompute, layers_fwd, attn_fwd)
     return {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
 

@@ -26,7 +26,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.units import GB, GiB
 from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
-from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
+from dtlib.analytic.config import (TransformerConfig, attention_params, mlp_params, moe_layer_count,
+                                   norm_params)
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.layout import Parallelism, check_layout, in_flight, stage_layers
 from dtlib.analytic.precision import Precision, get_precision
@@ -41,29 +42,69 @@ def model_numbers(cfg: TransformerConfig, seq: int | None = None) -> dict[str, A
     return cfg.numbers(seq)
 
 
+def _moe_layers_before(b: Any, experts: Any, dense_layers: Any, moe_layer_freq: Any) -> Any:
+    """MoE layers among the first ``b`` layers (:func:`dtlib.analytic.config.moe_layer_count`)."""
+    return moe_layer_count(np.maximum(b, dense_layers), experts, dense_layers, moe_layer_freq)
+
+
 def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias,
-                     experts, learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1,
-                     virtual_stages=1, **_unused) -> dict[str, dict[str, Any]]:
+                     experts, learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1, etp=1,
+                     virtual_stages=1, moe_ffn=None, shared_experts=0, dense_layers=0, moe_layer_freq=1,
+                     head_dim=None, q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0,
+                     qk_rope_head_dim=0, v_head_dim=0, **_unused) -> dict[str, dict[str, Any]]:
     """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
     ZeRO over dp), ``expert`` (sharded over dp/ep) and ``unit`` (largest block gathered at once by
-    ZeRO-3/FSDP with per-block wrapping)."""
+    ZeRO-3/FSDP with per-block wrapping).
+
+    Megatron-Core's placement: attention and dense MLPs are split over ``tp`` (Shoeybi et al. 2019),
+    norms, row-parallel biases and the router replicated; MLA's down-projections ``q_a``/``kv_a``
+    and their norms are replicated too (``MLASelfAttention`` builds them with
+    ``parallel_mode='duplicated'``), its up-projections and O split over ``tp``. Routed experts are
+    split over ``ep`` (whole experts) and each over ``etp`` (``--expert-tensor-parallel-size``);
+    shared experts are dense MLPs over ``tp`` (``SharedExpertMLP`` uses the TP group). A stage
+    holds its share of dense and MoE layers (the first ``dense_layers`` are dense, then every
+    ``moe_layer_freq``-th); with virtual stages a rank's chunks spread over the model, so its MoE
+    share is the model's, rounded up.
+    """
+    moe_ffn = ffn if moe_ffn is None else moe_ffn
     norm = norm_params(hidden, norm_has_bias)
-    attn = attention_params(hidden, heads, kv_heads, bias)
-    mlp = mlp_params(hidden, ffn, mlp_matrices, bias)
-    dense_mlp = experts == 0
-    # replicated across TP: both norms, the row-parallel biases (attention out, MLP down), router
-    replicated = 2 * norm + bias * hidden * (1 + dense_mlp) + hidden * experts
-    dense_layer = (2 * norm + attn + dense_mlp * mlp + hidden * experts - replicated) / tp + replicated
-    expert_layer = experts * ((mlp - bias * hidden) / tp + bias * hidden) / ep
+    attention = dict(head_dim=head_dim, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                     qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                     v_head_dim=v_head_dim)
+    attn = attention_params(hidden, heads, kv_heads, bias, norm_has_bias=norm_has_bias, **attention)
+    mla_down = (kv_lora_rank > 0) * (
+        (q_lora_rank > 0) * (hidden * q_lora_rank + norm_params(q_lora_rank, norm_has_bias) + bias * q_lora_rank)
+        + hidden * (kv_lora_rank + qk_rope_head_dim) + norm_params(kv_lora_rank, norm_has_bias)
+        + bias * (kv_lora_rank + qk_rope_head_dim))
+    # replicated across TP: both norms, MLA's down-projections, the attention-out bias
+    replicated = 2 * norm + mla_down + bias * hidden
+    dense_mlp = mlp_params(hidden, ffn, mlp_matrices, bias)
+    shared_mlp = shared_experts * mlp_params(hidden, moe_ffn, mlp_matrices, bias)
+    # MLP down biases and the h x E router are replicated as well
+    dense_layer = (attn + dense_mlp - bias * hidden + 2 * norm - replicated) / tp + replicated + bias * hidden
+    moe_dense = ((attn + shared_mlp - shared_experts * bias * hidden + 2 * norm - replicated) / tp
+                 + replicated + shared_experts * bias * hidden + hidden * experts)
+    expert_mlp = mlp_params(hidden, moe_ffn, mlp_matrices, bias)
+    expert_layer = experts * ((expert_mlp - bias * hidden) / etp + bias * hidden) / ep
     vocab_rows = -(-vocab // tp)  # vocab-parallel embedding, padded to a multiple of tp
     embedding = vocab_rows * hidden + learned_positions * seq * hidden + embedding_norm * norm
     # the last stage holds the LM head; a tied head is a second copy when pp > 1 (Megatron-LM)
     head = norm + ((1 - tied) + tied * (pp > 1)) * vocab_rows * hidden
     single = pp == 1
     lf, ll = stage_layers(layers, pp, virtual_stages)
-    unit = np.maximum(np.maximum(dense_layer + expert_layer, embedding), head)
-    first = {"dense": embedding + lf * dense_layer + single * head, "expert": lf * expert_layer}
-    last = {"dense": ll * dense_layer + head + single * embedding, "expert": ll * expert_layer}
+    total_moe = moe_layer_count(layers, experts, dense_layers, moe_layer_freq)
+    spread = virtual_stages > 1
+    moe_first = np.where(spread, -(-lf * total_moe // layers),
+                         _moe_layers_before(lf, experts, dense_layers, moe_layer_freq))
+    moe_last = np.where(spread, -(-ll * total_moe // layers),
+                        total_moe - _moe_layers_before(layers - ll, experts, dense_layers, moe_layer_freq))
+    largest = np.where(total_moe > 0, np.maximum(moe_dense + expert_layer, (total_moe < layers) * dense_layer),
+                       dense_layer)
+    unit = np.maximum(np.maximum(largest, embedding), head)
+    first = {"dense": embedding + (lf - moe_first) * dense_layer + moe_first * moe_dense + single * head,
+             "expert": moe_first * expert_layer}
+    last = {"dense": (ll - moe_last) * dense_layer + moe_last * moe_dense + head + single * embedding,
+            "expert": moe_last * expert_layer}
     first["unit"] = last["unit"] = unit
     return {"first": first, "last": last}
 

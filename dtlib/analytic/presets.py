@@ -53,6 +53,52 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       tied_embeddings=True,
                       source="Devlin et al. 2019, 'BERT', Sec. 3 (340M); HF bert-large-uncased "
                              "(BertModel 335,141,888 incl. token types and pooler)"),
+    # ---- mixture of experts, MLA, sliding windows (docs/models.md: the parameter check table) ----
+    TransformerConfig(name="mistral-7b", layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000,
+                      seq=8192, ffn=14336, sliding_window=4096, **_LLAMA,
+                      source="Jiang et al. 2023, 'Mistral 7B', Table 1 (window 4096, context 8192); HF "
+                             "mistralai/Mistral-7B-v0.1 config.json (7,241,732,096 parameters)"),
+    TransformerConfig(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000,
+                      seq=32768, ffn=14336, moe_experts=8, moe_top_k=2, **_LLAMA,
+                      source="Jiang et al. 2024, 'Mixtral of Experts', Table 1 (shape, 32k "
+                             "context) and Sec. 1 (47B total, 13B active; Mistral AI's release "
+                             "post: 46.7B, 12.9B); HF mistralai/Mixtral-8x7B-v0.1 config.json"),
+    TransformerConfig(name="deepseek-v2-lite", layers=27, hidden=2048, heads=16, vocab=102400,
+                      seq=4096, ffn=10944, moe_ffn=1408, moe_experts=64, moe_top_k=6,
+                      moe_shared_experts=2, moe_dense_layers=1, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **_LLAMA,
+                      source="DeepSeek-AI 2024, 'DeepSeek-V2', App. B (15.7B total, 2.4B active; "
+                             "no query compression); HF deepseek-ai/DeepSeek-V2-Lite config.json "
+                             "(q_lora_rank null, first_k_dense_replace 1)"),
+    TransformerConfig(name="deepseek-v3", layers=61, hidden=7168, heads=128, vocab=129280,
+                      seq=4096, ffn=18432, moe_ffn=2048, moe_experts=256, moe_top_k=8,
+                      moe_shared_experts=1, moe_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **_LLAMA,
+                      source="DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 4.2 (671B total, "
+                             "37B active; pre-training seq 4K) and README_WEIGHTS.md (main model "
+                             "671B, 36.6B active incl. the 0.9B output head; the 14B MTP module "
+                             "left out); HF deepseek-ai/DeepSeek-V3 config.json"),
+    TransformerConfig(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
+                      head_dim=128, vocab=151936, seq=4096, ffn=6144, moe_ffn=768, moe_experts=128,
+                      moe_top_k=8, **_LLAMA,
+                      source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes; "
+                             "pre-training seq 4096, Sec. 3.2); HF Qwen/Qwen3-30B-A3B model card "
+                             "(30.5B total, 3.3B active) and config.json (q/k RMSNorms not counted)"),
+    TransformerConfig(name="qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4,
+                      head_dim=128, vocab=151936, seq=4096, ffn=12288, moe_ffn=1536,
+                      moe_experts=128, moe_top_k=8, **_LLAMA,
+                      source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes); HF "
+                             "Qwen/Qwen3-235B-A22B model card (235B total, 22B active) and "
+                             "config.json (q/k RMSNorms not counted)"),
+    TransformerConfig(name="gpt-oss-120b", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
+                      vocab=201088, seq=4096, ffn=2880, moe_experts=128, moe_top_k=4,
+                      sliding_window=128, global_attention_every=2, activation="swiglu", bias=True,
+                      norm="rmsnorm", position="rope", tied_embeddings=False,
+                      source="OpenAI 2025, 'gpt-oss-120b & gpt-oss-20b Model Card', Table 1 (116.83B "
+                             "total, 5.13B active without the input embedding; window 128 on "
+                             "alternate layers; initial context 4096); HF openai/gpt-oss-120b "
+                             "config.json (attention_bias true, expert biases; attention sinks and "
+                             "the router bias not counted)"),
     # The capstone's model: Llama-2-13B widths with 36 layers -> ~10.2B; heads 40 and kv_heads 8
     # allow TP 1/2/4/8, 36 layers allow PP 1/2/3/4/6/9/12.
     TransformerConfig(name="capstone-10b", layers=36, hidden=5120, heads=40, kv_heads=8, vocab=32000,

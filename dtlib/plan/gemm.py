@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
+from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.hardware import Accelerator
 from dtlib.plan.moe import expert_load, expert_rows, moe_numbers
 
@@ -120,6 +121,45 @@ def _mlp(rows: Any, width: Any, h: Any, matrices: Any, batch: Any, kw: dict[str,
     return fc1[0] + fc2[0], fc1[1] + fc2[1], cast
 
 
+def attention_projections(n: dict[str, Any], tokens: Any, **weights_kw: Any) -> dict[str, Any]:
+    """Forward and backward seconds of one layer's attention projections on one GPU, and the
+    elements an FP8 cast reads/writes (``inputs``, ``outputs``, ``weights``).
+
+    Q/K/V fused (h -> (heads + 2 kv_heads) x head_dim, column-parallel) and O ((heads x head_dim)/tp
+    -> h, row-parallel) (Shoeybi et al. 2019, Sec. 3; ``head_dim`` as HF sets it). Multi-head
+    latent attention (DeepSeek-V2, Sec. 2.1.2; Megatron-Core ``MLASelfAttention``): the
+    down-projections h -> q_lora_rank and h -> kv_lora_rank + rope are replicated on every TP rank
+    (``parallel_mode='duplicated'``), the up-projections q_lora_rank -> heads (nope + rope) and
+    kv_lora_rank -> heads (nope + v) are column-parallel, O (heads x v) / tp -> h row-parallel."""
+    tp, h, heads, kv_heads = n["tp"], n["hidden"], n["heads"], n["kv_heads"]
+    head_dim = n.get("head_dim", h // heads)
+    q_rank, kv_rank = n.get("q_lora_rank", 0), n.get("kv_lora_rank", 0)
+    nope, rope, v_dim = n.get("qk_nope_head_dim", 0), n.get("qk_rope_head_dim", 0), n.get("v_head_dim", 0)
+    mla = kv_rank > 0
+    if not np.any(mla):  # GQA/MHA
+        qkv = _fwd_bwd(tokens, (heads + 2 * kv_heads) * head_dim / tp, h, 1, **weights_kw)
+        proj = _fwd_bwd(tokens, h, heads * head_dim / tp, 1, **weights_kw)
+        qkv_width = (heads + 2 * kv_heads) * head_dim
+        return {"forward": qkv[0] + proj[0], "backward": qkv[1] + proj[1],
+                "inputs": tokens * (h + heads * head_dim / tp), "outputs": tokens * (qkv_width / tp + h),
+                "weights": h * (qkv_width + heads * head_dim) / tp}
+    compressed_q = q_rank > 0
+    q_down = _fwd_bwd(tokens, np.maximum(q_rank, 1), h, compressed_q * 1.0, **weights_kw)
+    q_in = np.where(compressed_q, q_rank, h)
+    q_up = _fwd_bwd(tokens, heads * (nope + rope) / tp, q_in, 1, **weights_kw)
+    kv_down = _fwd_bwd(tokens, kv_rank + rope, h, 1, **weights_kw)
+    kv_up = _fwd_bwd(tokens, heads * (nope + v_dim) / tp, kv_rank, 1, **weights_kw)
+    proj = _fwd_bwd(tokens, h, heads * v_dim / tp, 1, **weights_kw)
+    parts = (q_down, q_up, kv_down, kv_up, proj)
+    replicated = compressed_q * h * q_rank + h * (kv_rank + rope)
+    split = q_in * heads * (nope + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * h
+    return {"forward": sum(p[0] for p in parts), "backward": sum(p[1] for p in parts),
+            "inputs": tokens * (h + compressed_q * q_rank + kv_rank + heads * v_dim / tp),
+            "outputs": tokens * (compressed_q * q_rank + kv_rank + rope
+                                 + heads * (2 * nope + rope + v_dim) / tp + h),
+            "weights": replicated + split / tp}
+
+
 def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
                         flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
                         clock: float = 1.0, moe_imbalance: float = 1.0) -> dict[str, Any]:
@@ -141,17 +181,13 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
     heads, kv_heads, ffn, vocab = n["heads"], n["kv_heads"], n["ffn"], n["vocab"]
     experts = n["experts"]
-    head_dim = h // heads
     tokens = b * s / cp  # rows of every GEMM on a rank (SP gathers the sequence before them)
     weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
                       bytes_per_element=1.0 if dtype == "fp8" else 2.0)
     bf16_kw = dict(gpu=gpu, dtype="bf16", efficiency=gemm_efficiency, clock=clock)
 
     # ---- weight GEMMs of one layer, one micro-batch (Shoeybi et al. 2019, Sec. 3) --------------
-    qkv = _fwd_bwd(tokens, (h + 2 * kv_heads * head_dim) / tp, h, 1, **weights_kw)
-    proj = _fwd_bwd(tokens, h, h / tp, 1, **weights_kw)
-    attn_cast = (tokens * (h + h / tp) + tokens * ((h + 2 * kv_heads * head_dim) / tp + h)
-                 + (h * (h + 2 * kv_heads * head_dim) + h * h) / tp)
+    attn = attention_projections(n, tokens, **weights_kw)
     dense_mlp = _mlp(tokens, ffn / tp, h, n["mlp_matrices"], 1, weights_kw)
     # MoE layers (dtlib.plan.moe): a grouped GEMM of the local experts, the always-active shared
     # experts (a dense MLP split over tp, Megatron-Core SharedExpertMLP) and the router
@@ -163,25 +199,33 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
     router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)
     share = moe["moe_share"]
-    forward = qkv[0] + proj[0] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
-    backward = qkv[1] + proj[1] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
+    forward = attn["forward"] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
+    backward = attn["backward"] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
     head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
     if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
-        elements = attn_cast + (1 - share) * dense_mlp[2] + share * (grouped[2] + shared[2])
+        attn_elements = attn["inputs"] + attn["outputs"] + attn["weights"]
+        elements = attn_elements + (1 - share) * dense_mlp[2] + share * (grouped[2] + shared[2])
         cast = FP8_CAST_BYTES * elements / gpu.memory_bandwidth
     else:
         cast = 0.0
 
     # ---- attention core of one layer, one micro-batch ---------------------------------------------
+    qk_dim = n.get("head_dim", h // heads)
+    v_dim = np.where(n.get("v_head_dim", 0) > 0, n.get("v_head_dim", 0), qk_dim)
     if flash_attention:
-        # causal: FlashAttention skips the tiles above the diagonal, half of 4 b s_q s h / tp
-        work = 0.5 * 4 * b * (s / cp) * s * h / tp
+        # causal: FlashAttention skips the tiles above the diagonal (half of 4 b s_q s h / tp) and,
+        # with a sliding window, the tiles outside the band (dtlib.analytic.flops.keys_per_query)
+        per_token = attention_flops_per_token(s, h, n["layers"], "causal", heads=heads, head_dim=qk_dim,
+                                              v_head_dim=v_dim, sliding_window=n.get("sliding_window", 0),
+                                              sliding_layers=n.get("sliding_layers", 0)) / n["layers"]
+        work = b * (s / cp) * per_token / tp
         attn_fwd = work / (gpu.peak("bf16") * clock * attention_efficiency)
         attn_bwd = FLASH_BACKWARD * attn_fwd
     else:  # batched GEMMs per head: Q K^T (s x s over d), A V (s x d over s), all of s x s computed
+        # (an explicit mask, sliding or causal, does not skip work)
         per_head = b * heads / tp
-        scores = _fwd_bwd(s / cp, s, head_dim, per_head, **bf16_kw)
-        context = _fwd_bwd(s / cp, head_dim, s, per_head, **bf16_kw)
+        scores = _fwd_bwd(s / cp, s, qk_dim, per_head, **bf16_kw)
+        context = _fwd_bwd(s / cp, v_dim, s, per_head, **bf16_kw)
         attn_fwd, attn_bwd = scores[0] + context[0], scores[1] + context[1]
 
     full, selective = recompute == "full", recompute == "selective"
