@@ -24,7 +24,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.activations import layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, matmul_params_per_layer,
+from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism, stage_layers
@@ -222,12 +222,10 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     full = recompute == "full"
 
     # ---- compute: hardware FLOPs split by the precision they run in -------------------------
-    shape = {k: n[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq",
-                               "mlp_matrices", "experts", "top_k")}
-    flops = step_flops(tokens, recompute=recompute, attention=options.attention, **shape)
-    weights = 2 * n["layers"] * matmul_params_per_layer(h, n["heads"], n["kv_heads"], n["ffn"],
-                                                        n["mlp_matrices"], n["experts"], n["top_k"])
-    attn = attention_flops_per_token(s, h, n["layers"], options.attention)
+    # the model's numbers as they are (MoE, MLA, sliding-window keys included: dtlib.analytic.flops)
+    flops = step_flops(tokens, recompute=recompute, attention=options.attention, **n)
+    weights = 2 * layers_matmul_params(**n)
+    attn = attention_flops_per_token(attention=options.attention, **n)
     extra = recompute_flops_per_token(recompute, weights + attn, attn)
     weight_hw = tokens * (3 * weights + extra - (recompute != "none") * attn)
     if options.efficiency is not None:  # the flat convention: one fraction of peak for everything
