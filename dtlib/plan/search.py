@@ -109,6 +109,11 @@ def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: di
     return a
 
 
+def _take(arrays: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
+    """The rows ``keep`` of every array of ``arrays`` (None stays None)."""
+    return {k: None if v is None else v[keep] for k, v in arrays.items()}
+
+
 def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
     """Every combination of ``options``' values, one flat integer array per name."""
     cols = np.array(list(itertools.product(*options.values())), dtype=np.int64).reshape(-1, len(options))
@@ -190,27 +195,30 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
                 layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, "none", on_invalid="raise")
             except ValueError as exc:
                 broken = broken or str(exc).split(": ", 1)[-1]
+            continue
+        # only valid layouts go on: the formulas are never evaluated on the placeholder rows
+        n, grid = _take(n, valid), _take(grid, valid)
         for recompute in recomputes:
             mem = per_gpu_bytes(n, prec, recompute=memory_recompute(recompute, options.flash_attention),
                                 schedule=schedule, dropout=dropout)["total"]
-            mem = np.where(valid, mem, np.inf)
             fits = mem <= capacity
-            searched += int(valid.sum())
+            searched += int(mem.size)
             fitting += int(fits.sum())
-            if valid.any():
-                i = int(np.argmin(mem))
-                if smallest is None or mem[i] < smallest[0]:
-                    smallest = (float(mem[i]), {k: int(x[i]) for k, x in grid.items()} | {"recompute": recompute})
+            i = int(np.argmin(mem))
+            if smallest is None or mem[i] < smallest[0]:
+                smallest = (float(mem[i]), {k: int(x[i]) for k, x in grid.items()} | {"recompute": recompute})
             if not fits.any():
                 continue
-            t = step_time_arrays(n, cluster, recompute=recompute, schedule=schedule, options=options,
-                                 dropout=dropout)
-            times = np.where(fits, t["step_time"], np.inf)
+            # step times of the fitting layouts only
+            here, mem_here = _take(grid, fits), mem[fits]
+            t = step_time_arrays(_take(n, fits), cluster, recompute=recompute, schedule=schedule,
+                                 options=options, dropout=dropout)
+            times = t["step_time"]
             # fastest first, equal times by memory (as the rows below): a top-1 search must pick
             # the same layout as the first of a top-5 one
-            best = np.lexsort((mem, times))[:top]
-            rows += [(float(times[i]), float(mem[i]), _row(grid, t, mem, int(i), recompute, peak))
-                     for i in best if np.isfinite(times[i])]
+            best = np.lexsort((mem_here, times))[:top]
+            rows += [(float(times[i]), float(mem_here[i]), _row(here, t, mem_here, int(i), recompute, peak))
+                     for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]
     why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom,
