@@ -48,8 +48,9 @@ def _divisors(n: int) -> list[int]:
 @dataclass
 class SearchResult:
     """The ``configs`` that fit, fastest first (at most ``top``), how many valid layouts were
-    ``searched`` and how many ``fitting``, the search's wall-clock ``seconds``, and ``why`` when
-    nothing fits (or nothing is valid)."""
+    ``searched`` and how many ``fitting`` (each x the recompute options), the search's wall-clock
+    ``seconds``, ``why`` when nothing fits (or nothing is valid), and ``candidates``: the layouts
+    of the grid that divide the GPUs and the global batch, before the model's rules."""
     configs: list[dict[str, Any]]
     searched: int
     fitting: int
@@ -57,6 +58,7 @@ class SearchResult:
     capacity: float
     why: str | None = None
     notes: list[str] = field(default_factory=list)
+    candidates: int = 0
 
 
 def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
@@ -182,11 +184,12 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
     rows: list[tuple[float, float, dict[str, Any]]] = []
-    searched = fitting = 0
+    searched = fitting = candidates = 0
     smallest: tuple[float, dict[str, Any]] | None = None
     broken: str | None = None  # the rule a pinned layout breaks, if every candidate breaks one
     for schedule in schedules:
         grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved")
+        candidates += grid["dp"].size
         if grid["dp"].size == 0:
             continue
         n, valid = layout_arrays(model, grid, schedule, "none", on_invalid="nan")
@@ -224,7 +227,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom,
                                         broken)
     return SearchResult(configs=configs, searched=searched, fitting=fitting,
-                        seconds=time.perf_counter() - start, capacity=capacity, why=why)
+                        seconds=time.perf_counter() - start, capacity=capacity, why=why,
+                        candidates=candidates)
 
 
 def _why_not(model: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
