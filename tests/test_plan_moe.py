@@ -236,3 +236,16 @@ def test_search_rows_are_the_scalar_step_times(moe_search):
 def test_a_pinned_expert_grid_that_does_not_divide_the_stage_is_explained():
     r = search(MOE, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 1, "pp": 1, "cp": 1, "ep": 12})
     assert r.configs == [] and "ep x etp = 12x1 must divide the 8 GPUs of a pipeline stage" in r.why
+
+
+def test_moe_layers_without_shared_experts_skip_the_mlp_tensor_parallel_collectives():
+    """Megatron-Core: routed tokens reach the experts through the dispatcher (all-to-all over ep,
+    all-gather over etp), so an MoE layer's MLP has no TP all-gather / reduce-scatter unless shared
+    experts (a TP-split dense MLP) run beside it; attention keeps its two."""
+    layout = Parallelism(dp=2, tp=4, ep=2, sequence_parallel=True)
+    c = cluster("h100-sxm", 1, 8)
+    dense = step_time(DENSE, Parallelism(dp=2, tp=4, sequence_parallel=True), c, options=OPTIONS)
+    routed = step_time(MOE, layout, c, options=OPTIONS)
+    shared = step_time(MOE.with_(moe_shared_experts=1), layout, c, options=OPTIONS)
+    assert routed.breakdown["tp_comm"] == pytest.approx(dense.breakdown["tp_comm"] / 2, rel=1e-12)
+    assert shared.breakdown["tp_comm"] == pytest.approx(dense.breakdown["tp_comm"], rel=1e-12)

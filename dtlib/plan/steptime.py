@@ -63,9 +63,10 @@ TERMS: dict[str, str] = {
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
                  "TP/CP/EP communication",
     "tp_comm": "per layer and micro-batch, 2 all-reduces of b s h forward and 2 backward (+2 with full "
-               "recompute) (Shoeybi et al. 2019, Sec. 3; with sequence parallelism the same volume as "
-               "all-gather + reduce-scatter, Korthikanti et al. 2022, Sec. 4.2.2), ring alpha-beta on "
-               "the intra-node link; exposed unless tp_overlap says otherwise",
+               "recompute; half of them in MoE layers without shared experts, whose tokens the EP "
+               "dispatcher moves) (Shoeybi et al. 2019, Sec. 3; with sequence parallelism the same "
+               "volume as all-gather + reduce-scatter, Korthikanti et al. 2022, Sec. 4.2.2), ring "
+               "alpha-beta on the intra-node link; exposed unless tp_overlap says otherwise",
     "cp_comm": "ring attention: K and V of the local sequence shard pass around the cp ranks once "
                "forward, their gradients once backward, per layer and micro-batch (Liu et al. 2023, "
                "Ring Attention; Megatron-LM context parallelism), exposed unless cp_overlap",
@@ -245,13 +246,17 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     intra, inter = cluster.intra, _inter_link(cluster, options.oversubscription)
     layers_here = stage_layers(n["layers"], pp, v)[0]
     act = b * (s / cp) * h * prec.activation
-    tp_calls = (4 + 2 * full) * layers_here * m
+    moe = moe_numbers(n)
+    # attention's 2 collectives and the MLP's 2, but an MoE layer's routed experts take their
+    # tokens through the EP dispatcher instead (ep_comm); shared experts gather over tp as a dense
+    # MLP does (Megatron-Core SharedExpertMLP)
+    tensor_parallel_mlp = 1 - moe["moe_share"] * (moe["shared_experts"] == 0)
+    tp_calls = (2 + full) * (1 + tensor_parallel_mlp) * layers_here * m
     tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
     kv = 2 * b * (s / cp) * n["kv_heads"] * (h // n["heads"]) * prec.activation / tp
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", kv * cp, cp, intra, inter)
     # ---- EP: all-to-all of the routed tokens per MoE layer (dtlib.plan.moe) -----------------
-    moe = moe_numbers(n)
     check_imbalance(moe, options.moe_imbalance)
     load = expert_load(moe, options.moe_imbalance)
     ep_calls = (4 + 2 * full) * moe["moe_share"] * layers_here * m
