@@ -120,11 +120,11 @@ def mean_layer_bytes(*, layers: Any, moe_layers: Any = None, sliding_layers: Any
     moe_layers = (experts > 0) * layers if moe_layers is None else moe_layers
     total = 0
     for moe, sliding in ((False, False), (False, True), (True, False), (True, True)):
-        count = ((moe_layers if moe else layers - moe_layers)
+        share = ((moe_layers if moe else layers - moe_layers) / layers
                  * (sliding_layers if sliding else layers - sliding_layers) / layers)
         one = layer_bytes(experts=experts if moe else 0, sliding_window=sliding_window if sliding else 0,
                           **shape)
-        total = total + count * one
+        total = total + share * one
     return total
 
 

@@ -193,6 +193,7 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         tokens = batch * shape["seq"]
         f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits, **shape)
         name = model.name
+        counts = {"parameters": model.num_parameters(), "active_parameters": model.active_parameters()}
     else:
         model = validate.number("params", model)
         if seq is None:
@@ -202,9 +203,10 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         extra = recompute_flops_per_token(recompute, fwd, 0 * fwd)
         f = {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
         name = f"{model:.4g} parameters"
+        counts = {"parameters": model, "active_parameters": model}
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     peak = acc.peak(dtype)
-    out = {"model": name, "tokens_per_step": tokens, "flops_per_token": 3 * f["forward_per_token"],
+    out = {"model": name, **counts, "tokens_per_step": tokens, "flops_per_token": 3 * f["forward_per_token"],
            "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],
            "gpu": acc.name, "dtype": dtype, "peak_flops_per_gpu": peak, "gpus": gpus,
            "ideal_step_time": f["model"] / (gpus * peak),

@@ -45,7 +45,10 @@ _FLAGS = {"nbytes": "--bytes", "overhead_bytes": "--overhead", "largest_layer_pa
 
 
 def flag_of(name: str) -> str:
-    """The command-line flag of a Python parameter: ``step_time`` -> ``--step-time``."""
+    """The command-line flag of a Python parameter: ``step_time`` -> ``--step-time`` (a flag
+    already, ``--top-k``, stays as it is)."""
+    if name.startswith("-"):
+        return name
     return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
@@ -160,6 +163,26 @@ def non_negative_float(text: str) -> float:
 
 
 # ---- shared options -------------------------------------------------------------------------------
+def expert_count(text: str) -> int:
+    """``--experts``: 0 (dense) or an integer >= 2 (one expert is a dense MLP with a router)."""
+    value = non_negative_int(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError(f"must be 0 (dense) or an integer >= 2, got {text!r}")
+    return value
+
+
+# TransformerConfig fields set by a model flag whose name differs (errors name the flag).
+MODEL_FLAGS = {"moe_experts": "--experts", "moe_top_k": "--top-k", "moe_ffn": "--expert-ffn",
+               "moe_shared_experts": "--shared-experts", "moe_dense_layers": "--dense-layers",
+               "moe_layer_freq": "--moe-layer-freq", "moe_capacity_factor": "--capacity-factor",
+               "kv_heads": "--kv-heads", "head_dim": "--head-dim", "q_lora_rank": "--q-lora-rank",
+               "kv_lora_rank": "--kv-lora-rank", "qk_nope_head_dim": "--qk-nope-head-dim",
+               "qk_rope_head_dim": "--qk-rope-head-dim", "v_head_dim": "--v-head-dim",
+               "sliding_window": "--sliding-window", "global_attention_every": "--global-attention-every"}
+# flags that describe a model's architecture or MoE routing: on a preset they replace its value
+_VARIANT_FLAGS = {field: flag for field, flag in MODEL_FLAGS.items() if field != "kv_heads"}
+
+
 def model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (one of --model, --params, or --layers/--hidden/--heads)")
     g.add_argument("preset", nargs="?", metavar="MODEL", help="a preset, as --model")
@@ -171,6 +194,36 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="vocabulary (default 50257 for a custom shape)")
     g.add_argument("--activation", choices=ACTIVATIONS, help="MLP activation of a custom shape (default gelu)")
     g.add_argument("--seq", type=positive_int, help="sequence length (default: the model's; 2048 for a custom shape)")
+    m = p.add_argument_group("mixture of experts and attention variants (docs/models.md; on a preset "
+                             "they replace its value)")
+    m.add_argument("--experts", dest="moe_experts", type=expert_count,
+                   help="routed experts per MoE layer (0: dense; HF n_routed_experts)")
+    m.add_argument("--top-k", dest="moe_top_k", type=positive_int, help="experts per token, 1..--experts")
+    m.add_argument("--expert-ffn", dest="moe_ffn", type=positive_int,
+                   help="FFN width of each expert (HF moe_intermediate_size; default --ffn)")
+    m.add_argument("--shared-experts", dest="moe_shared_experts", type=non_negative_int,
+                   help="always-active experts, each --expert-ffn wide (DeepSeek n_shared_experts)")
+    m.add_argument("--dense-layers", dest="moe_dense_layers", type=non_negative_int,
+                   help="first layers with a dense MLP (DeepSeek first_k_dense_replace)")
+    m.add_argument("--moe-layer-freq", dest="moe_layer_freq", type=positive_int,
+                   help="every N-th of the other layers is MoE (Megatron --moe-layer-freq; default 1)")
+    cap = m.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-factor", dest="moe_capacity_factor", type=positive_float,
+                     help="tokens per expert capped at C x the balanced load (default: dropless)")
+    cap.add_argument("--dropless", action="store_true", help="no capacity limit (the default)")
+    m.add_argument("--head-dim", dest="head_dim", type=positive_int,
+                   help="attention head size (HF head_dim; default hidden/heads)")
+    m.add_argument("--kv-lora-rank", dest="kv_lora_rank", type=non_negative_int,
+                   help="multi-head latent attention: KV latent size (> 0 turns MLA on; DeepSeek-V2/V3)")
+    m.add_argument("--q-lora-rank", dest="q_lora_rank", type=non_negative_int,
+                   help="MLA query latent size (0: no query compression)")
+    for name, what in (("qk-nope-head-dim", "query/key head size without rope"),
+                       ("qk-rope-head-dim", "query/key rope head size"), ("v-head-dim", "value head size")):
+        m.add_argument(f"--{name}", dest=name.replace("-", "_"), type=non_negative_int, help=f"MLA {what}")
+    m.add_argument("--sliding-window", dest="sliding_window", type=non_negative_int,
+                   help="keys each query attends to (0: the whole sequence)")
+    m.add_argument("--global-attention-every", dest="global_attention_every", type=non_negative_int,
+                   help="every K-th layer attends to the whole sequence (0: none; GPT-OSS 2)")
 
 
 def layout_args(p: argparse.ArgumentParser) -> None:
@@ -180,6 +233,8 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
     for name in ("tp", "pp", "cp", "ep"):
         g.add_argument(f"--{name}", type=positive_int, default=1)
+    g.add_argument("--etp", type=positive_int, default=1,
+                   help="expert tensor parallel size (Megatron --expert-tensor-parallel-size; default 1)")
     g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     g.add_argument("--recompute", choices=RECOMPUTE,
@@ -232,6 +287,37 @@ def precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--convention", choices=tuple(CONVENTIONS), help="a named convention (overrides the above)")
 
 
+def _variant(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE/attention flags given, as TransformerConfig fields; ``--top-k`` checked against
+    ``--experts`` here, before any model is built."""
+    given = {field: getattr(args, field, None) for field in _VARIANT_FLAGS}
+    given = {field: value for field, value in given.items() if value is not None}
+    experts, top_k = given.get("moe_experts"), given.get("moe_top_k")
+    if experts and top_k is not None and top_k > experts:
+        raise ValueError(f"--top-k must be an integer from 1 to {experts} (the --experts), got {top_k}")
+    if experts and top_k is None and args.model is None:
+        raise ValueError(f"--experts {experts} needs --top-k (experts per token, 1 to {experts})")
+    return given
+
+
+def _flags_in(text: str) -> str:
+    """``text`` with every TransformerConfig field of :data:`MODEL_FLAGS` written as its flag."""
+    for field in sorted(MODEL_FLAGS, key=len, reverse=True):
+        text = re.sub(rf"\b{field}\b", MODEL_FLAGS[field], text)
+    return text
+
+
+def _built(build: Callable[[], Any]) -> Any:
+    """Build a model; a bad field is reported with its flag (``moe_top_k`` -> ``--top-k``)."""
+    try:
+        return build()
+    except validate.InvalidArgument as exc:
+        raise validate.InvalidArgument(MODEL_FLAGS.get(exc.name, flag_of(exc.name)),
+                                       _flags_in(exc.requirement), exc.value) from None
+    except ValueError as exc:
+        raise ValueError(_flags_in(str(exc))) from None
+
+
 def model_from_args(args: argparse.Namespace) -> "TransformerConfig | float":
     if getattr(args, "preset", None) is not None:
         if args.model is not None and args.model != args.preset:
@@ -248,17 +334,21 @@ def model_from_args(args: argparse.Namespace) -> "TransformerConfig | float":
         if ignored:
             raise ValueError(f"{', '.join(ignored)} only describe a custom shape (--layers/--hidden/"
                              f"--heads); a preset or a bare parameter count has its own")
+    variant = _variant(args)
+    if args.params is not None and variant:
+        flags = ", ".join(_VARIANT_FLAGS[f] for f in variant)
+        raise ValueError(f"{flags} describe a model shape; a bare parameter count (--params) has none")
     if args.model is not None:
-        return resolve_model(args.model)
+        preset = resolve_model(args.model)
+        return _built(lambda: preset.with_(**variant)) if variant else preset
     if args.params is not None:
         return resolve_model(args.params)
     if None in shape:
         raise ValueError("a custom shape needs all of --layers, --hidden and --heads")
-    return TransformerConfig(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads, ffn=args.ffn,
-                             vocab=50257 if args.vocab is None else args.vocab,
-                             seq=2048 if args.seq is None else args.seq,
-                             activation=args.activation or "gelu")
+    return _built(lambda: TransformerConfig(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
+        vocab=50257 if args.vocab is None else args.vocab, seq=2048 if args.seq is None else args.seq,
+        activation=args.activation or "gelu", **variant))
 
 
 def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = None) -> Parallelism:
@@ -267,6 +357,7 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
     :data:`~dtlib.analytic.layout.RULES` for this model (``shape``), not only divisibility."""
     for name in ("tp", "pp", "cp", "ep"):
         validate.integer(name, getattr(args, name))
+    etp = getattr(args, "etp", 1)
     model_parallel = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
@@ -275,7 +366,7 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
             raise ValueError(f"--gpus {gpus} is not divisible by tp*pp*cp = {model_parallel}; "
                              + _suggest_gpus(args, shape or {}, gpus, model_parallel))
         dp = gpus // model_parallel
-    return Parallelism(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+    return Parallelism(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=etp, zero=args.zero,
                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                        virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
                        num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
@@ -287,7 +378,8 @@ def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, mo
     """The smallest multiple of tp*pp*cp above ``gpus`` whose layout breaks no rule, or, when none
     does, the rule that no GPU count can fix (e.g. tp=3 and 32 heads)."""
     def first_broken(dp: int) -> str | None:
-        n = dict(shape, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+        n = dict(shape, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                 etp=getattr(args, "etp", 1), zero=args.zero,
                  sequence_parallel=bool(args.sequence_parallel), virtual_stages=args.virtual_stages,
                  micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
                  shard_size=dp * args.cp)

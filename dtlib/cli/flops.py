@@ -33,7 +33,9 @@ def run_flops(args: argparse.Namespace) -> int:
                      gpu=args.gpu,
                      dtype=args.dtype, recompute=args.recompute, attention=args.attention_flops,
                      count_logits=not args.no_logits)
-    rows = [("tokens per step", f"{r['tokens_per_step']:,}"),
+    rows = [("parameters (total)", f"{r['parameters']:,.0f}"),
+            ("parameters (active per token)", f"{r['active_parameters']:,.0f}"),
+            ("tokens per step", f"{r['tokens_per_step']:,}"),
             ("FLOPs per token (train)", f"{r['flops_per_token']:.4g}"),
             ("model FLOPs per step", f"{r['model_flops_per_step']:.4g}"),
             ("hardware FLOPs per step", f"{r['hardware_flops_per_step']:.4g}"),
