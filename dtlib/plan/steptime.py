@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
-from dtlib.analytic.activations import layer_bytes
+from dtlib.analytic.activations import mean_layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
@@ -265,11 +265,10 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
                             intra=intra, inter=inter)
     ep_comm = (1 - options.ep_overlap) * (ep_parts["all_to_all"] + ep_parts["etp"])
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
-    per_layer = dict(seq=s, micro_batch_size=b, hidden=h, heads=n["heads"], kv_heads=n["kv_heads"],
-                     ffn=n["ffn"], tp=tp, cp=cp, sequence_parallel=n["sequence_parallel"],
-                     swiglu=n["swiglu"], dropout=dropout, act_bytes=prec.activation)
-    no_scores = layer_bytes(recompute="selective", **per_layer)
-    written = no_scores if options.flash_attention else layer_bytes(recompute="none", **per_layer)
+    # averaged over the model's dense / MoE and sliding / global layers (dtlib.analytic.activations)
+    per_layer = n | dict(dropout=dropout, act_bytes=prec.activation)
+    no_scores = mean_layer_bytes(recompute="selective", **per_layer)
+    written = no_scores if options.flash_attention else mean_layer_bytes(recompute="none", **per_layer)
     rewritten = {"none": 0 * written, "selective": written - no_scores, "full": written}[recompute]
     elementwise = (3 * written + rewritten) * layers_here * m / gpu.memory_bandwidth
     if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
