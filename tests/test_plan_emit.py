@@ -36,7 +36,9 @@ MEGATRON_FLAGS = {
     "--global-batch-size", "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
     "--seq-length", "--max-position-embeddings", "--vocab-size", "--group-query-attention", "--num-query-groups",
     "--num-experts", "--moe-router-topk", "--swiglu", "--normalization", "--position-embedding-type",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--fp16", "--fp8-format"}
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--fp16", "--fp8-format",
+    # _add_moe_args of Megatron-LM's arguments.py (default None: the tensor-parallel size)
+    "--expert-tensor-parallel-size"}
 
 
 def _parse(flags):
@@ -96,6 +98,7 @@ def test_megatron_context_parallel_full_recompute_offload_and_fp8():
 def test_megatron_experts_gpt3_shape_and_no_data_parallel_overlap():
     f = _parse(megatron_flags(EP, MOE, EP.global_batch))
     assert (f["--expert-model-parallel-size"], f["--num-experts"], f["--moe-router-topk"]) == ("4", "8", "2")
+    assert f["--expert-tensor-parallel-size"] == "1"  # dtlib's etp, not Megatron-LM's default (tp)
     g = _parse(megatron_flags(Parallelism(tp=8, pp=8, num_microbatches=16), GPT3, 16, "fp16"))
     for absent in ("--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention",
                    "--swiglu", "--normalization", "--position-embedding-type", "--overlap-grad-reduce", "--bf16"):

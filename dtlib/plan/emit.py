@@ -139,6 +139,8 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
         f += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // (p.pp * p.virtual_stages))]
     if p.ep > 1:
         f += ["--expert-model-parallel-size", str(p.ep)]
+    if m.moe_experts:  # always: Megatron-LM's default (None) is etp = tp, dtlib's is 1
+        f += ["--expert-tensor-parallel-size", str(p.etp)]
     if p.sequence_parallel:
         f += ["--sequence-parallel"]
     if p.recompute == "full":  # every layer recomputed, one at a time: the planner's "full"
