@@ -52,20 +52,16 @@ __all__ = ["moe_numbers", "expert_grid", "expert_load", "expert_rows", "all_to_a
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of the numbers ``n`` with their defaults: ``experts``, ``top_k``, expert width
-    ``moe_ffn`` (default ``ffn``), ``shared_experts``, ``capacity_factor`` (0: dropless), ``etp``
-    and ``moe_share``, the fraction of the layers that are MoE layers (0 for a dense model)."""
+    """The MoE numbers of ``n`` (:meth:`dtlib.analytic.config.TransformerConfig.numbers` plus the
+    layout): ``experts``, ``top_k``, ``moe`` (experts > 0), the expert width ``moe_ffn``,
+    ``shared_experts``, ``capacity_factor`` (0: dropless), ``etp`` (1 when the layout has none, as
+    :class:`~dtlib.analytic.layout.Parallelism`) and ``moe_share``, the fraction of the layers that
+    are MoE layers (0 for a dense model)."""
     experts = np.asarray(n["experts"])
-    moe = experts > 0
-    layers = np.asarray(n["layers"])
-    moe_layers = np.asarray(n.get("moe_layers", np.where(moe, layers, 0)))
-    capacity = n.get("capacity_factor")
-    return {"experts": experts, "top_k": np.asarray(n["top_k"]), "moe": moe,
-            "moe_ffn": np.asarray(n.get("moe_ffn", n["ffn"])),
-            "shared_experts": np.asarray(n.get("shared_experts", 0)),
-            "capacity_factor": np.asarray(0.0 if capacity is None else capacity, float),
-            "etp": np.asarray(n.get("etp", 1)),
-            "moe_share": moe_layers / layers}
+    return {"experts": experts, "top_k": np.asarray(n["top_k"]), "moe": experts > 0,
+            "moe_ffn": np.asarray(n["moe_ffn"]), "shared_experts": np.asarray(n["shared_experts"]),
+            "capacity_factor": np.asarray(n["capacity_factor"], float), "etp": np.asarray(n.get("etp", 1)),
+            "moe_share": np.asarray(n["moe_layers"]) / np.asarray(n["layers"])}
 
 
 def expert_grid(tp: Any, cp: Any, dp: Any, ep: Any, etp: Any, gpus_per_node: int) -> dict[str, Any]:
