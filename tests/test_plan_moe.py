@@ -104,17 +104,19 @@ def test_a_group_straddling_two_racks_pays_the_nic_even_when_it_is_smaller_than_
 
 
 def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
-    """tp 1, dp 8, ep 4 in one node: dense gradients all-reduced over 8 ranks, expert ones over
-    edp = 8 / 4 = 2 ranks (reduce-scatter + all-gather inside the node); with ep 8, edp = 1."""
+    """tp 1, dp 8 in one node: dense gradients all-reduced over 8 ranks, expert ones over
+    edp = 8 / ep ranks (reduce-scatter + all-gather inside the node): with ep 1 the same 8 ranks
+    as the dense ones, with ep 8 none."""
     c = cluster("h100-sxm", 1, 8)
     prec_grad = 4  # megatron-bf16: fp32 gradients
-    for ep, edp in ((4, 2), (8, 1)):
+    for ep, edp in ((1, 8), (4, 2), (8, 1)):
         layout = Parallelism(dp=8, ep=ep)
         r = step_time(MOE, layout, c, options=OPTIONS)
         params = stage_parameters(**(MOE.numbers() | layout.numbers()))["first"]
         dense, expert = params["dense"] * prec_grad, params["expert"] * prec_grad
         by_hand = 2 * ring_phase(dense, 8, c.intra) + (edp > 1) * 2 * ring_phase(expert, edp, c.intra)
         assert expert > 0 and r.dp_comm_unhidden == pytest.approx(by_hand, rel=1e-12)
+        assert (r.breakdown["ep_comm"] == 0) == (ep == 1)  # one EP rank: no all-to-all
 
 
 def test_imbalance_scales_only_the_expert_terms():

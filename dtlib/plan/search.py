@@ -1,8 +1,12 @@
 """Search every valid layout of a model on a cluster and rank them by step time (equal global batch).
 
-The candidates are the product of a few options per knob (tensor, pipeline, context and expert
-sizes, micro-batch size, virtual stages, ZeRO stage, sequence parallelism; recomputation and
-schedule are categorical, so one vectorised pass runs per pair). ``dp`` and the number of
+The candidates are the product of a few options per knob (tensor, pipeline, context, expert and
+expert-tensor sizes, micro-batch size, virtual stages, ZeRO stage, sequence parallelism;
+recomputation and schedule are categorical, so one vectorised pass runs per pair). For an MoE
+model ``ep`` runs over the divisors of the expert count and ``etp`` over those of the node size
+that divide the expert FFN width, kept where ``ep x etp`` divides ``tp x cp x dp`` (Megatron-Core's
+expert grid, :mod:`dtlib.plan.moe`), sequence-parallel whenever ``tp > 1`` (Megatron-Core's
+``MoELayer`` refuses TP without it). ``dp`` and the number of
 micro-batches follow from the GPU count and the global batch. Each candidate must pass
 :data:`dtlib.analytic.layout.RULES` (through :func:`dtlib.analytic.vectorised.layout_arrays`) and
 fit in ``headroom`` x the GPU's memory by :func:`dtlib.analytic.memory.per_gpu_bytes`; tensor
@@ -10,7 +14,8 @@ parallelism stays inside a node unless ``tp_within_node=False``. GPipe is not se
 1F1B's bubble with more activations in flight (Narayanan et al. 2021, Sec. 2.2).
 
 Everything runs on numpy arrays: the whole search for a 10B model on 10,000 GPUs is one pass per
-(schedule, recompute) pair (``benchmarks/bench_plan.py``).
+(schedule, recompute) pair; ``benchmarks/bench_plan_search.py`` times it and DeepSeek-V3's on 2,048
+GPUs against the issue's budgets (1 s and 5 s).
 """
 from __future__ import annotations
 
