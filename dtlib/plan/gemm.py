@@ -179,7 +179,7 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     validate.number("attention_efficiency", attention_efficiency, maximum=1)
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
-    heads, kv_heads, ffn, vocab = n["heads"], n["kv_heads"], n["ffn"], n["vocab"]
+    heads, ffn, vocab = n["heads"], n["ffn"], n["vocab"]
     experts = n["experts"]
     tokens = b * s / cp  # rows of every GEMM on a rank (SP gathers the sequence before them)
     weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
