@@ -67,6 +67,14 @@ def test_defaults_and_moe_counts():
     assert moe.active_parameters() == moe.num_parameters() - 2 * 6 * mlp
 
 
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-120b", "mistral-7b"])
+def test_tinygpt_refuses_the_shapes_it_does_not_build(preset):
+    """The analytic count follows these models (tests/test_models_moe.py); TinyGPT would build
+    another model, so it says so before allocating anything."""
+    with pytest.raises(ValueError, match="TinyGPT builds every layer alike .* cannot build"):
+        TinyGPT(get_preset(preset).with_(layers=2, hidden=64, heads=4, kv_heads=4, vocab=50, seq=8))
+
+
 BAD_SHAPES = [
     (dict(hidden=65), "hidden \\(65\\) must be divisible by heads \\(4\\)"),
     (dict(kv_heads=3), "multiple of kv_heads"),

@@ -174,6 +174,10 @@ def test_memory_of_moe_presets_through_both_paths():
     llama = get_preset("llama3-8b")
     wide = memory_batch(llama, hidden=[4096, 8192], heads=[32, 64], kv_heads=[8, 8], dp=[1, 1])
     assert wide["total"][1] == pytest.approx(memory_per_gpu(llama.with_(hidden=8192, heads=64)).total, rel=1e-12)
+    # fewer layers as an array: the MoE and sliding layer counts follow (3 dense, then MoE)
+    deepseek = get_preset("deepseek-v2-lite")
+    shallow = flops_batch(deepseek, batch=1, layers=[27, 9])
+    assert shallow["model_flops_per_step"][1] == flops_report(deepseek.with_(layers=9), 1)["model_flops_per_step"]
     f = flops_batch(get_preset("deepseek-v3"), batch=[1, 2])
     assert f["model_flops_per_step"][1] == flops_report(get_preset("deepseek-v3"), 2)["model_flops_per_step"]
 
