@@ -99,7 +99,7 @@ def moe_layer_count(layers: Any, experts: Any, dense_layers: Any = 0, layer_freq
     """MoE layers of a model: after ``dense_layers`` dense ones (DeepSeek's
     ``first_k_dense_replace``), every ``layer_freq``-th layer, starting with the first
     (Megatron-Core ``--moe-layer-freq N``: layer i is MoE when i % N == 0); none when dense."""
-    remaining = layers - dense_layers
+    remaining = np.maximum(layers - dense_layers, 0)
     return (experts > 0) * ((remaining + layer_freq - 1) // layer_freq)
 
 
