@@ -28,10 +28,15 @@ def test_parameter_count_is_exact(overrides):
 PUBLISHED = {
     "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800, "bloom-176b": 176_247_271_424,
+    "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
     "bert-base": 109_482_240 - 2 * 768 - (768 ** 2 + 768),
     "bert-large": 335_141_888 - 2 * 1024 - (1024 ** 2 + 1024),
 }
-APPROXIMATE = {"gpt3-175b": (175e9, 0.005), "megatron-22b": (22e9, 0.01), "capstone-10b": (10e9, 0.03)}
+APPROXIMATE = {"gpt3-175b": (175e9, 0.005), "megatron-22b": (22e9, 0.01), "capstone-10b": (10e9, 0.03),
+               # rounded published totals; tests/test_models_moe.py checks these and their actives
+               "deepseek-v2-lite": (15.7e9, 0.005), "deepseek-v3": (671e9, 0.001),
+               "qwen3-30b-a3b": (30.5e9, 0.002), "qwen3-235b-a22b": (235e9, 0.002),
+               "gpt-oss-120b": (116.83e9, 0.0001)}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -60,6 +65,14 @@ def test_defaults_and_moe_counts():
     mlp = 2 * 64 * 256
     assert moe.num_parameters() - dense.num_parameters() == 2 * (7 * mlp + 64 * 8)
     assert moe.active_parameters() == moe.num_parameters() - 2 * 6 * mlp
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-120b", "mistral-7b"])
+def test_tinygpt_refuses_the_shapes_it_does_not_build(preset):
+    """The analytic count follows these models (tests/test_models_moe.py); TinyGPT would build
+    another model, so it says so before allocating anything."""
+    with pytest.raises(ValueError, match="TinyGPT builds every layer alike .* cannot build"):
+        TinyGPT(get_preset(preset).with_(layers=2, hidden=64, heads=4, kv_heads=4, vocab=50, seq=8))
 
 
 BAD_SHAPES = [

@@ -13,7 +13,9 @@ from dtlib.analytic.memory import memory_per_gpu, stage_parameters
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.vectorised import flops_batch, memory_batch
+from dtlib.analytic.hardware import cluster
 from dtlib.plan.gemm import attention_projections, transformer_compute
+from dtlib.plan.search import search
 
 
 def megatron_flops(cfg: TransformerConfig, batch: int) -> float:
@@ -174,8 +176,24 @@ def test_memory_of_moe_presets_through_both_paths():
     llama = get_preset("llama3-8b")
     wide = memory_batch(llama, hidden=[4096, 8192], heads=[32, 64], kv_heads=[8, 8], dp=[1, 1])
     assert wide["total"][1] == pytest.approx(memory_per_gpu(llama.with_(hidden=8192, heads=64)).total, rel=1e-12)
+    # fewer layers as an array: the MoE and sliding layer counts follow (3 dense, then MoE)
+    deepseek = get_preset("deepseek-v2-lite")
+    shallow = flops_batch(deepseek, batch=1, layers=[27, 9])
+    assert shallow["model_flops_per_step"][1] == flops_report(deepseek.with_(layers=9), 1)["model_flops_per_step"]
     f = flops_batch(get_preset("deepseek-v3"), batch=[1, 2])
     assert f["model_flops_per_step"][1] == flops_report(get_preset("deepseek-v3"), 2)["model_flops_per_step"]
+
+
+def test_invalid_rows_of_an_moe_model_stay_finite():
+    """Invalid rows get a safe one-dense-layer shape (DeepSeek-V3's 3 dense first layers and 58 MoE
+    layers would otherwise make negative layer counts, and negative bytes, in the arithmetic)."""
+    cfg = get_preset("deepseek-v3")
+    out = memory_batch(cfg, dp=[64, 64], pp=[4, 100], ep=[8, 8], on_invalid="nan")
+    assert list(out["valid"]) == [True, False] and np.isnan(out["total"][1])
+    assert out["total"][0] == pytest.approx(memory_per_gpu(cfg, Parallelism(dp=64, pp=4, ep=8)).total, rel=1e-12)
+    # the step time of every layout the search tries, invalid ones included
+    r = search(get_preset("deepseek-v2-lite").with_(moe_dense_layers=3), cluster("h100-sxm", 2, 8), 64, top=1)
+    assert r.configs and r.configs[0]["step_time_s"] > 0
 
 
 def test_gemm_shapes_of_mla_and_head_dim_and_the_window():

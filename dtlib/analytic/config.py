@@ -17,7 +17,7 @@ from dtlib.analytic import validate
 
 __all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS",
            "norm_params", "attention_params", "mlp_params", "moe_mlp_params", "layer_params",
-           "moe_layer_count", "embedding_params", "swiglu_ffn", "SHAPE_RULES"]
+           "moe_layer_count", "sliding_layer_count", "embedding_params", "swiglu_ffn", "SHAPE_RULES"]
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -99,8 +99,17 @@ def moe_layer_count(layers: Any, experts: Any, dense_layers: Any = 0, layer_freq
     """MoE layers of a model: after ``dense_layers`` dense ones (DeepSeek's
     ``first_k_dense_replace``), every ``layer_freq``-th layer, starting with the first
     (Megatron-Core ``--moe-layer-freq N``: layer i is MoE when i % N == 0); none when dense."""
-    remaining = layers - dense_layers
+    remaining = np.maximum(layers - dense_layers, 0)
     return (experts > 0) * ((remaining + layer_freq - 1) // layer_freq)
+
+
+def sliding_layer_count(layers: Any, sliding_window: Any, global_attention_every: Any = 0) -> Any:
+    """Layers attending within the window: none without one; all, or all but every
+    ``global_attention_every``-th (layer i global when (i + 1) % k == 0: GPT-OSS's ``layer_types``
+    start with a sliding layer, Gemma-3's pattern ends each group with a global one)."""
+    every = global_attention_every + (global_attention_every == 0)  # 0: no global layer
+    globals_ = (global_attention_every > 0) * (layers // every)
+    return (sliding_window > 0) * (layers - globals_)
 
 
 def embedding_params(hidden: Any, vocab: Any, seq: Any, learned_positions: Any) -> Any:
@@ -280,14 +289,8 @@ class TransformerConfig:
 
     @property
     def sliding_layers(self) -> int:
-        """How many layers attend within the sliding window: all but every
-        ``global_attention_every``-th (layer i is global when (i + 1) % k == 0: GPT-OSS's
-        ``layer_types`` start with a sliding layer, Gemma-3's pattern ends each group with a global one)."""
-        if not self.sliding_window:
-            return 0
-        if not self.global_attention_every:
-            return self.layers
-        return self.layers - self.layers // self.global_attention_every
+        """How many layers attend within the sliding window (:func:`sliding_layer_count`)."""
+        return int(sliding_layer_count(self.layers, self.sliding_window, self.global_attention_every))
 
     def _attention_kw(self) -> dict[str, Any]:
         return dict(head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,

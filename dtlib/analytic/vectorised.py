@@ -19,7 +19,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.flops import shape_of, step_flops, utilization
 from dtlib.analytic.hardware import Accelerator
 from dtlib.analytic.memory import model_numbers, per_gpu_bytes
-from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.config import TransformerConfig, moe_layer_count, sliding_layer_count
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, broken_rules
 from dtlib.analytic.precision import Precision, get_precision
 
@@ -28,20 +28,29 @@ __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
 _LAYOUT_DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, etp=1, zero=0, sequence_parallel=False,
                         virtual_stages=1, micro_batch_size=1, num_microbatches=1)
 _SAFE = dict(_LAYOUT_DEFAULTS, shard_size=1, gpus=None, layers=1, hidden=1, heads=1, kv_heads=1,
-             ffn=1, moe_ffn=1, head_dim=1, vocab=1, seq=1, params=1.0, largest_layer=0.0)
+             ffn=1, moe_ffn=1, head_dim=1, vocab=1, seq=1, params=1.0, largest_layer=0.0,
+             moe_layers=0, dense_layers=0, moe_layer_freq=1, sliding_layers=0)  # one dense layer
 
 
 def _derived(cfg: "TransformerConfig | None", arrays: dict[str, Any]) -> dict[str, Any]:
-    """``arrays`` plus the config numbers derived from the widths they replace: a default head
-    size (hidden // heads) follows new ``hidden``/``heads`` arrays, as :meth:`TransformerConfig.with_`
-    does."""
+    """``arrays`` plus the config numbers derived from the sizes they replace, as
+    :meth:`TransformerConfig.with_` derives them: a default head size (hidden // heads) follows new
+    ``hidden``/``heads``, the counts of MoE and sliding layers follow new ``layers``."""
     out = dict(arrays)
-    if cfg is None or arrays.get("head_dim") is not None or cfg.kv_lora_rank:
+    given = {k for k, v in arrays.items() if v is not None}
+    if cfg is None:
         return out
-    if cfg.head_dim == cfg.hidden // cfg.heads and ({"hidden", "heads"} & {k for k, v in arrays.items() if v is not None}):
-        hidden = np.asarray(arrays.get("hidden") if arrays.get("hidden") is not None else cfg.hidden)
-        heads = np.asarray(arrays.get("heads") if arrays.get("heads") is not None else cfg.heads)
+    if ({"hidden", "heads"} & given and "head_dim" not in given and not cfg.kv_lora_rank
+            and cfg.head_dim == cfg.hidden // cfg.heads):
+        hidden = np.asarray(arrays.get("hidden") if "hidden" in given else cfg.hidden)
+        heads = np.asarray(arrays.get("heads") if "heads" in given else cfg.heads)
         out["head_dim"] = hidden // np.maximum(heads, 1)
+    if "layers" in given:
+        layers = np.asarray(arrays["layers"])
+        out.setdefault("moe_layers", moe_layer_count(layers, cfg.moe_experts, cfg.moe_dense_layers,
+                                                     cfg.moe_layer_freq))
+        out.setdefault("sliding_layers", sliding_layer_count(layers, cfg.sliding_window,
+                                                             cfg.global_attention_every))
     return out
 
 

@@ -172,8 +172,9 @@ class TinyGPT(nn.Module):
     skipped entirely, so no masks are saved. ``checkpoint=True`` recomputes each block in backward
     (``torch.utils.checkpoint``, non-reentrant): only block inputs are kept ("full" recompute).
     ``cfg.moe_experts > 0`` makes every MLP a :class:`~dtlib.models.moe.MoE` of ``moe_experts``
-    MLPs with top-``moe_top_k`` routing; ``moe_capacity_factor`` (default None: no dropping) caps
-    the tokens per expert.
+    MLPs with top-``moe_top_k`` routing; ``moe_capacity_factor`` (default: the config's, None: no
+    dropping) caps the tokens per expert. Shapes dtlib only counts (expert width other than
+    ``ffn``, shared experts, dense first layers, MLA, ``head_dim``, sliding windows) are refused.
     """
 
     def __init__(self, cfg: TransformerConfig, dropout: float = 0.0, checkpoint: bool = False,
@@ -181,6 +182,18 @@ class TinyGPT(nn.Module):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        # what dtlib counts analytically (docs/models.md) but TinyGPT does not build
+        unbuilt = [name for name, used in (
+            ("moe_ffn", cfg.moe_ffn not in (None, cfg.ffn)), ("moe_shared_experts", cfg.moe_shared_experts),
+            ("moe_dense_layers", cfg.moe_dense_layers), ("moe_layer_freq", cfg.moe_layer_freq != 1),
+            ("head_dim", cfg.head_dim != cfg.hidden // cfg.heads), ("kv_lora_rank", cfg.kv_lora_rank),
+            ("sliding_window", cfg.sliding_window)) if used]
+        if unbuilt:
+            raise ValueError(f"TinyGPT builds every layer alike (full attention with hidden/heads-wide "
+                             f"heads; MLPs, or MoE layers of ffn-wide experts), so it cannot build "
+                             f"{', '.join(unbuilt)}; these models are described analytically only")
+        if moe_capacity_factor is None:
+            moe_capacity_factor = cfg.moe_capacity_factor
         self.dropout_rng = contextlib.nullcontext  # the embedding dropout's stream (see Attention)
         self.cfg, self.dropout, self.checkpoint = cfg, dropout, checkpoint
         self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
