@@ -7,8 +7,10 @@ import pytest
 
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, attention_params
+from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import PRESETS, get_preset
 from dtlib.cli import main
+from dtlib.plan.emit import megatron_flags, unsupported
 
 # Published total and active parameters, in billions, as each source writes them, and whether
 # the source's active count includes the input embedding table (docs/models.md, "Active").
@@ -160,6 +162,28 @@ def test_bad_fields_name_the_field_and_the_valid_range(fields, message):
 def test_active_parameters_checks_its_flag():
     with pytest.raises(validate.InvalidArgument, match="input_embedding must be True or False"):
         get_preset("deepseek-v3").active_parameters(input_embedding="no")
+
+
+def test_emitted_megatron_flags_describe_the_model():
+    """Megatron-LM's own names for each field (arguments.py): DeepSeek-V3 as its Megatron recipes
+    write it, GPT-OSS's window and global layers, Qwen3's head size; frameworks whose emitted
+    model has no such fields refuse instead of emitting another model."""
+    def flags(name, **layout):
+        f = megatron_flags(Parallelism(dp=8, **layout), get_preset(name), 8)
+        return " ".join(f)
+    deepseek = flags("deepseek-v3", ep=8)
+    for expected in ("--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048",
+                     "--moe-shared-expert-intermediate-size 2048", "--moe-layer-freq ([0]*3+[1]*58)",
+                     "--multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+                     "--v-head-dim 128 --q-lora-rank 1536", "--expert-model-parallel-size 8"):
+        assert expected in deepseek
+    assert "--window-size 128,0 --window-attn-skip-freq 2" in flags("gpt-oss-120b")
+    assert "--kv-channels 128" in flags("qwen3-30b-a3b")
+    every_other = get_preset("mixtral-8x7b").with_(layers=4, moe_layer_freq=2, moe_capacity_factor=1.25)
+    f = " ".join(megatron_flags(Parallelism(dp=8), every_other, 8))
+    assert "--moe-layer-freq [1,0,1,0]" in f and "--moe-expert-capacity-factor 1.25" in f
+    assert "head_dim" in unsupported("torchtitan", Parallelism(dp=8), get_preset("qwen3-30b-a3b"), 8)[0]
+    assert "sliding_window" in unsupported("jax", Parallelism(dp=8), get_preset("mistral-7b"), 8)[-1]
 
 
 def run(capsys, *argv):

@@ -164,14 +164,46 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
           "--vocab-size", str(m.vocab)]
     if m.kv_heads != m.heads:
         f += ["--group-query-attention", "--num-query-groups", str(m.kv_heads)]
-    if m.moe_experts:
-        f += ["--num-experts", str(m.moe_experts), "--moe-router-topk", str(m.moe_top_k)]
+    f += _megatron_variant_flags(m)
     f += ["--swiglu"] if m.activation == "swiglu" else []
     f += ["--normalization", "RMSNorm"] if m.norm == "rmsnorm" else []
     f += ["--position-embedding-type", "rope"] if m.position == "rope" else []
     f += [] if m.tied_embeddings else ["--untie-embeddings-and-output-weights"]
     f += [] if m.bias else ["--disable-bias-linear"]
     f += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}[precision]
+    return f
+
+
+def _megatron_variant_flags(m: TransformerConfig) -> list[str]:
+    """Megatron-LM flags of the MoE and attention fields (docs/models.md): experts, their width,
+    shared experts (``--moe-shared-expert-intermediate-size`` is their summed width), which layers
+    are MoE (``--moe-layer-freq`` as a 0/1 list), the capacity factor, MLA's sizes, ``head_dim``
+    (``--kv-channels``), the window (``--window-size W,0``: W keys back, none ahead) and its global
+    layers (``--window-attn-skip-freq K``: one full-attention layer after K - 1 windowed ones)."""
+    f = []
+    if m.moe_experts:
+        f += ["--num-experts", str(m.moe_experts), "--moe-router-topk", str(m.moe_top_k)]
+        f += ["--moe-ffn-hidden-size", str(m.moe_ffn)] if m.moe_ffn != m.ffn else []
+        if m.moe_shared_experts:
+            f += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_experts * m.moe_ffn)]
+        if m.moe_layer_freq != 1:
+            pattern = [int(i >= m.moe_dense_layers and (i - m.moe_dense_layers) % m.moe_layer_freq == 0)
+                       for i in range(m.layers)]
+            f += ["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"]
+        elif m.moe_dense_layers:  # Megatron evaluates the list expression (moe_freq_type)
+            f += ["--moe-layer-freq", f"([0]*{m.moe_dense_layers}+[1]*{m.layers - m.moe_dense_layers})"]
+        if m.moe_capacity_factor is not None:
+            f += ["--moe-expert-capacity-factor", f"{m.moe_capacity_factor:g}"]
+    if m.kv_lora_rank:
+        f += ["--multi-latent-attention", "--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim",
+              str(m.qk_nope_head_dim), "--qk-pos-emb-head-dim", str(m.qk_rope_head_dim), "--v-head-dim",
+              str(m.v_head_dim)]
+        f += ["--q-lora-rank", str(m.q_lora_rank)] if m.q_lora_rank else []
+    elif m.head_dim != m.hidden // m.heads:
+        f += ["--kv-channels", str(m.head_dim)]
+    if m.sliding_window:
+        f += ["--window-size", f"{m.sliding_window},0"]
+        f += ["--window-attn-skip-freq", str(m.global_attention_every)] if m.global_attention_every else []
     return f
 
 
@@ -258,8 +290,20 @@ def _deepspeed_notes(p: Parallelism, m: TransformerConfig, precision: str) -> li
 
 
 # ---- torchtitan ----------------------------------------------------------------------------------------
+def _variants(m: TransformerConfig) -> list[str]:
+    """The fields of ``m`` beyond a Llama/GPT block with every MLP alike (docs/models.md)."""
+    return [name for name, used in (
+        ("moe_ffn", m.moe_ffn not in (None, m.ffn)), ("moe_shared_experts", m.moe_shared_experts),
+        ("moe_dense_layers", m.moe_dense_layers), ("moe_layer_freq", m.moe_layer_freq != 1),
+        ("kv_lora_rank (MLA)", m.kv_lora_rank), ("head_dim", m.head_dim != m.hidden // m.heads),
+        ("sliding_window", m.sliding_window)) if used]
+
+
 def _torchtitan_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     out = []
+    if _variants(m):
+        out.append(f"{', '.join(_variants(m))}: dtlib emits torchtitan's llama3 model, which has none "
+                   f"(torchtitan's deepseek_v3 and qwen3 models are not emitted)")
     if p.zero == 1:
         out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
                    "ZeRO-3; no key shards the optimizer state alone")
@@ -365,6 +409,8 @@ def _jax_unsupported(p: Parallelism, m: TransformerConfig, precision: str) -> li
            f"are program structure, not a PartitionSpec)" for name, size in (("pp", p.pp), ("cp", p.cp)) if size > 1]
     if p.ep > 1:
         out.append(f"ep={p.ep}: the weight roles are a dense transformer's; experts are not laid out here")
+    if _variants(m):
+        out.append(f"{', '.join(_variants(m))}: the weight roles are a Llama/GPT block's")
     if p.offload != "none":
         out.append(f"offload {p.offload}: a mesh places arrays on devices only")
     sizes = dict(zip(JAX_AXES, _jax_sizes(p)))
