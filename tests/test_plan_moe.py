@@ -221,6 +221,8 @@ def moe_search():
 def test_the_search_enumerates_ep_and_etp_on_megatron_cores_expert_grid(moe_search):
     rows = moe_search.configs
     assert rows and moe_search.fitting == len(rows)
+    # valid layouts are candidates that pass the model's rules, each timed with 3 recompute options
+    assert 0 < moe_search.searched <= 3 * moe_search.candidates
     for x in rows:
         assert (x["dp"] * x["tp"] * x["cp"]) % (x["ep"] * x["etp"]) == 0 and MOE.moe_experts % x["ep"] == 0
         assert x["tp"] == 1 or x["sequence_parallel"]  # Megatron-Core's MoE layer needs SP with TP
@@ -238,6 +240,8 @@ def test_search_rows_are_the_scalar_step_times(moe_search):
 def test_a_pinned_expert_grid_that_does_not_divide_the_stage_is_explained():
     r = search(MOE, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 1, "pp": 1, "cp": 1, "ep": 12})
     assert r.configs == [] and "ep x etp = 12x1 must divide the 8 GPUs of a pipeline stage" in r.why
+    r = search(DENSE, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"etp": 2})
+    assert r.configs == [] and "etp=2 needs an MoE model" in r.why
 
 
 def test_moe_layers_without_shared_experts_skip_the_mlp_tensor_parallel_collectives():
