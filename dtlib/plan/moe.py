@@ -47,8 +47,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 
-__all__ = ["moe_numbers", "expert_grid", "expert_load", "expert_rows", "all_to_all_time",
-           "ep_comm_time"]
+__all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
+           "all_to_all_time", "ep_comm_time"]
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
