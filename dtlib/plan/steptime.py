@@ -22,7 +22,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, matmul_params_per_layer,
                                   recompute_flops_per_token, step_flops)
@@ -167,23 +167,20 @@ def _on(inside: Any, op: str, nbytes: Any, ranks: Any, intra: Link, inter: Link)
     return np.where(inside, collective_time(op, nbytes, ranks, intra), collective_time(op, nbytes, ranks, inter))
 
 
-def _fastest(op: str, nbytes: Any, ranks: Any, link: Link) -> Any:
-    """NCCL picks the faster of ring and tree for each size (src/graph/tuning.cc)."""
-    return np.minimum(collective_time(op, nbytes, ranks, link, "ring"),
-                      collective_time(op, nbytes, ranks, link, "tree"))
+def _buckets(params: Any, ranks: Any, zero: Any, layers: Any) -> Any:
+    """Calls of each DP collective per step: ZeRO 0-2 reduce gradients in buckets of
+    max(40M, 1M x dp) parameters (Megatron-Core ``DistributedDataParallel``'s default
+    ``bucket_size``, so that each ring call stays bandwidth-bound); ZeRO-3 gathers and reduces one
+    transformer layer at a time (PyTorch FSDP2 / torchtitan ``fully_shard`` per block)."""
+    bucket = np.maximum(40e6, 1e6 * ranks)
+    return np.where(zero == 3, np.maximum(layers, 1), np.maximum(np.ceil(params / bucket), 1))
 
 
-def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link) -> Any:
-    """Two-level collective over ``ranks`` of which ``local`` share a node: intra-node
-    reduce-scatter, inter-node ``op`` of S/local, intra-node all-gather (as
-    :func:`dtlib.analytic.comm.hierarchical_time`, on arrays)."""
-    nodes = np.maximum(np.ceil(ranks / local), 1)
-    t = _fastest(op, nbytes / local, nodes, inter)
-    if op in ("all_reduce", "reduce_scatter"):
-        t = t + collective_time("reduce_scatter", nbytes, local, intra)
-    if op in ("all_reduce", "all_gather"):
-        t = t + collective_time("all_gather", nbytes, local, intra)
-    return t
+def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link, calls: Any = 1) -> Any:
+    """Two-level collective over ``ranks`` of which ``local`` share a node, in ``calls`` buckets:
+    intra-node reduce-scatter, inter-node ``op`` of S/local, intra-node all-gather, each call
+    paying NCCL's latency, NCCL's faster of ring and tree (:func:`dtlib.analytic.comm.nccl_time`)."""
+    return nccl_time(op, nbytes, ranks, local, intra, inter, calls)["best"]
 
 
 def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
@@ -264,20 +261,24 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     expert = np.where(use_last, stages["last"]["expert"], stages["first"]["expert"])
     zero = n["zero"]
     dp_comm_raw = 0 * compute
+    dp_edges = 0 * compute  # the last bucket's reduce and the first gather: nothing left to hide them
     for params, ranks in ((dense, dp * cp), (expert, dp * cp / ep)):
         local = np.where(tp <= g, np.minimum(ranks, np.maximum(g // tp, 1)), 1)
         grads, weights_bytes = params * prec.grad, params * prec.param
-        t = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter),
-                     _hierarchical("reduce_scatter", grads, ranks, local, intra, inter)
-                     + np.where(zero == 3, 2 * m, 1)
-                     * _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter))
-        dp_comm_raw = dp_comm_raw + np.where((ranks > 1) & (params > 0), t, 0)  # dense models: no expert part
+        calls = _buckets(params, ranks, zero, layers_here)
+        reduce = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter, calls),
+                          _hierarchical("reduce_scatter", grads, ranks, local, intra, inter, calls))
+        gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
+        t = reduce + np.where(zero == 3, 2 * m, 1) * gather
+        used = (ranks > 1) & (params > 0)  # dense models: no expert part
+        dp_comm_raw = dp_comm_raw + np.where(used, t, 0)
+        dp_edges = dp_edges + np.where(used, (reduce + gather) / calls, 0)
     per_token_fwd = flops["forward_per_token"]
     backward_share = (2 * per_token_fwd + extra) / (3 * per_token_fwd + extra)
     one_micro = compute / m
     budget = np.where(zero == 3, compute,
                       one_micro * backward_share + (zero >= 1) * one_micro * (1 - backward_share))
-    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, 0)
+    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
     owned = (dense + expert) / np.where(zero >= 1, dp * cp, 1)
