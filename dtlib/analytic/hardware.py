@@ -16,13 +16,13 @@ The local CPU can be measured (with torch, so outside this torch-free core) and 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
-           "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name"]
+           "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 T = TFLOPS
@@ -272,3 +272,8 @@ def cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int | None = 
         intra = s.intra if system is not None and gpu is None else _DEFAULT_INTRA.get(acc.name, "pcie4")
     nics = s.nics_per_node if nics_per_node is None else nics_per_node
     return Cluster(acc, nodes, g, get_link(intra), get_link(s.inter if inter is None else inter), nics)
+
+
+def replace_nodes(c: Cluster, nodes: int) -> Cluster:
+    """``c`` with ``nodes`` nodes (NVLink domains), everything else the same."""
+    return replace(c, nodes=nodes)
