@@ -77,10 +77,14 @@ TERMS: dict[str, str] = {
     "dp_comm": "gradient reduce over the dp x cp replicas (ZeRO 1/2: reduce-scatter + all-gather, "
                "ZeRO-3: parameters all-gathered forward and backward per micro-batch + one "
                "reduce-scatter, Rajbhandari et al. 2020, Sec. 7), hierarchical: intra-node phase on "
-               "NVLink, inter-node phase on the NICs, NCCL's faster of ring and tree (tuning.cc); the "
+               "NVLink, inter-node phase on the NICs; in buckets of max(40M, 1M x dp) parameters "
+               "(Megatron-Core DistributedDataParallel) or one layer at a time for ZeRO-3 (FSDP), each "
+               "call paying NCCL's latency (ring: 2(n-1) hops, tree: 2 log2(nodes) network hops; NCCL "
+               "src/graph/tuning.cc) and NCCL running the faster of ring and tree per call; the "
                "exposed part is what dp_overlap x (backward of the last micro-batch; + forward of the "
-               "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide "
-               "(PyTorch DDP buckets, Li et al. 2020; Megatron --overlap-grad-reduce)",
+               "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide, and never "
+               "less than the last bucket's reduce and the first one's gather, which have nothing to "
+               "overlap (PyTorch DDP buckets, Li et al. 2020, Sec. 3.2; Megatron --overlap-grad-reduce)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
                  "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
                  "(roofline, Williams et al. 2009)",
