@@ -108,7 +108,9 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("h200", 67, 494.5, 989.5, 989.5, 1979, 141, 4.8,
          "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense" + _SMS, 132, 700),
     _acc("b200", 75, 1125, 2250, 2250, 4500, 180, 8.0,
-         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2" + _SMS, 148, 1000),
+         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2 (FP4: 18 "
+         "PFLOPS sparse per GPU -> 9 dense, the datasheet's 'Individual Blackwell GPU' column)" + _SMS, 148, 1000,
+         fp4=9000),
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
          "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
     # today's parts: the sources say where a figure is derived and which ones were not read here

@@ -6,7 +6,9 @@ code on one layout. The terms and their sources are in :data:`TERMS`. Rank place
 Megatron-LM's default order ``tp-cp-ep-dp-pp`` (``parallel_state.initialize_model_parallel``,
 tensor ranks adjacent): a group lies inside one node while the product of the sizes up to it is at
 most ``gpus_per_node``, otherwise its collectives cross the inter-node fabric, at the NIC
-bandwidth per GPU divided by the fabric's oversubscription.
+bandwidth per GPU divided by the fabric's oversubscription. A "node" is an NVLink domain: 8 GPUs
+on a DGX/HGX board, 72 on a GB200/GB300 NVL72 rack, where whole groups are assumed packed into
+each domain (as SLURM's block scheduling places a job's 64-GPU segments).
 
 Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Narayanan et al.
 2021 eq. 3 counts them). Compute is timed from the GEMM shapes after TP/CP splitting
