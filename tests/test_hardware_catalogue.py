@@ -111,6 +111,7 @@ def test_cli_plan_system_and_memory_gpu(capsys):
                        "--global-batch", "144", "--top", "1", "--json")
     d = json.loads(out)
     assert code == 0 and d["gpu"] == "gb200" and d["configs"]
+    assert (d["system"], d["gpus_per_node"], d["intra_link"], d["inter_link"]) == ("gb200-nvl72", 72, "nvlink5", "ib-ndr")
     code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "gb200", "--gpus-per-node", "72",
                        "--gpus", "144", "--global-batch", "144", "--top", "1", "--json")
     assert code == 0 and json.loads(out)["gpu"] == "gb200"

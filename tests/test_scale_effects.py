@@ -124,3 +124,16 @@ def test_weak_scaling_growth_against_torchtitan(torchtitan_weak):
         assert 0.015 < published < 0.03, technique
         assert predicted == pytest.approx(published, abs=0.035), technique
         assert predicted < published, technique  # dtlib under-predicts the growth (see above)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: nccl_latency("all_reduce", "tree", 8, 0, NVLINK, NIC), "nodes must be an integer >= 1, got 0"),
+    (lambda: nccl_latency("broadcast", "ring", 8, 1, NVLINK, NIC), "covers all_reduce, reduce_scatter and all_gather"),
+    (lambda: nccl_time("all_reduce", -1, 8, 8, NVLINK, NIC), "nbytes must be a finite number >= 0, got -1"),
+    (lambda: nccl_time("all_reduce", 1e9, 8, 8, NVLINK, NIC, calls=0), "calls must be an integer >= 1, got 0"),
+    (lambda: weak_scaling(get_preset("llama3-8b"), Parallelism(dp=1, tp=3), cluster("h100-sxm", 1, 8), [1]),
+     "8 GPUs do not hold whole tp x pp x cp = 3 groups"),
+])
+def test_bad_input_names_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -48,11 +48,12 @@ ALGORITHMS = ("ring", "tree")
 
 
 def _check(op: str, algorithm: str = "ring", **sizes: Any) -> None:
-    """The collective and algorithm names; ``ranks`` (integers >= 1) and byte counts (finite, >= 0)."""
+    """The collective and algorithm names; counts (``ranks``, ``nodes``, ``local``, ``calls``: integers
+    >= 1) and byte counts (finite, >= 0)."""
     validate.one_of("op", op, COLLECTIVES)
     validate.one_of("algorithm", algorithm, ALGORITHMS)
     for name, value in sizes.items():
-        if name == "ranks":
+        if name in ("ranks", "nodes", "local", "calls"):  # counts
             validate.array(name, value, integer=True, minimum=1, exclusive=False)
         else:
             validate.array(name, value, minimum=0, exclusive=False)

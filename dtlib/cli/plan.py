@@ -179,6 +179,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     d = {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
+         "system": args.system, "gpus_per_node": per_node, "intra_link": cl.intra.name, "inter_link": cl.inter.name,
          "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
          "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
@@ -195,7 +196,9 @@ _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert par
 
 
 def _text(d: dict[str, Any]) -> str:
-    lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
+    system = f" ({d['system']})" if d.get("system") else ""
+    lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
+             f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
              f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: "
              f"{d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "
