@@ -84,6 +84,9 @@ def test_systems_are_whole_clusters():
     seg = cluster(system="gb200-nvl72", nodes=4, gpus_per_node=64, inter="ib-xdr")
     assert (seg.world_size, seg.gpu.name, seg.intra.name, seg.inter.name) == (256, "gb200", "nvlink5", "ib-xdr")
     assert cluster(system="dgx-h100", nodes=3) == cluster("h100-sxm", 3, 8, "nvlink4", "ib-ndr")
+    # GB200 and GB300 come as NVL72 racks: alone, the GPU name brings the rack's domain and NICs
+    assert cluster("gb300", 2) == cluster(system="gb300-nvl72", nodes=2)
+    assert cluster("gb200", 1, 8).gpus_per_node == 8  # an explicit domain still wins
 
 
 def test_nvl72_keeps_a_tp_x_ep_group_of_64_on_nvlink():

@@ -254,6 +254,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
 ]}
 
 
+# parts that come as NVL72 racks: ``cluster(gpu)`` defaults to the rack's domain, links and NICs
+_RACK_ONLY = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
+
+
 def get_system(name: str) -> System:
     """The system preset called ``name`` (case-insensitive)."""
     return _lookup("system", SYSTEMS, name)
@@ -266,7 +270,9 @@ def cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int | None = 
     ``system`` (a :data:`SYSTEMS` name) fills in the GPU, ``gpus_per_node`` (the NVLink domain),
     both links and the NICs; any of them given explicitly overrides it (e.g. ``gpus_per_node=64``:
     a 64-GPU segment of each NVL72 rack). Without a system: an H100 SXM, 8 per node, NDR
-    InfiniBand, one NIC per GPU."""
+    InfiniBand, one NIC per GPU; a GB200 or GB300 alone defaults to its NVL72 rack."""
+    if system is None and gpu is not None and get_gpu(gpu).name in _RACK_ONLY:
+        system = _RACK_ONLY[get_gpu(gpu).name]  # sold only as NVL72 racks: their domain and NICs by default
     s = get_system(system) if system is not None else System("", "h100-sxm", 8, "", "ib-ndr", 0, "")
     acc = get_gpu(s.gpu if gpu is None else gpu)
     g = s.gpus_per_node if gpus_per_node is None else gpus_per_node
