@@ -15,6 +15,12 @@ broadcast          (n-1) alpha + S/B (pipelined chain)          lg (alpha + S/B)
 p2p                alpha + S/B                                  same
 =================  ===========================================  ==================================
 
+At scale NCCL does not run these textbook algorithms with one alpha: :func:`nccl_latency` and
+:func:`nccl_time` follow its own cost model (``src/graph/tuning.cc``, see :data:`NCCL_TUNING`), in
+which a ring all-reduce pays a per-hop latency on each of its 2(n-1) steps (NVLink hops inside a
+node, network hops between nodes) and a tree 2 log2(nodes) network hops, and NCCL runs whichever
+of ring and tree is faster for the message.
+
 ``S`` is the full buffer, as nccl-tests counts it (for all-gather the gathered output, for
 reduce-scatter the input). algbw = S/t and busbw = algbw x factor, factors from nccl-tests
 ``doc/PERFORMANCE.md``: all-reduce 2(n-1)/n; reduce-scatter, all-gather, all-to-all (n-1)/n;
@@ -35,18 +41,19 @@ from dtlib.analytic.precision import Precision, get_precision
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
            "flat_link", "flat_vs_hierarchical",
            "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
-           "comm_report", "tp_layer_times"]
+           "comm_report", "tp_layer_times", "NCCL_TUNING", "nccl_latency", "nccl_time"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 ALGORITHMS = ("ring", "tree")
 
 
 def _check(op: str, algorithm: str = "ring", **sizes: Any) -> None:
-    """The collective and algorithm names; ``ranks`` (integers >= 1) and byte counts (finite, >= 0)."""
+    """The collective and algorithm names; counts (``ranks``, ``nodes``, ``local``, ``calls``: integers
+    >= 1) and byte counts (finite, >= 0)."""
     validate.one_of("op", op, COLLECTIVES)
     validate.one_of("algorithm", algorithm, ALGORITHMS)
     for name, value in sizes.items():
-        if name == "ranks":
+        if name in ("ranks", "nodes", "local", "calls"):  # counts
             validate.array(name, value, integer=True, minimum=1, exclusive=False)
         else:
             validate.array(name, value, minimum=0, exclusive=False)
@@ -150,6 +157,79 @@ def flat_vs_hierarchical(op: str, nbytes: float, clusters: "list[Cluster]",
     """Seconds of ``op`` on each cluster: one flat collective (:func:`flat_link`) vs two-level."""
     return {"flat": [collective_time(op, nbytes, c.world_size, flat_link(c), algorithm) for c in clusters],
             "hierarchical": [hierarchical_time(op, nbytes, c, algorithm)["total"] for c in clusters]}
+
+
+# NCCL's tuning model, src/graph/tuning.cc (NVIDIA/nccl at 5067397, 2026), Simple protocol (the one
+# large gradient buckets use): ncclTunerConstantsDefaults.baseLatencies (Tree and Ring 8.4 us),
+# hwLatencies (NVLink: Ring 3.4, Tree 4.0 us; NET: Ring and Tree 14 us -- dtlib's links carry these
+# as Link.latency, see dtlib.analytic.hardware), getNetOverhead (1 us x 3 for Simple: a multi-node
+# ring's intra-node hop costs at least 3 us), the ring "plateau" factor 1.4 on multi-node all-reduce
+# latency (ncclTopoGetAlgoTime, compute capability >= 8.0), and tree all-reduce bus bandwidth x 0.92
+# (ncclTopoTuneModel's "various model refinements").
+NCCL_TUNING: dict[str, float] = {"base_latency": 8.4e-6, "net_overhead": 3e-6, "ring_plateau": 1.4,
+                                 "tree_bandwidth": 0.92}
+
+
+def nccl_latency(op: str, algorithm: str, ranks: Any, nodes: Any, intra: "Link | str",
+                 inter: "Link | str") -> Any:
+    """NCCL's latency (s) of one ``op`` call over ``ranks`` GPUs spread over ``nodes`` nodes
+    (``src/graph/tuning.cc``, :data:`NCCL_TUNING`): ring, with s = 2(n-1) steps for all-reduce and
+    n-1 for reduce-scatter / all-gather, of which 2(N-1) (or N-1) cross the network,
+    ``base + (s - s_net) max(alpha_intra, 3 us if N > 1) + s_net alpha_net`` (all-reduce across
+    nodes x 1.4); tree (all-reduce only), ``base + 2((n/N - 1) alpha_intra + floor(log2 N) alpha_net)``.
+    One rank takes no time; arrays broadcast."""
+    _check(op, algorithm, ranks=ranks, nodes=nodes)
+    if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"NCCL's latency model here covers all_reduce, reduce_scatter and all_gather, not {op!r}")
+    a_in, a_net = _link(intra).latency, _link(inter).latency
+    n = np.asarray(ranks, dtype=float)
+    N = np.minimum(np.asarray(nodes, dtype=float), n)
+    base = NCCL_TUNING["base_latency"]
+    if algorithm == "ring":
+        steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+        net_steps = 2 * (N - 1) if op == "all_reduce" else N - 1
+        hop = np.where(N > 1, np.maximum(a_in, NCCL_TUNING["net_overhead"]), a_in)
+        t = base + (steps - net_steps) * hop + net_steps * a_net
+        if op == "all_reduce":
+            t = t * np.where(N > 1, NCCL_TUNING["ring_plateau"], 1.0)
+    else:
+        if op != "all_reduce":
+            raise ValueError(f"NCCL runs {op} as a ring (or PAT/NVLS/CollNet), not a tree; use algorithm='ring'")
+        t = base + 2 * ((n / N - 1) * a_in + np.floor(np.log2(np.maximum(N, 1))) * a_net)
+    t = np.where(n <= 1, 0.0, t)
+    return float(t) if t.ndim == 0 else t
+
+
+def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str", inter: "Link | str",
+              calls: Any = 1) -> dict[str, Any]:
+    """Seconds of ``op`` on ``nbytes`` in all, sent as ``calls`` equal calls (gradient buckets) over
+    ``ranks`` GPUs of which ``local`` share a node, as NCCL times them: per call, its latency
+    (:func:`nccl_latency`) plus the two-level bandwidth time of :func:`hierarchical_time` (intra-node
+    reduce-scatter, inter-node ``op`` of S/local on ``inter``, intra-node all-gather; the tree's
+    network phase at 0.92 of the ring's bandwidth); NCCL runs the faster of ring and tree per call.
+    ``inter`` is one GPU's share of the network (NICs shared, oversubscription applied by the caller).
+    Returns ``ring``, ``tree`` (inf where NCCL has no tree) and ``best``; arrays broadcast."""
+    _check(op, nbytes=nbytes, ranks=ranks, local=local, calls=calls)
+    lin, lnet = _link(intra), _link(inter)
+    free_in, free_net = Link(lin.name, lin.bandwidth, 0.0, lin.source), Link(lnet.name, lnet.bandwidth, 0.0, lnet.source)
+    n, g = np.asarray(ranks, dtype=float), np.maximum(np.asarray(local, dtype=float), 1)
+    nodes = np.maximum(np.ceil(n / g), 1)
+    per_call = np.asarray(nbytes, dtype=float) / np.maximum(np.asarray(calls, dtype=float), 1)
+    intra_bw = 0 * per_call
+    if op in ("all_reduce", "reduce_scatter"):
+        intra_bw = intra_bw + collective_time("reduce_scatter", per_call, g, free_in)
+    if op in ("all_reduce", "all_gather"):
+        intra_bw = intra_bw + collective_time("all_gather", per_call, g, free_in)
+    net_bw = collective_time(op, per_call / g, nodes, free_net)
+    calls = np.maximum(np.asarray(calls, dtype=float), 1)
+    ring = calls * (nccl_latency(op, "ring", n, nodes, lin, lnet) + intra_bw + net_bw)
+    if op == "all_reduce":
+        tree = calls * (nccl_latency(op, "tree", n, nodes, lin, lnet) + intra_bw
+                        + net_bw / NCCL_TUNING["tree_bandwidth"])
+    else:
+        tree = np.full_like(ring, np.inf)
+    out = {"ring": ring, "tree": tree, "best": np.minimum(ring, tree)}
+    return {k: (float(v) if np.ndim(v) == 0 else v) for k, v in out.items()}
 
 
 def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:

@@ -1,24 +1,30 @@
 """Accelerators, links and clusters, each figure with its source.
 
 Peaks are *dense* tensor-core throughput (no 2:4 sparsity), in FLOP/s; ``fp32`` is the non-tensor
-FP32 rate and ``tf32`` the dense TF32 tensor-core rate. Memory sizes are the marketed capacity read
+FP32 rate, ``tf32`` the dense TF32 tensor-core rate and ``fp4`` the dense FP4 rate (Blackwell,
+CDNA 4; None elsewhere). Datasheets that quote "with sparsity" figures only are halved (dense =
+sparse / 2), and rack or 8-GPU board totals are divided by the GPU count; each source says which. Memory sizes are the marketed capacity read
 as GiB (HBM stacks are binary-sized; e.g. an "80GB" H100 reports ~79.6 GiB usable). Link bandwidth
 is *per GPU, per direction* (what nccl-tests' busbw approaches); latency is NCCL's per-hop model.
+
+A :class:`Cluster`'s ``gpus_per_node`` is the size of its NVLink (scale-up) domain: 8 for a DGX/HGX
+board, 72 for a GB200/GB300 NVL72 rack. :data:`SYSTEMS` names whole systems (GPU, domain size,
+links, NICs), so ``cluster(system="gb200-nvl72", nodes=4)`` is four racks.
 
 The local CPU can be measured (with torch, so outside this torch-free core) and added:
 ``add_accelerator(dtlib.measure.measure_cpu())``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
-__all__ = ["Accelerator", "Link", "Cluster", "ACCELERATORS", "LINKS", "COMPUTE_DTYPES", "get_gpu",
-           "get_link", "add_accelerator", "cluster"]
+__all__ = ["Accelerator", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
+           "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name", "replace_nodes"]
 
-COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 T = TFLOPS
 
 
@@ -56,9 +62,9 @@ class Link:
     source: str
 
 
-def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None) -> Accelerator:
+def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None, fp4=None) -> Accelerator:
     peaks = {"fp32": fp32 * T, "tf32": tf32 and tf32 * T, "bf16": bf16 and bf16 * T,
-             "fp16": fp16 * T, "fp8": fp8 and fp8 * T}
+             "fp16": fp16 * T, "fp8": fp8 and fp8 * T, "fp4": fp4 and fp4 * T}
     return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source, sms, tdp_w)
 
 
@@ -71,6 +77,29 @@ _NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), dense = half the 'with
 # Juggernaut Rolling", 2025 -- 74 of 80 SMs enabled per die, two dies; not an NVIDIA figure);
 # AMD CDNA 3 white paper (MI300X: 304 compute units, 750 W).
 _SMS = "; SMs and TDP: vendor architecture whitepapers (see dtlib.analytic.hardware)"
+_GB200 = ("NVIDIA GB200 NVL72 datasheet (2024), 'Individual Blackwell GPU' column: FP8 10, BF16 5, TF32 2.5 PFLOPS "
+          "with sparsity -> dense = sparse / 2 (the rack's 720 PFLOPS FP8 / 72 agrees), FP32 80 TFLOPS, FP4 20 PFLOPS "
+          "sparse; 186 GB HBM3E at 8 TB/s per GPU; TDP configurable up to 1,200 W; 148 SMs as the B200 die "
+          "(not an NVIDIA figure, not confirmed for GB200 from a text read here)")
+_GB300 = ("NVIDIA GB300 NVL72 datasheet (2025) as quoted per GPU, dense, by Verda (ex-DataCrunch), 'NVIDIA GB300 "
+          "NVL72: GPU Architecture & Performance' (2025): FP4 15, FP8 5, BF16 2.5, TF32 1.25 PFLOPS, FP32 80 "
+          "TFLOPS, 279 GB HBM3E (the rack's 20 TB / 72), 8 TB/s, 1.4 kW; 160 SMs from NVIDIA's 'Inside "
+          "Blackwell Ultra' blog (2025), not confirmed from a text read here")
+_B300 = ("NVIDIA HGX B300 datasheet (2025) as quoted per GPU, dense, by the same Verda post (2025): FP4 14, FP8 4.5, "
+         "BF16 2.25, TF32 1.1 PFLOPS, FP32 75 TFLOPS, 270 GB HBM3E, 7.7 TB/s, 1.1 kW; 160 SMs as GB300 (not "
+         "confirmed from a text read here)")
+_H800 = ("NVIDIA H800 SXM (2023): the H100 SXM5 die with NVLink cut to 400 GB/s bidirectional and FP64 cut; "
+         "tensor peaks, 80 GB HBM3 at 3.35 TB/s, 132 SMs and 700 W as the H100 SXM datasheet (2023, dense = "
+         "sparse / 2); NVIDIA's H800 datasheet itself was not read here (secondary: philisun.com 'NVIDIA H800 "
+         "vs H100', 2025)")
+_H20 = ("NVIDIA H20 (2024, for China): 148 TFLOPS FP16/BF16 dense, TF32 74, FP32 44, INT8 296 TOPS, 96 GB HBM3 at "
+        "4.0 TB/s, 400 W, NVLink 900 GB/s, as quoted from NVIDIA's product brief by secondary sources "
+        "(willitrunai.com, zangshuxian.com); FP8 = 2 x BF16 = 296 as on every Hopper part (derived); 78 SMs "
+        "from a Geekbench 6 listing (not an NVIDIA figure); NVIDIA's own brief not read here")
+_MI355X = ("AMD Instinct MI355X data sheet (2025), dense matrix: FP16/BF16 2,516.6, FP8 5,033.2, FP4 10,066.3 TFLOPS "
+           "(the 'up to 10 PFLOPS FP4 / 20.1 with sparsity' of The Register and Tom's Hardware, 2025), FP32 "
+           "157.3 TFLOPS vector; 288 GB HBM3E at 8 TB/s, 1,400 W; 256 CUs = 8 XCDs x 32 (AMD at ISSCC 2026); no "
+           "TF32 peak listed for CDNA 4 (None); the exact TFLOPS digits were not confirmed from a text read here")
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400),
     _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400),
@@ -79,9 +108,18 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("h200", 67, 494.5, 989.5, 989.5, 1979, 141, 4.8,
          "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense" + _SMS, 132, 700),
     _acc("b200", 75, 1125, 2250, 2250, 4500, 180, 8.0,
-         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2" + _SMS, 148, 1000),
+         "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2 (FP4: 18 "
+         "PFLOPS sparse per GPU -> 9 dense, the datasheet's 'Individual Blackwell GPU' column)" + _SMS, 148, 1000,
+         fp4=9000),
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
          "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
+    # today's parts: the sources say where a figure is derived and which ones were not read here
+    _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000),
+    _acc("gb300", 80, 1250, 2500, 2500, 5000, 279, 8.0, _GB300, 160, 1400, fp4=15000),
+    _acc("b300", 75, 1100, 2250, 2250, 4500, 270, 7.7, _B300, 160, 1100, fp4=14000),
+    _acc("h800", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _H800, 132, 700),
+    _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
+    _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
 ]}
 
 _NCCL_LAT = "latency: NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol"
@@ -89,6 +127,11 @@ LINKS: dict[str, Link] = {l.name: l for l in [
     Link("nvlink3", 300e9, 3.4e-6, "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional; " + _NCCL_LAT),
     Link("nvlink4", 450e9, 3.4e-6, "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional; " + _NCCL_LAT),
     Link("nvlink5", 900e9, 3.4e-6, "NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s bidirectional; " + _NCCL_LAT),
+    Link("nvlink-h800", 200e9, 3.4e-6, "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional (secondary sources; "
+         "NVIDIA's datasheet not read here); " + _NCCL_LAT),
+    Link("infinity-fabric-4", 76.8e9, 3.4e-6,
+         "AMD MI355X data sheet (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per peer of 8 -> "
+         "76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
     Link("infinity-fabric", 64e9, 3.4e-6,
          "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; NCCL NVLink latency as proxy"),
     Link("pcie4", 32e9, 5.7e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b ~ 31.5 GB/s per direction; " + _NCCL_LAT),
@@ -113,10 +156,12 @@ def get_gpu(name: str) -> Accelerator:
 
 
 # substrings of the CUDA device name (torch.cuda.get_device_name) -> catalogue entry, most specific
-# first: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe" the PCIe one
-_DEVICE_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"),
+# first: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe" the PCIe one; "h200" before "h20",
+# "gb200" before "b200" (each name contains the next)
+_DEVICE_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h800", "h800"),
+                 ("h20", "h20"), ("gb200", "gb200"), ("gb300", "gb300"), ("b200", "b200"), ("b300", "b300"),
                  ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
-                 ("mi300x", "mi300x"))
+                 ("mi300x", "mi300x"), ("mi355x", "mi355x"))
 
 
 def catalogue_name(device_name: str) -> str | None:
@@ -167,12 +212,76 @@ class Cluster:
         return self.inter.bandwidth * min(self.nics_per_node, self.gpus_per_node) / self.gpus_per_node
 
 
-def cluster(gpu: str = "h100-sxm", nodes: int = 1, gpus_per_node: int = 8, intra: str | None = None,
-            inter: str = "ib-ndr", nics_per_node: int = 0) -> Cluster:
-    """A :class:`Cluster` from catalogue names; ``intra`` defaults to the GPU's usual link."""
-    acc = get_gpu(gpu)
-    default_intra = {"a100": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4", "b200": "nvlink5",
-                     "mi300x": "infinity-fabric", "h100-pcie": "pcie5"}
+# the usual scale-up link of each part
+_DEFAULT_INTRA = {"a100-40gb": "nvlink3", "a100-80gb": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4", "h800": "nvlink-h800",
+                  "h20": "nvlink4", "gb200": "nvlink5", "gb300": "nvlink5", "b200": "nvlink5", "b300": "nvlink5",
+                  "mi300x": "infinity-fabric", "mi355x": "infinity-fabric-4", "h100-pcie": "pcie5"}
+
+
+@dataclass(frozen=True)
+class System:
+    """A named system: its GPU, the NVLink domain size (``gpus_per_node``), the scale-up link, one
+    NIC's link and the NICs per domain."""
+    name: str
+    gpu: str
+    gpus_per_node: int
+    intra: str
+    inter: str
+    nics_per_node: int
+    source: str
+
+
+_DGX = "NVIDIA DGX {} user guide / datasheet: {} GPUs on NVSwitch, {} x {} compute-fabric NICs ({})"
+SYSTEMS: dict[str, System] = {s.name: s for s in [
+    System("dgx-a100", "a100-80gb", 8, "nvlink3", "ib-hdr", 8,
+           _DGX.format("A100", 8, 8, "ConnectX-6 200 Gb/s", "2020")),
+    System("dgx-h100", "h100-sxm", 8, "nvlink4", "ib-ndr", 8,
+           _DGX.format("H100", 8, 8, "ConnectX-7 400 Gb/s", "2023")),
+    System("dgx-b200", "b200", 8, "nvlink5", "ib-ndr", 8,
+           _DGX.format("B200", 8, 8, "ConnectX-7 400 Gb/s", "2024")),
+    System("dgx-b300", "b300", 8, "nvlink5", "ib-xdr", 8,
+           _DGX.format("B300", 8, 8, "ConnectX-8 800 Gb/s", "2025; not confirmed from a text read here")),
+    System("hgx-h800", "h800", 8, "nvlink-h800", "ib-ndr", 8,
+           "DeepSeek-V3 Technical Report (2024), Sec. 3.1: 8 H800 per node on NVLink/NVSwitch, InfiniBand "
+           "across nodes; 8 x 400 Gb/s ConnectX-7 per node as DeepSeek's ISCA 2025 'Insights into DeepSeek-V3' "
+           "describes (not read here)"),
+    System("gb200-nvl72", "gb200", 72, "nvlink5", "ib-ndr", 72,
+           "NVIDIA GB200 NVL72 datasheet (2024): 72 Blackwell GPUs in one NVLink 5 domain (130 TB/s = 72 x 1.8 "
+           "TB/s); DGX GB200 (2024): one ConnectX-7 400 Gb/s NIC per GPU"),
+    System("gb300-nvl72", "gb300", 72, "nvlink5", "ib-xdr", 72,
+           "NVIDIA GB300 NVL72 datasheet (2025): 72 Blackwell Ultra GPUs in one NVLink 5 domain (130 TB/s); "
+           "one ConnectX-8 SuperNIC 800 Gb/s per GPU"),
+]}
+
+
+# parts that come as NVL72 racks: ``cluster(gpu)`` defaults to the rack's domain, links and NICs
+_RACK_ONLY = {"gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
+
+
+def get_system(name: str) -> System:
+    """The system preset called ``name`` (case-insensitive)."""
+    return _lookup("system", SYSTEMS, name)
+
+
+def cluster(gpu: str | None = None, nodes: int = 1, gpus_per_node: int | None = None, intra: str | None = None,
+            inter: str | None = None, nics_per_node: int | None = None, system: str | None = None) -> Cluster:
+    """A :class:`Cluster` from catalogue names; ``intra`` defaults to the GPU's usual link.
+
+    ``system`` (a :data:`SYSTEMS` name) fills in the GPU, ``gpus_per_node`` (the NVLink domain),
+    both links and the NICs; any of them given explicitly overrides it (e.g. ``gpus_per_node=64``:
+    a 64-GPU segment of each NVL72 rack). Without a system: an H100 SXM, 8 per node, NDR
+    InfiniBand, one NIC per GPU; a GB200 or GB300 alone defaults to its NVL72 rack."""
+    if system is None and gpu is not None and get_gpu(gpu).name in _RACK_ONLY:
+        system = _RACK_ONLY[get_gpu(gpu).name]  # sold only as NVL72 racks: their domain and NICs by default
+    s = get_system(system) if system is not None else System("", "h100-sxm", 8, "", "ib-ndr", 0, "")
+    acc = get_gpu(s.gpu if gpu is None else gpu)
+    g = s.gpus_per_node if gpus_per_node is None else gpus_per_node
     if intra is None:
-        intra = next((v for k, v in default_intra.items() if acc.name.startswith(k)), "pcie4")
-    return Cluster(acc, nodes, gpus_per_node, get_link(intra), get_link(inter), nics_per_node)
+        intra = s.intra if system is not None and gpu is None else _DEFAULT_INTRA.get(acc.name, "pcie4")
+    nics = s.nics_per_node if nics_per_node is None else nics_per_node
+    return Cluster(acc, nodes, g, get_link(intra), get_link(s.inter if inter is None else inter), nics)
+
+
+def replace_nodes(c: Cluster, nodes: int) -> Cluster:
+    """``c`` with ``nodes`` nodes (NVLink domains), everything else the same."""
+    return replace(c, nodes=nodes)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from dtlib.analytic import validate
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
-from dtlib.analytic.hardware import ACCELERATORS
+from dtlib.analytic.hardware import ACCELERATORS, get_gpu, get_system
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.memory import GiB, resolve_model
 from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, get_precision, precision
@@ -108,6 +108,23 @@ def positive_int(text: str) -> int:
     except ValueError:
         value = str(text)  # not an integer: validate says what is expected
     return checked(lambda: validate.integer("value", value), text)
+
+
+def gpu_name(text: str) -> str:
+    """``--gpu``'s argparse type: a catalogue name (:data:`dtlib.analytic.hardware.ACCELERATORS`),
+    else "unknown GPU ...; valid: ..." (argparse puts the flag in front)."""
+    try:
+        return get_gpu(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def system_name(text: str) -> str:
+    """``--system``'s argparse type: a :data:`dtlib.analytic.hardware.SYSTEMS` name."""
+    try:
+        return get_system(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def bounded_float(requirement: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -230,7 +247,7 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout")
     g.add_argument("--gpus", type=positive_int, help="total GPUs (default dp*tp*pp*cp)")
     g.add_argument("--gpus-per-node", type=positive_int, default=8)
-    g.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
+    g.add_argument("--gpu", type=gpu_name, default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
     for name in ("tp", "pp", "cp", "ep"):
         g.add_argument(f"--{name}", type=positive_int, default=1)
     g.add_argument("--etp", type=positive_int, default=1,

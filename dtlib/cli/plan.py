@@ -14,11 +14,11 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import ATTENTION
-from dtlib.analytic.hardware import ACCELERATORS, LINKS, cluster
+from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link
 from dtlib.analytic.layout import RECOMPUTE
 from dtlib.analytic.units import GiB
-from dtlib.cli.args import (PRECISION_HELP, bounded_float, model_args, model_from_args, parse_count, positive_int,
-                            precision_choice)
+from dtlib.cli.args import (PRECISION_HELP, bounded_float, gpu_name, model_args, model_from_args, parse_count,
+                            positive_int, precision_choice, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
@@ -38,6 +38,13 @@ _price = bounded_float("dollars > 0, e.g. 2.5", lambda v: 0 < v < INF)
 _watts = bounded_float("watts > 0, e.g. 500", lambda v: 0 < v < INF)
 
 
+def _link_name(text: str) -> str:
+    try:
+        return get_link(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_plan_command(sub: Any) -> None:
 
     p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
@@ -45,9 +52,14 @@ def add_plan_command(sub: Any) -> None:
     model_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
-    c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
-    c.add_argument("--gpus-per-node", type=positive_int, default=8)
-    c.add_argument("--inter-link", default="ib-ndr", help=f"one NIC per GPU, one of {', '.join(LINKS)}")
+    c.add_argument("--system", type=system_name, metavar="NAME",
+                   help=f"a whole system: GPU, NVLink domain, links and NICs; one of {', '.join(SYSTEMS)} "
+                        "(--gpu, --gpus-per-node, --inter-link override its parts)")
+    c.add_argument("--gpu", type=gpu_name, help=f"one of {', '.join(ACCELERATORS)} (default h100-sxm, or the system's)")
+    c.add_argument("--gpus-per-node", type=positive_int,
+                   help="GPUs per NVLink domain: 8 for DGX/HGX, 72 for an NVL72 rack (default 8, or the system's)")
+    c.add_argument("--inter-link", type=_link_name,
+                   help=f"one NIC per GPU, one of {', '.join(LINKS)} (default ib-ndr, or the system's)")
     c.add_argument("--oversubscription", type=_at_least_one, default=1.0,
                    help="fabric oversubscription above the leaf (bandwidth across nodes / it)")
     b = p.add_argument_group("batch and precision")
@@ -121,12 +133,15 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:
         model = model.with_(seq=args.seq)
-    g = args.gpus_per_node
+    g = cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node
     if args.gpus > g and args.gpus % g:
+        segment = 1 << (g.bit_length() - 1)  # e.g. 64 of an NVL72 rack's 72, as SLURM block scheduling uses
+        hint = (f"; or --gpus-per-node {segment}: a {segment}-GPU segment of each NVLink domain"
+                if args.gpus % segment == 0 else "")
         raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {g}; "
-                         f"valid: multiples of {g} (or at most {g})")
+                         f"valid: multiples of {g} (or at most {g}){hint}")
     nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
-    cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link)
+    cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system)
     options = StepOptions(dtype=args.precision, efficiency=args.efficiency, attention=args.attention_flops,
                           dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           oversubscription=args.oversubscription,
@@ -164,6 +179,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
     d = {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
+         "system": args.system, "gpus_per_node": per_node, "intra_link": cl.intra.name, "inter_link": cl.inter.name,
          "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
          "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
@@ -180,7 +196,9 @@ _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert par
 
 
 def _text(d: dict[str, Any]) -> str:
-    lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}, global batch "
+    system = f" ({d['system']})" if d.get("system") else ""
+    lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
+             f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
              f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: "
              f"{d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "

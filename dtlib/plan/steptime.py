@@ -8,6 +8,8 @@ tensor ranks adjacent): a group lies inside one node while the product of the si
 most ``gpus_per_node``, otherwise its collectives cross the inter-node fabric, at the NIC
 bandwidth per GPU divided by the fabric's oversubscription. Expert parallelism has its own grid on
 the same ranks, ``etp-ep-edp`` (Megatron-Core's MoE parallel folding, :mod:`dtlib.plan.moe`).
+A "node" is an NVLink domain: 8 GPUs on a DGX/HGX board, 72 on a GB200/GB300 NVL72 rack, where
+whole groups are assumed packed into each domain (as SLURM's block scheduling places a job's 64-GPU segments).
 
 Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Narayanan et al.
 2021 eq. 3 counts them). Compute is timed from the GEMM shapes after TP/CP splitting
@@ -23,7 +25,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
@@ -85,10 +87,14 @@ TERMS: dict[str, str] = {
     "dp_comm": "gradient reduce over the dp x cp replicas (ZeRO 1/2: reduce-scatter + all-gather, "
                "ZeRO-3: parameters all-gathered forward and backward per micro-batch + one "
                "reduce-scatter, Rajbhandari et al. 2020, Sec. 7), hierarchical: intra-node phase on "
-               "NVLink, inter-node phase on the NICs, NCCL's faster of ring and tree (tuning.cc); the "
+               "NVLink, inter-node phase on the NICs; in buckets of max(40M, 1M x dp) parameters "
+               "(Megatron-Core DistributedDataParallel) or one layer at a time for ZeRO-3 (FSDP), each "
+               "call paying NCCL's latency (ring: 2(n-1) hops, tree: 2 log2(nodes) network hops; NCCL "
+               "src/graph/tuning.cc) and NCCL running the faster of ring and tree per call; the "
                "exposed part is what dp_overlap x (backward of the last micro-batch; + forward of the "
-               "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide "
-               "(PyTorch DDP buckets, Li et al. 2020; Megatron --overlap-grad-reduce)"
+               "first for the ZeRO 1/2 parameter gather; all compute for ZeRO-3) cannot hide, and never "
+               "less than the last bucket's reduce and the first one's gather, which have nothing to "
+               "overlap (PyTorch DDP buckets, Li et al. 2020, Sec. 3.2; Megatron --overlap-grad-reduce)"
                "; expert gradients over the expert-data-parallel group, tp x cp x dp / (etp x ep) "
                "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
@@ -185,23 +191,20 @@ def _on(inside: Any, op: str, nbytes: Any, ranks: Any, intra: Link, inter: Link)
     return np.where(inside, collective_time(op, nbytes, ranks, intra), collective_time(op, nbytes, ranks, inter))
 
 
-def _fastest(op: str, nbytes: Any, ranks: Any, link: Link) -> Any:
-    """NCCL picks the faster of ring and tree for each size (src/graph/tuning.cc)."""
-    return np.minimum(collective_time(op, nbytes, ranks, link, "ring"),
-                      collective_time(op, nbytes, ranks, link, "tree"))
+def _buckets(params: Any, ranks: Any, zero: Any, layers: Any) -> Any:
+    """Calls of each DP collective per step: ZeRO 0-2 reduce gradients in buckets of
+    max(40M, 1M x dp) parameters (Megatron-Core ``DistributedDataParallel``'s default
+    ``bucket_size``, so that each ring call stays bandwidth-bound); ZeRO-3 gathers and reduces one
+    transformer layer at a time (PyTorch FSDP2 / torchtitan ``fully_shard`` per block)."""
+    bucket = np.maximum(40e6, 1e6 * ranks)
+    return np.where(zero == 3, np.maximum(layers, 1), np.maximum(np.ceil(params / bucket), 1))
 
 
-def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link) -> Any:
-    """Two-level collective over ``ranks`` of which ``local`` share a node: intra-node
-    reduce-scatter, inter-node ``op`` of S/local, intra-node all-gather (as
-    :func:`dtlib.analytic.comm.hierarchical_time`, on arrays)."""
-    nodes = np.maximum(np.ceil(ranks / local), 1)
-    t = _fastest(op, nbytes / local, nodes, inter)
-    if op in ("all_reduce", "reduce_scatter"):
-        t = t + collective_time("reduce_scatter", nbytes, local, intra)
-    if op in ("all_reduce", "all_gather"):
-        t = t + collective_time("all_gather", nbytes, local, intra)
-    return t
+def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link, calls: Any = 1) -> Any:
+    """Two-level collective over ``ranks`` of which ``local`` share a node, in ``calls`` buckets:
+    intra-node reduce-scatter, inter-node ``op`` of S/local, intra-node all-gather, each call
+    paying NCCL's latency, NCCL's faster of ring and tree (:func:`dtlib.analytic.comm.nccl_time`)."""
+    return nccl_time(op, nbytes, ranks, local, intra, inter, calls)["best"]
 
 
 def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
@@ -289,22 +292,26 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     expert = np.where(use_last, stages["last"]["expert"], stages["first"]["expert"])
     zero = n["zero"]
     dp_comm_raw = 0 * compute
+    dp_edges = 0 * compute  # the last bucket's reduce and the first gather: nothing left to hide them
     dense_local = np.where(tp <= g, np.minimum(dp * cp, np.maximum(g // tp, 1)), 1)
     # expert parameters: reduced over the expert-data-parallel group (Megatron-Core's expert grid)
     grid = expert_grid(tp, cp, dp, ep, moe["etp"], g)
     for params, ranks, local in ((dense, dp * cp, dense_local), (expert, grid["edp"], grid["edp_local"])):
         grads, weights_bytes = params * prec.grad, params * prec.param
-        t = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter),
-                     _hierarchical("reduce_scatter", grads, ranks, local, intra, inter)
-                     + np.where(zero == 3, 2 * m, 1)
-                     * _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter))
-        dp_comm_raw = dp_comm_raw + np.where((ranks > 1) & (params > 0), t, 0)  # dense models: no expert part
+        calls = _buckets(params, ranks, zero, layers_here)
+        reduce = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter, calls),
+                          _hierarchical("reduce_scatter", grads, ranks, local, intra, inter, calls))
+        gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
+        t = reduce + np.where(zero == 3, 2 * m, 1) * gather
+        used = (ranks > 1) & (params > 0)  # dense models: no expert part
+        dp_comm_raw = dp_comm_raw + np.where(used, t, 0)
+        dp_edges = dp_edges + np.where(used, (reduce + gather) / calls, 0)
     per_token_fwd = flops["forward_per_token"]
     backward_share = (2 * per_token_fwd + extra) / (3 * per_token_fwd + extra)
     one_micro = compute / m
     budget = np.where(zero == 3, compute,
                       one_micro * backward_share + (zero >= 1) * one_micro * (1 - backward_share))
-    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, 0)
+    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
     owned = dense / np.where(zero >= 1, dp * cp, 1) + expert / np.where(zero >= 1, grid["edp"], 1)

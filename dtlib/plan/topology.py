@@ -18,20 +18,26 @@ of rail i, so GPU i of up to ``down`` nodes is one switch away, and traffic betw
 ranks crosses NVLink first (PXN). The switch count equals the plain fat-tree's; what changes is
 which collectives stay under one leaf: a data-parallel group of same-rank GPUs over at most
 ``down`` nodes never meets the oversubscription.
+
+Scale: :func:`weak_scaling` grows the data-parallel size at a fixed per-GPU batch and layout,
+builds the fat-tree each cluster needs, and times the step; the DP collectives then grow through
+NCCL's latency terms (ring 2(n-1) hops, tree 2 log2 N network hops, :func:`dtlib.analytic.comm.nccl_latency`)
+and, once the group outgrows one leaf, the fabric's oversubscription (docs/hardware.md).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.hardware import Cluster
+from dtlib.analytic.hardware import Cluster, replace_nodes
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.steptime import StepOptions, step_time
 
-__all__ = ["FatTree", "fat_tree", "leaf_reach_nodes", "dp_time_vs_oversubscription"]
+__all__ = ["FatTree", "fat_tree", "leaf_reach_nodes", "seen_oversubscription", "dp_time_vs_oversubscription",
+           "weak_scaling"]
 
 
 @dataclass(frozen=True)
@@ -100,21 +106,58 @@ def leaf_reach_nodes(tree: FatTree, gpus_per_node: int) -> int:
     return tree.down_ports if tree.rail_optimised else max(1, tree.down_ports // gpus_per_node)
 
 
+def seen_oversubscription(tree: FatTree, layout: Parallelism, cluster: Cluster) -> float:
+    """The oversubscription ``layout``'s data-parallel group meets on ``tree``: none while the
+    nodes it spans (its ``dp x cp`` ranks, ``gpus_per_node / tp`` of them per node) hang under one
+    leaf (:func:`leaf_reach_nodes`), the tree's otherwise."""
+    ranks = layout.dp * layout.cp
+    local = max(1, min(ranks, cluster.gpus_per_node // layout.tp)) if layout.tp <= cluster.gpus_per_node else 1
+    nodes_spanned = math.ceil(ranks / local)
+    return 1.0 if nodes_spanned <= leaf_reach_nodes(tree, cluster.gpus_per_node) else tree.oversubscription
+
+
 def dp_time_vs_oversubscription(model: TransformerConfig, layout: Parallelism, cluster: Cluster,
                                 oversubscriptions: list[float], tree: FatTree | None = None,
                                 options: StepOptions = StepOptions()) -> dict[str, list[float]]:
     """Data-parallel collective time (before and after overlap) and step time for each
     oversubscription. With ``tree`` given, a DP group whose nodes fit under one leaf
     (:func:`leaf_reach_nodes`) does not see the oversubscription."""
-    ranks = layout.dp * layout.cp
-    local = max(1, min(ranks, cluster.gpus_per_node // layout.tp)) if layout.tp <= cluster.gpus_per_node else 1
-    nodes_spanned = math.ceil(ranks / local)
     out: dict[str, list[float]] = {"oversubscription": [], "dp_comm_unhidden": [], "dp_comm": [], "step_time": []}
     for o in oversubscriptions:
-        seen = 1.0 if tree is not None and nodes_spanned <= leaf_reach_nodes(tree, cluster.gpus_per_node) else o
+        seen = o if tree is None else min(o, seen_oversubscription(replace(tree, oversubscription=o), layout, cluster))
         r = step_time(model, layout, cluster, options=StepOptions(**(asdict(options) | {"oversubscription": seen})))
         out["oversubscription"].append(float(o))
         out["dp_comm_unhidden"].append(r.dp_comm_unhidden)
         out["dp_comm"].append(r.breakdown["dp_comm"])
         out["step_time"].append(r.step_time)
+    return out
+
+
+def weak_scaling(model: TransformerConfig, layout: Parallelism, cluster: Cluster, nodes: "list[int]", *,
+                 options: StepOptions = StepOptions(), radix: int = 64, oversubscription: float = 1.0,
+                 rail_optimised: bool = True) -> dict[str, list[float]]:
+    """Step time of ``layout`` (tp, pp, cp, micro-batches fixed: the same per-GPU batch) as the
+    data-parallel size grows to fill ``cluster``'s GPUs on each node count in ``nodes``.
+
+    Each cluster gets the fat-tree of ``radix``-port switches its NICs need (:func:`fat_tree`,
+    ``oversubscription`` above the leaf, ``rail_optimised`` wiring); the DP group meets the
+    oversubscription once it outgrows a leaf (:func:`seen_oversubscription`). Returns per node
+    count: ``gpus``, ``dp``, ``step_time``, ``dp_comm`` (exposed), ``dp_comm_unhidden``, the
+    ``oversubscription`` seen, and ``growth`` = step time / the first one - 1."""
+    per_node = layout.tp * layout.pp * layout.cp
+    out: dict[str, list[float]] = {k: [] for k in ("nodes", "gpus", "dp", "step_time", "dp_comm",
+                                                   "dp_comm_unhidden", "oversubscription", "growth")}
+    for count in nodes:
+        c = replace_nodes(cluster, validate.integer("nodes", count))
+        if c.world_size % per_node:
+            raise ValueError(f"{c.world_size} GPUs do not hold whole tp x pp x cp = {per_node} groups; "
+                             f"valid: node counts making nodes x {cluster.gpus_per_node} a multiple of {per_node}")
+        scaled = layout.with_(dp=c.world_size // per_node)
+        tree = fat_tree(c.nodes * c.nics_per_node, radix, c.inter.bandwidth, oversubscription, rail_optimised)
+        seen = seen_oversubscription(tree, scaled, c)
+        r = step_time(model, scaled, c, options=replace(options, oversubscription=seen))
+        for key, value in (("nodes", count), ("gpus", c.world_size), ("dp", scaled.dp), ("step_time", r.step_time),
+                           ("dp_comm", r.breakdown["dp_comm"]), ("dp_comm_unhidden", r.dp_comm_unhidden),
+                           ("oversubscription", seen), ("growth", r.step_time / (out["step_time"] or [r.step_time])[0] - 1)):
+            out[key].append(float(value))
     return out

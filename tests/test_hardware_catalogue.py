@@ -1,0 +1,140 @@
+"""Today's parts and systems: GB200/GB300 (NVL72), B300, H800, H20, MI355X with their datasheet
+figures, the system presets (``cluster(system=...)``, ``dtlib plan --system``), an NVL72 rack as
+one NVLink domain, and the CLI's names and errors."""
+import json
+
+import pytest
+
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.hardware import (ACCELERATORS, COMPUTE_DTYPES, LINKS, SYSTEMS, catalogue_name, cluster, get_gpu,
+                                     get_link, get_system)
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.units import GiB
+from dtlib.cli import main
+from dtlib.plan.steptime import StepOptions, step_time
+
+NEW = ("gb200", "gb300", "b300", "h800", "h20", "mi355x")
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_new_parts_have_sourced_consistent_peaks(name):
+    acc = get_gpu(name)
+    assert acc.source and acc.sms and acc.tdp_w and acc.memory_bandwidth > 1e12
+    assert acc.memory_bytes % GiB == 0  # marketed GB read as GiB, the module's convention
+    # every one of these datasheets gives FP16 = BF16 and FP8 = 2 x BF16 (dense)
+    assert acc.peak("bf16") == acc.peak("fp16") > acc.peak("fp32")
+    assert acc.peak("fp8") == pytest.approx(2 * acc.peak("bf16"), rel=1e-3)
+    if acc.peaks["tf32"]:
+        assert acc.peak("bf16") == pytest.approx(2 * acc.peak("tf32"), rel=0.03)  # B300: 1.1 of 2.25 PFLOPS
+
+
+def test_datasheet_figures_and_their_derivations():
+    gb200 = get_gpu("gb200")
+    # GB200 NVL72 datasheet: 720 PFLOPS FP8 per rack with sparsity -> per GPU = rack / 72, dense = sparse / 2
+    assert gb200.peak("fp8") == pytest.approx(720e15 / 72 / 2)
+    assert gb200.peak("fp4") == pytest.approx(2 * gb200.peak("fp8"))
+    assert gb200.memory_bytes == 186 * GiB and gb200.tdp_w == 1200
+    # Blackwell Ultra: FP4 15 PFLOPS dense, 1.5 x GB200's; the other peaks as GB200 (GB300) or B200 (B300)
+    assert get_gpu("gb300").peak("fp4") == pytest.approx(1.5 * gb200.peak("fp4"))
+    assert get_gpu("gb300").peak("bf16") == gb200.peak("bf16") and get_gpu("gb300").memory_bytes == 279 * GiB
+    assert get_gpu("b300").peak("bf16") == get_gpu("b200").peak("bf16") and get_gpu("b300").memory_bytes == 270 * GiB
+    # H800: the H100 SXM die, same tensor peaks and memory; only NVLink (and FP64) cut
+    h800, h100 = get_gpu("h800"), get_gpu("h100-sxm")
+    assert h800.peaks == h100.peaks and h800.memory_bytes == h100.memory_bytes and h800.sms == h100.sms
+    assert get_link("nvlink-h800").bandwidth == 400e9 / 2  # 400 GB/s bidirectional
+    assert cluster("h800").intra.name == "nvlink-h800" and cluster("h800").intra.bandwidth < cluster("h100-sxm").intra.bandwidth
+    # H20: 148 TFLOPS BF16 dense, 15% of an H100, with more memory (96 GB at 4 TB/s)
+    assert get_gpu("h20").peak("bf16") == pytest.approx(148e12) and get_gpu("h20").memory_bytes > h100.memory_bytes
+    # MI355X: 288 GB, no TF32 peak listed for CDNA 4
+    mi = get_gpu("mi355x")
+    assert mi.memory_bytes == 288 * GiB and cluster("mi355x").intra.name == "infinity-fabric-4"
+    with pytest.raises(ValueError, match="mi355x has no tf32 peak; supported: fp32, bf16, fp16, fp8, fp4"):
+        mi.peak("tf32")
+
+
+def test_fp4_is_a_compute_dtype_only_where_the_part_has_it():
+    assert COMPUTE_DTYPES[-1] == "fp4"
+    with pytest.raises(ValueError, match="h100-sxm has no fp4 peak; supported: fp32, tf32, bf16, fp16, fp8$"):
+        get_gpu("h100-sxm").peak("fp4")
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown GPU 'gb201'; valid: .*gb200, gb300, b300, h800, h20, mi355x"):
+        get_gpu("gb201")
+    with pytest.raises(ValueError, match="unknown system 'nvl72'; valid: .*gb200-nvl72, gb300-nvl72"):
+        get_system("nvl72")
+
+
+@pytest.mark.parametrize("device, entry", [
+    ("NVIDIA GB200", "gb200"), ("NVIDIA GB300", "gb300"), ("NVIDIA B300 SXM6 AC", "b300"), ("NVIDIA B200", "b200"),
+    ("NVIDIA H800", "h800"), ("NVIDIA H20", "h20"), ("NVIDIA H200", "h200"), ("AMD Instinct MI355X", "mi355x"),
+])
+def test_driver_names_of_the_new_parts(device, entry):
+    assert catalogue_name(device) == entry
+
+
+def test_systems_are_whole_clusters():
+    for s in SYSTEMS.values():
+        assert s.source and s.gpu in ACCELERATORS and s.intra in LINKS and s.inter in LINKS
+    rack = cluster(system="gb200-nvl72", nodes=2)
+    assert (rack.gpu.name, rack.gpus_per_node, rack.world_size, rack.intra.name) == ("gb200", 72, 144, "nvlink5")
+    assert rack.nics_per_node == 72 and rack.inter_bandwidth_per_gpu == get_link("ib-ndr").bandwidth
+    assert cluster(system="gb300-nvl72").inter.name == "ib-xdr"  # ConnectX-8, 800 Gb/s per GPU
+    # explicit arguments override the preset: a 64-GPU segment of each rack, another NIC
+    seg = cluster(system="gb200-nvl72", nodes=4, gpus_per_node=64, inter="ib-xdr")
+    assert (seg.world_size, seg.gpu.name, seg.intra.name, seg.inter.name) == (256, "gb200", "nvlink5", "ib-xdr")
+    assert cluster(system="dgx-h100", nodes=3) == cluster("h100-sxm", 3, 8, "nvlink4", "ib-ndr")
+    # GB200 and GB300 come as NVL72 racks: alone, the GPU name brings the rack's domain and NICs
+    assert cluster("gb300", 2) == cluster(system="gb300-nvl72", nodes=2)
+    assert cluster("gb200", 1, 8).gpus_per_node == 8  # an explicit domain still wins
+
+
+def test_nvl72_keeps_a_tp_x_ep_group_of_64_on_nvlink():
+    """tp 8 x ep 8 = 64 GPUs: inside one NVL72 domain the expert all-to-all runs on NVLink 5; on
+    8-GPU nodes the same group spans 8 nodes and its all-to-all crosses the NICs (18x slower)."""
+    moe = TransformerConfig(name="moe", layers=4, hidden=4096, heads=32, vocab=32000, seq=4096,
+                            moe_experts=64, moe_top_k=2)
+    layout = Parallelism(dp=16, tp=8, ep=8, micro_batch_size=1, num_microbatches=2)
+    options = StepOptions(efficiency=0.5)
+    rack = step_time(moe, layout, cluster(system="gb200-nvl72", nodes=2, gpus_per_node=64), options=options)
+    boards = step_time(moe, layout, cluster("gb200", 16, 8, "nvlink5", "ib-ndr"), options=options)
+    assert rack.breakdown["ep_comm"] > 0
+    assert boards.breakdown["ep_comm"] > 10 * rack.breakdown["ep_comm"]
+    assert rack.breakdown["compute"] == boards.breakdown["compute"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_plan_system_and_memory_gpu(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--system", "gb200-nvl72", "--gpus", "144",
+                       "--global-batch", "144", "--top", "1", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["gpu"] == "gb200" and d["configs"]
+    assert (d["system"], d["gpus_per_node"], d["intra_link"], d["inter_link"]) == ("gb200-nvl72", 72, "nvlink5", "ib-ndr")
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "gb200", "--gpus-per-node", "72",
+                       "--gpus", "144", "--global-batch", "144", "--top", "1", "--json")
+    assert code == 0 and json.loads(out)["gpu"] == "gb200"
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpu", "gb200", "--dp", "8", "--json")
+    assert code == 0 and json.loads(out)["gpu"]["memory"] == 186 * GiB
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "llama3-8b", "--gpu", "gb201", "--gpus", "8", "--global-batch", "8"],
+     "argument --gpu: unknown GPU 'gb201'; valid: a100-40gb"),
+    (["plan", "--model", "llama3-8b", "--system", "nvl72", "--gpus", "8", "--global-batch", "8"],
+     "argument --system: unknown system 'nvl72'; valid: dgx-a100"),
+    (["plan", "--model", "llama3-8b", "--inter-link", "ib-qdr", "--gpus", "8", "--global-batch", "8"],
+     "argument --inter-link: unknown link 'ib-qdr'; valid: nvlink3"),
+    (["plan", "--model", "llama3-8b", "--system", "gb200-nvl72", "--gpus", "256", "--global-batch", "8"],
+     "--gpus 256 is not a whole number of nodes of --gpus-per-node 72; valid: multiples of 72 (or at most 72); "
+     "or --gpus-per-node 64"),
+    (["memory", "--model", "llama3-8b", "--gpu", "gb2"], "argument --gpu: unknown GPU 'gb2'"),
+])
+def test_bad_names_name_the_flag(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
