@@ -11,6 +11,7 @@ from dtlib.analytic.hardware import (ACCELERATORS, COMPUTE_DTYPES, LINKS, SYSTEM
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.units import GiB
 from dtlib.cli import main
+from dtlib.plan.moe import expert_grid
 from dtlib.plan.steptime import StepOptions, step_time
 
 NEW = ("gb200", "gb300", "b300", "h800", "h20", "mi355x")
@@ -90,16 +91,21 @@ def test_systems_are_whole_clusters():
 
 
 def test_nvl72_keeps_a_tp_x_ep_group_of_64_on_nvlink():
-    """tp 8 x ep 8 = 64 GPUs: inside one NVL72 domain the expert all-to-all runs on NVLink 5; on
-    8-GPU nodes the same group spans 8 nodes and its all-to-all crosses the NICs (18x slower)."""
+    """etp 8 x ep 8 = 64 consecutive GPUs (Megatron-Core's expert grid, dtlib.plan.moe): inside one
+    NVL72 domain the expert all-to-all runs on NVLink 5; on 8-GPU nodes the same group spans 8
+    nodes and its all-to-all crosses the NICs."""
     moe = TransformerConfig(name="moe", layers=4, hidden=4096, heads=32, vocab=32000, seq=4096,
                             moe_experts=64, moe_top_k=2)
-    layout = Parallelism(dp=16, tp=8, ep=8, micro_batch_size=1, num_microbatches=2)
+    layout = Parallelism(dp=16, tp=8, ep=8, etp=8, micro_batch_size=1, num_microbatches=2)
     options = StepOptions(efficiency=0.5)
     rack = step_time(moe, layout, cluster(system="gb200-nvl72", nodes=2, gpus_per_node=64), options=options)
     boards = step_time(moe, layout, cluster("gb200", 16, 8, "nvlink5", "ib-ndr"), options=options)
     assert rack.breakdown["ep_comm"] > 0
-    assert boards.breakdown["ep_comm"] > 10 * rack.breakdown["ep_comm"]
+    # the 8 EP ranks of a group sit 8 apart (stride etp): all in one 64-GPU segment of the rack,
+    # one per 8-GPU board
+    assert expert_grid(tp=8, cp=1, dp=16, ep=8, etp=8, gpus_per_node=64)["ep_local"] == 8
+    assert expert_grid(tp=8, cp=1, dp=16, ep=8, etp=8, gpus_per_node=8)["ep_local"] == 1
+    assert boards.breakdown["ep_comm"] > 2 * rack.breakdown["ep_comm"]
     assert rack.breakdown["compute"] == boards.breakdown["compute"]
 
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from dtlib.analytic.comm import nccl_time
 from dtlib.analytic.hardware import Link, cluster
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import stage_parameters
@@ -114,7 +115,12 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
         r = step_time(MOE, layout, c, options=OPTIONS)
         params = stage_parameters(**(MOE.numbers() | layout.numbers()))["first"]
         dense, expert = params["dense"] * prec_grad, params["expert"] * prec_grad
-        by_hand = 2 * ring_phase(dense, 8, c.intra) + (edp > 1) * 2 * ring_phase(expert, edp, c.intra)
+        # each group as NCCL times it (dtlib.analytic.comm.nccl_time, tested on its own in
+        # test_scale_effects), in Megatron's buckets of max(40M, 1M x ranks) parameters
+        def reduce(nbytes, ranks):
+            calls = math.ceil(nbytes / prec_grad / max(40e6, 1e6 * ranks))
+            return float(nccl_time("all_reduce", nbytes, ranks, ranks, c.intra, c.inter, calls)["best"])
+        by_hand = reduce(dense, 8) + (edp > 1) * reduce(expert, edp)
         assert expert > 0 and r.dp_comm_unhidden == pytest.approx(by_hand, rel=1e-12)
         assert (r.breakdown["ep_comm"] == 0) == (ep == 1)  # one EP rank: no all-to-all
 
@@ -192,7 +198,9 @@ def test_expert_tensor_parallelism_adds_the_etp_gather_and_splits_the_expert_gem
                                                               + ring_phase(2 * nbytes, 2, c.intra)), rel=1e-12)
     # expert gradients: edp = tp x dp / (ep x etp) = 2 with etp 1, 1 with etp 2 (none to reduce)
     params = stage_parameters(**(MOE.numbers() | Parallelism(dp=4, tp=2, ep=4, etp=2).numbers()))["first"]
-    dense_only = 2 * ring_phase(params["dense"] * 4, 4, c.intra)
+    dense = params["dense"] * 4  # fp32 gradients, in Megatron's buckets of 40M parameters
+    dense_only = float(nccl_time("all_reduce", dense, 4, 4, c.intra, c.inter,
+                                 math.ceil(params["dense"] / 40e6))["best"])
     assert two.dp_comm_unhidden == pytest.approx(dense_only, rel=1e-12)
     assert one.dp_comm_unhidden > dense_only
 
