@@ -123,6 +123,10 @@ def test_with_rederives_defaults():
     dense = get_preset("mixtral-8x7b").with_(moe_experts=0, moe_top_k=0)
     assert dense.moe_layers == 0 and dense.moe_ffn is None
     assert get_preset("mixtral-8x7b").with_(ffn=1024).moe_ffn == 1024
+    deepseek = get_preset("deepseek-v3")
+    assert deepseek.with_(qk_rope_head_dim=32).head_dim == 160
+    assert deepseek.with_(kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                          v_head_dim=0).head_dim == 7168 // 128
 
 
 BASE = dict(layers=4, hidden=64, heads=4, vocab=100, seq=16)
@@ -146,6 +150,7 @@ BAD = [
     (dict(MLA, kv_heads=2), "kv_heads must be equal to heads \\(4\\) with multi-head latent attention"),
     (dict(MLA, head_dim=16), "head_dim must be qk_nope_head_dim \\+ qk_rope_head_dim = 24"),
     (dict(MLA, kv_lora_rank=-1), "kv_lora_rank must be an integer >= 0, got -1"),
+    (dict(MLA, position="rope", qk_rope_head_dim=7), "rope needs an even head dimension, got qk_rope_head_dim = 7"),
     (dict(BASE, sliding_window=-1), "sliding_window must be an integer >= 0, got -1"),
     (dict(BASE, global_attention_every=2), "global_attention_every must be 0 without a sliding window"),
     (dict(BASE, sliding_window=8, global_attention_every=5),

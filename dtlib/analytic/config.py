@@ -208,8 +208,10 @@ class TransformerConfig:
             if not ok(**values):
                 raise ValueError(message(**values))
         self._check_attention()
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got head_dim = {self.head_dim}")
+        rotated = self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim  # MLA: only the rope part
+        if self.position == "rope" and rotated % 2:
+            name = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
+            raise ValueError(f"rope needs an even head dimension, got {name} = {rotated}")
         self._check_moe()
         validate.integer("sliding_window", self.sliding_window, minimum=0)
         validate.integer("global_attention_every", self.global_attention_every, minimum=0,
@@ -365,8 +367,8 @@ class TransformerConfig:
             changes["head_dim"] = None
         if "ffn" in changes and "moe_ffn" not in changes and self.moe_ffn == self.ffn:
             changes["moe_ffn"] = None
-        if "kv_lora_rank" in changes and "head_dim" not in changes:
-            changes["head_dim"] = None
+        if self.kv_lora_rank or changes.get("kv_lora_rank"):  # MLA on or off: nope + rope, or h / heads
+            changes.setdefault("head_dim", None)
         if changes.get("moe_experts", self.moe_experts) == 0 and self.moe_experts:
             changes = {**_MOE_ONLY, **changes}  # a dense copy of an MoE model drops its MoE fields
         return replace(self, **changes)
