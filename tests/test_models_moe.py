@@ -9,7 +9,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, attention_params
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import PRESETS, get_preset
-from dtlib.cli import main
+from dtlib.cli import build_parser, main
+from dtlib.cli.args import model_from_args
 from dtlib.plan.emit import megatron_flags, unsupported
 
 # Published total and active parameters, in billions, as each source writes them, and whether
@@ -226,6 +227,10 @@ def test_custom_moe_mla_sliding_model_from_flags(capsys):
 def test_flags_on_a_preset_replace_its_values(capsys):
     code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--experts", "8", "--top-k", "2", "--json")
     assert json.loads(out)["parameters"] == get_preset("llama3-8b").with_(moe_experts=8, moe_top_k=2).num_parameters()
+    args = build_parser().parse_args(["memory", "--model", "mixtral-8x7b", "--capacity-factor", "1.25"])
+    assert model_from_args(args).moe_capacity_factor == 1.25
+    args = build_parser().parse_args(["memory", "--model", "mixtral-8x7b", "--dropless"])
+    assert model_from_args(args) == get_preset("mixtral-8x7b")
 
 
 @pytest.mark.parametrize("argv, message", [

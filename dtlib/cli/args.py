@@ -293,6 +293,8 @@ def _variant(args: argparse.Namespace) -> dict[str, Any]:
     ``--experts`` here, before any model is built."""
     given = {field: getattr(args, field, None) for field in _VARIANT_FLAGS}
     given = {field: value for field, value in given.items() if value is not None}
+    if getattr(args, "dropless", False) and args.params is None:  # a preset's capacity factor goes
+        given["moe_capacity_factor"] = None
     experts, top_k = given.get("moe_experts"), given.get("moe_top_k")
     if experts and top_k is not None and top_k > experts:
         raise ValueError(f"--top-k must be an integer from 1 to {experts} (the --experts), got {top_k}")
