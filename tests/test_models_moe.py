@@ -134,9 +134,9 @@ BASE = dict(layers=4, hidden=64, heads=4, vocab=100, seq=16)
 MOE = dict(BASE, moe_experts=4, moe_top_k=2)
 MLA = dict(BASE, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 BAD = [
-    (dict(BASE, moe_ffn=32), "moe_ffn must be None for a dense model"),
+    (dict(BASE, moe_ffn=32), "moe_ffn must be unset \\(None\\) for a dense model"),
     (dict(BASE, moe_shared_experts=1), "moe_shared_experts must be 0 for a dense model"),
-    (dict(BASE, moe_capacity_factor=1.0), "moe_capacity_factor must be None for a dense model"),
+    (dict(BASE, moe_capacity_factor=1.0), "moe_capacity_factor must be unset \\(None\\) for a dense model"),
     (dict(MOE, moe_dense_layers=4), "moe_dense_layers must be an integer from 0 to 3, got 4"),
     (dict(MOE, moe_layer_freq=0), "moe_layer_freq must be an integer from 1 to 4, got 0"),
     (dict(MOE, moe_capacity_factor=0.0), "moe_capacity_factor must be a finite number > 0, got 0.0"),
@@ -238,10 +238,10 @@ def test_flags_on_a_preset_replace_its_values(capsys):
      "--experts must be 0 \\(dense\\) or an integer >= 2, got '1'"),
     (("flops", "--layers", "2", "--hidden", "64", "--heads", "4", "--experts", "8", "--top-k", "9"),
      "--top-k must be an integer from 1 to 8 \\(the --experts\\), got 9"),
-    (("memory", "--model", "mixtral-8x7b", "--top-k", "9"), "--top-k must be in 1..8"),
+    (("memory", "--model", "mixtral-8x7b", "--top-k", "9"), "--top-k must be an integer from 1 to 8, got 9"),
     (("memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--experts", "8"), "--experts 8 needs --top-k"),
     (("plan", "--model", "llama3-8b", "--top-k", "2", "--gpus", "8", "--global-batch", "8"),
-     "--top-k=2 needs --experts >= 2"),
+     "--top-k must be 0 for a dense model \\(set --experts >= 2 for MoE\\), got 2"),
     (("memory", "--model", "deepseek-v3", "--dense-layers", "61"), "--dense-layers must be an integer from 0 to 60, got 61"),
     (("memory", "--model", "deepseek-v3", "--capacity-factor", "0"), "--capacity-factor must be a finite number > 0, got '0'"),
     (("memory", "--model", "deepseek-v3", "--capacity-factor", "1", "--dropless"), "not allowed with argument"),

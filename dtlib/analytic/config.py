@@ -254,17 +254,13 @@ class TransformerConfig:
         if self.moe_experts == 1:
             raise validate.InvalidArgument("moe_experts", "0 (dense) or an integer >= 2", 1)
         if not self.moe_experts:
-            if self.moe_top_k:
-                raise ValueError(f"moe_top_k={self.moe_top_k} needs moe_experts >= 2 (got a dense model)")
-            for name, default in _MOE_ONLY.items():
+            for name, default in dict(moe_top_k=0, **_MOE_ONLY).items():
                 if getattr(self, name) != default:
                     raise validate.InvalidArgument(
-                        name, f"{default} for a dense model (set moe_experts >= 2 for MoE)",
-                        getattr(self, name))
+                        name, f"{'unset (None)' if default is None else default} for a dense model "
+                        "(set moe_experts >= 2 for MoE)", getattr(self, name))
             return
-        if not (1 <= self.moe_top_k <= self.moe_experts):
-            raise ValueError(f"moe_top_k must be in 1..{self.moe_experts} for an MoE model, "
-                             f"got {self.moe_top_k!r}")
+        validate.integer("moe_top_k", self.moe_top_k, minimum=1, maximum=self.moe_experts)
         if self.moe_ffn is None:
             object.__setattr__(self, "moe_ffn", self.ffn)
         validate.integer("moe_ffn", self.moe_ffn)
