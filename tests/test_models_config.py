@@ -87,8 +87,8 @@ BAD_SHAPES = [
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(position="sinusoidal"), "position must be one of"),
     (dict(moe_experts=1), "moe_experts must be 0 \\(dense\\) or an integer >= 2"),
-    (dict(moe_experts=4, moe_top_k=5), "moe_top_k must be in 1..4"),
-    (dict(moe_top_k=2), "needs moe_experts >= 2"),
+    (dict(moe_experts=4, moe_top_k=5), "moe_top_k must be an integer from 1 to 4, got 5"),
+    (dict(moe_top_k=2), "moe_top_k must be 0 for a dense model \\(set moe_experts >= 2 for MoE\\), got 2"),
     (dict(hidden=60, heads=4, position="rope", kv_heads=4), "rope needs an even head dimension"),
 ]
 

@@ -9,7 +9,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, attention_params
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import PRESETS, get_preset
-from dtlib.cli import main
+from dtlib.cli import build_parser, main
+from dtlib.cli.args import model_from_args
 from dtlib.plan.emit import megatron_flags, unsupported
 
 # Published total and active parameters, in billions, as each source writes them, and whether
@@ -123,15 +124,19 @@ def test_with_rederives_defaults():
     dense = get_preset("mixtral-8x7b").with_(moe_experts=0, moe_top_k=0)
     assert dense.moe_layers == 0 and dense.moe_ffn is None
     assert get_preset("mixtral-8x7b").with_(ffn=1024).moe_ffn == 1024
+    deepseek = get_preset("deepseek-v3")
+    assert deepseek.with_(qk_rope_head_dim=32).head_dim == 160
+    assert deepseek.with_(kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                          v_head_dim=0).head_dim == 7168 // 128
 
 
 BASE = dict(layers=4, hidden=64, heads=4, vocab=100, seq=16)
 MOE = dict(BASE, moe_experts=4, moe_top_k=2)
 MLA = dict(BASE, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 BAD = [
-    (dict(BASE, moe_ffn=32), "moe_ffn must be None for a dense model"),
+    (dict(BASE, moe_ffn=32), "moe_ffn must be unset \\(None\\) for a dense model"),
     (dict(BASE, moe_shared_experts=1), "moe_shared_experts must be 0 for a dense model"),
-    (dict(BASE, moe_capacity_factor=1.0), "moe_capacity_factor must be None for a dense model"),
+    (dict(BASE, moe_capacity_factor=1.0), "moe_capacity_factor must be unset \\(None\\) for a dense model"),
     (dict(MOE, moe_dense_layers=4), "moe_dense_layers must be an integer from 0 to 3, got 4"),
     (dict(MOE, moe_layer_freq=0), "moe_layer_freq must be an integer from 1 to 4, got 0"),
     (dict(MOE, moe_capacity_factor=0.0), "moe_capacity_factor must be a finite number > 0, got 0.0"),
@@ -146,6 +151,7 @@ BAD = [
     (dict(MLA, kv_heads=2), "kv_heads must be equal to heads \\(4\\) with multi-head latent attention"),
     (dict(MLA, head_dim=16), "head_dim must be qk_nope_head_dim \\+ qk_rope_head_dim = 24"),
     (dict(MLA, kv_lora_rank=-1), "kv_lora_rank must be an integer >= 0, got -1"),
+    (dict(MLA, position="rope", qk_rope_head_dim=7), "rope needs an even head dimension, got qk_rope_head_dim = 7"),
     (dict(BASE, sliding_window=-1), "sliding_window must be an integer >= 0, got -1"),
     (dict(BASE, global_attention_every=2), "global_attention_every must be 0 without a sliding window"),
     (dict(BASE, sliding_window=8, global_attention_every=5),
@@ -221,6 +227,10 @@ def test_custom_moe_mla_sliding_model_from_flags(capsys):
 def test_flags_on_a_preset_replace_its_values(capsys):
     code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--experts", "8", "--top-k", "2", "--json")
     assert json.loads(out)["parameters"] == get_preset("llama3-8b").with_(moe_experts=8, moe_top_k=2).num_parameters()
+    args = build_parser().parse_args(["memory", "--model", "mixtral-8x7b", "--capacity-factor", "1.25"])
+    assert model_from_args(args).moe_capacity_factor == 1.25
+    args = build_parser().parse_args(["memory", "--model", "mixtral-8x7b", "--dropless"])
+    assert model_from_args(args) == get_preset("mixtral-8x7b")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -228,10 +238,10 @@ def test_flags_on_a_preset_replace_its_values(capsys):
      "--experts must be 0 \\(dense\\) or an integer >= 2, got '1'"),
     (("flops", "--layers", "2", "--hidden", "64", "--heads", "4", "--experts", "8", "--top-k", "9"),
      "--top-k must be an integer from 1 to 8 \\(the --experts\\), got 9"),
-    (("memory", "--model", "mixtral-8x7b", "--top-k", "9"), "--top-k must be in 1..8"),
+    (("memory", "--model", "mixtral-8x7b", "--top-k", "9"), "--top-k must be an integer from 1 to 8, got 9"),
     (("memory", "--layers", "2", "--hidden", "64", "--heads", "4", "--experts", "8"), "--experts 8 needs --top-k"),
     (("plan", "--model", "llama3-8b", "--top-k", "2", "--gpus", "8", "--global-batch", "8"),
-     "--top-k=2 needs --experts >= 2"),
+     "--top-k must be 0 for a dense model \\(set --experts >= 2 for MoE\\), got 2"),
     (("memory", "--model", "deepseek-v3", "--dense-layers", "61"), "--dense-layers must be an integer from 0 to 60, got 61"),
     (("memory", "--model", "deepseek-v3", "--capacity-factor", "0"), "--capacity-factor must be a finite number > 0, got '0'"),
     (("memory", "--model", "deepseek-v3", "--capacity-factor", "1", "--dropless"), "not allowed with argument"),

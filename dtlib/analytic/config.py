@@ -208,8 +208,10 @@ class TransformerConfig:
             if not ok(**values):
                 raise ValueError(message(**values))
         self._check_attention()
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got head_dim = {self.head_dim}")
+        rotated = self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim  # MLA: only the rope part
+        if self.position == "rope" and rotated % 2:
+            name = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
+            raise ValueError(f"rope needs an even head dimension, got {name} = {rotated}")
         self._check_moe()
         validate.integer("sliding_window", self.sliding_window, minimum=0)
         validate.integer("global_attention_every", self.global_attention_every, minimum=0,
@@ -252,17 +254,13 @@ class TransformerConfig:
         if self.moe_experts == 1:
             raise validate.InvalidArgument("moe_experts", "0 (dense) or an integer >= 2", 1)
         if not self.moe_experts:
-            if self.moe_top_k:
-                raise ValueError(f"moe_top_k={self.moe_top_k} needs moe_experts >= 2 (got a dense model)")
-            for name, default in _MOE_ONLY.items():
+            for name, default in dict(moe_top_k=0, **_MOE_ONLY).items():
                 if getattr(self, name) != default:
                     raise validate.InvalidArgument(
-                        name, f"{default} for a dense model (set moe_experts >= 2 for MoE)",
-                        getattr(self, name))
+                        name, f"{'unset (None)' if default is None else default} for a dense model "
+                        "(set moe_experts >= 2 for MoE)", getattr(self, name))
             return
-        if not (1 <= self.moe_top_k <= self.moe_experts):
-            raise ValueError(f"moe_top_k must be in 1..{self.moe_experts} for an MoE model, "
-                             f"got {self.moe_top_k!r}")
+        validate.integer("moe_top_k", self.moe_top_k, minimum=1, maximum=self.moe_experts)
         if self.moe_ffn is None:
             object.__setattr__(self, "moe_ffn", self.ffn)
         validate.integer("moe_ffn", self.moe_ffn)
@@ -365,8 +363,8 @@ class TransformerConfig:
             changes["head_dim"] = None
         if "ffn" in changes and "moe_ffn" not in changes and self.moe_ffn == self.ffn:
             changes["moe_ffn"] = None
-        if "kv_lora_rank" in changes and "head_dim" not in changes:
-            changes["head_dim"] = None
+        if self.kv_lora_rank or changes.get("kv_lora_rank"):  # MLA on or off: nope + rope, or h / heads
+            changes.setdefault("head_dim", None)
         if changes.get("moe_experts", self.moe_experts) == 0 and self.moe_experts:
             changes = {**_MOE_ONLY, **changes}  # a dense copy of an MoE model drops its MoE fields
         return replace(self, **changes)

@@ -27,9 +27,9 @@ from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params
 
-__all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token", "attention_flops_per_token",
-           "step_flops", "recompute_flops_per_token", "megatron_flops_per_step", "palm_flops_per_token", "six_n_flops_per_token",
-           "utilization", "flops_report", "shape_of", "ATTENTION"]
+__all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token",
+           "attention_flops_per_token", "step_flops", "recompute_flops_per_token", "megatron_flops_per_step",
+           "palm_flops_per_token", "six_n_flops_per_token", "utilization", "flops_report", "shape_of", "ATTENTION"]
 
 ATTENTION = ("full", "causal")
 

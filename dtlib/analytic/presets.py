@@ -76,8 +76,8 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **_LLAMA,
                       source="DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 4.2 (671B total, "
                              "37B active; pre-training seq 4K) and README_WEIGHTS.md (main model "
-                             "671B, 36.6B active incl. the 0.9B output head; the 14B MTP module "
-                             "left out); HF deepseek-ai/DeepSeek-V3 config.json"),
+                             "671B, 36.6B active incl. the 0.9B output head; the MTP module, 11.5B "
+                             "unique parameters, left out); HF deepseek-ai/DeepSeek-V3 config.json"),
     TransformerConfig(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
                       head_dim=128, vocab=151936, seq=4096, ffn=6144, moe_ffn=768, moe_experts=128,
                       moe_top_k=8, **_LLAMA,

@@ -213,33 +213,34 @@ def model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq", type=positive_int, help="sequence length (default: the model's; 2048 for a custom shape)")
     m = p.add_argument_group("mixture of experts and attention variants (docs/models.md; on a preset "
                              "they replace its value)")
-    m.add_argument("--experts", dest="moe_experts", type=expert_count,
+    m.add_argument("--experts", dest="moe_experts", type=expert_count, metavar="E",
                    help="routed experts per MoE layer (0: dense; HF n_routed_experts)")
-    m.add_argument("--top-k", dest="moe_top_k", type=positive_int, help="experts per token, 1..--experts")
-    m.add_argument("--expert-ffn", dest="moe_ffn", type=positive_int,
+    m.add_argument("--top-k", dest="moe_top_k", type=positive_int, metavar="K", help="experts per token, 1..--experts")
+    m.add_argument("--expert-ffn", dest="moe_ffn", type=positive_int, metavar="F",
                    help="FFN width of each expert (HF moe_intermediate_size; default --ffn)")
-    m.add_argument("--shared-experts", dest="moe_shared_experts", type=non_negative_int,
+    m.add_argument("--shared-experts", dest="moe_shared_experts", type=non_negative_int, metavar="S",
                    help="always-active experts, each --expert-ffn wide (DeepSeek n_shared_experts)")
-    m.add_argument("--dense-layers", dest="moe_dense_layers", type=non_negative_int,
+    m.add_argument("--dense-layers", dest="moe_dense_layers", type=non_negative_int, metavar="D",
                    help="first layers with a dense MLP (DeepSeek first_k_dense_replace)")
-    m.add_argument("--moe-layer-freq", dest="moe_layer_freq", type=positive_int,
+    m.add_argument("--moe-layer-freq", dest="moe_layer_freq", type=positive_int, metavar="N",
                    help="every N-th of the other layers is MoE (Megatron --moe-layer-freq; default 1)")
     cap = m.add_mutually_exclusive_group()
-    cap.add_argument("--capacity-factor", dest="moe_capacity_factor", type=positive_float,
+    cap.add_argument("--capacity-factor", dest="moe_capacity_factor", type=positive_float, metavar="C",
                      help="tokens per expert capped at C x the balanced load (default: dropless)")
     cap.add_argument("--dropless", action="store_true", help="no capacity limit (the default)")
-    m.add_argument("--head-dim", dest="head_dim", type=positive_int,
+    m.add_argument("--head-dim", dest="head_dim", type=positive_int, metavar="SIZE",
                    help="attention head size (HF head_dim; default hidden/heads)")
-    m.add_argument("--kv-lora-rank", dest="kv_lora_rank", type=non_negative_int,
+    m.add_argument("--kv-lora-rank", dest="kv_lora_rank", type=non_negative_int, metavar="RANK",
                    help="multi-head latent attention: KV latent size (> 0 turns MLA on; DeepSeek-V2/V3)")
-    m.add_argument("--q-lora-rank", dest="q_lora_rank", type=non_negative_int,
+    m.add_argument("--q-lora-rank", dest="q_lora_rank", type=non_negative_int, metavar="RANK",
                    help="MLA query latent size (0: no query compression)")
     for name, what in (("qk-nope-head-dim", "query/key head size without rope"),
                        ("qk-rope-head-dim", "query/key rope head size"), ("v-head-dim", "value head size")):
-        m.add_argument(f"--{name}", dest=name.replace("-", "_"), type=non_negative_int, help=f"MLA {what}")
-    m.add_argument("--sliding-window", dest="sliding_window", type=non_negative_int,
+        m.add_argument(f"--{name}", dest=name.replace("-", "_"), type=non_negative_int, metavar="SIZE",
+                       help=f"MLA {what}")
+    m.add_argument("--sliding-window", dest="sliding_window", type=non_negative_int, metavar="W",
                    help="keys each query attends to (0: the whole sequence)")
-    m.add_argument("--global-attention-every", dest="global_attention_every", type=non_negative_int,
+    m.add_argument("--global-attention-every", dest="global_attention_every", type=non_negative_int, metavar="K",
                    help="every K-th layer attends to the whole sequence (0: none; GPT-OSS 2)")
 
 
@@ -250,7 +251,7 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", type=gpu_name, default="h100-sxm", help=f"one of {', '.join(ACCELERATORS)}")
     for name in ("tp", "pp", "cp", "ep"):
         g.add_argument(f"--{name}", type=positive_int, default=1)
-    g.add_argument("--etp", type=positive_int, default=1,
+    g.add_argument("--etp", type=positive_int, default=1, metavar="T",
                    help="expert tensor parallel size (Megatron --expert-tensor-parallel-size; default 1)")
     g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
@@ -309,6 +310,8 @@ def _variant(args: argparse.Namespace) -> dict[str, Any]:
     ``--experts`` here, before any model is built."""
     given = {field: getattr(args, field, None) for field in _VARIANT_FLAGS}
     given = {field: value for field, value in given.items() if value is not None}
+    if getattr(args, "dropless", False) and args.params is None:  # a preset's capacity factor goes
+        given["moe_capacity_factor"] = None
     experts, top_k = given.get("moe_experts"), given.get("moe_top_k")
     if experts and top_k is not None and top_k > experts:
         raise ValueError(f"--top-k must be an integer from 1 to {experts} (the --experts), got {top_k}")
