@@ -81,7 +81,7 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
     """Seconds of ``batch`` GEMMs of ``M x K`` by ``K x N`` on ``gpu`` (see the module docstring):
     the larger of the quantized math time (fastest tile of ``tiles``) / ``efficiency`` and the HBM
     time of the operands. A GPU without an SM count in the catalogue gets the plain roofline."""
-    validate.number("efficiency", efficiency, maximum=1)
+    validate.array("efficiency", efficiency, maximum=1)  # a fraction, or one per GEMM
     validate.number("clock", clock, maximum=1)
     for name, x in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         validate.array(name, x, minimum=0, exclusive=False)
@@ -120,7 +120,7 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     run in ``dtype`` (fp8 at the FP8 peak); attention and the LM head stay in bf16 (Transformer
     Engine keeps dot-product attention and, by default, the output layer in BF16)."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
-    validate.number("attention_efficiency", attention_efficiency, maximum=1)
+    validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
     heads, kv_heads, ffn, vocab = n["heads"], n["kv_heads"], n["ffn"], n["vocab"]
