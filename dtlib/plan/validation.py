@@ -237,15 +237,16 @@ def _num(x: float) -> str:
 def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None) -> str:
     unit = METRIC_UNITS
     by_name = {r.name: r for r in PUBLISHED}
-    lines = ["| run | GPUs | published layout | metric | published | predicted | error | GEMM s | attention s "
-             "| fits (GiB/GPU) | rank | gap to best |", "|---" * 12 + "|"]
+    lines = ["| run | GPUs | stack | timed layout | metric | published | predicted | error | GEMM s | attention s "
+             "| fits (GiB/GPU) | rank | gap to best |", "|---" * 13 + "|"]
     for r in rows:
         run, c = by_name[r["name"]], r["config"]
         layout = (f"tp {c['tp']} pp {c['pp']} cp {c['cp']} dp {c['dp']}, {c['recompute']}"
                   f"{', SP' if c['sequence_parallel'] else ''}{', ZeRO ' + str(c['zero']) if c['zero'] else ''}"
                   f", {run.dtype}{', ' + str(int(run.power_limit_w)) + ' W' if run.power_limit_w else ''}"
-                  f" (mb {c['micro_batch']}, v {c['virtual_stages']})")
-        lines.append(f"| {r['name']} | {run.cluster.world_size:,} x {run.family.upper()} | {layout} | "
+                  f" (mb {c['micro_batch']}, v {c['virtual_stages']})"
+                  f"{'; not timed: ' + ', '.join(r['ignored']) if r['ignored'] else ''}")
+        lines.append(f"| {r['name']} | {run.cluster.world_size:,} x {run.family.upper()} | {run.stack} | {layout} | "
                      f"{unit[run.metric]} | {_num(r['published'])} | {_num(r['predicted'])} | "
                      f"{100 * r['error']:+.1f}% | "
                      f"{c['compute_split']['gemm']:.3g} | {c['compute_split']['attention']:.3g} | "
@@ -266,9 +267,9 @@ def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m dtlib.plan.validation [--no-loso] [--no-rank]``: the tables of ``docs/plan.md``."""
+    """``python -m dtlib.plan.validation [--no-loso] [--no-rank]``: the tables of ``docs/validation.md``."""
     ap = argparse.ArgumentParser(description="the planner against published runs: fit, table, LOSO")
-    ap.add_argument("--no-loso", action="store_true", help="skip the grid (the slow part)")
+    ap.add_argument("--no-loso", action="store_true", help="skip the fit and leave-one-source-out")
     ap.add_argument("--no-rank", action="store_true", help="skip ranking the published layouts")
     args = ap.parse_args(argv)
     loso = None
