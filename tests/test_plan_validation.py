@@ -46,7 +46,9 @@ EXPECTED = {
     'llama3-70b FP8-CS, 64 x H100 (Megatron-Bridge 25.11)': (0.0920, False, 1),
     'llama3-405b FP8-CS, 1024 x H100 (Megatron-Bridge 25.11)': (0.1009, False, 2),
     'llama3-8b FP8-CS, 8 x B200 (Megatron-Bridge 25.11)': (0.0728, True, 1),
+    'llama3-8b FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.1129, True, 1),
     'llama3-405b FP8-CS, 128 x B200 (Megatron-Bridge 25.11)': (0.0938, False, 3),
+    'llama3-405b FP8-MX, 128 x B200 (Megatron-Bridge 25.11)': (0.1586, False, 3),
     'GPT3-5B FP8, 64 x H100 (NeMo 24.07)': (0.1364, True, 3),
     'GPT3-20B FP8, 64 x H100 (NeMo 24.07)': (0.1071, True, 90),
     'GPT3-175B FP8, 128 x H100 (NeMo 24.07)': (0.0722, True, 144),
@@ -90,7 +92,7 @@ LOSO = {
     'Korthikanti 2022': (0.60, 0.40, 0.0682, 0.0682),
     'BLOOM 2022': (0.60, 0.40, 0.0030, 0.0030),
     'torchtitan': (0.60, 0.40, 0.1089, 0.1089),
-    'Megatron-Bridge': (0.60, 0.40, 0.0764, 0.0764),
+    'Megatron-Bridge': (0.60, 0.40, 0.0933, 0.0933),
     'NeMo 24.07': (0.60, 0.40, 0.0810, 0.0810),
     'MosaicML llm-foundry': (0.60, 0.35, 0.1430, 0.1263),
     'Trainy H200': (0.60, 0.40, 0.0388, 0.0388),
@@ -122,7 +124,7 @@ def test_every_row_is_pinned(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0959, abs=5e-4)
+    assert mae == pytest.approx(0.0970, abs=5e-4)
 
 
 def test_ten_sources_and_four_gpu_generations():
@@ -140,7 +142,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), source
         assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), source
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
-    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0807, abs=5e-4)
+    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0824, abs=5e-4)
     assert np.mean([d["loso_error"] for d in loso.values()]) <= 0.10
 
 
@@ -163,7 +165,8 @@ def test_published_numbers_are_the_sources():
     assert [by_name[n].published for n in EXPECTED if "(torchtitan T" in n] == [5762, 6667, 8532, 5605, 6514, 8380, 829]
     assert [by_name[n].published for n in EXPECTED if "asyncTP" in n] == [597.3, 652.4, 809.8, 942.4,
                                                                              4378, 4809.4, 5078.1, 5570.1]
-    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292, 30624, 661]
+    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292, 30624, 29521,
+                                                                                   661, 624]
     # Table 1's model sizes follow from the shapes (the paper rounds: 1.65B is printed as 1.7)
     t1 = [by_name[n] for n in EXPECTED if "Narayanan" in n]
     for run, billions in zip(t1, (1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0)):
