@@ -58,6 +58,15 @@ EXPECTED = {
     'LLAMA2-70B FP8, 64 x H100 (NeMo 24.07)': (0.0497, True, 213),
     'LLAMA3-8B FP8, 8 x H100 (NeMo 24.07)': (0.1154, True, 21),
     'LLAMA3-70B FP8, 64 x H100 (NeMo 24.07)': (0.1509, True, 16),
+    'LLAMA2-7B FP8 seq 4K, 4 x H100, CP 1 (NeMo long context)': (0.1158, True, 1),
+    'LLAMA2-7B FP8 seq 8K, 8 x H100, CP 1 (NeMo long context)': (0.1301, True, 3),
+    'LLAMA2-7B FP8 seq 16K, 16 x H100, CP 1 (NeMo long context)': (0.1996, True, 1),
+    'LLAMA2-7B FP8 seq 32K, 32 x H100, CP 2 (NeMo long context)': (0.2157, True, 1),
+    'LLAMA2-7B FP8 seq 64K, 64 x H100, CP 2 (NeMo long context)': (0.2402, True, 2),
+    'LLAMA2-7B FP8 seq 128K, 128 x H100, CP 4 (NeMo long context)': (0.0720, True, 2),
+    'LLAMA2-7B FP8 seq 256K, 256 x H100, CP 8 (NeMo long context)': (0.0277, True, 2),
+    'LLAMA2-7B FP8 seq 512K, 512 x H100, CP 16 (NeMo long context)': (-0.0050, True, 8),
+    'LLAMA2-7B FP8 seq 1024K, 1024 x H100, CP 32 (NeMo long context)': (0.0039, True, 1),
     'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (-0.0836, True, 1),
     'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1280, True, 1),
     'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1128, True, 1),
@@ -93,7 +102,7 @@ LOSO = {
     'BLOOM 2022': (0.60, 0.40, 0.0030, 0.0030),
     'torchtitan': (0.60, 0.40, 0.1089, 0.1089),
     'Megatron-Bridge': (0.60, 0.40, 0.0933, 0.0933),
-    'NeMo 24.07': (0.60, 0.40, 0.0810, 0.0810),
+    'NeMo 2024': (0.60, 0.40, 0.1007, 0.1007),
     'MosaicML llm-foundry': (0.60, 0.35, 0.1430, 0.1263),
     'Trainy H200': (0.60, 0.40, 0.0388, 0.0388),
     'DeepSpeed Azure 2022': (0.60, 0.40, 0.1337, 0.1337),
@@ -124,7 +133,7 @@ def test_every_row_is_pinned(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0970, abs=5e-4)
+    assert mae == pytest.approx(0.0987, abs=5e-4)
 
 
 def test_ten_sources_and_four_gpu_generations():
@@ -142,7 +151,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), source
         assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), source
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
-    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0824, abs=5e-4)
+    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0843, abs=5e-4)
     assert np.mean([d["loso_error"] for d in loso.values()]) <= 0.10
 
 

@@ -43,20 +43,21 @@ def test_no_row_is_there_twice():
 
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs (GB200 and MoE rows wait in pending_runs)."""
-    assert INCLUDE_PENDING is False and len(PUBLISHED) == 72 and len(SOURCES) == 10
+    assert INCLUDE_PENDING is False and len(PUBLISHED) == 81 and len(SOURCES) == 10
     assert Counter(r.source for r in PUBLISHED) == {
-        "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 24.07": 9, "Megatron-Bridge": 7,
+        "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "Megatron-Bridge": 7,
         "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2, "BLOOM 2022": 1}
-    assert Counter(r.family for r in PUBLISHED) == {"h100": 43, "a100": 23, "b200": 4, "h200": 2}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 45, "fp8": 27}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 30, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 52, "a100": 23, "b200": 4, "h200": 2}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 45, "fp8": 36}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 39, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
     assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 51, "hardware_tflops_per_gpu": 14,
-                                                    "step_time_s": 4, "model_tflops_per_gpu": 3}
+                                                    "step_time_s": 4, "model_tflops_per_gpu": 12}
 
 
 def test_published_numbers_are_the_new_sources():
     by_source = {s: [r for r in PUBLISHED if r.source == s] for s in SOURCES}
-    assert [r.published for r in by_source["NeMo 24.07"]] == [23406, 5851, 716, 825, 16934, 8715, 1728, 12273, 1524]
+    assert [r.published for r in by_source["NeMo 2024"]] == [23406, 5851, 716, 825, 16934, 8715, 1728, 12273, 1524,
+                                                             768, 730, 660, 610, 574, 555, 549, 549, 536]
     assert [r.published for r in by_source["Trainy H200"]] == [10938, 10753]
     assert [r.published for r in by_source["DeepSpeed Azure 2022"]] == [204.49, 165.36, 157]
     assert [r.published for r in by_source["Llama 3 2024"]] == [430, 400, 380]

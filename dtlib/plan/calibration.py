@@ -36,7 +36,7 @@ ATTENTION_EFFICIENCY = 0.40
 # FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
 FA2_ON_HOPPER = 0.35 / 0.75
 FITTED_ON = ("the runs of ten sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
-             "Megatron-Bridge 25.11, NeMo 24.07, MosaicML llm-foundry, Trainy's torchtitan on H200, DeepSpeed on "
+             "Megatron-Bridge 25.11, NeMo (24.07 and its long-sequence table), MosaicML llm-foundry, Trainy's torchtitan on H200, DeepSpeed on "
              "Azure, Llama 3 (A100, H100, H200 and B200; dtlib.plan.published)")
 
 

@@ -69,6 +69,10 @@ _NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07 container, DGX-H100, FP8, 
          "docs/source/performance/performance_summary.md 'Pretraining' table "
          "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/docs/source/performance/"
          "performance_summary.md; model shapes nemo/collections/llm/gpt/model/{base,llama}.py at that commit")
+_NEMO_LONG = ("NVIDIA NeMo long-sequence performance, NeMo 24.03.01 container, DGX-H100, LLAMA2-7B FP8, "
+              "docs/source/performance/performance_long_sequence.md, table 'LLAMA2-7B (FP8) - H100', 'With CP' "
+              "columns (TP, PP, DP, CP, TFLOPS/GPU) https://github.com/NVIDIA/NeMo/blob/"
+              "a2c4cc8ee64eb98d83684fc616dd0225c25bdfa1/docs/source/performance/performance_long_sequence.md")
 _MPT = ("MosaicML llm-foundry, 'MPT Training Benchmarks', scripts/train/benchmarking/README.md "
         "https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/scripts/train/"
         "benchmarking/README.md; shapes scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion 4, "
@@ -332,11 +336,33 @@ def _nemo() -> list[PublishedRun]:
             name=f"{label} FP8, {gpus} x H100 (NeMo 24.07)", model=model, cluster=_dgx("h100-sxm", gpus),
             global_batch=batch, layout=dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), virtual_stages=vp,
                                             micro_batch_size=mbs),
-            metric="tokens_per_gpu_s", published=tps, family="h100", source="NeMo 24.07",
+            metric="tokens_per_gpu_s", published=tps, family="h100", source="NeMo 2024",
             reference=_NEMO + f", row {label}, {gpus} GPUs", stack="megatron", dropout=gpt, flash_attention=True,
             dtype="fp8", tp_overlap=1.0 if tp > 1 else 0.0,
             note="recompute, distributed optimizer and sequence parallelism not stated (planner's choice); "
                  "FP8 recipe not stated; GPT3 rows keep Megatron's default dropout 0.1, Llama rows none"))
+    return rows
+
+
+def _nemo_long_context() -> list[PublishedRun]:
+    """NeMo's long-sequence table on DGX-H100: Llama 2 7B, FP8, 4K to 1M tokens with context
+    parallelism; the same NVIDIA source as :func:`_nemo` (one source for leave-one-source-out).
+    The B200 table of the same page is left out: its TP x PP x DP x CP is a quarter of its GPU count."""
+    rows = []
+    # (seq in K, GPUs, batch, TP, PP, DP, CP, TFLOP/s per GPU with CP) -- the table's rows, in order
+    for k, gpus, batch, tp, pp, dp, cp, tflops in (
+            (4, 4, 1024, 1, 1, 4, 1, 768), (8, 8, 512, 1, 2, 4, 1, 730), (16, 16, 256, 2, 1, 8, 1, 660),
+            (32, 32, 128, 2, 1, 8, 2, 610), (64, 64, 64, 4, 1, 8, 2, 574), (128, 128, 32, 4, 1, 8, 4, 555),
+            (256, 256, 16, 4, 1, 8, 8, 549), (512, 512, 8, 8, 1, 4, 16, 549), (1024, 1024, 4, 8, 1, 4, 32, 536)):
+        rows.append(PublishedRun(
+            name=f"LLAMA2-7B FP8 seq {k}K, {gpus} x H100, CP {cp} (NeMo long context)",
+            model=replace(get_preset("llama2-7b"), seq=1024 * k), cluster=_dgx("h100-sxm", gpus),
+            global_batch=batch, layout=dict(tp=tp, pp=pp, dp=dp, cp=cp), metric="model_tflops_per_gpu",
+            published=tflops, family="h100", source="NeMo 2024", reference=_NEMO_LONG + f", row SeqLen {k}K",
+            stack="megatron", dropout=False, flash_attention=True, dtype="fp8", tp_overlap=1.0 if tp > 1 else 0.0,
+            note="micro-batch, recompute, distributed optimizer, SP and interleaving not stated (planner's "
+                 "choice); TFLOPS/GPU read as model FLOPs (NeMo's llama2 formula: attention not halved for "
+                 "causality, as dtlib's 'full' count)"))
     return rows
 
 
@@ -446,8 +472,8 @@ def _llama3() -> list[PublishedRun]:
 
 def published(include_pending: bool = INCLUDE_PENDING) -> list[PublishedRun]:
     """Every row, source by source; with ``include_pending`` also :func:`pending_runs`."""
-    rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _mpt() + _trainy() + _deepspeed()
-            + _llama3())
+    rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _mpt() + _trainy()
+            + _deepspeed() + _llama3())
     return rows + pending_runs() if include_pending else rows
 
 
