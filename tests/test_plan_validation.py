@@ -1,4 +1,4 @@
-"""The validation table of docs/plan.md, pinned row by row: the planner's error against each
+"""The validation table of docs/validation.md, pinned row by row: the planner's error against each
 published run, whether dtlib's memory model lets the published layout fit, and where it ranks;
 the fit of the two global efficiencies and the leave-one-source-out cross-validation.
 A change to the step-time model that moves any row moves this test (and must update the doc:

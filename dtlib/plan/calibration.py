@@ -43,4 +43,4 @@ FITTED_ON = ("the runs of ten sources: Narayanan et al. 2021 T1, Korthikanti et 
 def efficiency_source(gpu: str = "") -> str:
     """Where the compute model's numbers come from (the same for every GPU)."""
     return (f"GEMM efficiency {GEMM_EFFICIENCY:.2f} and FlashAttention efficiency {ATTENTION_EFFICIENCY:.2f}, "
-            f"the same for every GPU, fitted on {FITTED_ON} (docs/plan.md)")
+            f"the same for every GPU, fitted on {FITTED_ON} (docs/validation.md)")
