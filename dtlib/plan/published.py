@@ -308,11 +308,11 @@ def _bridge() -> list[PublishedRun]:
 def _nemo() -> list[PublishedRun]:
     """NeMo 24.07's DGX-H100 pre-training table: FP8, Megatron-Core + Transformer Engine of mid-2024.
     MBS, TP, PP, CP and VP as published; recompute, ZeRO and SP not stated (left to the planner)."""
-    llama = get_preset("llama2-7b")
+    llama, gpt3 = get_preset("llama2-7b"), get_preset("gpt3-175b")
     shapes = {
-        "GPT3-5B": replace(get_preset("gpt3-175b"), name="gpt3-5b", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384,
+        "GPT3-5B": replace(gpt3, name="gpt3-5b", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384,
                            source=_NEMO + " (GPTConfig5B; GPT-2 vocabulary of the gpt3-175b preset)"),
-        "GPT3-20B": replace(get_preset("gpt3-175b"), name="gpt3-20b", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576,
+        "GPT3-20B": replace(gpt3, name="gpt3-20b", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576,
                             source=_NEMO + " (GPTConfig20B; GPT-2 vocabulary of the gpt3-175b preset)"),
         "GPT3-175B": get_preset("gpt3-175b"),
         "LLAMA2-7B": llama,
