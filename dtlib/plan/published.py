@@ -250,12 +250,13 @@ def _trainy() -> list[PublishedRun]:
     return [PublishedRun(
         name=f"Llama 3.1 8B, FSDP {8 * nodes}, compile + Float8, H200 (Trainy)", model=get_preset("llama3-8b"),
         cluster=_dgx("h200", 8 * nodes, "roce-400g"), global_batch=2 * 8 * nodes,
-        layout=dict(dp=8 * nodes, tp=1, pp=1, cp=1, zero=3, micro_batch_size=2),
+        layout=dict(dp=8 * nodes, tp=1, pp=1, cp=1, zero=3, recompute="selective", micro_batch_size=2),
         metric="tokens_per_gpu_s", published=tps, family="h200", source="Trainy H200", reference=_TRAINY +
         f", Results table, NUM_NODES {nodes}", stack="torchtitan", dropout=False, flash_attention=True,
         dtype="fp8", fp8_recipe="tensorwise", attention_scale=FA2_ON_HOPPER,
-        note="activation checkpointing as llama3_8b.toml sets it (not restated in the file: left to the planner); "
-             "RDMA fabric type not stated (timed as 400 Gb/s RoCE)")
+        note="activation checkpointing as llama3_8b.toml sets it at torchtitan e7c0cae (the file's commit): "
+             "mode selective, selective_ac_option op, seq_len 8192; RDMA fabric type not stated (timed as "
+             "400 Gb/s RoCE)")
         for nodes, tps in ((4, 10938), (8, 10753))]
 
 
