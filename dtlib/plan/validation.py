@@ -131,10 +131,11 @@ def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for c in found:
         groups["interleaved" if c["virtual_stages"] > 1 else "1f1b", c["recompute"]].append(c)
-    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "virtual_stages": "virtual_stages",
-             "micro_batch_size": "micro_batch", "num_microbatches": "microbatches", "zero": "zero",
-             "sequence_parallel": "sequence_parallel"}
-    return [(schedule, recompute, {k: np.array([int(c[v]) for c in rows]) for k, v in names.items()})
+    # every integer or boolean knob of a search row is a layout array (any knob search gains is
+    # carried too); two are named differently in the rows (the command line's JSON names)
+    renamed = {"micro_batch": "micro_batch_size", "microbatches": "num_microbatches"}
+    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int))]
+    return [(schedule, recompute, {renamed.get(k, k): np.array([int(c[k]) for c in rows]) for k in knobs})
             for (schedule, recompute), rows in groups.items()]
 
 
