@@ -98,24 +98,24 @@ def test_pending_rows_fail_loudly_until_the_contract_names_exist():
     except ValueError as exc:
         assert any(name in str(exc) for name in ("gb300", "gb200", "deepseek-v3", "gpt-oss-120b", "qwen3"))
     else:
-        assert len(rows) == 23
+        assert len(rows) == 25
 
 
 def test_pending_rows_build_with_stand_in_names(monkeypatch):
     """The pending rows' own arithmetic (layouts, clusters) is right today: with stand-ins for the
-    missing names (B200 for the racks, Llama 3 8B for the MoE presets) all 23 build."""
+    missing names (B200 for the racks, Llama 3 8B for the MoE presets) all 25 build."""
     real_gpu, real_preset = hardware.get_gpu, presets.get_preset
     monkeypatch.setattr(data, "get_preset", lambda name: real_preset(name if name in presets.PRESETS else "llama3-8b"))
     monkeypatch.setattr(hardware, "get_gpu", lambda name: real_gpu("b200" if name.startswith("gb") else name))
     rows = pending_runs()
-    assert len(rows) == 23 and len({r.name for r in rows}) == 23
+    assert len(rows) == 25 and len({r.name for r in rows}) == 25
     for run in rows:
         lay = run.layout
         assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == run.cluster.world_size, run.name
         assert run.global_batch % (lay["dp"] * lay["micro_batch_size"]) == 0, run.name
         assert lay["etp"] == 1 and run.source == "Megatron-Bridge" and run.stack == "megatron"
     racks = [r for r in rows if r.name.split(" x ")[-1].startswith("GB")]
-    assert len(racks) == 16 and {r.cluster.gpus_per_node for r in racks} == {8, 64}
+    assert len(racks) == 18 and {r.cluster.gpus_per_node for r in racks} == {8, 64}
 
 
 def test_untimed_knobs_are_reported_not_dropped():
