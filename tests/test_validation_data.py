@@ -11,7 +11,7 @@ import pytest
 from dtlib.analytic import hardware, presets
 from dtlib.plan import published as data
 from dtlib.plan.published import (INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED, SOURCES, STACKS,
-                                  PublishedRun, pending_runs)
+                                  pending_runs)
 from dtlib.plan.validation import _prediction, error_grid, ignored, predict
 
 

@@ -34,7 +34,8 @@ from dtlib.plan.search import FIXABLE, search
 from dtlib.plan.steptime import StepOptions, as_trained, step_time_arrays
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table",
-           "mean_absolute_error", "fit", "leave_one_source_out", "error_grid", "GEMM_GRID", "ATTENTION_GRID"]
+           "mean_absolute_error", "fit", "leave_one_source_out", "error_grid", "ignored", "GEMM_GRID",
+           "ATTENTION_GRID"]
 
 
 def _metric(config: dict[str, Any], run: PublishedRun) -> float:
