@@ -421,7 +421,10 @@ def _mpt() -> list[PublishedRun]:
             attention_scale=FA2_ON_HOPPER if gpu == "h100" else 1.0,
             note="FSDP FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2; eager PyTorch (no torch.compile); "
                  "A100 fabric 8 x 200 Gb/s per node (the table's header; timed with the HDR link), H100 fabric "
-                 "not stated (timed with 400 Gb/s NDR per GPU); FP8 recipe not stated"))
+                 "not stated (timed with 400 Gb/s NDR per GPU); FP8 recipe not stated"
+                 + ("; precision bf16 with FSDP mixed-precision mode PURE (bf16 parameters and gradient "
+                    "reduction), timed with dtlib's default bf16/fp32 precision" if (size, gpu) == ("70b", "a100")
+                    else "")))
     return rows
 
 
