@@ -268,12 +268,27 @@ def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None
     return "\n".join(lines)
 
 
+def _pins(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]]) -> str:
+    """``EXPECTED`` and ``LOSO`` as ``tests/test_plan_validation.py`` pins them, and the two means."""
+    lines = ["EXPECTED = {"] + [f"    {r['name']!r}: ({r['error']:.4f}, {r['fits']}, {r['rank']})," for r in rows]
+    lines += ["}", "", "LOSO = {"] + [f"    {s!r}: ({d['gemm']:.2f}, {d['attention']:.2f}, {d['loso_error']:.4f}, "
+                                      f"{d['in_sample_error']:.4f})," for s, d in loso.items()]
+    lines += ["}", f"# in-sample mean absolute error over the runs: {mean_absolute_error(rows):.4f}",
+              f"# leave-one-source-out mean over sources: {np.mean([d['loso_error'] for d in loso.values()]):.4f}"]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m dtlib.plan.validation [--no-loso] [--no-rank]``: the tables of ``docs/validation.md``."""
+    """``python -m dtlib.plan.validation [--no-loso] [--no-rank] [--pins]``: the tables of
+    ``docs/validation.md``; ``--pins``: the values ``tests/test_plan_validation.py`` pins instead."""
     ap = argparse.ArgumentParser(description="the planner against published runs: fit, table, LOSO")
     ap.add_argument("--no-loso", action="store_true", help="skip the fit and leave-one-source-out")
     ap.add_argument("--no-rank", action="store_true", help="skip ranking the published layouts")
+    ap.add_argument("--pins", action="store_true", help="print the test's EXPECTED and LOSO dicts instead")
     args = ap.parse_args(argv)
+    if args.pins:
+        print(_pins(validation_table(), leave_one_source_out(error_grid())))
+        return
     loso = None
     if not args.no_loso:
         errors = error_grid()
