@@ -214,3 +214,15 @@ def test_every_row_carries_its_unit(table):
     assert {r["unit"] for r in table.values()} == set(METRIC_UNITS.values())
     for r in table.values():
         assert r["unit"] == METRIC_UNITS[r["metric"]], r["name"]
+
+
+def test_pins_print_what_this_file_pins(table, errors):
+    """``python -m dtlib.plan.validation --pins`` prints these two dicts (to re-pin after a model change)."""
+    import ast
+
+    from dtlib.plan.validation import _pins
+
+    text = _pins(list(table.values()), leave_one_source_out(errors))
+    expected = ast.literal_eval(text[text.index("{"):text.index("}") + 1])
+    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.rindex("}") + 1])
+    assert expected == EXPECTED and loso == LOSO
