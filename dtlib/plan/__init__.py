@@ -8,5 +8,6 @@ search over layouts, a training plan and a cluster topology. Pure arithmetic on 
 * :mod:`~dtlib.plan.search` - every valid, fitting layout, ranked by step time at equal global batch;
 * :mod:`~dtlib.plan.training` - days, GPU-hours, cost, energy, failures, checkpoints, goodput;
 * :mod:`~dtlib.plan.topology` - fat-tree and rail-optimised fabrics, oversubscription;
-* :mod:`~dtlib.plan.validation` - published runs against the planner's predictions, the fit, leave-one-source-out.
+* :mod:`~dtlib.plan.published` - the published runs (data: model, cluster, layout, stack, metric, source and link);
+* :mod:`~dtlib.plan.validation` - those runs against the planner's predictions, the fit, leave-one-source-out.
 """

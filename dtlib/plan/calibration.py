@@ -14,9 +14,9 @@ parameter              value      meaning
 
 Both were fitted once by :func:`dtlib.plan.validation.fit` (a grid search minimising the mean
 absolute log error of the predicted throughput) on the declared training set
-:data:`dtlib.plan.validation.PUBLISHED` (every run of every source), and rounded to the grid.
+:data:`dtlib.plan.published.PUBLISHED` (every run of every source), and rounded to the grid.
 ``python -m dtlib.plan.validation`` refits them and prints the in-sample and leave-one-source-out
-errors (``docs/plan.md``). A power limit, FP8 and the SM count are physics, not fits: they are
+errors (``docs/validation.md``). A power limit, FP8 and the SM count are physics, not fits: they are
 options and catalogue entries (``StepOptions.power_limit_w``, ``dtype``,
 :mod:`dtlib.analytic.hardware`).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 __all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FA2_ON_HOPPER", "FITTED_ON", "efficiency_source"]
 
-# fitted by dtlib.plan.validation.fit on every run of dtlib.plan.validation.PUBLISHED
+# fitted by dtlib.plan.validation.fit on every run of dtlib.plan.published.PUBLISHED
 GEMM_EFFICIENCY = 0.60
 ATTENTION_EFFICIENCY = 0.40
 # FlashAttention-2 on an H100 (PyTorch SDPA's flash backend) against the Hopper kernels that
@@ -35,11 +35,12 @@ ATTENTION_EFFICIENCY = 0.40
 # Shah et al. 2024, 'FlashAttention-3', abstract: FA2 "achieves only 35% utilization on H100",
 # FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
 FA2_ON_HOPPER = 0.35 / 0.75
-FITTED_ON = ("Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
-             "Megatron-Bridge 25.11 (A100, H100 and B200)")
+FITTED_ON = ("the runs of ten sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
+             "Megatron-Bridge 25.11, NeMo (24.07 and its long-sequence table), MosaicML llm-foundry, Trainy's torchtitan on H200, DeepSpeed on "
+             "Azure, Llama 3 (A100, H100, H200 and B200; dtlib.plan.published)")
 
 
 def efficiency_source(gpu: str = "") -> str:
     """Where the compute model's numbers come from (the same for every GPU)."""
     return (f"GEMM efficiency {GEMM_EFFICIENCY:.2f} and FlashAttention efficiency {ATTENTION_EFFICIENCY:.2f}, "
-            f"the same for every GPU, fitted on {FITTED_ON} (docs/plan.md)")
+            f"the same for every GPU, fitted on {FITTED_ON} (docs/validation.md)")

@@ -83,7 +83,7 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
     """Seconds of ``batch`` GEMMs of ``M x K`` by ``K x N`` on ``gpu`` (see the module docstring):
     the larger of the quantized math time (fastest tile of ``tiles``) / ``efficiency`` and the HBM
     time of the operands. A GPU without an SM count in the catalogue gets the plain roofline."""
-    validate.number("efficiency", efficiency, maximum=1)
+    validate.array("efficiency", efficiency, maximum=1)  # a fraction, or one per GEMM
     validate.number("clock", clock, maximum=1)
     for name, x in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         validate.array(name, x, minimum=0, exclusive=False)
@@ -176,7 +176,7 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless; plus the
     shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
-    validate.number("attention_efficiency", attention_efficiency, maximum=1)
+    validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
     heads, ffn, vocab = n["heads"], n["ffn"], n["vocab"]

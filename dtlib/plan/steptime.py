@@ -147,8 +147,8 @@ class StepOptions:
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.one_of("attention", self.attention, ATTENTION)
         for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
-            if getattr(self, name) is not None:  # a fraction of peak
-                validate.number(name, getattr(self, name), maximum=1)
+            if getattr(self, name) is not None:  # a fraction of peak (kernel ones: or an array of them,
+                validate.array(name, getattr(self, name), maximum=1)  # one per layout: validation's grid)
         if self.power_limit_w is not None:
             validate.number("power_limit_w", self.power_limit_w)
         validate.boolean("fused_elementwise", self.fused_elementwise)

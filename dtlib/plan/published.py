@@ -1,0 +1,550 @@
+"""Published training runs: the data the planner is validated on (no logic; :mod:`dtlib.plan.validation`
+predicts, fits and cross-validates).
+
+Each :class:`PublishedRun` is one row of one published table: the model, the cluster, the layout
+as published, the software stack, the precision and the published number, with its source (the
+short name leave-one-source-out holds out) and the reference (citation, link, table and row).
+Knobs a source does not state are left out of ``layout``: the planner picks the fastest setting
+that fits, as ``dtlib plan`` does with the published flags; each row's ``note`` says what was not
+stated and what was assumed. Every number was read from the linked text (``docs/validation.md``
+lists the sources and what each gave).
+
+Rows the current planner cannot express (MoE presets, GB200/GB300 racks: the names of issue 26's
+contract, built by other branches) are built by :func:`pending_runs`, which raises if a name is
+missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBLISHED`.
+
+Over 500 lines because it is ten sources' tables transcribed row by row; splitting it by source
+would scatter the shared conventions (units, stack knobs) that the rows must agree on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.hardware import Cluster, Link, cluster, get_gpu
+from dtlib.analytic.presets import get_preset
+from dtlib.analytic.units import GiB
+from dtlib.plan.calibration import FA2_ON_HOPPER
+
+__all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
+           "published", "pending_runs"]
+
+# the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
+INCLUDE_PENDING = False
+
+# the unit each published metric is quoted in (every row of the table carries its own)
+METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU",
+                "step_time_s": "s/step", "tokens_per_gpu_s": "tokens/s/GPU"}
+# the software stacks of issue 26 (dtlib.plan.stacks)
+STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
+# layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
+LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
+               "virtual_stages", "micro_batch_size")
+
+_NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
+              "Using Megatron-LM', Table 1 (A100 80GB, seq 2048, V 51200, full recomputation; "
+              "TFLOP/s per GPU counted with eq. 3, i.e. hardware FLOPs) https://arxiv.org/abs/2104.04473")
+_KORTHIKANTI = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer "
+                "Models', Table 3 (configurations: seq 2048, V 51200, tp 8, dp 1) and Table 5 (iteration "
+                "time, sequence parallelism + selective recompute) https://arxiv.org/abs/2205.05198")
+_BLOOM = ("BigScience 2022, 'BLOOM', engineering section (384 A100 80GB, 48 nodes, 4 x 100 Gb/s Omni-Path "
+          "per node, tp 4 x pp 12 x dp 8, bf16, ZeRO-1 equivalent BF16Optimizer; 156 TFLOP/s per GPU in the "
+          "fastest configuration) https://arxiv.org/abs/2211.05100, the same 156 TFLOP/s sustained per GENCI "
+          "https://www.genci.fr/en/news/bloom-one-largest-open-multilingual-nlp-models-awarded-best-hpc-"
+          "collaboration-hpc-wire-readers, and train/tr11-176B-ml/tr11-176B-ml.slurm (MBS 2, GBS 2048, "
+          "activation checkpointing) https://github.com/bigscience-workshop/bigscience")
+_TITAN = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e at 500 W, 400 Gb/s "
+          "per GPU, bf16, eager) https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
+          "llama3_h100_202412_torchtitan.md")
+_ASYNC_TP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (same Grand Teton hosts: H100 "
+             "96GB HBM2e, 500 W, 400 Gb/s per GPU; torch.compile) https://github.com/pytorch/torchtitan/blob/"
+             "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md")
+_BRIDGE = ("NVIDIA Megatron-Bridge performance summary, 25.11 NeMo container, seq 8192 (Llama) / 4096 (MoE), "
+           "docs/performance-summary-archive.md '25.11 NeMo Container' "
+           "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/067f987df03b8355b03192d88d70f1709fedf51a/"
+           "docs/performance-summary-archive.md; recipes scripts/performance/configs/*/workload_base_configs.py "
+           "at 166d498a51d6d84ea93e98875b0ed4f7bd096a7e (the 25.11 summary commit)")
+_NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07 container, DGX-H100, FP8, "
+         "docs/source/performance/performance_summary.md 'Pretraining' table "
+         "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/docs/source/performance/"
+         "performance_summary.md; model shapes nemo/collections/llm/gpt/model/{base,llama}.py at that commit")
+_NEMO_LONG = ("NVIDIA NeMo long-sequence performance, NeMo 24.03.01 container, DGX-H100, LLAMA2-7B FP8, "
+              "docs/source/performance/performance_long_sequence.md, table 'LLAMA2-7B (FP8) - H100', 'With CP' "
+              "columns (TP, PP, DP, CP, TFLOPS/GPU) https://github.com/NVIDIA/NeMo/blob/"
+              "a2c4cc8ee64eb98d83684fc616dd0225c25bdfa1/docs/source/performance/performance_long_sequence.md")
+_MPT = ("MosaicML llm-foundry, 'MPT Training Benchmarks', scripts/train/benchmarking/README.md "
+        "https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/scripts/train/"
+        "benchmarking/README.md; shapes scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion 4, "
+        "attn_impl flash), MPTConfig defaults (no dropout, learned positions)")
+_TRAINY = ("Trainy on WhiteFiber, torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (8 H200 per "
+           "host, 400 Gb/s CX-7 per GPU; llama3_8b.toml, local batch 2, torch.compile, Float8 with FSDP float8 "
+           "all-gather) https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
+           "benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md")
+_DEEPSPEED = ("DeepSpeed team 2022, 'Azure empowers easy-to-use, high-performance, and hyperscale model training "
+              "using DeepSpeed', docs/_posts/2022-07-26-deepspeed-azure.md (NDm A100 v4: 8 A100 80GB, one 200 "
+              "Gb/s HDR InfiniBand per GPU; Table 2 shapes; TFLOP/s by the Megatron formula 96 B s l h^2 "
+              "(1 + s/6h + V/16lh), i.e. hardware FLOPs with recomputation) https://github.com/microsoft/"
+              "DeepSpeed/blob/38327e07f6cd39b63418f60cedd1651b0be3e7c3/docs/_posts/2022-07-26-deepspeed-azure.md")
+_LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Sec. 3.3 and Table 4 (405B on 8K/16K H100 80GB at 700 W, "
+           "400 Gb/s RoCE) https://arxiv.org/abs/2407.21783; the numbers as read from the table reproduced at "
+           "https://glennklockwood.com/garden/llama-3.1 (GPUs, TP, CP, PP, tokens per batch, TFLOP/s per GPU; "
+           "Balaji, SC'24) and the 8K-then-128K stages at https://ai-papers.xuzou.cn/papers/llama3_2024")
+
+# torchtitan's hosts: H100 with 96 GB HBM2e and 2.4 TB/s, SXM tensor cores and SMs, run at 500 W
+TITAN_H100 = replace(get_gpu("h100-sxm"), name="h100-96gb", memory_bytes=96 * GiB,
+                     memory_bandwidth=2.4e12, source=_TITAN + ": hardware section")
+# Jean Zay's A100 nodes: 4 Omni-Path 100 Gb/s links per node of 8 GPUs (BLOOM Sec. 3.4)
+OMNI_PATH = Link("omni-path-100", 12.5e9, 14e-6, "Intel Omni-Path 100 Gb/s per link; NCCL Net latency")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run: ``metric`` is a key of :data:`METRIC_UNITS`; ``layout`` the published
+    knobs (keys of :data:`LAYOUT_KEYS`, as published; unstated ones absent); ``stack`` the
+    software (:data:`STACKS`); ``source`` the short name cross-validation leaves out;
+    ``reference`` the citation, link, table and row; ``dtype`` the matmul precision and
+    ``fp8_recipe`` its scaling (``""`` when bf16 or unstated); ``power_limit_w`` the GPUs' power
+    cap (None: TDP). Until :mod:`dtlib.plan.stacks` sets them from ``stack``, the stack's knobs are
+    per row: ``fused_elementwise`` False for eager PyTorch; ``attention_scale`` the attention
+    kernel's utilization relative to FlashAttention-3 class kernels (:data:`FA2_ON_HOPPER` for
+    FlashAttention-2 on Hopper); ``tp_overlap`` the TP communication the software hides."""
+    name: str
+    model: TransformerConfig
+    cluster: Cluster
+    global_batch: int
+    layout: dict[str, Any]
+    metric: str
+    published: float
+    family: str
+    source: str
+    reference: str
+    stack: str
+    dropout: bool = True
+    flash_attention: bool = False
+    dtype: str = "bf16"
+    fp8_recipe: str = ""
+    power_limit_w: float | None = None
+    fused_elementwise: bool = True
+    attention_scale: float = 1.0
+    tp_overlap: float = 0.0
+    note: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRIC_UNITS:
+            raise ValueError(f"{self.name}: metric must be one of {sorted(METRIC_UNITS)}, got {self.metric!r}")
+        if self.stack not in STACKS:
+            raise ValueError(f"{self.name}: stack must be one of {STACKS}, got {self.stack!r}")
+        unknown = set(self.layout) - set(LAYOUT_KEYS)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown layout keys {sorted(unknown)}; valid: {', '.join(LAYOUT_KEYS)}")
+
+    @property
+    def unit(self) -> str:
+        """The published metric's unit."""
+        return METRIC_UNITS[self.metric]
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, source: str, vocab: int = 51200,
+         seq: int = 2048) -> TransformerConfig:
+    return TransformerConfig(name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                             seq=seq, tied_embeddings=True, source=source)
+
+
+def _dgx(gpu: str, gpus: int, inter: str = "ib-ndr") -> Cluster:
+    """A DGX/HGX cluster of ``gpus`` GPUs, 8 per node (fewer: one partial node)."""
+    return cluster(gpu, max(gpus // 8, 1), min(gpus, 8), None, inter)
+
+
+# (billions, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU) -- Table 1, in order
+_TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+# (name, heads, hidden, layers, pp, gpus, global batch, seconds per iteration) -- Tables 3 and 5
+_TABLE5 = [("22B", 64, 6144, 48, 1, 8, 4, 1.10), ("175B", 96, 12288, 96, 8, 64, 64, 13.75),
+           ("530B", 128, 20480, 105, 35, 280, 280, 37.83), ("1T", 160, 25600, 128, 64, 512, 512, 71.49)]
+
+
+def _papers_2021_2022() -> list[PublishedRun]:
+    """Narayanan 2021 Table 1, Korthikanti 2022 Table 5 and BLOOM: Megatron-LM of 2021-22 (fused
+    softmax, scores stored: ``flash_attention`` False)."""
+    rows = []
+    megatron = dict(zero=0, sequence_parallel=0, recompute="full")  # Megatron-LM of 2021
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in _TABLE1:
+        rows.append(PublishedRun(
+            name=f"GPT {billions:g}B (Narayanan T1)",
+            model=_gpt(f"gpt-{billions:g}b", layers, hidden, heads, _NARAYANAN),
+            cluster=cluster("a100-80gb", gpus // 8, 8, "nvlink3", "ib-hdr"), global_batch=batch,
+            layout=dict(megatron, tp=tp, pp=pp, dp=gpus // (tp * pp), cp=1), metric="hardware_tflops_per_gpu",
+            published=tflops, family="a100", source="Narayanan 2021", reference=_NARAYANAN, stack="megatron"))
+    for size, heads, hidden, layers, pp, gpus, batch, seconds in _TABLE5:
+        rows.append(PublishedRun(
+            name=f"GPT {size}, SP + selective (Korthikanti T5)",
+            model=_gpt(f"gpt-{size.lower()}", layers, hidden, heads, _KORTHIKANTI),
+            cluster=cluster("a100-80gb", max(gpus // 8, 1), 8, "nvlink3", "ib-hdr"), global_batch=batch,
+            layout=dict(tp=8, pp=pp, dp=1, cp=1, zero=0, sequence_parallel=1, recompute="selective"),
+            metric="step_time_s", published=seconds, family="a100", source="Korthikanti 2022",
+            reference=_KORTHIKANTI, stack="megatron"))
+    rows.append(PublishedRun(
+        name="BLOOM 176B (BigScience)", model=get_preset("bloom-176b"),
+        cluster=Cluster(get_gpu("a100-80gb"), 48, 8, cluster(intra="nvlink3").intra, OMNI_PATH, nics_per_node=4),
+        global_batch=2048, layout=dict(tp=4, pp=12, dp=8, cp=1, zero=1, sequence_parallel=0, recompute="full",
+                                       micro_batch_size=2),
+        metric="hardware_tflops_per_gpu", published=156, family="a100", source="BLOOM 2022", reference=_BLOOM,
+        stack="deepspeed", dropout=False,
+        note="Megatron-DeepSpeed; vocabulary padded to 250,880 as Megatron-DeepSpeed does; dropout 0"))
+    return rows
+
+
+def _torchtitan() -> list[PublishedRun]:
+    """torchtitan's own benchmark files (PyTorch team, Grand Teton H100 96GB at 500 W)."""
+    rows = []
+    inter = cluster(inter="roce-400g").inter
+    titan = dict(zero=3, sequence_parallel=0, recompute="selective", tp=1, pp=1, cp=1, micro_batch_size=2)
+    hopper = dict(dropout=False, flash_attention=True, power_limit_w=500, attention_scale=FA2_ON_HOPPER,
+                  source="torchtitan", stack="torchtitan", metric="tokens_per_gpu_s", family="h100")
+    for gpus, table, eager, compiled, float8 in ((8, 1, 5762, 6667, 8532), (128, 3, 5605, 6514, 8380)):
+        for label, tps, fused, dtype in (("eager", eager, False, "bf16"), ("compile", compiled, True, "bf16"),
+                                         ("compile + Float8", float8, True, "fp8")):
+            rows.append(PublishedRun(
+                name=f"Llama 3.1 8B, FSDP {gpus}, {label} (torchtitan T{table})", model=get_preset("llama3-8b"),
+                cluster=Cluster(TITAN_H100, gpus // 8, 8, cluster().intra, inter),
+                global_batch=2 * gpus, layout=dict(titan, dp=gpus), published=tps,
+                reference=_TITAN + f", Table {table}: local batch 2, selective AC, FSDP, {label}",
+                fused_elementwise=fused, dtype=dtype, fp8_recipe="tensorwise" if dtype == "fp8" else "", **hopper))
+    rows.append(PublishedRun(
+        name="Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)", model=get_preset("llama3-70b"),
+        cluster=Cluster(TITAN_H100, 32, 8, cluster().intra, inter),
+        global_batch=512, layout=dict(dp=32, tp=8, pp=1, cp=1, zero=3, sequence_parallel=1, recompute="full",
+                                      micro_batch_size=16),
+        published=829, dtype="fp8", fp8_recipe="tensorwise",
+        reference=_TITAN + ", Table 4: 2D (FSDP 32, TP 8), local batch 16, full AC, torch.compile + Float8",
+        **hopper))
+    # asyncTP file: (model, GPUs, dp, local batch, recompute, [(quantization, vanilla, async)])
+    for preset, gpus, dp, local, recompute, label, results in (
+            ("llama3-70b", 256, 32, 16, "full", "full AC", (("bf16", 597.3, 652.4), ("fp8", 809.8, 942.4))),
+            ("llama3-8b", 64, 8, 12, "selective", "per-op SAC", (("bf16", 4378, 4809.4), ("fp8", 5078.1, 5570.1)))):
+        for dtype, vanilla, async_tp in results:
+            for kind, tps, overlap in (("vanilla TP", vanilla, 0.0), ("async TP", async_tp, 1.0)):
+                quant = "float8 tensorwise" if dtype == "fp8" else "bfloat16"
+                rows.append(PublishedRun(
+                    name=f"Llama 3.1 {preset[7:].upper()}, FSDP {dp} x TP 8, {quant}, {kind} (torchtitan asyncTP)",
+                    model=get_preset(preset), cluster=Cluster(TITAN_H100, gpus // 8, 8, cluster().intra, inter),
+                    global_batch=local * dp, layout=dict(dp=dp, tp=8, pp=1, cp=1, zero=3, sequence_parallel=1,
+                                                         recompute=recompute, micro_batch_size=local),
+                    published=tps, dtype=dtype, fp8_recipe="tensorwise" if dtype == "fp8" else "",
+                    tp_overlap=overlap,
+                    reference=_ASYNC_TP + f", table '{preset[7:]} on {gpus} H100s with FSDP={dp}, TP=8, "
+                                          f"torch.compile, {label}, local batch size {local}', row {quant}, {kind}",
+                    note="tokens/s per GPU (torchtitan's logged tps is per device); TP with sequence parallelism "
+                         "(torchtitan's TP shards norms along the sequence); async TP timed as fully overlapped",
+                    **hopper))
+    return rows
+
+
+def _trainy() -> list[PublishedRun]:
+    """Trainy's H200 runs of torchtitan (a separate operator and cluster from the PyTorch team)."""
+    return [PublishedRun(
+        name=f"Llama 3.1 8B, FSDP {8 * nodes}, compile + Float8, H200 (Trainy)", model=get_preset("llama3-8b"),
+        cluster=_dgx("h200", 8 * nodes, "roce-400g"), global_batch=2 * 8 * nodes,
+        layout=dict(dp=8 * nodes, tp=1, pp=1, cp=1, zero=3, recompute="selective", micro_batch_size=2),
+        metric="tokens_per_gpu_s", published=tps, family="h200", source="Trainy H200", reference=_TRAINY +
+        f", Results table, NUM_NODES {nodes}", stack="torchtitan", dropout=False, flash_attention=True,
+        dtype="fp8", fp8_recipe="tensorwise", attention_scale=FA2_ON_HOPPER,
+        note="activation checkpointing as llama3_8b.toml sets it at torchtitan e7c0cae (the file's commit): "
+             "mode selective, selective_ac_option op, seq_len 8192; RDMA fabric type not stated (timed as "
+             "400 Gb/s RoCE)")
+        for nodes, tps in ((4, 10938), (8, 10753))]
+
+
+# (GPU, model, gpus, global batch, layout, tokens/s/GPU) -- the DGX-H100 and DGX-B200 Llama rows of
+# the 25.11 table (FP8-CS); recompute as the recipes (llama3/llama31_workload_base_configs.py) set it;
+# "FSDP 0" rows use Megatron's distributed optimizer (ZeRO-1), the recipes' optimizer default
+_BRIDGE_ROWS = [
+    ("h100-sxm", "llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=3, virtual_stages=1, recompute="none",
+                                           recompute_layers=5, micro_batch_size=1), 14451),
+    ("h100-sxm", "llama3-70b", 64, 128, dict(tp=4, pp=8, cp=1, zero=1, virtual_stages=5, recompute="none",
+                                             sequence_parallel=1, micro_batch_size=1), 1602),
+    ("h100-sxm", "llama3-405b", 1024, 512, dict(tp=8, pp=8, cp=2, zero=1, virtual_stages=8, recompute="none",
+                                                sequence_parallel=1, micro_batch_size=1), 292),
+    ("b200", "llama3-8b", 8, 128, dict(tp=1, pp=1, cp=1, zero=1, virtual_stages=1, recompute="none",
+                                       micro_batch_size=2), 30624),
+    ("b200", "llama3-405b", 128, 64, dict(tp=4, pp=8, cp=2, zero=1, virtual_stages=8, recompute="none",
+                                          sequence_parallel=1, micro_batch_size=1), 661)]
+# the same B200 rows' numbers in parentheses: MXFP8 (the table's footnote: 32 x 32 quantization blocks)
+_BRIDGE_MX = {("b200", "llama3-8b"): 29521, ("b200", "llama3-405b"): 624}
+
+
+def _bridge_run(gpu: str, model: TransformerConfig, gpus: int, batch: int, layout: dict[str, Any], tps: float,
+                dtype: str, recipe: str, system: str, cl: Cluster | None = None, note: str = "") -> PublishedRun:
+    """One row of the Megatron-Bridge 25.11 table (Megatron-Core + Transformer Engine)."""
+    dp = gpus // (layout["tp"] * layout["pp"] * layout["cp"])
+    label = gpu.split("-")[0].upper()
+    return PublishedRun(
+        name=f"{model.name} {recipe}, {gpus} x {label} (Megatron-Bridge 25.11)", model=model,
+        cluster=cl or _dgx(gpu, gpus), global_batch=batch, layout=dict(layout, dp=dp),
+        metric="tokens_per_gpu_s", published=tps, family=gpu.split("-")[0], source="Megatron-Bridge",
+        reference=_BRIDGE + f" ({system} table, row {model.name}, {recipe})", stack="megatron", dropout=False,
+        flash_attention=True, dtype=dtype, fp8_recipe={"FP8-CS": "current", "FP8-MX": "mxfp8"}.get(recipe, ""),
+        tp_overlap=1.0 if layout["tp"] > 1 else 0.0,
+        note=note or "recipe: no recompute except the H100 8B, which recomputes 5 of 32 layers "
+                     "(recompute_layers 5); distributed optimizer (ZeRO-1) unless FSDP; TP communication "
+                     "overlapped (Transformer Engine userbuffers)")
+
+
+def _bridge() -> list[PublishedRun]:
+    rows = []
+    for gpu, preset, gpus, batch, layout, tps in _BRIDGE_ROWS:
+        system = "DGX-H100" if gpu == "h100-sxm" else "DGX-B200"
+        rows.append(_bridge_run(gpu, get_preset(preset), gpus, batch, layout, tps, "fp8", "FP8-CS", system))
+        if (gpu, preset) in _BRIDGE_MX:
+            rows.append(_bridge_run(gpu, get_preset(preset), gpus, batch, layout, _BRIDGE_MX[gpu, preset], "fp8",
+                                    "FP8-MX", system))
+    return rows
+
+
+def _nemo() -> list[PublishedRun]:
+    """NeMo 24.07's DGX-H100 pre-training table: FP8, Megatron-Core + Transformer Engine of mid-2024.
+    MBS, TP, PP, CP and VP as published; recompute, ZeRO and SP not stated (left to the planner)."""
+    llama, gpt3 = get_preset("llama2-7b"), get_preset("gpt3-175b")
+    shapes = {
+        "GPT3-5B": replace(gpt3, name="gpt3-5b", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384,
+                           source=_NEMO + " (GPTConfig5B; GPT-2 vocabulary of the gpt3-175b preset)"),
+        "GPT3-20B": replace(gpt3, name="gpt3-20b", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576,
+                            source=_NEMO + " (GPTConfig20B; GPT-2 vocabulary of the gpt3-175b preset)"),
+        "GPT3-175B": get_preset("gpt3-175b"),
+        "LLAMA2-7B": llama,
+        "LLAMA2-13B": replace(llama, name="llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824,
+                              source=_NEMO + " (Llama2Config13B)"),
+        "LLAMA2-70B": replace(llama, name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+                              source=_NEMO + " (Llama2Config70B)"),
+        "LLAMA3-8B": get_preset("llama3-8b"), "LLAMA3-70B": get_preset("llama3-70b")}
+    # (model, GPUs, GBS, MBS, seq, TP, PP, CP, VP, tokens/s/GPU) -- the table's rows, in order (Nemotron
+    # rows left out: their vocabulary is not in the text read)
+    table = [("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 1, 23406), ("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 1, 5851),
+             ("GPT3-175B", 128, 256, 1, 2048, 4, 8, 1, 6, 716), ("GPT3-175B", 512, 2048, 2, 2048, 4, 8, 1, 6, 825),
+             ("LLAMA2-7B", 8, 128, 1, 4096, 1, 1, 1, 1, 16934), ("LLAMA2-13B", 16, 128, 1, 4096, 1, 4, 1, 10, 8715),
+             ("LLAMA2-70B", 64, 128, 1, 4096, 4, 4, 1, 20, 1728), ("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12273),
+             ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1524)]
+    rows = []
+    for label, gpus, batch, mbs, seq, tp, pp, cp, vp, tps in table:
+        model = replace(shapes[label], seq=seq)
+        gpt = label.startswith("GPT")
+        rows.append(PublishedRun(
+            name=f"{label} FP8, {gpus} x H100 (NeMo 24.07)", model=model, cluster=_dgx("h100-sxm", gpus),
+            global_batch=batch, layout=dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), virtual_stages=vp,
+                                            micro_batch_size=mbs),
+            metric="tokens_per_gpu_s", published=tps, family="h100", source="NeMo 2024",
+            reference=_NEMO + f", row {label}, {gpus} GPUs", stack="megatron", dropout=gpt, flash_attention=True,
+            dtype="fp8", tp_overlap=1.0 if tp > 1 else 0.0,
+            note="recompute, distributed optimizer and sequence parallelism not stated (planner's choice); "
+                 "FP8 recipe not stated; GPT3 rows keep Megatron's default dropout 0.1, Llama rows none"))
+    return rows
+
+
+def _nemo_long_context() -> list[PublishedRun]:
+    """NeMo's long-sequence table on DGX-H100: Llama 2 7B, FP8, 4K to 1M tokens with context
+    parallelism; the same NVIDIA source as :func:`_nemo` (one source for leave-one-source-out).
+    The B200 table of the same page is left out: its TP x PP x DP x CP is a quarter of its GPU count."""
+    rows = []
+    # (seq in K, GPUs, batch, TP, PP, DP, CP, TFLOP/s per GPU with CP) -- the table's rows, in order
+    for k, gpus, batch, tp, pp, dp, cp, tflops in (
+            (4, 4, 1024, 1, 1, 4, 1, 768), (8, 8, 512, 1, 2, 4, 1, 730), (16, 16, 256, 2, 1, 8, 1, 660),
+            (32, 32, 128, 2, 1, 8, 2, 610), (64, 64, 64, 4, 1, 8, 2, 574), (128, 128, 32, 4, 1, 8, 4, 555),
+            (256, 256, 16, 4, 1, 8, 8, 549), (512, 512, 8, 8, 1, 4, 16, 549), (1024, 1024, 4, 8, 1, 4, 32, 536)):
+        rows.append(PublishedRun(
+            name=f"LLAMA2-7B FP8 seq {k}K, {gpus} x H100, CP {cp} (NeMo long context)",
+            model=replace(get_preset("llama2-7b"), seq=1024 * k), cluster=_dgx("h100-sxm", gpus),
+            global_batch=batch, layout=dict(tp=tp, pp=pp, dp=dp, cp=cp), metric="model_tflops_per_gpu",
+            published=tflops, family="h100", source="NeMo 2024", reference=_NEMO_LONG + f", row SeqLen {k}K",
+            stack="megatron", dropout=False, flash_attention=True, dtype="fp8", tp_overlap=1.0 if tp > 1 else 0.0,
+            note="micro-batch, recompute, distributed optimizer, SP and interleaving not stated (planner's "
+                 "choice); TFLOPS/GPU read as model FLOPs (NeMo's llama2 formula: attention not halved for "
+                 "causality, as dtlib's 'full' count)"))
+    return rows
+
+
+# (model, seq, GPUs, GPU, MicroBatchSize, GradAccum, GlobalBatchSize, tokens/s/GPU, precision,
+#  sharding, activation checkpointing) -- rows of the README's tables as printed
+_MPT_ROWS = [
+    # H100 80GB BF16 (Large Scale, >= 128 GPUs)
+    ("70b", 2048, 512, "h100", 8, 1, 4096, 1007, "bf16", "FULL_SHARD", True),
+    ("70b", 2048, 128, "h100", 8, 1, 1024, 1058, "bf16", "FULL_SHARD", True),
+    ("30b", 2048, 128, "h100", 8, 1, 1024, 2199, "bf16", "FULL_SHARD", True),
+    ("13b", 2048, 128, "h100", 16, 1, 2048, 5080, "bf16", "FULL_SHARD", True),
+    ("7b", 2048, 128, "h100", 6, 1, 768, 10475, "bf16", "FULL_SHARD", False),
+    ("3b", 2048, 128, "h100", 8, 1, 1024, 23422, "bf16", "SHARD_GRAD_OP", False),
+    ("1b", 2048, 128, "h100", 12, 1, 1536, 44123, "bf16", "SHARD_GRAD_OP", False),
+    # H100 80GB BF16
+    ("13b", 2048, 8, "h100", 2, 1, 16, 4792, "bf16", "FULL_SHARD", False),
+    ("7b", 8192, 8, "h100", 8, 2, 128, 6935, "bf16", "FULL_SHARD", True),
+    ("1b", 32768, 8, "h100", 1, 4, 32, 12025, "bf16", "FULL_SHARD", False),
+    ("3b", 512, 8, "h100", 40, 6, 1920, 27965, "bf16", "FULL_SHARD", False),
+    # H100 80GB FP8
+    ("3b", 2048, 8, "h100", 10, 6, 480, 30586, "fp8", "FULL_SHARD", False),
+    ("1b", 8192, 8, "h100", 2, 4, 64, 32010, "fp8", "FULL_SHARD", False),
+    # A100 80GB with 1600 Gbps node-node interconnect (RoCE)
+    ("70b", 2048, 64, "a100", 8, 4, 2048, 410, "bf16", "FULL_SHARD", True),
+    ("30b", 2048, 8, "a100", 3, 21, 504, 916, "bf16", "FULL_SHARD", True),
+    ("13b", 2048, 8, "a100", 2, 3, 48, 2262, "bf16", "FULL_SHARD", False),
+    ("7b", 2048, 8, "a100", 6, 2, 96, 4641, "bf16", "FULL_SHARD", False),
+    ("1b", 2048, 8, "a100", 14, 4, 448, 20513, "bf16", "FULL_SHARD", False),
+]
+# mpt-*.yaml: (d_model, n_heads, n_layers)
+_MPT_SHAPES = {"1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+               "30b": (7168, 56, 48), "70b": (8192, 64, 80)}
+
+
+def _mpt() -> list[PublishedRun]:
+    """MosaicML's MPT benchmarks: Composer + PyTorch FSDP, eager, FlashAttention (``attn_impl: flash``)."""
+    rows = []
+    for size, seq, gpus, gpu, mbs, accum, batch, tps, dtype, sharding, checkpointing in _MPT_ROWS:
+        hidden, heads, layers = _MPT_SHAPES[size]
+        model = TransformerConfig(name=f"mpt-{size}", layers=layers, hidden=hidden, heads=heads, vocab=50368,
+                                  seq=seq, ffn=4 * hidden, tied_embeddings=True,
+                                  source=_MPT + f" (mpt-{size}.yaml)")
+        table = {"h100": "H100 80GB BF16 (Large Scale, >= 128 GPUs)" if gpus >= 128 else
+                 "H100 80GB FP8" if dtype == "fp8" else "H100 80GB BF16",
+                 "a100": "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"}[gpu]
+        rows.append(PublishedRun(
+            name=f"MPT-{size.upper()} seq {seq}, {gpus} x {gpu.upper()}, {dtype} (llm-foundry)", model=model,
+            cluster=_dgx("a100-80gb", gpus, "ib-hdr") if gpu == "a100" else _dgx("h100-sxm", gpus),
+            global_batch=batch, layout=dict(dp=gpus, tp=1, pp=1, cp=1, zero=3 if sharding == "FULL_SHARD" else 2,
+                                            recompute="full" if checkpointing else "none", micro_batch_size=mbs),
+            metric="tokens_per_gpu_s", published=tps, family=gpu, source="MosaicML llm-foundry",
+            reference=_MPT + f", table '{table}', row {size} seq {seq} on {gpus} GPUs (micro-batch {mbs}, "
+                             f"grad accum {accum}, {sharding}, activation checkpointing {checkpointing})",
+            stack="fsdp", dropout=False, flash_attention=True, dtype=dtype, fused_elementwise=False,
+            attention_scale=FA2_ON_HOPPER if gpu == "h100" else 1.0,
+            note="FSDP FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2; eager PyTorch (no torch.compile); "
+                 "A100 fabric 8 x 200 Gb/s per node (the table's header; timed with the HDR link), H100 fabric "
+                 "not stated (timed with 400 Gb/s NDR per GPU); FP8 recipe not stated"
+                 + ("; precision bf16 with FSDP mixed-precision mode PURE (bf16 parameters and gradient "
+                    "reduction), timed with dtlib's default bf16/fp32 precision" if (size, gpu) == ("70b", "a100")
+                    else "")))
+    return rows
+
+
+def _deepspeed() -> list[PublishedRun]:
+    """DeepSpeed on Azure (2022): ZeRO-3 data parallelism, no TP/PP, A100 80GB with 200 Gb/s HDR per GPU.
+    Only the rows whose text states GPUs, micro-batch and sequence length are taken."""
+    azure = dict(zero=3, tp=1, pp=1, cp=1, sequence_parallel=0, recompute="full")
+    rows = []
+    for size, layers, hidden, heads, gpus, mbs, seq, tflops, where in (
+            ("175B", 96, 12288, 96, 256, 32, 512, 204.49, "Sec. 'Scaling the 175B and 530B models': peak 204.49 "
+             "TFLOPs/GPU on 256 GPUs with a micro batch size of 32 and sequence length of 512"),
+            ("1T", 128, 25600, 160, 1024, 8, 1024, 165.36, "Sec. 'Scaling the 1T and 2T models': 165.36 TFLOPs/GPU "
+             "for micro batch size of 8 across 1024 GPUs (Figure 7: sequence length 1,024)"),
+            ("2T", 160, 32768, 128, 1024, 8, 1024, 157, "same section: batch size of 8 per GPU, sequence length "
+             "1024, 157 TFLOPs/GPU on 1,024 GPUs")):
+        rows.append(PublishedRun(
+            name=f"GPT {size} ZeRO-3, {gpus} x A100 (DeepSpeed Azure 2022)",
+            model=_gpt(f"gpt-{size.lower()}-ds", layers, hidden, heads, _DEEPSPEED + " Table 2", seq=seq),
+            cluster=cluster("a100-80gb", gpus // 8, 8, "nvlink3", "ib-hdr"), global_batch=mbs * gpus,
+            layout=dict(azure, dp=gpus, micro_batch_size=mbs), metric="hardware_tflops_per_gpu",
+            published=tflops, family="a100", source="DeepSpeed Azure 2022", reference=_DEEPSPEED + ", " + where,
+            stack="deepspeed",
+            note="ZeRO-3 without TP/PP is stated for the 530B model only; vocabulary not stated (51,200 as "
+                 "Megatron-DeepSpeed's GPT-2 default padding); no gradient accumulation assumed; the post offloads "
+                 "activations and optimizer states to CPU memory, which dtlib does not time"))
+    return rows
+
+
+def _llama3() -> list[PublishedRun]:
+    """Llama 3 405B pre-training (Meta's own 4D-parallel PyTorch stack; torchtitan mirrors it)."""
+    rows = []
+    for gpus, cp, seq, tflops, stage in ((8192, 1, 8192, 430, "8K"), (16384, 1, 8192, 400, "8K"),
+                                         (16384, 16, 131072, 380, "128K")):
+        dp = gpus // (8 * 16 * cp)
+        layout = dict(tp=8, pp=16, cp=cp, dp=dp)
+        if seq == 8192:
+            layout["recompute"] = "none"  # Sec. 3.3: no activation checkpointing in the 8K stage
+        rows.append(PublishedRun(
+            name=f"Llama 3 405B, {gpus:,} x H100, seq {seq // 1024}K (Llama 3 T4)",
+            model=replace(get_preset("llama3-405b"), seq=seq), cluster=_dgx("h100-sxm", gpus, "roce-400g"),
+            global_batch=2 ** 24 // seq, layout=layout, metric="model_tflops_per_gpu", published=tflops,
+            family="h100", source="Llama 3 2024", reference=_LLAMA3 + f", row {gpus} GPUs TP 8 CP {cp} PP 16",
+            stack="torchtitan", dropout=False, flash_attention=True, attention_scale=FA2_ON_HOPPER,
+            note=f"{stage} stage; 16M tokens per batch read as 2^24; BF16; ZeRO stage, micro-batch and "
+                 "interleaving not in the text read (planner's choice); TFLOP/s per GPU as Meta counts model "
+                 "FLOPs (BF16 MFU 43/41/38% of 989 TFLOP/s)"))
+    return rows
+
+
+def published(include_pending: bool = INCLUDE_PENDING) -> list[PublishedRun]:
+    """Every row, source by source; with ``include_pending`` also :func:`pending_runs`."""
+    rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _mpt() + _trainy()
+            + _deepspeed() + _llama3())
+    return rows + pending_runs() if include_pending else rows
+
+
+# ---- rows that need issue 26's contract names ------------------------------------------------------
+# (system, model preset, label, GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, tokens/s/GPU):
+# the 25.11 table's rows the planner cannot express today (MoE models; GB300/GB200 racks); the 8B's
+# FP8-MX numbers are the ones in parentheses
+_BRIDGE_PENDING = [
+    ("DGX-GB300", "llama3-8b", "LLAMA3_8B", 8, "FP8-CS", 128, 2, 8192, 0, 1, 1, 1, 1, 1, 37556),
+    ("DGX-GB300", "llama3-8b", "LLAMA3_8B", 8, "FP8-MX", 128, 2, 8192, 0, 1, 1, 1, 1, 1, 36108),
+    ("DGX-GB300", "llama3-70b", "LLAMA3_70B", 64, "FP8-CS", 256, 2, 8192, 64, 1, 1, 1, 1, 1, 4520),
+    ("DGX-GB300", "llama3-405b", "LLAMA3.1_405B", 256, "FP8-CS", 1536, 1, 8192, 0, 2, 8, 2, 4, 1, 999),
+    ("DGX-GB300", "deepseek-v3", "DeepSeekV3 (w/o MTP)", 256, "BF16", 4096, 1, 4096, 0, 1, 2, 1, 4, 32, 3848),
+    ("DGX-GB300", "deepseek-v3", "DeepSeekV3 (w/o MTP)", 256, "FP8-MX", 4096, 1, 4096, 0, 1, 2, 1, 4, 32, 4357),
+    ("DGX-GB300", "gpt-oss-120b", "GPT OSS 120B", 64, "BF16", 1280, 2, 8192, 0, 1, 1, 1, 1, 64, 18347),
+    ("DGX-GB300", "qwen3-30b-a3b", "Qwen3_30B_a3B", 8, "FP8-MX", 512, 4, 4096, 0, 1, 1, 1, 1, 8, 28934),
+    ("DGX-GB300", "qwen3-235b-a22b", "Qwen3_235B_a22B", 256, "BF16", 8192, 2, 4096, 0, 1, 4, 1, 12, 16, 6131),
+    ("DGX-GB200", "llama3-8b", "LLAMA3_8B", 8, "FP8-CS", 128, 2, 8192, 0, 1, 1, 1, 1, 1, 31508),
+    ("DGX-GB200", "llama3-8b", "LLAMA3_8B", 8, "FP8-MX", 128, 2, 8192, 0, 1, 1, 1, 1, 1, 29789),
+    ("DGX-GB200", "llama3-70b", "LLAMA3_70B", 64, "FP8-CS", 256, 2, 8192, 64, 1, 1, 1, 1, 1, 4312),
+    ("DGX-GB200", "llama3-405b", "LLAMA3.1_405B", 256, "FP8-CS", 1536, 1, 8192, 0, 4, 16, 1, 4, 1, 813),
+    ("DGX-GB200", "deepseek-v3", "DeepSeekV3 (w/o MTP)", 256, "BF16", 4096, 1, 4096, 0, 1, 4, 1, 4, 64, 3139),
+    ("DGX-GB200", "deepseek-v3", "DeepSeekV3 (w/o MTP)", 256, "FP8-MX", 4096, 1, 4096, 0, 1, 8, 1, 4, 32, 4018),
+    ("DGX-GB200", "gpt-oss-120b", "GPT OSS 120B", 64, "BF16", 1280, 1, 8192, 0, 1, 1, 1, 1, 64, 15876),
+    ("DGX-GB200", "qwen3-30b-a3b", "Qwen3_30B_a3B", 8, "FP8-MX", 512, 4, 4096, 0, 1, 1, 1, 1, 8, 23766),
+    ("DGX-GB200", "qwen3-235b-a22b", "Qwen3_235B_a22B", 256, "BF16", 8192, 1, 4096, 0, 1, 8, 1, 3, 32, 4916),
+    ("DGX-B200", "deepseek-v3", "DeepSeekV3 (w/ MTP)", 256, "FP8-MX", 2048, 1, 4096, 0, 1, 16, 1, 1, 8, 2139),
+    ("DGX-B200", "gpt-oss-120b", "GPT OSS 120B", 64, "BF16", 512, 4, 4096, 0, 1, 1, 1, 1, 8, 8213),
+    ("DGX-B200", "qwen3-30b-a3b", "Qwen3_30B_a3B", 8, "FP8-MX", 512, 1, 4096, 0, 1, 1, 1, 1, 8, 9299),
+    ("DGX-B200", "qwen3-235b-a22b", "Qwen3_235B_a22B", 64, "FP8-MX", 1024, 1, 4096, 0, 1, 8, 1, 2, 8, 3269),
+    ("DGX-H100", "gpt-oss-120b", "GPT OSS 120B", 64, "BF16", 512, 4, 4096, 0, 1, 4, 1, 1, 8, 5630),
+    ("DGX-H100", "qwen3-30b-a3b", "Qwen3_30B_a3B", 16, "FP8-CS", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 5275),
+    ("DGX-H100", "qwen3-235b-a22b", "Qwen3_235B_a22B", 256, "FP8-CS", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 1575),
+]
+_SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
+
+
+def pending_runs() -> list[PublishedRun]:
+    """The Megatron-Bridge 25.11 rows that need the contract's names (MoE presets, ``gb200``/``gb300``,
+    ``ep``/``etp`` layouts). Raises ValueError naming the first missing preset or GPU: nothing is
+    skipped silently. NVL72 racks: one NVLink domain of the job's GPUs up to 64 per rack (the
+    table does not say how the 256 GPUs sit in 72-GPU racks; 4 x 64 assumed); inter-rack NIC
+    400 Gb/s (GB200) / 800 Gb/s (GB300), not stated in the table."""
+    rows = []
+    for system, preset, label, gpus, recipe, batch, mbs, seq, fsdp, tp, pp, cp, vp, ep, tps in _BRIDGE_PENDING:
+        gpu = _SYSTEMS[system]
+        model = replace(get_preset(preset), seq=seq)
+        if gpu.startswith("gb"):
+            domain = min(gpus, 64)
+            cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-xdr" if gpu == "gb300" else "ib-ndr")
+        else:
+            cl = _dgx(gpu, gpus)
+        layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
+                      micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1))
+        moe = ep > 1 or model.moe_experts > 0
+        note = ("MoE: ETP 1 (recipes' BASE config), token-dropless with force-balanced routing (the table's "
+                "footnote); recompute_modules of the recipe (e.g. moe_act, mla_up_proj, layernorm) not "
+                "expressible: timed as no recompute" if moe else
+                "FSDP 64 = Megatron FSDP (ZeRO-3)" if fsdp else "distributed optimizer (ZeRO-1)")
+        if "w/ MTP" in label:
+            note += "; with the multi-token-prediction layer, which dtlib does not model"
+        run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
+                          system, cl=cl, note=note)
+        rows.append(replace(run, name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} "
+                                      f"(Megatron-Bridge 25.11)"))
+    return rows
+
+
+PUBLISHED: list[PublishedRun] = published()
+SOURCES: tuple[str, ...] = tuple(dict.fromkeys(r.source for r in PUBLISHED))

@@ -1,0 +1,136 @@
+"""The validation data (dtlib.plan.published): every row carries its link, source, metric and unit;
+no row is there twice; the counts per GPU family, precision and stack; the numbers and shapes are
+the sources' (spot checks against the published tables); the rows waiting for issue 26's names
+fail loudly; and the one-pass grid gives the same numbers as one search per grid point."""
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dtlib.analytic import hardware, presets
+from dtlib.plan import published as data
+from dtlib.plan.published import (INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED, SOURCES, STACKS,
+                                  pending_runs)
+from dtlib.plan.validation import _prediction, error_grid, ignored, predict
+
+
+def test_every_row_has_a_link_a_source_a_metric_and_a_unit():
+    for run in PUBLISHED:
+        assert "https://" in run.reference, run.name
+        assert run.source in SOURCES and run.source, run.name
+        assert run.metric in METRIC_UNITS and run.unit == METRIC_UNITS[run.metric] and run.published > 0, run.name
+        assert run.stack in STACKS and set(run.layout) <= set(LAYOUT_KEYS), run.name
+        assert run.dtype in ("bf16", "fp8") and (run.fp8_recipe == "" or run.dtype == "fp8"), run.name
+        if {"dp", "tp", "pp", "cp"} <= set(run.layout):  # a full layout multiplies to the GPU count
+            lay = run.layout
+            assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == run.cluster.world_size, run.name
+
+
+def test_no_row_is_there_twice():
+    """No configuration twice, except one re-measurement across torchtitan's two benchmark files
+    (Llama 3.1 70B, FSDP 32 x TP 8, Float8: 829 tokens/s in Dec 2024, 809.8 with vanilla TP in June 2025)."""
+    assert len({r.name for r in PUBLISHED}) == len(PUBLISHED)
+    rows: dict[tuple, list[str]] = {}
+    for r in PUBLISHED:
+        key = (r.model, r.cluster.gpu.name, r.cluster.world_size, r.cluster.inter.name, r.global_batch,
+               tuple(sorted(r.layout.items())), r.dtype, r.fp8_recipe, r.stack, r.fused_elementwise, r.tp_overlap)
+        rows.setdefault(key, []).append(r.name)
+    twice = [names for names in rows.values() if len(names) > 1]
+    assert twice == [["Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)",
+                      "Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)"]]
+
+
+def test_counts_per_source_family_precision_and_stack():
+    """Issue 26 item 8: at least 8 sources and 60 runs (GB200 and MoE rows wait in pending_runs)."""
+    assert INCLUDE_PENDING is False and len(PUBLISHED) == 81 and len(SOURCES) == 10
+    assert Counter(r.source for r in PUBLISHED) == {
+        "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "Megatron-Bridge": 7,
+        "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2, "BLOOM 2022": 1}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 52, "a100": 23, "b200": 4, "h200": 2}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 45, "fp8": 36}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 39, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 51, "hardware_tflops_per_gpu": 14,
+                                                    "step_time_s": 4, "model_tflops_per_gpu": 12}
+
+
+def test_published_numbers_are_the_new_sources():
+    by_source = {s: [r for r in PUBLISHED if r.source == s] for s in SOURCES}
+    assert [r.published for r in by_source["NeMo 2024"]] == [23406, 5851, 716, 825, 16934, 8715, 1728, 12273, 1524,
+                                                             768, 730, 660, 610, 574, 555, 549, 549, 536]
+    assert [r.published for r in by_source["Trainy H200"]] == [10938, 10753]
+    assert [r.published for r in by_source["DeepSpeed Azure 2022"]] == [204.49, 165.36, 157]
+    assert [r.published for r in by_source["Llama 3 2024"]] == [430, 400, 380]
+    assert [r.published for r in by_source["MosaicML llm-foundry"]] == [
+        1007, 1058, 2199, 5080, 10475, 23422, 44123, 4792, 6935, 12025, 27965, 30586, 32010, 410, 916, 2262, 4641,
+        20513]
+    mx = [r.published for r in by_source["Megatron-Bridge"] if r.fp8_recipe == "mxfp8"]
+    assert mx == [29521, 624]
+
+
+# llm-foundry's NumParams column for the rows' (model, seq): learned positions make it grow with seq
+MPT_PARAMS = {("mpt-70b", 2048): 64862437376, ("mpt-30b", 2048): 29975214080, ("mpt-13b", 2048): 12853954560,
+              ("mpt-7b", 2048): 6658859008, ("mpt-3b", 2048): 2651837440, ("mpt-1b", 2048): 1315950592,
+              ("mpt-7b", 8192): 6684024832, ("mpt-1b", 32768): 1378865152, ("mpt-3b", 512): 2647905280,
+              ("mpt-1b", 8192): 1328533504}
+
+
+def test_model_shapes_give_the_published_parameter_counts():
+    mpt = [r for r in PUBLISHED if r.source == "MosaicML llm-foundry"]
+    for run in mpt:
+        assert run.model.num_parameters() == MPT_PARAMS[run.model.name, run.model.seq], run.name
+
+
+def test_published_run_rejects_bad_rows():
+    run = PUBLISHED[0]
+    with pytest.raises(ValueError, match="stack must be one of"):
+        replace(run, stack="jax")
+    with pytest.raises(ValueError, match="metric must be one of"):
+        replace(run, metric="mfu")
+    with pytest.raises(ValueError, match=r"unknown layout keys \['pipeline'\]"):
+        replace(run, layout={"pipeline": 2})
+
+
+def test_pending_rows_fail_loudly_until_the_contract_names_exist():
+    """Nothing is skipped silently: either every pending row builds, or the first missing name raises."""
+    try:
+        rows = pending_runs()
+    except ValueError as exc:
+        assert any(name in str(exc) for name in ("gb300", "gb200", "deepseek-v3", "gpt-oss-120b", "qwen3"))
+    else:
+        assert len(rows) == 25
+
+
+def test_pending_rows_build_with_stand_in_names(monkeypatch):
+    """The pending rows' own arithmetic (layouts, clusters) is right today: with stand-ins for the
+    missing names (B200 for the racks, Llama 3 8B for the MoE presets) all 25 build."""
+    real_gpu, real_preset = hardware.get_gpu, presets.get_preset
+    monkeypatch.setattr(data, "get_preset", lambda name: real_preset(name if name in presets.PRESETS else "llama3-8b"))
+    monkeypatch.setattr(hardware, "get_gpu", lambda name: real_gpu("b200" if name.startswith("gb") else name))
+    rows = pending_runs()
+    assert len(rows) == 25 and len({r.name for r in rows}) == 25
+    for run in rows:
+        lay = run.layout
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == run.cluster.world_size, run.name
+        assert run.global_batch % (lay["dp"] * lay["micro_batch_size"]) == 0, run.name
+        assert lay["etp"] == 1 and run.source == "Megatron-Bridge" and run.stack == "megatron"
+    racks = [r for r in rows if r.name.split(" x ")[-1].startswith("GB")]
+    assert len(racks) == 18 and {r.cluster.gpus_per_node for r in racks} == {8, 64}
+
+
+def test_untimed_knobs_are_reported_not_dropped():
+    h100_8b = next(r for r in PUBLISHED if r.name.startswith("llama3-8b FP8-CS, 8 x H100"))
+    assert h100_8b.layout["recompute_layers"] == 5  # recipe: recompute_num_layers=5
+    assert predict(h100_8b, rank=False)["ignored"] == ignored(h100_8b)
+
+
+def test_one_pass_grid_equals_one_search_per_point():
+    """error_grid's one step-time pass per run gives :func:`_prediction`'s numbers (same layouts
+    enumerated, fastest picked) on two rows of every source and off-grid efficiencies."""
+    runs = [r for s in SOURCES for r in [x for x in PUBLISHED if x.source == s][:2]]
+    gemm, attention = (0.45, 0.73), (0.22, 0.61)
+    fast = error_grid(gemm, attention, runs=runs)
+    for i, g in enumerate(gemm):
+        for j, a in enumerate(attention):
+            slow = [np.log(_prediction(r, g, a) / r.published) for r in runs]
+            np.testing.assert_allclose(fast[i, j], slow, rtol=0, atol=1e-12)
