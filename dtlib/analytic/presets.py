@@ -87,15 +87,13 @@ class Training:
 # in use trains with fused attention, and today's pre-training recipes use no dropout.
 TODAY = Training(
     flash_attention=True, dropout=False,
-    source="FlashAttention-style attention (PyTorch F.scaled_dot_product_attention, Megatron-Core/"
-           "Transformer Engine DotProductAttention, flash-attn) and no dropout (Llama 3, HF Llama/"
-           "Mistral/Qwen configs: attention_dropout 0.0; Megatron-Bridge recipes: hidden_dropout 0, "
-           "attention_dropout 0)")
+    source="PyTorch SDPA, Transformer Engine DotProductAttention and flash-attn keep no s x s "
+           "scores; HF Llama/Mistral/Qwen configs: attention_dropout 0.0, Megatron-Bridge recipes: "
+           "hidden_dropout 0, attention_dropout 0")
 # The paper's GPT convention: explicit attention storing the scores, dropout everywhere.
 KORTHIKANTI_2022 = Training(
     flash_attention=False, dropout=True,
-    source="Korthikanti et al. 2022, Sec. 4 (GPT: explicit attention, softmax and dropout masks "
-           "stored: 34 + 5as/h bytes per token and hidden unit)")
+    source="Korthikanti et al. 2022, Sec. 4, Table 2: s b h (34 + 5 a s / h) bytes per layer")
 ACTIVATION_CONVENTIONS: dict[str, Training] = {"today": TODAY, "korthikanti-2022": KORTHIKANTI_2022}
 
 
