@@ -234,10 +234,11 @@ def precision_args(p: argparse.ArgumentParser, activations: bool = False) -> Non
     else:
         g.add_argument("--convention", choices=tuple(CONVENTIONS), action="append", metavar="NAME",
                        help=f"a precision convention (overrides the above): {', '.join(CONVENTIONS)}")
-    g.add_argument("--precision", type=precision_choice(("bf16", "fp16", "fp32", "fp8")), default=None,
-                   metavar="{bf16,fp16,fp32,fp8}",
-                   help=PRECISION_HELP + "; fp8: bf16 mixed precision with FP8 matmuls (what the stack "
-                        "then stores); default: the --stack's precision convention")
+    names = ("bf16", "fp16", "fp32", "fp8") if activations else ("bf16", "fp16", "fp32")
+    g.add_argument("--precision", type=precision_choice(names), default=None, metavar="{" + ",".join(names) + "}",
+                   help=PRECISION_HELP + ("; fp8: bf16 mixed precision with FP8 matmuls (what the stack "
+                                          "then stores); default: the --stack's precision convention"
+                                          if activations else "; default bf16"))
     g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", choices=OPTIMIZERS)
     g.add_argument("--fp32-grad-copy", action="store_true", help="Megatron fp16: +4 bytes/param")
@@ -326,7 +327,10 @@ def training_defaults(args: argparse.Namespace, model: "TransformerConfig | floa
     """``flops`` and ``comm``: ``--recompute`` left unset is today's convention
     (:data:`dtlib.analytic.presets.TODAY`): FlashAttention's backward recomputes the attention
     scores (Dao et al. 2022, Sec. 3.1), which is selective recompute's work. Returns the note."""
-    if args.recompute is not None or not isinstance(model, TransformerConfig):
+    if args.recompute is not None:
+        return []
+    if not isinstance(model, TransformerConfig):  # a bare count has no attention to recompute
+        args.recompute = "none"
         return []
     args.recompute = "selective"
     return ["assuming FlashAttention-style attention, whose backward recomputes the attention scores "
