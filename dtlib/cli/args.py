@@ -379,11 +379,14 @@ def conventions_from_args(args: argparse.Namespace) -> tuple[str | None, str | N
 
 def precision_from_args(args: argparse.Namespace):
     """The precision convention of ``--convention``, or of ``--precision``/``--grad-dtype``/
-    ``--optimizer``/``--fp32-grad-copy``; with none of them, the ``--stack``'s (as ``dtlib plan``)."""
+    ``--optimizer``/``--fp32-grad-copy``; bf16 (or fp8) and none of the others: the ``--stack``'s
+    (as ``dtlib plan``; ``dtlib comm`` has no stack: bf16 mixed precision with bf16 gradients)."""
     named = conventions_from_args(args)[1]
     if named:
         return get_precision(named)
-    if args.precision is None and args.grad_dtype is None and args.optimizer is None and not args.fp32_grad_copy:
+    # bf16 (or fp8 matmuls) on this stack: the stack's convention, as dtlib plan counts it
+    if args.precision in (None, "bf16", "fp8") and args.grad_dtype is None and args.optimizer is None \
+            and not args.fp32_grad_copy:
         # dtlib memory has --stack; dtlib comm keeps bf16 mixed precision
         return get_precision(STACKS[args.stack].precision if hasattr(args, "stack") else "bf16-mixed")
     dtype = "bf16" if args.precision in (None, "fp8") else args.precision  # fp8 matmuls: bf16 mixed weights
