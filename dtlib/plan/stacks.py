@@ -155,8 +155,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                                   "attn_implementation='sdpa' (FlashAttention-2 on Hopper)",
               "fused_elementwise": "no fusion unless the model provides it (eager PyTorch)",
               "fused_swiglu": "eager Hugging Face LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))",
-              "fp8_saves_inputs": "no FP8 path of its own",
-              "fp8_recipe": "none",
+              "fp8_saves_inputs": "no FP8 path of its own: GEMM inputs stay BF16",
+              "fp8_recipe": "none of its own (FP8 only through a model built on Transformer Engine)",
               "precision": "ZeRO paper (Rajbhandari et al. 2020) Sec. 3.1: 2 + 2 + 12 bytes/param; DeepSpeed's "
                            "estimate_zero2_model_states_mem_needs counts the same",
           }),
@@ -174,9 +174,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
               "attention_kernel": "llm-foundry MPT yamls attn_config: attn_impl: flash (the flash-attn 2 "
                                   "package)",
               "fused_elementwise": "no torch.compile in llm-foundry's yamls: eager kernels",
-              "fused_swiglu": "eager MLP",
-              "fp8_saves_inputs": "no FP8 in these recipes",
-              "fp8_recipe": "none",
+              "fused_swiglu": "eager MLP (MPT's ffn_type mptmlp is GELU; a SwiGLU model keeps 4 FFN-wide "
+                              "tensors)",
+              "fp8_saves_inputs": "no FP8 in these recipes: GEMM inputs stay BF16",
+              "fp8_recipe": "none in llm-foundry's FSDP yamls (precision: amp_bf16)",
               "precision": "llm-foundry fsdp_config mixed_precision: PURE / DEFAULT: FSDP keeps the fp32 "
                            "flat parameter shards (the master weights) and fp32 gradient shards, Adam "
                            "states fp32: 4 + 4 + 8 bytes/param",
