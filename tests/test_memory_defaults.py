@@ -204,3 +204,18 @@ def test_bad_input_names_the_flag(capsys, argv, message):
     assert message in err and "Traceback" not in err
     with pytest.raises(ValueError, match="recompute_layers must be an integer >= 0"):
         Parallelism(recompute_layers=-1)
+
+
+def test_activation_offload_moves_the_kept_layers_to_cpu():
+    """Megatron-Core --cpu-offloading-num-layers / DeepSpeed cpu_checkpointing: N layers of each
+    chunk keep their activations in CPU memory; one layer's are back on the GPU for its backward."""
+    model = get_preset("llama3-8b")
+    layout = Parallelism(tp=2, dp=4, sequence_parallel=True, recompute="full")
+    kept = memory_per_gpu(model, layout)
+    half = memory_per_gpu(model, layout.with_(activation_offload_layers=16))
+    every = memory_per_gpu(model, layout.with_(activation_offload_layers=32))
+    one_layer = kept.activation_detail["layers"] / 32
+    assert half.activation_detail["layers"] == kept.activation_detail["layers"] / 2 == half.cpu - kept.cpu
+    assert every.activation_detail["layers"] == 0 and every.cpu - kept.cpu == kept.activation_detail["layers"]
+    assert every.activation_detail["offload_buffer"] == one_layer
+    assert every.activations == kept.activations - kept.activation_detail["layers"] + one_layer

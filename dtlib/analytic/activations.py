@@ -160,7 +160,7 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
                          sequence_parallel: Any = False, recompute: str = "none", swiglu: Any = False,
                          dropout: Any = False, flash_attention: Any = True, fused_swiglu: Any = False,
                          fp8_inputs: Any = False, act_bytes: Any = 2, mask_bytes: Any = 1,
-                         logits_bytes: Any = 4, norm_saved: Any = 1,
+                         logits_bytes: Any = 4, norm_saved: Any = 1, offloaded: Any = 0,
                          pp: Any = 1, experts: Any = 0, top_k: Any = 0) -> dict[str, dict[str, Any]]:
     """Activation bytes on the first and the last pipeline rank, by component.
 
@@ -171,7 +171,9 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
     ``layers``: their sum; ``embedding`` and ``output`` once per micro-batch of that chunk;
     ``recompute_buffer``: a fully or per-op recomputed layer is rebuilt during its backward, a
     transient the paper leaves out but the GPU must hold (what the layer would keep without
-    recomputation, less what it keeps anyway).
+    recomputation, less what it keeps anyway). ``offloaded``: the share of each chunk's layers whose
+    kept activations live in CPU memory (``cpu``, not in ``total``); ``offload_buffer``: one of
+    those layers' activations back on the GPU for its backward.
     """
     common = dict(seq=seq, micro_batch_size=micro_batch_size, hidden=hidden, tp=tp, cp=cp,
                   sequence_parallel=sequence_parallel)
@@ -190,9 +192,13 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
     for rank, ends in (("first", (emb, out)), ("last", (out, emb))):
         counts = stored[rank]
         rebuilt = np.where(counts["full"] > 0, whole - full_layer, 0) if recompute != "op" else whole - kept
-        result[rank] = {"layers": counts["full"] * full_layer + counts["rest"] * kept,
+        layers = counts["full"] * full_layer + counts["rest"] * kept
+        reloaded = np.where(counts["rest"] > 0, kept, full_layer)
+        result[rank] = {"layers": (1 - offloaded) * layers, "cpu": offloaded * layers,
+                        "offload_buffer": np.where(offloaded > 0, reloaded, 0) + 0 * full_layer,
                         "embedding": (emb if rank == "first" else _where(single, emb, 0 * emb)) * counts["end"],
                         "output": (out if rank == "last" else _where(single, out, 0 * out)) * counts["end"],
                         "recompute_buffer": rebuilt + 0 * full_layer}
-        result[rank]["total"] = sum(result[rank][k] for k in ("layers", "embedding", "output", "recompute_buffer"))
+        result[rank]["total"] = sum(result[rank][k] for k in ("layers", "embedding", "output", "recompute_buffer",
+                                                              "offload_buffer"))
     return result

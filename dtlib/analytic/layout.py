@@ -45,6 +45,10 @@ class Parallelism:
     ``account_for_embedding_and_loss`` (Megatron-LM ``--account-for-embedding-in-pipeline-split
     --account-for-loss-in-pipeline-split``; Llama 3 paper, Sec. 3.3.2): the embedding and the loss
     each take one layer's slot, so the first and the last model chunk hold one layer fewer.
+    ``activation_offload_layers`` (Megatron-Core ``--cpu-offloading --cpu-offloading-num-layers N``,
+    Transformer Engine ``get_cpu_offload_context``; DeepSpeed ``activation_checkpointing.
+    cpu_checkpointing`` offloads every layer's checkpoint): the activations N layers of each chunk
+    keep move to CPU memory, and one layer's are on the GPU again while its backward runs.
     """
     dp: int = 1
     tp: int = 1
@@ -62,6 +66,7 @@ class Parallelism:
     shard_size: int | None = None
     recompute_layers: int | None = None
     account_for_embedding_and_loss: bool = False
+    activation_offload_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "num_microbatches"):
@@ -73,6 +78,8 @@ class Parallelism:
         validate.boolean("account_for_embedding_and_loss", self.account_for_embedding_and_loss)
         for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE_OPTIONS), ("offload", OFFLOAD)):
             validate.one_of(name, getattr(self, name), valid)
+        if self.activation_offload_layers is not None:
+            validate.integer("activation_offload_layers", self.activation_offload_layers, minimum=0)
         if self.recompute_layers is not None:
             validate.integer("recompute_layers", self.recompute_layers, minimum=0)
             if self.recompute == "full":
@@ -108,7 +115,8 @@ class Parallelism:
 
 
 # categorical options, passed to the formulas as scalars (not in Parallelism.numbers())
-_OPTIONS = ("schedule", "recompute", "offload", "recompute_layers", "account_for_embedding_and_loss")
+_OPTIONS = ("schedule", "recompute", "offload", "recompute_layers", "account_for_embedding_and_loss",
+            "activation_offload_layers")
 
 
 # PyTorch FSDP ShardingStrategy -> (ZeRO stage, hybrid?) (torch.distributed.fsdp docs; Zhao et al.

@@ -100,6 +100,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                   schedule: str = "1f1b", offload: str = "none", dropout: bool = False,
                   flash_attention: bool = True, fused_swiglu: bool = False, fp8_inputs: bool = False,
                   recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
+                  activation_offload_layers: int | None = None,
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
                   overhead_bytes: Any = 0.0) -> dict[str, Any]:
     """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
@@ -108,7 +109,8 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
     (a bare parameter count: no activations) with optional ``largest_layer``. The categorical
     options (``recompute``, ``schedule``, ``offload``, ``recompute_layers``,
-    ``account_for_embedding_and_loss``) are :class:`~dtlib.analytic.layout.Parallelism`'s; the
+    ``account_for_embedding_and_loss``, ``activation_offload_layers``) are
+    :class:`~dtlib.analytic.layout.Parallelism`'s; the
     activation conventions (``dropout``, ``flash_attention``, ``fused_swiglu``, ``fp8_inputs``)
     are :func:`dtlib.analytic.activations.stored_layer_bytes`'s.
     """
@@ -128,17 +130,21 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
         partial = n["layers"] if recompute == "full" else recompute_layers
         stored = stored_layer_microbatches(schedule, n["layers"], n["pp"], n["num_microbatches"],
                                            n["virtual_stages"], balanced, partial)
+        per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
+        offloaded = np.minimum(activation_offload_layers or 0, per_chunk) / per_chunk
         act = activation_breakdown(
             seq=n["seq"], micro_batch_size=n["micro_batch_size"], hidden=n["hidden"], heads=n["heads"],
             kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"], stored=stored, tp=n["tp"], cp=n["cp"],
             pp=n["pp"], sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
             dropout=dropout, flash_attention=flash_attention, fused_swiglu=fused_swiglu,
-            fp8_inputs=fp8_inputs, act_bytes=prec.activation, mask_bytes=mask_bytes,
+            fp8_inputs=fp8_inputs, offloaded=offloaded, act_bytes=prec.activation, mask_bytes=mask_bytes,
             logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"])
     for s in ("first", "last"):
         st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
                                zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], offload=offload)
         st["activations"] = act[s]["total"] if shaped else None
+        if shaped:
+            st["cpu"] = st["cpu"] + act[s].pop("cpu")
         st["overhead"] = overhead_bytes + 0 * st["parameters"]
         st["total"] = (st["parameters"] + st["gradients"] + st["optimizer"] + st["temporary"]
                        + st["overhead"] + (st["activations"] if shaped else 0))
@@ -253,7 +259,7 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
                       offload=layout.offload, **memory_options(counted, chosen_stack, dtype),
                       recompute_layers=layout.recompute_layers,
                       account_for_embedding_and_loss=layout.account_for_embedding_and_loss,
-                      mask_bytes=mask_bytes, logits_bytes=logits_bytes, norm_saved=norm_saved,
+                      activation_offload_layers=layout.activation_offload_layers, mask_bytes=mask_bytes, logits_bytes=logits_bytes, norm_saved=norm_saved,
                       overhead_bytes=overhead_bytes)
     detail = {k.split(".", 1)[1]: float(v) for k, v in r.items() if k.startswith("activations.")}
     notes = [f"precision: {prec.name} ({prec.total:g} bytes/param before sharding)"]

@@ -292,7 +292,8 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
                        virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
                        num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
                        offload=args.offload, recompute_layers=args.recompute_layers,
-                       account_for_embedding_and_loss=args.account_for_embedding_and_loss)
+                       account_for_embedding_and_loss=args.account_for_embedding_and_loss,
+                       activation_offload_layers=args.activation_offload_layers)
 
 
 def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
@@ -345,6 +346,9 @@ def recompute_detail_args(g: Any) -> None:
     g.add_argument("--account-for-embedding-and-loss", action="store_true",
                    help="Megatron --account-for-embedding-in-pipeline-split --account-for-loss-in-"
                         "pipeline-split: the first and last chunk hold one layer fewer (Llama 3, Sec. 3.3.2)")
+    g.add_argument("--activation-offload-layers", type=non_negative_int, default=None, metavar="N",
+                   help="Megatron --cpu-offloading-num-layers N / DeepSpeed cpu_checkpointing: the activations "
+                        "of N layers of each chunk kept in CPU memory")
 
 
 def convention_args(g: Any, precision: bool = True) -> None:

@@ -143,7 +143,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
-                                           "zero", "recompute", "sequence_parallel", "recompute_layers")
+                                           "zero", "recompute", "sequence_parallel", "recompute_layers",
+                                           "activation_offload_layers")
              if getattr(args, k) is not None}
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True

@@ -38,9 +38,9 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "zero", "recompute",
-           "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss")
+           "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers")
 # layout options that are not searched, only given (Parallelism's fields of the same names)
-_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False}
+_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None}
 
 
 def _divisors(n: int) -> list[int]:
