@@ -38,9 +38,12 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "zero", "recompute",
-           "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers")
+           "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
+           "offload")
 # layout options that are not searched, only given (Parallelism's fields of the same names)
-_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None}
+# (offload moves optimizer/parameter shards to CPU memory; the step time does not time CPU Adam)
+_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None,
+          "offload": "none"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -149,7 +152,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
     options, dropout = resolve(options, dropout)
     given = {k: fixed.pop(k, v) for k, v in _GIVEN.items()}
-    Parallelism(**{k: v for k, v in given.items()})  # checks the given options (ranges, types)
+    Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
     prec = get_precision(options.precision)
     capacity = headroom * cluster.gpu.memory_bytes
     peak = cluster.gpu.peak("bf16")
@@ -169,10 +172,10 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved")
         if grid["dp"].size == 0:
             continue
-        n, valid = layout_arrays(model, grid, schedule, "none", on_invalid="nan")
+        n, valid = layout_arrays(model, grid, schedule, given["offload"], on_invalid="nan")
         if not valid.any():
             try:
-                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, "none", on_invalid="raise")
+                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, given["offload"], on_invalid="raise")
             except ValueError as exc:
                 broken = broken or str(exc).split(": ", 1)[-1]
         for recompute in recomputes:
