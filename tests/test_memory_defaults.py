@@ -12,7 +12,7 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import GiB, memory_per_gpu
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
-from dtlib.plan.steptime import StepOptions, step_time
+from dtlib.plan.steptime import step_time
 
 LLAMA405 = get_preset("llama3-405b")
 # Llama 3 paper, Sec. 3.3 and Table 4: 8,192 H100s, tp 8, cp 1, pp 16, dp 64, 16M tokens per
