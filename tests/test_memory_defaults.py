@@ -219,3 +219,26 @@ def test_activation_offload_moves_the_kept_layers_to_cpu():
     assert every.activation_detail["layers"] == 0 and every.cpu - kept.cpu == kept.activation_detail["layers"]
     assert every.activation_detail["offload_buffer"] == one_layer
     assert every.activations == kept.activations - kept.activation_detail["layers"] + one_layer
+
+
+def test_the_new_layout_options_are_emitted_for_megatron_or_refused():
+    from dtlib.plan.emit import megatron_flags, unsupported
+
+    layout = LLAMA3.with_(zero=1, account_for_embedding_and_loss=True, recompute_layers=2)
+    flags = " ".join(megatron_flags(layout, LLAMA405, 2048))
+    assert "--num-layers-per-virtual-pipeline-stage 2" in flags  # (126 + 2) / (16 x 4)
+    assert "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split" in flags
+    assert "--recompute-granularity full --recompute-method block --recompute-num-layers 2" in flags
+    assert "recompute_layers=2 with recompute='selective' is not emitted for megatron" in \
+        unsupported("megatron", layout.with_(recompute="selective"), LLAMA405, 2048)[0]
+    refused = " ".join(unsupported("torchtitan", layout.with_(activation_offload_layers=1), LLAMA405, 2048))
+    assert "account_for_embedding_and_loss is not emitted for torchtitan" in refused
+    assert "activation_offload_layers is not emitted for torchtitan" in refused
+
+
+def test_per_op_checkpointing_step_time_recomputes_gemms_not_attention():
+    model, c = get_preset("llama3-8b"), cluster("h100-sxm", 1, 8)
+    layout = Parallelism(dp=8, zero=3)
+    none, op, full = (step_time(model, layout.with_(recompute=r), c) for r in ("none", "op", "full"))
+    assert none.step_time < op.step_time < full.step_time
+    assert none.hardware_flops < op.hardware_flops < full.hardware_flops
