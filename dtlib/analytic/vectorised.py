@@ -22,7 +22,7 @@ from dtlib.analytic.memory import memory_options, model_numbers, per_gpu_bytes
 from dtlib.analytic.presets import activation_convention
 from dtlib.plan.stacks import get_stack
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, broken_rules
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, broken_rules
 from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
@@ -92,7 +92,7 @@ def memory_batch(cfg: "TransformerConfig | None" = None, *, precision: "Precisio
 
     Without ``cfg`` pass ``params=`` (bare counts; activations come back as None).
     """
-    for name, value, valid in (("recompute", recompute, RECOMPUTE), ("schedule", schedule, SCHEDULES),
+    for name, value, valid in (("recompute", recompute, RECOMPUTE_OPTIONS), ("schedule", schedule, SCHEDULES),
                                ("offload", offload, OFFLOAD)):
         validate.one_of(name, value, valid)
     counted, _ = activation_convention(convention, flash_attention, dropout)

@@ -188,7 +188,6 @@ def layout_args(p: argparse.ArgumentParser) -> None:
                         "s^2 attention terms (FlashAttention's footprint already), 'full' keeps each "
                         "layer's input, 'op' is torchtitan's per-op selective checkpointing (default "
                         "none; flops and comm: selective, FlashAttention's backward recomputing the scores)")
-    recompute_detail_args(g)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
@@ -291,9 +290,9 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                        virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
                        num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
-                       offload=args.offload, recompute_layers=args.recompute_layers,
-                       account_for_embedding_and_loss=args.account_for_embedding_and_loss,
-                       activation_offload_layers=args.activation_offload_layers)
+                       offload=args.offload, recompute_layers=getattr(args, "recompute_layers", None),
+                       account_for_embedding_and_loss=getattr(args, "account_for_embedding_and_loss", False),
+                       activation_offload_layers=getattr(args, "activation_offload_layers", None))
 
 
 def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
@@ -339,7 +338,8 @@ def training_defaults(args: argparse.Namespace, model: "TransformerConfig | floa
 
 
 def recompute_detail_args(g: Any) -> None:
-    """``--recompute-layers`` and ``--account-for-embedding-and-loss`` (memory and plan)."""
+    """``--recompute-layers``, ``--account-for-embedding-and-loss`` and ``--activation-offload-layers``
+    (memory and plan: what the layout keeps; flops and comm do not count them)."""
     g.add_argument("--recompute-layers", type=non_negative_int, default=None, metavar="N",
                    help="Megatron --recompute-method block --recompute-num-layers N: the first N layers "
                         "of each model chunk fully recomputed, the others as --recompute says")

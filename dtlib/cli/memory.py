@@ -7,7 +7,8 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.cli.args import (checked_layout, conventions_from_args, emit, format_gib, layout_args, model_args,
-                            model_from_args, parse_count, parse_size, precision_args, precision_from_args, table)
+                            model_from_args, parse_count, parse_size, precision_args, precision_from_args,
+                            recompute_detail_args, table)
 
 __all__ = ["add_memory_command", "run_memory"]
 
@@ -31,6 +32,7 @@ def add_memory_command(sub: Any) -> None:
     p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)",
                        description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_args(p), layout_args(p), precision_args(p, activations=True)
+    recompute_detail_args(p.add_argument_group("what the layout keeps (docs/stacks.md)"))
     p.add_argument("--largest-layer", type=parse_count,
                    help="ZeRO-3 gather unit in parameters, e.g. 32M (needed with --params: a bare "
                         "count has no layers, so the gather buffer is 0 without it)")
