@@ -121,9 +121,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
           sources={
               "tp_overlap": _TITAN + "parallelism.enable_async_tensor_parallel = False (async TP needs "
                             "torch.compile)",
-              "dp_overlap": "FSDP2 fully_shard prefetches the next block's all-gather forward and "
-                            "backward (implicit prefetching, Zhao et al. 2023 'PyTorch FSDP' Sec. 3.3); "
-                            "reduce-scatters run on their own stream",
+              "dp_overlap": "FSDP2 fully_shard issues each block's all-gather and reduce-scatter on "
+                            "their own streams, the next block's all-gather ahead of its compute (implicit "
+                            "prefetching; FSDP1's backward/forward prefetch: Zhao et al. 2023 'PyTorch "
+                            "FSDP', Sec. 3.3)",
               "cp_overlap": _TITAN + "parallelism.context_parallel_rotate_method = 'allgather': K/V "
                             "shards all-gathered before the sub-SDPAs, not overlapped",
               "attention_kernel": "torchtitan Llama attention calls F.scaled_dot_product_attention; on "
