@@ -39,7 +39,8 @@ METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu"
 STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
 # layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
-               "virtual_stages", "micro_batch_size")
+               "virtual_stages", "micro_batch_size", "account_for_embedding_and_loss", "activation_offload_layers",
+               "offload")
 
 _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
               "Using Megatron-LM', Table 1 (A100 80GB, seq 2048, V 51200, full recomputation; "
@@ -208,7 +209,9 @@ def _torchtitan() -> list[PublishedRun]:
     """torchtitan's own benchmark files (PyTorch team, Grand Teton H100 96GB at 500 W)."""
     rows = []
     inter = cluster(inter="roce-400g").inter
-    titan = dict(zero=3, sequence_parallel=0, recompute="selective", tp=1, pp=1, cp=1, micro_batch_size=2)
+    # "selective AC" in torchtitan is per-op unless the file says layer-wise: job_config's
+    # activation_checkpoint.selective_ac_option defaults to "op" (dtlib.analytic.activations.op_selective_bytes)
+    titan = dict(zero=3, sequence_parallel=0, recompute="op", tp=1, pp=1, cp=1, micro_batch_size=2)
     hopper = dict(power_limit_w=500,
                   source="torchtitan", stack="torchtitan", metric="tokens_per_gpu_s", family="h100")
     for gpus, table, eager, compiled, float8 in ((8, 1, 5762, 6667, 8532), (128, 3, 5605, 6514, 8380)):
@@ -231,7 +234,7 @@ def _torchtitan() -> list[PublishedRun]:
     # asyncTP file: (model, GPUs, dp, local batch, recompute, [(quantization, vanilla, async)])
     for preset, gpus, dp, local, recompute, label, results in (
             ("llama3-70b", 256, 32, 16, "full", "full AC", (("bf16", 597.3, 652.4), ("fp8", 809.8, 942.4))),
-            ("llama3-8b", 64, 8, 12, "selective", "per-op SAC", (("bf16", 4378, 4809.4), ("fp8", 5078.1, 5570.1)))):
+            ("llama3-8b", 64, 8, 12, "op", "per-op SAC", (("bf16", 4378, 4809.4), ("fp8", 5078.1, 5570.1)))):
         for dtype, vanilla, async_tp in results:
             for kind, tps, overlap in (("vanilla TP", vanilla, 0.0), ("async TP", async_tp, 1.0)):
                 quant = "float8 tensorwise" if dtype == "fp8" else "bfloat16"
@@ -255,7 +258,7 @@ def _trainy() -> list[PublishedRun]:
     return [PublishedRun(
         name=f"Llama 3.1 8B, FSDP {8 * nodes}, compile + Float8, H200 (Trainy)", model=get_preset("llama3-8b"),
         cluster=_dgx("h200", 8 * nodes, "roce-400g"), global_batch=2 * 8 * nodes,
-        layout=dict(dp=8 * nodes, tp=1, pp=1, cp=1, zero=3, recompute="selective", micro_batch_size=2),
+        layout=dict(dp=8 * nodes, tp=1, pp=1, cp=1, zero=3, recompute="op", micro_batch_size=2),
         metric="tokens_per_gpu_s", published=tps, family="h200", source="Trainy H200", reference=_TRAINY +
         f", Results table, NUM_NODES {nodes}", stack="torchtitan", fused_elementwise=True,
         dtype="fp8", fp8_recipe="tensorwise",
@@ -447,12 +450,16 @@ def _deepspeed() -> list[PublishedRun]:
             name=f"GPT {size} ZeRO-3, {gpus} x A100 (DeepSpeed Azure 2022)",
             model=_gpt(f"gpt-{size.lower()}-ds", layers, hidden, heads, _DEEPSPEED + " Table 2", seq=seq),
             cluster=cluster("a100-80gb", gpus // 8, 8, "nvlink3", "ib-hdr"), global_batch=mbs * gpus,
-            layout=dict(azure, dp=gpus, micro_batch_size=mbs), metric="hardware_tflops_per_gpu",
+            # "offloads activations and optimizer states to CPU memory" (the post): ZeRO-Offload of
+            # the optimizer and DeepSpeed's cpu_checkpointing of every layer's checkpoint
+            layout=dict(azure, dp=gpus, micro_batch_size=mbs, offload="optimizer", activation_offload_layers=layers),
+            metric="hardware_tflops_per_gpu",
             published=tflops, family="a100", source="DeepSpeed Azure 2022", reference=_DEEPSPEED + ", " + where,
             stack="deepspeed", convention="korthikanti-2022", fused_elementwise=True,  # Megatron-DeepSpeed GPT
             note="ZeRO-3 without TP/PP is stated for the 530B model only; vocabulary not stated (51,200 as "
                  "Megatron-DeepSpeed's GPT-2 default padding); no gradient accumulation assumed; the post offloads "
-                 "activations and optimizer states to CPU memory, which dtlib does not time"))
+                 "activations and optimizer states to CPU memory: counted in memory, not timed (dtlib does not "
+                 "time CPU Adam or the PCIe transfers)"))
     return rows
 
 
@@ -462,7 +469,8 @@ def _llama3() -> list[PublishedRun]:
     for gpus, cp, seq, tflops, stage in ((8192, 1, 8192, 430, "8K"), (16384, 1, 8192, 400, "8K"),
                                          (16384, 16, 131072, 380, "128K")):
         dp = gpus // (8 * 16 * cp)
-        layout = dict(tp=8, pp=16, cp=cp, dp=dp)
+        # Sec. 3.3.2: one layer fewer on the first and the last stage, to balance their memory
+        layout = dict(tp=8, pp=16, cp=cp, dp=dp, account_for_embedding_and_loss=True)
         if seq == 8192:
             layout["recompute"] = "none"  # Sec. 3.3: no activation checkpointing in the 8K stage
         rows.append(PublishedRun(

@@ -240,7 +240,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     if recompute == "op":
         h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
         recomputed = h * kv_dim + h * h + h * f   # wk, wo, and w3 (SwiGLU) or fc2 (GELU)
-        share = recomputed / matmul_params_per_layer(h, n["heads"], n["kv_heads"], f, n["mlp_matrices"])
+        share = recomputed * n["layers"] / layers_matmul_params(**n)  # of a mean layer's weights
         return _mixed(_terms(n, cluster, "none", schedule, options, dropout),
                       _terms(n, cluster, "full", schedule, options, dropout), share, 0 * share)
     if recompute_layers:
