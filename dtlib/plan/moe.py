@@ -48,7 +48,26 @@ from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
-           "all_to_all_time", "ep_comm_time"]
+           "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
+           "permutation_bytes"]
+
+# Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
+# MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
+# moe_utils.permute / unpermute / sort_chunks_by_idxs, Megatron-Core 0.16):
+# forward, "Permutation 1" (permute: gather each token's top_k copies, read + write: 2) and unpermute
+# after the combine all-to-all (read the routed outputs, weight by the router probabilities and sum the
+# top_k copies of each token: 1 read, plus one write of the tokens' h, counted apart); backward, the
+# same kernels transposed (unpermute's gradient scatters the output gradient to the copies: 1 write +
+# the tokens' read; permute's gradient reads the copies and sums them: 2).
+PERMUTE_PASSES = 6
+# "Permutation 2" (sort_chunks_by_idxs: the tokens received from the EP peers regrouped by local
+# expert, read + write) after the dispatch all-to-all and its inverse before the combine one, forward
+# and backward: 8 passes, made only when a rank holds more than one expert (num_local_experts > 1).
+SORT_PASSES = 8
+# of those, the passes the elementwise term already counts: the experts' stored input (one h-sized
+# routed copy per token and expert, dtlib.analytic.activations.layer_bytes) is written forward, read and
+# its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
+STORED_PASSES = 3
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
@@ -129,3 +148,26 @@ def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, 
     etp_time = np.where(within, collective_time("all_gather", gathered, etp, intra),
                         collective_time("all_gather", gathered, etp, inter))
     return {"all_to_all": a2a, "etp": calls * etp_time, "bytes_per_call": nbytes}
+
+
+def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, local_experts: Any,
+                      act_bytes: float) -> Any:
+    """HBM bytes the token permutation kernels move per MoE layer and micro-batch on the busiest rank,
+    forward and backward, beyond the stored expert input the elementwise term counts.
+
+    ``tokens`` (``b s / (cp tp)``) are the rank's sequence-parallel shard; the routed copies are
+    ``tokens x top_k x load`` rows of ``h`` (``load``: :func:`expert_load`). Megatron-Core's
+    alltoall dispatcher permutes them before the dispatch all-to-all and unpermutes them after the
+    combine (:data:`PERMUTE_PASSES`; the unpermute also reads/writes the ``tokens x h`` of the
+    layer's output and its gradient: 2 passes of that), and with more than one local expert sorts
+    the received rows by expert and back (:data:`SORT_PASSES`; on the expert side, after the ETP
+    all-gather: ``etp`` x the rows). :data:`STORED_PASSES` of them are the elementwise term's.
+    Memory-bound kernels: their time is these bytes / the HBM bandwidth (the roofline, Williams et
+    al. 2009). ``moe_permute_fusion`` fuses each permutation's index computation with its copy,
+    which is what is counted (one read and one write per pass pair); DeepEP / HybridEP (the flex
+    dispatcher) fuse permutation 1 into the dispatch kernel: not modelled (an upper bound there)."""
+    routed = tokens * moe["top_k"] * load * h * act_bytes
+    sorted_ = (local_experts > 1) * SORT_PASSES * moe["etp"]
+    passes = PERMUTE_PASSES + sorted_ - STORED_PASSES
+    return moe["moe"] * (passes * routed + 2 * tokens * h * act_bytes)
+

@@ -38,7 +38,8 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
-from dtlib.plan.moe import check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers
+from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
+                            permutation_bytes)
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
            "memory_recompute"]
@@ -61,7 +62,9 @@ TERMS: dict[str, str] = {
                    "and their gradients written backward (3 passes; recomputed ones written again), "
                    "at the HBM bandwidth (roofline, Williams et al. 2009); with flash_attention the "
                    "s x s scores never reach HBM (Dao et al. 2022); fused_elementwise=False (eager "
-                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager)",
+                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager); MoE layers add the "
+                   "dispatcher's token permutations (permute, sort by local expert, their inverses, forward "
+                   "and backward: Megatron-Core MoEAlltoAllTokenDispatcher; dtlib.plan.moe.permutation_bytes)",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
                  "TP/CP/EP communication",
@@ -278,6 +281,12 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
         per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"]) / tp
         elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
+    # MoE layers: the dispatcher's token permutations (dtlib.plan.moe.permutation_bytes), their forward
+    # half repeated by full recompute
+    local_experts = np.where(moe["moe"], n["experts"] / ep, 1)
+    permuted = permutation_bytes(tokens=b * s / (cp * tp), h=h, moe=moe, load=load, local_experts=local_experts,
+                                 act_bytes=prec.activation)
+    elementwise = elementwise + (1 + full / 2) * permuted * moe["moe_share"] * layers_here * m / gpu.memory_bandwidth
 
     pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
