@@ -49,7 +49,7 @@ from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
            "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
-           "permutation_bytes"]
+           "permutation_bytes", "HOST_SECONDS_PER_EXPERT", "expert_host_time"]
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
@@ -68,6 +68,15 @@ SORT_PASSES = 8
 # routed copy per token and expert, dtlib.analytic.activations.layer_bytes) is written forward, read and
 # its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
 STORED_PASSES = 3
+
+# Host (CPU) seconds Transformer Engine's grouped expert MLP spends per local expert and MoE layer,
+# forward and backward: NVIDIA measured its fused MXFP8 grouped MLP block on GB200 with 64 experts and
+# hidden size 128 (GPU work negligible, so the time is the host's) at ~1.2 ms forward and ~2.1 ms
+# backward (TransformerEngine issue #2897, "Reduce CPU overhead in grouped MLP block", T. Moon,
+# 2026-04-16: wgrad allocations, scale-pointer setup, quantizer initialisation, reshapes; per expert).
+# The unfused GroupedLinear path of 2025 does more host work per expert (torch.split and 2 torch.empty
+# per GEMM, TransformerEngine issue #1499), so this is a lower bound there.
+HOST_SECONDS_PER_EXPERT: dict[str, float] = {"forward": 1.2e-3 / 64, "backward": 2.1e-3 / 64}
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
@@ -170,4 +179,19 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     sorted_ = (local_experts > 1) * SORT_PASSES * moe["etp"]
     passes = PERMUTE_PASSES + sorted_ - STORED_PASSES
     return moe["moe"] * (passes * routed + 2 * tokens * h * act_bytes)
+
+
+def expert_host_time(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
+    """Host seconds of one MoE layer's grouped expert MLP, forward and backward, on a rank holding
+    ``local_experts`` experts (:data:`HOST_SECONDS_PER_EXPERT`; 0 in dense layers).
+
+    Dropless routing makes the host wait for the routing counts every MoE layer (Megatron-Core's
+    alltoall dispatcher copies ``tokens_per_expert`` to the CPU, ``_maybe_dtoh_and_synchronize``, and
+    Transformer Engine's ``GroupedLinear`` takes the per-expert row counts as a host list), so the CPU
+    cannot queue the experts' kernels ahead of the GPU: the expert section runs at the slower of its
+    GPU time and its host time (:func:`dtlib.plan.gemm.transformer_compute` takes the maximum). CUDA
+    graphs would remove the host time but cannot capture this host synchronisation (the Megatron-Bridge
+    25.11 recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
+    experts = moe["moe"] * local_experts
+    return experts * HOST_SECONDS_PER_EXPERT["forward"], experts * HOST_SECONDS_PER_EXPERT["backward"]
 
