@@ -49,7 +49,7 @@ from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
            "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
-           "permutation_bytes", "HOST_SECONDS_PER_EXPERT", "expert_host_time"]
+           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "GROUPED_CALLS", "grouped_gemm_floor"]
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
@@ -69,14 +69,18 @@ SORT_PASSES = 8
 # its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
 STORED_PASSES = 3
 
-# Host (CPU) seconds Transformer Engine's grouped expert MLP spends per local expert and MoE layer,
-# forward and backward: NVIDIA measured its fused MXFP8 grouped MLP block on GB200 with 64 experts and
-# hidden size 128 (GPU work negligible, so the time is the host's) at ~1.2 ms forward and ~2.1 ms
-# backward (TransformerEngine issue #2897, "Reduce CPU overhead in grouped MLP block", T. Moon,
-# 2026-04-16: wgrad allocations, scale-pointer setup, quantizer initialisation, reshapes; per expert).
-# The unfused GroupedLinear path of 2025 does more host work per expert (torch.split and 2 torch.empty
-# per GEMM, TransformerEngine issue #1499), so this is a lower bound there.
-HOST_SECONDS_PER_EXPERT: dict[str, float] = {"forward": 1.2e-3 / 64, "backward": 2.1e-3 / 64}
+# Seconds one expert's GEMM takes at least in Transformer Engine's grouped GEMM (GroupedLinear ->
+# nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several CUDA streams,
+# each call setting up its own scale swizzle and descriptors): NVIDIA measured 0.272 ms for 8 experts of
+# 128 tokens (N = K = 2048) through that path on SM100 (TransformerEngine PR #3134, "Single-launch
+# CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17, TN fprop table, "dispatch" row, multi-stream
+# column), where the GEMMs' arithmetic is ~0.1 us: 34 us per expert and call is the path's own cost.
+# Host-side work is part of it: the grouped MLP block of 2026, fused, still spends ~1.2 ms forward and
+# ~2.1 ms backward of CPU time on 64 experts (TransformerEngine issue #2897), ~52 us per expert.
+GEMM_CALL_SECONDS_PER_EXPERT = 0.272e-3 / 8
+# grouped GEMM calls per MoE layer and micro-batch: FC1 and FC2 forward; each one's dgrad and wgrad
+# backward (dtlib.plan.gemm._fwd_bwd)
+GROUPED_CALLS = {"forward": 2, "backward": 4}
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
@@ -181,17 +185,17 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     return moe["moe"] * (passes * routed + 2 * tokens * h * act_bytes)
 
 
-def expert_host_time(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
-    """Host seconds of one MoE layer's grouped expert MLP, forward and backward, on a rank holding
-    ``local_experts`` experts (:data:`HOST_SECONDS_PER_EXPERT`; 0 in dense layers).
+def grouped_gemm_floor(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
+    """The least seconds one MoE layer's grouped expert GEMMs take per micro-batch, forward and
+    backward, on a rank holding ``local_experts`` experts: :data:`GROUPED_CALLS` grouped GEMMs, each
+    paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert (0 in dense layers).
 
-    Dropless routing makes the host wait for the routing counts every MoE layer (Megatron-Core's
-    alltoall dispatcher copies ``tokens_per_expert`` to the CPU, ``_maybe_dtoh_and_synchronize``, and
-    Transformer Engine's ``GroupedLinear`` takes the per-expert row counts as a host list), so the CPU
-    cannot queue the experts' kernels ahead of the GPU: the expert section runs at the slower of its
-    GPU time and its host time (:func:`dtlib.plan.gemm.transformer_compute` takes the maximum). CUDA
-    graphs would remove the host time but cannot capture this host synchronisation (the Megatron-Bridge
-    25.11 recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
-    experts = moe["moe"] * local_experts
-    return experts * HOST_SECONDS_PER_EXPERT["forward"], experts * HOST_SECONDS_PER_EXPERT["backward"]
-
+    :func:`dtlib.plan.gemm.transformer_compute` takes the larger of this and the GEMMs' quantized
+    math / HBM time: with many small experts (Qwen3-30B-A3B: 16 per rank at EP 8, ~2,000 rows each)
+    the per-expert calls, not the tensor cores, set the pace. Dropless routing keeps the host from
+    running ahead of this: the alltoall dispatcher copies ``tokens_per_expert`` to the CPU every MoE
+    layer (``_maybe_dtoh_and_synchronize``) and ``GroupedLinear`` takes the per-expert row counts as a
+    host list, which is also why CUDA graphs cannot capture the experts (the Megatron-Bridge 25.11
+    recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
+    per_call = moe["moe"] * local_experts * GEMM_CALL_SECONDS_PER_EXPERT
+    return GROUPED_CALLS["forward"] * per_call, GROUPED_CALLS["backward"] * per_call
