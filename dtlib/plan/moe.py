@@ -168,21 +168,22 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     """HBM bytes the token permutation kernels move per MoE layer and micro-batch on the busiest rank,
     forward and backward, beyond the stored expert input the elementwise term counts.
 
-    ``tokens`` (``b s / (cp tp)``) are the rank's sequence-parallel shard; the routed copies are
-    ``tokens x top_k x load`` rows of ``h`` (``load``: :func:`expert_load`). Megatron-Core's
-    alltoall dispatcher permutes them before the dispatch all-to-all and unpermutes them after the
-    combine (:data:`PERMUTE_PASSES`; the unpermute also reads/writes the ``tokens x h`` of the
-    layer's output and its gradient: 2 passes of that), and with more than one local expert sorts
-    the received rows by expert and back (:data:`SORT_PASSES`; on the expert side, after the ETP
-    all-gather: ``etp`` x the rows). :data:`STORED_PASSES` of them are the elementwise term's.
+    ``tokens`` (``b s / (cp tp)``) are the rank's sequence-parallel shard. Megatron-Core's
+    alltoall dispatcher permutes the rank's own ``tokens x top_k`` routed copies of ``h`` (x the
+    capacity factor when set: padded buffers) before the dispatch all-to-all and unpermutes them
+    after the combine (:data:`PERMUTE_PASSES`, less the :data:`STORED_PASSES` the elementwise term
+    counts; the unpermute also reads/writes the ``tokens x h`` of the layer's output and its
+    gradient: 2 passes of that), and with more than one local expert sorts the rows it *received*
+    by expert and back (:data:`SORT_PASSES`): ``tokens x top_k x load`` on the busiest rank
+    (``load``: :func:`expert_load`), ``etp`` x that after the ETP all-gather.
     Memory-bound kernels: their time is these bytes / the HBM bandwidth (the roofline, Williams et
     al. 2009). ``moe_permute_fusion`` fuses each permutation's index computation with its copy,
     which is what is counted (one read and one write per pass pair); DeepEP / HybridEP (the flex
     dispatcher) fuse permutation 1 into the dispatch kernel: not modelled (an upper bound there)."""
-    routed = tokens * moe["top_k"] * load * h * act_bytes
-    sorted_ = (local_experts > 1) * SORT_PASSES * moe["etp"]
-    passes = PERMUTE_PASSES + sorted_ - STORED_PASSES
-    return moe["moe"] * (passes * routed + 2 * tokens * h * act_bytes)
+    own = tokens * moe["top_k"] * np.where(moe["capacity_factor"] > 0, moe["capacity_factor"], 1) * h * act_bytes
+    received = tokens * moe["top_k"] * load * moe["etp"] * h * act_bytes
+    sorts = (local_experts > 1) * SORT_PASSES * received
+    return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 2 * tokens * h * act_bytes)
 
 
 def grouped_gemm_floor(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
