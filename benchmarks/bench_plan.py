@@ -18,9 +18,9 @@ import time
 
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.memory import memory_per_gpu
-from dtlib.analytic.presets import get_preset, training_of
+from dtlib.analytic.presets import get_preset
 from dtlib.plan.search import search, to_layout
-from dtlib.plan.steptime import memory_recompute, step_time
+from dtlib.plan.steptime import step_time
 
 
 def main() -> None:
@@ -51,9 +51,7 @@ def main() -> None:
     worst = 0.0
     for row in sample:
         layout = to_layout(row)
-        trained = training_of(model)
-        counted = layout.with_(recompute=memory_recompute(layout.recompute, trained.flash_attention))
-        mem = memory_per_gpu(model, counted, precision="megatron-bf16", dropout=trained.dropout).total
+        mem = memory_per_gpu(model, layout, precision="megatron-bf16").total  # the default stack's
         t = step_time(model, layout, c).step_time
         worst = max(worst, abs(t / row["step_time_s"] - 1), abs(mem / row["memory_per_gpu_bytes"] - 1))
     per_layout = (time.perf_counter() - start) / len(sample)

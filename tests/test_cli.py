@@ -12,6 +12,7 @@ from dtlib.cli import build_parser, main
 from dtlib.cli.args import layout_from_args, plain
 from dtlib.cli.train import header, summary_text
 from dtlib.analytic.comm import collective_time, hierarchical_time
+from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.flops import flops_report
 from dtlib.analytic.memory import GiB, memory_per_gpu
@@ -33,9 +34,8 @@ def test_memory_table_and_json(capsys):
     assert code == 0 and "optimizer" in out and "GiB" in out and "h100-sxm memory" in out
     code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--json")
     per_gpu = json.loads(out)["per_gpu"]
-    # a Llama preset is counted as trained: FlashAttention-style (selective's footprint), no dropout
-    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3, recompute="selective"),
-                              precision=precision("bf16-mixed"), dropout=False)
+    # the API with the CLI's defaults: today's convention, the megatron stack and its precision
+    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3), precision="megatron-bf16")
     assert per_gpu["total"] == expected.total and per_gpu["activations"] == expected.activations
     assert per_gpu["parameters"] + per_gpu["gradients"] + per_gpu["optimizer"] == expected.model_states
 
@@ -145,8 +145,8 @@ def test_piping_into_head_prints_no_traceback():
 def test_memory_help_explains_the_activation_convention(capsys):
     assert main(["memory", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "s x s attention scores" in out and "--recompute none --dropout" in out
-    assert "FlashAttention" in out
+    assert "s x s scores" in out and "--convention korthikanti-2022" in out and "--no-flash-attention" in out
+    assert "FlashAttention" in out and "--stack" in out and "--recompute-layers" in out
     assert main(["memory", "--model", "llama3-8b", "--recompute", "selective", "--no-dropout"]) == 0
 
 
@@ -313,28 +313,27 @@ def test_huge_numbers_print_without_float_noise(capsys):
     assert not re.search(r"\d{17,}", out.replace(",", ""))  # no digits beyond a double's precision
 
 
-def test_a_preset_is_counted_as_its_model_was_trained(capsys):
-    """Llama: FlashAttention-style attention (no s^2 scores: selective recompute's footprint) and no
-    dropout, said in the output; --recompute none --dropout gives the paper's GPT convention."""
+def test_every_model_is_counted_with_todays_kernels_unless_asked(capsys):
+    """FlashAttention-style attention (no s^2 scores: selective recompute's footprint) and no
+    dropout for presets and custom shapes alike, said in the output; --convention korthikanti-2022
+    gives the paper's GPT counting."""
     code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8")
-    assert code == 0 and "recompute=selective" in out
-    assert "assuming llama3-8b as trained: FlashAttention-style attention" in out and "no dropout" in out
-    assert "--recompute none --dropout for the paper's GPT convention" in out
+    assert code == 0 and "recompute=none" in out and "stack=megatron" in out
+    assert "convention 'today': FlashAttention-style attention" in out and "no dropout" in out
     _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--json")
-    realistic = memory_per_gpu("llama3-8b", Parallelism(dp=8, recompute="selective"), dropout=False,
-                               precision=precision("bf16-mixed"))
-    assert json.loads(out)["per_gpu"]["activations"] == realistic.activations
-    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--recompute", "none",
-                    "--dropout", "--json")
-    paper = memory_per_gpu("llama3-8b", Parallelism(dp=8), precision=precision("bf16-mixed"))
+    today = memory_per_gpu("llama3-8b", Parallelism(dp=8), precision="megatron-bf16")
+    selective = memory_per_gpu("llama3-8b", Parallelism(dp=8, recompute="selective"), precision="megatron-bf16")
+    assert json.loads(out)["per_gpu"]["activations"] == today.activations == selective.activations
+    _, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--convention", "korthikanti-2022",
+                    "--json")
+    paper = memory_per_gpu("llama3-8b", Parallelism(dp=8), precision="megatron-bf16", convention="korthikanti-2022")
     d = json.loads(out)
-    assert d["per_gpu"]["activations"] == paper.activations > 8 * realistic.activations
-    assert not any("assuming" in note for note in d["notes"])
-    # GPT-3 was trained with explicit attention and dropout: nothing to assume, nothing said
-    _, out, _ = run(capsys, "memory", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--json")
-    d = json.loads(out)
-    gpt = memory_per_gpu("gpt3-175b", Parallelism(tp=8, pp=8), precision=precision("bf16-mixed"))
-    assert d["per_gpu"]["activations"] == gpt.activations and not any("assuming" in n for n in d["notes"])
+    assert d["per_gpu"]["activations"] == paper.activations > 8 * today.activations
+    assert any("'korthikanti-2022': explicit attention" in note for note in d["notes"])
+    # a custom GPT shape gets today's kernels too (it used to get the paper's convention)
+    _, out, _ = run(capsys, "memory", "--layers", "4", "--hidden", "512", "--heads", "8", "--json")
+    custom = TransformerConfig(layers=4, hidden=512, heads=8, vocab=50257, seq=2048)
+    assert json.loads(out)["per_gpu"]["activations"] == memory_per_gpu(custom, precision="megatron-bf16").activations
 
 
 # ---- issue 28: the command line as a platform engineer reads it ---------------------------------
@@ -369,11 +368,11 @@ def test_one_precision_vocabulary_old_spellings_still_accepted(capsys, old, new)
     assert main(base + ["--precision", new]) == 0
     assert capsys.readouterr().out == with_old
     assert main(["memory", "--help"]) == 0
-    assert "{bf16,fp16,fp32}" in capsys.readouterr().out
+    assert "{bf16,fp16,fp32,fp8}" in capsys.readouterr().out
 
 
 def test_precision_outside_a_subcommand_s_range_names_it(capsys):
-    assert main(["memory", "--model", "llama3-8b", "--precision", "fp8"]) == 2
+    assert main(["comm", "--model", "llama3-8b", "--precision", "fp8"]) == 2
     assert "--precision must be one of bf16, fp16, fp32 (or the old spelling bf16-mixed, fp16-mixed), got 'fp8'" \
         in capsys.readouterr().err
 

@@ -13,7 +13,8 @@ from dtlib.plan.training import training_plan
 
 KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
         "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
-        "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split"}
+        "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split", "recompute_layers",
+        "account_for_embedding_and_loss", "activation_offload_layers", "offload"}
 
 
 def run(capsys, *argv):
@@ -58,10 +59,12 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
                        "--gpus", "8", "--global-batch", "64", "--top", "2", "--tokens", "10B")
     assert code == 0
     lines = out.splitlines()
-    assert "searched in" in lines[0] and lines[1].startswith("where the numbers come from:")
-    assert lines[2].startswith("columns: ") and lines[3].split()[:3] == ["#", "dp", "tp"]
-    assert lines[4].startswith(" 1") and lines[5].startswith(" 2") and "breakdown" in lines[6]
-    assert lines[7].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert "searched in" in lines[0] and "stack megatron" in lines[0]
+    assert lines[1].startswith("stack megatron: TP overlap 1") and lines[2].startswith("activations counted as")
+    assert lines[3].startswith("where the numbers come from:")
+    assert lines[4].startswith("columns: ") and lines[5].split()[:3] == ["#", "dp", "tp"]
+    assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[8]
+    assert lines[9].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -118,7 +121,7 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     flat = json.loads(run(capsys, *base, "--efficiency", "0.5")[1])
     assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
     code, out, _ = run(capsys, *base[:-1])
-    assert code == 0 and out.splitlines()[1].startswith("where the numbers come from: compute from GEMM shapes")
+    assert code == 0 and out.splitlines()[3].startswith("where the numbers come from: compute from GEMM shapes")
 
 
 def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):

@@ -19,7 +19,9 @@ from dtlib.plan.emit import FILENAMES, FRAMEWORKS, emit
 from dtlib.plan.search import to_layout
 
 LLAMA = get_preset("llama3-8b")
-PLAN = ["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "512"]
+# TP communication exposed: the top layout is then FSDP over all 64 GPUs, which every framework
+# expresses (with the megatron stack's overlapped TP, tp 4 wins instead)
+PLAN = ["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "512", "--tp-overlap", "0"]
 # a 3D layout pinned on the same cluster: tensor x pipeline x data, SP, ZeRO-1 (1F1B: DeepSpeed's
 # pipeline engine has no interleaving; tests/test_plan_emit.py covers it)
 PINNED = PLAN + ["--tp", "4", "--pp", "2", "--virtual-stages", "1", "--zero", "1", "--sequence-parallel"]

@@ -198,12 +198,17 @@ def test_tied_embeddings_share_storage():
     assert num_parameters(untied) - num_parameters(tied) == untied.vocab * untied.hidden
 
 
-def test_presets_say_how_their_models_were_trained():
-    from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, TRAINING, training_of
+def test_activation_conventions_today_and_the_papers():
+    """Every model, preset or custom, is counted with today's kernels unless asked; the paper's
+    GPT convention is one name away, and single flags override either."""
+    from dtlib.analytic.presets import ACTIVATION_CONVENTIONS, KORTHIKANTI_2022, TODAY, activation_convention
 
-    assert set(TRAINING) <= set(PRESETS)
-    for name in ("llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "capstone-10b"):
-        t = training_of(name)
-        assert t.flash_attention and not t.dropout and t.recompute == "selective" and "LLaMA" in t.source
-    assert training_of("gpt3-175b") is GPT_CONVENTION and GPT_CONVENTION.recompute == "none"
-    assert GPT_CONVENTION.dropout and not training_of("bloom-176b").dropout
+    assert TODAY.flash_attention and not TODAY.dropout
+    assert not KORTHIKANTI_2022.flash_attention and KORTHIKANTI_2022.dropout
+    assert set(ACTIVATION_CONVENTIONS) == {"today", "korthikanti-2022"}
+    chosen, note = activation_convention()
+    assert chosen.flash_attention and not chosen.dropout and "'today'" in note[0]
+    chosen, note = activation_convention("korthikanti-2022", dropout=False)
+    assert not chosen.flash_attention and not chosen.dropout and "explicit attention" in note[0]
+    with pytest.raises(ValueError, match="unknown activation convention 'gpt'; valid: today, korthikanti-2022"):
+        activation_convention("gpt")

@@ -16,7 +16,7 @@ from dtlib.plan.steptime import TERMS, StepOptions, step_time
 
 GPT = TransformerConfig(name="gpt-small", layers=8, hidden=1024, heads=16, vocab=51200, seq=2048,
                         tied_embeddings=True)
-NO_OVERLAP = StepOptions(efficiency=0.5, dp_overlap=0.0, flash_attention=True)
+NO_OVERLAP = StepOptions(efficiency=0.5, dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0, flash_attention=True)
 
 
 def ring_all_reduce(nbytes, n, link):

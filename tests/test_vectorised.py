@@ -68,7 +68,7 @@ def test_vector_path_reproduces_published_numbers():
                             activation="gelu")
     for sp, recompute, want in ((False, "none", per_layer[0]), (True, "selective", per_layer[1])):
         acts = memory_batch(cfg, layers=np.array([L, 2 * L]), tp=t, micro_batch_size=b,
-                            sequence_parallel=sp, recompute=recompute)["activations"]
+                            sequence_parallel=sp, recompute=recompute, convention="korthikanti-2022")["activations"]
         assert acts[1] - acts[0] == pytest.approx(L * want, rel=1e-12)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["layer_bytes", "mean_layer_bytes", "embedding_bytes", "output_bytes", "activation_breakdown"]
+__all__ = ["layer_bytes", "mean_layer_bytes", "embedding_bytes", "output_bytes", "op_selective_bytes",
+           "stored_layer_bytes", "activation_breakdown"]
 
 
 def _where(cond: Any, a: Any, b: Any) -> Any:
@@ -110,20 +111,23 @@ def layer_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_hea
 
 
 def mean_layer_bytes(*, layers: Any, moe_layers: Any = None, sliding_layers: Any = 0,
-                     experts: Any = 0, sliding_window: Any = 0, **shape: Any) -> Any:
+                     experts: Any = 0, sliding_window: Any = 0, per_layer: Any = None, **shape: Any) -> Any:
     """:func:`layer_bytes` averaged over a model's layers: ``layers - moe_layers`` dense and
     ``moe_layers`` MoE layers (default: all, for an MoE model), ``sliding_layers`` of them within
     the ``sliding_window`` (the kinds are independent: GPT-OSS alternates windows in MoE layers).
     ``shape`` holds :func:`layer_bytes`'s other arguments (the keys of
     :meth:`~dtlib.analytic.config.TransformerConfig.numbers` are accepted and the rest ignored).
-    A pipeline stage holding ``n`` layers keeps about ``n`` times this; exact with one stage."""
+    A pipeline stage holding ``n`` layers keeps about ``n`` times this; exact with one stage.
+    ``per_layer``: the function averaged (default :func:`layer_bytes`; e.g. a
+    :func:`stored_layer_bytes` with its options bound)."""
+    per_layer = layer_bytes if per_layer is None else per_layer
     moe_layers = (experts > 0) * layers if moe_layers is None else moe_layers
     total = 0
     for moe, sliding in ((False, False), (False, True), (True, False), (True, True)):
         share = ((moe_layers if moe else layers - moe_layers) / layers
                  * (sliding_layers if sliding else layers - sliding_layers) / layers)
-        one = layer_bytes(experts=experts if moe else 0, sliding_window=sliding_window if sliding else 0,
-                          **shape)
+        one = per_layer(experts=experts if moe else 0, sliding_window=sliding_window if sliding else 0,
+                        **shape)
         total = total + share * one
     return total
 
@@ -145,39 +149,128 @@ def output_bytes(seq: Any, micro_batch_size: Any, hidden: Any, vocab: Any, tp: A
     return (norm_saved + 1) * act_bytes * sb * hidden / sp + logits_bytes * sb * vocab / tp
 
 
+def op_selective_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
+                       tp: Any = 1, cp: Any = 1, sequence_parallel: Any = False, swiglu: Any = False,
+                       act_bytes: Any = 2, experts: Any = 0, top_k: Any = 0) -> Any:
+    """Bytes one layer keeps under torchtitan's per-op selective checkpointing
+    (``activation_checkpoint.mode = "selective"``, ``selective_ac_option = "op"``).
+
+    torchtitan's policy (``torchtitan/distributed/activation_checkpoint.py``, ``_custom_policy``)
+    saves the outputs of the ops in its save list (``aten.mm``, the SDPA flash/efficient/cuDNN
+    kernels, ``reduce_scatter_tensor``) "except every second mm", counting mms per layer: of a
+    Llama block's wq, wk, wv, wo, w1, w3, w2 it keeps wq, wv, w1 and w2 (1st, 3rd, 5th, 7th; a GELU
+    MLP's fc1 is the 5th, its fc2 the 6th, recomputed). Everything else is recomputed from the
+    layer input, which the checkpoint keeps. Kept: the input (``s b h / t`` with SP), Q and V
+    (column-parallel, ``/ t``), the attention output and its fp32 log-sum-exp (``4 b s a / t``
+    bytes), w1's output (``s b f / t``), w2's row-parallel output before its reduce-scatter (full
+    ``s b h`` on each TP rank) and, with SP, both reduce-scatter outputs (``s b h / t`` each).
+    MoE layers keep w1 per routed copy (``top_k``). ``cp`` splits the sequence.
+    """
+    s, b, h = seq / cp, micro_batch_size, hidden
+    sbh = s * b * h
+    sp = _where(sequence_parallel, tp, 1)
+    kv = kv_heads / heads
+    routed = _where(experts > 0, top_k, 1)
+    layer_input = act_bytes * sbh / sp
+    attention = act_bytes * sbh * (1 + kv + 1) / tp + 4 * b * s * heads / tp   # Q, V, output; LSE
+    w1 = routed * act_bytes * s * b * ffn / tp
+    w2 = _where(swiglu, routed * act_bytes * sbh, 0)       # GELU's fc2 is the 6th mm: recomputed
+    scattered = _where(sequence_parallel, 2 * act_bytes * sbh / tp, 0) * (tp > 1)
+    return layer_input + attention + w1 + w2 + scattered
+
+
+def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swiglu: Any = False,
+                       fp8_inputs: Any = False, **shape: Any) -> Any:
+    """Bytes one layer keeps per micro-batch when it is not fully recomputed, for ``recompute``
+    ``none`` / ``selective`` / ``op`` (``shape``: :func:`layer_bytes`'s arguments).
+
+    ``flash_attention``: a FlashAttention-style kernel never stores the s x s scores, which is
+    selective recompute's footprint (Dao et al. 2022; Korthikanti et al. 2022, Sec. 5).
+    ``fused_swiglu``: Megatron-Core's ``SwiGLUFunction`` (``fusions/fused_bias_swiglu.py``, on by
+    default in Megatron-LM: ``--no-bias-swiglu-fusion`` turns it off) saves only its input, the
+    FC1 output, so an FC2 input and FC1 output (3 FFN-wide tensors) are kept instead of eager
+    PyTorch's gate, silu(gate), up and their product (4). ``fp8_inputs``: Transformer Engine's FP8
+    linears save their input quantized (``module/linear.py``, ``_Linear.forward``: "Cached input
+    tensor", only the column-wise FP8 data kept for the weight-gradient GEMM), so the inputs of
+    the QKV, projection, FC1 and FC2 GEMMs take 1 byte per element instead of ``act_bytes``.
+    """
+    if recompute == "op":
+        keys = ("seq", "micro_batch_size", "hidden", "heads", "kv_heads", "ffn", "tp", "cp",
+                "sequence_parallel", "swiglu", "act_bytes", "experts", "top_k")
+        return op_selective_bytes(**{k: shape[k] for k in keys if k in shape})
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'op' here, got {recompute!r}")
+    stores_scores = recompute == "none" and not flash_attention
+    kept = layer_bytes(recompute="none" if stores_scores else "selective", **shape)
+    s = shape["seq"] / shape.get("cp", 1)
+    b, h, ffn, tp = shape["micro_batch_size"], shape["hidden"], shape["ffn"], shape.get("tp", 1)
+    act = shape.get("act_bytes", 2)
+    sp = _where(shape.get("sequence_parallel", False), tp, 1)
+    moe = shape.get("experts", 0) > 0
+    routed = _where(moe, shape.get("top_k", 0), 1)
+    moe_ffn = shape.get("moe_ffn")
+    ffn = _where(moe, ffn if moe_ffn is None else moe_ffn, ffn)  # an expert's width (zoo's layer_bytes)
+    ffn_tensor = routed * act * s * b * ffn / tp
+    kept = kept - _where(fused_swiglu & np.asarray(shape.get("swiglu", False), bool), ffn_tensor, 0)
+    gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + routed * s * b * ffn / tp
+    return kept - _where(fp8_inputs, (act - 1) * gemm_inputs, 0)
+
+
 def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any,
-                         ffn: Any, vocab: Any, layers_first: Any, layers_last: Any,
-                         in_flight_first: Any, in_flight_last: Any, tp: Any = 1, cp: Any = 1,
+                         ffn: Any, vocab: Any, stored: dict[str, dict[str, Any]], tp: Any = 1, cp: Any = 1,
                          sequence_parallel: Any = False, recompute: str = "none", swiglu: Any = False,
-                         dropout: Any = True, act_bytes: Any = 2, mask_bytes: Any = 1,
-                         logits_bytes: Any = 4, norm_saved: Any = 1,
-                         pp: Any = 1, experts: Any = 0, top_k: Any = 0) -> dict[str, dict[str, Any]]:
+                         dropout: Any = False, flash_attention: Any = True, fused_swiglu: Any = False,
+                         fp8_inputs: Any = False, act_bytes: Any = 2, mask_bytes: Any = 1,
+                         logits_bytes: Any = 4, norm_saved: Any = 1, offloaded: Any = 0,
+                         pp: Any = 1, experts: Any = 0, top_k: Any = 0,
+                         **model: Any) -> dict[str, dict[str, Any]]:
     """Activation bytes on the first and the last pipeline rank, by component.
 
-    ``layers``: stored per-layer activations x the rank's layers x micro-batches in flight
-    (:func:`dtlib.analytic.layout.in_flight`); ``embedding`` (first rank) and ``output`` (last rank)
-    likewise; ``recompute_buffer``: with full recompute, one layer's activations are rebuilt during
-    its backward, a transient the paper leaves out but the GPU must hold.
+    ``stored`` (:func:`dtlib.analytic.layout.stored_layer_microbatches`): per rank, the
+    layer x micro-batch pairs fully recomputed (``full``: only the layer input kept, Korthikanti
+    Sec. 4.3) and the others (``rest``: :func:`stored_layer_bytes` for ``recompute``), and the
+    micro-batches in flight of the chunk holding the embedding (first rank) or the loss (last).
+    ``layers``: their sum; ``embedding`` and ``output`` once per micro-batch of that chunk;
+    ``recompute_buffer``: a fully or per-op recomputed layer is rebuilt during its backward, a
+    transient the paper leaves out but the GPU must hold (what the layer would keep without
+    recomputation, less what it keeps anyway). ``offloaded``: the share of each chunk's layers whose
+    kept activations live in CPU memory (``cpu``, not in ``total``); ``offload_buffer``: one of
+    those layers' activations back on the GPU for its backward. ``model``: the other keys of
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers` (``layers``, ``moe_layers``,
+    ``sliding_layers``, ``moe_ffn``, MLA dims, ...): per-layer bytes are averaged over the model's
+    dense / MoE and sliding / global layers (:func:`mean_layer_bytes`).
     """
     common = dict(seq=seq, micro_batch_size=micro_batch_size, hidden=hidden, tp=tp, cp=cp,
                   sequence_parallel=sequence_parallel)
     shape = dict(common, heads=heads, kv_heads=kv_heads, ffn=ffn, swiglu=swiglu, dropout=dropout,
                  act_bytes=act_bytes, mask_bytes=mask_bytes, norm_saved=norm_saved, experts=experts,
                  top_k=top_k)
-    per_layer = layer_bytes(recompute=recompute, **shape)
-    rebuilt = layer_bytes(recompute="none", **shape) if recompute == "full" else 0 * per_layer
+    options = dict(flash_attention=flash_attention, fused_swiglu=fused_swiglu, fp8_inputs=fp8_inputs)
+    shape.update(model)
+    kinds = {k: shape.pop(k) for k in ("layers", "moe_layers", "sliding_layers", "sliding_window") if k in shape}
+    kinds.setdefault("layers", 1)
+
+    def mean(function, **fixed):
+        return mean_layer_bytes(per_layer=lambda **kw: function(**fixed, **kw), **kinds, **shape)
+
+    full_layer = mean(layer_bytes, recompute="full")
+    kept = mean(stored_layer_bytes, recompute="none" if recompute == "full" else recompute, **options)
+    whole = mean(stored_layer_bytes, recompute="none", **options)
     emb = embedding_bytes(dropout=dropout, mask_bytes=mask_bytes, **common)
     out = output_bytes(vocab=vocab, act_bytes=act_bytes, logits_bytes=logits_bytes,
                        norm_saved=norm_saved, **common)
     single = pp == 1  # one rank holds both ends
-    first = {"layers": per_layer * layers_first * in_flight_first,
-             "embedding": emb * in_flight_first,
-             "output": _where(single, out, 0 * out),
-             "recompute_buffer": rebuilt}
-    last = {"layers": per_layer * layers_last * in_flight_last,
-            "embedding": _where(single, emb * in_flight_last, 0 * emb),
-            "output": out * in_flight_last,
-            "recompute_buffer": rebuilt}
-    for d in (first, last):
-        d["total"] = d["layers"] + d["embedding"] + d["output"] + d["recompute_buffer"]
-    return {"first": first, "last": last}
+    result = {}
+    for rank, ends in (("first", (emb, out)), ("last", (out, emb))):
+        counts = stored[rank]
+        rebuilt = np.where(counts["full"] > 0, whole - full_layer, 0) if recompute != "op" else whole - kept
+        layers = counts["full"] * full_layer + counts["rest"] * kept
+        reloaded = np.where(counts["rest"] > 0, kept, full_layer)
+        result[rank] = {"layers": (1 - offloaded) * layers, "cpu": offloaded * layers,
+                        "offload_buffer": np.where(offloaded > 0, reloaded, 0) + 0 * full_layer,
+                        "embedding": (emb if rank == "first" else _where(single, emb, 0 * emb)) * counts["end"],
+                        "output": (out if rank == "last" else _where(single, out, 0 * out)) * counts["end"],
+                        "recompute_buffer": rebuilt + 0 * full_layer}
+        result[rank]["total"] = sum(result[rank][k] for k in ("layers", "embedding", "output", "recompute_buffer",
+                                                              "offload_buffer"))
+    return result

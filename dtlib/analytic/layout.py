@@ -15,11 +15,15 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.config import SHAPE_RULES
 
-__all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "OFFLOAD", "RULES", "check_layout",
-           "broken_rules", "check_pipeline", "stage_layers", "in_flight"]
+__all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
+           "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
+           "stored_layer_microbatches"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# what the search tries; "op" (torchtitan's per-op selective checkpointing, dtlib.analytic.activations)
+# is a layout one can give, not one the planner proposes
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_OPTIONS = RECOMPUTE + ("op",)
 OFFLOAD = ("none", "optimizer", "params")
 
 
@@ -37,6 +41,19 @@ class Parallelism:
     expert grid etp x ep x expert-dp spans the same ranks as tp x cp x dp, so etp x ep must divide
     them: ``parallel_state.initialize_model_parallel``). Default 1: experts are not tensor-split
     (Megatron-Core's own default is etp = tp; today's MoE recipes set 1).
+
+    ``recompute_layers`` (Megatron-LM ``--recompute-method block --recompute-num-layers N``,
+    ``TransformerBlock._checkpointed_forward``): the first N layers of every model chunk (a
+    pipeline stage, or each of its ``virtual_stages`` chunks) are fully recomputed and keep only
+    their input; the others store what ``recompute`` says (``none``, ``selective`` or ``op``).
+    None or 0: no layer fully recomputed; N >= the chunk's layers: ``recompute="full"``.
+    ``account_for_embedding_and_loss`` (Megatron-LM ``--account-for-embedding-in-pipeline-split
+    --account-for-loss-in-pipeline-split``; Llama 3 paper, Sec. 3.3.2): the embedding and the loss
+    each take one layer's slot, so the first and the last model chunk hold one layer fewer.
+    ``activation_offload_layers`` (Megatron-Core ``--cpu-offloading --cpu-offloading-num-layers N``,
+    Transformer Engine ``get_cpu_offload_context``; DeepSpeed ``activation_checkpointing.
+    cpu_checkpointing`` offloads every layer's checkpoint): the activations N layers of each chunk
+    keep move to CPU memory, and one layer's are on the GPU again while its backward runs.
     """
     dp: int = 1
     tp: int = 1
@@ -53,6 +70,9 @@ class Parallelism:
     recompute: str = "none"
     offload: str = "none"
     shard_size: int | None = None
+    recompute_layers: int | None = None
+    account_for_embedding_and_loss: bool = False
+    activation_offload_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "num_microbatches"):
@@ -61,8 +81,17 @@ class Parallelism:
         if self.shard_size is not None:
             validate.integer("shard_size", self.shard_size)
         validate.boolean("sequence_parallel", self.sequence_parallel)
-        for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("offload", OFFLOAD)):
+        validate.boolean("account_for_embedding_and_loss", self.account_for_embedding_and_loss)
+        for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE_OPTIONS), ("offload", OFFLOAD)):
             validate.one_of(name, getattr(self, name), valid)
+        if self.activation_offload_layers is not None:
+            validate.integer("activation_offload_layers", self.activation_offload_layers, minimum=0)
+        if self.recompute_layers is not None:
+            validate.integer("recompute_layers", self.recompute_layers, minimum=0)
+            if self.recompute == "full":
+                raise ValueError(f"recompute_layers={self.recompute_layers} recomputes part of the layers, "
+                                 f"but recompute='full' recomputes all of them; give recompute 'none', "
+                                 f"'selective' or 'op' for the other layers")
         check_layout(self.numbers(), self.schedule, self.offload)
 
     @property
@@ -81,7 +110,7 @@ class Parallelism:
 
     def numbers(self, **extra: Any) -> dict[str, Any]:
         """The numeric fields (what the formulas and :data:`RULES` read), plus ``extra``."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("schedule", "recompute", "offload")}
+        d = {k: v for k, v in asdict(self).items() if k not in _OPTIONS}
         d["sequence_parallel"] = bool(self.sequence_parallel)
         d["shard_size"] = self.sharded_over
         d.update(extra)
@@ -89,6 +118,11 @@ class Parallelism:
 
     def with_(self, **changes: Any) -> "Parallelism":
         return replace(self, **changes)
+
+
+# categorical options, passed to the formulas as scalars (not in Parallelism.numbers())
+_OPTIONS = ("schedule", "recompute", "offload", "recompute_layers", "account_for_embedding_and_loss",
+            "activation_offload_layers")
 
 
 # PyTorch FSDP ShardingStrategy -> (ZeRO stage, hybrid?) (torch.distributed.fsdp docs; Zhao et al.
@@ -230,11 +264,74 @@ def check_pipeline(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, sche
 
 
 # ---- pipeline bookkeeping (scalars or arrays) ----------------------------------------------------
-def stage_layers(layers: Any, pp: Any, virtual_stages: Any = 1) -> tuple[Any, Any]:
+def stage_layers(layers: Any, pp: Any, virtual_stages: Any = 1, balanced: Any = False) -> tuple[Any, Any]:
     """Layers on the first and on the last pipeline rank. Uneven splits give the extra layers to
-    the first ranks (conservative for memory); each rank holds ``virtual_stages`` chunks."""
+    the first ranks (conservative for memory); each rank holds ``virtual_stages`` chunks.
+    ``balanced`` (Parallelism.account_for_embedding_and_loss): the embedding and the loss each
+    count as one layer in the split, and the chunks holding them get one layer fewer (Megatron-LM
+    ``get_num_layers_to_build`` with ``account_for_embedding/loss_in_pipeline_split``)."""
+    extra = _where(balanced, 2, 0)
     chunks = pp * virtual_stages
-    return virtual_stages * -(-layers // chunks), virtual_stages * (layers // chunks)
+    first = virtual_stages * -(-(layers + extra) // chunks) - extra // 2
+    last = virtual_stages * ((layers + extra) // chunks) - extra // 2
+    single = pp == 1  # one rank holds the embedding and the loss: both slots are its own
+    return _where(single, layers, first), _where(single, layers, last)
+
+
+def _where(cond: Any, a: Any, b: Any) -> Any:
+    return np.where(cond, a, b) if isinstance(cond, np.ndarray) or isinstance(a, np.ndarray) \
+        or isinstance(b, np.ndarray) else (a if cond else b)
+
+
+def stored_layer_microbatches(schedule: str, layers: Any, pp: Any, num_microbatches: Any,
+                              virtual_stages: Any = 1, balanced: Any = False,
+                              recompute_layers: int | None = None) -> dict[str, dict[str, Any]]:
+    """What the first and the last pipeline rank hold at their activation peak, counted chunk by
+    chunk: ``full`` and ``rest``, layer x micro-batch pairs whose layer is fully recomputed (the
+    first ``recompute_layers`` of each chunk, Megatron's block method) or stores its activations,
+    and ``end``, the micro-batches in flight of the chunk holding the embedding (first rank) or
+    the loss (last rank).
+
+    Micro-batches in flight per chunk follow Megatron-LM's schedules (``schedules.py``): forward
+    k of a rank runs chunk ``(k mod p v) // p`` (``get_model_chunk_id``), and the peak is after the
+    warm-up forwards plus the first steady-state one: ``2(p-1) + (v-1)p + 1`` on the first rank,
+    ``(v-1)p + 1`` on the last (:func:`in_flight` in units of a whole rank). 1F1B: ``min(m, p)``
+    on the first rank and 1 on the last; GPipe: all m; no pipeline: 1. With
+    ``balanced`` the first chunk of the first rank and the last chunk of the last rank hold one
+    layer fewer, which is where the first rank keeps the most micro-batches (Llama 3, Sec. 3.3.2).
+    """
+    validate.one_of("schedule", schedule, SCHEDULES)
+    m, p, v = num_microbatches, pp, virtual_stages
+    if schedule != "interleaved":
+        v = 1 + 0 * np.asarray(p)
+    lf, ll = stage_layers(layers, pp, v)     # before balancing: every chunk has lf / v layers
+    if schedule == "gpipe":
+        total_first = total_last = m * v
+    elif schedule == "1f1b":
+        total_first, total_last = np.minimum(m, p), 1
+    else:
+        total_first = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
+        total_last = np.minimum(m * v, (v - 1) * p + 1)
+    no_pipeline = p == 1
+    total_first, total_last = np.where(no_pipeline, 1, total_first), np.where(no_pipeline, 1, total_last)
+
+    def in_chunk(total: Any, chunk: Any) -> Any:
+        """Forwards among the first ``total`` that run ``chunk`` (groups of p per chunk)."""
+        groups, left = total // (p * v), total % (p * v)
+        return groups * p + np.clip(left - chunk * p, 0, p)
+
+    end_first = np.where(no_pipeline, 1, in_chunk(total_first, 0))
+    end_last = np.where(no_pipeline, 1, in_chunk(total_last, v - 1))
+    n = 0 if recompute_layers is None else recompute_layers
+    out = {}
+    for rank, per_rank, total, end in (("first", lf, total_first, end_first), ("last", ll, total_last, end_last)):
+        per_chunk = per_rank / v
+        # the chunk with the embedding or the loss (without a pipeline both slots are the one rank's)
+        smaller = per_chunk - _where(balanced, 1, 0) * (p > 1)
+        full = total * np.minimum(n, per_chunk) - end * (np.minimum(n, per_chunk) - np.minimum(n, smaller))
+        layer_microbatches = total * per_chunk - end * (per_chunk - smaller)
+        out[rank] = {"full": full, "rest": layer_microbatches - full, "end": end}
+    return out
 
 
 def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any = 1) -> tuple[Any, Any]:

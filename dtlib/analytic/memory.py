@@ -28,12 +28,18 @@ from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import (TransformerConfig, attention_params, mlp_params, moe_layer_count,
                                    norm_params)
-from dtlib.analytic.presets import get_preset
-from dtlib.analytic.layout import Parallelism, check_layout, in_flight, stage_layers
+from dtlib.analytic.presets import Training, activation_convention, get_preset
+from dtlib.analytic.layout import Parallelism, check_layout, stage_layers, stored_layer_microbatches
 from dtlib.analytic.precision import Precision, get_precision
+from dtlib.plan.stacks import Stack, get_stack
+
+# the model keys activation_breakdown averages its layers over (TransformerConfig.numbers)
+_MODEL_KINDS = ("layers", "moe_layers", "sliding_layers", "sliding_window", "moe_ffn", "shared_experts",
+                "capacity_factor", "etp", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim")
 
 __all__ = ["memory_per_gpu", "MemoryBreakdown", "per_gpu_bytes", "stage_parameters",
-           "model_state_bytes", "model_numbers", "GiB", "GB"]
+           "model_state_bytes", "model_numbers", "memory_options", "stack_storage", "GiB", "GB"]
 
 
 
@@ -51,7 +57,7 @@ def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, 
                      experts, learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1, etp=1,
                      virtual_stages=1, moe_ffn=None, shared_experts=0, dense_layers=0, moe_layer_freq=1,
                      head_dim=None, q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0,
-                     qk_rope_head_dim=0, v_head_dim=0, **_unused) -> dict[str, dict[str, Any]]:
+                     qk_rope_head_dim=0, v_head_dim=0, balanced=False, **_unused) -> dict[str, dict[str, Any]]:
     """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
     ZeRO over dp), ``expert`` (sharded over dp/ep) and ``unit`` (largest block gathered at once by
     ZeRO-3/FSDP with per-block wrapping).
@@ -91,7 +97,7 @@ def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, 
     # the last stage holds the LM head; a tied head is a second copy when pp > 1 (Megatron-LM)
     head = norm + ((1 - tied) + tied * (pp > 1)) * vocab_rows * hidden
     single = pp == 1
-    lf, ll = stage_layers(layers, pp, virtual_stages)
+    lf, ll = stage_layers(layers, pp, virtual_stages, balanced)
     total_moe = moe_layer_count(layers, experts, dense_layers, moe_layer_freq)
     spread = virtual_stages > 1
     moe_first = np.where(spread, -(-lf * total_moe // layers),
@@ -137,18 +143,27 @@ def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size,
 
 
 def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none",
-                  schedule: str = "1f1b", offload: str = "none", dropout: bool = True,
+                  schedule: str = "1f1b", offload: str = "none", dropout: bool = False,
+                  flash_attention: bool = True, fused_swiglu: bool = False, fp8_inputs: bool = False,
+                  recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
+                  activation_offload_layers: int | None = None,
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
                   overhead_bytes: Any = 0.0) -> dict[str, Any]:
     """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
 
     ``n`` holds layout numbers (``dp tp pp cp ep zero sequence_parallel virtual_stages micro_batch_size
     num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
-    (a bare parameter count: no activations) with optional ``largest_layer``.
+    (a bare parameter count: no activations) with optional ``largest_layer``. The categorical
+    options (``recompute``, ``schedule``, ``offload``, ``recompute_layers``,
+    ``account_for_embedding_and_loss``, ``activation_offload_layers``) are
+    :class:`~dtlib.analytic.layout.Parallelism`'s; the
+    activation conventions (``dropout``, ``flash_attention``, ``fused_swiglu``, ``fp8_inputs``)
+    are :func:`dtlib.analytic.activations.stored_layer_bytes`'s.
     """
     shaped = n.get("hidden") is not None
+    balanced = account_for_embedding_and_loss
     if shaped:
-        stages = stage_parameters(**n)
+        stages = stage_parameters(**n, balanced=balanced)
     else:
         dense = n["params"] / (n["tp"] * n["pp"])
         stages = {s: {"dense": dense, "expert": 0 * dense, "unit": 0 * dense} for s in ("first", "last")}
@@ -157,19 +172,26 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             s["unit"] = n["largest_layer"] / n["tp"] + 0 * s["dense"]
     out = {}
     if shaped:
-        lf, ll = stage_layers(n["layers"], n["pp"], n["virtual_stages"])
-        ff, fl = in_flight(schedule, n["pp"], n["num_microbatches"], n["virtual_stages"])
+        # full recompute is recompute_layers = every layer of every chunk (Megatron's block method)
+        partial = n["layers"] if recompute == "full" else recompute_layers
+        stored = stored_layer_microbatches(schedule, n["layers"], n["pp"], n["num_microbatches"],
+                                           n["virtual_stages"], balanced, partial)
+        per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
+        offloaded = np.minimum(activation_offload_layers or 0, per_chunk) / per_chunk
         act = activation_breakdown(
             seq=n["seq"], micro_batch_size=n["micro_batch_size"], hidden=n["hidden"], heads=n["heads"],
-            kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"], layers_first=lf, layers_last=ll,
-            in_flight_first=ff, in_flight_last=fl, tp=n["tp"], cp=n["cp"], pp=n["pp"],
-            sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
-            dropout=dropout, act_bytes=prec.activation, mask_bytes=mask_bytes,
-            logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"])
+            kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"], stored=stored, tp=n["tp"], cp=n["cp"],
+            pp=n["pp"], sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
+            dropout=dropout, flash_attention=flash_attention, fused_swiglu=fused_swiglu,
+            fp8_inputs=fp8_inputs, offloaded=offloaded, act_bytes=prec.activation, mask_bytes=mask_bytes,
+            logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"],
+            **{k: n[k] for k in _MODEL_KINDS if k in n})
     for s in ("first", "last"):
         st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
                                zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], offload=offload)
         st["activations"] = act[s]["total"] if shaped else None
+        if shaped:
+            st["cpu"] = st["cpu"] + act[s].pop("cpu")
         st["overhead"] = overhead_bytes + 0 * st["parameters"]
         st["total"] = (st["parameters"] + st["gradients"] + st["optimizer"] + st["temporary"]
                        + st["overhead"] + (st["activations"] if shaped else 0))
@@ -230,7 +252,9 @@ def resolve_model(model: "TransformerConfig | str | float | int") -> Transformer
 
 def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism | None = None, *,
                    precision: "Precision | str" = "zero", gpu: "str | Accelerator | None" = None,
-                   gpus: int | None = None, seq: int | None = None, dropout: bool = True,
+                   gpus: int | None = None, seq: int | None = None, dropout: bool | None = None,
+                   flash_attention: bool | None = None, convention: str | None = None,
+                   stack: "Stack | str | None" = None, dtype: str = "bf16",
                    mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
                    largest_layer_params: float | None = None,
                    overhead_bytes: float = 0.0) -> MemoryBreakdown:
@@ -239,8 +263,15 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     ``model``: a :class:`TransformerConfig`, a preset name, or a parameter count (then activations
     are None and tensor/pipeline parallelism divide the count evenly). ``precision``: a
     :class:`Precision` or convention name (default ``"zero"``: 2+2+12 bytes/param, 16-bit
-    activations). ``gpus``: if given, must equal dp*tp*pp*cp. ``dropout``/``mask_bytes``/
-    ``logits_bytes``/``norm_saved``: activation conventions (see :mod:`dtlib.analytic.activations`).
+    activations). ``gpus``: if given, must equal dp*tp*pp*cp.
+
+    Activations are counted as ``convention`` says (:data:`~dtlib.analytic.presets.ACTIVATION_CONVENTIONS`:
+    default ``today``, FlashAttention-style attention and no dropout, for every model;
+    ``korthikanti-2022`` the paper's GPT counting), with ``flash_attention`` / ``dropout``
+    overriding it where given; ``stack`` (:mod:`dtlib.plan.stacks`, default
+    :data:`~dtlib.plan.stacks.DEFAULT_STACK`) says what its kernels store (fused SwiGLU; with
+    ``dtype="fp8"``, FP8 copies of the GEMM inputs), exactly as ``dtlib plan`` counts them.
+    ``mask_bytes``/``logits_bytes``/``norm_saved``: see :mod:`dtlib.analytic.activations`.
     ``overhead_bytes``: framework overhead (CUDA context, NCCL buffers, fragmentation; default 0,
     typically 1-3 GiB on a GPU). ``largest_layer_params`` overrides the ZeRO-3 gather unit: the
     parameters of the largest layer before tensor parallelism, which splits it over ``tp`` ranks
@@ -249,6 +280,9 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     layout = layout or Parallelism()
     prec = get_precision(precision)
     cfg = resolve_model(model)
+    chosen_stack = get_stack(stack)
+    validate.one_of("dtype", dtype, ("bf16", "fp8"))
+    counted, assumed = activation_convention(convention, flash_attention, dropout)
     if seq is not None:
         validate.integer("seq", seq)
     if gpus is not None:
@@ -259,7 +293,6 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     for name, value in (("mask_bytes", mask_bytes), ("logits_bytes", logits_bytes),
                         ("norm_saved", norm_saved)):
         validate.number(name, value, minimum=0, exclusive=False)
-    validate.boolean("dropout", dropout)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if isinstance(cfg, TransformerConfig):
         n = layout.numbers(**model_numbers(cfg, seq), gpus=gpus, largest_layer=largest_layer_params)
@@ -270,15 +303,35 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
         n = layout.numbers(params=cfg, gpus=gpus, largest_layer=largest_layer_params)
     check_layout(n, layout.schedule, layout.offload)
     r = per_gpu_bytes(n, prec, recompute=layout.recompute, schedule=layout.schedule,
-                      offload=layout.offload, dropout=dropout, mask_bytes=mask_bytes,
-                      logits_bytes=logits_bytes, norm_saved=norm_saved, overhead_bytes=overhead_bytes)
+                      offload=layout.offload, **memory_options(counted, chosen_stack, dtype),
+                      recompute_layers=layout.recompute_layers,
+                      account_for_embedding_and_loss=layout.account_for_embedding_and_loss,
+                      activation_offload_layers=layout.activation_offload_layers, mask_bytes=mask_bytes, logits_bytes=logits_bytes, norm_saved=norm_saved,
+                      overhead_bytes=overhead_bytes)
     detail = {k.split(".", 1)[1]: float(v) for k, v in r.items() if k.startswith("activations.")}
     notes = [f"precision: {prec.name} ({prec.total:g} bytes/param before sharding)"]
     if r["activations"] is None:
         notes.append("activations: not computed (bare parameter count; give a model shape)")
+    else:
+        notes += assumed + [f"stack: {chosen_stack.name} ({stack_storage(chosen_stack, dtype)})"]
     return MemoryBreakdown(
         parameters=float(r["parameters"]), gradients=float(r["gradients"]),
         optimizer=float(r["optimizer"]),
         activations=None if r["activations"] is None else float(r["activations"]),
         temporary=float(r["temporary"]), overhead=float(r["overhead"]), total=float(r["total"]),
         cpu=float(r["cpu"]), stage=int(r["stage"]), activation_detail=detail, gpu=acc, notes=notes)
+
+
+def memory_options(counted: Training, stack: "Stack", dtype: str = "bf16") -> dict[str, bool]:
+    """:func:`per_gpu_bytes`'s activation conventions for an activation convention, a stack and
+    the matmul dtype (what ``dtlib memory`` and ``dtlib plan`` both pass)."""
+    return {"dropout": counted.dropout, "flash_attention": counted.flash_attention,
+            "fused_swiglu": stack.fused_swiglu, "fp8_inputs": dtype == "fp8" and stack.fp8_saves_inputs}
+
+
+def stack_storage(stack: "Stack", dtype: str = "bf16") -> str:
+    """One phrase: what ``stack`` stores differently from eager PyTorch (for the output notes)."""
+    kept = ["fused SwiGLU keeps its input only" if stack.fused_swiglu else "SwiGLU tensors as eager PyTorch"]
+    if dtype == "fp8":
+        kept.append("FP8 copies of GEMM inputs" if stack.fp8_saves_inputs else "BF16 GEMM inputs under FP8")
+    return ", ".join(kept)

@@ -11,6 +11,7 @@ convention              param  grad   optimizer                     total  sourc
 ``megatron-bf16``       2      4      4 master + 8 Adam             18     Megatron-LM distrib_optimizer.md
 ``megatron-fp16``       2      2      4 master + 4 grad copy + 8    20     Megatron-LM distrib_optimizer.md
 ``fp32``                4      4      8 Adam                        16     Megatron-LM distrib_optimizer.md
+``fsdp-mixed``          4      4      8 Adam                        16     PyTorch FSDP MixedPrecision
 ``sgd-momentum``        2      2      4 master + 4 momentum         12     (mixed precision SGD)
 ``adam-8bit``           2      2      4 master + 2 (two 8-bit)      10     Dettmers et al. 2022
 ======================  =====  =====  ============================  =====  ==========================
@@ -86,6 +87,13 @@ CONVENTIONS: dict[str, Precision] = {
     "megatron-bf16": precision("bf16-mixed", "fp32", "adam"),
     "megatron-fp16": precision("fp16-mixed", "fp16", "adam", fp32_grad_copy=True),
     "fp32": precision("fp32", "fp32", "adam"),
+    # FSDP mixed precision (FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy): the sharded
+    # parameters stay fp32 (they are the master weights) and so do the gradient shards; the
+    # BF16 copies exist only while a unit is gathered (the ZeRO-3 temporary); activations BF16
+    "fsdp-mixed": Precision(name="fsdp-mixed/fp32 shards/adam", param=4, grad=4, master=0, grad_copy=0,
+                            states=8, activation=2,
+                            source="torch.distributed.fsdp MixedPrecision(param_dtype=bf16): fp32 "
+                                   "sharded parameters and gradients, bf16 compute"),
     "sgd-momentum": precision("bf16-mixed", "bf16", "sgd-momentum"),
     "adam-8bit": precision("bf16-mixed", "bf16", "adam-8bit"),
 }

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 
-__all__ = ["PRESETS", "get_preset", "Training", "TRAINING", "GPT_CONVENTION", "training_of"]
+__all__ = ["PRESETS", "get_preset", "Training", "TODAY", "KORTHIKANTI_2022", "ACTIVATION_CONVENTIONS",
+           "activation_convention"]
 
 _LLAMA = dict(activation="swiglu", bias=False, norm="rmsnorm", position="rope", tied_embeddings=False)
 
@@ -118,37 +120,43 @@ def get_preset(name: str) -> TransformerConfig:
 
 @dataclass(frozen=True)
 class Training:
-    """How a model was trained, where that changes its activation memory: a FlashAttention-style
-    kernel (Dao et al. 2022) never stores the s x s attention scores, which is the footprint of
-    selective recompute (Korthikanti et al. 2022, Sec. 5: it drops exactly the 5as/h term), and a
-    model trained without dropout keeps no dropout masks."""
+    """How the activations of a training run are counted, where that changes their memory: a
+    FlashAttention-style kernel (Dao et al. 2022) never stores the s x s attention scores, which
+    is the footprint of selective recompute (Korthikanti et al. 2022, Sec. 5: it drops exactly the
+    5as/h term), and a model trained without dropout keeps no dropout masks."""
     flash_attention: bool
     dropout: bool
     source: str
 
-    @property
-    def recompute(self) -> str:
-        """The :data:`~dtlib.analytic.layout.RECOMPUTE` value with this attention's footprint."""
-        return "selective" if self.flash_attention else "none"
 
-
-# The paper's GPT convention (explicit attention, dropout): what a preset not listed here gets.
-GPT_CONVENTION = Training(flash_attention=False, dropout=True,
-                          source="Korthikanti et al. 2022, Sec. 4 (GPT: explicit attention, dropout)")
-_LLAMA_TRAINING = Training(
+# What dtlib assumes unless told otherwise, for presets and custom shapes alike: every framework
+# in use trains with fused attention, and today's pre-training recipes use no dropout.
+TODAY = Training(
     flash_attention=True, dropout=False,
-    source="Touvron et al. 2023, 'LLaMA', Sec. 2.4 (xformers memory-efficient causal attention: "
-           "attention weights not stored); HF Llama configs: attention_dropout 0.0, no other dropout")
-TRAINING: dict[str, Training] = {
-    **{name: _LLAMA_TRAINING for name in ("llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b",
-                                          "capstone-10b")},
-    "bloom-176b": Training(flash_attention=False, dropout=False,
-                           source="HF bigscience/bloom config.json: attention_dropout 0.0, "
-                                  "hidden_dropout 0.0 (fused softmax, scores stored)"),
-}
+    source="PyTorch SDPA, Transformer Engine DotProductAttention and flash-attn keep no s x s "
+           "scores; HF Llama/Mistral/Qwen configs: attention_dropout 0.0, Megatron-Bridge recipes: "
+           "hidden_dropout 0, attention_dropout 0")
+# The paper's GPT convention: explicit attention storing the scores, dropout everywhere.
+KORTHIKANTI_2022 = Training(
+    flash_attention=False, dropout=True,
+    source="Korthikanti et al. 2022, Sec. 4, Table 2: s b h (34 + 5 a s / h) bytes per layer")
+ACTIVATION_CONVENTIONS: dict[str, Training] = {"today": TODAY, "korthikanti-2022": KORTHIKANTI_2022}
 
 
-def training_of(model: "TransformerConfig | str") -> Training:
-    """How ``model`` (a preset, or its name) was trained; :data:`GPT_CONVENTION` for any other."""
-    name = model.name if isinstance(model, TransformerConfig) else get_preset(model).name
-    return TRAINING.get(name, GPT_CONVENTION)
+def activation_convention(convention: str | None = None, flash_attention: bool | None = None,
+                          dropout: bool | None = None) -> tuple[Training, list[str]]:
+    """The activation counting to use: ``convention`` (a key of :data:`ACTIVATION_CONVENTIONS`,
+    default ``today``) with ``flash_attention`` / ``dropout`` overriding it where given. Returns it
+    and one line saying what was assumed (for the output of ``dtlib memory`` and ``dtlib plan``)."""
+    name = "today" if convention is None else convention
+    if name not in ACTIVATION_CONVENTIONS:
+        raise ValueError(f"unknown activation convention {name!r}; valid: {', '.join(ACTIVATION_CONVENTIONS)}")
+    base = ACTIVATION_CONVENTIONS[name]
+    flash = base.flash_attention if flash_attention is None else validate.boolean("flash_attention", flash_attention)
+    drop = base.dropout if dropout is None else validate.boolean("dropout", dropout)
+    chosen = Training(flash_attention=flash, dropout=drop, source=base.source)
+    attention = ("FlashAttention-style attention (s x s scores not stored)" if flash
+                 else "explicit attention (s x s scores and softmax stored)")
+    note = (f"activations counted as convention {name!r}: {attention}, "
+            f"{'dropout masks stored' if drop else 'no dropout'} ({base.source})")
+    return chosen, [note]

@@ -18,9 +18,11 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.flops import shape_of, step_flops, utilization
 from dtlib.analytic.hardware import Accelerator
-from dtlib.analytic.memory import model_numbers, per_gpu_bytes
+from dtlib.analytic.memory import memory_options, model_numbers, per_gpu_bytes
+from dtlib.analytic.presets import activation_convention
+from dtlib.plan.stacks import get_stack
 from dtlib.analytic.config import TransformerConfig, moe_layer_count, sliding_layer_count
-from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, broken_rules
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, broken_rules
 from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
@@ -103,17 +105,20 @@ def _nan_where_invalid(out: dict[str, Any], valid: np.ndarray) -> dict[str, Any]
 
 def memory_batch(cfg: "TransformerConfig | None" = None, *, precision: "Precision | str" = "zero",
                  recompute: str = "none", schedule: str = "1f1b", offload: str = "none",
-                 dropout: bool = True, mask_bytes: float = 1, logits_bytes: float = 4,
+                 dropout: bool | None = None, flash_attention: bool | None = None,
+                 convention: str | None = None, stack: "str | None" = None, dtype: str = "bf16",
+                 mask_bytes: float = 1, logits_bytes: float = 4,
                  norm_saved: float = 1, overhead_bytes: float = 0.0, on_invalid: str = "raise",
                  **arrays: Any) -> dict[str, np.ndarray]:
-    """:func:`dtlib.analytic.memory.memory_per_gpu` over arrays: bytes per component on the most loaded GPU.
+    """:func:`dtlib.analytic.memory.memory_per_gpu` over arrays: bytes per component on the most loaded GPU
+    (the same activation convention and stack arguments).
 
     Without ``cfg`` pass ``params=`` (bare counts; activations come back as None).
     """
-    for name, value, valid in (("recompute", recompute, RECOMPUTE), ("schedule", schedule, SCHEDULES),
+    for name, value, valid in (("recompute", recompute, RECOMPUTE_OPTIONS), ("schedule", schedule, SCHEDULES),
                                ("offload", offload, OFFLOAD)):
         validate.one_of(name, value, valid)
-    validate.boolean("dropout", dropout)
+    counted, _ = activation_convention(convention, flash_attention, dropout)
     for name, value in (("overhead_bytes", overhead_bytes), ("mask_bytes", mask_bytes),
                         ("logits_bytes", logits_bytes), ("norm_saved", norm_saved)):
         validate.array(name, value, minimum=0, exclusive=False)
@@ -121,7 +126,7 @@ def memory_batch(cfg: "TransformerConfig | None" = None, *, precision: "Precisio
         raise ValueError("give a model config or params= (parameter counts)")
     n, valid = layout_arrays(cfg, arrays, schedule, offload, on_invalid)
     out = per_gpu_bytes(n, get_precision(precision), recompute=recompute, schedule=schedule,
-                        offload=offload, dropout=dropout, mask_bytes=mask_bytes,
+                        offload=offload, **memory_options(counted, get_stack(stack), dtype), mask_bytes=mask_bytes,
                         logits_bytes=logits_bytes, norm_saved=norm_saved, overhead_bytes=overhead_bytes)
     out = {k: (None if v is None else np.broadcast_to(np.asarray(v, float), valid.shape).copy())
            for k, v in out.items()}

@@ -11,10 +11,11 @@ from typing import Any, Callable
 from dtlib.analytic import validate
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.hardware import ACCELERATORS, get_gpu, get_system
-from dtlib.analytic.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Parallelism, broken_rules, check_layout
+from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.memory import GiB, resolve_model
 from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, get_precision, precision
-from dtlib.analytic.presets import GPT_CONVENTION, PRESETS, training_of
+from dtlib.analytic.presets import ACTIVATION_CONVENTIONS, PRESETS
+from dtlib.plan.stacks import DEFAULT_STACK, STACKS
 
 
 def plain(text: str) -> str:
@@ -255,10 +256,11 @@ def layout_args(p: argparse.ArgumentParser) -> None:
                    help="expert tensor parallel size (Megatron --expert-tensor-parallel-size; default 1)")
     g.add_argument("--dp", type=positive_int, help="data parallel size (default gpus/(tp*pp*cp))")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
-    g.add_argument("--recompute", choices=RECOMPUTE,
-                   help="activation recomputation (Korthikanti et al. 2022); 'selective' drops the "
-                        "s^2 attention terms, which is also FlashAttention's memory footprint "
-                        "(default: how the preset was trained, e.g. 'selective' for Llama; else 'none')")
+    g.add_argument("--recompute", choices=RECOMPUTE_OPTIONS,
+                   help="activation recomputation (Korthikanti et al. 2022): 'selective' drops the "
+                        "s^2 attention terms (FlashAttention's footprint already), 'full' keeps each "
+                        "layer's input, 'op' is torchtitan's per-op selective checkpointing (default "
+                        "none; flops and comm: selective, FlashAttention's backward recomputing the scores)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
@@ -295,14 +297,23 @@ def precision_choice(valid: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def precision_args(p: argparse.ArgumentParser) -> None:
+def precision_args(p: argparse.ArgumentParser, activations: bool = False) -> None:
+    """Precision flags; ``activations`` (``dtlib memory``) adds :func:`convention_args`, else a
+    ``--convention`` of precision conventions only."""
     g = p.add_argument_group("precision")
-    g.add_argument("--precision", type=precision_choice(("bf16", "fp16", "fp32")), default="bf16",
-                   metavar="{bf16,fp16,fp32}", help=PRECISION_HELP)
+    if activations:
+        convention_args(g)
+    else:
+        g.add_argument("--convention", choices=tuple(CONVENTIONS), action="append", metavar="NAME",
+                       help=f"a precision convention (overrides the above): {', '.join(CONVENTIONS)}")
+    names = ("bf16", "fp16", "fp32", "fp8") if activations else ("bf16", "fp16", "fp32")
+    g.add_argument("--precision", type=precision_choice(names), default=None, metavar="{" + ",".join(names) + "}",
+                   help=PRECISION_HELP + ("; fp8: bf16 mixed precision with FP8 matmuls (what the stack "
+                                          "then stores); default: the --stack's precision convention"
+                                          if activations else "; default bf16"))
     g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--optimizer", choices=OPTIMIZERS)
     g.add_argument("--fp32-grad-copy", action="store_true", help="Megatron fp16: +4 bytes/param")
-    g.add_argument("--convention", choices=tuple(CONVENTIONS), help="a named convention (overrides the above)")
 
 
 def _variant(args: argparse.Namespace) -> dict[str, Any]:
@@ -390,7 +401,9 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                        virtual_stages=args.virtual_stages, micro_batch_size=args.micro_batch_size,
                        num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
-                       offload=args.offload)
+                       offload=args.offload, recompute_layers=getattr(args, "recompute_layers", None),
+                       account_for_embedding_and_loss=getattr(args, "account_for_embedding_and_loss", False),
+                       activation_offload_layers=getattr(args, "activation_offload_layers", None))
 
 
 def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
@@ -423,31 +436,78 @@ def checked_layout(args: argparse.Namespace, model: "TransformerConfig | float")
 
 
 def training_defaults(args: argparse.Namespace, model: "TransformerConfig | float") -> list[str]:
-    """Fill ``--recompute`` and ``--dropout`` left unset with how the preset was trained
-    (:func:`dtlib.analytic.presets.training_of`; the paper's GPT convention for a custom shape or
-    a bare count). Returns the note saying what was assumed, if anything differs from the paper."""
-    trained = training_of(model) if args.model is not None else GPT_CONVENTION
-    assumed = []
-    if args.recompute is None:
-        args.recompute = trained.recompute
-        if trained.flash_attention:
-            assumed.append("FlashAttention-style attention (the s x s scores are not stored: counted "
-                           "as --recompute selective)")
-    if getattr(args, "dropout", False) is None:  # only `memory` has --dropout
-        args.dropout = trained.dropout
-        if not trained.dropout:
-            assumed.append("no dropout")
-    if not assumed:
+    """``flops`` and ``comm``: ``--recompute`` left unset is today's convention
+    (:data:`dtlib.analytic.presets.TODAY`): FlashAttention's backward recomputes the attention
+    scores (Dao et al. 2022, Sec. 3.1), which is selective recompute's work. Returns the note."""
+    if args.recompute is not None:
         return []
-    return [f"assuming {model.name} as trained: {' and '.join(assumed)} ({trained.source}); "
-            "--recompute none --dropout for the paper's GPT convention"]
+    if not isinstance(model, TransformerConfig):  # a bare count has no attention to recompute
+        args.recompute = "none"
+        return []
+    args.recompute = "selective"
+    return ["assuming FlashAttention-style attention, whose backward recomputes the attention scores "
+            "(counted as --recompute selective; give --recompute none for explicit attention)"]
+
+
+def recompute_detail_args(g: Any) -> None:
+    """``--recompute-layers``, ``--account-for-embedding-and-loss`` and ``--activation-offload-layers``
+    (memory and plan: what the layout keeps; flops and comm do not count them)."""
+    g.add_argument("--recompute-layers", type=non_negative_int, default=None, metavar="N",
+                   help="Megatron --recompute-method block --recompute-num-layers N: the first N layers "
+                        "of each model chunk fully recomputed, the others as --recompute says")
+    g.add_argument("--account-for-embedding-and-loss", action="store_true",
+                   help="Megatron --account-for-embedding-in-pipeline-split --account-for-loss-in-"
+                        "pipeline-split: the first and last chunk hold one layer fewer (Llama 3, Sec. 3.3.2)")
+    g.add_argument("--activation-offload-layers", type=non_negative_int, default=None, metavar="N",
+                   help="Megatron --cpu-offloading-num-layers N / DeepSpeed cpu_checkpointing: the activations "
+                        "of N layers of each chunk kept in CPU memory")
+
+
+def convention_args(g: Any, precision: bool = True) -> None:
+    """``--convention`` (repeatable: one activation convention and, with ``precision``, one
+    precision convention), ``--stack``, ``--dropout`` and ``--flash-attention``."""
+    names = tuple(ACTIVATION_CONVENTIONS) + (tuple(CONVENTIONS) if precision else ())
+    g.add_argument("--convention", choices=names, action="append", metavar="NAME",
+                   help="how activations are counted: 'today' (default: FlashAttention-style attention, "
+                        "no dropout) or 'korthikanti-2022' (the paper's GPT counting: explicit attention "
+                        "and dropout masks)" + ("; or a precision convention (bytes per parameter): "
+                        + ", ".join(CONVENTIONS) if precision else "") + "; repeatable, one of each")
+    g.add_argument("--stack", choices=tuple(STACKS), default=DEFAULT_STACK,
+                   help="software stack: what it overlaps, fuses and stores (dtlib.plan.stacks; "
+                        f"default {DEFAULT_STACK})")
+    g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="1-byte dropout masks as Korthikanti et al. count them (default: the convention's, "
+                        "none today)")
+    g.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention never stores the s x s scores (default: the convention's, yes today)")
+
+
+def conventions_from_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``--convention`` split into (activation convention, precision convention), at most one of each."""
+    given = args.convention or []
+    activation = [c for c in given if c in ACTIVATION_CONVENTIONS]
+    prec = [c for c in given if c not in ACTIVATION_CONVENTIONS]
+    for kind, names in (("activation", activation), ("precision", prec)):
+        if len(names) > 1:
+            raise ValueError(f"--convention given two {kind} conventions ({', '.join(names)}); give one")
+    return (activation or [None])[0], (prec or [None])[0]
 
 
 def precision_from_args(args: argparse.Namespace):
-    if args.convention:
-        return get_precision(args.convention)
-    recipe = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}[args.precision]  # PRECISIONS' spelling
-    return precision(recipe, args.grad_dtype, args.optimizer, args.fp32_grad_copy)
+    """The precision convention of ``--convention``, or of ``--precision``/``--grad-dtype``/
+    ``--optimizer``/``--fp32-grad-copy``; bf16 (or fp8) and none of the others: the ``--stack``'s
+    (as ``dtlib plan``; ``dtlib comm`` has no stack: bf16 mixed precision with bf16 gradients)."""
+    named = conventions_from_args(args)[1]
+    if named:
+        return get_precision(named)
+    # bf16 (or fp8 matmuls) on this stack: the stack's convention, as dtlib plan counts it
+    if args.precision in (None, "bf16", "fp8") and args.grad_dtype is None and args.optimizer is None \
+            and not args.fp32_grad_copy:
+        # dtlib memory has --stack; dtlib comm keeps bf16 mixed precision
+        return get_precision(STACKS[args.stack].precision if hasattr(args, "stack") else "bf16-mixed")
+    dtype = "bf16" if args.precision in (None, "fp8") else args.precision  # fp8 matmuls: bf16 mixed weights
+    recipe = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}[dtype]  # PRECISIONS' spelling
+    return precision(recipe, args.grad_dtype, args.optimizer or "adam", args.fp32_grad_copy)
 
 
 # ---- output ------------------------------------------------------------------------------------

@@ -15,16 +15,21 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link
-from dtlib.analytic.layout import RECOMPUTE
+from dtlib.analytic.layout import RECOMPUTE_OPTIONS
+from dtlib.analytic.memory import stack_storage
+from dtlib.analytic.precision import get_precision
+from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.units import GiB
-from dtlib.cli.args import (PRECISION_HELP, bounded_float, gpu_name, model_args, model_from_args, parse_count,
-                            positive_int, precision_choice, system_name)
+from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, gpu_name,
+                            model_args, model_from_args, parse_count, positive_int, precision_choice,
+                            recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
 from dtlib.plan.search import search, to_layout
-from dtlib.plan.steptime import DTYPES, TERMS, StepOptions
+from dtlib.plan.stacks import get_stack
+from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
 
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
@@ -71,11 +76,16 @@ def add_plan_command(sub: Any) -> None:
     g = p.add_argument_group("layout (each pins the search; all of them = one configuration)")
     for name in ("tp", "pp", "dp", "cp", "ep", "virtual-stages"):
         g.add_argument(f"--{name}", type=positive_int)
+    g.add_argument("--etp", type=positive_int, metavar="T",
+                   help="expert tensor parallel size (Megatron-Core --expert-tensor-parallel-size)")
     g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int)
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    g.add_argument("--recompute", choices=RECOMPUTE)
+    g.add_argument("--recompute", choices=RECOMPUTE_OPTIONS,
+                   help="pin the recompute setting ('op': torchtitan's per-op checkpointing, never searched)")
+    recompute_detail_args(g)
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
-    m = p.add_argument_group("model of the step")
+    m = p.add_argument_group("model of the step (flags left out take the --stack's value)")
+    convention_args(m)
     m.add_argument("--efficiency", type=_fraction,
                    help="one flat fraction of peak instead of the shape-aware compute model")
     m.add_argument("--gemm-efficiency", type=_fraction,
@@ -84,13 +94,12 @@ def add_plan_command(sub: Any) -> None:
                    help=f"FlashAttention efficiency vs the BF16 peak (default {ATTENTION_EFFICIENCY}, fitted)")
     m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
                    help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
-    m.add_argument("--dp-overlap", type=_overlap, default=1.0, help="DP communication hidden by compute")
-    m.add_argument("--tp-overlap", type=_overlap, default=0.0, help="TP communication hidden by compute")
+    m.add_argument("--dp-overlap", type=_overlap, help="DP communication hidden by compute")
+    m.add_argument("--tp-overlap", type=_overlap, help="TP communication hidden by compute")
+    m.add_argument("--cp-overlap", type=_overlap, help="CP communication hidden by compute")
+    m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
-    m.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
-                   help="the model trains with dropout (default: as the preset was trained; GPT convention otherwise)")
-    m.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="attention never stores the s x s scores (default: as the preset was trained)")
     t = p.add_argument_group("training plan")
     t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
     t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
@@ -142,15 +151,21 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                          f"valid: multiples of {g} (or at most {g}){hint}")
     nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
     cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system)
-    options = StepOptions(dtype=args.precision, efficiency=args.efficiency, attention=args.attention_flops,
-                          dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
-                          oversubscription=args.oversubscription,
-                          flash_attention=args.flash_attention, gemm_efficiency=args.gemm_efficiency,
+    activation, named_precision = conventions_from_args(args)
+    options = StepOptions(stack=args.stack, dtype=args.precision, efficiency=args.efficiency,
+                          attention=args.attention_flops, dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
+                          cp_overlap=args.cp_overlap, fused_elementwise=args.fused_elementwise,
+                          oversubscription=args.oversubscription, precision=named_precision,
+                          flash_attention=args.flash_attention, convention=activation,
+                          gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
-    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size",
-                                           "zero", "recompute", "sequence_parallel")
+    fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
+                                           "zero", "recompute", "sequence_parallel", "recompute_layers",
+                                           "activation_offload_layers")
              if getattr(args, k) is not None}
+    if args.account_for_embedding_and_loss:
+        fixed["account_for_embedding_and_loss"] = True
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
                tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
@@ -184,7 +199,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
-         "memory_capacity_bytes": r.capacity}
+         "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout)}
     if args.emit and r.configs:
         d.update(_framework_configs(args, model, r.configs[0]))
     return d
@@ -195,13 +210,32 @@ _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert par
            "sp: sequence parallelism")
 
 
+def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
+    """What the plan assumed: the stack and every option it filled, and how activations were counted."""
+    filled, drop = resolve(options, dropout)
+    stack = get_stack(filled.stack)
+    _, note = activation_convention(options.convention, options.flash_attention, dropout)
+    return {"stack": stack.name, "tp_overlap": filled.tp_overlap, "cp_overlap": filled.cp_overlap,
+            "dp_overlap": filled.dp_overlap if filled.dp_overlap is not None
+            else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
+            "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
+            "precision": get_precision(filled.precision).name, "flash_attention": filled.flash_attention,
+            "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype)}
+
+
 def _text(d: dict[str, Any]) -> str:
+    a = d["assumed"]
     system = f" ({d['system']})" if d.get("system") else ""
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
              f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
-             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls: "
-             f"{d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
-             f"{d['search_seconds']:.2f} s", f"where the numbers come from: {d['efficiency_source']}; the other "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls, stack "
+             f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
+             f"{d['search_seconds']:.2f} s",
+             f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
+             f"{a['cp_overlap']:g}, attention {a['attention_kernel']}, "
+             f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
+             f"(dtlib.plan.stacks, docs/stacks.md)", a["activations"],
+             f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])

@@ -19,7 +19,7 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.analytic.units import GiB
 from dtlib.plan.search import search, to_layout
-from dtlib.plan.steptime import StepOptions, as_trained, memory_recompute, step_time
+from dtlib.plan.steptime import StepOptions, resolve, step_time
 from dtlib.plan.topology import fat_tree
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, training_plan
 
@@ -38,8 +38,8 @@ def check_design(model: TransformerConfig, layout: Parallelism, cl: Cluster, glo
                  mfu_fraction: float = 0.9, dropout: bool | None = None) -> list[DesignCheck]:
     """The reviewer's checks of ``layout`` (see the module docstring); later checks are skipped
     (reported as failed with the reason) when the layout does not describe this job. ``dropout``
-    and FlashAttention: as the model was trained unless given (:func:`dtlib.plan.steptime.as_trained`)."""
-    options, dropout = as_trained(model, options, dropout)
+    and FlashAttention: the activation convention's unless given (:func:`dtlib.plan.steptime.resolve`)."""
+    options, dropout = resolve(options, dropout)
     checks = []
     same_job = True
     ok = layout.global_batch == global_batch
@@ -56,8 +56,8 @@ def check_design(model: TransformerConfig, layout: Parallelism, cl: Cluster, glo
     checks.append(DesignCheck("TP inside a node", ok, f"tp = {layout.tp}" + (
         f" <= {cl.gpus_per_node} GPUs per node" if ok else f" > {cl.gpus_per_node} GPUs per node: its 4 "
         f"all-reduces per layer would cross the {cl.inter.name} network; use tp <= {cl.gpus_per_node}")))
-    counted = layout.with_(recompute=memory_recompute(layout.recompute, options.flash_attention))
-    mem = memory_per_gpu(model, counted, precision=options.precision, gpu=cl.gpu, dropout=dropout).total
+    mem = memory_per_gpu(model, layout, precision=options.precision, gpu=cl.gpu, dropout=dropout,
+                         flash_attention=options.flash_attention, stack=options.stack, dtype=options.dtype).total
     limit = headroom * cl.gpu.memory_bytes
     ok = mem <= limit
     checks.append(DesignCheck("fits memory", ok, f"{mem / GiB:.1f} GiB per GPU " + (

@@ -95,7 +95,26 @@ def unsupported(framework: str, layout: Parallelism, model: TransformerConfig, g
     """Why ``framework`` cannot express ``layout`` (one line each; empty when it can)."""
     validate.one_of("framework", framework, FRAMEWORKS)
     _check(layout, model, global_batch, precision)
-    return _UNSUPPORTED[framework](layout, model, precision)
+    return _memory_options_unsupported(framework, layout) + _UNSUPPORTED[framework](layout, model, precision)
+
+
+def _memory_options_unsupported(framework: str, p: Parallelism) -> list[str]:
+    """The layout options of docs/stacks.md ("memory that admits what ran") a framework's config
+    is not emitted with: Megatron-LM takes partial recompute of the other layers with none
+    (``--recompute-method block``) and the balanced split; nothing else is emitted yet."""
+    megatron = framework == "megatron"
+    out = []
+    if p.recompute == "op":
+        out.append("recompute op (torchtitan's per-op checkpointing) is not emitted")
+    if p.recompute_layers and not (megatron and p.recompute == "none"):
+        out.append(f"recompute_layers={p.recompute_layers} with recompute={p.recompute!r} is not emitted for "
+                   f"{framework}" + (" (Megatron-LM's block method leaves the other layers unrecomputed: "
+                                     "use recompute='none')" if megatron else ""))
+    if p.account_for_embedding_and_loss and not megatron:
+        out.append(f"account_for_embedding_and_loss is not emitted for {framework}")
+    if p.activation_offload_layers:
+        out.append(f"activation_offload_layers is not emitted for {framework}")
+    return out
 
 
 def _refuse(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str) -> None:
@@ -109,8 +128,10 @@ def _megatron_unsupported(p: Parallelism, m: TransformerConfig, precision: str) 
     out = []
     if p.schedule == "gpipe":
         out.append("schedule gpipe: Megatron-LM runs 1F1B or interleaved 1F1B only (no GPipe flag)")
-    if p.pp > 1 and m.layers % (p.pp * p.virtual_stages):
-        out.append(f"{m.layers} layers over pp={p.pp} x {p.virtual_stages} chunks: Megatron-LM needs num_layers "
+    slots = m.layers + 2 * p.account_for_embedding_and_loss  # the embedding and the loss take one each
+    if p.pp > 1 and slots % (p.pp * p.virtual_stages):
+        what = f"{m.layers} layers" + (" + the embedding and the loss" if p.account_for_embedding_and_loss else "")
+        out.append(f"{what} over pp={p.pp} x {p.virtual_stages} chunks: Megatron-LM needs num_layers "
                    f"divisible by the pipeline size (validate_args), or an uneven split dtlib does not choose")
     if p.cp > 1 and m.seq % (2 * p.cp):
         out.append(f"seq {m.seq}: Megatron-LM needs seq-length a multiple of 2 x context-parallel-size = {2 * p.cp}")
@@ -136,7 +157,10 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
     f = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
          "--context-parallel-size", str(p.cp)]
     if p.schedule == "interleaved":
-        f += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // (p.pp * p.virtual_stages))]
+        slots = m.layers + 2 * p.account_for_embedding_and_loss
+        f += ["--num-layers-per-virtual-pipeline-stage", str(slots // (p.pp * p.virtual_stages))]
+    if p.account_for_embedding_and_loss:
+        f += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     if p.ep > 1:
         f += ["--expert-model-parallel-size", str(p.ep)]
     if m.moe_experts:  # always: Megatron-LM's default (None) is etp = tp, dtlib's is 1
@@ -147,6 +171,9 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif p.recompute == "selective":
         f += ["--recompute-granularity", "selective"]
+    elif p.recompute_layers:  # the first N layers of each chunk recomputed, the others not
+        f += ["--recompute-granularity", "full", "--recompute-method", "block",
+              "--recompute-num-layers", str(p.recompute_layers)]
     # ZeRO-1 is the distributed optimizer; ZeRO-2/3 are Megatron-FSDP's optim_grads and
     # optim_grads_params strategies (megatron/core/distributed/fsdp/src/README.md)
     if p.zero == 1:

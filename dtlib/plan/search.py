@@ -29,12 +29,12 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster
-from dtlib.analytic.layout import RECOMPUTE, Parallelism
+from dtlib.analytic.layout import RECOMPUTE, RECOMPUTE_OPTIONS, Parallelism
 from dtlib.analytic.memory import per_gpu_bytes
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
-from dtlib.plan.steptime import TERMS, StepOptions, as_trained, memory_recompute, step_time_arrays
+from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays
 
 __all__ = ["SearchResult", "search", "FIXABLE", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
@@ -43,7 +43,12 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
-           "sequence_parallel")
+           "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
+           "offload")
+# layout options that are not searched, only given (Parallelism's fields of the same names)
+# (offload moves optimizer/parameter shards to CPU memory; the step time does not time CPU Adam)
+_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None,
+          "offload": "none"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -128,14 +133,14 @@ def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
 
 
 def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i: int, recompute: str,
-         peak: float) -> dict[str, Any]:
+         peak: float, given: dict[str, Any]) -> dict[str, Any]:
     """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches)."""
     t = float(r["step_time"][i])
     gpus = int(r["gpus"][i])
     return {"dp": int(a["dp"][i]), "tp": int(a["tp"][i]), "pp": int(a["pp"][i]), "cp": int(a["cp"][i]),
             "ep": int(a["ep"][i]), "etp": int(a["etp"][i]), "virtual_stages": int(a["virtual_stages"][i]),
             "micro_batch": int(a["micro_batch_size"][i]), "microbatches": int(a["num_microbatches"][i]),
-            "zero": int(a["zero"][i]), "recompute": recompute,
+            "zero": int(a["zero"][i]), "recompute": recompute, **given,
             "sequence_parallel": bool(a["sequence_parallel"][i]), "step_time_s": t,
             "tokens_per_s": float(r["tokens"][i]) / t,
             "model_tflops_per_gpu": float(r["model_flops"][i]) / (t * gpus) / 1e12,
@@ -153,7 +158,8 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
                        zero=config["zero"], sequence_parallel=config["sequence_parallel"],
                        schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
                        virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
-                       num_microbatches=config["microbatches"], recompute=config["recompute"])
+                       num_microbatches=config["microbatches"], recompute=config["recompute"],
+                       **{k: config.get(k, v) for k, v in _GIVEN.items()})
 
 
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
@@ -164,9 +170,9 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
 
     ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
     ``headroom``: fraction of the GPU's memory a layout may use (the rest: CUDA context, NCCL
-    buffers, fragmentation). ``dropout`` and ``options.flash_attention``: default, as the model was
-    trained (:func:`dtlib.plan.steptime.as_trained`); with FlashAttention, no recomputation has
-    selective recompute's memory (:func:`dtlib.plan.steptime.memory_recompute`).
+    buffers, fragmentation). ``options`` are filled from their stack and ``dropout`` from the
+    activation convention (:func:`dtlib.plan.steptime.resolve`); memory is counted with the same
+    conventions as :func:`dtlib.analytic.memory.memory_per_gpu` (:func:`dtlib.plan.steptime.memory_kwargs`).
     """
     start = time.perf_counter()
     if not isinstance(model, TransformerConfig):
@@ -178,14 +184,18 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
-    options, dropout = as_trained(model, options, dropout)
+    options, dropout = resolve(options, dropout)
+    given = {k: fixed.pop(k, v) for k, v in _GIVEN.items()}
+    Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
     prec = get_precision(options.precision)
     capacity = headroom * cluster.gpu.memory_bytes
     peak = cluster.gpu.peak("bf16")
     recomputes = [fixed.pop("recompute")] if "recompute" in fixed else list(RECOMPUTE)
     for r in recomputes:
-        if r not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {r!r}")
+        if r not in RECOMPUTE_OPTIONS:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_OPTIONS}, got {r!r}")
+        if r == "full" and given["recompute_layers"] is not None:
+            Parallelism(recompute=r, recompute_layers=given["recompute_layers"])  # says why not
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
     rows: list[tuple[float, float, dict[str, Any]]] = []
@@ -197,18 +207,20 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         candidates += grid["dp"].size
         if grid["dp"].size == 0:
             continue
-        n, valid = layout_arrays(model, grid, schedule, "none", on_invalid="nan")
+        n, valid = layout_arrays(model, grid, schedule, given["offload"], on_invalid="nan")
         if not valid.any():
             try:
-                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, "none", on_invalid="raise")
+                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, given["offload"], on_invalid="raise")
             except ValueError as exc:
                 broken = broken or str(exc).split(": ", 1)[-1]
             continue
         # only valid layouts go on: the formulas are never evaluated on the placeholder rows
         n, grid = _take(n, valid), _take(grid, valid)
         for recompute in recomputes:
-            mem = per_gpu_bytes(n, prec, recompute=memory_recompute(recompute, options.flash_attention),
-                                schedule=schedule, dropout=dropout)["total"]
+            if recompute == "full" and given["recompute_layers"] is not None:
+                continue  # partial recompute describes the other recompute settings
+            mem = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, **given,
+                                **memory_kwargs(options, dropout))["total"]
             fits = mem <= capacity
             searched += int(mem.size)
             fitting += int(fits.sum())
@@ -220,12 +232,12 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             # step times of the fitting layouts only
             here, mem_here = _take(grid, fits), mem[fits]
             t = step_time_arrays(_take(n, fits), cluster, recompute=recompute, schedule=schedule,
-                                 options=options, dropout=dropout)
+                                 options=options, dropout=dropout, recompute_layers=given["recompute_layers"])
             times = t["step_time"]
             # fastest first, equal times by memory (as the rows below): a top-1 search must pick
             # the same layout as the first of a top-5 one
             best = np.lexsort((mem_here, times))[:top]
-            rows += [(float(times[i]), float(mem_here[i]), _row(here, t, mem_here, int(i), recompute, peak))
+            rows += [(float(times[i]), float(mem_here[i]), _row(here, t, mem_here, int(i), recompute, peak, given))
                      for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]

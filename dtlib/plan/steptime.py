@@ -31,18 +31,19 @@ from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_m
                                   recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism, stage_layers
-from dtlib.analytic.memory import stage_parameters
+from dtlib.analytic.memory import memory_options, stage_parameters
 from dtlib.analytic.precision import Precision, get_precision
-from dtlib.analytic.presets import training_of
+from dtlib.analytic.presets import Training, activation_convention
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
+from dtlib.plan.stacks import DEFAULT_STACK, get_stack
 
-__all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "as_trained",
-           "memory_recompute"]
+__all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
+           "memory_kwargs"]
 
 DTYPES = ("bf16", "fp8")
 
@@ -110,43 +111,48 @@ TERMS: dict[str, str] = {
 class StepOptions:
     """The conventions of the step-time model; every one is an option.
 
-    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency`` /
-    ``attention_efficiency``: the kernel efficiencies of the shape-aware compute model (None: the
-    fitted global values of :mod:`dtlib.plan.calibration`); ``power_limit_w``: the GPUs' power
-    cap (None: their TDP; lower caps lower the clock, :func:`dtlib.plan.gemm.clock_scale`);
-    ``fused_elementwise``: memory-bound operators fused (Megatron/TE, torch.compile) or run
-    eagerly one kernel each (False: their traffic from :mod:`dtlib.plan.eager`);
-    ``efficiency``: if set, compute is the flat hardware FLOPs / (peak x efficiency) instead of the
-    shape-aware model; ``precision``: bytes per
-    parameter (memory, gradient and optimizer traffic; default Megatron bf16 with fp32 gradients,
-    which reduces gradients in fp32 as Megatron and torchtitan do); ``dp_overlap`` /
-    ``tp_overlap`` / ``cp_overlap``: fraction of that communication hidden behind compute;
-    ``oversubscription``: the fabric's over the leaf (bandwidth across nodes divided by it);
-    ``flash_attention``: attention never writes the s x s scores to HBM (Dao et al. 2022), as
-    PyTorch's SDPA and Megatron-Core do today; False for 2021-22 Megatron-LM (fused softmax);
-    None: as the model was trained (:func:`dtlib.analytic.presets.training_of`, see :func:`as_trained`);
+    ``stack``: the software stack (:data:`dtlib.plan.stacks.STACKS`, default
+    :data:`~dtlib.plan.stacks.DEFAULT_STACK`); every field left None takes that stack's value, an
+    explicit value overrides it: ``dp_overlap`` / ``tp_overlap`` / ``cp_overlap`` (fraction of
+    that communication hidden behind compute), ``fused_elementwise`` (memory-bound operators
+    fused, as Megatron/TE or torch.compile run them, or eager one kernel each: their traffic from
+    :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
+    traffic) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
+    x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.plan.stacks.Stack.attention_scale`).
+
+    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency``: the
+    GEMM kernel efficiency (None: fitted); ``power_limit_w``: the GPUs' power cap (None: their
+    TDP; :func:`dtlib.plan.gemm.clock_scale`); ``efficiency``: if set, compute is the flat hardware
+    FLOPs / (peak x efficiency) instead of the shape-aware model; ``oversubscription``: the
+    fabric's over the leaf. ``convention`` / ``flash_attention``: how activations are counted
+    (:func:`dtlib.analytic.presets.activation_convention`: default ``today``, FlashAttention-style
+    attention that never writes the s x s scores to HBM; ``korthikanti-2022`` or
+    ``flash_attention=False``: explicit attention, as 2021-22 Megatron-LM's fused softmax).
     ``ep_overlap``: fraction of the EP all-to-all hidden behind compute (DeepSeek-V3's DualPipe,
     Megatron's ``--overlap-moe-expert-parallel-comm``; default 0: exposed, Megatron's default);
     ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
     scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`).
     """
+    stack: str = DEFAULT_STACK
     dtype: str = "bf16"
     efficiency: float | None = None
-    precision: "Precision | str" = "megatron-bf16"
+    precision: "Precision | str | None" = None
     attention: str = "full"
-    dp_overlap: float = 1.0
-    tp_overlap: float = 0.0
-    cp_overlap: float = 0.0
+    dp_overlap: float | None = None
+    tp_overlap: float | None = None
+    cp_overlap: float | None = None
     oversubscription: float = 1.0
     flash_attention: bool | None = None
+    convention: str | None = None
     gemm_efficiency: float | None = None
     attention_efficiency: float | None = None
     power_limit_w: float | None = None
-    fused_elementwise: bool = True
+    fused_elementwise: bool | None = None
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
+        get_stack(self.stack)
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.one_of("attention", self.attention, ATTENTION)
         for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
@@ -154,32 +160,39 @@ class StepOptions:
                 validate.array(name, getattr(self, name), maximum=1)  # one per layout: validation's grid)
         if self.power_limit_w is not None:
             validate.number("power_limit_w", self.power_limit_w)
-        validate.boolean("fused_elementwise", self.fused_elementwise)
+        if self.fused_elementwise is not None:
+            validate.boolean("fused_elementwise", self.fused_elementwise)
         for name in ("dp_overlap", "tp_overlap", "cp_overlap"):
-            validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
+            if getattr(self, name) is not None:
+                validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
         validate.number("oversubscription", self.oversubscription, minimum=1, exclusive=False)
         validate.number("ep_overlap", self.ep_overlap, minimum=0, exclusive=False, maximum=1)
         validate.number("moe_imbalance", self.moe_imbalance, minimum=1, exclusive=False)
-        get_precision(self.precision)
-        if self.flash_attention is not None:
-            validate.boolean("flash_attention", self.flash_attention)
+        if self.precision is not None:
+            get_precision(self.precision)
+        activation_convention(self.convention, self.flash_attention)
 
 
-def as_trained(model: TransformerConfig, options: StepOptions, dropout: bool | None) -> tuple[StepOptions, bool]:
-    """``options`` and ``dropout`` with what is left as None filled in from how ``model`` was
-    trained (:func:`dtlib.analytic.presets.training_of`: Llama-style presets use FlashAttention and
-    no dropout; anything else gets Korthikanti et al.'s GPT convention)."""
-    trained = training_of(model)
-    if options.flash_attention is None:
-        options = replace(options, flash_attention=trained.flash_attention)
-    return options, trained.dropout if dropout is None else validate.boolean("dropout", dropout)
+def resolve(options: StepOptions, dropout: bool | None = None) -> tuple[StepOptions, bool]:
+    """``options`` with the fields left None filled in from its stack and activation convention
+    (``dp_overlap`` stays None when the stack's depends on the ZeRO stage, and
+    ``attention_efficiency`` when it depends on the GPU: :func:`step_time_arrays` fills them), and
+    ``dropout`` (None: the convention's)."""
+    stack = get_stack(options.stack)
+    counted, _ = activation_convention(options.convention, options.flash_attention, dropout)
+    same_dp = stack.dp_overlap == stack.dp_overlap_zero3
+    filled = {"precision": stack.precision, "tp_overlap": stack.tp_overlap, "cp_overlap": stack.cp_overlap,
+              "fused_elementwise": stack.fused_elementwise, "flash_attention": counted.flash_attention,
+              "dp_overlap": stack.dp_overlap if same_dp else None}
+    options = replace(options, **{k: v for k, v in filled.items() if getattr(options, k) is None})
+    return options, counted.dropout
 
 
-def memory_recompute(recompute: str, flash_attention: bool) -> str:
-    """The recompute setting whose activation memory a layout has: FlashAttention never stores the
-    s x s scores, which is selective recompute's footprint (Korthikanti et al. 2022, Sec. 5;
-    :attr:`dtlib.analytic.presets.Training.recompute`)."""
-    return "selective" if flash_attention and recompute == "none" else recompute
+def memory_kwargs(options: StepOptions, dropout: bool) -> dict[str, bool]:
+    """The activation conventions :func:`dtlib.analytic.memory.per_gpu_bytes` needs for resolved
+    ``options``: what ``dtlib plan`` counts is what ``dtlib memory`` counts."""
+    counted = Training(flash_attention=bool(options.flash_attention), dropout=dropout, source="")
+    return memory_options(counted, get_stack(options.stack), options.dtype)
 
 
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
@@ -212,14 +225,52 @@ def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, int
 
 def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
                      schedule: str = "1f1b", options: StepOptions = StepOptions(),
-                     dropout: bool = False) -> dict[str, Any]:
+                     dropout: bool = False, recompute_layers: int | None = None) -> dict[str, Any]:
     """The breakdown for every layout in ``n`` (numbers as :func:`dtlib.analytic.vectorised.layout_arrays`
-    returns them); ``dropout``: the model keeps dropout masks (as the memory model);
-    ``options.flash_attention`` must be set (:func:`as_trained`). Returns each
-    term of :data:`TERMS` (seconds), ``step_time`` (their sum),
-    ``model_flops``, ``hardware_flops`` and ``tokens`` per step, ``gpus``, ``params_per_gpu``."""
-    if options.flash_attention is None:
-        raise ValueError("options.flash_attention must be True or False here; fill it with as_trained(model, ...)")
+    returns them); ``dropout``: the model keeps dropout masks (as the memory model); ``options``
+    are filled from their stack (:func:`resolve`). Returns each term of :data:`TERMS` (seconds),
+    ``step_time`` (their sum), ``model_flops``, ``hardware_flops`` and ``tokens`` per step,
+    ``gpus``, ``params_per_gpu``.
+
+    ``recompute_layers`` (:class:`~dtlib.analytic.layout.Parallelism`): that share of each
+    chunk's layers costs what full recompute costs and the rest what ``recompute`` costs, term by
+    term (the layers are alike, so each term is that mix; only the exposed DP time, a maximum, is
+    mixed after the fact). ``recompute="op"`` (torchtitan's per-op checkpointing) repeats the
+    forward of the weight GEMMs it does not save (every second one: wk, wo and w3 of a Llama
+    block, :func:`dtlib.analytic.activations.op_selective_bytes`) and their share of the
+    elementwise traffic and TP communication, but not attention (its output is saved)."""
+    options, _ = resolve(options)
+    if recompute == "op":
+        h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
+        recomputed = h * kv_dim + h * h + h * f   # wk, wo, and w3 (SwiGLU) or fc2 (GELU)
+        share = recomputed * n["layers"] / layers_matmul_params(**n)  # of a mean layer's weights
+        return _mixed(_terms(n, cluster, "none", schedule, options, dropout),
+                      _terms(n, cluster, "full", schedule, options, dropout), share, 0 * share)
+    if recompute_layers:
+        per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
+        share = np.minimum(recompute_layers, per_chunk) / per_chunk
+        return _mixed(_terms(n, cluster, recompute, schedule, options, dropout),
+                      _terms(n, cluster, "full", schedule, options, dropout), share, share)
+    return _terms(n, cluster, recompute, schedule, options, dropout)
+
+
+def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_share: Any) -> dict[str, Any]:
+    """``base`` with ``share`` of the way to ``full`` (the attention compute: ``attention_share``)."""
+    out = dict(base)
+    for k in ("elementwise", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
+              "hardware_flops", "dp_comm_unhidden", "compute_gemm"):
+        out[k] = base[k] + share * (full[k] - base[k])
+    out["compute_attention"] = base["compute_attention"] + attention_share * (
+        full["compute_attention"] - base["compute_attention"])
+    out["compute"] = out["compute_gemm"] + out["compute_attention"]
+    out["step_time"] = sum(out[k] for k in TERMS)
+    return out
+
+
+def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, options: StepOptions,
+           dropout: bool) -> dict[str, Any]:
+    """:func:`step_time_arrays` for one recompute setting (``none``, ``selective`` or ``full``)."""
+    stack = get_stack(options.stack)
     gpu, g = cluster.gpu, cluster.gpus_per_node
     prec = get_precision(options.precision)
     dp, tp, pp, cp, ep = n["dp"], n["tp"], n["pp"], n["cp"], n["ep"]
@@ -244,8 +295,8 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
         parts = transformer_compute(
             n, gpu, recompute=recompute, dtype=options.dtype, flash_attention=options.flash_attention,
             gemm_efficiency=GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency,
-            attention_efficiency=(ATTENTION_EFFICIENCY if options.attention_efficiency is None
-                                  else options.attention_efficiency),
+            attention_efficiency=(ATTENTION_EFFICIENCY * stack.attention_scale(gpu)
+                                  if options.attention_efficiency is None else options.attention_efficiency),
             clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance)
         compute = parts["gemm"] + parts["attention"]
 
@@ -320,7 +371,9 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     one_micro = compute / m
     budget = np.where(zero == 3, compute,
                       one_micro * backward_share + (zero >= 1) * one_micro * (1 - backward_share))
-    dp_comm = np.maximum(dp_comm_raw - options.dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
+    dp_overlap = (np.where(zero == 3, stack.dp_overlap_zero3, stack.dp_overlap) if options.dp_overlap is None
+                  else options.dp_overlap)
+    dp_comm = np.maximum(dp_comm_raw - dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
     owned = dense / np.where(zero >= 1, dp * cp, 1) + expert / np.where(zero >= 1, grid["edp"], 1)
@@ -379,11 +432,12 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
 
     The layout must use ``cluster``'s GPUs exactly; the global batch is
     ``dp x micro_batch_size x num_microbatches`` sequences of ``seq`` (default: the model's) tokens.
-    ``dropout`` and ``options.flash_attention`` default to how the model was trained (:func:`as_trained`).
+    ``dropout`` and ``options.flash_attention`` default to the activation convention
+    (:func:`resolve`; ``today``: FlashAttention-style attention, no dropout).
     """
     if not isinstance(model, TransformerConfig):
         raise ValueError(f"model must be a TransformerConfig (a shape: the step time needs layers), got {model!r}")
-    options, dropout = as_trained(model, options, dropout)
+    options, dropout = resolve(options, dropout)
     if layout.gpus != cluster.world_size:
         raise ValueError(f"the layout uses dp x tp x pp x cp = {layout.gpus} GPUs but the cluster has "
                          f"{cluster.world_size}; make them equal")
@@ -393,7 +447,7 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
         arrays["seq"] = np.asarray([seq])
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise")
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
-                         options=options, dropout=dropout)
+                         options=options, dropout=dropout, recompute_layers=layout.recompute_layers)
     eff = options.efficiency
     return StepTime(layout=layout, step_time=float(r["step_time"][0]),
                     breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),

@@ -30,8 +30,9 @@ from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.published import METRIC_UNITS, PUBLISHED, SOURCES, PublishedRun
-from dtlib.plan.search import FIXABLE, search
-from dtlib.plan.steptime import StepOptions, as_trained, step_time_arrays
+from dtlib.plan.search import _GIVEN, FIXABLE, search
+from dtlib.plan.stacks import get_stack
+from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table",
            "mean_absolute_error", "fit", "leave_one_source_out", "error_grid", "ignored", "GEMM_GRID",
@@ -44,11 +45,15 @@ def _metric(config: dict[str, Any], run: PublishedRun) -> float:
     return config[run.metric]
 
 
-def _options(run: PublishedRun, gemm: float | None, attention: float | None) -> StepOptions:
+def _options(run: PublishedRun, gemm: Any = None, attention: Any = None) -> StepOptions:
+    """The run's stack with the knobs the row overrides; ``gemm`` / ``attention``: efficiencies to
+    try (None: the fitted ones), the attention one scaled by the stack's kernel on this GPU."""
     attention = ATTENTION_EFFICIENCY if attention is None else attention
-    return StepOptions(dtype=run.dtype, flash_attention=run.flash_attention, power_limit_w=run.power_limit_w,
+    scale = get_stack(run.stack).attention_scale(run.cluster.gpu)
+    return StepOptions(stack=run.stack, convention=run.convention, dtype=run.dtype,
+                       flash_attention=run.flash_attention, power_limit_w=run.power_limit_w,
                        gemm_efficiency=GEMM_EFFICIENCY if gemm is None else gemm,
-                       attention_efficiency=attention * run.attention_scale, tp_overlap=run.tp_overlap,
+                       attention_efficiency=attention * scale, tp_overlap=run.tp_overlap,
                        fused_elementwise=run.fused_elementwise)
 
 
@@ -135,7 +140,7 @@ def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]
     # every integer or boolean knob of a search row is a layout array (any knob search gains is
     # carried too); two are named differently in the rows (the command line's JSON names)
     renamed = {"micro_batch": "micro_batch_size", "microbatches": "num_microbatches"}
-    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int))]
+    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int)) and k not in _GIVEN]
     return [(schedule, recompute, {renamed.get(k, k): np.array([int(c[k]) for c in rows]) for k in knobs})
             for (schedule, recompute), rows in groups.items()]
 
@@ -144,8 +149,8 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
     """The run's metric at every (gemm[i], attention[i]) point: the fastest candidate layout at each,
     from one step-time pass per candidate group with the efficiencies as arrays."""
     points = len(gemm)
-    base = _options(run, None, None)
-    options, dropout = as_trained(run.model, base, run.dropout)
+    options, dropout = resolve(_options(run), run.dropout)
+    scale = get_stack(run.stack).attention_scale(run.cluster.gpu)
     best_time = np.full(points, np.inf)
     best_metric = np.full(points, np.nan)
     for schedule, recompute, layouts in _candidates(run):
@@ -154,9 +159,9 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
         tiled["gpus"] = tiled["dp"] * tiled["tp"] * tiled["pp"] * tiled["cp"]
         n, _ = layout_arrays(run.model, tiled, schedule, "none", on_invalid="raise")
         opts = replace(options, gemm_efficiency=np.repeat(gemm, k),
-                       attention_efficiency=np.repeat(attention * run.attention_scale, k))
+                       attention_efficiency=np.repeat(attention * scale, k))
         t = step_time_arrays(n, run.cluster, recompute=recompute, schedule=schedule, options=opts,
-                             dropout=dropout)
+                             dropout=dropout, recompute_layers=run.layout.get("recompute_layers"))
         time = t["step_time"].reshape(points, k)
         per_gpu = {"tokens_per_gpu_s": t["tokens"] / run.cluster.world_size,
                    "hardware_tflops_per_gpu": t["hardware_flops"] / (t["gpus"] * 1e12),

@@ -1,0 +1,197 @@
+"""The software stack as an input: what each training framework overlaps, fuses and stores.
+
+The physics (GEMM shapes, collectives, HBM traffic) is shared by every stack
+(:mod:`dtlib.plan.gemm`, :mod:`dtlib.plan.steptime`, :mod:`dtlib.analytic.memory`); a
+:class:`Stack` sets only the conventions that differ between frameworks, each as the framework
+runs it in its published performance recipes, with the setting's name and where it is set
+(``docs/stacks.md`` explains each choice):
+
+============== ========== ========== ========== ========== ============ ========== =========
+stack          TP overlap DP overlap CP overlap attention  elementwise  SwiGLU     FP8 saves
+============== ========== ========== ========== ========== ============ ========== =========
+``megatron``   1          1          0          cuDNN/FA3  fused        fused      FP8 inputs
+``torchtitan`` 0          1          0          SDPA FA2   eager        eager      BF16
+``deepspeed``  0          0 (ZeRO-3: 1) 0       SDPA FA2   eager        eager      BF16
+``fsdp``       0          1          0          FA2        eager        eager      BF16
+============== ========== ========== ========== ========== ============ ========== =========
+
+:data:`DEFAULT_STACK` (``megatron``) is what ``StepOptions()`` and ``dtlib plan`` use when no stack
+is given: the stack behind most published large-scale runs (NVIDIA's tables, Llama 3's 4D
+parallelism is Megatron-style) and the one the planner's two efficiencies were fitted with
+(:mod:`dtlib.plan.calibration`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dtlib.analytic import validate
+from dtlib.analytic.hardware import Accelerator
+from dtlib.plan.calibration import FA2_ON_HOPPER
+
+__all__ = ["Stack", "STACKS", "DEFAULT_STACK", "ATTENTION_KERNELS", "get_stack"]
+
+# "fa3": FlashAttention-3 / cuDNN fused attention on Hopper and later (what ATTENTION_EFFICIENCY
+# describes); "fa2": FlashAttention-2 (PyTorch SDPA's flash backend, the flash-attn 2 package)
+ATTENTION_KERNELS = ("fa3", "fa2")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One framework's conventions (``sources``: the setting behind each field, and where).
+
+    ``tp_overlap`` / ``dp_overlap`` / ``cp_overlap``: fraction of that communication hidden
+    behind compute (:class:`dtlib.plan.steptime.StepOptions`); ``dp_overlap_zero3``: the same for
+    ZeRO-3 (DeepSpeed's ``overlap_comm`` defaults differ by stage); ``attention_kernel``: one of
+    :data:`ATTENTION_KERNELS`; ``fused_elementwise``: norms, activations and residual adds run
+    as fused kernels; ``fused_swiglu``: the SwiGLU activation saves only its input
+    (:func:`dtlib.analytic.activations.stored_layer_bytes`); ``fp8_saves_inputs``: with FP8
+    matmuls the GEMM inputs kept for backward are the FP8 copies; ``fp8_recipe``: the scaling
+    recipe when FP8 is on (documentation; the cast traffic is the same physics,
+    :mod:`dtlib.plan.gemm`); ``precision``: bytes per parameter
+    (:data:`dtlib.analytic.precision.CONVENTIONS`)."""
+    name: str
+    description: str
+    tp_overlap: float
+    dp_overlap: float
+    dp_overlap_zero3: float
+    cp_overlap: float
+    attention_kernel: str
+    fused_elementwise: bool
+    fused_swiglu: bool
+    fp8_saves_inputs: bool
+    fp8_recipe: str | None
+    precision: str
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp_overlap", "dp_overlap", "dp_overlap_zero3", "cp_overlap"):
+            validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
+        validate.one_of("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+
+    def attention_scale(self, gpu: Accelerator) -> float:
+        """The attention kernel's throughput relative to the FlashAttention-3/cuDNN kernels that
+        :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY` describes: FlashAttention-2 reaches
+        :data:`~dtlib.plan.calibration.FA2_ON_HOPPER` of them on GPUs with FP8 tensor cores (Hopper
+        and later: FA3 needs their asynchronous tensor cores and TMA, Shah et al. 2024, Sec. 3);
+        on older GPUs FA2 is the fast kernel, so 1."""
+        hopper_or_later = gpu.peaks.get("fp8") is not None
+        return FA2_ON_HOPPER if self.attention_kernel == "fa2" and hopper_or_later else 1.0
+
+
+_MCORE = "megatron-core 0.16 "
+_TITAN = "torchtitan torchtitan/config/job_config.py "
+STACKS: dict[str, Stack] = {s.name: s for s in [
+    Stack("megatron", "Megatron-Core + Transformer Engine as NVIDIA's recipes run it "
+                      "(Megatron-Bridge / NeMo performance configs)",
+          tp_overlap=1.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa3",
+          fused_elementwise=True, fused_swiglu=True, fp8_saves_inputs=True, fp8_recipe="delayed",
+          precision="megatron-bf16",
+          sources={
+              "tp_overlap": "CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
+                            "recipes (Megatron-Core ModelParallelConfig.tp_comm_overlap, default False: "
+                            "TE userbuffers overlap the TP all-gather/reduce-scatter with the GEMMs)",
+              "dp_overlap": "cfg.ddp.overlap_grad_reduce = True, cfg.ddp.overlap_param_gather = True in the "
+                            "same recipes (Megatron-LM --overlap-grad-reduce / --overlap-param-gather, "
+                            "default False)",
+              "cp_overlap": "TE DotProductAttention with context parallelism, cp_comm_type 'p2p' (Megatron "
+                            "default), sends the next K/V block while the current block's attention runs; "
+                            "it hides only while a block's attention outlasts its transfer (short shards "
+                            "do not), which one fraction cannot say, so the term stays exposed: 0, as the "
+                            "planner was fitted (docs/stacks.md)",
+              "attention_kernel": _MCORE + "TransformerConfig.attention_backend = AttnBackend.auto: TE picks "
+                                  "cuDNN fused attention / FlashAttention-3 on Hopper",
+              "fused_elementwise": "Megatron-LM --masked-softmax-fusion, --bias-dropout-fusion, "
+                                   "--bias-swiglu-fusion, --apply-rope-fusion on by default (each has a "
+                                   "--no-... flag); TE LayerNormLinear fuses the norm into the GEMM",
+              "fused_swiglu": _MCORE + "fusions/fused_bias_swiglu.py SwiGLUFunction: "
+                              "ctx.save_for_backward(input_for_backward) (its input only); Megatron-LM "
+                              "'--no-bias-swiglu-fusion', action='store_false' (on by default)",
+              "fp8_saves_inputs": "Transformer Engine transformer_engine/pytorch/module/linear.py _Linear.forward: "
+                                  "'Cached input tensor ... saved_inputmat = inputmat' (the quantized input, "
+                                  "column-wise FP8 data only)",
+              "fp8_recipe": _MCORE + "TransformerConfig.fp8_recipe default 'delayed' (delayed scaling); "
+                            "'tensorwise' = current scaling",
+              "precision": "Megatron-LM arguments.py: with --bf16 'accumulate_allreduce_grads_in_fp32 = True' "
+                           "(fp32 main gradients): 2 + 4 + 12 bytes/param (distrib_optimizer.md)",
+          }),
+    Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
+          tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
+          fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe="tensorwise",
+          precision="fsdp-mixed",
+          sources={
+              "tp_overlap": _TITAN + "parallelism.enable_async_tensor_parallel = False (async TP needs "
+                            "torch.compile)",
+              "dp_overlap": "FSDP2 fully_shard issues each block's all-gather and reduce-scatter on "
+                            "their own streams, the next block's all-gather ahead of its compute (implicit "
+                            "prefetching; FSDP1's backward/forward prefetch: Zhao et al. 2023 'PyTorch "
+                            "FSDP', Sec. 3.3)",
+              "cp_overlap": _TITAN + "parallelism.context_parallel_rotate_method = 'allgather': K/V "
+                            "shards all-gathered before the sub-SDPAs, not overlapped",
+              "attention_kernel": "torchtitan Llama attention calls F.scaled_dot_product_attention; on "
+                                  "Hopper SDPA's flash backend is FlashAttention-2",
+              "fused_elementwise": _TITAN + "training.compile = False: eager kernels, one per operator",
+              "fused_swiglu": "FeedForward.forward: w2(F.silu(w1(x)) * w3(x)) in eager mode keeps "
+                              "w1(x), silu, w3(x) and the product",
+              "fp8_saves_inputs": "torchao float8/float8_linear.py matmul_with_hp_or_float8_args.forward: "
+                                  "ctx.save_for_backward(input_hp, weight_hp_t) (the BF16 input)",
+              "fp8_recipe": _TITAN + "float8.recipe_name = None -> torchao's default Float8LinearConfig "
+                            "(tensorwise dynamic scaling); 'rowwise' is the other recipe",
+              "precision": _TITAN + "training.mixed_precision_param = 'bfloat16', "
+                           "mixed_precision_reduce = 'float32': FSDP2 keeps fp32 sharded parameters "
+                           "and gradients, Adam states fp32: 4 + 4 + 8 bytes/param, BF16 compute copies",
+          }),
+    Stack("deepspeed", "DeepSpeed ZeRO with a Hugging Face / Megatron-DeepSpeed model",
+          tp_overlap=0.0, dp_overlap=0.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
+          fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
+          precision="zero",
+          sources={
+              "tp_overlap": "DeepSpeed has no TP communication overlap (AutoTP all-reduces after the "
+                            "row-parallel linear)",
+              "dp_overlap": "DeepSpeed config docs, zero_optimization.overlap_comm 'Attempts to overlap "
+                            "the reduction of the gradients with backward computation'; DeepSpeedZeroConfig "
+                            "overlap_comm: Optional[bool] = None, resolved to True for stage 3 and False "
+                            "otherwise (validator overlap_comm_valid)",
+              "cp_overlap": "DeepSpeed-Ulysses all-to-alls are not overlapped with attention",
+              "attention_kernel": "the model's own: Hugging Face models default to "
+                                  "attn_implementation='sdpa' (FlashAttention-2 on Hopper)",
+              "fused_elementwise": "no fusion unless the model provides it (eager PyTorch)",
+              "fused_swiglu": "eager Hugging Face LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))",
+              "fp8_saves_inputs": "no FP8 path of its own: GEMM inputs stay BF16",
+              "fp8_recipe": "none of its own (FP8 only through a model built on Transformer Engine)",
+              "precision": "ZeRO paper (Rajbhandari et al. 2020) Sec. 3.1: 2 + 2 + 12 bytes/param; DeepSpeed's "
+                           "estimate_zero2_model_states_mem_needs counts the same",
+          }),
+    Stack("fsdp", "PyTorch FSDP1 as llm-foundry (MosaicML) runs it",
+          tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
+          fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
+          precision="fsdp-mixed",
+          sources={
+              "tp_overlap": "no tensor parallelism in llm-foundry's FSDP recipes",
+              "dp_overlap": "llm-foundry yamls fsdp_config: sharding_strategy: FULL_SHARD, "
+                            "limit_all_gathers: true, no backward_prefetch given, so FSDP's default "
+                            "BackwardPrefetch.BACKWARD_PRE (the next all-gather issued before the current "
+                            "gradient computation); all-gathers and reduce-scatters on their own streams",
+              "cp_overlap": "no context parallelism",
+              "attention_kernel": "llm-foundry MPT yamls attn_config: attn_impl: flash (the flash-attn 2 "
+                                  "package)",
+              "fused_elementwise": "no torch.compile in llm-foundry's yamls: eager kernels",
+              "fused_swiglu": "eager MLP (MPT's ffn_type mptmlp is GELU; a SwiGLU model keeps 4 FFN-wide "
+                              "tensors)",
+              "fp8_saves_inputs": "no FP8 in these recipes: GEMM inputs stay BF16",
+              "fp8_recipe": "none in llm-foundry's FSDP yamls (precision: amp_bf16)",
+              "precision": "llm-foundry fsdp_config mixed_precision: PURE / DEFAULT: FSDP keeps the fp32 "
+                           "flat parameter shards (the master weights) and fp32 gradient shards, Adam "
+                           "states fp32: 4 + 4 + 8 bytes/param",
+          }),
+]}
+DEFAULT_STACK = "megatron"
+
+
+def get_stack(stack: "Stack | str | None" = None) -> Stack:
+    """A :class:`Stack`, or its name in :data:`STACKS` (None: :data:`DEFAULT_STACK`)."""
+    if isinstance(stack, Stack):
+        return stack
+    name = DEFAULT_STACK if stack is None else stack
+    if name not in STACKS:
+        raise ValueError(f"unknown stack {name!r}; valid: {', '.join(STACKS)}")
+    return STACKS[name]
