@@ -16,7 +16,7 @@ from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.validate import InvalidArgument
 from dtlib.models import TransformerConfig
 from dtlib.plan import moe as plan_moe
-from dtlib.plan.moe import (all_to_all_time, ep_comm_time, expert_grid, expert_rows, grouped_gemm_floor,
+from dtlib.plan.moe import (all_to_all_time, ep_comm_time, expert_grid, expert_rows, grouped_gemm_overhead,
                             moe_numbers, permutation_bytes)
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.steptime import StepOptions, step_time
@@ -127,9 +127,7 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
         assert (r.breakdown["ep_comm"] == 0) == (ep == 1)  # one EP rank: no all-to-all
 
 
-def test_imbalance_scales_only_the_expert_terms(monkeypatch):
-    # this small model's expert GEMMs sit at the grouped-GEMM floor, which no load moves: take it away
-    monkeypatch.setattr(plan_moe, "GEMM_CALL_SECONDS_PER_EXPERT", 0.0)
+def test_imbalance_scales_only_the_expert_terms():
     layout = Parallelism(dp=8, ep=8, num_microbatches=2)
     c = cluster("h100-sxm", 1, 8)
     even = step_time(MOE, layout, c, options=OPTIONS)
@@ -301,28 +299,31 @@ def test_sorting_by_local_expert_costs_its_hbm_passes_in_the_elementwise_term():
     assert t[8] - t[24] == pytest.approx(8 * routed * MOE.layers * 2 / c.gpu.memory_bandwidth, rel=1e-9)
 
 
-def test_the_grouped_gemm_floor_is_six_calls_per_local_expert():
-    """FC1 and FC2 forward, their dgrad and wgrad backward: 2 + 4 calls, each paying the per-expert
-    cost of Transformer Engine's multi-stream grouped GEMM; none in a dense model."""
+def test_the_grouped_gemm_overhead_is_six_calls_per_local_expert():
+    """FC1 and FC2 forward, their dgrad and wgrad backward: 2 + 4 calls, each paying what Transformer
+    Engine's multi-stream grouped GEMM adds per expert over one single-launch kernel; none in a dense
+    model."""
     moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
-    forward, backward = grouped_gemm_floor(3, moe)
-    assert forward == pytest.approx(2 * 3 * 0.272e-3 / 8, rel=1e-12)
-    assert backward == pytest.approx(4 * 3 * 0.272e-3 / 8, rel=1e-12)
+    forward, backward = grouped_gemm_overhead(3, moe)
+    per_call = (0.272e-3 - 0.069e-3) / 8
+    assert forward == pytest.approx(2 * 3 * per_call, rel=1e-12)
+    assert backward == pytest.approx(4 * 3 * per_call, rel=1e-12)
     dense = moe_numbers(DENSE.numbers() | Parallelism(dp=8).numbers())
-    assert grouped_gemm_floor(3, dense) == (0, 0)
+    assert grouped_gemm_overhead(3, dense) == (0, 0)
 
 
-def test_small_experts_run_at_the_grouped_gemm_floor(monkeypatch):
-    """With few rows per expert the floor binds: raising the per-expert call cost by d raises the
-    compute term by d x 6 calls x local experts x MoE layers x micro-batches, and a dense model's
+def test_the_grouped_gemm_overhead_adds_to_the_expert_gemms(monkeypatch):
+    """Raising the per-expert call cost by d raises the compute term by d x 6 calls x local experts
+    x MoE layers x micro-batches, with full recompute by the 2 forward calls more; a dense model's
     compute does not move."""
     c = cluster("h100-sxm", 1, 8)
-    small = MOE.with_(seq=128)
-    layout = Parallelism(dp=8, ep=8, num_microbatches=2)  # 3 local experts, ~11 rows each
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)  # 24 experts: 3 per rank
     times = {}
     for cost in (1e-3, 2e-3):
         monkeypatch.setattr(plan_moe, "GEMM_CALL_SECONDS_PER_EXPERT", cost)
-        times[cost] = (step_time(small, layout, c, options=OPTIONS).breakdown["compute"],
-                       step_time(DENSE.with_(seq=128), Parallelism(dp=8), c, options=OPTIONS).breakdown["compute"])
+        times[cost] = [step_time(MOE, layout.with_(recompute=r), c, options=OPTIONS).breakdown["compute"]
+                       for r in ("none", "full")]
+        times[cost].append(step_time(DENSE, Parallelism(dp=8), c, options=OPTIONS).breakdown["compute"])
     assert times[2e-3][0] - times[1e-3][0] == pytest.approx(1e-3 * 6 * 3 * MOE.layers * 2, rel=1e-9)
-    assert times[2e-3][1] == times[1e-3][1]
+    assert times[2e-3][1] - times[1e-3][1] == pytest.approx(1e-3 * 8 * 3 * MOE.layers * 2, rel=1e-9)
+    assert times[2e-3][2] == times[1e-3][2]

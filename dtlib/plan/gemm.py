@@ -47,7 +47,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.hardware import Accelerator
-from dtlib.plan.moe import expert_load, grouped_gemm_floor, expert_rows, moe_numbers
+from dtlib.plan.moe import expert_load, expert_rows, grouped_gemm_overhead, moe_numbers
 
 __all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
 
@@ -195,9 +195,9 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     local_experts = np.where(moe["moe"], experts / ep, 1)
     rows = expert_rows(tokens, tp, moe, expert_load(moe, moe_imbalance)) / local_experts
     grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, weights_kw)
-    # no faster than the grouped GEMM path issues one GEMM per expert (dtlib.plan.moe.grouped_gemm_floor)
-    floor = grouped_gemm_floor(local_experts, moe)
-    grouped = (np.maximum(grouped[0], floor[0]), np.maximum(grouped[1], floor[1]), grouped[2])
+    # plus what the grouped GEMM path spends per expert and call (dtlib.plan.moe.grouped_gemm_overhead)
+    overhead = grouped_gemm_overhead(local_experts, moe)
+    grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
     shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
     router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)

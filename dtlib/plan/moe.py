@@ -49,7 +49,7 @@ from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
            "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
-           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "GROUPED_CALLS", "grouped_gemm_floor"]
+           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "GROUPED_CALLS", "grouped_gemm_overhead"]
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
@@ -69,15 +69,16 @@ SORT_PASSES = 8
 # its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
 STORED_PASSES = 3
 
-# Seconds one expert's GEMM takes at least in Transformer Engine's grouped GEMM (GroupedLinear ->
-# nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several CUDA streams,
-# each call setting up its own scale swizzle and descriptors): NVIDIA measured 0.272 ms for 8 experts of
-# 128 tokens (N = K = 2048) through that path on SM100 (TransformerEngine PR #3134, "Single-launch
-# CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17, TN fprop table, "dispatch" row, multi-stream
-# column), where the GEMMs' arithmetic is ~0.1 us: 34 us per expert and call is the path's own cost.
-# Host-side work is part of it: the grouped MLP block of 2026, fused, still spends ~1.2 ms forward and
-# ~2.1 ms backward of CPU time on 64 experts (TransformerEngine issue #2897), ~52 us per expert.
-GEMM_CALL_SECONDS_PER_EXPERT = 0.272e-3 / 8
+# Seconds each expert adds to a grouped GEMM call in Transformer Engine's default grouped GEMM
+# (GroupedLinear -> nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several
+# CUDA streams, each call setting up its own scale swizzle and descriptors), beyond the GEMMs' own
+# time: NVIDIA measured 8 experts of 128 tokens (N = K = 2048) on SM100 at 0.272 ms through that path
+# and 0.069 ms as one single-launch CUTLASS grouped kernel doing the same arithmetic
+# (TransformerEngine PR #3134, "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17,
+# TN fprop table, rows "dispatch" / multi-stream and "pure" / cutlass): (0.272 - 0.069) / 8 = 25 us
+# per expert and call. Host work is much of it: even the fused grouped MLP block of 2026 spends ~1.2 ms
+# forward and ~2.1 ms backward of CPU time on 64 experts (TransformerEngine issue #2897).
+GEMM_CALL_SECONDS_PER_EXPERT = (0.272e-3 - 0.069e-3) / 8
 # grouped GEMM calls per MoE layer and micro-batch: FC1 and FC2 forward; each one's dgrad and wgrad
 # backward (dtlib.plan.gemm._fwd_bwd)
 GROUPED_CALLS = {"forward": 2, "backward": 4}
@@ -186,17 +187,17 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 2 * tokens * h * act_bytes)
 
 
-def grouped_gemm_floor(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
-    """The least seconds one MoE layer's grouped expert GEMMs take per micro-batch, forward and
-    backward, on a rank holding ``local_experts`` experts: :data:`GROUPED_CALLS` grouped GEMMs, each
-    paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert (0 in dense layers).
+def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
+    """Seconds one MoE layer's grouped expert GEMMs take per micro-batch on top of their arithmetic,
+    forward and backward, on a rank holding ``local_experts`` experts: :data:`GROUPED_CALLS` grouped
+    GEMMs, each paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert (0 in dense layers).
 
-    :func:`dtlib.plan.gemm.transformer_compute` takes the larger of this and the GEMMs' quantized
-    math / HBM time: with many small experts (Qwen3-30B-A3B: 16 per rank at EP 8, ~2,000 rows each)
-    the per-expert calls, not the tensor cores, set the pace. Dropless routing keeps the host from
-    running ahead of this: the alltoall dispatcher copies ``tokens_per_expert`` to the CPU every MoE
-    layer (``_maybe_dtoh_and_synchronize``) and ``GroupedLinear`` takes the per-expert row counts as a
-    host list, which is also why CUDA graphs cannot capture the experts (the Megatron-Bridge 25.11
+    :func:`dtlib.plan.gemm.transformer_compute` adds it to the grouped GEMM's quantized math / HBM
+    time (the time of one kernel doing all experts' tiles): at equal FLOPs, more local experts are
+    slower. Dropless routing keeps the host from queueing these calls ahead of the GPU: the alltoall
+    dispatcher copies ``tokens_per_expert`` to the CPU every MoE layer
+    (``_maybe_dtoh_and_synchronize``) and ``GroupedLinear`` takes the per-expert row counts as a host
+    list, which is also why CUDA graphs cannot capture the experts (the Megatron-Bridge 25.11
     recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
     per_call = moe["moe"] * local_experts * GEMM_CALL_SECONDS_PER_EXPERT
     return GROUPED_CALLS["forward"] * per_call, GROUPED_CALLS["backward"] * per_call
