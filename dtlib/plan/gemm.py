@@ -173,8 +173,9 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     Engine keeps dot-product attention and, by default, the output layer in BF16). In an MoE layer
     the MLP is the local experts' grouped GEMM, ``experts / ep`` GEMMs of the rows each receives
     (:func:`dtlib.plan.moe.expert_rows` / local experts: small per-expert M pays tile quantization),
-    FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless; plus the
-    shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
+    FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless, plus the
+    per-expert cost of each grouped GEMM call (:func:`dtlib.plan.moe.grouped_gemm_overhead`); plus
+    the shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]

@@ -56,7 +56,9 @@ TERMS: dict[str, str] = {
                "attention efficiency), or as batched GEMMs without it; fp8: weight GEMMs at the FP8 "
                "peak plus the HBM traffic of casting their operands (amax, cast, transposed copy), "
                "attention and LM head in BF16 (Transformer Engine); a power limit scales the "
-               "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm). efficiency= replaces all this by "
+               "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm); MoE layers: one grouped GEMM of the local "
+               "experts plus what Transformer Engine's multi-stream grouped GEMM spends per expert and call "
+               "(TransformerEngine PR #3134; dtlib.plan.moe.grouped_gemm_overhead). efficiency= replaces all this by "
                "hardware FLOPs / (GPUs x peak x efficiency) (Narayanan et al. 2021 eq. 3)",
     "elementwise": "memory-bound layers (norms, activations, dropout, residual adds, softmax): the "
                    "tensors Korthikanti et al. 2022 Sec. 4.1 count per layer are written forward, read "
