@@ -274,17 +274,18 @@ def test_permutations_move_the_routed_copies_by_hand():
     """Megatron-Core's alltoall dispatcher, per MoE layer and micro-batch, forward and backward:
     permute + unpermute (6 passes over tokens x top_k x h) and, with several local experts, the sort
     by expert and back (8 more), less the 3 passes over the stored expert input that the
-    elementwise term counts; plus the unpermuted output and its gradient (2 x tokens x h)."""
+    elementwise term counts; plus the unpermuted output, its gradient and the input gradient (3 x
+    tokens x h)."""
     moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
     routed = 1024 * 2 * 512 * 2  # tokens x top_k x h x bf16
     tokens = 1024 * 512 * 2
     several = permutation_bytes(tokens=1024, h=512, moe=moe, load=1.0, local_experts=3, act_bytes=2)
     one = permutation_bytes(tokens=1024, h=512, moe=moe, load=1.0, local_experts=1, act_bytes=2)
-    assert several == (6 + 8 - 3) * routed + 2 * tokens
-    assert one == (6 - 3) * routed + 2 * tokens
+    assert several == (6 + 8 - 3) * routed + 3 * tokens
+    assert one == (6 - 3) * routed + 3 * tokens
     # the busiest rank receives load x the rows it sorts; its own copies are what the router chose
     assert permutation_bytes(tokens=1024, h=512, moe=moe, load=2.0, local_experts=3, act_bytes=2) == \
-        (6 - 3) * routed + 8 * 2 * routed + 2 * tokens
+        (6 - 3) * routed + 8 * 2 * routed + 3 * tokens
     dense = moe_numbers(DENSE.numbers() | Parallelism(dp=8).numbers())
     assert permutation_bytes(tokens=1024, h=512, moe=dense, load=1.0, local_experts=1, act_bytes=2) == 0
 

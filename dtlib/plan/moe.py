@@ -53,12 +53,13 @@ __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expe
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
-# moe_utils.permute / unpermute / sort_chunks_by_idxs, Megatron-Core 0.16):
-# forward, "Permutation 1" (permute: gather each token's top_k copies, read + write: 2) and unpermute
-# after the combine all-to-all (read the routed outputs, weight by the router probabilities and sum the
-# top_k copies of each token: 1 read, plus one write of the tokens' h, counted apart); backward, the
-# same kernels transposed (unpermute's gradient scatters the output gradient to the copies: 1 write +
-# the tokens' read; permute's gradient reads the copies and sums them: 2).
+# moe_utils.permute / unpermute / sort_chunks_by_idxs, Megatron-Core 0.16). Forward: "Permutation 1"
+# (permute gathers each token's top_k copies: read + write, 2) and unpermute after the combine
+# all-to-all (reads the routed outputs, weights them by the router probabilities and sums each token's
+# copies: 1). Backward: unpermute's gradient writes the copies' gradients (1) and reads the routed
+# outputs again for the probabilities' gradient (1); permute's gradient reads the copies' gradients and
+# sums them per token (1). The tokens' own h (written by unpermute, its gradient read, the summed input
+# gradient written: 3 passes of tokens x h) is counted apart.
 PERMUTE_PASSES = 6
 # "Permutation 2" (sort_chunks_by_idxs: the tokens received from the EP peers regrouped by local
 # expert, read + write) after the dispatch all-to-all and its inverse before the combine one, forward
@@ -76,8 +77,9 @@ STORED_PASSES = 3
 # and 0.069 ms as one single-launch CUTLASS grouped kernel doing the same arithmetic
 # (TransformerEngine PR #3134, "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17,
 # TN fprop table, rows "dispatch" / multi-stream and "pure" / cutlass): (0.272 - 0.069) / 8 = 25 us
-# per expert and call (kernel against kernel, "pure" 0.267 - 0.069, the same 25 us). Host work is much of it: even the fused grouped MLP block of 2026 spends ~1.2 ms
-# forward and ~2.1 ms backward of CPU time on 64 experts (TransformerEngine issue #2897).
+# per expert and call (kernel against kernel, "pure" 0.267 - 0.069, the same 25 us). Host work is much
+# of it: even the fused grouped MLP block of 2026 spends ~1.2 ms forward and ~2.1 ms backward of CPU
+# time on 64 experts (TransformerEngine issue #2897).
 GEMM_CALL_SECONDS_PER_EXPERT = (0.272e-3 - 0.069e-3) / 8
 # grouped GEMM calls per MoE layer and micro-batch: FC1 and FC2 forward; each one's dgrad and wgrad
 # backward (dtlib.plan.gemm._fwd_bwd)
@@ -173,8 +175,8 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     alltoall dispatcher permutes the rank's own ``tokens x top_k`` routed copies of ``h`` (x the
     capacity factor when set: padded buffers) before the dispatch all-to-all and unpermutes them
     after the combine (:data:`PERMUTE_PASSES`, less the :data:`STORED_PASSES` the elementwise term
-    counts; the unpermute also reads/writes the ``tokens x h`` of the layer's output and its
-    gradient: 2 passes of that), and with more than one local expert sorts the rows it *received*
+    counts; plus 3 passes over the ``tokens x h`` of the layer's output, its gradient and the
+    input gradient), and with more than one local expert sorts the rows it *received*
     by expert and back (:data:`SORT_PASSES`): ``tokens x top_k x load`` on the busiest rank
     (``load``: :func:`expert_load`), ``etp`` x that after the ETP all-gather.
     Memory-bound kernels: their time is these bytes / the HBM bandwidth (the roofline, Williams et
@@ -184,7 +186,7 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     own = tokens * moe["top_k"] * np.where(moe["capacity_factor"] > 0, moe["capacity_factor"], 1) * h * act_bytes
     received = tokens * moe["top_k"] * load * moe["etp"] * h * act_bytes
     sorts = (local_experts > 1) * SORT_PASSES * received
-    return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 2 * tokens * h * act_bytes)
+    return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 3 * tokens * h * act_bytes)
 
 
 def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
