@@ -130,11 +130,12 @@ def test_the_whole_search_of_a_10b_model_on_10000_gpus_times_every_candidate():
 def test_a_top_1_search_names_the_same_best_layout_as_a_top_5_one():
     """Equal step times are ordered by memory in every search (lesson 10: the search ranked ZeRO-3
     first while check_design's top-1 search called the tied ZeRO-2 layout the best). BERT-large on
-    2 nodes: ZeRO-3 at micro-batch 4 and 8 tie (all DP communication hidden but the last layer's)."""
+    4 nodes: ZeRO-2 and ZeRO-1 at micro-batch 8 tie (the same reduce-scatter and gather, hidden
+    alike), and ZeRO-2 keeps less memory."""
     model = get_preset("bert-large")
-    cl = cluster("h100-sxm", nodes=2, gpus_per_node=8, inter="ib-ndr")
-    five = search(model, cl, global_batch=1024, top=5).configs
-    one = search(model, cl, global_batch=1024, top=1).configs
+    cl = cluster("h100-sxm", nodes=4, gpus_per_node=8, inter="ib-ndr")
+    five = search(model, cl, global_batch=256, top=5).configs
+    one = search(model, cl, global_batch=256, top=1).configs
     assert one[0] == five[0]
     assert five[0]["step_time_s"] == five[1]["step_time_s"]  # the tie this is about
     assert five[0]["memory_per_gpu_bytes"] <= five[1]["memory_per_gpu_bytes"]

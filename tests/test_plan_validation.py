@@ -1,4 +1,4 @@
-"""The validation table of docs/plan.md, pinned row by row: the planner's error against each
+"""The validation table of docs/validation.md, pinned row by row: the planner's error against each
 published run, whether dtlib's memory model lets the published layout fit, and where it ranks;
 the fit of the two global efficiencies and the leave-one-source-out cross-validation.
 A change to the step-time model that moves any row moves this test (and must update the doc:
@@ -10,50 +10,104 @@ from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.validation import (PUBLISHED, SOURCES, error_grid, fit, leave_one_source_out,
                                    mean_absolute_error, validation_table)
 
-# name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts).
-# Every published layout fits since the memory model counts the stacks' storage (dtlib.plan.stacks:
-# fused SwiGLU, FP8 GEMM inputs); the errors did not move.
+# name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts)
 EXPECTED = {
-    "GPT 1.7B (Narayanan T1)": (0.0978, True, 1),
-    "GPT 3.6B (Narayanan T1)": (0.0799, True, 4),
-    "GPT 7.5B (Narayanan T1)": (0.0418, True, 21),
-    "GPT 18.4B (Narayanan T1)": (0.0600, True, 49),
-    "GPT 39.1B (Narayanan T1)": (0.0728, True, 37),
-    "GPT 76.1B (Narayanan T1)": (0.0434, True, 8),
-    "GPT 145.6B (Narayanan T1)": (-0.0098, True, 10),
-    "GPT 310.1B (Narayanan T1)": (-0.0047, True, 1),
-    "GPT 529.6B (Narayanan T1)": (-0.0236, True, 1),
-    "GPT 1008B (Narayanan T1)": (-0.0270, True, 1),
-    "GPT 22B, SP + selective (Korthikanti T5)": (-0.0387, True, 1),
-    "GPT 175B, SP + selective (Korthikanti T5)": (0.0504, True, 2),
-    "GPT 530B, SP + selective (Korthikanti T5)": (0.0866, True, 1),
-    "GPT 1T, SP + selective (Korthikanti T5)": (0.0972, True, 1),
-    "BLOOM 176B (BigScience)": (0.0030, True, 7),
-    "Llama 3.1 8B, FSDP 8, eager (torchtitan T1)": (0.0160, True, 1),
-    "Llama 3.1 8B, FSDP 8, compile (torchtitan T1)": (-0.0163, True, 1),
-    "Llama 3.1 8B, FSDP 8, compile + Float8 (torchtitan T1)": (-0.0141, True, 1),
-    "Llama 3.1 8B, FSDP 128, eager (torchtitan T3)": (0.0488, True, 1),
-    "Llama 3.1 8B, FSDP 128, compile (torchtitan T3)": (0.0116, True, 1),
-    "Llama 3.1 8B, FSDP 128, compile + Float8 (torchtitan T3)": (0.0099, True, 1),
-    "Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)": (0.0132, True, 109),
-    "llama3-8b FP8, 8 x H100 (Megatron-Bridge 25.11)": (-0.0222, True, 1),
-    "llama3-70b FP8, 64 x H100 (Megatron-Bridge 25.11)": (0.0920, True, 8),
-    "llama3-405b FP8, 1024 x H100 (Megatron-Bridge 25.11)": (0.1009, True, 3),
-    "llama3-8b FP8, 8 x B200 (Megatron-Bridge 25.11)": (0.0728, True, 1),
-    "llama3-405b FP8, 128 x B200 (Megatron-Bridge 25.11)": (0.0938, True, 6),
+    'GPT 1.7B (Narayanan T1)': (0.0970, True, 1),
+    'GPT 3.6B (Narayanan T1)': (0.0787, True, 4),
+    'GPT 7.5B (Narayanan T1)': (0.0397, True, 20),
+    'GPT 18.4B (Narayanan T1)': (0.0583, True, 49),
+    'GPT 39.1B (Narayanan T1)': (0.0717, True, 37),
+    'GPT 76.1B (Narayanan T1)': (0.0381, True, 8),
+    'GPT 145.6B (Narayanan T1)': (-0.0124, True, 10),
+    'GPT 310.1B (Narayanan T1)': (-0.0057, True, 1),
+    'GPT 529.6B (Narayanan T1)': (-0.0238, True, 1),
+    'GPT 1008B (Narayanan T1)': (-0.0272, True, 1),
+    'GPT 22B, SP + selective (Korthikanti T5)': (-0.0387, True, 1),
+    'GPT 175B, SP + selective (Korthikanti T5)': (0.0504, True, 2),
+    'GPT 530B, SP + selective (Korthikanti T5)': (0.0866, True, 1),
+    'GPT 1T, SP + selective (Korthikanti T5)': (0.0972, True, 1),
+    'BLOOM 176B (BigScience)': (0.0018, True, 9),
+    'Llama 3.1 8B, FSDP 8, eager (torchtitan T1)': (0.0161, True, 1),
+    'Llama 3.1 8B, FSDP 8, compile (torchtitan T1)': (-0.0015, True, 1),
+    'Llama 3.1 8B, FSDP 8, compile + Float8 (torchtitan T1)': (0.0488, True, 1),
+    'Llama 3.1 8B, FSDP 128, eager (torchtitan T3)': (0.0465, True, 1),
+    'Llama 3.1 8B, FSDP 128, compile (torchtitan T3)': (0.0241, True, 1),
+    'Llama 3.1 8B, FSDP 128, compile + Float8 (torchtitan T3)': (0.0708, True, 1),
+    'Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)': (0.0123, True, 109),
+    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.0223, True, 75),
+    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.1014, True, 3),
+    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.0363, True, 109),
+    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.1223, True, 7),
+    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.1996, True, 38),
+    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.3748, True, 4),
+    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.2347, True, 49),
+    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.4921, True, 4),
+    'llama3-8b FP8-CS, 8 x H100 (Megatron-Bridge 25.11)': (-0.0618, True, 59),
+    'llama3-70b FP8-CS, 64 x H100 (Megatron-Bridge 25.11)': (0.0920, True, 8),
+    'llama3-405b FP8-CS, 1024 x H100 (Megatron-Bridge 25.11)': (0.0947, True, 5),
+    'llama3-8b FP8-CS, 8 x B200 (Megatron-Bridge 25.11)': (0.0728, True, 1),
+    'llama3-8b FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.1128, True, 1),
+    'llama3-405b FP8-CS, 128 x B200 (Megatron-Bridge 25.11)': (0.0901, True, 7),
+    'llama3-405b FP8-MX, 128 x B200 (Megatron-Bridge 25.11)': (0.1547, True, 7),
+    'GPT3-5B FP8, 64 x H100 (NeMo 24.07)': (0.1354, True, 4),
+    'GPT3-20B FP8, 64 x H100 (NeMo 24.07)': (0.0295, True, 502),
+    'GPT3-175B FP8, 128 x H100 (NeMo 24.07)': (0.0706, True, 188),
+    'GPT3-175B FP8, 512 x H100 (NeMo 24.07)': (-0.0041, True, 70),
+    'LLAMA2-7B FP8, 8 x H100 (NeMo 24.07)': (0.0666, True, 33),
+    'LLAMA2-13B FP8, 16 x H100 (NeMo 24.07)': (-0.0301, True, 1181),
+    'LLAMA2-70B FP8, 64 x H100 (NeMo 24.07)': (0.0478, True, 417),
+    'LLAMA3-8B FP8, 8 x H100 (NeMo 24.07)': (0.1153, True, 53),
+    'LLAMA3-70B FP8, 64 x H100 (NeMo 24.07)': (0.1499, True, 53),
+    'LLAMA2-7B FP8 seq 4K, 4 x H100, CP 1 (NeMo long context)': (0.1158, True, 1),
+    'LLAMA2-7B FP8 seq 8K, 8 x H100, CP 1 (NeMo long context)': (0.1408, True, 4),
+    'LLAMA2-7B FP8 seq 16K, 16 x H100, CP 1 (NeMo long context)': (0.2078, True, 3),
+    'LLAMA2-7B FP8 seq 32K, 32 x H100, CP 2 (NeMo long context)': (0.2214, True, 3),
+    'LLAMA2-7B FP8 seq 64K, 64 x H100, CP 2 (NeMo long context)': (0.2400, True, 6),
+    'LLAMA2-7B FP8 seq 128K, 128 x H100, CP 4 (NeMo long context)': (0.0718, True, 44),
+    'LLAMA2-7B FP8 seq 256K, 256 x H100, CP 8 (NeMo long context)': (0.0273, True, 6),
+    'LLAMA2-7B FP8 seq 512K, 512 x H100, CP 16 (NeMo long context)': (-0.0054, True, 8),
+    'LLAMA2-7B FP8 seq 1024K, 1024 x H100, CP 32 (NeMo long context)': (0.0034, True, 1),
+    'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (-0.0854, True, 1),
+    'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1294, True, 1),
+    'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1151, True, 1),
+    'MPT-13B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1703, True, 1),
+    'MPT-7B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0485, True, 1),
+    'MPT-3B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1024, True, 1),
+    'MPT-1B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.1056, True, 1),
+    'MPT-13B seq 2048, 8 x H100, bf16 (llm-foundry)': (0.1270, True, 1),
+    'MPT-7B seq 8192, 8 x H100, bf16 (llm-foundry)': (-0.1508, True, 1),
+    'MPT-1B seq 32768, 8 x H100, bf16 (llm-foundry)': (0.0097, True, 1),
+    'MPT-3B seq 512, 8 x H100, bf16 (llm-foundry)': (-0.1573, True, 1),
+    'MPT-3B seq 2048, 8 x H100, fp8 (llm-foundry)': (-0.1038, True, 1),
+    'MPT-1B seq 8192, 8 x H100, fp8 (llm-foundry)': (-0.0207, True, 2),
+    'MPT-70B seq 2048, 64 x A100, bf16 (llm-foundry)': (-0.2122, True, 1),
+    'MPT-30B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.2492, True, 1),
+    'MPT-13B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.1080, True, 1),
+    'MPT-7B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.1876, True, 2),
+    'MPT-1B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.2138, True, 2),
+    'Llama 3.1 8B, FSDP 32, compile + Float8, H200 (Trainy)': (-0.0278, True, 1),
+    'Llama 3.1 8B, FSDP 64, compile + Float8, H200 (Trainy)': (-0.0112, True, 1),
+    'GPT 175B ZeRO-3, 256 x A100 (DeepSpeed Azure 2022)': (-0.1022, True, 1),
+    'GPT 1T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1150, True, 1),
+    'GPT 2T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1829, True, 1),
+    'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (-0.2477, True, 1),
+    'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (-0.0732, True, 1),
+    'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.2187, True, 8),
 }
 
 # held-out source: (GEMM, attention efficiency fitted without it, held-out error, in-sample error)
 LOSO = {
-    "Narayanan 2021": (0.60, 0.40, 0.0461, 0.0461),
-    "Korthikanti 2022": (0.60, 0.40, 0.0682, 0.0682),
-    "BLOOM 2022": (0.60, 0.40, 0.0030, 0.0030),
-    "torchtitan": (0.60, 0.30, 0.1041, 0.0186),
-    "Megatron-Bridge": (0.60, 0.40, 0.0764, 0.0764),
+    'Narayanan 2021': (0.60, 0.40, 0.0453, 0.0453),
+    'Korthikanti 2022': (0.60, 0.40, 0.0682, 0.0682),
+    'BLOOM 2022': (0.60, 0.40, 0.0018, 0.0018),
+    'torchtitan': (0.60, 0.40, 0.1202, 0.1202),
+    'Megatron-Bridge': (0.60, 0.40, 0.0970, 0.0970),
+    'NeMo 2024': (0.60, 0.40, 0.0962, 0.0962),
+    'MosaicML llm-foundry': (0.60, 0.40, 0.1276, 0.1276),
+    'Trainy H200': (0.60, 0.40, 0.0195, 0.0195),
+    'DeepSpeed Azure 2022': (0.60, 0.40, 0.1334, 0.1334),
+    'Llama 3 2024': (0.60, 0.40, 0.0983, 0.0983),
 }
-# the sub-grid holding every fold's optimum on the full grid (docs/plan.md's run of
-# python -m dtlib.plan.validation): an argmin over a subset that contains the argmin is the same
-SUB_GEMM, SUB_ATTENTION = (0.55, 0.60), (0.30, 0.40)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +117,7 @@ def table():
 
 @pytest.fixture(scope="module")
 def errors():
-    return error_grid(SUB_GEMM, SUB_ATTENTION)
+    return error_grid()  # the full grid: one step-time pass per run (about a second)
 
 
 def test_every_row_is_pinned(table):
@@ -76,20 +130,20 @@ def test_every_row_is_pinned(table):
         assert row["rank"] == rank, name
 
 
-def test_in_sample_error_is_reported_and_under_ten_percent(table):
+def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0462, abs=5e-4)
+    assert mae == pytest.approx(0.1008, abs=5e-4)
 
 
-def test_at_least_five_sources_and_two_gpu_generations():
-    assert len(SOURCES) >= 5 and {r.family for r in PUBLISHED} == {"a100", "h100", "b200"}
+def test_ten_sources_and_four_gpu_generations():
+    assert len(SOURCES) == 10 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "b200"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
 
 
 def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors):
-    loso = leave_one_source_out(errors, gemm_grid=SUB_GEMM, attention_grid=SUB_ATTENTION)
+    loso = leave_one_source_out(errors)
     assert list(loso) == list(SOURCES) == list(LOSO)
     for source, (gemm, attention, held_out, in_sample) in LOSO.items():
         d = loso[source]
@@ -97,18 +151,20 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), source
         assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), source
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
-    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0595, abs=5e-4)
+    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0807, abs=5e-4)
     assert np.mean([d["loso_error"] for d in loso.values()]) <= 0.10
 
 
 def test_the_defaults_are_the_fitted_minimum(errors):
-    assert fit(errors, gemm_grid=SUB_GEMM, attention_grid=SUB_ATTENTION) == (GEMM_EFFICIENCY, ATTENTION_EFFICIENCY)
-    # the optimum is interior in both directions: one grid step either side is worse
-    neighbours = error_grid((GEMM_EFFICIENCY - 0.05, GEMM_EFFICIENCY, GEMM_EFFICIENCY + 0.05),
-                            (ATTENTION_EFFICIENCY - 0.05, ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY + 0.05))
-    g, a = fit(neighbours, gemm_grid=(GEMM_EFFICIENCY - 0.05, GEMM_EFFICIENCY, GEMM_EFFICIENCY + 0.05),
-               attention_grid=(ATTENTION_EFFICIENCY - 0.05, ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY + 0.05))
-    assert (g, a) == pytest.approx((GEMM_EFFICIENCY, ATTENTION_EFFICIENCY))
+    """The defaults of dtlib.plan.calibration are the fit on every source (full grid), and the
+    optimum is interior: one grid step either side of it in each direction is worse."""
+    from dtlib.plan.validation import ATTENTION_GRID, GEMM_GRID, _objective
+
+    assert fit(errors) == (GEMM_EFFICIENCY, ATTENTION_EFFICIENCY)
+    objective = _objective(errors, [r.source for r in PUBLISHED], SOURCES)
+    i, j = GEMM_GRID.index(GEMM_EFFICIENCY), ATTENTION_GRID.index(ATTENTION_EFFICIENCY)
+    for di, dj in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        assert objective[i + di, j + dj] > objective[i, j]
 
 
 def test_published_numbers_are_the_sources():
@@ -117,8 +173,11 @@ def test_published_numbers_are_the_sources():
     assert tflops == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
     assert [by_name[n].published for n in EXPECTED if "Korthikanti" in n] == [1.10, 13.75, 37.83, 71.49]
     assert by_name["BLOOM 176B (BigScience)"].published == 156
-    assert [by_name[n].published for n in EXPECTED if "torchtitan" in n] == [5762, 6667, 8532, 5605, 6514, 8380, 829]
-    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292, 30624, 661]
+    assert [by_name[n].published for n in EXPECTED if "(torchtitan T" in n] == [5762, 6667, 8532, 5605, 6514, 8380, 829]
+    assert [by_name[n].published for n in EXPECTED if "asyncTP" in n] == [597.3, 652.4, 809.8, 942.4,
+                                                                             4378, 4809.4, 5078.1, 5570.1]
+    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [14451, 1602, 292, 30624, 29521,
+                                                                                   661, 624]
     # Table 1's model sizes follow from the shapes (the paper rounds: 1.65B is printed as 1.7)
     t1 = [by_name[n] for n in EXPECTED if "Narayanan" in n]
     for run, billions in zip(t1, (1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0)):
@@ -135,7 +194,7 @@ def test_published_numbers_are_the_sources():
 ])
 def test_fit_rejects_unknown_sources(errors, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        fit(errors, gemm_grid=SUB_GEMM, attention_grid=SUB_ATTENTION, **kwargs)
+        fit(errors, **kwargs)
 
 
 def test_error_grid_rejects_bad_grids():
@@ -152,3 +211,15 @@ def test_every_row_carries_its_unit(table):
     assert {r["unit"] for r in table.values()} == set(METRIC_UNITS.values())
     for r in table.values():
         assert r["unit"] == METRIC_UNITS[r["metric"]], r["name"]
+
+
+def test_pins_print_what_this_file_pins(table, errors):
+    """``python -m dtlib.plan.validation --pins`` prints these two dicts (to re-pin after a model change)."""
+    import ast
+
+    from dtlib.plan.validation import _pins
+
+    text = _pins(list(table.values()), leave_one_source_out(errors))
+    expected = ast.literal_eval(text[text.index("{"):text.index("}") + 1])
+    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.rindex("}") + 1])
+    assert expected == EXPECTED and loso == LOSO

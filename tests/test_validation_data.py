@@ -12,7 +12,8 @@ from dtlib.analytic import hardware, presets
 from dtlib.plan import published as data
 from dtlib.plan.published import (INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED, SOURCES, STACKS,
                                   pending_runs)
-from dtlib.plan.validation import _prediction, error_grid, ignored, predict
+from dtlib.plan.steptime import resolve
+from dtlib.plan.validation import _options, _prediction, error_grid, ignored, predict
 
 
 def test_every_row_has_a_link_a_source_a_metric_and_a_unit():
@@ -34,7 +35,7 @@ def test_no_row_is_there_twice():
     rows: dict[tuple, list[str]] = {}
     for r in PUBLISHED:
         key = (r.model, r.cluster.gpu.name, r.cluster.world_size, r.cluster.inter.name, r.global_batch,
-               tuple(sorted(r.layout.items())), r.dtype, r.fp8_recipe, r.stack, r.fused_elementwise, r.tp_overlap)
+               tuple(sorted(r.layout.items())), r.dtype, r.fp8_recipe, resolve(_options(r), r.dropout))
         rows.setdefault(key, []).append(r.name)
     twice = [names for names in rows.values() if len(names) > 1]
     assert twice == [["Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)",
