@@ -15,7 +15,9 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.validate import InvalidArgument
 from dtlib.models import TransformerConfig
-from dtlib.plan.moe import all_to_all_time, ep_comm_time, expert_grid, expert_rows, moe_numbers
+from dtlib.plan import moe as plan_moe
+from dtlib.plan.moe import (all_to_all_time, ep_comm_time, expert_grid, expert_rows, grouped_gemm_overhead,
+                            moe_numbers, permutation_bytes)
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.steptime import StepOptions, step_time
 
@@ -130,8 +132,11 @@ def test_imbalance_scales_only_the_expert_terms():
     c = cluster("h100-sxm", 1, 8)
     even = step_time(MOE, layout, c, options=OPTIONS)
     skewed = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, moe_imbalance=2.0))
-    for term in ("elementwise", "tp_comm", "cp_comm", "pp_p2p", "dp_comm", "optimizer"):
+    for term in ("tp_comm", "cp_comm", "pp_p2p", "dp_comm", "optimizer"):
         assert skewed.breakdown[term] == even.breakdown[term]
+    # elementwise: only the sort of the received rows by local expert grows (8 passes, 1 more load)
+    sorted_rows = 8 * routed_bytes(layout) * MOE.layers * 2 / c.gpu.memory_bandwidth
+    assert skewed.breakdown["elementwise"] - even.breakdown["elementwise"] == pytest.approx(sorted_rows, rel=1e-9)
     # the all-to-all's bandwidth part doubles, its latency does not
     calls = 4 * MOE.layers * 2
     bandwidth_part = calls * 7 / 8 * routed_bytes(layout) / c.intra.bandwidth
@@ -263,3 +268,63 @@ def test_moe_layers_without_shared_experts_skip_the_mlp_tensor_parallel_collecti
     shared = step_time(MOE.with_(moe_shared_experts=1), layout, c, options=OPTIONS)
     assert routed.breakdown["tp_comm"] == pytest.approx(dense.breakdown["tp_comm"] / 2, rel=1e-12)
     assert shared.breakdown["tp_comm"] == pytest.approx(dense.breakdown["tp_comm"], rel=1e-12)
+
+
+def test_permutations_move_the_routed_copies_by_hand():
+    """Megatron-Core's alltoall dispatcher, per MoE layer and micro-batch, forward and backward:
+    permute + unpermute (6 passes over tokens x top_k x h) and, with several local experts, the sort
+    by expert and back (8 more), less the 3 passes over the stored expert input that the
+    elementwise term counts; plus the unpermuted output, its gradient and the input gradient (3 x
+    tokens x h)."""
+    moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
+    routed = 1024 * 2 * 512 * 2  # tokens x top_k x h x bf16
+    tokens = 1024 * 512 * 2
+    several = permutation_bytes(tokens=1024, h=512, moe=moe, load=1.0, local_experts=3, act_bytes=2)
+    one = permutation_bytes(tokens=1024, h=512, moe=moe, load=1.0, local_experts=1, act_bytes=2)
+    assert several == (6 + 8 - 3) * routed + 3 * tokens
+    assert one == (6 - 3) * routed + 3 * tokens
+    # the busiest rank receives load x the rows it sorts; its own copies are what the router chose
+    assert permutation_bytes(tokens=1024, h=512, moe=moe, load=2.0, local_experts=3, act_bytes=2) == \
+        (6 - 3) * routed + 8 * 2 * routed + 3 * tokens
+    dense = moe_numbers(DENSE.numbers() | Parallelism(dp=8).numbers())
+    assert permutation_bytes(tokens=1024, h=512, moe=dense, load=1.0, local_experts=1, act_bytes=2) == 0
+
+
+def test_sorting_by_local_expert_costs_its_hbm_passes_in_the_elementwise_term():
+    """ep 24 (one expert per rank) against ep 8 (three): the elementwise term differs by exactly the
+    8 sort passes over the routed copies, per MoE layer and micro-batch, at the HBM bandwidth."""
+    c = cluster("h100-sxm", 3, 8)
+    layout = Parallelism(dp=24, num_microbatches=2)
+    t = {ep: step_time(MOE, layout.with_(ep=ep), c, options=OPTIONS).breakdown["elementwise"] for ep in (8, 24)}
+    routed = MOE.seq * MOE.moe_top_k * MOE.hidden * 2
+    assert t[8] - t[24] == pytest.approx(8 * routed * MOE.layers * 2 / c.gpu.memory_bandwidth, rel=1e-9)
+
+
+def test_the_grouped_gemm_overhead_is_six_calls_per_local_expert():
+    """FC1 and FC2 forward, their dgrad and wgrad backward: 2 + 4 calls, each paying what Transformer
+    Engine's multi-stream grouped GEMM adds per expert over one single-launch kernel; none in a dense
+    model."""
+    moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
+    forward, backward = grouped_gemm_overhead(3, moe)
+    per_call = (0.272e-3 - 0.069e-3) / 8
+    assert forward == pytest.approx(2 * 3 * per_call, rel=1e-12)
+    assert backward == pytest.approx(4 * 3 * per_call, rel=1e-12)
+    dense = moe_numbers(DENSE.numbers() | Parallelism(dp=8).numbers())
+    assert grouped_gemm_overhead(3, dense) == (0, 0)
+
+
+def test_the_grouped_gemm_overhead_adds_to_the_expert_gemms(monkeypatch):
+    """Raising the per-expert call cost by d raises the compute term by d x 6 calls x local experts
+    x MoE layers x micro-batches, with full recompute by the 2 forward calls more; a dense model's
+    compute does not move."""
+    c = cluster("h100-sxm", 1, 8)
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)  # 24 experts: 3 per rank
+    times = {}
+    for cost in (1e-3, 2e-3):
+        monkeypatch.setattr(plan_moe, "GEMM_CALL_SECONDS_PER_EXPERT", cost)
+        times[cost] = [step_time(MOE, layout.with_(recompute=r), c, options=OPTIONS).breakdown["compute"]
+                       for r in ("none", "full")]
+        times[cost].append(step_time(DENSE, Parallelism(dp=8), c, options=OPTIONS).breakdown["compute"])
+    assert times[2e-3][0] - times[1e-3][0] == pytest.approx(1e-3 * 6 * 3 * MOE.layers * 2, rel=1e-9)
+    assert times[2e-3][1] - times[1e-3][1] == pytest.approx(1e-3 * 8 * 3 * MOE.layers * 2, rel=1e-9)
+    assert times[2e-3][2] == times[1e-3][2]

@@ -47,7 +47,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.hardware import Accelerator
-from dtlib.plan.moe import expert_load, expert_rows, moe_numbers
+from dtlib.plan.moe import expert_load, expert_rows, grouped_gemm_overhead, moe_numbers
 
 __all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
 
@@ -173,8 +173,9 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     Engine keeps dot-product attention and, by default, the output layer in BF16). In an MoE layer
     the MLP is the local experts' grouped GEMM, ``experts / ep`` GEMMs of the rows each receives
     (:func:`dtlib.plan.moe.expert_rows` / local experts: small per-expert M pays tile quantization),
-    FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless; plus the
-    shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
+    FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless, plus the
+    per-expert cost of each grouped GEMM call (:func:`dtlib.plan.moe.grouped_gemm_overhead`); plus
+    the shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
@@ -195,6 +196,9 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     local_experts = np.where(moe["moe"], experts / ep, 1)
     rows = expert_rows(tokens, tp, moe, expert_load(moe, moe_imbalance)) / local_experts
     grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, weights_kw)
+    # plus what the grouped GEMM path spends per expert and call (dtlib.plan.moe.grouped_gemm_overhead)
+    overhead = grouped_gemm_overhead(local_experts, moe)
+    grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
     shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
     router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)

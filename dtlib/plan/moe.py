@@ -48,7 +48,42 @@ from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
-           "all_to_all_time", "ep_comm_time"]
+           "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
+           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "GROUPED_CALLS", "grouped_gemm_overhead"]
+
+# Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
+# MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
+# moe_utils.permute / unpermute / sort_chunks_by_idxs, Megatron-Core 0.16). Forward: "Permutation 1"
+# (permute gathers each token's top_k copies: read + write, 2) and unpermute after the combine
+# all-to-all (reads the routed outputs, weights them by the router probabilities and sums each token's
+# copies: 1). Backward: unpermute's gradient writes the copies' gradients (1) and reads the routed
+# outputs again for the probabilities' gradient (1); permute's gradient reads the copies' gradients and
+# sums them per token (1). The tokens' own h (written by unpermute, its gradient read, the summed input
+# gradient written: 3 passes of tokens x h) is counted apart.
+PERMUTE_PASSES = 6
+# "Permutation 2" (sort_chunks_by_idxs: the tokens received from the EP peers regrouped by local
+# expert, read + write) after the dispatch all-to-all and its inverse before the combine one, forward
+# and backward: 8 passes, made only when a rank holds more than one expert (num_local_experts > 1).
+SORT_PASSES = 8
+# of those, the passes the elementwise term already counts: the experts' stored input (one h-sized
+# routed copy per token and expert, dtlib.analytic.activations.layer_bytes) is written forward, read and
+# its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
+STORED_PASSES = 3
+
+# Seconds each expert adds to a grouped GEMM call in Transformer Engine's default grouped GEMM
+# (GroupedLinear -> nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several
+# CUDA streams, each call setting up its own scale swizzle and descriptors), beyond the GEMMs' own
+# time: NVIDIA measured 8 experts of 128 tokens (N = K = 2048) on SM100 at 0.272 ms through that path
+# and 0.069 ms as one single-launch CUTLASS grouped kernel doing the same arithmetic
+# (TransformerEngine PR #3134, "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17,
+# TN fprop table, rows "dispatch" / multi-stream and "pure" / cutlass): (0.272 - 0.069) / 8 = 25 us
+# per expert and call (kernel against kernel, "pure" 0.267 - 0.069, the same 25 us). Host work is much
+# of it: even the fused grouped MLP block of 2026 spends ~1.2 ms forward and ~2.1 ms backward of CPU
+# time on 64 experts (TransformerEngine issue #2897).
+GEMM_CALL_SECONDS_PER_EXPERT = (0.272e-3 - 0.069e-3) / 8
+# grouped GEMM calls per MoE layer and micro-batch: FC1 and FC2 forward; each one's dgrad and wgrad
+# backward (dtlib.plan.gemm._fwd_bwd)
+GROUPED_CALLS = {"forward": 2, "backward": 4}
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
@@ -129,3 +164,42 @@ def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, 
     etp_time = np.where(within, collective_time("all_gather", gathered, etp, intra),
                         collective_time("all_gather", gathered, etp, inter))
     return {"all_to_all": a2a, "etp": calls * etp_time, "bytes_per_call": nbytes}
+
+
+def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, local_experts: Any,
+                      act_bytes: float) -> Any:
+    """HBM bytes the token permutation kernels move per MoE layer and micro-batch on the busiest rank,
+    forward and backward, beyond the stored expert input the elementwise term counts.
+
+    ``tokens`` (``b s / (cp tp)``) are the rank's sequence-parallel shard. Megatron-Core's
+    alltoall dispatcher permutes the rank's own ``tokens x top_k`` routed copies of ``h`` (x the
+    capacity factor when set: padded buffers) before the dispatch all-to-all and unpermutes them
+    after the combine (:data:`PERMUTE_PASSES`, less the :data:`STORED_PASSES` the elementwise term
+    counts; plus 3 passes over the ``tokens x h`` of the layer's output, its gradient and the
+    input gradient), and with more than one local expert sorts the rows it *received*
+    by expert and back (:data:`SORT_PASSES`): ``tokens x top_k x load`` on the busiest rank
+    (``load``: :func:`expert_load`), ``etp`` x that after the ETP all-gather.
+    Memory-bound kernels: their time is these bytes / the HBM bandwidth (the roofline, Williams et
+    al. 2009). ``moe_permute_fusion`` fuses each permutation's index computation with its copy,
+    which is what is counted (one read and one write per pass pair); DeepEP / HybridEP (the flex
+    dispatcher) fuse permutation 1 into the dispatch kernel: not modelled (an upper bound there)."""
+    own = tokens * moe["top_k"] * np.where(moe["capacity_factor"] > 0, moe["capacity_factor"], 1) * h * act_bytes
+    received = tokens * moe["top_k"] * load * moe["etp"] * h * act_bytes
+    sorts = (local_experts > 1) * SORT_PASSES * received
+    return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 3 * tokens * h * act_bytes)
+
+
+def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
+    """Seconds one MoE layer's grouped expert GEMMs take per micro-batch on top of their arithmetic,
+    forward and backward, on a rank holding ``local_experts`` experts: :data:`GROUPED_CALLS` grouped
+    GEMMs, each paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert (0 in dense layers).
+
+    :func:`dtlib.plan.gemm.transformer_compute` adds it to the grouped GEMM's quantized math / HBM
+    time (the time of one kernel doing all experts' tiles): at equal FLOPs, more local experts are
+    slower. Dropless routing keeps the host from queueing these calls ahead of the GPU: the alltoall
+    dispatcher copies ``tokens_per_expert`` to the CPU every MoE layer
+    (``_maybe_dtoh_and_synchronize``) and ``GroupedLinear`` takes the per-expert row counts as a host
+    list, which is also why CUDA graphs cannot capture the experts (the Megatron-Bridge 25.11
+    recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
+    per_call = moe["moe"] * local_experts * GEMM_CALL_SECONDS_PER_EXPERT
+    return GROUPED_CALLS["forward"] * per_call, GROUPED_CALLS["backward"] * per_call

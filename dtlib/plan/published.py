@@ -523,6 +523,32 @@ _BRIDGE_PENDING = [
     ("DGX-H100", "qwen3-30b-a3b", "Qwen3_30B_a3B", 16, "FP8-CS", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 5275),
     ("DGX-H100", "qwen3-235b-a22b", "Qwen3_235B_a22B", 256, "FP8-CS", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 1575),
 ]
+# What each MoE row's recipe ran besides its layout (scripts/performance/configs/{qwen3,deepseek,gpt_oss}/
+# workload_base_configs.py and *_llm_pretrain.py at the 25.11 summary commit 166d498; docs/moe-steptime.md):
+# not timed (no row field yet), kept in the notes. The table's layouts are the runs'; the recipe files give
+# other GPU counts or EP for some rows (launched with overrides).
+_BRIDGE_MOE_RECIPE = {
+    ("DGX-GB300", "deepseek-v3"): "HybridEP flex dispatcher, CUDA graphs attn/moe_router/moe_preprocess, "
+                                  "recompute_modules moe_act (recipe file: PP 4, VP 4, EP 64, GBS 2048)",
+    ("DGX-GB200", "deepseek-v3"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess, "
+                                  "recompute_modules mla_up_proj (recipe file: PP 4, VP 4, EP 64)",
+    ("DGX-B200", "deepseek-v3"): "alltoall dispatcher, recompute_modules mla_up_proj, pipeline layout with 4 "
+                                 "decoder layers per stage and 1 + MTP + loss on the last",
+    ("DGX-GB300", "gpt-oss-120b"): "alltoall dispatcher, CUDA graphs attn/moe_router/moe_preprocess",
+    ("DGX-GB200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
+    ("DGX-B200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act (recipe file: EP 64)",
+    ("DGX-H100", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
+    ("DGX-GB300", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
+    ("DGX-GB200", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
+    ("DGX-B200", "qwen3-30b-a3b"): "alltoall dispatcher, CUDA graphs moe_router/moe_preprocess",
+    ("DGX-H100", "qwen3-30b-a3b"): "alltoall dispatcher, moe_a2a_overlap (recipe file: VP 12, MBS 1)",
+    ("DGX-GB300", "qwen3-235b-a22b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess "
+                                      "(recipe file: 64 GPUs, EP 64)",
+    ("DGX-GB200", "qwen3-235b-a22b"): "HybridEP flex dispatcher, CUDA graphs attn/moe_router/moe_preprocess "
+                                      "(recipe file: 64 GPUs, PP 8, EP 8)",
+    ("DGX-B200", "qwen3-235b-a22b"): "alltoall dispatcher, moe_a2a_overlap (recipe file: VP 4)",
+    ("DGX-H100", "qwen3-235b-a22b"): "alltoall dispatcher, moe_a2a_overlap, no TP communication overlap",
+}
 _SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
 
 
@@ -548,6 +574,8 @@ def pending_runs() -> list[PublishedRun]:
                 "footnote); recompute_modules of the recipe (e.g. moe_act, mla_up_proj, layernorm) not "
                 "expressible: timed as no recompute" if moe else
                 "FSDP 64 = Megatron FSDP (ZeRO-3)" if fsdp else "distributed optimizer (ZeRO-1)")
+        if (system, preset) in _BRIDGE_MOE_RECIPE:
+            note += "; recipe: " + _BRIDGE_MOE_RECIPE[system, preset]
         if "w/ MTP" in label:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,

@@ -38,7 +38,8 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
-from dtlib.plan.moe import check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers
+from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
+                            permutation_bytes)
 from dtlib.plan.stacks import DEFAULT_STACK, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
@@ -55,14 +56,18 @@ TERMS: dict[str, str] = {
                "attention efficiency), or as batched GEMMs without it; fp8: weight GEMMs at the FP8 "
                "peak plus the HBM traffic of casting their operands (amax, cast, transposed copy), "
                "attention and LM head in BF16 (Transformer Engine); a power limit scales the "
-               "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm). efficiency= replaces all this by "
+               "clock by (limit/TDP)^(1/3) (dtlib.plan.gemm); MoE layers: one grouped GEMM of the local "
+               "experts plus what Transformer Engine's multi-stream grouped GEMM spends per expert and call "
+               "(TransformerEngine PR #3134; dtlib.plan.moe.grouped_gemm_overhead). efficiency= replaces all this by "
                "hardware FLOPs / (GPUs x peak x efficiency) (Narayanan et al. 2021 eq. 3)",
     "elementwise": "memory-bound layers (norms, activations, dropout, residual adds, softmax): the "
                    "tensors Korthikanti et al. 2022 Sec. 4.1 count per layer are written forward, read "
                    "and their gradients written backward (3 passes; recomputed ones written again), "
                    "at the HBM bandwidth (roofline, Williams et al. 2009); with flash_attention the "
                    "s x s scores never reach HBM (Dao et al. 2022); fused_elementwise=False (eager "
-                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager)",
+                   "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager); MoE layers add the "
+                   "dispatcher's token permutations (permute, sort by local expert, their inverses, forward "
+                   "and backward: Megatron-Core MoEAlltoAllTokenDispatcher; dtlib.plan.moe.permutation_bytes)",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
                  "TP/CP/EP communication",
@@ -329,6 +334,12 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
         per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"]) / tp
         elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
+    # MoE layers: the dispatcher's token permutations (dtlib.plan.moe.permutation_bytes), their forward
+    # half repeated by full recompute
+    local_experts = np.where(moe["moe"], n["experts"] / ep, 1)
+    permuted = permutation_bytes(tokens=b * s / (cp * tp), h=h, moe=moe, load=load, local_experts=local_experts,
+                                 act_bytes=prec.activation)
+    elementwise = elementwise + (1 + full / 2) * permuted * moe["moe_share"] * layers_here * m / gpu.memory_bandwidth
 
     pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
