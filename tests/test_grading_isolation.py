@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # CPU seconds each child of a submission (its execution, its verdict) may use, all its processes
-# together: an honest tiny submission needs about N s (measured: see docs/grading.md), so an endless
-# loop, a fork bomb or a flood is stopped after this much CPU time, however loaded the machine is;
-# the wall limit is derived from it (10 x + 60 s) and stops only what waits forever.
-CPU_TIME = "20"
+# together: an honest tiny submission's execution (otter, its Jupyter kernel) needs about 4.5 s
+# (measured on the 2-core build machine, load 25), its verdict less, so an endless loop, a fork bomb
+# or a flood is stopped after this much CPU time whatever the machine's load; the wall limit is
+# derived from it (10 x + 60 s) and stops only what waits forever.
+CPU_TIME = "12"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def _corpus(masters: Path, subs: Path) -> dict[str, str]:
         # points only if it could read the master or another submission; writes into the course
         "reads_and_writes": (
             "import os\n"
-            f"def double(x):\n    return 2 * x if 'return 2 * x' in open({str(master)!r}).read() else None\n"
+            f"def double(x):\n    found = [p for p in ({str(master)!r}, {master.name!r}) if os.path.exists(p)]\n"
+            "    return 2 * x if any('return 2 * x' in open(p).read() for p in found) else None\n"
             f"def half(x):\n    return x / 2 if os.listdir({str(subs)!r}) else None\n"
             f"for path in ({str(course / 'pwned.txt')!r}, {str(ROOT / 'pwned.txt')!r}):\n"
             "    try:\n        open(path, 'w').write('x')\n    except OSError:\n        pass"),
@@ -78,14 +80,14 @@ def _corpus(masters: Path, subs: Path) -> dict[str, str]:
     }
 
 
-# Never-ending cheats: one cell that never ends per notebook, and a graded function that loops or
-# forks when the verdict calls it. Each is stopped by its CPU budget.
+# Never-ending cheats: one cell that never ends per notebook (a fork bomb, an endless loop that
+# floods the output), and a graded function that loops or forks when the verdict calls it. Each
+# is stopped by its CPU budget.
 _ENDLESS = {
     "fork_bomb": ("import os\ndef double(x):\n    while True:\n        pass\n"
                   "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass"),
     "floods_output": ("import os\ndef double(x):\n    while True:\n        try:\n            os.fork()\n"
                       "        except OSError:\n            pass\nwhile True:\n    print('x' * 100000)"),
-    "loops": "def half(x):\n    while True:\n        pass\nwhile True:\n    pass",
 }
 
 
@@ -177,12 +179,17 @@ def test_the_corpus_scores_zero_and_honest_submissions_keep_their_scores(graded)
         row = rows[f"{name}.ipynb"]
         assert (row["q1"], row["q2"], row["total"]) == ("0", "0", "0"), (name, row)
     statuses = {name: rows[f"{name}.ipynb"]["status"] for name in [*_corpus(Path("."), Path(".")), "edits_check_cells"]}
+    allocates = statuses.pop("allocates_without_limit")
     assert statuses == {"forges_in_kernel": "tampered", "patches_from_inside_the_function": "graded",
-                        "reads_and_writes": "graded", "exits": "cell raised",
-                        "allocates_without_limit": "cell raised", "edits_check_cells": "cells missing"}
+                        "reads_and_writes": "graded", "exits": "cell raised", "edits_check_cells": "cells missing"}
     forged = rows["forges_in_kernel.ipynb"]["error"]
     assert "q1 2 in the notebook, 0 isolated (return 2 * x)" in forged and "q2 1 in the notebook" in forged
-    assert "MemoryError" in rows["allocates_without_limit.ipynb"]["error"]
+    # RLIMIT_AS stops it with a MemoryError, unless zero-filling 8 GiB (in the kernel, and in each
+    # of the verdict's learner children) first spends the CPU budget: stopped either way, and said
+    why = rows["allocates_without_limit.ipynb"]["error"]
+    assert (allocates == "cell raised" and "MemoryError" in why) or \
+        (allocates in ("timed out", "verdict failed") and f"more than {CPU_TIME} s of CPU time used" in why), \
+        (allocates, why)
     assert not (graded["masters"].parent / "pwned.txt").exists() and not (ROOT / "pwned.txt").exists()
 
 
@@ -195,7 +202,9 @@ def test_as_root_submissions_run_as_an_unprivileged_user(graded):
     assert graded["alive"] and graded["secret"] == "root only"
     observed = graded["observed"]
     # both the notebook's kernel (in its own folder) and the verdict's learner child ran the cell
-    assert {Path(o["cwd"]).name for o in observed} >= {"execute", "exercises"}, observed
+    # (the tiny course has no exercises/ folder: the verdicts run in an empty one, "cwd")
+    assert any("/execute/" in o["cwd"] for o in observed), observed
+    assert any(Path(o["cwd"]).name == "cwd" for o in observed), observed
     for seen in observed:
         assert seen["uid"] != 0 and seen["euid"] != 0 and seen["groups"] == [], seen
         assert (seen["secret"], seen["kill"], seen["write"]) == ("PermissionError",) * 3, seen
@@ -209,7 +218,7 @@ def test_loops_bombs_and_floods_are_stopped_by_their_cpu_budget(graded):
         row = rows[f"{name}.ipynb"]
         assert row["total"] == "0" and row["status"] in ("timed out", "grader failed", "verdict failed",
                                                          "tampered", "cell raised"), (name, row)
-    assert "more than 20 s of CPU time used" in rows["loops.ipynb"]["error"], rows["loops.ipynb"]
+    assert f"more than {CPU_TIME} s of CPU time used" in rows["fork_bomb.ipynb"]["error"], rows["fork_bomb.ipynb"]
     leftover = [p for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")
                 for p in Path(root).glob(f"dtlib-grade-{os.getpid()}-*")]
     assert not leftover, leftover

@@ -222,11 +222,16 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
         progress("warning: no master given: scores are otter's in-notebook ones, which a submission can forge")
     points = question_points(autograder_zip)
     setup = verdict.setup_sources(nbformat.read(master, as_version=4)) if master else []
-    judge_cwd = master.parent.parent / "exercises" if master else None
     with tempfile.TemporaryDirectory() as logs:
-        # the setup's own limit is not a submission's: it imports torch and the checks once per batch
-        forker = prefork.Forker(setup, judge_cwd if judge_cwd.is_dir() else master.parent, Path(logs) / "setup.log",
-                                DEFAULT_TIMEOUT) if master else None
+        # The verdicts run where a learner's notebook runs, the course's exercises/ (else an empty
+        # folder: never the hidden masters/, which a verdict would keep reaching as its cwd). The
+        # setup's own time limit is not a submission's: it imports torch and the checks, once.
+        cwd = master.parent.parent / "exercises" if master else None
+        if cwd is None or not cwd.is_dir():
+            os.chmod(logs, 0o711)
+            cwd = Path(logs) / "cwd"
+            cwd.mkdir(mode=0o755)
+        forker = prefork.Forker(setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT) if master else None
         try:
             rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, forker, setup,
                               jobs, mounts, progress)

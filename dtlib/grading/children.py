@@ -137,7 +137,8 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     log_path = home.parent / "verdict.log"
     try:
         with open(log_path, "w") as log:
-            pid = forker.start(job_read, report_write, log.fileno(), _child_env(home), limits, uid, mounts, groups)
+            pid = forker.start(job_read, report_write, log.fileno(), forker.cwd, _child_env(home), limits, uid,
+                               mounts, groups)
     finally:
         os.close(job_read)
         os.close(report_write)

@@ -35,7 +35,9 @@ class Forker:
     """The pre-imported parent of a batch's verdict processes (one per batch)."""
 
     def __init__(self, setup: list[str], cwd: Path, log: Path, timeout: float):
-        mine, theirs = socket.socketpair()
+        """Start the parent: it runs the master's ``setup`` cells in ``cwd`` (also the verdicts'
+        folder), writes its output to ``log`` and must be ready within ``timeout`` seconds."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
         self._sock, self._lock, self.cwd = mine, threading.Lock(), cwd
         with open(log, "w") as out:
             self._proc = subprocess.Popen([sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno())],
@@ -56,11 +58,12 @@ class Forker:
             raise RuntimeError("the master's setup cells failed in the verdict's parent: "
                                + (lines[-1] if lines else "no output"))
 
-    def start(self, stdin: int, stdout: int, stderr: int, env: dict[str, str], limits: sandbox.Limits,
+    def start(self, stdin: int, stdout: int, stderr: int, cwd: Path, env: dict[str, str], limits: sandbox.Limits,
               uid: int | None, mounts: sandbox.Mounts, groups: tuple[str, ...]) -> int:
-        """Fork one verdict process with these descriptors and walls; returns its pid (the
-        leader of its own session, :func:`os.killpg` ends it and what it started)."""
-        request = {"cwd": str(self.cwd), "env": env, "limits": asdict(limits), "uid": uid,
+        """Fork one verdict process with these descriptors and walls, in ``cwd`` (entered after
+        the walls are up: a folder hidden from it stays hidden); returns its pid (the leader of
+        its own session: :func:`os.killpg` ends it and what it started)."""
+        request = {"cwd": str(cwd), "env": env, "limits": asdict(limits), "uid": uid,
                    "mounts": asdict(mounts), "groups": list(groups)}
         with self._lock:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin, stdout, stderr])
@@ -88,7 +91,6 @@ def _verdict_child(request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         import tempfile
@@ -96,6 +98,7 @@ def _verdict_child(request: dict, fds: list[int]) -> None:
         tempfile.tempdir = None  # TMPDIR is this child's own folder now
         mounts = sandbox.Mounts(**{k: tuple(v) for k, v in request["mounts"].items()})
         sandbox.child_setup(sandbox.Limits(**request["limits"]), request["uid"], mounts, tuple(request["groups"]))
+        os.chdir(request["cwd"])
         verdict.main()
         code = 0
     except BaseException:  # noqa: BLE001 - the log says why; the batch sees no report

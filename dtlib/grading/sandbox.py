@@ -8,10 +8,16 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
   its own);
 * ``unshare(CLONE_NEWNET)`` gives it a network namespace whose only interface is a fresh loopback
   (the ranks and the Jupyter kernel talk over 127.0.0.1; nothing else is reachable);
+* ``unshare(CLONE_NEWNS)`` gives it a mount namespace: the checkout read-only, the other
+  submissions, masters and solutions hidden, and a folder other users cannot enter (``/root``,
+  where the interpreter may live) replaced by an empty one with only what the child needs bound
+  back read-only (:func:`reach_plan`);
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
   signal or trace their processes; :func:`kill_user` then ends everything that user started,
-  double-forked escapees included.
+  double-forked escapees included;
+* it joins cgroups that cap its processes (``pids``) and count their CPU time (``cpuacct``,
+  read by the grader to stop it after a budget of CPU seconds).
 
 What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
 """
