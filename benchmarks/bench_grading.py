@@ -76,8 +76,8 @@ def main() -> None:
                       flush=True)
             ratios.append(times["isolated verdict"] / times["otter only"])
             print(f"round {round_ + 1} ratio {ratios[-1]:.2f}", flush=True)
-    print(f"ratio {statistics.median(ratios):.2f} (median of {len(ratios)}; min {min(ratios):.2f}, max {max(ratios):.2f}; "
-          f"{args.honest} honest + {len(CHEATS)} cheats, lesson {args.lesson}, jobs {args.jobs}, "
+    print(f"ratio {statistics.median(ratios):.2f} (median of {len(ratios)}; "
+          f"min {min(ratios):.2f}, max {max(ratios):.2f}; {args.honest} honest + {len(CHEATS)} cheats, lesson {args.lesson}, jobs {args.jobs}, "
           f"timeout {args.timeout:g} s)")
 
 
