@@ -47,14 +47,14 @@ check-exercises: install
 	$(PY) -m dtlib.grading check
 
 # Grade a folder of submitted notebooks: make grade SUBMISSIONS=path/to/folder LESSON=01
-# [OUT=grades.csv] [TIMEOUT=seconds per submission] [JOBS=submissions at once]
+# [OUT=grades.csv] [TIMEOUT=seconds per submission] [CPU_TIME=CPU seconds per submission] [JOBS=submissions at once]
 grade: install
 	@if [ -z "$(SUBMISSIONS)" ] || [ -z "$(LESSON)" ]; then \
-	  echo "usage: make grade SUBMISSIONS=path/to/folder LESSON=01 [OUT=grades.csv] [TIMEOUT=600] [JOBS=1]"; \
+	  echo "usage: make grade SUBMISSIONS=path/to/folder LESSON=01 [OUT=grades.csv] [TIMEOUT=600] [CPU_TIME=s] [JOBS=1]"; \
 	  echo "  grades every file in SUBMISSIONS against masters/LESSON_*.ipynb, one CSV row each"; \
 	  exit 2; fi
 	$(PY) -m dtlib.grading grade "$(SUBMISSIONS)" --lesson "$(LESSON)" --out "$(or $(OUT),grades.csv)" \
-	  $(if $(TIMEOUT),--timeout "$(TIMEOUT)") $(if $(JOBS),--jobs "$(JOBS)")
+	  $(if $(TIMEOUT),--timeout "$(TIMEOUT)") $(if $(CPU_TIME),--cpu-time "$(CPU_TIME)") $(if $(JOBS),--jobs "$(JOBS)")
 
 benchmarks: install
 	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done

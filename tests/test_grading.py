@@ -231,6 +231,8 @@ def test_grading_bad_input(tmp_path, capsys):
     assert "--timeout must be a finite number > 0, got -1" in capsys.readouterr().err
     assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--jobs", "0"]) == 2
     assert "--jobs must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert grading.main(["grade", str(tmp_path), "--lesson", "01", "--cpu-time", "0"]) == 2
+    assert "--cpu-time must be a finite number >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="valid lessons"):
         grading.pipeline._master_for("99")
 

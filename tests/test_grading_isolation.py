@@ -1,8 +1,14 @@
 """Grades a submission cannot forge (issue 29): an adversarial corpus graded next to honest
 submissions. Every cheat scores 0 on what it did not solve, with a status that says why; the honest
 ones keep their exact scores; the batch ends within its limit; nothing escapes the sandbox."""
+import contextlib
 import csv
+import io
+import json
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -14,6 +20,14 @@ from dtlib.grading import sandbox
 from tests.test_grading import _tiny_course, _with_cell
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# CPU seconds each child of a submission (its execution, its verdict) may use, all its processes
+# together: an honest tiny submission's execution (otter, its Jupyter kernel) needs about 4.5 s
+# (measured on the 2-core build machine, load 25), its verdict less, so an endless loop, a fork bomb
+# or a flood is stopped after this much CPU time whatever the machine's load; the wall limit is
+# derived from it (10 x + 60 s) and stops only what waits forever.
+CPU_TIME = "12"
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +70,42 @@ def _corpus(masters: Path, subs: Path) -> dict[str, str]:
         # points only if it could read the master or another submission; writes into the course
         "reads_and_writes": (
             "import os\n"
-            f"def double(x):\n    return 2 * x if 'return 2 * x' in open({str(master)!r}).read() else None\n"
+            f"def double(x):\n    found = [p for p in ({str(master)!r}, {master.name!r}) if os.path.exists(p)]\n"
+            "    return 2 * x if any('return 2 * x' in open(p).read() for p in found) else None\n"
             f"def half(x):\n    return x / 2 if os.listdir({str(subs)!r}) else None\n"
             f"for path in ({str(course / 'pwned.txt')!r}, {str(ROOT / 'pwned.txt')!r}):\n"
             "    try:\n        open(path, 'w').write('x')\n    except OSError:\n        pass"),
         "exits": "import sys\nsys.exit(0)",
         "allocates_without_limit": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 28))",
     }
+
+
+# Never-ending cheats: one cell that never ends per notebook (a fork bomb, an endless loop that
+# floods the output), and a graded function that loops or forks when the verdict calls it. Each
+# is stopped by its CPU budget.
+_ENDLESS = {
+    "fork_bomb": ("import os\ndef double(x):\n    while True:\n        pass\n"
+                  "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass"),
+    "floods_output": ("import os\ndef double(x):\n    while True:\n        try:\n            os.fork()\n"
+                      "        except OSError:\n            pass\nwhile True:\n    print('x' * 100000)"),
+}
+
+
+def _probe(secret: Path, pid: int, observe: Path) -> str:
+    """A cell that reads a root-only file, kills a root process, overwrites the file, and reports
+    what it saw (its user first) as data in ``observe``; it scores only if one of them worked."""
+    return (
+        "import json, os, signal\n"
+        "_seen = {'uid': os.getuid(), 'euid': os.geteuid(), 'groups': os.getgroups(), 'cwd': os.getcwd()}\n"
+        f"try:\n    _seen['secret'] = open({str(secret)!r}).read()\nexcept OSError as e:\n"
+        "    _seen['secret'] = type(e).__name__\n"
+        f"try:\n    os.kill({pid}, signal.SIGKILL)\n    _seen['kill'] = 'sent'\nexcept OSError as e:\n"
+        "    _seen['kill'] = type(e).__name__\n"
+        f"try:\n    open({str(secret)!r}, 'w').write('changed')\n    _seen['write'] = 'done'\n"
+        "except OSError as e:\n    _seen['write'] = type(e).__name__\n"
+        f"open(os.path.join({str(observe)!r}, f'{{os.getpid()}}.json'), 'w').write(json.dumps(_seen))\n"
+        "def double(x):\n    return 2 * x if _seen['secret'] == 'root only' else None\n"
+        "def half(x):\n    return x / 2 if _seen['kill'] == 'sent' or _seen['write'] == 'done' else None")
 
 
 def _write_batch(copies, masters: Path, subs: Path, cheats: dict[str, str]) -> None:
@@ -77,34 +120,108 @@ def _write_batch(copies, masters: Path, subs: Path, cheats: dict[str, str]) -> N
         nbformat.write(_with_cell(copies["exercise"], 1, source), subs / f"{name}.ipynb")
 
 
-def test_the_corpus_scores_zero_and_honest_submissions_keep_their_scores(tmp_path, tiny, capsys):
+def _process_cap() -> bool:
+    """Whether a fork bomb is contained here (a user of its own or a pids cgroup)."""
+    group = sandbox.process_group_cap(f"dtlib-grade-probe-test-{os.getpid()}", 1)
+    sandbox.remove_group(group)
+    return sandbox.submission_user(0) is not None or group is not None
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory, tiny):
+    """One batch, ``--jobs 2``, a CPU budget per child: honest submissions, the corpus, the
+    probe (as root with a user drop) and the endless cheats (where a fork bomb is contained)."""
     masters, copies = tiny
-    subs = tmp_path / "submissions"
+    tmp = tmp_path_factory.mktemp("isolation-batch")
+    subs = tmp / "submissions"
     subs.mkdir()
     cheats = _corpus(masters, subs)
+    if _process_cap():
+        cheats.update(_ENDLESS)
+    # outside every folder a submission is denied: only the file's own mode and owner protect it
+    outside = Path(tempfile.mkdtemp(prefix="dtlib-probe-"))
+    os.chmod(outside, 0o755)
+    secret, observe = outside / "secret.txt", outside / "observed"
+    secret.write_text("root only")
+    os.chmod(secret, 0o600)
+    observe.mkdir(mode=0o1777)
+    os.chmod(observe, 0o1777)
+    root_process = subprocess.Popen(["sleep", "3600"])
+    if sandbox.submission_user(0) is not None:
+        cheats["probes_the_machine"] = _probe(secret, root_process.pid, observe)
     edited = nbformat.from_dict(copies["exercise"])  # check cells replaced by fake output
     for cell in edited.cells:
         if "grader.check" in cell.source:
             cell.source = "print('✅ passed')"
     _write_batch(copies, masters, subs, cheats)
     nbformat.write(edited, subs / "edits_check_cells.ipynb")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rows = _grade(masters, subs, tmp / "grades.csv", "--jobs", "2", "--cpu-time", CPU_TIME)
+        alive = root_process.poll() is None
+        observed = [json.loads(p.read_text()) for p in observe.glob("*.json")]
+        yield {"rows": rows, "err": err.getvalue(), "cheats": cheats, "alive": alive, "observed": observed,
+               "secret": secret.read_text(), "masters": masters}
+    finally:
+        root_process.kill()
+        root_process.wait()
+        shutil.rmtree(outside)
 
-    rows = _grade(masters, subs, tmp_path / "grades.csv", "--jobs", "2")
-    assert "isolation:" in capsys.readouterr().err.splitlines()[0]
+
+def test_the_corpus_scores_zero_and_honest_submissions_keep_their_scores(graded):
+    rows = graded["rows"]
+    assert graded["err"].splitlines()[0].startswith("isolation:")
     assert (rows["honest_full.ipynb"]["status"], rows["honest_full.ipynb"]["total"]) == ("graded", "3")
     assert (rows["honest_q1.ipynb"]["status"], rows["honest_q1.ipynb"]["q1"], rows["honest_q1.ipynb"]["q2"]) \
         == ("graded", "2", "0")
-    for name in [*cheats, "edits_check_cells"]:
+    for name in [*graded["cheats"], "edits_check_cells"]:
         row = rows[f"{name}.ipynb"]
         assert (row["q1"], row["q2"], row["total"]) == ("0", "0", "0"), (name, row)
-    statuses = {name: rows[f"{name}.ipynb"]["status"] for name in [*cheats, "edits_check_cells"]}
+    statuses = {name: rows[f"{name}.ipynb"]["status"] for name in [*_corpus(Path("."), Path(".")), "edits_check_cells"]}
+    allocates = statuses.pop("allocates_without_limit")
     assert statuses == {"forges_in_kernel": "tampered", "patches_from_inside_the_function": "graded",
-                        "reads_and_writes": "graded", "exits": "cell raised",
-                        "allocates_without_limit": "cell raised", "edits_check_cells": "cells missing"}
+                        "reads_and_writes": "graded", "exits": "cell raised", "edits_check_cells": "cells missing"}
     forged = rows["forges_in_kernel.ipynb"]["error"]
     assert "q1 2 in the notebook, 0 isolated (return 2 * x)" in forged and "q2 1 in the notebook" in forged
-    assert "MemoryError" in rows["allocates_without_limit.ipynb"]["error"]
-    assert not (masters.parent / "pwned.txt").exists() and not (ROOT / "pwned.txt").exists()
+    # RLIMIT_AS stops it with a MemoryError, unless zero-filling 8 GiB (in the kernel, and in each
+    # of the verdict's learner children) first spends the CPU budget: stopped either way, and said
+    why = rows["allocates_without_limit.ipynb"]["error"]
+    assert (allocates == "cell raised" and "MemoryError" in why) or \
+        (allocates in ("timed out", "verdict failed") and f"more than {CPU_TIME} s of CPU time used" in why), \
+        (allocates, why)
+    assert not (graded["masters"].parent / "pwned.txt").exists() and not (ROOT / "pwned.txt").exists()
+
+
+def test_as_root_submissions_run_as_an_unprivileged_user(graded):
+    if "probes_the_machine" not in graded["cheats"]:
+        pytest.skip("no user drop here (not root, or no mount namespace): " + graded["err"].splitlines()[0])
+    assert "own unprivileged user per submission" in graded["err"].splitlines()[0]
+    row = graded["rows"]["probes_the_machine.ipynb"]
+    assert (row["status"], row["total"]) == ("graded", "0"), row
+    assert graded["alive"] and graded["secret"] == "root only"
+    observed = graded["observed"]
+    # both the notebook's kernel (in its own folder) and the verdict's learner child ran the cell
+    # (the tiny course has no exercises/ folder: the verdicts run in an empty one, "cwd")
+    assert any("/execute/" in o["cwd"] for o in observed), observed
+    assert any(Path(o["cwd"]).name == "cwd" for o in observed), observed
+    for seen in observed:
+        assert seen["uid"] != 0 and seen["euid"] != 0 and seen["groups"] == [], seen
+        assert (seen["secret"], seen["kill"], seen["write"]) == ("PermissionError",) * 3, seen
+
+
+def test_loops_bombs_and_floods_are_stopped_by_their_cpu_budget(graded):
+    if "fork_bomb" not in graded["cheats"]:
+        pytest.skip("no process-count cap here (not root, no pids cgroup): a fork bomb would not be contained")
+    rows = graded["rows"]
+    for name in _ENDLESS:
+        row = rows[f"{name}.ipynb"]
+        assert row["total"] == "0" and row["status"] in ("timed out", "grader failed", "verdict failed",
+                                                         "tampered", "cell raised"), (name, row)
+    assert f"more than {CPU_TIME} s of CPU time used" in rows["fork_bomb.ipynb"]["error"], rows["fork_bomb.ipynb"]
+    leftover = [p for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")
+                for p in Path(root).glob(f"dtlib-grade-{os.getpid()}-*")]
+    assert not leftover, leftover
 
 
 def test_the_one_cell_forgery_of_issue_29_scores_zero(tmp_path):
@@ -122,31 +239,23 @@ def test_the_one_cell_forgery_of_issue_29_scores_zero(tmp_path):
     assert "q1 4 in the notebook, 0 isolated" in row["error"] and "q3 1 in the notebook, 0 isolated" in row["error"]
 
 
-def test_loops_bombs_and_floods_cost_only_their_row(tmp_path, tiny):
-    # One limit for the batch: 90 s, well above an honest tiny submission (10-40 s on a loaded
-    # 2-core machine), which every never-ending cheat pays.
-    masters, copies = tiny
-    if not (sandbox.submission_user(0) is not None or sandbox.process_group_cap("dtlib-grade-probe-test", 1)):
-        pytest.skip("no process-count cap here (not root, no pids cgroup): a fork bomb would not be contained")
-    sandbox.remove_group(sandbox.process_group_cap("dtlib-grade-probe-test", 1))
-    subs = tmp_path / "submissions"
-    subs.mkdir()
-    cheats = {  # one cell that never ends per notebook; the function loops in the verdict
-        "fork_bomb": ("import os\ndef double(x):\n    while True:\n        pass\n"
-                      "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass"),
-        "floods_output": ("import os\ndef double(x):\n    while True:\n        try:\n            os.fork()\n"
-                          "        except OSError:\n            pass\nwhile True:\n    print('x' * 100000)"),
-    }
-    _write_batch(copies, masters, subs, cheats)
-    rows = _grade(masters, subs, tmp_path / "grades.csv", "--timeout", "90", "--jobs", "2")
-    assert (rows["honest_full.ipynb"]["status"], rows["honest_full.ipynb"]["total"]) == ("graded", "3")
-    assert rows["honest_q1.ipynb"]["total"] == "2"
-    for name in cheats:
-        row = rows[f"{name}.ipynb"]
-        assert row["total"] == "0" and row["status"] in ("timed out", "grader failed", "verdict failed",
-                                                         "tampered", "cell raised"), (name, row)
-    leftover = [p for p in Path("/sys/fs/cgroup/pids").glob(f"dtlib-grade-{os.getpid()}-*")]
-    assert not leftover, leftover
+def test_reach_plan_binds_back_only_what_is_needed_under_a_closed_folder():
+    outside = Path(tempfile.mkdtemp(prefix="dtlib-reach-"))  # /tmp: every folder above is open
+    try:
+        os.chmod(outside, 0o755)
+        closed = outside / "home"  # like /root: 0700
+        (closed / "python" / "lib").mkdir(parents=True)
+        (closed / "course" / "nested").mkdir(parents=True)
+        (closed / "secrets").mkdir()
+        (outside / "open").mkdir()
+        closed.chmod(0o700)
+        needed = (str(closed / "python" / "lib"), str(closed / "python"), str(closed / "course"),
+                  str(closed / "course" / "nested"), str(outside / "open"), str(closed / "missing"))
+        # one tmpfs over the closed folder; the open folder and what does not exist need nothing;
+        # a path inside another bound path is covered by it
+        assert sandbox.reach_plan(needed) == ((str(closed), (str(closed / "course"), str(closed / "python"))),)
+    finally:
+        shutil.rmtree(outside)
 
 
 class _RunsCode:

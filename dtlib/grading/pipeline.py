@@ -146,16 +146,18 @@ def check(folder: str | os.PathLike | None = None) -> list[str]:
 
 
 def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLike,
-          timeout: float = batch.DEFAULT_TIMEOUT, jobs: int = 1,
-          folder: str | os.PathLike | None = None) -> list[dict]:
-    """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`)."""
+          timeout: float | None = None, jobs: int = 1,
+          folder: str | os.PathLike | None = None, cpu_time: float | None = None) -> list[dict]:
+    """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`);
+    ``timeout`` ``None``: :func:`dtlib.grading.batch.wall_limit` of ``cpu_time``."""
     files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
-    batch.check_options(timeout, jobs)
+    batch.check_options(1.0 if timeout is None else timeout, jobs, cpu_time)
+    timeout = batch.wall_limit(timeout, cpu_time)
     master = _master_for(lesson, folder)
     zips = list((_assigned(master) / "autograder").glob("*.zip"))
     if len(zips) != 1:
         raise RuntimeError(f"otter assign produced {len(zips)} autograder zips for {master.name}")
-    return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs, master=master)
+    return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs, master=master, cpu_time=cpu_time)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,8 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("submissions", help="folder holding the submitted notebooks (every file gets a row)")
     p_grade.add_argument("--lesson", required=True, help="lesson number, e.g. 01")
     p_grade.add_argument("--out", default="grades.csv", help="CSV to write (default grades.csv)")
-    p_grade.add_argument("--timeout", type=float, default=batch.DEFAULT_TIMEOUT, metavar="SECONDS",
-                         help=f"time limit per submission (default {batch.DEFAULT_TIMEOUT:g})")
+    p_grade.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                         help=f"wall-clock limit per submission (default {batch.DEFAULT_TIMEOUT:g}; with "
+                              "--cpu-time, 10 x that + 60)")
+    p_grade.add_argument("--cpu-time", type=float, default=None, metavar="SECONDS",
+                         help="CPU seconds a submission's execution, and its verdict, may each use (all "
+                              "their processes together as root, else per process); machine load does "
+                              "not change it (default: none, --timeout + 5 per process)")
     p_grade.add_argument("--jobs", type=int, default=1, metavar="N",
                          help="submissions graded at once (default 1; each runs its own kernel and "
                               "ranks, so keep N below the number of cores)")
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stale: {name} (run `python -m dtlib.grading assign`)")
             return 1 if stale else 0
         else:
-            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, folder)
+            rows = grade(args.submissions, args.lesson, args.out, args.timeout, args.jobs, folder, args.cpu_time)
             statuses = [row["status"] for row in rows]
             counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
             print(f"wrote {args.out}: {len(rows)} submissions ({counts})")

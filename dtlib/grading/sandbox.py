@@ -8,10 +8,16 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
   its own);
 * ``unshare(CLONE_NEWNET)`` gives it a network namespace whose only interface is a fresh loopback
   (the ranks and the Jupyter kernel talk over 127.0.0.1; nothing else is reachable);
+* ``unshare(CLONE_NEWNS)`` gives it a mount namespace: the checkout read-only, the other
+  submissions, masters and solutions hidden, and a folder other users cannot enter (``/root``,
+  where the interpreter may live) replaced by an empty one with only what the child needs bound
+  back read-only (:func:`reach_plan`);
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
   signal or trace their processes; :func:`kill_user` then ends everything that user started,
-  double-forked escapees included.
+  double-forked escapees included;
+* it joins cgroups that cap its processes (``pids``) and count their CPU time (``cpuacct``,
+  read by the grader to stop it after a budget of CPU seconds).
 
 What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
 """
@@ -27,12 +33,11 @@ import signal
 import socket
 import struct
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 
 __all__ = ["Limits", "Mounts", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
-           "process_group_cap", "remove_group", "kill_group", "sweep_groups"]
+           "process_group_cap", "cpu_account", "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
 
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
@@ -57,47 +62,90 @@ def _netns_available() -> bool:
     return hasattr(os, "fork") and os.geteuid() == 0 and os.path.exists("/proc/self/ns/net")
 
 
-def _usable_by_others(path: str) -> bool:
-    """Whether any user may reach ``path`` (every folder above it searchable by others)."""
-    real = os.path.realpath(path)
-    folders = [real] if os.path.isdir(real) else []
-    parent = os.path.dirname(real)
-    while True:
-        folders.append(parent)
-        if parent == os.path.dirname(parent):
-            break
-        parent = os.path.dirname(parent)
-    return all(os.stat(f).st_mode & 0o001 for f in folders) and bool(os.stat(real).st_mode & 0o004)
+def _readable_by_others(path: str) -> bool:
+    """Whether any user may read ``path`` itself (``o+r``, and ``o+x`` for a folder)."""
+    mode = os.stat(path).st_mode
+    return bool(mode & 0o004) and (not os.path.isdir(path) or bool(mode & 0o001))
+
+
+def _blocker(path: str) -> str | None:
+    """The topmost folder above ``path`` that other users cannot pass (no ``o+x``, e.g. ``/root``)."""
+    parts = os.path.realpath(path).split("/")
+    for i in range(2, len(parts)):
+        folder = "/".join(parts[:i])
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def interpreter_paths() -> tuple[str, ...]:
+    """What a child needs to run this Python: the venv, the base install (``pyvenv.cfg``'s home,
+    ``sys.base_prefix``: e.g. pyenv's or uv's under ``/root``), the real executable's folder and
+    every folder on ``sys.path`` (site-packages, an editable install's checkout)."""
+    import dtlib
+
+    found = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(os.path.dirname(dtlib.__file__)),
+             *[p for p in sys.path if p]]
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in found if os.path.exists(p)))
+
+
+def reach_plan(paths: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``((blocker, (path, ...)), ...)``: for each topmost folder other users cannot pass, the
+    paths under it a child must reach. :func:`child_setup` mounts an empty tmpfs (0755) over the
+    blocker in the child's own mount namespace and binds each path back, read-only, at its own
+    place, so the child's unprivileged user reaches exactly these and nothing else of the
+    blocker (e.g. the rest of ``/root``)."""
+    plan: dict[str, list[str]] = {}
+    for path in sorted(dict.fromkeys(os.path.realpath(p) for p in paths if os.path.exists(p))):
+        blocker = _blocker(path)
+        if blocker is None:
+            continue
+        outer = next((b for b in plan if blocker == b or blocker.startswith(b + "/")), blocker)
+        under = plan.setdefault(outer, [])
+        if not any(path == p or path.startswith(p + "/") for p in under):  # sorted: parents first
+            under.append(path)
+    return tuple((blocker, tuple(under)) for blocker, under in plan.items())
 
 
 @functools.lru_cache(maxsize=1)
 def _can_drop_user() -> bool:
-    """Root, and the interpreter, its libraries and dtlib reachable by an unprivileged user."""
-    if os.name != "posix" or os.geteuid() != 0:
+    """Root, its own mount namespace for each child (to reach an interpreter under ``/root``),
+    and the interpreter, its libraries and dtlib readable by other users where they are."""
+    if os.name != "posix" or os.geteuid() != 0 or not _netns_available() or not os.path.exists("/proc/self/ns/mnt"):
         return False
-    import dtlib
-
-    needed = [sys.executable, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-              os.path.dirname(dtlib.__file__)]
-    return all(_usable_by_others(p) for p in needed)
+    return all(_readable_by_others(p) for p in interpreter_paths())
 
 
-def isolation() -> str:
-    """One line: what walls this machine gives each submission (printed by the grader)."""
-    parts = ["own temporary folder", "CPU/memory/file-size limits"]
+def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> str:
+    """One line: what walls this machine gives each submission with ``mounts`` and a CPU budget
+    of ``cpu_time`` seconds (printed by the grader)."""
+    parts = ["own temporary folder", "CPU/memory/file-size limits per process"]
     weak = []
     group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
     remove_group(group)
+    if cpu_time:
+        counter = cpu_account(f"dtlib-grade-probe-{os.getpid()}")
+        remove_group(counter)
+        if counter:
+            parts.append(f"{cpu_time:g} CPU seconds per child for all its processes together (CPU-accounting cgroup)")
+        else:
+            weak.append(f"{cpu_time:g} CPU seconds per process only (no CPU-accounting cgroup: needs root)")
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
         weak.append("no process-count cap (needs root: a user of its own or a pids cgroup): "
                     "a fork bomb is not contained")
     if _can_drop_user():
-        parts.append("own unprivileged user per submission (cannot write the checkout or other submissions)")
+        parts.append(f"own unprivileged user per submission (uid {_FIRST_UID}+, no groups: cannot write the "
+                     "checkout or other submissions, read root's files or signal root's processes)")
+        mounts = mounts or Mounts()
+        for blocker, paths in reach_plan(interpreter_paths() + mounts.reach + mounts.read_only):
+            parts.append(f"{blocker} (closed to other users) replaced by an empty folder with only "
+                         f"{', '.join(paths)} bound back read-only (own mount namespace)")
     elif os.name == "posix" and os.geteuid() == 0:
-        weak.append(f"submissions run as root: the interpreter ({sys.executable}) or dtlib is not "
-                    "readable by other users (e.g. under /root), so no unprivileged user can run it; "
+        weak.append(f"submissions run as root: no mount namespace, or the interpreter ({sys.executable}), its "
+                    "libraries or dtlib are not readable by other users, so no unprivileged user can run it; "
                     "install Python and the course where every user can read them")
     else:
         weak.append("grader not root: submissions run as your user and could read or write your files")
@@ -154,6 +202,38 @@ def process_group_cap(name: str, processes: int) -> str | None:
     return None
 
 
+_CPU_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")  # v1's cpuacct hierarchy, or v2's
+
+
+def cpu_account(name: str) -> str | None:
+    """A fresh cgroup that counts the CPU time of everything in it (v1 ``cpuacct``, v2
+    ``cpu.stat``), or ``None`` where none can be made. The grader reads it with
+    :func:`cpu_seconds_used` to stop a submission by the CPU time all its processes used, which
+    machine load does not change (``RLIMIT_CPU`` is per process: a fork bomb's processes would
+    each start from zero)."""
+    for root, counter in zip(_CPU_ROOTS, ("cpuacct.usage", "cgroup.controllers")):
+        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, counter)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            cpu_seconds_used(path)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def cpu_seconds_used(path: str) -> float:
+    """CPU seconds (user + system) used so far by the processes of the cgroup ``path``."""
+    if os.path.exists(os.path.join(path, "cpuacct.usage")):
+        with open(os.path.join(path, "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
+    with open(os.path.join(path, "cpu.stat")) as f:
+        usage = dict(line.split() for line in f if line.strip())
+    return int(usage["usage_usec"]) / 1e6
+
+
 def remove_group(path: str | None) -> None:
     """Remove a cgroup made by :func:`process_group_cap` (its processes must be gone)."""
     if path:
@@ -165,16 +245,19 @@ def remove_group(path: str | None) -> None:
 
 @dataclass(frozen=True)
 class Mounts:
-    """Folders a learner's process must not see (``hidden``) or change (``read_only``)."""
+    """Folders a learner's process must not see (``hidden``) or change (``read_only``), and those
+    it must reach as its unprivileged user (``reach``: the submission's folder, the course; the
+    interpreter is always added)."""
     hidden: tuple[str, ...] = ()
     read_only: tuple[str, ...] = ()
+    reach: tuple[str, ...] = ()
 
 
 def sweep_groups(prefix: str, wait: float = 60.0) -> None:
     """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
     bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
     deadline = time.monotonic() + wait
-    for root in _PIDS_ROOTS:
+    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS):
         for name in (os.listdir(root) if os.path.isdir(root) else []):
             path = os.path.join(root, name)
             while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
@@ -183,13 +266,13 @@ def sweep_groups(prefix: str, wait: float = 60.0) -> None:
                 time.sleep(0.1)
 
 
-def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), group: str | None = None) -> None:
+def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), groups: tuple[str, ...] = ()) -> None:
     """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
     empty read-only folder mounted over each of ``mounts.hidden`` (other submissions, masters,
-    solutions), ``mounts.read_only`` (the course checkout) bound read-only,
-    inside the ``group`` cgroup of :func:`process_group_cap`."""
+    solutions), ``mounts.read_only`` (the course checkout) bound read-only, inside the ``groups``
+    cgroups (:func:`process_group_cap`, :func:`cpu_account`)."""
     os.setsid()
-    if group:
+    for group in groups:
         with open(os.path.join(group, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
     if _netns_available():
@@ -197,9 +280,12 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         if libc.unshare(_CLONE_NEWNET) == 0:
             _loopback_up()
         hide, readonly = mounts.hidden, mounts.read_only
-        if (hide or readonly) and libc.unshare(_CLONE_NEWNS) == 0:
+        plan = reach_plan(interpreter_paths() + mounts.reach + readonly) if uid is not None else ()
+        if (hide or readonly or plan) and libc.unshare(_CLONE_NEWNS) == 0:
             # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
+            for blocker, paths in plan:
+                _reach(libc, blocker, paths)
             for path in readonly:  # the course checkout: readable, never writable
                 libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None)
                 libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
@@ -215,6 +301,27 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         # After setuid, RLIMIT_NPROC counts the processes of this submission's user only (for
         # the grader's own user it would count all of theirs; root ignores it).
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+
+def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...]) -> None:
+    """Mount an empty tmpfs over ``blocker`` and bind each of ``paths`` (under it) back, read-only."""
+    held = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]  # reachable after the tmpfs hides them
+    try:
+        if libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+            raise OSError(ctypes.get_errno(), f"cannot mount a tmpfs over {blocker}")
+        for path, fd in zip(paths, held):
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                open(path, "w").close()
+            source = f"/proc/self/fd/{fd}".encode()
+            if libc.mount(source, path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), f"cannot bind {path}")
+            libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def kill_group(path: str | None) -> None:

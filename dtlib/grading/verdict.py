@@ -1,9 +1,9 @@
 """The isolated verdict: a submission's points, decided by a process that never runs its top-level code.
 
-``python -P -m dtlib.grading.verdict`` (started by :mod:`dtlib.grading.batch`) reads, on stdin,
-the autograder zip, the master and the submission's answer cells per question
-(:func:`question_cells`). It executes the MASTER's setup cells (imports, ``checks``, data) itself,
-then runs otter's own test files with an environment in which every name a test asks for that the
+A verdict process is forked, per submission, from a parent that has run the MASTER's setup cells
+(imports, ``checks``, data: :func:`prepare`, in :mod:`dtlib.grading.prefork`); it reads, on stdin,
+the autograder zip and the submission's answer cells per question (:func:`question_cells`), then
+runs otter's own test files with an environment in which every name a test asks for that the
 setup does not define is a stand-in for the learner's object:
 
 * a function becomes a :class:`LearnerCallable`: called inside a rank (a process the check forked)
@@ -41,7 +41,7 @@ import nbformat
 
 from dtlib.grading.transfer import decode, encode, stand_in_error
 
-__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "judge", "main"]
+__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "prepare", "judge", "main"]
 
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 _CALL_TIMEOUT = 120.0  # seconds one call of a learner function may take in the worker
@@ -360,16 +360,33 @@ def _asked_for(test) -> list[str]:
     return names
 
 
-def judge(autograder_zip: str, setup: list[str], cells: dict[str, list[str]]) -> dict:
-    """Scores and the first failure of each question (runs in the verdict process)."""
-    from dtlib import launcher
-    from dtlib.grading import feedback
+def prepare(setup: list[str]) -> None:
+    """Import what the verdicts need and run the MASTER's setup cells (trusted), once, in the
+    parent the verdicts are forked from (:mod:`dtlib.grading.prefork`)."""
+    import cloudpickle  # noqa: F401 - imported here so no verdict pays for it
+    import otter.test_files  # noqa: F401
+    import torch
+    from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
+    from dtlib import launcher
+    from dtlib.grading import feedback  # noqa: F401
+
+    # Forked processes must not enter an OpenMP region the parent's pool has used (libgomp is not
+    # fork-safe, see dtlib.launcher): the verdicts and everything they fork stay single-threaded.
+    torch.set_num_threads(1)
+    launcher._prewarm_before_fork()
     launcher.set_result_codec(encode, decode)
-    _CELLS.update(cells)
     _SETUP.update({"__name__": "__main__"})
     for source in setup:
         exec(compile(source, "<master setup cell>", "exec"), _SETUP)
+
+
+def judge(autograder_zip: str, cells: dict[str, list[str]]) -> dict:
+    """Scores and the first failure of each question (runs in the verdict process, after
+    :func:`prepare`)."""
+    from dtlib.grading import feedback
+
+    _CELLS.update(cells)
     report: dict = {"scores": {}, "failures": {}, "problems": []}
     for test in _test_files(autograder_zip):
         names = [n for n in _asked_for(test) if n not in _SETUP]
@@ -390,7 +407,8 @@ def judge(autograder_zip: str, setup: list[str], cells: dict[str, list[str]]) ->
 
 
 def main() -> None:
-    """Read the job from stdin, write the report to stdout (the only thing written there)."""
+    """In a verdict process forked (and walled off) after :func:`prepare`: read the job from
+    stdin, write the report to stdout (the only thing written there)."""
     global _VERDICT_PID, _REPORT_FD
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: no ptrace, no /proc/<pid>/fd
     _VERDICT_PID = os.getpid()
@@ -398,10 +416,7 @@ def main() -> None:
     os.set_inheritable(_REPORT_FD, False)
     os.dup2(2, 1)  # prints of the checks and otter go to the log, never into the report
     job = json.loads(sys.stdin.read())
-    report = judge(job["autograder_zip"], job["setup"], job["cells"])
+    report = judge(job["autograder_zip"], job["cells"])
     os.write(_REPORT_FD, json.dumps(report).encode())
     os.close(_REPORT_FD)
 
-
-if __name__ == "__main__":
-    main()

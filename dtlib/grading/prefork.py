@@ -1,0 +1,136 @@
+"""Verdict processes forked from one parent that has already imported everything and run the
+master's setup: what a verdict costs is the checks, not Python's start.
+
+A fresh ``python -m dtlib.grading.verdict`` per submission spent about 4 of its 6 CPU seconds
+(lesson 01) importing torch (and ``torch._dynamo``, which the launcher pre-warms), otter, nbformat
+and scikit-learn, and running the master's setup cells, the same for every submission of a batch.
+:class:`Forker` starts ``python -P -m dtlib.grading.prefork`` once per batch; that parent imports
+them, runs the master's setup cells (trusted: the instructor's) and then forks one verdict process
+per submission, on request. The batch hands it the verdict's stdin, stdout and log as file
+descriptors (``SCM_RIGHTS``); the forked verdict walls itself off (:func:`sandbox.child_setup`:
+session, cgroup, namespaces, limits, its own user) before it reads the submission's cells, so the
+parent never holds a submission's code and never runs any. This is the zygote of Android and of
+Python's own ``multiprocessing`` ``forkserver``, with the setup done once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from dtlib.grading import sandbox
+
+__all__ = ["Forker", "serve"]
+
+_MAX_REQUEST = 1 << 20
+
+
+class Forker:
+    """The pre-imported parent of a batch's verdict processes (one per batch)."""
+
+    def __init__(self, setup: list[str], cwd: Path, log: Path, timeout: float):
+        """Start the parent: it runs the master's ``setup`` cells in ``cwd`` (also the verdicts'
+        folder), writes its output to ``log`` and must be ready within ``timeout`` seconds."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
+        self._sock, self._lock, self.cwd = mine, threading.Lock(), cwd
+        with open(log, "w") as out:
+            self._proc = subprocess.Popen([sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno())],
+                                          stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=cwd,
+                                          pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+        self._proc.stdin.write(json.dumps(setup).encode())
+        self._proc.stdin.close()
+        self._sock.settimeout(timeout)
+        try:
+            ready = self._sock.recv(16)
+        except OSError:
+            ready = b""
+        self._sock.settimeout(None)
+        if ready != b"ready":
+            lines = [s for s in log.read_text(errors="replace").splitlines() if s.strip()]
+            self.close()
+            raise RuntimeError("the master's setup cells failed in the verdict's parent: "
+                               + (lines[-1] if lines else "no output"))
+
+    def start(self, stdin: int, stdout: int, stderr: int, cwd: Path, env: dict[str, str], limits: sandbox.Limits,
+              uid: int | None, mounts: sandbox.Mounts, groups: tuple[str, ...]) -> int:
+        """Fork one verdict process with these descriptors and walls, in ``cwd`` (entered after
+        the walls are up: a folder hidden from it stays hidden); returns its pid (the leader of
+        its own session: :func:`os.killpg` ends it and what it started)."""
+        request = {"cwd": str(cwd), "env": env, "limits": asdict(limits), "uid": uid,
+                   "mounts": asdict(mounts), "groups": list(groups)}
+        with self._lock:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin, stdout, stderr])
+            reply = self._sock.recv(64)
+        if not reply:
+            raise RuntimeError("the verdict's parent ended")
+        return int(reply)
+
+    def close(self) -> None:
+        self._sock.close()  # the parent sees the end of its requests and exits
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _verdict_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the descriptors, wall off, then run the verdict."""
+    from dtlib.grading import verdict
+
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the parent ignores it; the checks wait for ranks
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import tempfile
+
+        tempfile.tempdir = None  # TMPDIR is this child's own folder now
+        mounts = sandbox.Mounts(**{k: tuple(v) for k, v in request["mounts"].items()})
+        sandbox.child_setup(sandbox.Limits(**request["limits"]), request["uid"], mounts, tuple(request["groups"]))
+        os.chdir(request["cwd"])
+        verdict.main()
+        code = 0
+    except BaseException:  # noqa: BLE001 - the log says why; the batch sees no report
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(fd: int) -> None:
+    """The parent: import, run the master's setup (JSON list on stdin), then fork per request."""
+    from dtlib.grading import verdict
+
+    verdict.prepare(json.loads(sys.stdin.read()))
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the verdicts
+    sock.sendall(b"ready")
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 3)
+        if not message:
+            return
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _verdict_child(json.loads(message), fds)
+        for received in fds:
+            os.close(received)
+        sock.sendall(str(pid).encode())
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
