@@ -147,3 +147,17 @@ def test_fp8_casts_add_memory_traffic_and_fp8_is_still_faster():
     fp8 = step_time(model, layout, c, options=StepOptions(dtype="fp8")).breakdown["compute"]
     assert bf16 / 2 < fp8 < bf16
     assert math.isfinite(fp8) and np.isfinite(bf16)
+
+
+def test_eager_traffic_follows_the_block():
+    """An MPT block (low-precision LayerNorm, GELU, learned positions, multi-head attention) runs
+    one kernel per norm and per activation, no RoPE and no K/V repeat (dtlib.plan.eager)."""
+    h, f = 4096, 16384
+    forward = 2 * 4 * h + 4 * f + 2 * 6 * h + 4 * h
+    assert eager_forward_bytes(h, h, f, rmsnorm=False, swiglu=False, rope=False, kv_repeat=False) == forward
+    mpt = TransformerConfig(name="mpt-7b-like", layers=32, hidden=h, heads=32, vocab=50368, seq=2048, ffn=f,
+                            tied_embeddings=True)
+    layout = Parallelism(dp=8, micro_batch_size=1)
+    eager = step_time(mpt, layout, cluster("h100-sxm", 1, 8),
+                      options=StepOptions(fused_elementwise=False)).breakdown["elementwise"]
+    assert eager == pytest.approx(3 * forward * 2048 * 32 / H100.memory_bandwidth, rel=1e-12)

@@ -353,7 +353,8 @@ class TransformerConfig:
                     global_attention_every=self.global_attention_every, sliding_layers=self.sliding_layers,
                     learned_positions=int(self.position == "learned"),
                     embedding_norm=int(self.embedding_norm), tied=int(self.tied_embeddings),
-                    swiglu=int(self.activation == "swiglu"))
+                    swiglu=int(self.activation == "swiglu"), rmsnorm=int(self.norm == "rmsnorm"),
+                    rope=int(self.position == "rope"))
 
     def with_(self, **changes: Any) -> "TransformerConfig":
         """A copy with some fields changed (validated again). A head size or expert width that

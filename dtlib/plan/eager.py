@@ -21,6 +21,14 @@ GQA repeat of K, V     read kv, write h, for K and V: 2 (kv + h)                
 attention output       transpose + contiguous copy (2+2): 4                       h
 =====================  ========================================================  ==============
 
+Other blocks change three rows (keyword arguments of :func:`eager_forward_bytes`): a LayerNorm
+model runs each norm as one kernel reading and writing bf16 (4 bytes per element: llm-foundry's
+MPT uses ``norm_type="low_precision_layernorm"``, its ``MPTConfig`` default, which keeps
+``F.layer_norm`` in bf16 under autocast, Composer's "Low Precision LayerNorm"; a plain
+``nn.LayerNorm`` under autocast would run in fp32 and move 16), a GELU MLP runs one kernel on its
+``ffn``-wide tensor (2+2: 4), a model without RoPE has no RoPE kernels, and multi-head attention
+(``kv_heads == heads``) repeats nothing (``repeat_kv`` returns its input when ``n_rep == 1``).
+
 Backward reads the saved inputs and the output gradient and writes the input gradient of every
 such kernel: about twice the forward's traffic (the same factor of 2 as the matmuls' backward,
 Kaplan et al. 2020 Sec. 2.1), so forward + backward is :data:`PASSES` = 3 x the forward.
@@ -29,23 +37,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = ["PASSES", "eager_forward_bytes", "eager_bytes"]
 
 PASSES = 3  # forward + backward (twice the forward's traffic)
 
 
-def eager_forward_bytes(hidden: Any, kv_dim: Any, ffn: Any) -> Any:
+def eager_forward_bytes(hidden: Any, kv_dim: Any, ffn: Any, *, rmsnorm: Any = True, swiglu: Any = True,
+                        rope: Any = True, kv_repeat: Any = True) -> Any:
     """Bytes one token moves through HBM in one layer's memory-bound operators, forward, eager
-    (the table of the module docstring; ``kv_dim`` = kv_heads x head_dim)."""
-    norms = 2 * 36 * hidden
-    rope = 20 * (hidden + kv_dim)
-    swiglu = 10 * ffn
+    (the table of the module docstring; ``kv_dim`` = kv_heads x head_dim). The defaults are
+    torchtitan's Llama block; ``rmsnorm``/``swiglu``/``rope``/``kv_repeat`` False (or 0 in an
+    array) describe a LayerNorm, GELU, RoPE-free or multi-head-attention block."""
+    norms = 2 * np.where(rmsnorm, 36, 4) * hidden
+    rotary = np.where(rope, 20 * (hidden + kv_dim), 0)
+    activation = np.where(swiglu, 10, 4) * ffn
     residual = 2 * 6 * hidden
-    repeat_kv = 2 * 2 * (kv_dim + hidden)
+    repeat_kv = np.where(kv_repeat, 2 * 2 * (kv_dim + hidden), 0)
     attention_out = 4 * hidden
-    return norms + rope + swiglu + residual + repeat_kv + attention_out
+    return norms + rotary + activation + residual + repeat_kv + attention_out
 
 
-def eager_bytes(hidden: Any, kv_dim: Any, ffn: Any) -> Any:
+def eager_bytes(hidden: Any, kv_dim: Any, ffn: Any, **block: Any) -> Any:
     """Forward + backward bytes per token and layer (:data:`PASSES` x the forward)."""
-    return PASSES * eager_forward_bytes(hidden, kv_dim, ffn)
+    return PASSES * eager_forward_bytes(hidden, kv_dim, ffn, **block)
