@@ -9,8 +9,9 @@ from dtlib.analytic.hardware import cluster, get_gpu
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
-from dtlib.plan.calibration import ATTENTION_EFFICIENCY, FA2_ON_HOPPER
-from dtlib.plan.stacks import DEFAULT_STACK, STACKS, Stack, get_stack
+from dtlib.analytic.stacks import FA2_ON_HOPPER
+from dtlib.plan.calibration import ATTENTION_EFFICIENCY
+from dtlib.analytic.stacks import DEFAULT_STACK, STACKS, Stack, get_stack
 from dtlib.plan.steptime import StepOptions, resolve, step_time
 
 MODEL = get_preset("llama3-8b")

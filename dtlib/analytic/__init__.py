@@ -7,6 +7,8 @@
 * :mod:`~dtlib.analytic.layout` - a parallel layout (dp, tp, pp, cp, ep, ZeRO, schedule) and
   the rules that make one valid;
 * :mod:`~dtlib.analytic.activations`, :mod:`~dtlib.analytic.memory` - memory per GPU;
+* :mod:`~dtlib.analytic.stacks` - what each software stack (Megatron-Core, torchtitan, DeepSpeed,
+  FSDP) overlaps, fuses and stores, each default cited;
 * :mod:`~dtlib.analytic.flops` - FLOPs, MFU and HFU;
 * :mod:`~dtlib.analytic.comm` - the alpha-beta cost of collectives and per-strategy volumes;
 * :mod:`~dtlib.analytic.vectorised` - the same formulas over numpy arrays of layouts;

@@ -31,7 +31,7 @@ from dtlib.analytic.config import (TransformerConfig, attention_params, mlp_para
 from dtlib.analytic.presets import Training, activation_convention, get_preset
 from dtlib.analytic.layout import Parallelism, check_layout, stage_layers, stored_layer_microbatches
 from dtlib.analytic.precision import Precision, get_precision
-from dtlib.plan.stacks import Stack, get_stack
+from dtlib.analytic.stacks import Stack, get_stack
 
 # the model keys activation_breakdown averages its layers over (TransformerConfig.numbers)
 _MODEL_KINDS = ("layers", "moe_layers", "sliding_layers", "sliding_window", "moe_ffn", "shared_experts",
@@ -268,8 +268,8 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     Activations are counted as ``convention`` says (:data:`~dtlib.analytic.presets.ACTIVATION_CONVENTIONS`:
     default ``today``, FlashAttention-style attention and no dropout, for every model;
     ``korthikanti-2022`` the paper's GPT counting), with ``flash_attention`` / ``dropout``
-    overriding it where given; ``stack`` (:mod:`dtlib.plan.stacks`, default
-    :data:`~dtlib.plan.stacks.DEFAULT_STACK`) says what its kernels store (fused SwiGLU; with
+    overriding it where given; ``stack`` (:mod:`dtlib.analytic.stacks`, default
+    :data:`~dtlib.analytic.stacks.DEFAULT_STACK`) says what its kernels store (fused SwiGLU; with
     ``dtype="fp8"``, FP8 copies of the GEMM inputs), exactly as ``dtlib plan`` counts them.
     ``mask_bytes``/``logits_bytes``/``norm_saved``: see :mod:`dtlib.analytic.activations`.
     ``overhead_bytes``: framework overhead (CUDA context, NCCL buffers, fragmentation; default 0,

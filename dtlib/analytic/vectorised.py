@@ -20,7 +20,7 @@ from dtlib.analytic.flops import shape_of, step_flops, utilization
 from dtlib.analytic.hardware import Accelerator
 from dtlib.analytic.memory import memory_options, model_numbers, per_gpu_bytes
 from dtlib.analytic.presets import activation_convention
-from dtlib.plan.stacks import get_stack
+from dtlib.analytic.stacks import get_stack
 from dtlib.analytic.config import TransformerConfig, moe_layer_count, sliding_layer_count
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, broken_rules
 from dtlib.analytic.precision import Precision, get_precision

@@ -19,7 +19,7 @@ from dtlib.cli.argtypes import (  # noqa: F401 (re-exported: the subcommands imp
     Parser, bounded_float, checked, expert_count, flag_of, gpu_name, join_negative_values, non_negative_float,
     non_negative_int, parameter_count, parse_count, parse_size, plain, positive_float, positive_int, seconds,
     system_name)
-from dtlib.plan.stacks import DEFAULT_STACK, STACKS
+from dtlib.analytic.stacks import DEFAULT_STACK, STACKS
 
 
 # TransformerConfig fields set by a model flag whose name differs (errors name the flag).
@@ -306,7 +306,7 @@ def convention_args(g: Any, precision: bool = True) -> None:
                         "and dropout masks)" + ("; or a precision convention (bytes per parameter): "
                         + ", ".join(CONVENTIONS) if precision else "") + "; repeatable, one of each")
     g.add_argument("--stack", choices=tuple(STACKS), default=DEFAULT_STACK,
-                   help="software stack: what it overlaps, fuses and stores (dtlib.plan.stacks; "
+                   help="software stack: what it overlaps, fuses and stores (dtlib.analytic.stacks; "
                         f"default {DEFAULT_STACK})")
     g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
                    help="1-byte dropout masks as Korthikanti et al. count them (default: the convention's, "

@@ -22,7 +22,7 @@ for every model: FlashAttention-style attention, which never stores the s x s sc
 footprint of their selective recompute), and no dropout. --convention korthikanti-2022 restores
 the paper's GPT counting (explicit attention storing the scores, dropout masks everywhere);
 --no-flash-attention and --dropout change one of the two. --stack says what the framework's
-kernels store (dtlib.plan.stacks: fused SwiGLU, FP8 copies of GEMM inputs with --precision fp8)
+kernels store (dtlib.analytic.stacks: fused SwiGLU, FP8 copies of GEMM inputs with --precision fp8)
 and, unless --precision/--convention say otherwise, its bytes per parameter: the same counting as
 dtlib plan. The output says what was assumed.
 """

@@ -28,7 +28,7 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
 from dtlib.plan.search import search, to_layout
-from dtlib.plan.stacks import get_stack
+from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
 
@@ -234,7 +234,7 @@ def _text(d: dict[str, Any]) -> str:
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
              f"{a['cp_overlap']:g}, attention {a['attention_kernel']}, "
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
-             f"(dtlib.plan.stacks, docs/stacks.md)", a["activations"],
+             f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:

@@ -25,16 +25,12 @@ model by the older flat form (hardware FLOPs / (peak x fraction)), as an explici
 """
 from __future__ import annotations
 
-__all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FA2_ON_HOPPER", "FITTED_ON", "efficiency_source"]
+__all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FITTED_ON", "efficiency_source"]
 
 # fitted by dtlib.plan.validation.fit on every run of dtlib.plan.published.PUBLISHED
 GEMM_EFFICIENCY = 0.60
 ATTENTION_EFFICIENCY = 0.40
-# FlashAttention-2 on an H100 (PyTorch SDPA's flash backend) against the Hopper kernels that
-# ATTENTION_EFFICIENCY describes (FlashAttention-3 / cuDNN, as Transformer Engine runs them):
-# Shah et al. 2024, 'FlashAttention-3', abstract: FA2 "achieves only 35% utilization on H100",
-# FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
-FA2_ON_HOPPER = 0.35 / 0.75
+# the attention kernel of each software stack scales ATTENTION_EFFICIENCY (dtlib.analytic.stacks)
 FITTED_ON = ("the runs of ten sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
              "Megatron-Bridge 25.11, NeMo (24.07 and its long-sequence table), MosaicML llm-foundry, Trainy's torchtitan on H200, DeepSpeed on "
              "Azure, Llama 3 (A100, H100, H200 and B200; dtlib.plan.published)")

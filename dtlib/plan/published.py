@@ -35,7 +35,7 @@ INCLUDE_PENDING = False
 # the unit each published metric is quoted in (every row of the table carries its own)
 METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU",
                 "step_time_s": "s/step", "tokens_per_gpu_s": "tokens/s/GPU"}
-# the software stacks of issue 26 (dtlib.plan.stacks)
+# the software stacks of issue 26 (dtlib.analytic.stacks)
 STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
 # layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
@@ -105,7 +105,7 @@ class PublishedRun:
     software (:data:`STACKS`); ``source`` the short name cross-validation leaves out;
     ``reference`` the citation, link, table and row; ``dtype`` the matmul precision and
     ``fp8_recipe`` its scaling (``""`` when bf16 or unstated); ``power_limit_w`` the GPUs' power
-    cap (None: TDP). The software's knobs come from ``stack`` (:data:`dtlib.plan.stacks.STACKS`);
+    cap (None: TDP). The software's knobs come from ``stack`` (:data:`dtlib.analytic.stacks.STACKS`);
     a row sets one only where that run differs from its stack's defaults, with the reason in its
     builder: ``convention`` (activation counting, e.g. ``korthikanti-2022`` for 2021-22
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,

@@ -40,7 +40,7 @@ from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
-from dtlib.plan.stacks import DEFAULT_STACK, get_stack
+from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
            "memory_kwargs"]
@@ -113,14 +113,14 @@ TERMS: dict[str, str] = {
 class StepOptions:
     """The conventions of the step-time model; every one is an option.
 
-    ``stack``: the software stack (:data:`dtlib.plan.stacks.STACKS`, default
-    :data:`~dtlib.plan.stacks.DEFAULT_STACK`); every field left None takes that stack's value, an
+    ``stack``: the software stack (:data:`dtlib.analytic.stacks.STACKS`, default
+    :data:`~dtlib.analytic.stacks.DEFAULT_STACK`); every field left None takes that stack's value, an
     explicit value overrides it: ``dp_overlap`` / ``tp_overlap`` / ``cp_overlap`` (fraction of
     that communication hidden behind compute), ``fused_elementwise`` (memory-bound operators
     fused, as Megatron/TE or torch.compile run them, or eager one kernel each: their traffic from
     :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
     traffic) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
-    x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.plan.stacks.Stack.attention_scale`).
+    x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
 
     ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency``: the
     GEMM kernel efficiency (None: fitted); ``power_limit_w``: the GPUs' power cap (None: their

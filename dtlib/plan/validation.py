@@ -31,7 +31,7 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.published import METRIC_UNITS, PUBLISHED, SOURCES, PublishedRun
 from dtlib.plan.search import _GIVEN, FIXABLE, search
-from dtlib.plan.stacks import get_stack
+from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table",
