@@ -59,7 +59,8 @@ def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, 
                      head_dim=None, q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0,
                      qk_rope_head_dim=0, v_head_dim=0, balanced=False, **_unused) -> dict[str, dict[str, Any]]:
     """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
-    ZeRO over dp), ``expert`` (sharded over dp/ep) and ``unit`` (largest block gathered at once by
+    ZeRO over dp), ``expert`` (sharded over the expert-data-parallel group,
+    :func:`model_state_bytes`) and ``unit`` (largest block gathered at once by
     ZeRO-3/FSDP with per-block wrapping).
 
     Megatron-Core's placement: attention and dense MLPs are split over ``tp`` (Shoeybi et al. 2019),
@@ -115,20 +116,31 @@ def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, 
     return {"first": first, "last": last}
 
 
-def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1,
+def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1, tp=1, etp=1,
                       offload: str = "none") -> dict[str, Any]:
     """GPU and CPU bytes of parameters, gradients and optimizer for ZeRO ``zero`` (0-3).
 
     Stage >= 1 divides the optimizer, >= 2 also the gradients, 3 also the parameters, by the
-    sharding group (Rajbhandari et al. 2020, Sec. 5.1-5.3); expert weights by ``shard_size/ep``.
+    sharding group (Rajbhandari et al. 2020, Sec. 5.1-5.3): ``shard_size`` ranks for the ``dense``
+    parameters. The ``expert`` ones (already split over ``ep`` and ``etp``) are sharded over the
+    ranks holding the same expert shard, Megatron-Core's expert-data-parallel group: with MoE
+    parallel folding a stage's ``tp x cp x dp`` ranks are also ``etp x ep x edp``, so
+    ``edp = tp x cp x dp / (etp x ep)`` (``parallel_state.initialize_model_parallel``,
+    ``expert_data_parallel_size``; :func:`dtlib.plan.moe.expert_grid`), and the distributed
+    optimizer shards the expert parameter group over it (``get_megatron_optimizer``:
+    ``data_parallel_group=intra_expt_dp_group``, Megatron-Core 0.16). A smaller ``shard_size``
+    (``num_distributed_optimizer_instances`` partial shards) shrinks both groups by the same
+    factor: ``edp x shard_size / (dp x cp) = tp x shard_size / (etp x ep)``, at least 1.
     ZeRO-3 gathers one unit (parameters + their gradients, in the working dtype) at a time: the
     ``temporary`` term, DeepSpeed's ``4 * largest_layer_params`` for 2-byte weights
     (``estimate_zero3_model_states_mem_needs``). Offloading (Ren et al. 2021, ZeRO-Offload) moves the
     optimizer and the gradient shards to CPU; ``params`` also the parameter shards (ZeRO-Infinity).
     """
+    expert_shard = np.maximum(shard_size * tp // (etp * ep), 1)
+
     def count(min_stage):
         on = zero >= min_stage
-        return dense / np.where(on, shard_size, 1) + expert / np.where(on, np.maximum(shard_size / ep, 1), 1)
+        return dense / np.where(on, shard_size, 1) + expert / np.where(on, expert_shard, 1)
 
     params, grads, optim = prec.param * count(3), prec.grad * count(2), prec.optimizer * count(1)
     temporary = np.where(zero == 3, 2 * prec.param * unit, 0)
@@ -188,7 +200,8 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             **{k: n[k] for k in _MODEL_KINDS if k in n})
     for s in ("first", "last"):
         st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
-                               zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], offload=offload)
+                               zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], tp=n["tp"],
+                               etp=n.get("etp", 1), offload=offload)
         st["activations"] = act[s]["total"] if shaped else None
         if shaped:
             st["cpu"] = st["cpu"] + act[s].pop("cpu")
