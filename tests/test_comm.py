@@ -147,3 +147,31 @@ def test_tp_layer_times_by_hand():
     assert tp_layer_times(h, t, "ib-ndr")["ratio"] > 1 > r["ratio"]
     with pytest.raises(ValueError, match="hidden, tp, seq and micro_batch_size must be >= 1"):
         tp_layer_times(h, 0, "nvlink4")
+
+
+def test_ep_volumes_are_the_sequence_parallel_shard_of_the_moe_layers():
+    """DeepSeek-V3, tp 2, ep 8, pp 16, 4 micro-batches of 1 x 4096 tokens, bf16: each rank
+    dispatches its sequence-parallel shard, 4096 / 2 tokens x top_k 8 x h 7168 x 2 bytes, to its 8
+    EP peers (Megatron-Core runs MoE with TP only sequence-parallel), 4 all-to-alls per MoE layer and
+    micro-batch (6 with full recompute); the last stage's 4 layers are all MoE, and with pp 1 only
+    58 of the 61 (the first 3 are dense). etp 2 all-gathers / reduce-scatters 2 x the bytes."""
+    cfg = get_preset("deepseek-v3")
+    layout = Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True, num_microbatches=4)
+    per_call = 4096 // 2 * 8 * 7168 * 2
+    v = strategy_volumes(cfg, layout)
+    assert v["ep_tokens"]["bytes"] == per_call and v["ep_tokens"]["calls"] == 4 * 4 * 4
+    assert v["ep_tokens"]["bytes_sent_per_gpu"] == 7 / 8 * per_call * 64
+    assert v["etp_tokens"]["bytes"] == 2 * per_call and v["etp_tokens"]["bytes_sent_per_gpu"] == per_call * 64
+    whole = strategy_volumes(cfg, layout.with_(pp=1, dp=128, recompute="full"))
+    assert whole["ep_tokens"]["calls"] == 6 * 58 * 4
+    assert "etp_tokens" not in strategy_volumes(cfg, layout.with_(etp=1))  # no ETP group
+    # padded buffers: a capacity factor multiplies the bytes
+    padded = strategy_volumes(cfg.with_(moe_capacity_factor=1.25), layout)
+    assert padded["ep_tokens"]["bytes"] == 1.25 * per_call
+    # the step-time model's EP all-to-all (dtlib.plan.moe) sends the same bytes per call
+    from dtlib.plan.moe import ep_comm_time, moe_numbers
+    c = cluster("h100-sxm", 16, 8)
+    n = cfg.numbers() | layout.numbers()
+    step = ep_comm_time(b=1, s=4096, h=7168, tp=2, cp=1, dp=8, ep=8, moe=moe_numbers(n), load=1.0,
+                        act_bytes=2, calls=1, gpus_per_node=8, intra=c.intra, inter=c.inter)
+    assert float(step["bytes_per_call"]) == per_call

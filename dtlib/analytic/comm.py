@@ -34,7 +34,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
-from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.config import TransformerConfig, moe_layer_count
 from dtlib.analytic.layout import Parallelism, check_pipeline
 from dtlib.analytic.precision import Precision, get_precision
 
@@ -253,7 +253,13 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     2 backward on b*s*h activations, +2 with full recompute (Shoeybi et al. 2019, Sec. 3;
     all-gather + reduce-scatter with sequence parallelism, same volume). PP: each boundary sends activations forward and gradients
     back per micro-batch (x v interleaved). CP: K and V all-gathered per layer forward and their
-    gradients reduce-scattered in backward. EP: 2 all-to-alls per MoE layer forward, 2 backward.
+    gradients reduce-scattered in backward. EP (Megatron-Core ``MoEAlltoAllTokenDispatcher``,
+    :mod:`dtlib.plan.moe`): per MoE layer of the stage and micro-batch, a dispatch and a combine
+    all-to-all forward and the same backward (+2 with full recompute), each of a rank's
+    sequence-parallel shard of ``b s / (cp tp)`` tokens (Megatron-Core runs MoE with TP only
+    sequence-parallel), ``top_k`` copies of ``h`` (x the capacity factor when set: padded buffers);
+    with ``etp > 1`` each is followed by an all-gather (reduce-scatter on the way back) of ``etp``
+    x those bytes over the ETP group (``etp_tokens``).
     """
     from dtlib.analytic.memory import memory_per_gpu  # params per rank; local import avoids a cycle
 
@@ -292,7 +298,14 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     kv = 2 * b * s * cfg.kv_heads * cfg.head_dim * prec.activation / layout.tp
     add("cp_kv", "all_gather", kv, 2 * layers_here * m, layout.cp)
     if cfg.moe_experts:
-        add("ep_tokens", "all_to_all", act * cfg.moe_top_k, 4 * layers_here * m, layout.ep)
+        # the last stage has the most MoE layers: dense layers come first (first_k_dense_replace)
+        moe_here = (moe_layer_count(L, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq)
+                    - moe_layer_count(L - layers_here, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq))
+        moe_calls = (4 + 2 * (layout.recompute == "full")) * moe_here * m
+        padded = cfg.moe_capacity_factor or 1
+        dispatched = act / layout.tp * cfg.moe_top_k * padded
+        add("ep_tokens", "all_to_all", dispatched, moe_calls, layout.ep)
+        add("etp_tokens", "all_gather", dispatched * layout.etp, moe_calls, layout.etp)
     return out
 
 
