@@ -36,7 +36,7 @@ from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays
 
-__all__ = ["SearchResult", "search", "FIXABLE", "MICRO_BATCHES", "VIRTUAL_STAGES"]
+__all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -45,10 +45,12 @@ CONTEXT_SIZES = (1, 2, 4, 8)
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
            "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
            "offload")
-# layout options that are not searched, only given (Parallelism's fields of the same names)
-# (offload moves optimizer/parameter shards to CPU memory; the step time does not time CPU Adam)
-_GIVEN = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None,
-          "offload": "none"}
+# GIVEN_OPTIONS: the layout options the search never varies, only takes as given (from ``fixed``,
+# else these defaults, Parallelism's): each candidate row carries them unchanged, so callers that
+# compare rows by their searched knobs leave these out (dtlib.plan.validation). Offload moves
+# optimizer/parameter shards to CPU memory; the step time does not time CPU Adam.
+GIVEN_OPTIONS = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None,
+                 "offload": "none"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,7 +161,7 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
                        schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
                        virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
                        num_microbatches=config["microbatches"], recompute=config["recompute"],
-                       **{k: config.get(k, v) for k, v in _GIVEN.items()})
+                       **{k: config.get(k, v) for k, v in GIVEN_OPTIONS.items()})
 
 
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
@@ -185,7 +187,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     if unknown:
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
     options, dropout = resolve(options, dropout)
-    given = {k: fixed.pop(k, v) for k, v in _GIVEN.items()}
+    given = {k: fixed.pop(k, v) for k, v in GIVEN_OPTIONS.items()}
     Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
     prec = get_precision(options.precision)
     capacity = headroom * cluster.gpu.memory_bytes

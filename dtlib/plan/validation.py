@@ -30,7 +30,7 @@ from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.published import METRIC_UNITS, PUBLISHED, SOURCES, PublishedRun
-from dtlib.plan.search import _GIVEN, FIXABLE, search
+from dtlib.plan.search import FIXABLE, GIVEN_OPTIONS, search
 from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays
 
@@ -140,7 +140,7 @@ def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]
     # every integer or boolean knob of a search row is a layout array (any knob search gains is
     # carried too); two are named differently in the rows (the command line's JSON names)
     renamed = {"micro_batch": "micro_batch_size", "microbatches": "num_microbatches"}
-    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int)) and k not in _GIVEN]
+    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int)) and k not in GIVEN_OPTIONS]
     return [(schedule, recompute, {renamed.get(k, k): np.array([int(c[k]) for c in rows]) for k in knobs})
             for (schedule, recompute), rows in groups.items()]
 
