@@ -8,7 +8,7 @@ from dtlib.analytic.hardware import cluster
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
-from dtlib.plan.steptime import TERMS, step_time
+from dtlib.plan.steptime import TERMS, StepOptions, step_time
 from dtlib.plan.training import training_plan
 
 KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
@@ -63,6 +63,7 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert lines[1].startswith("stack megatron: TP overlap 1") and lines[2].startswith("activations counted as")
     assert lines[3].startswith("where the numbers come from:")
     assert lines[4].startswith("columns: ") and lines[5].split()[:3] == ["#", "dp", "tp"]
+    assert "etp" not in lines[4] and "etp" not in lines[5].split()  # a dense model: no expert columns
     assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[8]
     assert lines[9].split() == list(TERMS) and "training 1e+10 tokens" in out
 
@@ -96,6 +97,16 @@ def test_nothing_fits_explains_and_exits_1(capsys):
       "--ep", "2"], "expert parallel size ep=2 needs an MoE model"),
     (["--params", "7B", "--gpus", "8", "--global-batch", "8"], "plan needs a model shape"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--oversubscription", "0.5"], "--oversubscription must be a finite number >= 1"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "8", "--ep-overlap", "1.5"],
+     "--ep-overlap must be a number in [0, 1], got '1.5'"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "8", "--moe-imbalance", "0.9"],
+     "--moe-imbalance must be a finite number >= 1, got '0.9'"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "8", "--moe-imbalance", "17"],  # 128 experts, top 8
+     "--moe-imbalance must be between 1 and experts / top_k = 16 (the busiest expert gets each token at most once)"),
+    (["--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "8", "--capacity-factor", "1.25",
+      "--moe-imbalance", "2"], "--moe-imbalance sets the busiest expert's load under dropless routing"),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--ep-overlap", "0.5"],
+     "--ep-overlap applies to MoE models; llama3-8b is dense"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "plan", *argv)
@@ -137,3 +148,36 @@ def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
                        "--precision", "bf16-mixed", "--json")  # the memory command's old spelling
     d = json.loads(out)
     assert code == 0 and d["seq"] == 8192 and d["precision"] == "bf16"
+
+
+# one Qwen3-30B-A3B layout on 16 H100s: 8 experts of 128 per rank, 4 micro-batches
+QWEN_LAYOUT = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--global-batch", "64", "--dp", "16", "--tp", "1",
+               "--pp", "1", "--cp", "1", "--ep", "8", "--etp", "1", "--virtual-stages", "1", "--micro-batch", "1",
+               "--zero", "1", "--recompute", "none", "--no-sequence-parallel"]
+
+
+def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
+    """--ep-overlap and --moe-imbalance are StepOptions.ep_overlap / moe_imbalance; an MoE table adds
+    the etp column after ep, and the header says the two values."""
+    layout = Parallelism(dp=16, ep=8, zero=1, num_microbatches=4)
+    hgx = cluster("h100-sxm", 2, 8)
+    code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--ep-overlap", "0.5", "--moe-imbalance", "2", "--json")
+    d = json.loads(out)
+    expected = step_time(get_preset("qwen3-30b-a3b"), layout, hgx,
+                         options=StepOptions(ep_overlap=0.5, moe_imbalance=2.0))
+    (c,) = d["configs"]
+    assert code == 0 and d["experts"] == 128 and c["etp"] == 1
+    assert d["assumed"]["ep_overlap"] == 0.5 and d["assumed"]["moe_imbalance"] == 2.0
+    assert c["step_time_s"] == pytest.approx(expected.step_time, rel=1e-12)
+    assert c["breakdown"]["ep_comm"] == pytest.approx(expected.breakdown["ep_comm"], rel=1e-12)
+    default = json.loads(run(capsys, "plan", *QWEN_LAYOUT, "--json")[1])["configs"][0]
+    balanced = step_time(get_preset("qwen3-30b-a3b"), layout, hgx, options=StepOptions(moe_imbalance=2.0))
+    # half the all-to-all hidden: the exposed EP time is half the default's at the same imbalance
+    assert c["breakdown"]["ep_comm"] == pytest.approx(balanced.breakdown["ep_comm"] / 2, rel=1e-12)
+    assert default["breakdown"]["ep_comm"] < balanced.breakdown["ep_comm"]  # imbalance 1 sends less
+    code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--moe-imbalance", "2")
+    lines = out.splitlines()
+    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[1]
+    assert "etp: expert tensor parallel size" in lines[4]
+    header, row = lines[5].split(), lines[6].split()
+    assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]

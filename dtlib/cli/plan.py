@@ -27,6 +27,7 @@ from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, effici
 from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
+from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
@@ -97,6 +98,12 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--dp-overlap", type=_overlap, help="DP communication hidden by compute")
     m.add_argument("--tp-overlap", type=_overlap, help="TP communication hidden by compute")
     m.add_argument("--cp-overlap", type=_overlap, help="CP communication hidden by compute")
+    m.add_argument("--ep-overlap", type=_overlap, metavar="FRACTION",
+                   help="MoE: EP all-to-all hidden by compute (DualPipe, Megatron "
+                        "--overlap-moe-expert-parallel-comm; default 0, exposed)")
+    m.add_argument("--moe-imbalance", type=_at_least_one, metavar="X",
+                   help="MoE, dropless routing: the busiest expert's tokens over the mean, 1 (balanced, "
+                        "the default) to experts / top_k")
     m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
                    help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
@@ -126,6 +133,24 @@ def _frameworks(value: str) -> list[str]:
     return names
 
 
+def _check_moe_flags(args: argparse.Namespace, model: TransformerConfig) -> None:
+    """``--ep-overlap`` and ``--moe-imbalance`` need an MoE model, ``--moe-imbalance`` dropless routing
+    (a capacity factor sets the load itself) and at most experts / top_k
+    (:func:`dtlib.plan.moe.check_imbalance`): checked before the search starts."""
+    given = [flag for flag, key in (("--ep-overlap", "ep_overlap"), ("--moe-imbalance", "moe_imbalance"))
+             if getattr(args, key) is not None]
+    if given and not model.moe_experts:
+        raise ValueError(f"{given[0]} applies to MoE models; {model.name} is dense (set --experts >= 2 "
+                         f"and --top-k for MoE)")
+    if args.moe_imbalance is None:
+        return
+    if model.moe_capacity_factor:
+        raise ValueError(f"--moe-imbalance sets the busiest expert's load under dropless routing, but "
+                         f"{model.name} caps it at capacity factor {model.moe_capacity_factor:g}; "
+                         f"give --dropless (and no --capacity-factor) to route without a cap")
+    check_imbalance(moe_numbers(model.numbers()), args.moe_imbalance)
+
+
 def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any]) -> dict[str, Any]:
     """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s runs."""
     emitted = emit_all(args.emit, to_layout(best), model, args.global_batch, args.precision, args.emit_dir)
@@ -151,14 +176,16 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                          f"valid: multiples of {g} (or at most {g}){hint}")
     nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
     cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system)
+    _check_moe_flags(args, model)
     activation, named_precision = conventions_from_args(args)
+    moe = {k: getattr(args, k) for k in ("ep_overlap", "moe_imbalance") if getattr(args, k) is not None}
     options = StepOptions(stack=args.stack, dtype=args.precision, efficiency=args.efficiency,
                           attention=args.attention_flops, dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           cp_overlap=args.cp_overlap, fused_elementwise=args.fused_elementwise,
                           oversubscription=args.oversubscription, precision=named_precision,
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
-                          attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit)
+                          attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit, **moe)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
@@ -193,7 +220,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         source = (f"compute from GEMM shapes (tile/wave quantization on {cl.gpu.sms} SMs, roofline at "
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
                   f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
-    d = {"model": model.name, "parameters": model.num_parameters(), "gpus": args.gpus, "gpu": cl.gpu.name,
+    d = {"model": model.name, "parameters": model.num_parameters(), "experts": model.moe_experts, "gpus": args.gpus, "gpu": cl.gpu.name,
          "system": args.system, "gpus_per_node": per_node, "intra_link": cl.intra.name, "inter_link": cl.inter.name,
          "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,
          "configs": r.configs, "searched": r.searched,
@@ -208,6 +235,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
 _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
            "pipeline rank; mb: micro-batch size in sequences; m: micro-batches per step; zero: ZeRO stage; "
            "sp: sequence parallelism")
+# MoE models add the etp column (Megatron-Core --expert-tensor-parallel-size), after ep
+_LEGEND_ETP = "; etp: expert tensor parallel size (each expert's matrices split etp ways)"
 
 
 def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
@@ -216,6 +245,7 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
     stack = get_stack(filled.stack)
     _, note = activation_convention(options.convention, options.flash_attention, dropout)
     return {"stack": stack.name, "tp_overlap": filled.tp_overlap, "cp_overlap": filled.cp_overlap,
+            "ep_overlap": filled.ep_overlap, "moe_imbalance": filled.moe_imbalance,
             "dp_overlap": filled.dp_overlap if filled.dp_overlap is not None
             else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
             "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
@@ -225,6 +255,9 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
 
 def _text(d: dict[str, Any]) -> str:
     a = d["assumed"]
+    moe = d["experts"] > 0
+    moe_options = f"EP overlap {a['ep_overlap']:g}, expert imbalance {a['moe_imbalance']:g}, " if moe else ""
+    etp_head, etp_cells = (f" {'etp':>3}", lambda c: f" {c['etp']:>3}") if moe else ("", lambda c: "")
     system = f" ({d['system']})" if d.get("system") else ""
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
              f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
@@ -232,18 +265,18 @@ def _text(d: dict[str, Any]) -> str:
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
-             f"{a['cp_overlap']:g}, attention {a['attention_kernel']}, "
+             f"{a['cp_overlap']:g}, {moe_options}attention {a['attention_kernel']}, "
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
              f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])
-    lines.append(_LEGEND)
-    lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'v':>2} {'mb':>2} {'m':>4} "
+    lines.append(_LEGEND + (_LEGEND_ETP if moe else ""))
+    lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2}{etp_head} {'v':>2} {'mb':>2} {'m':>4} "
                  f"{'zero':>4} {'recompute':>9} {'sp':>3} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'GiB/GPU':>8}")
     for i, c in enumerate(d["configs"], 1):
-        lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2} "
+        lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2}{etp_cells(c)} "
                      f"{c['virtual_stages']:>2} {c['micro_batch']:>2} {c['microbatches']:>4} {c['zero']:>4} "
                      f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
                      f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
