@@ -175,3 +175,21 @@ def test_ep_volumes_are_the_sequence_parallel_shard_of_the_moe_layers():
     step = ep_comm_time(b=1, s=4096, h=7168, tp=2, cp=1, dp=8, ep=8, moe=moe_numbers(n), load=1.0,
                         act_bytes=2, calls=1, gpus_per_node=8, intra=c.intra, inter=c.inter)
     assert float(step["bytes_per_call"]) == per_call
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
+    """DeepSeek-V3 on one stage, tp 2, dp 128, ep 8, ZeRO-1: the 58 MoE layers' 32 local experts
+    (3 x 7168 x 2048 parameters each) are reduce-scattered over edp = 2 x 128 / (etp x 8) = 32
+    ranks, the rest over the 128 replicas; with etp 2 and dp 8, edp = 1: no expert reduction."""
+    cfg = get_preset("deepseek-v3")
+    layout = Parallelism(dp=128, tp=2, ep=8, zero=1, sequence_parallel=True)
+    v = strategy_volumes(cfg, layout)  # "zero" precision: 2-byte gradients
+    experts = 58 * 32 * 3 * 7168 * 2048
+    assert v["edp_grad_reduce_scatter"]["bytes"] == 2 * experts and v["edp_grad_reduce_scatter"]["ranks"] == 32
+    assert v["edp_param_all_gather"]["ranks"] == 32 and v["dp_grad_reduce_scatter"]["ranks"] == 128
+    from dtlib.analytic.memory import memory_per_gpu
+    held = memory_per_gpu(cfg, layout.with_(zero=0)).parameters  # 2-byte parameters
+    assert v["dp_grad_reduce_scatter"]["bytes"] + v["edp_grad_reduce_scatter"]["bytes"] == pytest.approx(held, rel=1e-12)
+    folded = strategy_volumes(cfg, Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True))
+    assert not any(k.startswith("edp_") for k in folded) and "dp_grad_all_reduce" in folded
+    assert not any(k.startswith("edp_") for k in strategy_volumes(get_preset("llama3-8b"), Parallelism(dp=8)))

@@ -247,7 +247,8 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     group size, and bytes each GPU sends (ring). Sizes in bytes; gradients/params in the working
     dtype, activations in the activation dtype.
 
-    DP: one gradient all-reduce (ZeRO 1/2: reduce-scatter + all-gather of the updated parameters,
+    DP: one gradient all-reduce (for an MoE model, the expert gradients in a second one, ``edp_*``,
+    over the expert-data-parallel group; ZeRO 1/2: reduce-scatter + all-gather of the updated parameters,
     same volume; ZeRO-3: parameters all-gathered in forward and again in backward plus a gradient
     reduce-scatter, 1.5x: Rajbhandari et al. 2020, Sec. 7). TP: 2 all-reduces per layer forward and
     2 backward on b*s*h activations, +2 with full recompute (Shoeybi et al. 2019, Sec. 3;
@@ -261,14 +262,18 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     with ``etp > 1`` each is followed by an all-gather (reduce-scatter on the way back) of ``etp``
     x those bytes over the ETP group (``etp_tokens``).
     """
-    from dtlib.analytic.memory import memory_per_gpu  # params per rank; local import avoids a cycle
+    from dtlib.analytic.memory import memory_per_gpu, stage_parameters  # local import avoids a cycle
 
     prec = get_precision(precision)
     s = cfg.seq if seq is None else validate.integer("seq", seq)
     L, h, m, b = cfg.layers, cfg.hidden, layout.num_microbatches, layout.micro_batch_size
     layers_here = -(-L // layout.pp)
     unsharded = layout.with_(zero=0, offload="none")
-    params_rank = memory_per_gpu(cfg, unsharded, precision=prec, seq=s).parameters / prec.param
+    held = memory_per_gpu(cfg, unsharded, precision=prec, seq=s)
+    params_rank = held.parameters / prec.param
+    # the expert parameters of that rank's stage, reduced over their own group (below)
+    stages = stage_parameters(**unsharded.numbers(**cfg.numbers(s)), balanced=layout.account_for_embedding_and_loss)
+    expert_rank = float(stages["first" if held.stage == 0 else "last"]["expert"])
     act = b * (s / layout.cp) * h * prec.activation  # one micro-batch's b x s x h activations
     d = layout.dp * layout.cp  # gradients are reduced over the dp x cp replicas
     out: dict[str, dict[str, float]] = {}
@@ -280,15 +285,22 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
         out[name] = {"collective": op, "bytes": float(size), "calls": float(calls), "ranks": int(ranks),
                      "bytes_sent_per_gpu": float(sent)}
 
-    grads = params_rank * prec.grad
-    if layout.zero == 3:
-        add("dp_param_gather", "all_gather", params_rank * prec.param, 2, d)
-        add("dp_grad_reduce_scatter", "reduce_scatter", grads, 1, d)
-    elif layout.zero in (1, 2):
-        add("dp_grad_reduce_scatter", "reduce_scatter", grads, 1, d)
-        add("dp_param_all_gather", "all_gather", params_rank * prec.param, 1, d)
-    else:
-        add("dp_grad_all_reduce", "all_reduce", grads, 1, d)
+    # dense gradients over the dp x cp replicas, expert ones over the expert-data-parallel group
+    # edp = tp x cp x dp / (etp x ep) (Megatron-Core DistributedDataParallel's expert buffers on
+    # expt_dp_group; dtlib.plan.moe.expert_grid): one group of the other, each its own collective
+    edp = layout.tp * layout.cp * layout.dp // (layout.etp * layout.ep)
+    for group, params, ranks in (("dp", params_rank - expert_rank, d), ("edp", expert_rank, edp)):
+        if params == 0:  # a dense model has no expert group
+            continue
+        grads = params * prec.grad
+        if layout.zero == 3:
+            add(f"{group}_param_gather", "all_gather", params * prec.param, 2, ranks)
+            add(f"{group}_grad_reduce_scatter", "reduce_scatter", grads, 1, ranks)
+        elif layout.zero in (1, 2):
+            add(f"{group}_grad_reduce_scatter", "reduce_scatter", grads, 1, ranks)
+            add(f"{group}_param_all_gather", "all_gather", params * prec.param, 1, ranks)
+        else:
+            add(f"{group}_grad_all_reduce", "all_reduce", grads, 1, ranks)
     # full recompute repeats the forward, and with it the 2 forward all-reduces per layer
     tp_calls = (4 + 2 * (layout.recompute == "full")) * layers_here * m
     add("tp_activations", "all_reduce", act, tp_calls, layout.tp)
