@@ -283,6 +283,8 @@ def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swi
     linears save their input quantized (``module/linear.py``, ``_Linear.forward``: "Cached input
     tensor", only the column-wise FP8 data kept for the weight-gradient GEMM), so the inputs of
     the QKV, projection, FC1 and FC2 GEMMs take 1 byte per element instead of ``act_bytes``.
+    Shared experts (``SharedExpertMLP``, the same fused SwiGLU and TE linears) count as routed
+    copies do for both, except their FC1 input, which is the norm output counted once.
     ``recompute_modules``: Megatron-Core's selective-recompute submodules, whose tensors the layer
     no longer keeps (:func:`recompute_module_bytes`).
     """
@@ -310,9 +312,10 @@ def _kept(recompute: str, *, flash_attention: Any, fused_swiglu: Any, fp8_inputs
     routed = _where(moe, shape.get("top_k", 0), 1)
     moe_ffn = shape.get("moe_ffn")
     ffn = _where(moe, ffn if moe_ffn is None else moe_ffn, ffn)  # an expert's width (zoo's layer_bytes)
-    ffn_tensor = routed * act * s * b * ffn / tp
+    mlps = routed + _where(moe, shape.get("shared_experts", 0), 0)  # shared experts: SwiGLU and FC2 alike
+    ffn_tensor = mlps * act * s * b * ffn / tp
     kept = kept - _where(fused_swiglu & np.asarray(shape.get("swiglu", False), bool), ffn_tensor, 0)
-    gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + routed * s * b * ffn / tp
+    gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + mlps * s * b * ffn / tp
     return kept - _where(fp8_inputs, (act - 1) * gemm_inputs, 0)
 
 
