@@ -139,3 +139,17 @@ def test_the_planner_counts_the_same_bytes_for_a_recipe_row():
     row = predict(run, rank=False)
     assert row["fits"] and row["memory_gib"] * GiB == _published_memory(run)
     assert _published_memory(run, activation_offload_layers=None) > run.cluster.gpu.memory_bytes
+
+
+def test_megatron_flags_carry_the_modules_and_other_frameworks_refuse_them():
+    from dtlib.analytic.presets import get_preset
+    from dtlib.plan.emit import megatron_flags, unsupported
+
+    qwen = get_preset("qwen3-30b-a3b")
+    layout = Parallelism(dp=8, ep=8, recompute_modules=("moe_act", "layernorm"))
+    flags = " ".join(megatron_flags(layout, qwen, 8))
+    assert "--recompute-granularity selective --recompute-modules moe_act layernorm" in flags
+    selective = " ".join(megatron_flags(layout.with_(recompute="selective"), qwen, 8))
+    assert "--recompute-modules core_attn moe_act layernorm" in selective
+    assert unsupported("megatron", layout, qwen, 8) == []
+    assert "recompute_modules is not emitted for deepspeed" in unsupported("deepspeed", layout, qwen, 8)
