@@ -178,7 +178,8 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
     elif p.recompute == "selective" or (p.recompute_modules and not p.recompute_layers):
         # Megatron-Core's default modules are core_attn: dtlib's "selective"
         modules = tuple(dict.fromkeys((("core_attn",) if p.recompute == "selective" else ()) + p.recompute_modules))
-        f += ["--recompute-granularity", "selective"] + (["--recompute-modules", *modules] if p.recompute_modules else [])
+        f += ["--recompute-granularity", "selective"]
+        f += ["--recompute-modules", *modules] if p.recompute_modules else []
     elif p.recompute_layers:  # the first N layers of each chunk recomputed, the others not
         f += ["--recompute-granularity", "full", "--recompute-method", "block",
               "--recompute-num-layers", str(p.recompute_layers)]

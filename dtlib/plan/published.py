@@ -605,8 +605,8 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
-        rows.append(replace(run, precision=_BRIDGE_PRECISION, name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} "
-                                      f"(Megatron-Bridge 25.11)"))
+        rows.append(replace(run, precision=_BRIDGE_PRECISION,
+                            name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
 
 
