@@ -18,7 +18,12 @@ from typing import Any
 import numpy as np
 
 __all__ = ["layer_bytes", "mean_layer_bytes", "embedding_bytes", "output_bytes", "op_selective_bytes",
-           "stored_layer_bytes", "activation_breakdown"]
+           "stored_layer_bytes", "activation_breakdown", "RECOMPUTE_MODULES", "recompute_module_bytes",
+           "check_recompute_modules"]
+
+# Megatron-Core's selective-recompute submodules (``TransformerConfig.recompute_modules``, 0.16:
+# transformer/transformer_config.py; the same names as --recompute-modules)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 def _where(cond: Any, a: Any, b: Any) -> Any:
@@ -179,8 +184,93 @@ def op_selective_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any,
     return layer_input + attention + w1 + w2 + scattered
 
 
+def check_recompute_modules(modules: Any, recompute: str = "none") -> tuple[str, ...]:
+    """``modules`` as a tuple of :data:`RECOMPUTE_MODULES` names, else ValueError naming
+    ``recompute_modules`` and the valid names. Megatron-Core applies them with
+    ``recompute_granularity="selective"`` only, so they describe the layers ``recompute`` leaves
+    stored (``none`` / ``selective``), not ``full`` or torchtitan's ``op`` policy."""
+    if not isinstance(modules, (tuple, list)) or not all(isinstance(m, str) for m in modules):
+        raise ValueError(f"recompute_modules must be a tuple of names from {', '.join(RECOMPUTE_MODULES)}, "
+                         f"got {modules!r}")
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ValueError(f"recompute_modules: unknown {', '.join(map(repr, unknown))}; valid: "
+                         f"{', '.join(RECOMPUTE_MODULES)}")
+    if modules and recompute not in ("none", "selective"):
+        raise ValueError(f"recompute_modules={','.join(modules)} is Megatron-Core's selective recompute; "
+                         f"it needs recompute 'none' or 'selective', got {recompute!r}")
+    return tuple(dict.fromkeys(modules))
+
+
+def recompute_module_bytes(module: str, *, recompute: str = "none", flash_attention: Any = True,
+                           fused_swiglu: Any = False, fp8_inputs: Any = False, **shape: Any) -> Any:
+    """Bytes one layer no longer keeps per micro-batch when Megatron-Core recomputes ``module``
+    (``--recompute-granularity selective --recompute-modules ...``; Megatron-Core 0.16), counted
+    with :func:`layer_bytes`'s tensors (``shape``: its arguments) under the Transformer Engine layer
+    spec (``models/gpt/gpt_layer_specs.py``: the input norm is fused into the QKV GEMM except for
+    MLA, the pre-MLP norm into FC1 except in MoE layers).
+
+    * ``core_attn`` (``attention.py``, ``_checkpointed_attention_forward``): the s x s scores and
+      dropout masks of explicit attention; nothing with a FlashAttention-style kernel or when
+      ``recompute`` is already ``selective`` (Korthikanti et al. 2022, Sec. 5).
+    * ``layernorm`` (``transformer_layer.py``: ``CheckpointWithoutOutput`` on ``input_layernorm``
+      and ``pre_mlp_layernorm``, output discarded): the output of each norm that is a module of its
+      own, i.e. the pre-MLP norm of an MoE layer (router and shared-expert input, ``s b h``) and
+      MLA's input norm (the down-projections' input, 1 byte with ``fp8_inputs`` as counted there).
+      Fused norms (``TELayerNormColumnParallelLinear``) are ``IdentityOp`` and not recomputed.
+    * ``mla_up_proj`` (``multi_latent_attention.py``: ``qkv_up_checkpoint``): the decompressed
+      Q, K (``heads x (nope + rope)``) and V (``heads x v_head_dim``), ``/ tp``; the latents and
+      the attention output stay.
+    * ``moe_act`` (``moe/experts.py``, ``TEGroupedMLP``: the activation's output discarded): FC2's
+      input of every routed copy (``s b moe_ffn / tp``, 1 byte with ``fp8_inputs``), and with an
+      unfused SwiGLU also silu(gate); FC1's output stays (the activation's input).
+    * ``mlp`` (dense layers only; ``tensor_parallel.checkpoint`` of the MLP, whose input is the
+      fused norm's input, kept anyway): the norm output and the FFN-wide tensors.
+    * ``moe`` (``moe/moe_layer.py``, the whole MoE block checkpointed from its input, the pre-MLP
+      norm's output): the routed copies and their FFN tensors and the shared experts'.
+    * ``shared_experts`` (``moe/shared_experts.py``): the shared experts' FFN-wide tensors.
+    """
+    s = shape["seq"] / shape.get("cp", 1)
+    b, h, tp = shape["micro_batch_size"], shape["hidden"], shape.get("tp", 1)
+    act = shape.get("act_bytes", 2)
+    sb = s * b
+    sbh = sb * h
+    sp = _where(shape.get("sequence_parallel", False), tp, 1)
+    low = _where(fp8_inputs, 1, act)           # a GEMM input as Transformer Engine caches it
+    experts, heads = shape.get("experts", 0), shape["heads"]
+    moe = experts > 0
+    mla = shape.get("kv_lora_rank", 0) > 0
+    swiglu = np.asarray(shape.get("swiglu", False), bool)
+    unfused = swiglu & ~np.asarray(fused_swiglu, bool)
+    width = _where(moe, shape["ffn"] if shape.get("moe_ffn") is None else shape["moe_ffn"], shape["ffn"])
+    ffn_tensor = sb * width / tp               # one FFN-wide tensor, in elements
+    if module == "core_attn":
+        scores = layer_bytes(recompute="none", **shape) - layer_bytes(recompute="selective", **shape)
+        return _where(np.asarray(flash_attention, bool) | (recompute == "selective"), 0 * scores, scores)
+    if module == "layernorm":
+        return moe * act * sbh / sp + mla * low * sbh / sp
+    if module == "mla_up_proj":
+        qk = shape.get("qk_nope_head_dim", 0) + shape.get("qk_rope_head_dim", 0)
+        return mla * act * sb * heads * (2 * qk + shape.get("v_head_dim", 0)) / tp
+    if module == "moe_act":
+        cf = shape.get("capacity_factor", 0)
+        routed = shape.get("top_k", 0) * _where(cf > 0, cf, 1)
+        return moe * routed * ffn_tensor * (low + unfused * act)
+    no_mlp = dict(shape, top_k=0, shared_experts=0)
+    options = dict(flash_attention=flash_attention, fused_swiglu=fused_swiglu, fp8_inputs=fp8_inputs)
+    if module == "mlp":   # the layer without its FFN-wide tensors, less the MLP input it then keeps
+        kept = _kept(recompute, **options, **shape) - _kept(recompute, **options, **dict(shape, ffn=0))
+        return _where(moe, 0 * kept, kept + low * sbh / sp)
+    if module == "moe":   # the layer without routed copies and shared experts: only the block input
+        return moe * (_kept(recompute, **options, **shape) - _kept(recompute, **options, **no_mlp))
+    if module == "shared_experts":
+        return moe * (_kept(recompute, **options, **shape)
+                      - _kept(recompute, **options, **dict(shape, shared_experts=0)))
+    raise ValueError(f"recompute_modules: unknown {module!r}; valid: {', '.join(RECOMPUTE_MODULES)}")
+
+
 def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swiglu: Any = False,
-                       fp8_inputs: Any = False, **shape: Any) -> Any:
+                       fp8_inputs: Any = False, recompute_modules: tuple[str, ...] = (), **shape: Any) -> Any:
     """Bytes one layer keeps per micro-batch when it is not fully recomputed, for ``recompute``
     ``none`` / ``selective`` / ``op`` (``shape``: :func:`layer_bytes`'s arguments).
 
@@ -193,7 +283,19 @@ def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swi
     linears save their input quantized (``module/linear.py``, ``_Linear.forward``: "Cached input
     tensor", only the column-wise FP8 data kept for the weight-gradient GEMM), so the inputs of
     the QKV, projection, FC1 and FC2 GEMMs take 1 byte per element instead of ``act_bytes``.
+    Shared experts (``SharedExpertMLP``, the same fused SwiGLU and TE linears) count as routed
+    copies do for both, except their FC1 input, which is the norm output counted once.
+    ``recompute_modules``: Megatron-Core's selective-recompute submodules, whose tensors the layer
+    no longer keeps (:func:`recompute_module_bytes`).
     """
+    options = dict(flash_attention=flash_attention, fused_swiglu=fused_swiglu, fp8_inputs=fp8_inputs)
+    dropped = sum(recompute_module_bytes(m, recompute=recompute, **options, **shape)
+                  for m in check_recompute_modules(recompute_modules, recompute))
+    return _kept(recompute, **options, **shape) - dropped
+
+
+def _kept(recompute: str, *, flash_attention: Any, fused_swiglu: Any, fp8_inputs: Any, **shape: Any) -> Any:
+    """:func:`stored_layer_bytes` without selective-recompute modules."""
     if recompute == "op":
         keys = ("seq", "micro_batch_size", "hidden", "heads", "kv_heads", "ffn", "tp", "cp",
                 "sequence_parallel", "swiglu", "act_bytes", "experts", "top_k")
@@ -210,9 +312,10 @@ def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swi
     routed = _where(moe, shape.get("top_k", 0), 1)
     moe_ffn = shape.get("moe_ffn")
     ffn = _where(moe, ffn if moe_ffn is None else moe_ffn, ffn)  # an expert's width (zoo's layer_bytes)
-    ffn_tensor = routed * act * s * b * ffn / tp
+    mlps = routed + _where(moe, shape.get("shared_experts", 0), 0)  # shared experts: SwiGLU and FC2 alike
+    ffn_tensor = mlps * act * s * b * ffn / tp
     kept = kept - _where(fused_swiglu & np.asarray(shape.get("swiglu", False), bool), ffn_tensor, 0)
-    gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + routed * s * b * ffn / tp
+    gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + mlps * s * b * ffn / tp
     return kept - _where(fp8_inputs, (act - 1) * gemm_inputs, 0)
 
 
@@ -223,7 +326,7 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
                          fp8_inputs: Any = False, act_bytes: Any = 2, mask_bytes: Any = 1,
                          logits_bytes: Any = 4, norm_saved: Any = 1, offloaded: Any = 0,
                          pp: Any = 1, experts: Any = 0, top_k: Any = 0,
-                         **model: Any) -> dict[str, dict[str, Any]]:
+                         recompute_modules: tuple[str, ...] = (), **model: Any) -> dict[str, dict[str, Any]]:
     """Activation bytes on the first and the last pipeline rank, by component.
 
     ``stored`` (:func:`dtlib.analytic.layout.stored_layer_microbatches`): per rank, the
@@ -238,7 +341,9 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
     those layers' activations back on the GPU for its backward. ``model``: the other keys of
     :meth:`~dtlib.analytic.config.TransformerConfig.numbers` (``layers``, ``moe_layers``,
     ``sliding_layers``, ``moe_ffn``, MLA dims, ...): per-layer bytes are averaged over the model's
-    dense / MoE and sliding / global layers (:func:`mean_layer_bytes`).
+    dense / MoE and sliding / global layers (:func:`mean_layer_bytes`). ``recompute_modules``
+    (:func:`recompute_module_bytes`) thin the layers that are not fully recomputed; a recomputed
+    module is rebuilt inside its own backward, a transient of one module that is left out.
     """
     common = dict(seq=seq, micro_batch_size=micro_batch_size, hidden=hidden, tp=tp, cp=cp,
                   sequence_parallel=sequence_parallel)
@@ -254,7 +359,8 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
         return mean_layer_bytes(per_layer=lambda **kw: function(**fixed, **kw), **kinds, **shape)
 
     full_layer = mean(layer_bytes, recompute="full")
-    kept = mean(stored_layer_bytes, recompute="none" if recompute == "full" else recompute, **options)
+    kept = mean(stored_layer_bytes, recompute="none" if recompute == "full" else recompute,
+                recompute_modules=recompute_modules, **options)
     whole = mean(stored_layer_bytes, recompute="none", **options)
     emb = embedding_bytes(dropout=dropout, mask_bytes=mask_bytes, **common)
     out = output_bytes(vocab=vocab, act_bytes=act_bytes, logits_bytes=logits_bytes,

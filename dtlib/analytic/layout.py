@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
+from dtlib.analytic.activations import check_recompute_modules
 from dtlib.analytic.config import SHAPE_RULES
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
@@ -54,6 +55,11 @@ class Parallelism:
     Transformer Engine ``get_cpu_offload_context``; DeepSpeed ``activation_checkpointing.
     cpu_checkpointing`` offloads every layer's checkpoint): the activations N layers of each chunk
     keep move to CPU memory, and one layer's are on the GPU again while its backward runs.
+    ``recompute_modules`` (Megatron-Core ``--recompute-granularity selective --recompute-modules``,
+    :data:`~dtlib.analytic.activations.RECOMPUTE_MODULES`): the submodules whose stored tensors the
+    layers not fully recomputed drop and rebuild in backward
+    (:func:`~dtlib.analytic.activations.recompute_module_bytes`); with ``recompute`` ``none`` or
+    ``selective`` only.
     """
     dp: int = 1
     tp: int = 1
@@ -73,6 +79,7 @@ class Parallelism:
     recompute_layers: int | None = None
     account_for_embedding_and_loss: bool = False
     activation_offload_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "num_microbatches"):
@@ -92,6 +99,7 @@ class Parallelism:
                 raise ValueError(f"recompute_layers={self.recompute_layers} recomputes part of the layers, "
                                  f"but recompute='full' recomputes all of them; give recompute 'none', "
                                  f"'selective' or 'op' for the other layers")
+        object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         check_layout(self.numbers(), self.schedule, self.offload)
 
     @property
@@ -122,7 +130,7 @@ class Parallelism:
 
 # categorical options, passed to the formulas as scalars (not in Parallelism.numbers())
 _OPTIONS = ("schedule", "recompute", "offload", "recompute_layers", "account_for_embedding_and_loss",
-            "activation_offload_layers")
+            "activation_offload_layers", "recompute_modules")
 
 
 # PyTorch FSDP ShardingStrategy -> (ZeRO stage, hybrid?) (torch.distributed.fsdp docs; Zhao et al.

@@ -158,7 +158,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                   schedule: str = "1f1b", offload: str = "none", dropout: bool = False,
                   flash_attention: bool = True, fused_swiglu: bool = False, fp8_inputs: bool = False,
                   recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
-                  activation_offload_layers: int | None = None,
+                  activation_offload_layers: int | None = None, recompute_modules: tuple[str, ...] = (),
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
                   overhead_bytes: Any = 0.0) -> dict[str, Any]:
     """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
@@ -167,7 +167,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
     (a bare parameter count: no activations) with optional ``largest_layer``. The categorical
     options (``recompute``, ``schedule``, ``offload``, ``recompute_layers``,
-    ``account_for_embedding_and_loss``, ``activation_offload_layers``) are
+    ``account_for_embedding_and_loss``, ``activation_offload_layers``, ``recompute_modules``) are
     :class:`~dtlib.analytic.layout.Parallelism`'s; the
     activation conventions (``dropout``, ``flash_attention``, ``fused_swiglu``, ``fp8_inputs``)
     are :func:`dtlib.analytic.activations.stored_layer_bytes`'s.
@@ -197,7 +197,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             dropout=dropout, flash_attention=flash_attention, fused_swiglu=fused_swiglu,
             fp8_inputs=fp8_inputs, offloaded=offloaded, act_bytes=prec.activation, mask_bytes=mask_bytes,
             logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"],
-            **{k: n[k] for k in _MODEL_KINDS if k in n})
+            recompute_modules=recompute_modules, **{k: n[k] for k in _MODEL_KINDS if k in n})
     for s in ("first", "last"):
         st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
                                zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], tp=n["tp"],
@@ -319,7 +319,9 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
                       offload=layout.offload, **memory_options(counted, chosen_stack, dtype),
                       recompute_layers=layout.recompute_layers,
                       account_for_embedding_and_loss=layout.account_for_embedding_and_loss,
-                      activation_offload_layers=layout.activation_offload_layers, mask_bytes=mask_bytes, logits_bytes=logits_bytes, norm_saved=norm_saved,
+                      activation_offload_layers=layout.activation_offload_layers,
+                      recompute_modules=layout.recompute_modules, mask_bytes=mask_bytes, logits_bytes=logits_bytes,
+                      norm_saved=norm_saved,
                       overhead_bytes=overhead_bytes)
     detail = {k.split(".", 1)[1]: float(v) for k, v in r.items() if k.startswith("activations.")}
     notes = [f"precision: {prec.name} ({prec.total:g} bytes/param before sharding)"]

@@ -9,6 +9,7 @@ import re
 from typing import Any, Callable
 
 from dtlib.analytic import validate
+from dtlib.analytic.activations import RECOMPUTE_MODULES
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.hardware import ACCELERATORS
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, broken_rules, check_layout
@@ -17,8 +18,8 @@ from dtlib.analytic.precision import CONVENTIONS, OPTIMIZERS, get_precision, pre
 from dtlib.analytic.presets import ACTIVATION_CONVENTIONS, PRESETS
 from dtlib.cli.argtypes import (  # noqa: F401 (re-exported: the subcommands import them from here)
     Parser, bounded_float, checked, expert_count, flag_of, gpu_name, join_negative_values, non_negative_float,
-    non_negative_int, parameter_count, parse_count, parse_size, plain, positive_float, positive_int, seconds,
-    system_name)
+    non_negative_int, parameter_count, parse_count, parse_size, plain, positive_float, positive_int,
+    recompute_modules, seconds, system_name)
 from dtlib.analytic.stacks import DEFAULT_STACK, STACKS
 
 
@@ -236,7 +237,8 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
                        num_microbatches=args.num_microbatches, recompute=args.recompute or "none",
                        offload=args.offload, recompute_layers=getattr(args, "recompute_layers", None),
                        account_for_embedding_and_loss=getattr(args, "account_for_embedding_and_loss", False),
-                       activation_offload_layers=getattr(args, "activation_offload_layers", None))
+                       activation_offload_layers=getattr(args, "activation_offload_layers", None),
+                       recompute_modules=getattr(args, "recompute_modules", None) or ())
 
 
 def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
@@ -294,6 +296,10 @@ def recompute_detail_args(g: Any) -> None:
     g.add_argument("--activation-offload-layers", type=non_negative_int, default=None, metavar="N",
                    help="Megatron --cpu-offloading-num-layers N / DeepSpeed cpu_checkpointing: the activations "
                         "of N layers of each chunk kept in CPU memory")
+    g.add_argument("--recompute-modules", type=recompute_modules, default=None, metavar="M[,M...]",
+                   help="Megatron-Core --recompute-granularity selective --recompute-modules: the submodules "
+                        f"whose tensors are recomputed in backward, of {', '.join(RECOMPUTE_MODULES)} "
+                        "(with --recompute none or selective)")
 
 
 def convention_args(g: Any, precision: bool = True) -> None:

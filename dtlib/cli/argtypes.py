@@ -8,6 +8,7 @@ import re
 from typing import Any, Callable
 
 from dtlib.analytic import validate
+from dtlib.analytic.activations import check_recompute_modules
 from dtlib.analytic.hardware import get_gpu, get_system
 
 
@@ -180,3 +181,14 @@ def expert_count(text: str) -> int:
     if value == 1:
         raise argparse.ArgumentTypeError(f"must be 0 (dense) or an integer >= 2, got {text!r}")
     return value
+
+
+def recompute_modules(text: str) -> tuple[str, ...]:
+    """``--recompute-modules``' argparse type: comma-separated
+    :data:`~dtlib.analytic.activations.RECOMPUTE_MODULES` names, else "unknown ...; valid: ..."
+    (argparse puts the flag in front)."""
+    names = tuple(name.strip() for name in str(text).split(",") if name.strip())
+    try:
+        return check_recompute_modules(names)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("recompute_modules: ", "")) from None

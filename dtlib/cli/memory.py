@@ -59,6 +59,7 @@ def run_memory(args: argparse.Namespace) -> int:
     # "pipeline stage", 0-based: next to zero= a bare "stage 3" reads like a ZeRO stage
     where = f"most loaded: pipeline stage {m.stage} of 0-{layout.pp - 1}; " if layout.pp > 1 else ""
     partial = f" recompute_layers={layout.recompute_layers}" if layout.recompute_layers is not None else ""
+    partial += f" recompute_modules={','.join(layout.recompute_modules)}" if layout.recompute_modules else ""
     title = (f"memory per GPU ({where}dp={layout.dp} tp={layout.tp} pp={layout.pp} "
              f"cp={layout.cp} zero={layout.zero} recompute={layout.recompute}{partial} stack={args.stack})")
     return emit(args, m.to_dict(), table(rows, title) + "\n" + "\n".join(m.notes))

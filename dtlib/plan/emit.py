@@ -117,6 +117,9 @@ def _memory_options_unsupported(framework: str, p: Parallelism) -> list[str]:
         out.append(f"account_for_embedding_and_loss is not emitted for {framework}")
     if p.activation_offload_layers:
         out.append(f"activation_offload_layers is not emitted for {framework}")
+    if p.recompute_modules and not (megatron and not p.recompute_layers):
+        out.append(f"recompute_modules is not emitted for {framework}" + (
+            " with recompute_layers (Megatron-LM takes one --recompute-granularity)" if megatron else ""))
     return out
 
 
@@ -172,8 +175,11 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
         f += ["--sequence-parallel"]
     if p.recompute == "full":  # every layer recomputed, one at a time: the planner's "full"
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    elif p.recompute == "selective":
+    elif p.recompute == "selective" or (p.recompute_modules and not p.recompute_layers):
+        # Megatron-Core's default modules are core_attn: dtlib's "selective"
+        modules = tuple(dict.fromkeys((("core_attn",) if p.recompute == "selective" else ()) + p.recompute_modules))
         f += ["--recompute-granularity", "selective"]
+        f += ["--recompute-modules", *modules] if p.recompute_modules else []
     elif p.recompute_layers:  # the first N layers of each chunk recomputed, the others not
         f += ["--recompute-granularity", "full", "--recompute-method", "block",
               "--recompute-num-layers", str(p.recompute_layers)]

@@ -40,7 +40,7 @@ STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
 # layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
                "virtual_stages", "micro_batch_size", "account_for_embedding_and_loss", "activation_offload_layers",
-               "offload")
+               "offload", "recompute_modules")
 
 _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
               "Using Megatron-LM', Table 1 (A100 80GB, seq 2048, V 51200, full recomputation; "
@@ -109,7 +109,9 @@ class PublishedRun:
     a row sets one only where that run differs from its stack's defaults, with the reason in its
     builder: ``convention`` (activation counting, e.g. ``korthikanti-2022`` for 2021-22
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,
-    ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off)."""
+    ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
+    ``precision`` (bytes per parameter, :data:`dtlib.analytic.precision.CONVENTIONS` or a dtype name:
+    e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients)."""
     name: str
     model: TransformerConfig
     cluster: Cluster
@@ -130,6 +132,7 @@ class PublishedRun:
     fused_elementwise: bool | None = None
     tp_overlap: float | None = None
     note: str = field(default="")
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in METRIC_UNITS:
@@ -549,6 +552,28 @@ _BRIDGE_MOE_RECIPE = {
     ("DGX-B200", "qwen3-235b-a22b"): "alltoall dispatcher, moe_a2a_overlap (recipe file: VP 4)",
     ("DGX-H100", "qwen3-235b-a22b"): "alltoall dispatcher, moe_a2a_overlap, no TP communication overlap",
 }
+# What each pending row's recipe keeps in memory besides its layout (the same files, and
+# scripts/performance/utils/helpers.py: set_recompute_overrides, set_megatron_fsdp_overrides): Llama 3 70B
+# ran Megatron FSDP with --cpu-offloading-num-layers (LLAMA3_70B_{GB300,GB200}_FP8_CS_BASE_CONFIG: 20 and 40
+# layers, cpu_offloading_weights False); Llama 3.1 405B's recipe balances its pipeline
+# (llama31_405b_pretrain_config: account_for_{embedding,loss}_in_pipeline_split); the MoE rows recompute the
+# modules of _BRIDGE_MOE_RECIPE (DeepSeek-V3: set_deepseek_v3_common_configs sets granularity selective;
+# Qwen3: set_qwen3_common_configs sets recompute_granularity None: nothing recomputed).
+_BRIDGE_MEMORY = {
+    ("DGX-GB300", "llama3-70b"): dict(activation_offload_layers=20),
+    ("DGX-GB200", "llama3-70b"): dict(activation_offload_layers=40),
+    ("DGX-GB300", "llama3-405b"): dict(account_for_embedding_and_loss=True),
+    ("DGX-GB200", "llama3-405b"): dict(account_for_embedding_and_loss=True),
+    ("DGX-GB300", "deepseek-v3"): dict(recompute_modules=("moe_act",)),
+    ("DGX-GB200", "deepseek-v3"): dict(recompute_modules=("mla_up_proj",)),
+    ("DGX-B200", "deepseek-v3"): dict(recompute_modules=("mla_up_proj",)),
+    ("DGX-GB200", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
+    ("DGX-B200", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
+    ("DGX-H100", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
+}
+# every perf script sets cfg.ddp.grad_reduce_in_fp32 = False (set_*_common_configs): Megatron-Core keeps the
+# gradients in the parameters' BF16 (distributed_data_parallel.py: grad_dtype = param.dtype), 2+2+12 bytes
+_BRIDGE_PRECISION = "bf16-mixed"
 _SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
 
 
@@ -568,11 +593,11 @@ def pending_runs() -> list[PublishedRun]:
         else:
             cl = _dgx(gpu, gpus)
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
-                      micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1))
+                      micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
+                      **_BRIDGE_MEMORY.get((system, preset), {}))
         moe = ep > 1 or model.moe_experts > 0
         note = ("MoE: ETP 1 (recipes' BASE config), token-dropless with force-balanced routing (the table's "
-                "footnote); recompute_modules of the recipe (e.g. moe_act, mla_up_proj, layernorm) not "
-                "expressible: timed as no recompute" if moe else
+                "footnote); recompute_modules of the recipe in the layout (memory)" if moe else
                 "FSDP 64 = Megatron FSDP (ZeRO-3)" if fsdp else "distributed optimizer (ZeRO-1)")
         if (system, preset) in _BRIDGE_MOE_RECIPE:
             note += "; recipe: " + _BRIDGE_MOE_RECIPE[system, preset]
@@ -580,8 +605,8 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
-        rows.append(replace(run, name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} "
-                                      f"(Megatron-Bridge 25.11)"))
+        rows.append(replace(run, precision=_BRIDGE_PRECISION,
+                            name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
 
 

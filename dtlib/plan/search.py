@@ -44,13 +44,13 @@ CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
            "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
-           "offload")
+           "offload", "recompute_modules")
 # GIVEN_OPTIONS: the layout options the search never varies, only takes as given (from ``fixed``,
 # else these defaults, Parallelism's): each candidate row carries them unchanged, so callers that
 # compare rows by their searched knobs leave these out (dtlib.plan.validation). Offload moves
 # optimizer/parameter shards to CPU memory; the step time does not time CPU Adam.
 GIVEN_OPTIONS = {"recompute_layers": None, "account_for_embedding_and_loss": False, "activation_offload_layers": None,
-                 "offload": "none"}
+                 "offload": "none", "recompute_modules": ()}
 
 
 def _divisors(n: int) -> list[int]:
@@ -188,7 +188,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
     options, dropout = resolve(options, dropout)
     given = {k: fixed.pop(k, v) for k, v in GIVEN_OPTIONS.items()}
-    Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
+    checked = Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
+    given["recompute_modules"] = checked.recompute_modules
     prec = get_precision(options.precision)
     capacity = headroom * cluster.gpu.memory_bytes
     peak = cluster.gpu.peak("bf16")
@@ -196,8 +197,9 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     for r in recomputes:
         if r not in RECOMPUTE_OPTIONS:
             raise ValueError(f"recompute must be one of {RECOMPUTE_OPTIONS}, got {r!r}")
-        if r == "full" and given["recompute_layers"] is not None:
-            Parallelism(recompute=r, recompute_layers=given["recompute_layers"])  # says why not
+        if r == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
+            Parallelism(recompute=r, recompute_layers=given["recompute_layers"],
+                        recompute_modules=given["recompute_modules"])  # says why not
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
     rows: list[tuple[float, float, dict[str, Any]]] = []
@@ -219,8 +221,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         # only valid layouts go on: the formulas are never evaluated on the placeholder rows
         n, grid = _take(n, valid), _take(grid, valid)
         for recompute in recomputes:
-            if recompute == "full" and given["recompute_layers"] is not None:
-                continue  # partial recompute describes the other recompute settings
+            if recompute == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
+                continue  # partial and per-module recompute describe the other recompute settings
             mem = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, **given,
                                 **memory_kwargs(options, dropout))["total"]
             fits = mem <= capacity
