@@ -406,8 +406,8 @@ _NEMO_2025_ROWS = [
 
 def _nemo_2025() -> list[PublishedRun]:
     """NeMo 2.x's 2025 pre-training tables (FP8) on DGX-B200 (NeMo 25.02) and DGX-GB200 (NeMo 25.04):
-    a third NVIDIA source, apart from "NeMo 2024" (NeMo 1.0 on the 24.07 container, H100) and
-    "Megatron-Bridge" (25.11): other containers, Megatron-Core releases and recipes. Layout as
+    a third NVIDIA source, apart from "NeMo 2024" (the 24.03-24.07 containers, H100) and
+    "Megatron-Bridge" (the 25.11 container): other releases of NeMo and Megatron-Core, other recipes. Layout as
     published; recompute none, as every matching recipe csv row (recompute_layers 0, no
     recompute_modules); ZeRO-1 (NeMo 2.0's distributed optimizer) unless FSDP 1 (Megatron FSDP,
     ZeRO-3); sequence parallelism with TP (the recipes' performance mode); no dropout (NeMo 2.0's
