@@ -11,9 +11,11 @@ lists the sources and what each gave).
 
 Rows the current planner cannot express (MoE presets, GB200/GB300 racks: the names of issue 26's
 contract, built by other branches) are built by :func:`pending_runs`, which raises if a name is
-missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBLISHED`.
+missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBLISHED`. The
+DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
+for ``PublishedRun.ep_overlap`` (DualPipe).
 
-Over 500 lines because it is ten sources' tables transcribed row by row; splitting it by source
+Over 500 lines because it is a dozen sources' tables transcribed row by row; splitting it by source
 would scatter the shared conventions (units, stack knobs) that the rows must agree on.
 """
 from __future__ import annotations
@@ -27,10 +29,12 @@ from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
-           "published", "pending_runs"]
+           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = False
+# DeepSeek-V3's report row needs PublishedRun.ep_overlap (DualPipe; physics branch): True once it is on main
+INCLUDE_DEEPSEEK_V3 = False
 
 # the unit each published metric is quoted in (every row of the table carries its own)
 METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU",
@@ -81,6 +85,11 @@ _NEMO_2025 = ("NVIDIA NeMo Framework performance summary of 2025 (NeMo 2.x on Me
               "https://github.com/NVIDIA/NeMo/blob/3310699cbc5d2cfef35871107e36c0d53892c194/scripts/performance/"
               "recommended_model_configs/ (25.04-alpha.rc1, 2025-03-17: the B200 rows' layouts) and at r2.3.0 "
               "ca0af5eaa63dd4acf5f66e9a6e98d980e956efe9 (the GB200 rows')")
+_DEEPSEEK_V3 = ("DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 1 (180K H800 GPU hours per trillion "
+                "tokens; 2.664M GPU hours for the 14.8T pre-training tokens), Sec. 3.1-3.2 (2,048 H800, 8 per node, "
+                "NVLink within and InfiniBand across nodes; 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP, no TP; "
+                "DualPipe), Sec. 3.3 (FP8 with fine-grained tile/block scaling), Sec. 4.2 (seq 4K; batch ramped "
+                "from 3,072 to 15,360 sequences over the first 469B tokens) https://arxiv.org/abs/2412.19437")
 _MPT = ("MosaicML llm-foundry, 'MPT Training Benchmarks', scripts/train/benchmarking/README.md "
         "https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/scripts/train/"
         "benchmarking/README.md; shapes scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion 4, "
@@ -560,10 +569,35 @@ def _llama3() -> list[PublishedRun]:
     return rows
 
 
-def published(include_pending: bool = INCLUDE_PENDING) -> list[PublishedRun]:
-    """Every row, source by source; with ``include_pending`` also :func:`pending_runs`."""
+def deepseek_v3_runs() -> list[PublishedRun]:
+    """DeepSeek-V3's pre-training as its report states it: one row, the throughput implied by 180K
+    H800 GPU hours per trillion tokens. Stack ``megatron`` is the nearest (DeepSeek's own HAI-LLM
+    framework is not public); DualPipe overlaps the EP all-to-all with compute, which the Megatron
+    timing here does not: the row waits behind :data:`INCLUDE_DEEPSEEK_V3` for ``ep_overlap``
+    (``physics`` branch), to be set to 1.0 on it then."""
+    return [PublishedRun(
+        name="DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)", model=get_preset("deepseek-v3"),
+        cluster=_dgx("h800", 2048), global_batch=15360,
+        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none"),
+        metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
+        reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
+        dropout=False, dtype="fp8", fp8_recipe="blockwise",
+        note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
+             "ramp included; timed at the final 15,360 sequences); DualPipe: to be timed with ep_overlap 1.0 "
+             "(PublishedRun.ep_overlap, physics branch; not on this base: timed as Megatron's 1F1B "
+             "without EP overlap, interleaving left to the planner); recompute of RMSNorm and the MLA up-projections not expressible (timed as "
+             "none); the MTP module (depth 1), node-limited routing (4 nodes per token) and the 20 SMs kept for "
+             "communication not modelled; micro-batch not stated (planner's choice); inter-node IB 50 GB/s per "
+             "GPU (Sec. 3.2.2) as ib-ndr")]
+
+
+def published(include_pending: bool = INCLUDE_PENDING,
+              include_deepseek_v3: bool = INCLUDE_DEEPSEEK_V3) -> list[PublishedRun]:
+    """Every row, source by source; with ``include_pending`` also :func:`pending_runs`, with
+    ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
     rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
             + _trainy() + _deepspeed() + _llama3())
+    rows += deepseek_v3_runs() if include_deepseek_v3 else []
     return rows + pending_runs() if include_pending else rows
 
 
