@@ -436,7 +436,8 @@ def _nemo_2025() -> list[PublishedRun]:
         # current step"; 25.02 says only "FP8 precision" (the stack's default, delayed scaling)
         recipe = "current" if container == "25.04" else ""
         note = ("FP8 recipe not stated (Megatron-Core's delayed scaling assumed); " if not recipe else "")
-        note += "ZeRO-1 (distributed optimizer) unless FSDP 1 (Megatron FSDP = ZeRO-3); recompute none as the recipe csv"
+        note += ("ZeRO-1 (distributed optimizer) unless FSDP 1 (Megatron FSDP = ZeRO-3); recompute none as the "
+                 "recipe csv")
         if ep > 1:
             note += ("; MoE: alltoall token dispatcher and aux-loss load balancing (NeMo MixtralConfig), timed as "
                      "balanced routing; ETP 1 (csv etp_size 1 for 8x22B, empty for 8x7B: Megatron-Core's etp = tp = 1)")
@@ -584,11 +585,11 @@ def deepseek_v3_runs() -> list[PublishedRun]:
         dropout=False, dtype="fp8", fp8_recipe="blockwise",
         note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
              "ramp included; timed at the final 15,360 sequences); DualPipe: to be timed with ep_overlap 1.0 "
-             "(PublishedRun.ep_overlap, physics branch; not on this base: timed as Megatron's 1F1B "
-             "without EP overlap, interleaving left to the planner); recompute of RMSNorm and the MLA up-projections not expressible (timed as "
-             "none); the MTP module (depth 1), node-limited routing (4 nodes per token) and the 20 SMs kept for "
-             "communication not modelled; micro-batch not stated (planner's choice); inter-node IB 50 GB/s per "
-             "GPU (Sec. 3.2.2) as ib-ndr")]
+             "(PublishedRun.ep_overlap, physics branch; not on this base: timed as Megatron's 1F1B without EP "
+             "overlap, interleaving left to the planner); recompute of RMSNorm and the MLA up-projections not "
+             "expressible (timed as none); the MTP module (depth 1), node-limited routing (4 nodes per token) "
+             "and the 20 SMs kept for communication not modelled; micro-batch not stated (planner's choice); "
+             "inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
 
 
 def published(include_pending: bool = INCLUDE_PENDING,
