@@ -36,7 +36,7 @@ APPROXIMATE = {"gpt3-175b": (175e9, 0.005), "megatron-22b": (22e9, 0.01), "capst
                # rounded published totals; tests/test_models_moe.py checks these and their actives
                "deepseek-v2-lite": (15.7e9, 0.005), "deepseek-v3": (671e9, 0.001),
                "qwen3-30b-a3b": (30.5e9, 0.002), "qwen3-235b-a22b": (235e9, 0.002),
-               "gpt-oss-120b": (116.83e9, 0.0001)}
+               "gpt-oss-120b": (116.83e9, 0.0001), "mixtral-8x22b": (141e9, 0.004)}
 
 
 @pytest.mark.parametrize("name", PRESETS)

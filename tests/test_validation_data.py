@@ -10,8 +10,8 @@ import pytest
 
 from dtlib.analytic import hardware, presets
 from dtlib.plan import published as data
-from dtlib.plan.published import (INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED, SOURCES, STACKS,
-                                  pending_runs)
+from dtlib.plan.published import (INCLUDE_DEEPSEEK_V3, INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED,
+                                  SOURCES, STACKS, deepseek_v3_runs, pending_runs)
 from dtlib.plan.steptime import resolve
 from dtlib.plan.validation import _options, _prediction, error_grid, ignored, predict
 
@@ -43,16 +43,19 @@ def test_no_row_is_there_twice():
 
 
 def test_counts_per_source_family_precision_and_stack():
-    """Issue 26 item 8: at least 8 sources and 60 runs (GB200 and MoE rows wait in pending_runs)."""
-    assert INCLUDE_PENDING is False and len(PUBLISHED) == 81 and len(SOURCES) == 10
+    """Issue 26 item 8: at least 8 sources and 60 runs (the Megatron-Bridge GB200/GB300 and MoE rows wait
+    in pending_runs; NeMo 2025 brings GB200 and MoE rows of its own)."""
+    assert INCLUDE_PENDING is False and len(PUBLISHED) == 93 and len(SOURCES) == 11
     assert Counter(r.source for r in PUBLISHED) == {
-        "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "Megatron-Bridge": 7,
-        "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2, "BLOOM 2022": 1}
-    assert Counter(r.family for r in PUBLISHED) == {"h100": 52, "a100": 23, "b200": 4, "h200": 2}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 45, "fp8": 36}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 39, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
-    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 51, "hardware_tflops_per_gpu": 14,
+        "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
+        "Megatron-Bridge": 7, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
+        "BLOOM 2022": 1}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 52, "a100": 23, "b200": 10, "gb200": 6, "h200": 2}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 45, "fp8": 48}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 51, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 63, "hardware_tflops_per_gpu": 14,
                                                     "step_time_s": 4, "model_tflops_per_gpu": 12}
+    assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {"mixtral-8x7b": 2, "mixtral-8x22b": 2}
 
 
 def test_published_numbers_are_the_new_sources():
@@ -60,6 +63,8 @@ def test_published_numbers_are_the_new_sources():
     assert [r.published for r in by_source["NeMo 2024"]] == [23406, 5851, 716, 825, 16934, 8715, 1728, 12273, 1524,
                                                              768, 730, 660, 610, 574, 555, 549, 549, 536]
     assert [r.published for r in by_source["Trainy H200"]] == [10938, 10753]
+    assert [r.published for r in by_source["NeMo 2025"]] == [1600, 26006, 3062, 625, 15457, 2232,
+                                                             1804, 33099, 4035, 665, 19275, 2731]
     assert [r.published for r in by_source["DeepSpeed Azure 2022"]] == [204.49, 165.36, 157]
     assert [r.published for r in by_source["Llama 3 2024"]] == [430, 400, 380]
     assert [r.published for r in by_source["MosaicML llm-foundry"]] == [
@@ -67,6 +72,30 @@ def test_published_numbers_are_the_new_sources():
         20513]
     mx = [r.published for r in by_source["Megatron-Bridge"] if r.fp8_recipe == "mxfp8"]
     assert mx == [29521, 624]
+
+
+def test_nemo_2025_rows_give_the_tables_gradient_accumulation():
+    """The GA column of the NeMo 25.02 / 25.04 tables follows from each row as transcribed (GBS over
+    MBS x DP): a check on every layout cell, and on the Mixtral-8x22B rows, whose printed GBS 1 and
+    MBS 64 are the two columns swapped (GA 16 = 64 / (1 x 4))."""
+    rows = [r for r in PUBLISHED if r.source == "NeMo 2025"]
+    ga = [r.global_batch // (r.layout["dp"] * r.layout["micro_batch_size"]) for r in rows]
+    assert ga == [32, 8, 32, 32, 2, 16, 16, 8, 2, 32, 2, 16]
+    assert {r.fp8_recipe for r in rows if "(NeMo 25.04)" in r.name} == {"current"}  # the 25.04 text states it
+    racks = [r for r in rows if r.family == "gb200"]
+    assert [r.cluster.gpus_per_node for r in racks] == [64, 8, 64, 64, 64, 64]  # NVL72: one domain up to 64
+
+
+def test_deepseek_v3_report_row_waits_for_ep_overlap():
+    """180K H800 GPU hours per trillion tokens is 1,543 tokens/s/GPU; PP 16 x EP 64 x ZeRO-1 DP on
+    2,048 GPUs; outside PUBLISHED until DualPipe's EP overlap can be expressed."""
+    (run,) = deepseek_v3_runs()
+    assert INCLUDE_DEEPSEEK_V3 is False and run.name not in {r.name for r in PUBLISHED}
+    assert run.published == pytest.approx(1543.2, abs=0.05) and run.cluster.world_size == 2048
+    lay = run.layout
+    assert (lay["tp"], lay["pp"], lay["ep"], lay["dp"], lay["zero"]) == (1, 16, 64, 128, 1)
+    assert run.cluster.gpu.name == "h800" and run.cluster.intra.name == "nvlink-h800"
+    assert "ep_overlap" in run.note and "https://arxiv.org/abs/2412.19437" in run.reference
 
 
 # llm-foundry's NumParams column for the rows' (model, seq): learned positions make it grow with seq

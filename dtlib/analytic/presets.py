@@ -65,6 +65,12 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       source="Jiang et al. 2024, 'Mixtral of Experts', Table 1 (shape, 32k "
                              "context) and Sec. 1 (47B total, 13B active; Mistral AI's release "
                              "post: 46.7B, 12.9B); HF mistralai/Mixtral-8x7B-v0.1 config.json"),
+    TransformerConfig(name="mixtral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, vocab=32000,
+                      seq=65536, ffn=16384, moe_experts=8, moe_top_k=2, **_LLAMA,
+                      source="Mistral AI 2024, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B release "
+                             "post: 141B total, 39B active, 64K context); HF mistralai/Mixtral-8x22B-v0.1 "
+                             "config.json; NeMo MixtralConfig8x22B (56 layers, hidden 6144, 48 heads, "
+                             "FFN 16384, 8 query groups, untied embeddings)"),
     TransformerConfig(name="deepseek-v2-lite", layers=27, hidden=2048, heads=16, vocab=102400,
                       seq=4096, ffn=10944, moe_ffn=1408, moe_experts=64, moe_top_k=6,
                       moe_shared_experts=2, moe_dense_layers=1, kv_lora_rank=512,

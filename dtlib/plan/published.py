@@ -11,9 +11,11 @@ lists the sources and what each gave).
 
 Rows the current planner cannot express (MoE presets, GB200/GB300 racks: the names of issue 26's
 contract, built by other branches) are built by :func:`pending_runs`, which raises if a name is
-missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBLISHED`.
+missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBLISHED`. The
+DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
+for ``PublishedRun.ep_overlap`` (DualPipe).
 
-Over 500 lines because it is ten sources' tables transcribed row by row; splitting it by source
+Over 500 lines because it is a dozen sources' tables transcribed row by row; splitting it by source
 would scatter the shared conventions (units, stack knobs) that the rows must agree on.
 """
 from __future__ import annotations
@@ -27,10 +29,12 @@ from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
-           "published", "pending_runs"]
+           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = False
+# DeepSeek-V3's report row needs PublishedRun.ep_overlap (DualPipe; physics branch): True once it is on main
+INCLUDE_DEEPSEEK_V3 = False
 
 # the unit each published metric is quoted in (every row of the table carries its own)
 METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU",
@@ -73,6 +77,19 @@ _NEMO_LONG = ("NVIDIA NeMo long-sequence performance, NeMo 24.03.01 container, D
               "docs/source/performance/performance_long_sequence.md, table 'LLAMA2-7B (FP8) - H100', 'With CP' "
               "columns (TP, PP, DP, CP, TFLOPS/GPU) https://github.com/NVIDIA/NeMo/blob/"
               "a2c4cc8ee64eb98d83684fc616dd0225c25bdfa1/docs/source/performance/performance_long_sequence.md")
+_NEMO_2025 = ("NVIDIA NeMo Framework performance summary of 2025 (NeMo 2.x on Megatron-Core, FP8), 'Pre-training' "
+              "tables: NeMo 25.02, System DGX-B200, as stored at https://docs.nvidia.com/nemo-framework/user-guide/"
+              "latest/performance/performance_summary.html while it showed 25.02; NeMo 25.04, System DGX-GB200, "
+              "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/archive/25.04-performance-"
+              "summary.html; recipes scripts/performance/recommended_model_configs/model_configs_{b200,gb200}.csv "
+              "https://github.com/NVIDIA/NeMo/blob/3310699cbc5d2cfef35871107e36c0d53892c194/scripts/performance/"
+              "recommended_model_configs/ (25.04-alpha.rc1, 2025-03-17: the B200 rows' layouts) and at r2.3.0 "
+              "ca0af5eaa63dd4acf5f66e9a6e98d980e956efe9 (the GB200 rows')")
+_DEEPSEEK_V3 = ("DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 1 (180K H800 GPU hours per trillion "
+                "tokens; 2.664M GPU hours for the 14.8T pre-training tokens), Sec. 3.1-3.2 (2,048 H800, 8 per node, "
+                "NVLink within and InfiniBand across nodes; 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP, no TP; "
+                "DualPipe), Sec. 3.3 (FP8 with fine-grained tile/block scaling), Sec. 4.2 (seq 4K; batch ramped "
+                "from 3,072 to 15,360 sequences over the first 469B tokens) https://arxiv.org/abs/2412.19437")
 _MPT = ("MosaicML llm-foundry, 'MPT Training Benchmarks', scripts/train/benchmarking/README.md "
         "https://github.com/mosaicml/llm-foundry/blob/8c8dd48f72168c5d51e2f7b151595892a8fba43d/scripts/train/"
         "benchmarking/README.md; shapes scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion 4, "
@@ -377,6 +394,74 @@ def _nemo_long_context() -> list[PublishedRun]:
     return rows
 
 
+# (container, system, label, preset, GPUs, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, tokens/s/GPU) -- the
+# tables' rows, in order. Left out: Nemotron-15B and Nemotron-340B (vocabulary not in the text read, as in
+# _nemo); the tables of the same pages after the first system (25.02 DGX-H100, 25.04 DGX-B200 and DGX-H100:
+# not in the text read); the 25.07 DGX-GB200 table (each cell has a second value in parentheses, with
+# another layout, whose meaning is in a footnote not in the text read). Both Mixtral-8x22B rows print GBS 1
+# and MBS 64: the two columns swapped (the row's GA 16 = 64 / (1 x DP 4), and the recipe csv: mbs 1, gbs 64).
+_NEMO_2025_ROWS = [
+    ("25.02", "DGX-B200", "GPT3-175B", "gpt3-175b", 512, 2048, 2, 2048, 0, 4, 4, 1, 6, 1, 1600),
+    ("25.02", "DGX-B200", "LLAMA3-8B", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 1, 26006),
+    ("25.02", "DGX-B200", "LLAMA3-70B", "llama3-70b", 64, 128, 1, 8192, 0, 2, 4, 2, 5, 1, 3062),
+    ("25.02", "DGX-B200", "LLAMA3-405B", "llama3-405b", 128, 64, 1, 8192, 0, 4, 8, 2, 8, 1, 625),
+    ("25.02", "DGX-B200", "Mixtral-8x7B", "mixtral-8x7b", 64, 256, 2, 4096, 0, 1, 1, 1, 1, 8, 15457),
+    ("25.02", "DGX-B200", "Mixtral-8x22B", "mixtral-8x22b", 256, 64, 1, 65536, 0, 2, 4, 8, 14, 8, 2232),
+    ("25.04", "DGX-GB200", "GPT3-175B", "gpt3-175b", 128, 256, 2, 2048, 0, 4, 4, 1, 12, 1, 1804),
+    ("25.04", "DGX-GB200", "LLAMA3-8B", "llama3-8b", 8, 128, 2, 8192, 0, 1, 1, 1, 1, 1, 33099),
+    ("25.04", "DGX-GB200", "LLAMA3-70B", "llama3-70b", 64, 128, 1, 8192, 1, 1, 1, 1, 1, 1, 4035),
+    ("25.04", "DGX-GB200", "LLAMA3-405B", "llama3-405b", 128, 64, 1, 8192, 0, 4, 8, 2, 8, 1, 665),
+    ("25.04", "DGX-GB200", "Mixtral-8x7B", "mixtral-8x7b", 64, 256, 2, 4096, 0, 1, 1, 1, 1, 8, 19275),
+    ("25.04", "DGX-GB200", "Mixtral-8x22B", "mixtral-8x22b", 256, 64, 1, 65536, 0, 2, 4, 8, 14, 8, 2731),
+]
+
+
+def _nemo_2025() -> list[PublishedRun]:
+    """NeMo 2.x's 2025 pre-training tables (FP8) on DGX-B200 (NeMo 25.02) and DGX-GB200 (NeMo 25.04):
+    a third NVIDIA source, apart from "NeMo 2024" (the 24.03-24.07 containers, H100) and
+    "Megatron-Bridge" (the 25.11 container): other releases of NeMo and Megatron-Core, other recipes. Layout as
+    published; recompute none, as every matching recipe csv row (recompute_layers 0, no
+    recompute_modules); ZeRO-1 (NeMo 2.0's distributed optimizer) unless FSDP 1 (Megatron FSDP,
+    ZeRO-3); sequence parallelism with TP (the recipes' performance mode); no dropout (NeMo 2.0's
+    GPTConfig175B, Llama3 and Mixtral configs set 0.0). GB200: NVL72 racks as :func:`pending_runs`
+    (one NVLink domain of the job's GPUs up to 64; inter-rack 400 Gb/s, not stated)."""
+    rows = []
+    for container, system, label, preset, gpus, batch, mbs, seq, fsdp, tp, pp, cp, vp, ep, tps in _NEMO_2025_ROWS:
+        gpu = _SYSTEMS[system]
+        if gpu.startswith("gb"):
+            domain = min(gpus, 64)
+            cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-ndr")
+        else:
+            cl = _dgx(gpu, gpus)
+        layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, dp=gpus // (tp * pp * cp), zero=3 if fsdp else 1,
+                      virtual_stages=vp, micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1))
+        # 25.04 states its FP8 scaling: "per-tensor FP8 quantization ... scaling factors computed in the
+        # current step"; 25.02 says only "FP8 precision" (the stack's default, delayed scaling)
+        recipe = "current" if container == "25.04" else ""
+        note = ("FP8 recipe not stated (Megatron-Core's delayed scaling assumed); " if not recipe else "")
+        note += ("ZeRO-1 (distributed optimizer) unless FSDP 1 (Megatron FSDP = ZeRO-3); recompute none as the "
+                 "recipe csv")
+        if ep > 1:
+            note += ("; MoE: alltoall token dispatcher and aux-loss load balancing (NeMo MixtralConfig), timed as "
+                     "balanced routing; ETP 1 (csv etp_size 1 for 8x22B, empty for 8x7B: Megatron-Core's etp = tp = 1)")
+        if preset == "mixtral-8x7b":
+            note += "; CUDA graphs on in the recipe csv (not timed)"
+        if preset == "gpt3-175b":
+            note += "; GPT-2 vocabulary of the gpt3-175b preset (NeMo pads it to 50,304)"
+        if (container, label) in (("25.04", "LLAMA3-8B"), ("25.04", "LLAMA3-405B")):
+            note += "; the r2.3.0 csv (Aug 2025) has another FP8 layout for this model: the table's is taken"
+        family = gpu.split("-")[0]
+        rows.append(PublishedRun(
+            name=f"{label} FP8, {gpus} x {family.upper()} (NeMo {container})",
+            model=replace(get_preset(preset), seq=seq), cluster=cl, global_batch=batch, layout=layout,
+            metric="tokens_per_gpu_s", published=tps, family=family, source="NeMo 2025",
+            reference=_NEMO_2025 + f", table 'Container: NeMo {container}, System: {system}', row {label} "
+                                   f"({gpus} GPUs, GBS {batch}, MBS {mbs}, seq {seq}, FSDP {fsdp}, TP {tp}, PP {pp}, "
+                                   f"CP {cp}, VP {vp}, EP {ep})",
+            stack="megatron", dropout=False, dtype="fp8", fp8_recipe=recipe, note=note))
+    return rows
+
+
 # (model, seq, GPUs, GPU, MicroBatchSize, GradAccum, GlobalBatchSize, tokens/s/GPU, precision,
 #  sharding, activation checkpointing) -- rows of the README's tables as printed
 _MPT_ROWS = [
@@ -488,10 +573,35 @@ def _llama3() -> list[PublishedRun]:
     return rows
 
 
-def published(include_pending: bool = INCLUDE_PENDING) -> list[PublishedRun]:
-    """Every row, source by source; with ``include_pending`` also :func:`pending_runs`."""
-    rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _mpt() + _trainy()
-            + _deepspeed() + _llama3())
+def deepseek_v3_runs() -> list[PublishedRun]:
+    """DeepSeek-V3's pre-training as its report states it: one row, the throughput implied by 180K
+    H800 GPU hours per trillion tokens. Stack ``megatron`` is the nearest (DeepSeek's own HAI-LLM
+    framework is not public); DualPipe overlaps the EP all-to-all with compute, which the Megatron
+    timing here does not: the row waits behind :data:`INCLUDE_DEEPSEEK_V3` for ``ep_overlap``
+    (``physics`` branch), to be set to 1.0 on it then."""
+    return [PublishedRun(
+        name="DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)", model=get_preset("deepseek-v3"),
+        cluster=_dgx("h800", 2048), global_batch=15360,
+        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none"),
+        metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
+        reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
+        dropout=False, dtype="fp8", fp8_recipe="blockwise",
+        note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
+             "ramp included; timed at the final 15,360 sequences); DualPipe: to be timed with ep_overlap 1.0 "
+             "(PublishedRun.ep_overlap, physics branch; not on this base: timed as Megatron's 1F1B without EP "
+             "overlap, interleaving left to the planner); recompute of RMSNorm and the MLA up-projections not "
+             "expressible (timed as none); the MTP module (depth 1), node-limited routing (4 nodes per token) "
+             "and the 20 SMs kept for communication not modelled; micro-batch not stated (planner's choice); "
+             "inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
+
+
+def published(include_pending: bool = INCLUDE_PENDING,
+              include_deepseek_v3: bool = INCLUDE_DEEPSEEK_V3) -> list[PublishedRun]:
+    """Every row, source by source; with ``include_pending`` also :func:`pending_runs`, with
+    ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
+    rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
+            + _trainy() + _deepspeed() + _llama3())
+    rows += deepseek_v3_runs() if include_deepseek_v3 else []
     return rows + pending_runs() if include_pending else rows
 
 
