@@ -73,7 +73,21 @@ def test_ep_comm_is_dispatch_and_combine_forward_and_backward_by_hand():
     full = step_time(MOE, layout.with_(recompute="full"), c, options=OPTIONS)
     assert full.breakdown["ep_comm"] == pytest.approx(1.5 * r.breakdown["ep_comm"], rel=1e-12)
     hidden = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, ep_overlap=0.25))
+    assert r.breakdown["ep_comm"] < r.breakdown["compute"]  # compute enough to hide what is asked
     assert hidden.breakdown["ep_comm"] == pytest.approx(0.75 * r.breakdown["ep_comm"], rel=1e-12)
+
+
+def test_ep_overlap_hides_no_more_than_the_moe_layers_compute():
+    """Across a slow fabric the all-to-all outlasts the compute another micro-batch can run beside it
+    (DualPipe / --overlap-moe-expert-parallel-comm): full overlap leaves the difference exposed."""
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    slow = cluster("h100-sxm", 8, 1, inter="ib-hdr")  # one GPU a node: every peer over 200 Gb/s HDR
+    exposed = step_time(MOE, layout, slow, options=OPTIONS)
+    overlapped = step_time(MOE, layout, slow, options=StepOptions(flash_attention=True, dp_overlap=0.0,
+                                                                   ep_overlap=1.0))
+    raw, compute = exposed.breakdown["ep_comm"], exposed.breakdown["compute"]
+    assert raw > compute > 0  # every layer of MOE is an MoE layer
+    assert overlapped.breakdown["ep_comm"] == pytest.approx(raw - compute, rel=1e-12)
 
 
 def test_placement_leaves_nvlink_when_tp_x_ep_crosses_the_node_and_not_in_an_nvl72_rack():

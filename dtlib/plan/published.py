@@ -109,7 +109,8 @@ class PublishedRun:
     a row sets one only where that run differs from its stack's defaults, with the reason in its
     builder: ``convention`` (activation counting, e.g. ``korthikanti-2022`` for 2021-22
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,
-    ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off)."""
+    ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
+    ``ep_overlap`` (1: the run overlapped its EP all-to-alls, Megatron's ``moe_a2a_overlap``)."""
     name: str
     model: TransformerConfig
     cluster: Cluster
@@ -129,6 +130,7 @@ class PublishedRun:
     power_limit_w: float | None = None
     fused_elementwise: bool | None = None
     tp_overlap: float | None = None
+    ep_overlap: float = 0.0
     note: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -580,8 +582,10 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
+        # moe_a2a_overlap: Megatron's --overlap-moe-expert-parallel-comm (steptime caps it at the compute)
+        overlap = float("moe_a2a_overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), ""))
         rows.append(replace(run, name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} "
-                                      f"(Megatron-Bridge 25.11)"))
+                                      f"(Megatron-Bridge 25.11)", ep_overlap=overlap))
     return rows
 
 

@@ -85,7 +85,8 @@ TERMS: dict[str, str] = {
                "Megatron-Core MoEAlltoAllTokenDispatcher), on NVLink when the EP group's etp x ep "
                "consecutive ranks fit a node (Megatron-Core's expert grid), else bounded by the NIC "
                "share per GPU (DeepSeek-V3 report, Sec. 3.2.2); with etp > 1 an all-gather and a "
-               "reduce-scatter over the ETP group; exposed unless ep_overlap (dtlib.plan.moe)",
+               "reduce-scatter over the ETP group; exposed but for ep_overlap x the MoE layers' compute, "
+               "the most another micro-batch's work can hide (dtlib.plan.moe)",
     "pp_p2p": "each stage boundary sends the micro-batch's activations forward and their gradients "
               "back (x v chunks interleaved), point to point on the link between stages (Narayanan "
               "et al. 2021, Sec. 4.1), each of the t tensor ranks sending 1/t of it (their "
@@ -130,8 +131,9 @@ class StepOptions:
     (:func:`dtlib.analytic.presets.activation_convention`: default ``today``, FlashAttention-style
     attention that never writes the s x s scores to HBM; ``korthikanti-2022`` or
     ``flash_attention=False``: explicit attention, as 2021-22 Megatron-LM's fused softmax).
-    ``ep_overlap``: fraction of the EP all-to-all hidden behind compute (DeepSeek-V3's DualPipe,
-    Megatron's ``--overlap-moe-expert-parallel-comm``; default 0: exposed, Megatron's default);
+    ``ep_overlap``: fraction of the EP all-to-all hidden behind the MoE layers' compute, and never
+    more than that compute (DeepSeek-V3's DualPipe, Megatron's ``--overlap-moe-expert-parallel-comm``;
+    default 0: exposed, Megatron's default);
     ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
     scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`).
     """
@@ -323,7 +325,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     ep_parts = ep_comm_time(b=b, s=s, h=h, tp=tp, cp=cp, dp=dp, ep=ep, moe=moe, load=load,
                             act_bytes=prec.activation, calls=ep_calls, gpus_per_node=g,
                             intra=intra, inter=inter)
-    ep_comm = (1 - options.ep_overlap) * (ep_parts["all_to_all"] + ep_parts["etp"])
+    # overlap hides an all-to-all behind another micro-batch's compute of the same MoE layers (DeepSeek-V3's
+    # DualPipe, Sec. 3.2.1; Megatron's --overlap-moe-expert-parallel-comm): never more than that compute
+    ep_raw = ep_parts["all_to_all"] + ep_parts["etp"]
+    ep_comm = ep_raw - options.ep_overlap * np.minimum(ep_raw, moe["moe_share"] * compute)
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
     # averaged over the model's dense / MoE and sliding / global layers (dtlib.analytic.activations)
     per_layer = n | dict(dropout=dropout, act_bytes=prec.activation)

@@ -54,7 +54,7 @@ def _options(run: PublishedRun, gemm: Any = None, attention: Any = None) -> Step
                        flash_attention=run.flash_attention, power_limit_w=run.power_limit_w,
                        gemm_efficiency=GEMM_EFFICIENCY if gemm is None else gemm,
                        attention_efficiency=attention * scale, tp_overlap=run.tp_overlap,
-                       fused_elementwise=run.fused_elementwise)
+                       fused_elementwise=run.fused_elementwise, ep_overlap=run.ep_overlap)
 
 
 def _fixed(run: PublishedRun) -> dict[str, Any]:
