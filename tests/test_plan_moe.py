@@ -327,6 +327,38 @@ def test_the_grouped_gemm_overhead_is_six_calls_per_local_expert():
     assert grouped_gemm_overhead(3, dense) == (0, 0)
 
 
+@pytest.mark.parametrize("recipe, forward, backward", [
+    ("delayed", 2, 4),           # one fused multi-tensor cast for all experts: GEMMs only
+    ("mxfp8", 2 + 2, 4 + 2),     # one cast kernel per quantized tensor (FC1/FC2 input, FC2/FC1 output grad)
+    ("current", 2 + 6, 4 + 6),   # amax, scale, cast: three per quantized tensor
+])
+def test_fp8_recipes_add_their_cast_kernels_per_expert(recipe, forward, backward):
+    """Transformer Engine 2.9 quantizes each expert's GEMM inputs (forward) and output gradients
+    (backward) in its per-expert loop: every kernel of it pays the per-expert launch cost."""
+    moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
+    per_launch = 3 * (0.272e-3 - 0.069e-3) / 8
+    assert grouped_gemm_overhead(3, moe, recipe) == pytest.approx((forward * per_launch, backward * per_launch))
+    assert grouped_gemm_overhead(3, moe, recipe, expert_loop=False) == (0, 0)  # one grouped kernel
+    with pytest.raises(InvalidArgument, match="fp8_recipe"):
+        grouped_gemm_overhead(3, moe, "e4m3")
+
+
+def test_a_stack_with_one_grouped_kernel_pays_no_per_expert_launches():
+    """torchtitan's torch._grouped_mm runs the local experts in one kernel; Megatron-Core's
+    GroupedLinear loops over them, so at equal layout it is slower by the launches, and with FP8
+    current scaling by more than with MXFP8."""
+    c = cluster("h100-sxm", 1, 8)
+    layout = Parallelism(dp=8, ep=8)
+    compute = {(stack, recipe): step_time(MOE, layout, c, options=StepOptions(
+        stack=stack, dtype="fp8", fp8_recipe=recipe, flash_attention=True, attention_efficiency=0.4,
+        dp_overlap=0.0)).breakdown["compute"] for stack in ("megatron", "torchtitan") for recipe in ("mxfp8", "current")}
+    launches = 3 * MOE.layers * (0.272e-3 - 0.069e-3) / 8  # 3 local experts, one micro-batch
+    assert compute["megatron", "mxfp8"] - compute["torchtitan", "mxfp8"] == pytest.approx(10 * launches, rel=1e-9)
+    assert compute["megatron", "current"] - compute["torchtitan", "current"] == pytest.approx(18 * launches, rel=1e-9)
+    with pytest.raises(InvalidArgument, match="fp8_recipe"):
+        StepOptions(fp8_recipe="e4m3")
+
+
 def test_the_grouped_gemm_overhead_adds_to_the_expert_gemms(monkeypatch):
     """Raising the per-expert call cost by d raises the compute term by d x 6 calls x local experts
     x MoE layers x micro-batches, with full recompute by the 2 forward calls more; a dense model's
