@@ -226,8 +226,14 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
                                               v_head_dim=v_dim, sliding_window=n.get("sliding_window", 0),
                                               sliding_layers=n.get("sliding_layers", 0)) / n["layers"]
         work = b * (s / cp) * per_token / tp
-        attn_fwd = work / (gpu.peak("bf16") * clock * attention_efficiency)
-        attn_bwd = FLASH_BACKWARD * attn_fwd
+        # softmax: one exponential per score forward, one again backward (P recomputed from the saved
+        # log-sum-exp, Dao 2023, Sec. 3.1.2), on the special-function units beside the tensor cores
+        # (FLOPS_PER_EXP in dtlib.analytic.hardware); counted after the matmuls, not hidden behind them
+        exps = work / (2 * (qk_dim + v_dim))
+        exp_time = 0 * exps if gpu.exp_rate is None else exps / (gpu.exp_rate * clock)
+        matmul = work / (gpu.peak("bf16") * clock)
+        attn_fwd = (matmul + exp_time) / attention_efficiency
+        attn_bwd = (FLASH_BACKWARD * matmul + exp_time) / attention_efficiency
     else:  # batched GEMMs per head: Q K^T (s x s over d), A V (s x d over s), all of s x s computed
         # (an explicit mask, sliding or causal, does not skip work)
         per_head = b * heads / tp
