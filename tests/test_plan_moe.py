@@ -73,7 +73,21 @@ def test_ep_comm_is_dispatch_and_combine_forward_and_backward_by_hand():
     full = step_time(MOE, layout.with_(recompute="full"), c, options=OPTIONS)
     assert full.breakdown["ep_comm"] == pytest.approx(1.5 * r.breakdown["ep_comm"], rel=1e-12)
     hidden = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, ep_overlap=0.25))
+    assert r.breakdown["ep_comm"] < r.breakdown["compute"]  # compute enough to hide what is asked
     assert hidden.breakdown["ep_comm"] == pytest.approx(0.75 * r.breakdown["ep_comm"], rel=1e-12)
+
+
+def test_ep_overlap_hides_no_more_than_the_moe_layers_compute():
+    """Across a slow fabric the all-to-all outlasts the compute another micro-batch can run beside it
+    (DualPipe / --overlap-moe-expert-parallel-comm): full overlap leaves the difference exposed."""
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    slow = cluster("h100-sxm", 8, 1, inter="ib-hdr")  # one GPU a node: every peer over 200 Gb/s HDR
+    exposed = step_time(MOE, layout, slow, options=OPTIONS)
+    overlapped = step_time(MOE, layout, slow, options=StepOptions(flash_attention=True, dp_overlap=0.0,
+                                                                   ep_overlap=1.0))
+    raw, compute = exposed.breakdown["ep_comm"], exposed.breakdown["compute"]
+    assert raw > compute > 0  # every layer of MOE is an MoE layer
+    assert overlapped.breakdown["ep_comm"] == pytest.approx(raw - compute, rel=1e-12)
 
 
 def test_placement_leaves_nvlink_when_tp_x_ep_crosses_the_node_and_not_in_an_nvl72_rack():
@@ -311,6 +325,38 @@ def test_the_grouped_gemm_overhead_is_six_calls_per_local_expert():
     assert backward == pytest.approx(4 * 3 * per_call, rel=1e-12)
     dense = moe_numbers(DENSE.numbers() | Parallelism(dp=8).numbers())
     assert grouped_gemm_overhead(3, dense) == (0, 0)
+
+
+@pytest.mark.parametrize("recipe, forward, backward", [
+    ("delayed", 2, 4),           # one fused multi-tensor cast for all experts: GEMMs only
+    ("mxfp8", 2 + 2, 4 + 2),     # one cast kernel per quantized tensor (FC1/FC2 input, FC2/FC1 output grad)
+    ("current", 2 + 6, 4 + 6),   # amax, scale, cast: three per quantized tensor
+])
+def test_fp8_recipes_add_their_cast_kernels_per_expert(recipe, forward, backward):
+    """Transformer Engine 2.9 quantizes each expert's GEMM inputs (forward) and output gradients
+    (backward) in its per-expert loop: every kernel of it pays the per-expert launch cost."""
+    moe = moe_numbers(MOE.numbers() | Parallelism(dp=8, ep=8).numbers())
+    per_launch = 3 * (0.272e-3 - 0.069e-3) / 8
+    assert grouped_gemm_overhead(3, moe, recipe) == pytest.approx((forward * per_launch, backward * per_launch))
+    assert grouped_gemm_overhead(3, moe, recipe, expert_loop=False) == (0, 0)  # one grouped kernel
+    with pytest.raises(InvalidArgument, match="fp8_recipe"):
+        grouped_gemm_overhead(3, moe, "e4m3")
+
+
+def test_a_stack_with_one_grouped_kernel_pays_no_per_expert_launches():
+    """torchtitan's torch._grouped_mm runs the local experts in one kernel; Megatron-Core's
+    GroupedLinear loops over them, so at equal layout it is slower by the launches, and with FP8
+    current scaling by more than with MXFP8."""
+    c = cluster("h100-sxm", 1, 8)
+    layout = Parallelism(dp=8, ep=8)
+    compute = {(stack, recipe): step_time(MOE, layout, c, options=StepOptions(
+        stack=stack, dtype="fp8", fp8_recipe=recipe, flash_attention=True, attention_efficiency=0.4,
+        dp_overlap=0.0)).breakdown["compute"] for stack in ("megatron", "torchtitan") for recipe in ("mxfp8", "current")}
+    launches = 3 * MOE.layers * (0.272e-3 - 0.069e-3) / 8  # 3 local experts, one micro-batch
+    assert compute["megatron", "mxfp8"] - compute["torchtitan", "mxfp8"] == pytest.approx(10 * launches, rel=1e-9)
+    assert compute["megatron", "current"] - compute["torchtitan", "current"] == pytest.approx(18 * launches, rel=1e-9)
+    with pytest.raises(InvalidArgument, match="fp8_recipe"):
+        StepOptions(fp8_recipe="e4m3")
 
 
 def test_the_grouped_gemm_overhead_adds_to_the_expert_gemms(monkeypatch):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
-__all__ = ["Accelerator", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
+__all__ = ["Accelerator", "FLOPS_PER_EXP", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
            "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
@@ -33,7 +33,9 @@ class Accelerator:
     """One device: dense peaks (FLOP/s; None = unsupported), memory (bytes), HBM bandwidth (B/s);
     ``sms``: streaming multiprocessors (AMD: compute units), the unit a GEMM's tiles are scheduled
     on in waves (:mod:`dtlib.plan.gemm`); ``tdp_w``: board power at which the peaks hold (a lower
-    power limit lowers the clock, :func:`dtlib.plan.gemm.clock_scale`). None where not published."""
+    power limit lowers the clock, :func:`dtlib.plan.gemm.clock_scale`); ``flops_per_exp``: dense
+    BF16 tensor-core FLOPs an SM does in the time its special-function units do one exponential
+    (softmax's cost in attention, :data:`FLOPS_PER_EXP`). None where not published."""
     name: str
     peaks: dict[str, float | None]
     memory_bytes: int
@@ -41,6 +43,12 @@ class Accelerator:
     source: str
     sms: int | None = None
     tdp_w: float | None = None
+    flops_per_exp: float | None = None
+
+    @property
+    def exp_rate(self) -> float | None:
+        """Exponentials per second the special-function units sustain (None: not known)."""
+        return None if self.flops_per_exp is None else self.peak("bf16") / self.flops_per_exp
 
     def peak(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s for ``dtype`` (one of :data:`COMPUTE_DTYPES`)."""
@@ -62,10 +70,23 @@ class Link:
     source: str
 
 
-def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None, fp4=None) -> Accelerator:
+# Dense BF16 tensor-core FLOPs per SM and clock over exponentials (MUFU.EX2) per SM and clock: 16
+# exponentials per clock and SM on compute capability 8.x, 9.0 and 10.0 (CUDA C++ Programming Guide,
+# "Arithmetic Instructions" throughput table, base-2 exponential) against 2,048 (A100: 312 TFLOPS /
+# (108 SMs x 1.41 GHz)), 4,096 (Hopper: "989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special
+# functions", Shah et al. 2024, FlashAttention-3, Sec. 3.1) and 8,192 (Blackwell B200/GB200, Zadouri,
+# Dao et al. 2025, FlashAttention-4: the exponential, not the matmul, bounds attention's forward at
+# head dimension 128); Blackwell Ultra (B300/GB300) doubles the special-function units' exponential
+# throughput ("2x attention-layer acceleration", NVIDIA, "Inside NVIDIA Blackwell Ultra", 2025).
+FLOPS_PER_EXP = {"ampere": 2048 / 16, "hopper": 4096 / 16, "blackwell": 8192 / 16, "blackwell-ultra": 8192 / 32}
+
+
+def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None, fp4=None,
+         arch=None) -> Accelerator:
     peaks = {"fp32": fp32 * T, "tf32": tf32 and tf32 * T, "bf16": bf16 and bf16 * T,
              "fp16": fp16 * T, "fp8": fp8 and fp8 * T, "fp4": fp4 and fp4 * T}
-    return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source, sms, tdp_w)
+    return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source, sms, tdp_w,
+                       FLOPS_PER_EXP[arch] if arch else None)
 
 
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense"
@@ -101,24 +122,24 @@ _MI355X = ("AMD Instinct MI355X data sheet (2025), dense matrix: FP16/BF16 2,516
            "157.3 TFLOPS vector; 288 GB HBM3E at 8 TB/s, 1,400 W; 256 CUs = 8 XCDs x 32 (AMD at ISSCC 2026); no "
            "TF32 peak listed for CDNA 4 (None); the exact TFLOPS digits were not confirmed from a text read here")
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
-    _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400),
-    _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400),
-    _acc("h100-sxm", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _NV_H100 + ", H100 SXM" + _SMS, 132, 700),
-    _acc("h100-pcie", 51, 378, 756.5, 756.5, 1513, 80, 2.0, _NV_H100 + ", H100 PCIe" + _SMS, 114, 350),
+    _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400, arch="ampere"),
+    _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400, arch="ampere"),
+    _acc("h100-sxm", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _NV_H100 + ", H100 SXM" + _SMS, 132, 700, arch="hopper"),
+    _acc("h100-pcie", 51, 378, 756.5, 756.5, 1513, 80, 2.0, _NV_H100 + ", H100 PCIe" + _SMS, 114, 350, arch="hopper"),
     _acc("h200", 67, 494.5, 989.5, 989.5, 1979, 141, 4.8,
-         "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense" + _SMS, 132, 700),
+         "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM, dense" + _SMS, 132, 700, arch="hopper"),
     _acc("b200", 75, 1125, 2250, 2250, 4500, 180, 8.0,
          "NVIDIA HGX B200 datasheet (2024): per-GPU = HGX 8-GPU figures / 8, dense = sparse / 2 (FP4: 18 "
          "PFLOPS sparse per GPU -> 9 dense, the datasheet's 'Individual Blackwell GPU' column)" + _SMS, 148, 1000,
-         fp4=9000),
+         fp4=9000, arch="blackwell"),
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
          "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
     # today's parts: the sources say where a figure is derived and which ones were not read here
-    _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000),
-    _acc("gb300", 80, 1250, 2500, 2500, 5000, 279, 8.0, _GB300, 160, 1400, fp4=15000),
-    _acc("b300", 75, 1100, 2250, 2250, 4500, 270, 7.7, _B300, 160, 1100, fp4=14000),
-    _acc("h800", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _H800, 132, 700),
-    _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
+    _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000, arch="blackwell"),
+    _acc("gb300", 80, 1250, 2500, 2500, 5000, 279, 8.0, _GB300, 160, 1400, fp4=15000, arch="blackwell-ultra"),
+    _acc("b300", 75, 1100, 2250, 2250, 4500, 270, 7.7, _B300, 160, 1100, fp4=14000, arch="blackwell-ultra"),
+    _acc("h800", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _H800, 132, 700, arch="hopper"),
+    _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400, arch="hopper"),
     _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
 ]}
 

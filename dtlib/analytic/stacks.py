@@ -33,11 +33,15 @@ from dtlib.analytic.hardware import Accelerator
 # utilization on H100", FA3 "up to 75%" in BF16. Not fitted: a ratio of two published utilizations.
 FA2_ON_HOPPER = 0.35 / 0.75
 
-__all__ = ["Stack", "STACKS", "DEFAULT_STACK", "ATTENTION_KERNELS", "get_stack"]
+__all__ = ["Stack", "STACKS", "DEFAULT_STACK", "ATTENTION_KERNELS", "FP8_RECIPES", "get_stack"]
 
 # "fa3": FlashAttention-3 / cuDNN fused attention on Hopper and later (what ATTENTION_EFFICIENCY
 # describes); "fa2": FlashAttention-2 (PyTorch SDPA's flash backend, the flash-attn 2 package)
 ATTENTION_KERNELS = ("fa3", "fa2")
+# FP8 scaling recipes: Transformer Engine's delayed and current (per-tensor) scaling and MXFP8 blocks
+# (TE recipe.DelayedScaling / Float8CurrentScaling / MXFP8BlockScaling); torchao's tensorwise and
+# rowwise dynamic scaling (torchtitan float8.recipe_name)
+FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,11 @@ class Stack:
     as fused kernels; ``fused_swiglu``: the SwiGLU activation saves only its input
     (:func:`dtlib.analytic.activations.stored_layer_bytes`); ``fp8_saves_inputs``: with FP8
     matmuls the GEMM inputs kept for backward are the FP8 copies; ``fp8_recipe``: the scaling
-    recipe when FP8 is on (documentation; the cast traffic is the same physics,
-    :mod:`dtlib.plan.gemm`); ``precision``: bytes per parameter
+    recipe when FP8 is on (:data:`FP8_RECIPES`; the cast traffic is the same physics,
+    :mod:`dtlib.plan.gemm`, but the kernels launched per local expert differ,
+    :data:`dtlib.plan.moe.EXPERT_LAUNCHES`); ``expert_loop``: the local experts' GEMMs run as one
+    kernel launch (or more) per expert, not as one grouped kernel, so each expert adds its launches'
+    cost (:func:`dtlib.plan.moe.grouped_gemm_overhead`); ``precision``: bytes per parameter
     (:data:`dtlib.analytic.precision.CONVENTIONS`)."""
     name: str
     description: str
@@ -65,6 +72,7 @@ class Stack:
     fused_swiglu: bool
     fp8_saves_inputs: bool
     fp8_recipe: str | None
+    expert_loop: bool
     precision: str
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -72,6 +80,8 @@ class Stack:
         for name in ("tp_overlap", "dp_overlap", "dp_overlap_zero3", "cp_overlap"):
             validate.number(name, getattr(self, name), minimum=0, exclusive=False, maximum=1)
         validate.one_of("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        if self.fp8_recipe is not None:
+            validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
 
     def attention_scale(self, gpu: Accelerator) -> float:
         """The attention kernel's throughput relative to the FlashAttention-3/cuDNN kernels that
@@ -90,7 +100,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                       "(Megatron-Bridge / NeMo performance configs)",
           tp_overlap=1.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa3",
           fused_elementwise=True, fused_swiglu=True, fp8_saves_inputs=True, fp8_recipe="delayed",
-          precision="megatron-bf16",
+          expert_loop=True, precision="megatron-bf16",
           sources={
               "tp_overlap": "CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
                             "recipes (Megatron-Core ModelParallelConfig.tp_comm_overlap, default False: "
@@ -116,13 +126,17 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                                   "column-wise FP8 data only)",
               "fp8_recipe": _MCORE + "TransformerConfig.fp8_recipe default 'delayed' (delayed scaling); "
                             "'tensorwise' = current scaling",
+              "expert_loop": "Transformer Engine 2.9 GroupedLinear -> transformer_engine/common/gemm/cublaslt_gemm.cu "
+                             "multi_stream_cublas_gemm: 'for (int i = 0; i < num_gemms; i++) { ... "
+                             "nvte_cublas_gemm_v2(...) }' on 4 streams; its CUTLASS grouped GEMM only on Hopper "
+                             "with NVTE_USE_CUTLASS_GROUPED_GEMM (default off)",
               "precision": "Megatron-LM arguments.py: with --bf16 'accumulate_allreduce_grads_in_fp32 = True' "
                            "(fp32 main gradients): 2 + 4 + 12 bytes/param (distrib_optimizer.md)",
           }),
     Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe="tensorwise",
-          precision="fsdp-mixed",
+          expert_loop=False, precision="fsdp-mixed",
           sources={
               "tp_overlap": _TITAN + "parallelism.enable_async_tensor_parallel = False (async TP needs "
                             "torch.compile)",
@@ -141,6 +155,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                                   "ctx.save_for_backward(input_hp, weight_hp_t) (the BF16 input)",
               "fp8_recipe": _TITAN + "float8.recipe_name = None -> torchao's default Float8LinearConfig "
                             "(tensorwise dynamic scaling); 'rowwise' is the other recipe",
+              "expert_loop": "torchtitan models/moe/moe.py GroupedExperts: use_grouped_mm = True -> "
+                             "torch._grouped_mm, one kernel for all local experts",
               "precision": _TITAN + "training.mixed_precision_param = 'bfloat16', "
                            "mixed_precision_reduce = 'float32': FSDP2 keeps fp32 sharded parameters "
                            "and gradients, Adam states fp32: 4 + 4 + 8 bytes/param, BF16 compute copies",
@@ -148,7 +164,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("deepspeed", "DeepSpeed ZeRO with a Hugging Face / Megatron-DeepSpeed model",
           tp_overlap=0.0, dp_overlap=0.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          precision="zero",
+          expert_loop=True, precision="zero",
           sources={
               "tp_overlap": "DeepSpeed has no TP communication overlap (AutoTP all-reduces after the "
                             "row-parallel linear)",
@@ -163,13 +179,15 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
               "fused_swiglu": "eager Hugging Face LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))",
               "fp8_saves_inputs": "no FP8 path of its own: GEMM inputs stay BF16",
               "fp8_recipe": "none of its own (FP8 only through a model built on Transformer Engine)",
+              "expert_loop": "deepspeed/moe/experts.py Experts.forward: 'for chunk, expert in zip(chunks, "
+                             "self.deepspeed_experts)': each local expert's MLP in turn",
               "precision": "ZeRO paper (Rajbhandari et al. 2020) Sec. 3.1: 2 + 2 + 12 bytes/param; DeepSpeed's "
                            "estimate_zero2_model_states_mem_needs counts the same",
           }),
     Stack("fsdp", "PyTorch FSDP1 as llm-foundry (MosaicML) runs it",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          precision="fsdp-mixed",
+          expert_loop=False, precision="fsdp-mixed",
           sources={
               "tp_overlap": "no tensor parallelism in llm-foundry's FSDP recipes",
               "dp_overlap": "llm-foundry yamls fsdp_config: sharding_strategy: FULL_SHARD, "
@@ -184,6 +202,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                               "tensors)",
               "fp8_saves_inputs": "no FP8 in these recipes: GEMM inputs stay BF16",
               "fp8_recipe": "none in llm-foundry's FSDP yamls (precision: amp_bf16)",
+              "expert_loop": "llm-foundry's MoE FFN is MegaBlocks dMoE: grouped_gemm's gmm, one CUTLASS grouped "
+                             "kernel for all local experts",
               "precision": "llm-foundry fsdp_config mixed_precision: PURE / DEFAULT: FSDP keeps the fp32 "
                            "flat parameter shards (the master weights) and fp32 gradient shards, Adam "
                            "states fp32: 4 + 4 + 8 bytes/param",

@@ -162,7 +162,8 @@ def attention_projections(n: dict[str, Any], tokens: Any, **weights_kw: Any) -> 
 
 def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
                         flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
-                        clock: float = 1.0, moe_imbalance: float = 1.0) -> dict[str, Any]:
+                        clock: float = 1.0, moe_imbalance: float = 1.0, fp8_recipe: str = "current",
+                        expert_loop: bool = True) -> dict[str, Any]:
     """Seconds per step on one GPU of the weight GEMMs (``gemm``) and of attention
     (``attention``) for the layouts ``n`` (:func:`dtlib.analytic.vectorised.layout_arrays`).
 
@@ -174,8 +175,10 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     the MLP is the local experts' grouped GEMM, ``experts / ep`` GEMMs of the rows each receives
     (:func:`dtlib.plan.moe.expert_rows` / local experts: small per-expert M pays tile quantization),
     FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless, plus the
-    per-expert cost of each grouped GEMM call (:func:`dtlib.plan.moe.grouped_gemm_overhead`); plus
-    the shared experts and the router. A fraction ``moe_layers / layers`` of the layers is MoE."""
+    per-expert cost of the kernels launched for each expert when the stack loops over them
+    (``expert_loop``; their number depends on ``fp8_recipe`` when ``dtype`` is fp8:
+    :func:`dtlib.plan.moe.grouped_gemm_overhead`); plus the shared experts and the router. A
+    fraction ``moe_layers / layers`` of the layers is MoE."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
@@ -196,8 +199,8 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     local_experts = np.where(moe["moe"], experts / ep, 1)
     rows = expert_rows(tokens, tp, moe, expert_load(moe, moe_imbalance)) / local_experts
     grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, weights_kw)
-    # plus what the grouped GEMM path spends per expert and call (dtlib.plan.moe.grouped_gemm_overhead)
-    overhead = grouped_gemm_overhead(local_experts, moe)
+    # plus what a per-expert loop spends per expert and launch (dtlib.plan.moe.grouped_gemm_overhead)
+    overhead = grouped_gemm_overhead(local_experts, moe, fp8_recipe if dtype == "fp8" else "bf16", expert_loop)
     grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
     shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
@@ -223,8 +226,14 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
                                               v_head_dim=v_dim, sliding_window=n.get("sliding_window", 0),
                                               sliding_layers=n.get("sliding_layers", 0)) / n["layers"]
         work = b * (s / cp) * per_token / tp
-        attn_fwd = work / (gpu.peak("bf16") * clock * attention_efficiency)
-        attn_bwd = FLASH_BACKWARD * attn_fwd
+        # softmax: one exponential per score forward, one again backward (P recomputed from the saved
+        # log-sum-exp, Dao 2023, Sec. 3.1.2), on the special-function units beside the tensor cores
+        # (FLOPS_PER_EXP in dtlib.analytic.hardware); counted after the matmuls, not hidden behind them
+        exps = work / (2 * (qk_dim + v_dim))
+        exp_time = 0 * exps if gpu.exp_rate is None else exps / (gpu.exp_rate * clock)
+        matmul = work / (gpu.peak("bf16") * clock)
+        attn_fwd = (matmul + exp_time) / attention_efficiency
+        attn_bwd = (FLASH_BACKWARD * matmul + exp_time) / attention_efficiency
     else:  # batched GEMMs per head: Q K^T (s x s over d), A V (s x d over s), all of s x s computed
         # (an explicit mask, sliding or causal, does not skip work)
         per_head = b * heads / tp

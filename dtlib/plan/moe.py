@@ -49,7 +49,7 @@ from dtlib.analytic.hardware import Link
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
            "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
-           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "GROUPED_CALLS", "grouped_gemm_overhead"]
+           "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "EXPERT_LAUNCHES", "grouped_gemm_overhead"]
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
@@ -70,20 +70,29 @@ SORT_PASSES = 8
 # its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
 STORED_PASSES = 3
 
-# Seconds each expert adds to a grouped GEMM call in Transformer Engine's default grouped GEMM
-# (GroupedLinear -> nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several
-# CUDA streams, each call setting up its own scale swizzle and descriptors), beyond the GEMMs' own
-# time: NVIDIA measured 8 experts of 128 tokens (N = K = 2048) on SM100 at 0.272 ms through that path
-# and 0.069 ms as one single-launch CUTLASS grouped kernel doing the same arithmetic
-# (TransformerEngine PR #3134, "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17,
-# TN fprop table, rows "dispatch" / multi-stream and "pure" / cutlass): (0.272 - 0.069) / 8 = 25 us
-# per expert and call (kernel against kernel, "pure" 0.267 - 0.069, the same 25 us). Host work is much
-# of it: even the fused grouped MLP block of 2026 spends ~1.2 ms forward and ~2.1 ms backward of CPU
-# time on 64 experts (TransformerEngine issue #2897).
+# Seconds each expert adds to each kernel Transformer Engine launches for it (GroupedLinear ->
+# nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several CUDA streams,
+# each call setting up its own scale swizzle and descriptors), beyond the kernels' own time: NVIDIA
+# measured 8 experts of 128 tokens (N = K = 2048) on SM100 at 0.272 ms through that path and 0.069 ms
+# as one single-launch CUTLASS grouped kernel doing the same arithmetic (TransformerEngine PR #3134,
+# "Single-launch CUTLASS grouped GEMM for per-tensor NVFP4", 2026-06-17, TN fprop table, rows
+# "dispatch" / multi-stream and "pure" / cutlass): (0.272 - 0.069) / 8 = 25 us per expert and call
+# (kernel against kernel, "pure" 0.267 - 0.069, the same 25 us). The quantize kernels of the same
+# per-expert loop are taken to cost what a GEMM call costs (an assumption: no measurement of them
+# alone was found; docs/moe-steptime.md).
 GEMM_CALL_SECONDS_PER_EXPERT = (0.272e-3 - 0.069e-3) / 8
-# grouped GEMM calls per MoE layer and micro-batch: FC1 and FC2 forward; each one's dgrad and wgrad
-# backward (dtlib.plan.gemm._fwd_bwd)
-GROUPED_CALLS = {"forward": 2, "backward": 4}
+# Kernels launched per local expert, per MoE layer and micro-batch, (forward, backward), by the matmul
+# precision / FP8 recipe (Transformer Engine 2.9 module/grouped_linear.py, csrc/extensions/cast.cpp):
+# FC1 and FC2 forward, each one's dgrad and wgrad backward; FP8 adds the quantization of each GEMM's
+# input forward (FC1 and FC2) and of each output gradient backward (FC2 and FC1): current scaling
+# three kernels per tensor (nvte_compute_amax, nvte_compute_scale_from_amax, nvte_quantize_v2),
+# MXFP8 one (block scales computed in the cast), delayed scaling none per expert (cast.cpp: "only have
+# fused kernel for FP8 delayed scaling", one multi-tensor cast for all experts); torchao's dynamic
+# tensorwise / rowwise recipes are current scaling. Weight casts (once per step, cached over
+# micro-batches) are not counted.
+EXPERT_LAUNCHES = {"bf16": (2, 4), "delayed": (2, 4), "current": (2 + 2 * 3, 4 + 2 * 3),
+                   "tensorwise": (2 + 2 * 3, 4 + 2 * 3), "rowwise": (2 + 2 * 3, 4 + 2 * 3),
+                   "mxfp8": (2 + 2, 4 + 2)}
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:
@@ -189,10 +198,13 @@ def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, lo
     return moe["moe"] * ((PERMUTE_PASSES - STORED_PASSES) * own + sorts + 3 * tokens * h * act_bytes)
 
 
-def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any]) -> tuple[Any, Any]:
-    """Seconds one MoE layer's grouped expert GEMMs take per micro-batch on top of their arithmetic,
-    forward and backward, on a rank holding ``local_experts`` experts: :data:`GROUPED_CALLS` grouped
-    GEMMs, each paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert (0 in dense layers).
+def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any], recipe: str = "bf16",
+                          expert_loop: bool = True) -> tuple[Any, Any]:
+    """Seconds one MoE layer's expert GEMMs take per micro-batch on top of their arithmetic, forward
+    and backward, on a rank holding ``local_experts`` experts: with ``expert_loop`` (the stack runs a
+    kernel per expert, :class:`dtlib.analytic.stacks.Stack`) the :data:`EXPERT_LAUNCHES` of ``recipe``
+    (``bf16`` or an FP8 recipe), each paying :data:`GEMM_CALL_SECONDS_PER_EXPERT` per expert; 0 in
+    dense layers and for one grouped kernel (``torch._grouped_mm``, MegaBlocks' gmm).
 
     :func:`dtlib.plan.gemm.transformer_compute` adds it to the grouped GEMM's quantized math / HBM
     time (the time of one kernel doing all experts' tiles): at equal FLOPs, more local experts are
@@ -201,5 +213,8 @@ def grouped_gemm_overhead(local_experts: Any, moe: dict[str, Any]) -> tuple[Any,
     (``_maybe_dtoh_and_synchronize``) and ``GroupedLinear`` takes the per-expert row counts as a host
     list, which is also why CUDA graphs cannot capture the experts (the Megatron-Bridge 25.11
     recipes graph only the router and the dispatcher's preprocessing, ``cuda_graph_scope``)."""
-    per_call = moe["moe"] * local_experts * GEMM_CALL_SECONDS_PER_EXPERT
-    return GROUPED_CALLS["forward"] * per_call, GROUPED_CALLS["backward"] * per_call
+    if recipe not in EXPERT_LAUNCHES:
+        raise validate.InvalidArgument("fp8_recipe", f"one of {', '.join(EXPERT_LAUNCHES)}", recipe)
+    forward, backward = EXPERT_LAUNCHES[recipe]
+    per_launch = moe["moe"] * local_experts * GEMM_CALL_SECONDS_PER_EXPERT * expert_loop
+    return forward * per_launch, backward * per_launch

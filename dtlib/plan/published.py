@@ -127,6 +127,7 @@ class PublishedRun:
     builder: ``convention`` (activation counting, e.g. ``korthikanti-2022`` for 2021-22
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,
     ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
+    ``ep_overlap`` (1: the run overlapped its EP all-to-alls, Megatron's ``moe_a2a_overlap``),
     ``precision`` (bytes per parameter, :data:`dtlib.analytic.precision.CONVENTIONS` or a dtype name:
     e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients)."""
     name: str
@@ -148,6 +149,7 @@ class PublishedRun:
     power_limit_w: float | None = None
     fused_elementwise: bool | None = None
     tp_overlap: float | None = None
+    ep_overlap: float = 0.0
     note: str = field(default="")
     precision: str | None = None
 
@@ -715,7 +717,9 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
-        rows.append(replace(run, precision=_BRIDGE_PRECISION,
+        # moe_a2a_overlap: Megatron's --overlap-moe-expert-parallel-comm (steptime caps it at the compute)
+        overlap = float("moe_a2a_overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), ""))
+        rows.append(replace(run, precision=_BRIDGE_PRECISION, ep_overlap=overlap,
                             name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
 

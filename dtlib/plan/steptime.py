@@ -40,7 +40,7 @@ from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
-from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
+from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
            "memory_kwargs"]
@@ -85,7 +85,8 @@ TERMS: dict[str, str] = {
                "Megatron-Core MoEAlltoAllTokenDispatcher), on NVLink when the EP group's etp x ep "
                "consecutive ranks fit a node (Megatron-Core's expert grid), else bounded by the NIC "
                "share per GPU (DeepSeek-V3 report, Sec. 3.2.2); with etp > 1 an all-gather and a "
-               "reduce-scatter over the ETP group; exposed unless ep_overlap (dtlib.plan.moe)",
+               "reduce-scatter over the ETP group; exposed but for ep_overlap x the MoE layers' compute, "
+               "the most another micro-batch's work can hide (dtlib.plan.moe)",
     "pp_p2p": "each stage boundary sends the micro-batch's activations forward and their gradients "
               "back (x v chunks interleaved), point to point on the link between stages (Narayanan "
               "et al. 2021, Sec. 4.1), each of the t tensor ranks sending 1/t of it (their "
@@ -119,7 +120,9 @@ class StepOptions:
     that communication hidden behind compute), ``fused_elementwise`` (memory-bound operators
     fused, as Megatron/TE or torch.compile run them, or eager one kernel each: their traffic from
     :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
-    traffic) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
+    traffic), ``fp8_recipe`` (:data:`dtlib.analytic.stacks.FP8_RECIPES`: the kernels launched per
+    local expert with FP8, :data:`dtlib.plan.moe.EXPERT_LAUNCHES`; a stack without a recipe of its
+    own is taken as current scaling) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
     x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
 
     ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency``: the
@@ -130,8 +133,9 @@ class StepOptions:
     (:func:`dtlib.analytic.presets.activation_convention`: default ``today``, FlashAttention-style
     attention that never writes the s x s scores to HBM; ``korthikanti-2022`` or
     ``flash_attention=False``: explicit attention, as 2021-22 Megatron-LM's fused softmax).
-    ``ep_overlap``: fraction of the EP all-to-all hidden behind compute (DeepSeek-V3's DualPipe,
-    Megatron's ``--overlap-moe-expert-parallel-comm``; default 0: exposed, Megatron's default);
+    ``ep_overlap``: fraction of the EP all-to-all hidden behind the MoE layers' compute, and never
+    more than that compute (DeepSeek-V3's DualPipe, Megatron's ``--overlap-moe-expert-parallel-comm``;
+    default 0: exposed, Megatron's default);
     ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
     scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`).
     """
@@ -150,6 +154,7 @@ class StepOptions:
     attention_efficiency: float | None = None
     power_limit_w: float | None = None
     fused_elementwise: bool | None = None
+    fp8_recipe: str | None = None
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
 
@@ -172,6 +177,8 @@ class StepOptions:
         validate.number("moe_imbalance", self.moe_imbalance, minimum=1, exclusive=False)
         if self.precision is not None:
             get_precision(self.precision)
+        if self.fp8_recipe is not None:
+            validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         activation_convention(self.convention, self.flash_attention)
 
 
@@ -183,7 +190,7 @@ def resolve(options: StepOptions, dropout: bool | None = None) -> tuple[StepOpti
     stack = get_stack(options.stack)
     counted, _ = activation_convention(options.convention, options.flash_attention, dropout)
     same_dp = stack.dp_overlap == stack.dp_overlap_zero3
-    filled = {"precision": stack.precision, "tp_overlap": stack.tp_overlap, "cp_overlap": stack.cp_overlap,
+    filled = {"precision": stack.precision, "fp8_recipe": stack.fp8_recipe, "tp_overlap": stack.tp_overlap, "cp_overlap": stack.cp_overlap,
               "fused_elementwise": stack.fused_elementwise, "flash_attention": counted.flash_attention,
               "dp_overlap": stack.dp_overlap if same_dp else None}
     options = replace(options, **{k: v for k, v in filled.items() if getattr(options, k) is None})
@@ -299,7 +306,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
             gemm_efficiency=GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency,
             attention_efficiency=(ATTENTION_EFFICIENCY * stack.attention_scale(gpu)
                                   if options.attention_efficiency is None else options.attention_efficiency),
-            clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance)
+            clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance,
+            fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop)
         compute = parts["gemm"] + parts["attention"]
 
     # ---- model-parallel communication, per layer and micro-batch ---------------------------
@@ -323,7 +331,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     ep_parts = ep_comm_time(b=b, s=s, h=h, tp=tp, cp=cp, dp=dp, ep=ep, moe=moe, load=load,
                             act_bytes=prec.activation, calls=ep_calls, gpus_per_node=g,
                             intra=intra, inter=inter)
-    ep_comm = (1 - options.ep_overlap) * (ep_parts["all_to_all"] + ep_parts["etp"])
+    # overlap hides an all-to-all behind another micro-batch's compute of the same MoE layers (DeepSeek-V3's
+    # DualPipe, Sec. 3.2.1; Megatron's --overlap-moe-expert-parallel-comm): never more than that compute
+    ep_raw = ep_parts["all_to_all"] + ep_parts["etp"]
+    ep_comm = ep_raw - options.ep_overlap * np.minimum(ep_raw, moe["moe_share"] * compute)
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
     # averaged over the model's dense / MoE and sliding / global layers (dtlib.analytic.activations)
     per_layer = n | dict(dropout=dropout, act_bytes=prec.activation)
