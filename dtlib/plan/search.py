@@ -236,7 +236,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             # step times of the fitting layouts only
             here, mem_here = _take(grid, fits), mem[fits]
             t = step_time_arrays(_take(n, fits), cluster, recompute=recompute, schedule=schedule,
-                                 options=options, dropout=dropout, recompute_layers=given["recompute_layers"])
+                                 options=options, dropout=dropout, recompute_layers=given["recompute_layers"],
+                                 recompute_modules=given["recompute_modules"])
             times = t["step_time"]
             # fastest first, equal times by memory (as the rows below): a top-1 search must pick
             # the same layout as the first of a top-5 one

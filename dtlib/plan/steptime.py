@@ -38,6 +38,7 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
+from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
 from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
@@ -234,7 +235,8 @@ def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, int
 
 def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
                      schedule: str = "1f1b", options: StepOptions = StepOptions(),
-                     dropout: bool = False, recompute_layers: int | None = None) -> dict[str, Any]:
+                     dropout: bool = False, recompute_layers: int | None = None,
+                     recompute_modules: tuple[str, ...] = ()) -> dict[str, Any]:
     """The breakdown for every layout in ``n`` (numbers as :func:`dtlib.analytic.vectorised.layout_arrays`
     returns them); ``dropout``: the model keeps dropout masks (as the memory model); ``options``
     are filled from their stack (:func:`resolve`). Returns each term of :data:`TERMS` (seconds),
@@ -247,7 +249,9 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     mixed after the fact). ``recompute="op"`` (torchtitan's per-op checkpointing) repeats the
     forward of the weight GEMMs it does not save (every second one: wk, wo and w3 of a Llama
     block, :func:`dtlib.analytic.activations.op_selective_bytes`) and their share of the
-    elementwise traffic and TP communication, but not attention (its output is saved)."""
+    elementwise traffic and TP communication, but not attention (its output is saved). ``recompute_modules``
+    (Megatron-Core's per-module recompute) repeat their modules' forward
+    (:func:`dtlib.plan.recompute.recompute_module_work`) in every layer."""
     options, _ = resolve(options)
     if recompute == "op":
         h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
@@ -255,12 +259,44 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
         share = recomputed * n["layers"] / layers_matmul_params(**n)  # of a mean layer's weights
         return _mixed(_terms(n, cluster, "none", schedule, options, dropout),
                       _terms(n, cluster, "full", schedule, options, dropout), share, 0 * share)
+    if recompute_modules:
+        return _with_modules(_terms(n, cluster, recompute, schedule, options, dropout), n, cluster, schedule,
+                             options, dropout, recompute_modules)
     if recompute_layers:
         per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
         share = np.minimum(recompute_layers, per_chunk) / per_chunk
         return _mixed(_terms(n, cluster, recompute, schedule, options, dropout),
                       _terms(n, cluster, "full", schedule, options, dropout), share, share)
     return _terms(n, cluster, recompute, schedule, options, dropout)
+
+
+def _with_modules(base: dict[str, Any], n: dict[str, Any], cluster: Cluster, schedule: str,
+                  options: StepOptions, dropout: bool, modules: tuple[str, ...]) -> dict[str, Any]:
+    """``base`` plus the forward work ``modules`` repeat in backward: FLOPs at the weight GEMMs'
+    peak and efficiency, bytes at the HBM bandwidth, per layer of the stage and micro-batch, in the
+    pipelined work the bubble scales."""
+    prec = get_precision(options.precision)
+    work = recompute_module_work(modules, n, prec.activation, dropout, bool(options.flash_attention))
+    gpu = cluster.gpu
+    v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * n["pp"]
+    per_step = stage_layers(n["layers"], n["pp"], v)[0] * n["num_microbatches"]
+    efficiency = GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency
+    flops_time = work["flops"] / (gpu.peak(options.dtype) * clock_scale(gpu, options.power_limit_w) * efficiency)
+    extra = per_step * (flops_time + work["bytes"] / gpu.memory_bandwidth)
+    # core_attn with explicit attention: the attention core again, as selective recompute repeats it
+    selective = _terms(n, cluster, "selective", schedule, options, dropout)
+    attention = work["attention"] * (selective["compute_attention"] - base["compute_attention"])
+    pipelined = extra + attention
+    out = dict(base)
+    out["compute_gemm"] = base["compute_gemm"] + per_step * flops_time
+    out["compute_attention"] = base["compute_attention"] + attention
+    out["compute"] = out["compute_gemm"] + out["compute_attention"]
+    out["elementwise"] = base["elementwise"] + per_step * work["bytes"] / gpu.memory_bandwidth
+    out["pp_bubble"] = base["pp_bubble"] + bubble_fraction(n["pp"], n["num_microbatches"], v, schedule) * pipelined
+    ranks_per_stage = n["dp"] * n["tp"] * n["cp"]
+    out["hardware_flops"] = base["hardware_flops"] + work["flops"] * n["layers"] * n["num_microbatches"] * ranks_per_stage
+    out["step_time"] = sum(out[k] for k in TERMS)
+    return out
 
 
 def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_share: Any) -> dict[str, Any]:
@@ -462,7 +498,8 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
         arrays["seq"] = np.asarray([seq])
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise")
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
-                         options=options, dropout=dropout, recompute_layers=layout.recompute_layers)
+                         options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
+                         recompute_modules=layout.recompute_modules)
     eff = options.efficiency
     return StepTime(layout=layout, step_time=float(r["step_time"][0]),
                     breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),

@@ -162,7 +162,8 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
         opts = replace(options, gemm_efficiency=np.repeat(gemm, k),
                        attention_efficiency=np.repeat(attention * scale, k))
         t = step_time_arrays(n, run.cluster, recompute=recompute, schedule=schedule, options=opts,
-                             dropout=dropout, recompute_layers=run.layout.get("recompute_layers"))
+                             dropout=dropout, recompute_layers=run.layout.get("recompute_layers"),
+                             recompute_modules=tuple(run.layout.get("recompute_modules", ())))
         time = t["step_time"].reshape(points, k)
         per_gpu = {"tokens_per_gpu_s": t["tokens"] / run.cluster.world_size,
                    "hardware_tflops_per_gpu": t["hardware_flops"] / (t["gpus"] * 1e12),
