@@ -32,7 +32,7 @@ __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LA
            "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
-INCLUDE_PENDING = False
+INCLUDE_PENDING = True
 # DeepSeek-V3's report row needs PublishedRun.ep_overlap (DualPipe; physics branch): True once it is on main
 INCLUDE_DEEPSEEK_V3 = False
 
