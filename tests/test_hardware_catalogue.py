@@ -9,8 +9,10 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import (ACCELERATORS, COMPUTE_DTYPES, LINKS, SYSTEMS, catalogue_name, cluster, get_gpu,
                                      get_link, get_system)
 from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
 from dtlib.cli import main
+from dtlib.plan.gemm import FLASH_BACKWARD, transformer_compute
 from dtlib.plan.moe import expert_grid
 from dtlib.plan.steptime import StepOptions, step_time
 
@@ -144,3 +146,35 @@ def test_bad_names_name_the_flag(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err
+
+
+def test_exponential_throughput_per_architecture():
+    """The special-function units' exponentials: 16 per SM and clock against 2,048 / 4,096 / 8,192 dense
+    BF16 FLOPs (Ampere, Hopper, Blackwell); Blackwell Ultra doubles the units. Hopper's comes to
+    FlashAttention-3's '3.9 TFLOPS of special functions' for 989 TFLOPS of matmul."""
+    assert get_gpu("h100-sxm").exp_rate == pytest.approx(3.9e12, rel=0.01)
+    assert get_gpu("a100-80gb").flops_per_exp == 128 and get_gpu("h200").flops_per_exp == 256
+    assert get_gpu("b200").flops_per_exp == get_gpu("gb200").flops_per_exp == 512
+    assert get_gpu("gb300").flops_per_exp == get_gpu("b300").flops_per_exp == 256
+    assert get_gpu("gb300").exp_rate == pytest.approx(2 * get_gpu("gb200").exp_rate, rel=1e-12)
+    assert get_gpu("mi300x").exp_rate is None  # not published: no exponential term
+
+
+def test_attention_pays_for_its_exponentials_most_at_small_head_dimension():
+    """Per score, the forward's matmuls are 4 x head_dim FLOPs and the softmax one exponential (one more
+    backward): on a GB200 (512 FLOPs per exponential) head dim 128 spends as long on exponentials as
+    on matmuls forward, head dim 64 twice as long; GB300's doubled units halve that part."""
+    n = get_preset("llama3-8b").numbers() | Parallelism(dp=1).numbers()
+    seconds = {}
+    for gpu, head_dim in (("gb200", 128), ("gb200", 64), ("gb300", 128), ("gb300", 64)):
+        shape = n | {"head_dim": head_dim, "heads": 4096 // head_dim}
+        g = get_gpu(gpu)
+        seconds[gpu, head_dim] = transformer_compute(shape, g, recompute="none", dtype="bf16", flash_attention=True,
+                                                     gemm_efficiency=0.5, attention_efficiency=1.0)["attention"]
+        matmul_fwd = 4 * head_dim / g.peak("bf16")
+        exp = 1 / g.exp_rate
+        per_score = (matmul_fwd + exp) + (FLASH_BACKWARD * matmul_fwd + exp)
+        scores = shape["layers"] * shape["heads"] * shape["seq"] * shape["seq"] / 2  # causal, one micro-batch
+        assert seconds[gpu, head_dim] == pytest.approx(scores * per_score, rel=1e-9), (gpu, head_dim)
+    # equal FLOPs at either head dimension: the smaller one pays more exponentials per FLOP
+    assert seconds["gb200", 64] > seconds["gb200", 128] > seconds["gb300", 128]
