@@ -156,6 +156,22 @@ QWEN_LAYOUT = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--global-batch", "64
                "--zero", "1", "--recompute", "none", "--no-sequence-parallel"]
 
 
+def test_fp8_recipe_sets_the_per_expert_launches(capsys):
+    """--fp8-recipe is StepOptions.fp8_recipe: with Megatron-Core's per-expert loop, current scaling
+    launches 18 kernels per expert and MoE layer, MXFP8 10 (dtlib.plan.moe.EXPERT_LAUNCHES)."""
+    layout = Parallelism(dp=16, ep=8, zero=1, num_microbatches=4)
+    hgx = cluster("h100-sxm", 2, 8)
+    steps = {}
+    for recipe in ("current", "mxfp8"):
+        code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--precision", "fp8", "--fp8-recipe", recipe, "--json")
+        d = json.loads(out)
+        expected = step_time(get_preset("qwen3-30b-a3b"), layout, hgx, options=StepOptions(dtype="fp8", fp8_recipe=recipe))
+        assert code == 0 and d["assumed"]["fp8_recipe"] == recipe
+        steps[recipe] = d["configs"][0]["step_time_s"]
+        assert steps[recipe] == pytest.approx(expected.step_time, rel=1e-12)
+    assert steps["current"] > steps["mxfp8"]
+
+
 def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     """--ep-overlap and --moe-imbalance are StepOptions.ep_overlap / moe_imbalance; an MoE table adds
     the etp column after ep, and the header says the two values."""

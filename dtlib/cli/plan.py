@@ -19,6 +19,7 @@ from dtlib.analytic.layout import RECOMPUTE_OPTIONS
 from dtlib.analytic.memory import stack_storage
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.presets import activation_convention
+from dtlib.analytic.stacks import FP8_RECIPES
 from dtlib.analytic.units import GiB
 from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, gpu_name,
                             model_args, model_from_args, parse_count, positive_int, precision_choice,
@@ -92,7 +93,8 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--gemm-efficiency", type=_fraction,
                    help=f"GEMM kernel efficiency of the compute model (default {GEMM_EFFICIENCY}, fitted)")
     m.add_argument("--attention-efficiency", type=_fraction,
-                   help=f"FlashAttention efficiency vs the BF16 peak (default {ATTENTION_EFFICIENCY}, fitted)")
+                   help=f"FlashAttention efficiency: its time at the BF16 peak and the special-function units' "
+                        f"exponential rate over its real time (default {ATTENTION_EFFICIENCY}, fitted)")
     m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
                    help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
     m.add_argument("--dp-overlap", type=_overlap, help="DP communication hidden by compute")
@@ -104,6 +106,9 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--moe-imbalance", type=_at_least_one, metavar="X",
                    help="MoE, dropless routing: the busiest expert's tokens over the mean, 1 (balanced, "
                         "the default) to experts / top_k")
+    m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                   help="FP8 scaling recipe (with --precision fp8): the kernels a per-expert GEMM loop launches "
+                        "for each expert (default: the --stack's)")
     m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
                    help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
@@ -185,7 +190,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           oversubscription=args.oversubscription, precision=named_precision,
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
-                          attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit, **moe)
+                          attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
+                          fp8_recipe=args.fp8_recipe, **moe)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
@@ -246,6 +252,7 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
     _, note = activation_convention(options.convention, options.flash_attention, dropout)
     return {"stack": stack.name, "tp_overlap": filled.tp_overlap, "cp_overlap": filled.cp_overlap,
             "ep_overlap": filled.ep_overlap, "moe_imbalance": filled.moe_imbalance,
+            "fp8_recipe": filled.fp8_recipe if filled.dtype == "fp8" else None,
             "dp_overlap": filled.dp_overlap if filled.dp_overlap is not None
             else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
             "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
@@ -257,6 +264,8 @@ def _text(d: dict[str, Any]) -> str:
     a = d["assumed"]
     moe = d["experts"] > 0
     moe_options = f"EP overlap {a['ep_overlap']:g}, expert imbalance {a['moe_imbalance']:g}, " if moe else ""
+    if a["fp8_recipe"]:
+        moe_options += f"FP8 recipe {a['fp8_recipe']}, "
     etp_head, etp_cells = (f" {'etp':>3}", lambda c: f" {c['etp']:>3}") if moe else ("", lambda c: "")
     system = f" ({d['system']})" if d.get("system") else ""
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
