@@ -158,6 +158,7 @@ def test_exponential_throughput_per_architecture():
     assert get_gpu("gb300").flops_per_exp == get_gpu("b300").flops_per_exp == 256
     assert get_gpu("gb300").exp_rate == pytest.approx(2 * get_gpu("gb200").exp_rate, rel=1e-12)
     assert get_gpu("mi300x").exp_rate is None  # not published: no exponential term
+    assert get_gpu("h20").exp_rate is None  # its tensor peak is cut, its units perhaps not: no ratio
 
 
 def test_attention_pays_for_its_exponentials_most_at_small_head_dimension():

@@ -45,19 +45,19 @@ def test_no_row_is_there_twice():
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs across A100, H100, H200, B200 and GB200 (and GB300),
     BF16 and FP8, dense and MoE, the four stacks."""
-    assert INCLUDE_PENDING is True and len(PUBLISHED) == 118 and len(SOURCES) == 11
+    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 119 and len(SOURCES) == 12
     assert Counter(r.source for r in PUBLISHED) == {
         "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
         "Megatron-Bridge": 32, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
-        "BLOOM 2022": 1}
+        "BLOOM 2022": 1, "DeepSeek-V3 2024": 1}
     assert Counter(r.family for r in PUBLISHED) == {"h100": 55, "a100": 23, "b200": 14, "gb200": 15, "gb300": 9,
-                                                    "h200": 2}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 65}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 76, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
-    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 88, "hardware_tflops_per_gpu": 14,
+                                                    "h200": 2, "h800": 1}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 66}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 77, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 89, "hardware_tflops_per_gpu": 14,
                                                     "step_time_s": 4, "model_tflops_per_gpu": 12}
     assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {
-        "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 5, "gpt-oss-120b": 4, "qwen3-30b-a3b": 4,
+        "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 6, "gpt-oss-120b": 4, "qwen3-30b-a3b": 4,
         "qwen3-235b-a22b": 4}
 
 
@@ -89,16 +89,18 @@ def test_nemo_2025_rows_give_the_tables_gradient_accumulation():
     assert [r.cluster.gpus_per_node for r in racks] == [64, 8, 64, 64, 64, 64]  # NVL72: one domain up to 64
 
 
-def test_deepseek_v3_report_row_waits_for_ep_overlap():
+def test_deepseek_v3_report_row_as_the_report_states_it():
     """180K H800 GPU hours per trillion tokens is 1,543 tokens/s/GPU; PP 16 x EP 64 x ZeRO-1 DP on
-    2,048 GPUs; outside PUBLISHED until DualPipe's EP overlap can be expressed."""
+    2,048 GPUs, DualPipe's EP overlap, RMSNorm and MLA up-projections recomputed, fine-grained FP8."""
     (run,) = deepseek_v3_runs()
-    assert INCLUDE_DEEPSEEK_V3 is False and run.name not in {r.name for r in PUBLISHED}
+    assert INCLUDE_DEEPSEEK_V3 is True and run.name in {r.name for r in PUBLISHED}
     assert run.published == pytest.approx(1543.2, abs=0.05) and run.cluster.world_size == 2048
     lay = run.layout
     assert (lay["tp"], lay["pp"], lay["ep"], lay["dp"], lay["zero"]) == (1, 16, 64, 128, 1)
+    assert lay["recompute_modules"] == ("layernorm", "mla_up_proj") and run.ep_overlap == 1.0
+    assert run.fp8_recipe == "blockwise" and run.dtype == "fp8"
     assert run.cluster.gpu.name == "h800" and run.cluster.intra.name == "nvlink-h800"
-    assert "ep_overlap" in run.note and "https://arxiv.org/abs/2412.19437" in run.reference
+    assert "https://arxiv.org/abs/2412.19437" in run.reference
 
 
 # llm-foundry's NumParams column for the rows' (model, seq): learned positions make it grow with seq

@@ -139,7 +139,9 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("gb300", 80, 1250, 2500, 2500, 5000, 279, 8.0, _GB300, 160, 1400, fp4=15000, arch="blackwell-ultra"),
     _acc("b300", 75, 1100, 2250, 2250, 4500, 270, 7.7, _B300, 160, 1100, fp4=14000, arch="blackwell-ultra"),
     _acc("h800", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _H800, 132, 700, arch="hopper"),
-    _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400, arch="hopper"),
+    # no exponential rate: its tensor peak is cut to 148 TFLOPS while its special-function units
+    # probably are not, so Hopper's ratio does not hold, and no figure of its own was found
+    _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
     _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
 ]}
 

@@ -38,10 +38,11 @@ __all__ = ["Stack", "STACKS", "DEFAULT_STACK", "ATTENTION_KERNELS", "FP8_RECIPES
 # "fa3": FlashAttention-3 / cuDNN fused attention on Hopper and later (what ATTENTION_EFFICIENCY
 # describes); "fa2": FlashAttention-2 (PyTorch SDPA's flash backend, the flash-attn 2 package)
 ATTENTION_KERNELS = ("fa3", "fa2")
-# FP8 scaling recipes: Transformer Engine's delayed and current (per-tensor) scaling and MXFP8 blocks
-# (TE recipe.DelayedScaling / Float8CurrentScaling / MXFP8BlockScaling); torchao's tensorwise and
+# FP8 scaling recipes: Transformer Engine's delayed and current (per-tensor) scaling, MXFP8 blocks and
+# DeepSeek-V3's 1 x 128 / 128 x 128 blocks (TE recipe.DelayedScaling / Float8CurrentScaling /
+# MXFP8BlockScaling / Float8BlockScaling); torchao's tensorwise and
 # rowwise dynamic scaling (torchtitan float8.recipe_name)
-FP8_RECIPES = ("delayed", "current", "mxfp8", "tensorwise", "rowwise")
+FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise", "tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)

@@ -86,13 +86,13 @@ GEMM_CALL_SECONDS_PER_EXPERT = (0.272e-3 - 0.069e-3) / 8
 # FC1 and FC2 forward, each one's dgrad and wgrad backward; FP8 adds the quantization of each GEMM's
 # input forward (FC1 and FC2) and of each output gradient backward (FC2 and FC1): current scaling
 # three kernels per tensor (nvte_compute_amax, nvte_compute_scale_from_amax, nvte_quantize_v2),
-# MXFP8 one (block scales computed in the cast), delayed scaling none per expert (cast.cpp: "only have
+# MXFP8 and blockwise one (block scales computed in the cast), delayed scaling none per expert (cast.cpp: "only have
 # fused kernel for FP8 delayed scaling", one multi-tensor cast for all experts); torchao's dynamic
 # tensorwise / rowwise recipes are current scaling. Weight casts (once per step, cached over
 # micro-batches) are not counted.
 EXPERT_LAUNCHES = {"bf16": (2, 4), "delayed": (2, 4), "current": (2 + 2 * 3, 4 + 2 * 3),
                    "tensorwise": (2 + 2 * 3, 4 + 2 * 3), "rowwise": (2 + 2 * 3, 4 + 2 * 3),
-                   "mxfp8": (2 + 2, 4 + 2)}
+                   "mxfp8": (2 + 2, 4 + 2), "blockwise": (2 + 2, 4 + 2)}
 
 
 def moe_numbers(n: dict[str, Any]) -> dict[str, Any]:

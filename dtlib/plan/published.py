@@ -34,7 +34,7 @@ __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LA
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = True
 # DeepSeek-V3's report row needs PublishedRun.ep_overlap (DualPipe; physics branch): True once it is on main
-INCLUDE_DEEPSEEK_V3 = False
+INCLUDE_DEEPSEEK_V3 = True
 
 # the unit each published metric is quoted in (every row of the table carries its own)
 METRIC_UNITS = {"hardware_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU",
@@ -308,6 +308,11 @@ _BRIDGE_ROWS = [
 _BRIDGE_MX = {("b200", "llama3-8b"): 29521, ("b200", "llama3-405b"): 624}
 
 
+# every perf script sets cfg.ddp.grad_reduce_in_fp32 = False (set_*_common_configs): Megatron-Core keeps the
+# gradients in the parameters' BF16 (distributed_data_parallel.py: grad_dtype = param.dtype), 2+2+12 bytes
+_BRIDGE_PRECISION = "bf16-mixed"
+
+
 def _bridge_run(gpu: str, model: TransformerConfig, gpus: int, batch: int, layout: dict[str, Any], tps: float,
                 dtype: str, recipe: str, system: str, cl: Cluster | None = None, note: str = "") -> PublishedRun:
     """One row of the Megatron-Bridge 25.11 table (Megatron-Core + Transformer Engine)."""
@@ -318,7 +323,7 @@ def _bridge_run(gpu: str, model: TransformerConfig, gpus: int, batch: int, layou
         cluster=cl or _dgx(gpu, gpus), global_batch=batch, layout=dict(layout, dp=dp),
         metric="tokens_per_gpu_s", published=tps, family=gpu.split("-")[0], source="Megatron-Bridge",
         reference=_BRIDGE + f" ({system} table, row {model.name}, {recipe})", stack="megatron",
-        dtype=dtype, fp8_recipe={"FP8-CS": "current", "FP8-MX": "mxfp8"}.get(recipe, ""),
+        dtype=dtype, fp8_recipe={"FP8-CS": "current", "FP8-MX": "mxfp8"}.get(recipe, ""), precision=_BRIDGE_PRECISION,
         note=note or "recipe: no recompute except the H100 8B, which recomputes 5 of 32 layers "
                      "(recompute_layers 5); distributed optimizer (ZeRO-1) unless FSDP; TP communication "
                      "overlapped (Transformer Engine userbuffers)")
@@ -578,23 +583,24 @@ def _llama3() -> list[PublishedRun]:
 def deepseek_v3_runs() -> list[PublishedRun]:
     """DeepSeek-V3's pre-training as its report states it: one row, the throughput implied by 180K
     H800 GPU hours per trillion tokens. Stack ``megatron`` is the nearest (DeepSeek's own HAI-LLM
-    framework is not public); DualPipe overlaps the EP all-to-all with compute, which the Megatron
-    timing here does not: the row waits behind :data:`INCLUDE_DEEPSEEK_V3` for ``ep_overlap``
-    (``physics`` branch), to be set to 1.0 on it then."""
+    framework is not public); DualPipe overlaps the EP all-to-all with the other micro-batch's
+    compute (Sec. 3.2.1): ``ep_overlap`` 1, which the step time caps at that compute."""
     return [PublishedRun(
         name="DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)", model=get_preset("deepseek-v3"),
         cluster=_dgx("h800", 2048), global_batch=15360,
-        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none"),
+        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none",
+                    recompute_modules=("layernorm", "mla_up_proj")),
         metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
         reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
-        dropout=False, dtype="fp8", fp8_recipe="blockwise",
+        dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0,
         note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
-             "ramp included; timed at the final 15,360 sequences); DualPipe: to be timed with ep_overlap 1.0 "
-             "(PublishedRun.ep_overlap, physics branch; not on this base: timed as Megatron's 1F1B without EP "
-             "overlap, interleaving left to the planner); recompute of RMSNorm and the MLA up-projections not "
-             "expressible (timed as none); the MTP module (depth 1), node-limited routing (4 nodes per token) "
-             "and the 20 SMs kept for communication not modelled; micro-batch not stated (planner's choice); "
-             "inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
+             "ramp included; timed at the final 15,360 sequences); DualPipe as ep_overlap 1.0 (Sec. 3.2.1; its "
+             "bidirectional schedule's smaller bubble is not modelled: timed as 1F1B, interleaving left to the "
+             "planner); recompute of all RMSNorm and the MLA up-projections (Sec. 3.3.2) as recompute_modules "
+             "layernorm and mla_up_proj; fine-grained FP8 (1 x 128 activation tiles, 128 x 128 weight blocks, "
+             "Sec. 3.3.2) as the blockwise recipe; the MTP module (depth 1), node-limited routing (4 nodes per "
+             "token), FP8 activation caching and the 20 SMs kept for communication not modelled; micro-batch "
+             "not stated (planner's choice); inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
 
 
 def published(include_pending: bool = INCLUDE_PENDING,
@@ -683,9 +689,6 @@ _BRIDGE_MEMORY = {
     ("DGX-B200", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
     ("DGX-H100", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
 }
-# every perf script sets cfg.ddp.grad_reduce_in_fp32 = False (set_*_common_configs): Megatron-Core keeps the
-# gradients in the parameters' BF16 (distributed_data_parallel.py: grad_dtype = param.dtype), 2+2+12 bytes
-_BRIDGE_PRECISION = "bf16-mixed"
 _SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
 
 
@@ -719,7 +722,9 @@ def pending_runs() -> list[PublishedRun]:
                           system, cl=cl, note=note)
         # moe_a2a_overlap: Megatron's --overlap-moe-expert-parallel-comm (steptime caps it at the compute)
         overlap = float("moe_a2a_overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), ""))
-        rows.append(replace(run, precision=_BRIDGE_PRECISION, ep_overlap=overlap,
+        # the H100 Qwen3-235B recipe turns TP communication overlap off (tp_comm_overlap=False)
+        tp_overlap = 0.0 if "no TP communication overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), "") else None
+        rows.append(replace(run, ep_overlap=overlap, tp_overlap=tp_overlap,
                             name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
 
