@@ -250,7 +250,8 @@ def _markdown(rows: list[dict[str, Any]], loso: dict[str, dict[str, Any]] | None
              "| fits (GiB/GPU) | rank | gap to best |", "|---" * 13 + "|"]
     for r in rows:
         run, c = by_name[r["name"]], r["config"]
-        layout = (f"tp {c['tp']} pp {c['pp']} cp {c['cp']} dp {c['dp']}, {c['recompute']}"
+        modules = f" ({'+'.join(c['recompute_modules'])})" if c.get("recompute_modules") else ""
+        layout = (f"tp {c['tp']} pp {c['pp']} cp {c['cp']} dp {c['dp']}, {c['recompute']}{modules}"
                   f"{', SP' if c['sequence_parallel'] else ''}{', ZeRO ' + str(c['zero']) if c['zero'] else ''}"
                   f", {run.dtype}{', ' + str(int(run.power_limit_w)) + ' W' if run.power_limit_w else ''}"
                   f" (mb {c['micro_batch']}, v {c['virtual_stages']})"
