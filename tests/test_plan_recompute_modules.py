@@ -51,3 +51,12 @@ def test_recompute_modules_add_their_forward_to_the_step():
     for term in ("tp_comm", "ep_comm", "dp_comm", "optimizer", "elementwise"):
         assert more.breakdown[term] == pytest.approx(base.breakdown[term], rel=1e-12)
     assert more.hardware_flops > base.hardware_flops
+
+
+def test_layernorm_is_recomputed_where_it_is_a_module_of_its_own():
+    """MLA's input norm in every layer, the pre-MLP norm in the 58 MoE layers only (the 3 dense
+    layers' is fused into FC1): each read and written again, s x b x h elements of BF16."""
+    n = numbers(V3, Parallelism(dp=8, ep=8))
+    sbh = V3.seq * V3.hidden
+    work = recompute_module_work(("layernorm",), n, 2, False, True)
+    assert work["bytes"] == pytest.approx(2 * (2 * sbh + 58 / 61 * 2 * sbh), rel=1e-12)

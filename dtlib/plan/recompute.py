@@ -53,8 +53,10 @@ def recompute_module_work(modules: tuple[str, ...], n: dict[str, Any], act_bytes
     attention = 0 * tokens
     for module in modules:
         share = moe_share if module in _MOE_ONLY else (1 - moe_share) if module in _DENSE_ONLY else 1
-        if module == "layernorm":
-            nbytes = nbytes + 2 * recompute_module_bytes("layernorm", **shape)
+        if module == "layernorm":  # the pre-MLP norm is its own module in MoE layers only
+            in_moe = recompute_module_bytes("layernorm", **shape)
+            in_dense = recompute_module_bytes("layernorm", **(shape | {"experts": 0 * n["experts"]}))
+            nbytes = nbytes + 2 * (moe_share * in_moe + (1 - moe_share) * in_dense)
         elif module == "moe_act":
             # FC1's output read (matrices - 1 FFN-wide tensors: 2 with a GLU), FC2's input written
             routed = n["top_k"] * tokens / tp
