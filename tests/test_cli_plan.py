@@ -8,6 +8,7 @@ from dtlib.analytic.hardware import cluster
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import get_preset
 from dtlib.cli import main
+from dtlib.cli.plan import MOE_CAVEAT
 from dtlib.plan.steptime import TERMS, StepOptions, step_time
 from dtlib.plan.training import training_plan
 
@@ -154,6 +155,16 @@ def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
 QWEN_LAYOUT = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--global-batch", "64", "--dp", "16", "--tp", "1",
                "--pp", "1", "--cp", "1", "--ep", "8", "--etp", "1", "--virtual-stages", "1", "--micro-batch", "1",
                "--zero", "1", "--recompute", "none", "--no-sequence-parallel"]
+
+
+def test_an_moe_plan_says_how_far_to_trust_its_step_time(capsys):
+    """The validation's largest misses are MoE runs, mostly timed too fast: an MoE plan says so (text
+    and JSON), a dense plan does not."""
+    code, out, _ = run(capsys, "plan", *QWEN_LAYOUT)
+    assert code == 0 and out.rstrip().splitlines()[-1].startswith("caveat: published mixture-of-experts runs")
+    assert json.loads(run(capsys, "plan", *QWEN_LAYOUT, "--json")[1])["caveats"] == [MOE_CAVEAT]
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1")
+    assert code == 0 and "caveat" not in out
 
 
 def test_fp8_recipe_sets_the_per_expert_launches(capsys):

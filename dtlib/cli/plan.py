@@ -232,12 +232,17 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
-         "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout)}
+         "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
+         "caveats": [MOE_CAVEAT] if model.moe_experts else []}
     if args.emit and r.configs:
         d.update(_framework_configs(args, model, r.configs[0]))
     return d
 
 
+# what the validation says of MoE step times (docs/validation.md): printed under every MoE plan
+MOE_CAVEAT = ("caveat: published mixture-of-experts runs are the planner's largest misses, most of them timed "
+              "too fast (GPT-OSS; Qwen3 on Megatron-Core's alltoall dispatcher): read an MoE step time as a "
+              "lower bound (docs/validation.md)")
 _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
            "pipeline rank; mb: micro-batch size in sequences; m: micro-batches per step; zero: ZeRO stage; "
            "sp: sequence parallelism")
@@ -301,7 +306,7 @@ def _text(d: dict[str, Any]) -> str:
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
-    lines += emitted_lines(d.get("emitted", {})) + rehearsal_lines(d.get("rehearsals", {}))
+    lines += emitted_lines(d.get("emitted", {})) + rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
 
 
