@@ -60,3 +60,18 @@ def test_layernorm_is_recomputed_where_it_is_a_module_of_its_own():
     sbh = V3.seq * V3.hidden
     work = recompute_module_work(("layernorm",), n, 2, False, True)
     assert work["bytes"] == pytest.approx(2 * (2 * sbh + 58 / 61 * 2 * sbh), rel=1e-12)
+
+
+def test_modules_apply_to_the_layers_recompute_layers_leaves_stored():
+    """With recompute_layers = half a stage's layers, those repeat their whole forward and the module
+    work falls on the other half only: half of what it adds alone (memory counts the same split)."""
+    c = cluster("h100-sxm", 1, 8)
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    half = V3.layers // 2  # pp 1: one chunk of every layer
+    t = {(layers, modules): step_time(V3, layout.with_(recompute_layers=layers, recompute_modules=modules), c,
+                                      options=OPTIONS).step_time
+         for layers in (None, half) for modules in ((), ("mla_up_proj",))}
+    alone = t[None, ("mla_up_proj",)] - t[None, ()]
+    assert alone > 0
+    share = half / V3.layers
+    assert t[half, ("mla_up_proj",)] - t[half, ()] == pytest.approx((1 - share) * alone, rel=1e-9)

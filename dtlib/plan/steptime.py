@@ -190,7 +190,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     block, :func:`dtlib.analytic.activations.op_selective_bytes`) and their share of the
     elementwise traffic and TP communication, but not attention (its output is saved). ``recompute_modules``
     (Megatron-Core's per-module recompute) repeat their modules' forward
-    (:func:`dtlib.plan.recompute.recompute_module_work`) in every layer."""
+    (:func:`dtlib.plan.recompute.recompute_module_work`) in every layer ``recompute_layers`` leaves stored."""
     options, _ = resolve(options)
     if recompute == "op":
         h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
@@ -198,33 +198,37 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
         share = recomputed * n["layers"] / layers_matmul_params(**n)  # of a mean layer's weights
         return _mixed(_terms(n, cluster, "none", schedule, options, dropout),
                       _terms(n, cluster, "full", schedule, options, dropout), share, 0 * share)
-    if recompute_modules:
-        return _with_modules(_terms(n, cluster, recompute, schedule, options, dropout), n, cluster, schedule,
-                             options, dropout, recompute_modules)
+    plain = _terms(n, cluster, recompute, schedule, options, dropout)
+    out, kept = plain, 1.0
     if recompute_layers:
         per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
         share = np.minimum(recompute_layers, per_chunk) / per_chunk
-        return _mixed(_terms(n, cluster, recompute, schedule, options, dropout),
-                      _terms(n, cluster, "full", schedule, options, dropout), share, share)
-    return _terms(n, cluster, recompute, schedule, options, dropout)
+        out = _mixed(plain, _terms(n, cluster, "full", schedule, options, dropout), share, share)
+        kept = 1 - share
+    if recompute_modules:  # in the layers recompute_layers leaves stored
+        out = _with_modules(out, plain, n, cluster, schedule, options, dropout, recompute_modules, kept)
+    return out
 
 
-def _with_modules(base: dict[str, Any], n: dict[str, Any], cluster: Cluster, schedule: str,
-                  options: StepOptions, dropout: bool, modules: tuple[str, ...]) -> dict[str, Any]:
-    """``base`` plus the forward work ``modules`` repeat in backward: FLOPs at the weight GEMMs'
-    peak and efficiency, bytes at the HBM bandwidth, per layer of the stage and micro-batch, in the
-    pipelined work the bubble scales."""
+def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any], cluster: Cluster, schedule: str,
+                  options: StepOptions, dropout: bool, modules: tuple[str, ...], kept: Any) -> dict[str, Any]:
+    """``base`` plus the forward work ``modules`` repeat in backward in the ``kept`` share of the
+    layers (those not fully recomputed): FLOPs at the weight GEMMs' peak and efficiency, bytes at the
+    HBM bandwidth, per layer of the stage and micro-batch, in the pipelined work the bubble scales;
+    ``plain``: the terms without any recompute of layers, against which ``core_attn`` is timed."""
     prec = get_precision(options.precision)
     work = recompute_module_work(modules, n, prec.activation, dropout, bool(options.flash_attention))
     gpu = cluster.gpu
     v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * n["pp"]
-    per_step = stage_layers(n["layers"], n["pp"], v)[0] * n["num_microbatches"]
+    per_step = kept * stage_layers(n["layers"], n["pp"], v)[0] * n["num_microbatches"]
     efficiency = GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency
     flops_time = work["flops"] / (gpu.peak(options.dtype) * clock_scale(gpu, options.power_limit_w) * efficiency)
     extra = per_step * (flops_time + work["bytes"] / gpu.memory_bandwidth)
     # core_attn with explicit attention: the attention core again, as selective recompute repeats it
-    selective = _terms(n, cluster, "selective", schedule, options, dropout)
-    attention = work["attention"] * (selective["compute_attention"] - base["compute_attention"])
+    attention = 0 * extra
+    if np.any(work["attention"]):
+        selective = _terms(n, cluster, "selective", schedule, options, dropout)
+        attention = kept * work["attention"] * (selective["compute_attention"] - plain["compute_attention"])
     pipelined = extra + attention
     out = dict(base)
     out["compute_gemm"] = base["compute_gemm"] + per_step * flops_time
@@ -233,7 +237,7 @@ def _with_modules(base: dict[str, Any], n: dict[str, Any], cluster: Cluster, sch
     out["elementwise"] = base["elementwise"] + per_step * work["bytes"] / gpu.memory_bandwidth
     out["pp_bubble"] = base["pp_bubble"] + bubble_fraction(n["pp"], n["num_microbatches"], v, schedule) * pipelined
     ranks_per_stage = n["dp"] * n["tp"] * n["cp"]
-    out["hardware_flops"] = base["hardware_flops"] + work["flops"] * n["layers"] * n["num_microbatches"] * ranks_per_stage
+    out["hardware_flops"] = base["hardware_flops"] + kept * work["flops"] * n["layers"] * n["num_microbatches"] * ranks_per_stage
     out["step_time"] = sum(out[k] for k in TERMS)
     return out
 
