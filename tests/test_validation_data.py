@@ -169,3 +169,10 @@ def test_one_pass_grid_equals_one_search_per_point():
         for j, a in enumerate(attention):
             slow = [np.log(_prediction(r, g, a) / r.published) for r in runs]
             np.testing.assert_allclose(fast[i, j], slow, rtol=0, atol=1e-12)
+
+
+def test_bridge_rows_overlap_what_their_recipe_notes_say():
+    """moe_a2a_overlap in a row's recipe note <=> ep_overlap 1; 'no TP communication overlap' <=> tp_overlap 0."""
+    for run in pending_runs():
+        assert (run.ep_overlap == 1.0) == ("moe_a2a_overlap" in run.note), run.name
+        assert (run.tp_overlap == 0.0) == ("no TP communication overlap" in run.note), run.name

@@ -677,6 +677,14 @@ _BRIDGE_MOE_RECIPE = {
 # (llama31_405b_pretrain_config: account_for_{embedding,loss}_in_pipeline_split); the MoE rows recompute the
 # modules of _BRIDGE_MOE_RECIPE (DeepSeek-V3: set_deepseek_v3_common_configs sets granularity selective;
 # Qwen3: set_qwen3_common_configs sets recompute_granularity None: nothing recomputed).
+# what the recipes overlap besides the megatron stack's defaults: moe_a2a_overlap (Megatron's
+# --overlap-moe-expert-parallel-comm; the step time caps it at the compute) on the Qwen3 rows that ran it,
+# and the H100 Qwen3-235B recipe's tp_comm_overlap=False (_BRIDGE_MOE_RECIPE's notes)
+_BRIDGE_OVERLAP = {
+    ("DGX-H100", "qwen3-30b-a3b"): dict(ep_overlap=1.0),
+    ("DGX-B200", "qwen3-235b-a22b"): dict(ep_overlap=1.0),
+    ("DGX-H100", "qwen3-235b-a22b"): dict(ep_overlap=1.0, tp_overlap=0.0),
+}
 _BRIDGE_MEMORY = {
     ("DGX-GB300", "llama3-70b"): dict(activation_offload_layers=20),
     ("DGX-GB200", "llama3-70b"): dict(activation_offload_layers=40),
@@ -720,11 +728,7 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
-        # moe_a2a_overlap: Megatron's --overlap-moe-expert-parallel-comm (steptime caps it at the compute)
-        overlap = float("moe_a2a_overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), ""))
-        # the H100 Qwen3-235B recipe turns TP communication overlap off (tp_comm_overlap=False)
-        tp_overlap = 0.0 if "no TP communication overlap" in _BRIDGE_MOE_RECIPE.get((system, preset), "") else None
-        rows.append(replace(run, ep_overlap=overlap, tp_overlap=tp_overlap,
+        rows.append(replace(run, **_BRIDGE_OVERLAP.get((system, preset), {}),
                             name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
 
