@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
-from dtlib.plan.validation import (PUBLISHED, SOURCES, error_grid, fit, leave_one_source_out,
+from dtlib.plan.validation import (PUBLISHED, SOURCES, error_grid, errors_by_kind, fit, leave_one_source_out,
                                    mean_absolute_error, validation_table)
 
 # name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts)
@@ -174,6 +174,18 @@ def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
     assert mae == pytest.approx(0.1241, abs=5e-4)
+
+
+def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
+    """Lesson 10's claim: the 97 dense runs within 10% on average, the 22 MoE runs not."""
+    kinds = errors_by_kind(list(table.values()))
+    moe = {r.name for r in PUBLISHED if r.model.moe_experts}
+    assert set(kinds["moe"]["names"]) == moe and len(moe) == 22
+    assert set(kinds["dense"]["names"]) == set(table) - moe
+    for kind, names in (("dense", set(table) - moe), ("moe", moe)):
+        by_hand = sum(abs(EXPECTED[n][0]) for n in names) / len(names)
+        assert kinds[kind]["mean_absolute_error"] == pytest.approx(by_hand, abs=1e-4), kind
+    assert kinds["dense"]["mean_absolute_error"] < 0.10 < kinds["moe"]["mean_absolute_error"]
 
 
 def test_twelve_sources_and_seven_gpu_families():

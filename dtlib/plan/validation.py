@@ -35,7 +35,7 @@ from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table",
-           "mean_absolute_error", "fit", "leave_one_source_out", "error_grid", "ignored", "GEMM_GRID",
+           "mean_absolute_error", "errors_by_kind", "fit", "leave_one_source_out", "error_grid", "ignored", "GEMM_GRID",
            "ATTENTION_GRID"]
 
 
@@ -124,6 +124,16 @@ def validation_table(gemm: float | None = None, attention: float | None = None,
 def mean_absolute_error(rows: list[dict[str, Any]]) -> float:
     """Mean of |relative error| over ``rows``."""
     return float(np.mean([abs(r["error"]) for r in rows]))
+
+
+def errors_by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``rows`` (:func:`validation_table`) split into dense and mixture-of-experts runs: for each,
+    the ``names`` and their ``mean_absolute_error``."""
+    moe = {run.name for run in PUBLISHED if run.model.moe_experts}
+    out = {}
+    for kind, mine in (("dense", [r for r in rows if r["name"] not in moe]), ("moe", [r for r in rows if r["name"] in moe])):
+        out[kind] = {"names": [r["name"] for r in mine], "mean_absolute_error": mean_absolute_error(mine)}
+    return out
 
 
 GEMM_GRID = tuple(round(x, 2) for x in np.arange(0.40, 1.001, 0.05))
