@@ -23,7 +23,7 @@ Sources, read for the names below (re-check them when a framework moves):
   these keys. :mod:`dtlib.plan.torchtitan_schema` encodes the keys and types read there.
 * JAX: the mesh axes and weight roles are those :func:`dtlib.frameworks.jax_gspmd.run_jax` takes.
 
-About 580 lines: four emitters that share one layout check and one refusal path, each with the
+About 590 lines: four emitters that share one layout check and one refusal path, each with the
 list of what its framework cannot express next to the config it writes (read side by side); the
 Megatron emitter also writes the MoE, MLA and sliding-window flags and the memory options
 (block recompute, balanced pipeline) that the others refuse by name. Split by framework, each
