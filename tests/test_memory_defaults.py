@@ -189,6 +189,29 @@ def test_llama3_405b_fits_as_published_and_what_made_it_not():
     assert paper.total > 5 * even.total  # the 2022 default: scores and masks stored
 
 
+def test_one_layer_per_chunk_is_valid_only_with_the_balanced_split(capsys):
+    """Llama 3, Sec. 3.3.2: "the first model chunk on the first stage has only the embedding": 126
+    layers + the embedding and the loss in 16 x 8 one-layer chunks. Megatron-LM accepts it with
+    --account-for-embedding/loss-in-pipeline-split; without them 128 chunks exceed 126 layers."""
+    from dtlib.analytic.layout import stage_layers
+
+    v8 = LLAMA3.with_(virtual_stages=8)
+    with pytest.raises(ValueError, match=r"pp=16 x virtual stages 8 exceed the 126 layers; valid: pp x virtual_stages <= 126"):
+        memory_per_gpu(LLAMA405, v8)
+    balanced = memory_per_gpu(LLAMA405, v8.with_(account_for_embedding_and_loss=True), precision="megatron-bf16",
+                              gpu=get_gpu("h100-sxm"))
+    assert balanced.fits
+    assert stage_layers(126, 16, 8, True) == (7, 7)  # 8 chunks of one layer, one of them empty
+    with pytest.raises(ValueError, match="exceed the 126 layers \\+ the embedding and the loss"):
+        memory_per_gpu(LLAMA405, LLAMA3.with_(virtual_stages=16, account_for_embedding_and_loss=True))
+    flags = [f for f in LLAMA3_FLAGS if f != "4"]
+    flags[flags.index("--virtual-stages") + 1:flags.index("--virtual-stages") + 1] = ["8"]
+    assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32"]) == 2
+    assert "exceed the 126 layers" in capsys.readouterr().err
+    assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32",
+                 "--account-for-embedding-and-loss"]) == 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["memory", "--model", "llama3-8b", "--recompute-layers", "-1"], "--recompute-layers must be an integer >= 0"),
     (["memory", "--model", "llama3-8b", "--recompute", "full", "--recompute-layers", "2"],

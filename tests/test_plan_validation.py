@@ -102,9 +102,9 @@ EXPECTED = {
     'GPT 175B ZeRO-3, 256 x A100 (DeepSpeed Azure 2022)': (-0.1022, True, 1),
     'GPT 1T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1150, True, 1),
     'GPT 2T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1829, True, 1),
-    'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (-0.2501, True, 1),
-    'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (-0.0760, True, 1),
-    'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.2332, True, 8),
+    'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0059, True, 1),
+    'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0015, True, 1),
+    'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1573, True, 4),
     'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.0805, True, 11),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0505, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0124, True, 2),
@@ -140,12 +140,12 @@ LOSO = {
     'BLOOM 2022': (0.60, 0.50, 0.0018, 0.0018),
     'torchtitan': (0.60, 0.50, 0.1095, 0.1095),
     'Megatron-Bridge': (0.60, 0.50, 0.2000, 0.2000),
-    'NeMo 2024': (0.60, 0.50, 0.0901, 0.0901),
+    'NeMo 2024': (0.60, 0.50, 0.0875, 0.0875),
     'NeMo 2025': (0.60, 0.50, 0.1115, 0.1115),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1102, 0.1102),
     'Trainy H200': (0.60, 0.45, 0.0765, 0.0314),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1334, 0.1334),
-    'Llama 3 2024': (0.60, 0.50, 0.1051, 0.1051),
+    'Llama 3 2024': (0.60, 0.50, 0.0549, 0.0549),
     'DeepSeek-V3 2024': (0.60, 0.50, 0.0805, 0.0805),
 }
 
@@ -173,7 +173,7 @@ def test_every_row_is_pinned(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1241, abs=5e-4)
+    assert mae == pytest.approx(0.1208, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -204,8 +204,11 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), source
         assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), source
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
-    assert np.mean([d["loso_error"] for d in loso.values()]) == pytest.approx(0.0943, abs=5e-4)
-    assert np.mean([d["loso_error"] for d in loso.values()]) <= 0.10
+    held_out = np.mean([d["loso_error"] for d in loso.values()])
+    in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
+    assert held_out == pytest.approx(0.0899, abs=5e-4)
+    # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
+    assert held_out <= 0.10 and held_out - in_sample < 0.01
 
 
 def test_the_defaults_are_the_fitted_minimum(errors):

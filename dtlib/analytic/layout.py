@@ -100,7 +100,7 @@ class Parallelism:
                                  f"but recompute='full' recomputes all of them; give recompute 'none', "
                                  f"'selective' or 'op' for the other layers")
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
-        check_layout(self.numbers(), self.schedule, self.offload)
+        check_layout(self.numbers(), self.schedule, self.offload, self.account_for_embedding_and_loss)
 
     @property
     def gpus(self) -> int:
@@ -153,6 +153,20 @@ def fsdp(strategy: str, dp: int, shard_size: int | None = None, **layout: Any) -
 
 Rule = validate.Rule
 
+# every pipeline chunk holds at least one layer; with the balanced split
+# (account_for_embedding_and_loss) the embedding and the loss take a slot each, so the chunk that
+# gives its one layer up holds the embedding (or the loss) alone: Llama 3 405B's 126 layers + 2 in
+# 16 x 8 chunks ("the first model chunk on the first stage has only the embedding", Sec. 3.3.2)
+_STAGES_RULE: "Rule" = (
+    ("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers,
+    lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
+                                       f"exceed the {layers} layers; valid: pp x virtual_stages <= {layers}")
+_BALANCED_STAGES_RULE: "Rule" = (
+    ("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers + 2,
+    lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} exceed "
+                                       f"the {layers} layers + the embedding and the loss; valid: "
+                                       f"pp x virtual_stages <= {layers + 2}")
+
 
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
 # comparisons so they work on numpy arrays; a rule is skipped when one of its fields is absent.
@@ -172,9 +186,7 @@ RULES: list[Rule] = [
                           f"valid tp: {validate.divisors(kv_heads)}"),
     (("ffn", "tp"), lambda ffn, tp: ffn % tp == 0,
      lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn}"),
-    (("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers,
-     lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
-                                        f"exceed the {layers} layers; valid: pp x virtual_stages <= {layers}"),
+    _STAGES_RULE,
     (("seq", "cp"), lambda seq, cp: seq % cp == 0,
      lambda seq, cp: f"context parallel size cp={cp} must divide the sequence length {seq}; "
                      f"valid cp: {validate.divisors(seq)}"),
@@ -238,25 +250,28 @@ _OPTION_RULES: dict[str, list[Rule]] = {
 }
 
 
-def _rules_for(schedule: str, offload: str) -> list[Rule]:
+def _rules_for(schedule: str, offload: str, balanced: bool = False) -> list[Rule]:
     extra = list(_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"])
     extra += _OPTION_RULES.get(offload, [])
-    return RULES + extra
+    rules = [_BALANCED_STAGES_RULE if balanced and r is _STAGES_RULE else r for r in RULES]
+    return rules + extra
 
 
-def broken_rules(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none"):
-    """Yield ``(valid_mask, message_fn, fields)`` for every applicable rule (arrays or scalars)."""
-    for fields, ok, message in _rules_for(schedule, offload):
+def broken_rules(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none", balanced: bool = False):
+    """Yield ``(valid_mask, message_fn, fields)`` for every applicable rule (arrays or scalars);
+    ``balanced``: Parallelism.account_for_embedding_and_loss (two more pipeline slots)."""
+    for fields, ok, message in _rules_for(schedule, offload, balanced):
         if all(f in numbers and numbers[f] is not None for f in fields):
             with np.errstate(divide="ignore", invalid="ignore"):  # x % 0 on rows already invalid
                 valid = np.asarray(ok(**{f: numbers[f] for f in fields}))
             yield valid, message, fields
 
 
-def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none") -> None:
+def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str = "none",
+                 balanced: bool = False) -> None:
     """Raise ValueError for the first rule that ``numbers`` break (scalars, or arrays: the message
     shows the first bad element)."""
-    for valid, message, fields in broken_rules(numbers, schedule, offload):
+    for valid, message, fields in broken_rules(numbers, schedule, offload, balanced):
         if not (valid.all() if valid.ndim else valid):
             first = tuple(np.argwhere(~valid)[0]) if valid.ndim else ()
             raise ValueError(message(**{f: np.broadcast_to(numbers[f], valid.shape)[first].item()

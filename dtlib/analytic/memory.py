@@ -314,7 +314,7 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
             raise ValueError("expert parallelism needs a model shape with moe_experts; "
                              "a bare parameter count cannot be split into experts")
         n = layout.numbers(params=cfg, gpus=gpus, largest_layer=largest_layer_params)
-    check_layout(n, layout.schedule, layout.offload)
+    check_layout(n, layout.schedule, layout.offload, layout.account_for_embedding_and_loss)
     r = per_gpu_bytes(n, prec, recompute=layout.recompute, schedule=layout.schedule,
                       offload=layout.offload, **memory_options(counted, chosen_stack, dtype),
                       recompute_layers=layout.recompute_layers,

@@ -57,8 +57,10 @@ def _derived(cfg: "TransformerConfig | None", arrays: dict[str, Any]) -> dict[st
 
 
 def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], schedule: str = "1f1b",
-                  offload: str = "none", on_invalid: str = "raise") -> tuple[dict[str, Any], np.ndarray]:
-    """Broadcast ``arrays`` over the config's and the layout defaults; check every rule.
+                  offload: str = "none", on_invalid: str = "raise",
+                  balanced: bool = False) -> tuple[dict[str, Any], np.ndarray]:
+    """Broadcast ``arrays`` over the config's and the layout defaults; check every rule
+    (``balanced``: the layouts account for the embedding and the loss in the pipeline split).
 
     Returns the numbers (invalid rows replaced by safe values so the formulas stay finite) and the
     boolean ``valid`` array.
@@ -78,7 +80,7 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
     n["sequence_parallel"] = n["sequence_parallel"].astype(bool)
     shape = shaped[0].shape
     valid = np.ones(shape, dtype=bool)
-    for ok, message, fields in broken_rules(n, schedule, offload):
+    for ok, message, fields in broken_rules(n, schedule, offload, balanced):
         ok = np.broadcast_to(ok, shape)
         if on_invalid == "raise" and not ok.all():
             i = tuple(int(j) for j in np.argwhere(~ok)[0]) if ok.ndim else ()

@@ -252,7 +252,8 @@ def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, mo
                  micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
                  shard_size=dp * args.cp)
         return next((message(**{f: n[f] for f in fields})
-                     for valid, message, fields in broken_rules(n, args.schedule, args.offload)
+                     for valid, message, fields in broken_rules(n, args.schedule, args.offload,
+                                                                bool(getattr(args, "account_for_embedding_and_loss", False)))
                      if not bool(valid)), None)
 
     first = -(-gpus // model_parallel)
@@ -266,7 +267,8 @@ def checked_layout(args: argparse.Namespace, model: "TransformerConfig | float")
     """The layout, checked against the model shape and the GPU count (as memory_per_gpu does)."""
     shape = model.numbers(args.seq) if isinstance(model, TransformerConfig) else {}
     layout = layout_from_args(args, shape)
-    check_layout(layout.numbers(**shape, gpus=args.gpus), layout.schedule, layout.offload)
+    check_layout(layout.numbers(**shape, gpus=args.gpus), layout.schedule, layout.offload,
+                 layout.account_for_embedding_and_loss)
     return layout
 
 

@@ -87,7 +87,8 @@ def _check(layout: Parallelism, model: TransformerConfig, global_batch: int, pre
         raise ValueError(f"model must be a dtlib.analytic.config.TransformerConfig, got {model!r}")
     validate.integer("global_batch", global_batch)
     validate.one_of("precision", precision, PRECISIONS)
-    check_layout(layout.numbers(**model.numbers()), layout.schedule, layout.offload)
+    check_layout(layout.numbers(**model.numbers()), layout.schedule, layout.offload,
+                 layout.account_for_embedding_and_loss)
     if layout.global_batch != global_batch:
         raise ValueError(f"global_batch={global_batch} but the layout's dp x micro_batch_size x num_microbatches "
                          f"= {layout.dp}x{layout.micro_batch_size}x{layout.num_microbatches} = {layout.global_batch}")

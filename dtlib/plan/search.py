@@ -211,10 +211,12 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         candidates += grid["dp"].size
         if grid["dp"].size == 0:
             continue
-        n, valid = layout_arrays(model, grid, schedule, given["offload"], on_invalid="nan")
+        balanced = given["account_for_embedding_and_loss"]
+        n, valid = layout_arrays(model, grid, schedule, given["offload"], on_invalid="nan", balanced=balanced)
         if not valid.any():
             try:
-                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, given["offload"], on_invalid="raise")
+                layout_arrays(model, {k: v[:1] for k, v in grid.items()}, schedule, given["offload"],
+                              on_invalid="raise", balanced=balanced)
             except ValueError as exc:
                 broken = broken or str(exc).split(": ", 1)[-1]
             continue

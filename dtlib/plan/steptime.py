@@ -439,7 +439,8 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
     arrays["gpus"] = np.asarray([cluster.world_size])
     if seq is not None:
         arrays["seq"] = np.asarray([seq])
-    n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise")
+    n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise",
+                         balanced=layout.account_for_embedding_and_loss)
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
                          recompute_modules=layout.recompute_modules)

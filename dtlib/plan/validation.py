@@ -80,10 +80,25 @@ def _published_layout(run: PublishedRun, options: StepOptions, fit: bool = True,
                   fixed=_fixed(run), headroom=1.0, dropout=run.dropout, top=top)
 
 
+def _timed_layouts(run: PublishedRun, options: StepOptions, top: int = 1):
+    """The layouts the validation times for ``run``: those of the published flags that fit its GPUs,
+    or, when dtlib's memory model fits none, the same flags with the memory limit lifted. The table
+    (:func:`predict`) and the fits (:func:`error_grid`) both time these, so that a row's error in the
+    table is the error the leave-one-source-out fit sees."""
+    mine = _published_layout(run, options, top=top)
+    if mine.configs:
+        return mine
+    found = _published_layout(run, options, fit=False, top=top)
+    if not found.configs:
+        raise ValueError(f"run {run.name!r}: no layout of its published flags {_fixed(run)} is valid for "
+                         f"{run.cluster.world_size} GPUs and global batch {run.global_batch}: {found.why}")
+    return found
+
+
 def _prediction(run: PublishedRun, gemm: float | None = None, attention: float | None = None) -> float:
-    """The planner's value of the run's metric for the published layout (memory limit lifted): one
+    """The planner's value of the run's metric for the published layout (:func:`_timed_layouts`): one
     search; :func:`error_grid` gives the same numbers for a whole grid at once."""
-    return _metric(_published_layout(run, _options(run, gemm, attention), fit=False).configs[0], run)
+    return _metric(_timed_layouts(run, _options(run, gemm, attention)).configs[0], run)
 
 
 def predict(run: PublishedRun, gemm: float | None = None, attention: float | None = None,
@@ -96,7 +111,7 @@ def predict(run: PublishedRun, gemm: float | None = None, attention: float | Non
     options = _options(run, gemm, attention)
     mine = _published_layout(run, options)
     fits = bool(mine.configs)
-    best = (mine if fits else _published_layout(run, options, fit=False)).configs[0]
+    best = _timed_layouts(run, options).configs[0]
     predicted = _metric(best, run)
     out = {"name": run.name, "source": run.source, "family": run.family, "metric": run.metric,
            "unit": METRIC_UNITS[run.metric], "published": run.published,
@@ -141,10 +156,10 @@ ATTENTION_GRID = tuple(round(x, 2) for x in np.arange(0.20, 0.801, 0.05))
 
 
 def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]]]:
-    """Every layout the planner may time for ``run`` (the published knobs pinned, the rest free,
-    memory limit lifted), as (schedule, recompute, layout arrays) groups: what :func:`search`
-    enumerates, independent of the efficiencies."""
-    found = _published_layout(run, _options(run, None, None), fit=False, top=10 ** 9).configs
+    """Every layout the planner may time for ``run`` (:func:`_timed_layouts`: the published knobs
+    pinned, the rest free), as (schedule, recompute, layout arrays) groups: what :func:`search`
+    enumerates, independent of the efficiencies (memory does not depend on them)."""
+    found = _timed_layouts(run, _options(run, None, None), top=10 ** 9).configs
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for c in found:
         groups["interleaved" if c["virtual_stages"] > 1 else "1f1b", c["recompute"]].append(c)
@@ -168,7 +183,8 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
         k = len(layouts["dp"])
         tiled = {name: np.tile(a, points) for name, a in layouts.items()}
         tiled["gpus"] = tiled["dp"] * tiled["tp"] * tiled["pp"] * tiled["cp"]
-        n, _ = layout_arrays(run.model, tiled, schedule, "none", on_invalid="raise")
+        n, _ = layout_arrays(run.model, tiled, schedule, "none", on_invalid="raise",
+                             balanced=bool(run.layout.get("account_for_embedding_and_loss")))
         opts = replace(options, gemm_efficiency=np.repeat(gemm, k),
                        attention_efficiency=np.repeat(attention * scale, k))
         t = step_time_arrays(n, run.cluster, recompute=recompute, schedule=schedule, options=opts,
