@@ -128,7 +128,7 @@ EXPECTED = {
     'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (1.0879, True, 20),
     'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3729, True, 3),
     'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3994, True, 5),
-    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.5621, False, 12),
+    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.5836, True, 9),
     'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8884, True, 9),
     'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.2073, True, 17),
 }
@@ -139,7 +139,7 @@ LOSO = {
     'Korthikanti 2022': (0.60, 0.50, 0.0682, 0.0682),
     'BLOOM 2022': (0.60, 0.50, 0.0018, 0.0018),
     'torchtitan': (0.60, 0.50, 0.1095, 0.1095),
-    'Megatron-Bridge': (0.60, 0.50, 0.2000, 0.2000),
+    'Megatron-Bridge': (0.60, 0.50, 0.2007, 0.2007),
     'NeMo 2024': (0.60, 0.50, 0.0875, 0.0875),
     'NeMo 2025': (0.60, 0.50, 0.1115, 0.1115),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1102, 0.1102),
@@ -170,10 +170,17 @@ def test_every_row_is_pinned(table):
         assert row["rank"] == rank, name
 
 
+def test_every_published_layout_fits_its_gpus(table):
+    """Issue 26: every published layout of the validation set fits at the GPU's full memory, as
+    dtlib counts it (the one row whose table contradicts itself is timed as its recipe file ran)."""
+    short = [name for name, row in table.items() if not row["fits"]]
+    assert short == []
+
+
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1208, abs=5e-4)
+    assert mae == pytest.approx(0.1210, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -206,7 +213,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0899, abs=5e-4)
+    assert held_out == pytest.approx(0.0900, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
