@@ -117,8 +117,8 @@ def _published_memory(run, **changes) -> float:
 
 PENDING = {run.name: run for run in pending_runs()}
 # the row whose table contradicts itself (docs/validation.md, "Memory of the Megatron-Bridge 25.11
-# rows"): MBS 4 at PP 4 on 80 GiB H100s, while its GA (2) gives 512 / (2 x 16) = 16 and MBS 4 gives
-# GA 8. It is timed at the recipe file's MBS 1 (GPT_OSS_120B_H100_BF16_BASE_CONFIG).
+# rows"): MBS 4 at PP 4 (DP 16) on 80 GiB H100s means GA 512 / (4 x 16) = 8, but its GA column says 2.
+# It is timed at the recipe file's MBS 1 (GPT_OSS_120B_H100_BF16_BASE_CONFIG).
 SHORT = "GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)"
 
 

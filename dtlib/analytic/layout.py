@@ -157,15 +157,17 @@ Rule = validate.Rule
 # (account_for_embedding_and_loss) the embedding and the loss take a slot each, so the chunk that
 # gives its one layer up holds the embedding (or the loss) alone: Llama 3 405B's 126 layers + 2 in
 # 16 x 8 chunks ("the first model chunk on the first stage has only the embedding", Sec. 3.3.2)
-_STAGES_RULE: "Rule" = (
-    ("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers,
-    lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
-                                       f"exceed the {layers} layers; valid: pp x virtual_stages <= {layers}")
-_BALANCED_STAGES_RULE: "Rule" = (
-    ("layers", "pp", "virtual_stages"), lambda layers, pp, virtual_stages: pp * virtual_stages <= layers + 2,
-    lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} exceed "
-                                       f"the {layers} layers + the embedding and the loss; valid: "
-                                       f"pp x virtual_stages <= {layers + 2}")
+def _stages_rule(extra: int) -> "Rule":
+    """pp x virtual_stages chunks at most as many as the ``layers + extra`` pipeline slots."""
+    what = " + the embedding and the loss" if extra else ""
+    return (("layers", "pp", "virtual_stages"),
+            lambda layers, pp, virtual_stages: pp * virtual_stages <= layers + extra,
+            lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
+                                               f"exceed the {layers} layers{what}; valid: pp x virtual_stages "
+                                               f"<= {layers + extra}")
+
+
+_STAGES_RULE, _BALANCED_STAGES_RULE = _stages_rule(0), _stages_rule(2)
 
 
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and

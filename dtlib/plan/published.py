@@ -728,16 +728,17 @@ def pending_runs() -> list[PublishedRun]:
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
                       micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
                       **_BRIDGE_MEMORY.get((system, preset), {}))
-        layout.update(_BRIDGE_RECIPE_OVER_TABLE.get((system, preset), {}))
+        over_table = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), {})
+        layout.update(over_table)
         moe = ep > 1 or model.moe_experts > 0
         note = ("MoE: ETP 1 (recipes' BASE config), token-dropless with force-balanced routing (the table's "
                 "footnote); recompute_modules of the recipe in the layout (memory)" if moe else
                 "FSDP 64 = Megatron FSDP (ZeRO-3)" if fsdp else "distributed optimizer (ZeRO-1)")
         if (system, preset) in _BRIDGE_MOE_RECIPE:
             note += "; recipe: " + _BRIDGE_MOE_RECIPE[system, preset]
-        if (system, preset) in _BRIDGE_RECIPE_OVER_TABLE:
+        if over_table:
             note += (f"; the table's MBS {mbs} contradicts its own GA column, so the recipe file's "
-                     f"{_BRIDGE_RECIPE_OVER_TABLE[system, preset]} is timed")
+                     f"{over_table} is timed")
         if "w/ MTP" in label:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
