@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[all]"  # the core and every extra (pyproject.toml)
 	touch $@
 
 # JupyterLab's defaults for the course, installed where it reads packages' overrides (its

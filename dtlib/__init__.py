@@ -14,6 +14,10 @@ def __getattr__(name: str) -> Any:
     # The launcher (and torch) load on first use, so that the analytic core and the CLI import
     # nothing heavy: `import dtlib.analytic` works without torch.
     if name in __all__:
-        from dtlib import launcher
+        from dtlib.extras import MissingExtra
+        try:
+            from dtlib import launcher
+        except MissingExtra as exc:  # said for what was asked: "dtlib.launch needs torch: ..."
+            raise exc.for_feature(f"dtlib.{name}") from None
         return getattr(launcher, name)
     raise AttributeError(f"module 'dtlib' has no attribute {name!r}")

@@ -13,6 +13,10 @@ The IDX format is LeCun et al.'s (http://yann.lecun.com/exdb/mnist/): a magic nu
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import gzip
 import hashlib
 import os

@@ -23,6 +23,10 @@ workdir, the pipes and the result/error files (and their optional data-only code
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", "cloudpickle", feature=__name__)
+
 import faulthandler
 import json
 import multiprocessing as mp

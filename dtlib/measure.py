@@ -11,6 +11,10 @@
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import glob
 import os
 import platform

@@ -15,6 +15,10 @@ collective on checksum steps); rank 0 writes the files.
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import json
 import math
 import os

@@ -5,6 +5,10 @@ rank starts with ``world_size`` numbers, ``10 * rank + i``, so every value says 
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import torch
 import torch.distributed as dist
 

@@ -30,6 +30,10 @@ inside each shard, with a generator seeded by (seed, epoch) -- reads stay shard-
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import json
 import os
 import threading

@@ -1,5 +1,6 @@
 """pyproject.toml and environment.yml describe the same environment; CI calls the README's command."""
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -14,8 +15,18 @@ def _name(spec: str) -> str:
     return re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0].lower()  # ray[train] -> ray
 
 
+def _requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """pyproject's core dependencies and its extras (without an extra's ``dtlib[...]`` references)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = {name: [d for d in deps if _name(d) != "dtlib"]
+              for name, deps in project["optional-dependencies"].items()}
+    return project["dependencies"], extras
+
+
 def test_environment_yml_matches_pyproject():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    """environment.yml is the whole environment (`make lab`, `make test`): the core and every extra."""
+    core, extras = _requirements()
+    deps = core + [d for group in extras.values() for d in group]
     pypi = {_name(d): d for d in deps}
     conda = set()
     text = (ROOT / "environment.yml").read_text()
@@ -26,7 +37,7 @@ def test_environment_yml_matches_pyproject():
     assert conda == set(pypi), f"only in environment.yml: {conda - set(pypi)}, only in pyproject: {set(pypi) - conda}"
     # conda-forge is the channel, the package itself comes from this checkout, the Pythons agree
     assert re.search(r"channels:\s*\n\s+- conda-forge", text), "environment.yml must use conda-forge"
-    assert re.search(r"- pip:\s*\n(\s+- .*\n)*\s+- -e \.", text), "environment.yml must pip-install this package"
+    assert re.search(r"- pip:\s*\n(\s+(- |# ).*\n)*\s+- -e \.", text), "environment.yml must pip-install this package"
     python = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert f"- python{python}" in text, f"environment.yml's python should be {python}"
     # and the version floors agree
@@ -34,6 +45,24 @@ def test_environment_yml_matches_pyproject():
         floor = re.search(r">=([\d.]+)", spec)
         if floor:
             assert re.search(rf"(?i)(- {re.escape(name)}(\[[\w,]+\])?|pytorch-cpu)>={re.escape(floor.group(1))}", text), f"{name} floor differs"
+
+
+def test_a_numpy_core_and_extras_that_match_dtlib_extras():
+    """`pip install dtlib` is numpy only; the extras dtlib.extras names are pyproject's, and
+    `all` (what `make lab` and `make test` install) is every extra."""
+    from dtlib.extras import EXTRAS
+
+    core, extras = _requirements()
+    assert [_name(d) for d in core] == ["numpy"]
+    for extra, provided in EXTRAS.items():
+        assert sorted(provided.values()) == sorted(re.split(r"[<>=]", d)[0] for d in extras[extra]), extra
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert project["frameworks"][0] == "dtlib[course]"  # lesson 13 runs the frameworks next to dtlib's own
+    everything = re.fullmatch(r"dtlib\[([\w,]+)\]", project["all"][0]).group(1).split(",")
+    assert project["all"] == project["all"][:1] and sorted(everything) == sorted(set(extras) - {"all"})
+    assert {"course", "frameworks", "site", "workshop", "test"} <= set(extras)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r'pip install .*-e "\.\[all\]"', makefile), "make install must install every extra"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -235,3 +264,85 @@ def test_import_graph_sees_a_circle():
     assert "dtlib.cli.train" in graph["dtlib.cli"]
     assert "dtlib.trainer" in graph["dtlib.cli.train"]  # lazily, inside run_train
     assert "dtlib.cli" not in graph["dtlib.trainer"]
+
+
+def _without_extras(tmp_path: Path) -> dict[str, str]:
+    """An environment in which no extra's import can be found (a sitecustomize sets each to None
+    in sys.modules, which makes `import torch` raise ModuleNotFoundError)."""
+    import os
+
+    from dtlib.extras import EXTRAS
+
+    blocked = sorted({name.split(".")[0] for provided in EXTRAS.values() for name in provided})
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+
+def test_the_core_commands_run_without_any_extra(tmp_path):
+    """plan, memory, flops, comm and profile's trace reading import numpy only; what needs an
+    extra says which, in one line on stderr, with status 2 (no traceback)."""
+    import subprocess
+    import sys
+
+    env = _without_extras(tmp_path)
+
+    def dtlib(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dtlib.cli", *argv], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    assert "torch" in subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True,
+                                     text=True).stderr
+    for argv in (["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "512", "--top", "1"],
+                 ["memory", "--model", "llama3-8b", "--tp", "8", "--gpus", "64"],
+                 ["flops", "--model", "llama3-8b", "--gpus", "8", "--batch", "8"],
+                 ["comm", "--collective", "all_reduce", "--bytes", "1GB", "--ranks", "8"]):
+        done = dtlib(*argv)
+        assert done.returncode == 0 and done.stdout and not done.stderr, (argv, done.stderr)
+    done = dtlib("profile", str(tmp_path))  # reading traces loads no profiler: the folder is empty
+    assert done.returncode == 2 and done.stderr.startswith("dtlib: error: no rank*.json trace"), done.stderr
+    for argv, line in ((["train", "--steps", "1"], "dtlib train needs torch: pip install 'dtlib[course]'"),
+                       (["shards", str(tmp_path / "s")], "dtlib shards needs torch: pip install 'dtlib[course]'")):
+        done = dtlib(*argv)
+        assert (done.returncode, done.stderr) == (2, f"dtlib: error: {line}\n"), done.stderr
+
+
+def test_the_python_api_says_which_extra(tmp_path):
+    """Importing a runtime module, or reaching dtlib.launch, without its extra raises MissingExtra
+    (an ImportError) whose message is the one line; Jupyter shows only that line."""
+    import subprocess
+    import sys
+
+    code = ("import dtlib\n"
+            "from dtlib.extras import MissingExtra, require\n"
+            "for attempt in ('import dtlib.parallel', 'dtlib.launch', 'import dtlib.viz',\n"
+            "                'require(\"frameworks\", feature=\"lesson 13\")'):\n"
+            "    try:\n"
+            "        exec(attempt)\n"
+            "    except ImportError as exc:\n"
+            "        assert isinstance(exc, MissingExtra)\n"
+            "        print(exc._render_traceback_()[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=_without_extras(tmp_path), timeout=60).stdout
+    assert out.splitlines() == [
+        "MissingExtra: dtlib.parallel needs torch: pip install 'dtlib[course]'",
+        "MissingExtra: dtlib.launch needs torch: pip install 'dtlib[course]'",
+        "MissingExtra: dtlib.viz needs matplotlib: pip install 'dtlib[course]'",
+        "MissingExtra: lesson 13 needs deepspeed: pip install 'dtlib[frameworks]'"]
+
+
+def test_require_and_extra_of(monkeypatch):
+    from dtlib.extras import MissingExtra, extra_of, missing, require
+
+    require("course", "torch")  # installed here: nothing raised
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    with pytest.raises(MissingExtra, match=r"^dtlib\.frameworks needs megatron\.core: pip install 'dtlib\[frameworks\]'$"):
+        require("frameworks", "megatron.core", feature="dtlib.frameworks")
+    with pytest.raises(ValueError, match=r"extra must be one of course, frameworks, got 'gpu'"):
+        require("gpu")
+    with pytest.raises(ValueError, match=r"imports must be among dtlib\[course\]'s"):
+        require("course", "jax")
+    assert [extra_of(m) for m in ("torch.distributed", "megatron", "jax.numpy", "numpy", "torchvision")] == [
+        "course", "frameworks", "frameworks", None, None]
+    said = missing(ModuleNotFoundError("No module named 'ray'", name="ray"), "dtlib plan")
+    assert str(said) == "dtlib plan needs ray: pip install 'dtlib[frameworks]'"
+    assert missing(ModuleNotFoundError("No module named 'yaml'", name="yaml"), "dtlib plan") is None

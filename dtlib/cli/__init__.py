@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable
 
 import dtlib
+from dtlib import extras
 from dtlib.analytic import validate
 from dtlib.cli.args import Parser, flag_of, join_negative_values, parse_count, parse_size
 from dtlib.cli.checkpoint import add_checkpoint_command
@@ -55,11 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtlib`` console script; returns the exit status."""
+    args = None
     try:
         args = build_parser().parse_args(join_negative_values(sys.argv[1:] if argv is None else list(argv)))
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the try
         return code
+    except ModuleNotFoundError as exc:  # an extra not installed: say which, in one line
+        missing = extras.missing(exc, f"dtlib {getattr(args, 'command', '')}".strip())
+        if missing is None:
+            raise
+        print(f"dtlib: error: {missing}", file=sys.stderr)
+        return 2
     except validate.InvalidArgument as exc:  # a Python parameter: say its flag
         print(f"dtlib: error: {exc.renamed(flag_of(exc.name))}".replace("\n", " "), file=sys.stderr)
         return 2

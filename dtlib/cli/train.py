@@ -215,10 +215,9 @@ def _check_launcher(launcher: str, args: argparse.Namespace, in_torchrun: bool) 
 
 def _import_ray_train() -> Any:
     """:mod:`dtlib.frameworks.ray_train`, or a one-line error saying how to install Ray Train."""
-    try:
-        import ray.train  # noqa: F401 - only to tell a missing install apart
-    except ImportError as exc:
-        raise ValueError(f'--launcher ray needs Ray Train: pip install "ray[train]" ({exc})') from None
+    from dtlib.extras import require
+
+    require("frameworks", "ray", feature="dtlib train --launcher ray")
     from dtlib.frameworks import ray_train
 
     return ray_train

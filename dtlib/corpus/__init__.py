@@ -6,6 +6,10 @@ domain), as collected in Andrej Karpathy's "tiny shakespeare" (karpathy/char-rnn
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 from functools import lru_cache
 from importlib.resources import files
 

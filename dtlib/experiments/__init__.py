@@ -2,3 +2,7 @@
 
 Pure functions: they return data; ``dtlib.viz`` draws it and ``dtlib.widgets`` wires controls.
 """
+
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)

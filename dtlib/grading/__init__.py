@@ -5,6 +5,10 @@ of a folder (:mod:`~dtlib.grading.batch`), what a learner reads after a check
 
 Library code never imports from here; the exercises' test cells do.
 """
+
+from dtlib.extras import require
+
+require("course", "otter", "torch", feature=__name__)
 from dtlib.grading.pipeline import assign, check, generate, grade, main, masters, masters_dir, normalise
 
 __all__ = ["masters", "masters_dir", "assign", "generate", "check", "grade", "normalise", "main"]

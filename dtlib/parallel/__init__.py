@@ -28,6 +28,10 @@ One concept per module:
 * :mod:`~dtlib.parallel.heterogeneous` - slower ranks injected; throughput-proportional batches,
   the sample-weighted gradient average, time-balanced pipeline stages.
 """
+
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
 from dtlib.parallel.buckets import FlatLayout, assign_buckets, shard_bounds
 from dtlib.parallel.clip import clip_grad_norm_, grad_norm
 from dtlib.parallel.collectives import (hierarchical_all_reduce, ring_all_gather, ring_all_reduce,

@@ -1,14 +1,27 @@
 """Profiling a distributed step: capture (torch.profiler, per-rank Chrome traces, FLOPs counted
 with FlopCounterMode), the breakdown parsed from each trace, and the diagnosis (MFU/HFU and
 findings ranked by time lost). See ``docs/profiling.md``."""
+from typing import Any
+
 from dtlib.profile.breakdown import PARTS, load_trace, parse_trace, step_intervals
-from dtlib.profile.capture import PHASES, count_flops, phase, profile_steps, trace_path
 from dtlib.profile.diagnose import (FIXES, KINDS, Finding, Thresholds, diagnose, format_summary,
                                     summarize)
 
 __all__ = ["PARTS", "PHASES", "KINDS", "FIXES", "Finding", "Thresholds", "phase", "count_flops",
            "profile_steps", "trace_path", "parse_trace", "load_trace", "step_intervals", "summarize", "diagnose",
            "format_summary", "report", "read_dir"]
+
+
+# Capturing runs torch.profiler; re-reading saved traces (``dtlib profile DIR``) needs numpy only,
+# so the capture side loads on first use.
+_CAPTURE = ("PHASES", "count_flops", "phase", "profile_steps", "trace_path")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CAPTURE:
+        from dtlib.profile import capture
+        return getattr(capture, name)
+    raise AttributeError(f"module 'dtlib.profile' has no attribute {name!r}")
 
 
 def report(ranks: list) -> dict:

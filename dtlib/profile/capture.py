@@ -16,6 +16,10 @@ with ``time.perf_counter`` as an independent check) travels in the trace's own m
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 import json
 import os
 import tempfile

@@ -17,6 +17,10 @@ parses the flags).
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("course", "torch", feature=__name__)
+
 from dtlib.trainer.checkpoints import check_resume
 from dtlib.trainer.config import OPTIMIZERS, SCHEDULES, TrainConfig
 from dtlib.trainer.loop import run, train

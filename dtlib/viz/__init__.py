@@ -4,6 +4,10 @@ Figures made with ``Figure()`` are not known to IPython until pyplot's inline ba
 so in a notebook this package registers a PNG formatter for them: a cell that ends with a figure
 (or a widget that ``display``s one) shows the picture, exactly once.
 """
+
+from dtlib.extras import require
+
+require("course", "matplotlib", feature=__name__)
 import io
 
 from matplotlib.figure import Figure
