@@ -241,7 +241,7 @@ def test_grading_bad_input(tmp_path, capsys):
 
 
 def test_masters_from_a_regular_install_explicit_path_or_env(tmp_path, monkeypatch):
-    # a regular (non-editable) install: the package alone, no masters/ next to it
+    # the package alone, without the course files a wheel carries: no masters/ next to it
     site = tmp_path / "site-packages"
     shutil.copytree(ROOT / "dtlib", site / "dtlib", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k != grading.pipeline.MASTERS_ENV}

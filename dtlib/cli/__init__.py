@@ -1,4 +1,4 @@
-"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile|shards ...`` (``--json`` for machines).
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile|shards|course|grade ...`` (``--json`` for machines).
 
 One module per subcommand, each a small ``add_*_command(subparsers)`` that registers its options
 and a ``run(args) -> int``; :mod:`dtlib.cli.args` holds what they share. :data:`COMMANDS` lists
@@ -18,7 +18,9 @@ from dtlib.analytic import validate
 from dtlib.cli.args import Parser, flag_of, join_negative_values, parse_count, parse_size
 from dtlib.cli.checkpoint import add_checkpoint_command
 from dtlib.cli.comm import add_comm_command
+from dtlib.cli.course import add_course_command
 from dtlib.cli.flops import add_flops_command
+from dtlib.cli.grade import add_grade_command
 from dtlib.cli.memory import add_memory_command
 from dtlib.cli.plan import add_plan_command
 from dtlib.cli.profile import add_profile_command
@@ -37,11 +39,14 @@ DESCRIPTION = """Distributed training, planned, run and inspected:
   comm        a collective's cost, or a model's communication volume per strategy
   checkpoint  inspect a checkpoint directory, or convert it to one file
   shards      write a text as token shards for train --data
+  course      write the lessons and exercises into a folder and open lesson 0 in JupyterLab
+  grade       grade a folder of submitted exercises into a CSV (the masters the install carries)
 Each takes --help; most take --json."""
 
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
                                           add_plan_command, add_train_command, add_checkpoint_command,
-                                          add_profile_command, add_shards_command]
+                                          add_profile_command, add_shards_command, add_course_command,
+                                          add_grade_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

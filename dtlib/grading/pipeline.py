@@ -10,9 +10,8 @@ One source of truth per graded lesson: an otter-assign master in ``masters/NN_na
   of submitted notebooks into one CSV (one row per file, one column per question; see
   :mod:`dtlib.grading.batch`).
 
-The masters are found in ``--masters DIR``, else ``$DTLIB_MASTERS``, else the ``masters/`` folder
-of the source checkout this module runs from; a regular (non-editable) install has none, and
-says so. ``exercises/`` and ``solutions/`` are the masters folder's siblings.
+The masters are found in ``--masters DIR``, else ``$DTLIB_MASTERS``, else the ``masters/`` that
+:func:`dtlib.course.course_root` finds: the wheel's copy, or the source checkout's. ``exercises/`` and ``solutions/`` are the masters folder's siblings.
 
 Grading runs otter's non-containerised grader (``otter.api.grade_submission``) in the current
 environment, so an instructor needs no Docker; the autograder zip is built from the master on the
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import nbformat
 
+from dtlib.course import course_root
 from dtlib.grading import batch
 
 MASTERS_ENV = "DTLIB_MASTERS"
@@ -40,20 +40,19 @@ __all__ = ["MASTERS_ENV", "masters_dir", "masters", "assign", "generate", "check
 
 
 def masters_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """The folder of masters: ``explicit``, else ``$DTLIB_MASTERS``, else the source checkout's."""
+    """The folder of masters: ``explicit``, else ``$DTLIB_MASTERS``, else the install's or checkout's."""
     if explicit is not None:
         where, how = Path(explicit), "--masters"
     elif os.environ.get(MASTERS_ENV):
         where, how = Path(os.environ[MASTERS_ENV]), f"${MASTERS_ENV}"
-    else:
-        where, how = Path(__file__).resolve().parents[2] / "masters", None
+    else:  # the install's (dtlib/course_files/) or the checkout's: dtlib.course finds them
+        try:
+            where, how = course_root() / "masters", None
+        except ValueError as exc:
+            raise ValueError(f"no masters/ folder found: {exc}. Pass --masters PATH or set {MASTERS_ENV}=PATH "
+                             "to the course's masters/ folder") from None
     if not where.is_dir():
-        if how:
-            raise ValueError(f"{how} points at {str(where)!r}, which is not a folder")
-        raise ValueError(
-            "no masters/ folder found: this dtlib is not a source checkout (a regular pip install "
-            f"has no course notebooks). Pass --masters PATH or set {MASTERS_ENV}=PATH to the "
-            "course's masters/ folder")
+        raise ValueError(f"{how} points at {str(where)!r}, which is not a folder")
     return where
 
 
@@ -164,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     # --masters is accepted before or after the command (SUPPRESS: an absent one sets nothing).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--masters", metavar="DIR", default=argparse.SUPPRESS,
-                        help=f"folder of master notebooks (default: ${MASTERS_ENV}, else the source "
-                             "checkout's masters/)")
+                        help=f"folder of master notebooks (default: ${MASTERS_ENV}, else the installed "
+                             "course's, or the source checkout's masters/)")
     parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0],
                                      parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
