@@ -22,6 +22,10 @@ gloo by itself, and the shared-memory all-reduce op marked unavailable
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("frameworks", "deepspeed", feature=__name__)
+
 import contextlib
 import copy
 import os

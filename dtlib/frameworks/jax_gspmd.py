@@ -28,6 +28,7 @@ import tempfile
 from typing import Any
 
 from dtlib.analytic import validate
+from dtlib.extras import require
 from dtlib.frameworks.common import FrameworkRun, token_batches
 
 __all__ = ["MODEL", "ROLE_SHAPES", "AXES", "MAX_DEVICES", "LAYOUTS", "run_jax", "run_layouts",
@@ -205,6 +206,7 @@ def _check_run_args(steps: Any, seed: Any, timeout: Any) -> None:
 
 def _subprocess(request: dict[str, Any], devices: int, timeout: float) -> Any:
     """Run :mod:`dtlib.frameworks.jax_worker` with ``devices`` host devices; return its result."""
+    require("frameworks", "jax", feature="dtlib.frameworks.jax_gspmd")  # said here, not in the worker's traceback
     env = dict(os.environ)
     # read by XLA when jax is imported: N CPU devices in one process (ignored by a GPU backend).
     # Backend optimization level 0 (default 3) skips LLVM's optimization of the generated code,

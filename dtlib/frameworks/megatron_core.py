@@ -17,6 +17,10 @@ rank and listed in the run's ``notes``; ranks with one GPU each (NCCL) patch not
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("frameworks", "megatron.core", feature=__name__)
+
 import zlib
 from typing import Any
 

@@ -12,6 +12,10 @@ Megatron's tensors are ``[s, b, h]``, dtlib's ``[b, s, h]``: inputs are transpos
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("frameworks", "megatron.core", feature=__name__)
+
 from typing import Any
 
 import torch

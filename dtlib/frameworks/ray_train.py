@@ -46,6 +46,10 @@ agent) and ``async_checkpoint`` (the pointer must name a complete checkpoint).
 """
 from __future__ import annotations
 
+from dtlib.extras import require
+
+require("frameworks", "ray", feature=__name__)
+
 import contextlib
 import json
 import math
