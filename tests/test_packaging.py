@@ -316,7 +316,7 @@ def test_the_python_api_says_which_extra(tmp_path):
     code = ("import dtlib\n"
             "from dtlib.extras import MissingExtra, require\n"
             "for attempt in ('import dtlib.parallel', 'dtlib.launch', 'import dtlib.viz',\n"
-            "                'require(\"frameworks\", feature=\"lesson 13\")'):\n"
+            "                'import dtlib.frameworks.megatron_core', 'require(\"frameworks\", feature=\"lesson 13\")'):\n"
             "    try:\n"
             "        exec(attempt)\n"
             "    except ImportError as exc:\n"
@@ -328,6 +328,7 @@ def test_the_python_api_says_which_extra(tmp_path):
         "MissingExtra: dtlib.parallel needs torch: pip install 'dtlib[course]'",
         "MissingExtra: dtlib.launch needs torch: pip install 'dtlib[course]'",
         "MissingExtra: dtlib.viz needs matplotlib: pip install 'dtlib[course]'",
+        "MissingExtra: dtlib.frameworks.megatron_core needs megatron.core: pip install 'dtlib[frameworks]'",
         "MissingExtra: lesson 13 needs deepspeed: pip install 'dtlib[frameworks]'"]
 
 
