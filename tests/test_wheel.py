@@ -27,10 +27,19 @@ MEMORY = ["memory", "--model", "llama3-8b", "--tp", "8", "--gpus", "64", "--json
 def wheel(tmp_path_factory) -> Path:
     """The wheel of a copy of this tree (an in-tree build would leave build/ behind, whose stale
     files a later build would ship), built by this environment's setuptools, offline."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
     tmp = tmp_path_factory.mktemp("wheel")
     shutil.copytree(ROOT, tmp / "src", ignore=_NOT_SOURCES)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(tmp / "dist"), str(tmp / "src")], check=True, timeout=300,
+    # this environment's setuptools if it is the one pyproject.toml asks for (offline, seconds),
+    # else pip's isolated build (which fetches it)
+    (wanted,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    own_setuptools = Requirement(wanted).specifier.contains(version("setuptools"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(tmp / "dist"),
+                    *(["--no-build-isolation"] if own_setuptools else []), str(tmp / "src")], check=True, timeout=300,
                    capture_output=True)
     (built,) = (tmp / "dist").glob("dtlib-*.whl")
     return built
