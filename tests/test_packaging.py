@@ -1,8 +1,10 @@
 """pyproject.toml and environment.yml describe the same environment; CI calls the README's command."""
+import contextlib
 import re
 import sys
 import tomllib
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -73,31 +75,27 @@ def test_ci_runs_the_readme_test_command():
     assert re.search(r"apt-get install .*chromium", ci) and ci.index("chromium") < ci.index("make test")
 
 
-def test_make_lab_serves_the_first_lesson():
-    """The README's other command starts JupyterLab (as root too) with the course at its root, and
-    the URL it prints (what a headless machine's user opens) lands on lesson 0, not the Launcher."""
-    import json
+@contextlib.contextmanager
+def _lab_on_lesson_0(command: Callable[[str], list[str]], what: str) -> Iterator[str]:
+    """Start JupyterLab with ``command(server_args)``; check that it serves the course at its root
+    and that the URL it prints (what a headless machine's user opens) lands on lesson 0, not the
+    Launcher; yield its base URL (token ``dtlib-test``); stop it and all it started."""
     import os
     import signal
     import socket
     import subprocess
-    import sys
     import tempfile
     import time
     import urllib.error
     import urllib.request
 
-    venv = ROOT / ".venv"
-    if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".installed").exists():
-        pytest.skip("runs under `make test` (the .venv that `make lab` uses)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = "dtlib-test"
-    args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(["make", "-C", str(ROOT), "lab", f"LAB_ARGS={args}"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    proc = subprocess.Popen(command(f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
 
     def printed() -> str:
         log.seek(0)
@@ -107,7 +105,7 @@ def test_make_lab_serves_the_first_lesson():
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, f"`make lab` exited: {printed()[-2000:]}"
+            assert proc.poll() is None, f"{what} exited: {printed()[-2000:]}"
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     assert r.status == 200
@@ -123,14 +121,10 @@ def test_make_lab_serves_the_first_lesson():
             assert time.monotonic() < deadline, f"no URL printed within 60 s: {printed()[-2000:]}"
             time.sleep(0.5)
         path = re.search(pattern, printed()).group(1)
-        assert path == "/lab/tree/notebooks/00_collectives.ipynb", f"`make lab` prints {path}, not lesson 0"
+        assert path == "/lab/tree/notebooks/00_collectives.ipynb", f"{what} prints {path}, not lesson 0"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=10) as r:
             assert r.status == 200 and "JupyterLab" in r.read().decode()
-        # no "get notified about Jupyter news?" pop-up: the served defaults say no (lab/overrides.json)
-        notification = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
-        with urllib.request.urlopen(f"{notification}?token={token}", timeout=10) as r:
-            schema = json.loads(r.read())["schema"]["properties"]
-        assert schema["fetchNews"]["default"] == "false" and schema["checkForUpdates"]["default"] is False
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -139,6 +133,34 @@ def test_make_lab_serves_the_first_lesson():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def test_make_lab_serves_the_first_lesson():
+    """The README's other command starts JupyterLab (as root too) on lesson 0, without the news pop-up."""
+    import json
+    import urllib.request
+
+    venv = ROOT / ".venv"
+    if Path(sys.prefix).resolve() != venv.resolve() or not (venv / ".installed").exists():
+        pytest.skip("runs under `make test` (the .venv that `make lab` uses)")
+    with _lab_on_lesson_0(lambda args: ["make", "-C", str(ROOT), "lab", f"LAB_ARGS={args}"], "`make lab`") as lab:
+        # no "get notified about Jupyter news?" pop-up: the served defaults say no (lab/overrides.json)
+        notification = f"{lab}/lab/api/settings/@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(f"{notification}?token=dtlib-test", timeout=10) as r:
+            schema = json.loads(r.read())["schema"]["properties"]
+        assert schema["fetchNews"]["default"] == "false" and schema["checkForUpdates"]["default"] is False
+
+
+def test_dtlib_course_opens_lesson_0(tmp_path, capsys):
+    """The command `dtlib course DIR` runs (printed by --no-lab) serves the learner's copy on lesson 0."""
+    import shlex
+
+    from dtlib.cli import main
+
+    assert main(["course", str(tmp_path / "course"), "--no-lab"]) == 0
+    command = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    with _lab_on_lesson_0(lambda args: command + shlex.split(args), "dtlib course"):
+        pass
 
 
 def test_make_lab_installs_the_course_s_jupyterlab_defaults(tmp_path):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
-import subprocess
 import sys
 from typing import Any
 
@@ -34,4 +34,5 @@ def _run_course(args: argparse.Namespace) -> int:
         print("open the course with:\n  " + shlex.join(command))
         return 0
     sys.stdout.flush()
-    return subprocess.call(command)
+    # JupyterLab takes this process's place: Ctrl-C reaches it alone (it asks before stopping)
+    os.execv(command[0], command)
