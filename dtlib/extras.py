@@ -65,21 +65,31 @@ def require(extra: str, *imports: str, feature: str = "this") -> None:
             raise MissingExtra(feature, module, extra)
 
 
+def _provider(module: str) -> tuple[str, str] | None:
+    """``(extra, import name)`` of the extra that installs ``module`` or its package."""
+    for extra, provided in EXTRAS.items():
+        for name in provided:
+            if module == name or module.startswith(name + ".") or name.startswith(module + "."):
+                return extra, name
+    return None
+
+
 def extra_of(module: str) -> str | None:
     """The extra that installs the top-level package of ``module`` (``torch.distributed`` ->
     ``course``), or ``None`` if no extra does."""
-    for extra, provided in EXTRAS.items():
-        if any(module == name or module.startswith(name + ".") or name.startswith(module + ".")
-               for name in provided):
-            return extra
-    return None
+    found = _provider(module)
+    return found[0] if found else None
 
 
 def missing(exc: ModuleNotFoundError, feature: str) -> MissingExtra | None:
     """``exc`` said as :class:`MissingExtra` for ``feature`` if an extra installs the module it
-    misses (an import that no :func:`require` guarded); ``None`` if it is no extra's. One already
-    said for a command (``dtlib train --launcher ray``) keeps its words."""
+    misses and that extra's package is not installed (an import that no :func:`require` guarded);
+    ``None`` otherwise (no extra's module, or one missing from an installed package: a version
+    mismatch, not a missing extra). One already said for a command (``dtlib train --launcher
+    ray``) keeps its words."""
     if isinstance(exc, MissingExtra):
         return exc if exc.feature.startswith(feature) else exc.for_feature(feature)
-    extra = extra_of(exc.name or "")
-    return MissingExtra(feature, exc.name, extra) if extra and exc.name else None
+    found = _provider(exc.name or "")
+    if found is None or _installed(found[1]):
+        return None
+    return MissingExtra(feature, found[1], found[0])

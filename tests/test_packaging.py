@@ -367,6 +367,9 @@ def test_require_and_extra_of(monkeypatch):
         require("course", "jax")
     assert [extra_of(m) for m in ("torch.distributed", "megatron", "jax.numpy", "numpy", "torchvision")] == [
         "course", "frameworks", "frameworks", None, None]
-    said = missing(ModuleNotFoundError("No module named 'ray'", name="ray"), "dtlib plan")
+    monkeypatch.setitem(sys.modules, "ray", None)
+    said = missing(ModuleNotFoundError("No module named 'ray.train'", name="ray.train"), "dtlib plan")
     assert str(said) == "dtlib plan needs ray: pip install 'dtlib[frameworks]'"
     assert missing(ModuleNotFoundError("No module named 'yaml'", name="yaml"), "dtlib plan") is None
+    # torch is installed: a module missing from it is a version mismatch, not a missing extra
+    assert missing(ModuleNotFoundError("No module named 'torch.nope'", name="torch.nope"), "dtlib train") is None
