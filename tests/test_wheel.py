@@ -117,7 +117,7 @@ def test_the_core_wheel_plans_without_torch_and_writes_the_course(wheel, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # about 30 CPU seconds (otter assign, a kernel, the verdict): a busy machine's wall time
+@pytest.mark.timeout(900)  # under a minute of CPU (otter assign, a kernel, the verdict); the wall time is the load's
 def test_the_installed_wheel_grades_with_its_own_masters(wheel, tmp_path):
     """An instructor's install: the wheel (no checkout anywhere on the path) with the course's
     dependencies, here this environment's packages seen through a .pth file."""
