@@ -11,7 +11,8 @@ One source of truth per graded lesson: an otter-assign master in ``masters/NN_na
   :mod:`dtlib.grading.batch`).
 
 The masters are found in ``--masters DIR``, else ``$DTLIB_MASTERS``, else the ``masters/`` that
-:func:`dtlib.course.course_root` finds: the wheel's copy, or the source checkout's. ``exercises/`` and ``solutions/`` are the masters folder's siblings.
+:func:`dtlib.course.course_root` finds: the wheel's copy, or the source checkout's. ``exercises/``
+and ``solutions/`` are the masters folder's siblings.
 
 Grading runs otter's non-containerised grader (``otter.api.grade_submission``) in the current
 environment, so an instructor needs no Docker; the autograder zip is built from the master on the
