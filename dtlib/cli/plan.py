@@ -159,7 +159,8 @@ def _check_moe_flags(args: argparse.Namespace, model: TransformerConfig) -> None
 def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any]) -> dict[str, Any]:
     """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s runs."""
     emitted = emit_all(args.emit, to_layout(best), model, args.global_batch, args.precision, args.emit_dir)
-    return {"emitted": emitted} | ({"rehearsals": rehearse_all(emitted, to_layout(best), args.precision)}
+    return {"emitted": emitted} | ({"rehearsals": rehearse_all(emitted, to_layout(best), args.precision,
+                                                                model=model)}
                                    if args.rehearse else {})
 
 
