@@ -102,3 +102,27 @@ def test_plan_rehearse_prints_the_full_size_section(capsys):
     assert "full size (fake tensors, PyTorch's memory tracker): custom under FSDP2 8 as torchtitan" in out
     assert "rank 0 of 8" in out and "optimizer" in out
     assert "numerics (shrunk run vs one process) under torchtitan: not run" in out
+
+
+def test_tensor_and_sequence_parallel_differ_from_dtlib_by_named_terms_only():
+    """TP 2 + SP x FSDP 2 on a model whose vocabulary dwarfs its width (so a loss counted at the
+    global vocabulary would show): each difference is a term dtlib, following Megatron-Core, does
+    not count, as bytes:
+
+    * activations: DTensor's ColwiseParallel saves its all-gathered input (s x h) for Q/K/V, for
+      w1/w3 and for the output layer, where Megatron saves the 1/tp shard and gathers again in
+      backward (2 x s x h x (1 - 1/tp) bytes each), plus the bf16 rope tables of each layer;
+    * temporary: loss-parallel cross-entropy's backward, three fp32 tokens x vocab/tp tensors
+      -- at vocab/tp, not vocab: DTensor's global-shaped sharding propagation is not counted.
+    """
+    cfg = TransformerConfig(name="wide-vocab", layers=2, hidden=512, heads=8, kv_heads=4, vocab=65536, seq=2048,
+                            activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+    layout = Parallelism(dp=2, tp=2, zero=3, sequence_parallel=True)
+    measured = measure(cfg, layout)
+    rows = compare_with_dtlib(cfg, layout, measured)["terms"]
+    s, h, tp = cfg.seq, cfg.hidden, layout.tp
+    gathered = (2 * cfg.layers + 1) * 2 * s * h * (1 - 1 / tp)
+    rope = cfg.layers * 2 * 2 * s * cfg.head_dim
+    assert rows["activations"]["tracker"] == pytest.approx(rows["activations"]["dtlib"] + gathered + rope, rel=1e-3)
+    categories = measured.categories
+    assert categories["Temp"] == pytest.approx(3 * 4 * s * cfg.vocab / tp, rel=1e-3)
