@@ -126,3 +126,11 @@ def test_tensor_and_sequence_parallel_differ_from_dtlib_by_named_terms_only():
     assert rows["activations"]["tracker"] == pytest.approx(rows["activations"]["dtlib"] + gathered + rope, rel=1e-3)
     categories = measured.categories
     assert categories["Temp"] == pytest.approx(3 * 4 * s * cfg.vocab / tp, rel=1e-3)
+
+
+def test_a_gpt_with_a_tied_head_shards_and_its_model_states_are_dtlibs():
+    """Learned positions, LayerNorm with biases, GELU and a tied head (one FSDP2 group for the shared
+    weight): parameters and optimizer state per rank as dtlib counts them."""
+    rows = rehearse_full_size(GPT, Parallelism(dp=2, zero=3))["comparison"]["terms"]
+    for term in ("parameters", "optimizer"):
+        assert rows[term]["tracker"] == pytest.approx(rows[term]["dtlib"], rel=0.01), term

@@ -239,14 +239,18 @@ def _tensor_parallel(model: Transformer, mesh: Any, sequence_parallel: bool) -> 
 
 def _fully_shard(model: Transformer, mesh: Any, reshard: bool) -> None:
     """torchtitan's ``apply_fsdp``: embedding, each block, ``[norm, output]`` (not resharded after
-    forward: backward needs them first), then the root; bf16 parameters, fp32 reduction."""
+    forward: backward needs them first), then the root; bf16 parameters, fp32 reduction. A tied
+    embedding joins the ``[norm, output]`` group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    tied = model.output.weight is model.tok_embeddings.weight
+    if not tied:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
     for block in model.layers.values():
         fully_shard(block, **config, reshard_after_forward=reshard)
-    fully_shard([model.norm, model.output], **config, reshard_after_forward=False)
+    # a tied head shares the embedding's weight: FSDP2 needs both in one group
+    fully_shard([model.tok_embeddings] * tied + [model.norm, model.output], **config, reshard_after_forward=False)
     fully_shard(model, **config)
 
 
