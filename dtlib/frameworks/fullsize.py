@@ -12,7 +12,8 @@ How (the method of torchtitan's ``scripts/estimate/estimation.py``, v0.2.2; its 
 * every tensor is a fake tensor (``FakeTensorMode``: shapes and dtypes, no storage), the process
   group is ``"fake"`` (``FakeStore``) of world size ``dp x tp``, this process rank 0; the device is
   ``cpu`` (torchtitan uses ``cuda`` under fake mode; this CPU-only torch cannot create CUDA
-  tensors, fake or not, and nothing measured depends on the device);
+  tensors, fake or not): fake tensors allocate nothing, so the device only decides which kernels
+  autograd records, which matters for RMSNorm (:class:`RMSNorm`);
 * sharding as torchtitan's ``llama3/infra/parallelize.py`` applies it: ``parallelize_module`` with
   ``RowwiseParallel`` embedding, ``ColwiseParallel`` Q/K/V/w1/w3, ``RowwiseParallel`` O/w2, with
   sequence parallelism ``SequenceParallel`` norms and a loss-parallel output; then ``fully_shard``
@@ -24,9 +25,10 @@ How (the method of torchtitan's ``scripts/estimate/estimation.py``, v0.2.2; its 
   tracked step (one step on zero gradients), as in every step after the first.
 
 AdamW runs its for-loop implementation (``foreach=False``): under fake tensors the tracker counted
-the foreach and fused implementations' step as 27-34x the optimizer state (an artefact of fake
-tensors, 127 GiB for llama3-8b on 8 ranks), while the for-loop's temporaries are one parameter's
-at a time, as the fused CUDA kernel torchtitan defaults to keeps none.
+the foreach and fused implementations' step at 27-34x the optimizer state (127 GiB for llama3-8b
+on 8 ranks), far beyond the few parameter-sized lists the foreach code allocates (not traced
+further), while the for-loop's temporaries are one parameter's at a time, as the fused CUDA kernel
+torchtitan defaults to keeps none.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ __all__ = ["Transformer", "TERMS", "FullSize", "check_fullsize", "measure", "com
 
 # what this measurement expresses: torch-native FSDP2 over dp x TP (+SP); everything else refused
 _UNSUPPORTED_LAYOUT = (("pp", 1, "pipeline stages (one stage's model and its micro-batches in flight)"),
-                       ("cp", 1, "context parallelism (torch's context_parallel has no CPU attention)"),
+                       ("cp", 1, "context parallelism (torch's context_parallel is not applied here)"),
                        ("ep", 1, "expert parallelism"), ("etp", 1, "expert tensor parallelism"))
 # the tracker's categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType) -> dtlib's terms
 TERMS: dict[str, tuple[str, ...]] = {
