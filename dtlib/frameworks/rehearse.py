@@ -11,7 +11,12 @@ The rehearsal a platform engineer does before renting the cluster, in the framew
 3. emit the framework's config for the shrunk layout and the runner's tiny model
    (:func:`dtlib.plan.emit.emit`), then run it in float32 with SGD and no clipping, as the
    one-process reference trains (:func:`_for_cpu` says why, one line per change);
-4. run it a few steps and the same model on one process, and :func:`~dtlib.frameworks.common.compare`.
+4. run it a few steps and the same model on one process, and :func:`~dtlib.frameworks.common.compare`;
+5. say which planned dimensions the run exercised and which it did not, and why (:func:`coverage`):
+   the verdict is PASS only for the rehearsed ones (:func:`verdict`; docs/rehearse.md).
+
+The full-size part of ``--rehearse`` (the planned model's memory per rank) is
+:mod:`dtlib.frameworks.fullsize`.
 
 torchtitan is not rehearsed: it is not installed (it runs on CPU only with five patches; see
 docs/frameworks.md), so its TOML is checked against its schema instead.
