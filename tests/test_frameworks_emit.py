@@ -182,6 +182,9 @@ def test_cli_rehearse_under_deepspeed_equals_one_process(rehearsed):
     assert ds["tolerance"] == {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}
     assert ds["max_loss_diff"] <= LOSS_TOL and ds["max_param_diff"] <= PARAM_TOL
     assert ds["losses"][0] != ds["losses"][-1]  # it trained
+    # a partial verdict exits 0 (the run matched one process) but never passes tp, pp or sp
+    assert (ds["verdict"], ds["rehearsed"], ds["not_rehearsed"]) == ("partial", ["dp", "zero"], ["tp", "pp", "sp"])
+    assert ds["verdict_text"] == "PASS for dp x zero; tp, pp, sp not rehearsed"
 
 
 def test_rehearse_under_jax_equals_one_process():
@@ -219,8 +222,10 @@ def test_a_failed_rehearsal_says_fail_and_exits_1(capsys, monkeypatch):
     are off by more than the tolerance."""
     failed = {"framework": "deepspeed", "layout": {**PINNED_LAYOUT.__dict__, "tp": 1, "pp": 1, "dp": 2}, "ranks": 2,
               "changes": ["tp 4 -> 1"], "model": "tiny", "steps": 3, "max_loss_diff": 0.0, "max_param_diff": 1e-3,
-              "tolerance": {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}, "passed": False}
+              "tolerance": {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}, "passed": False,
+              "rehearsed": ["dp", "zero"], "why_not": {"tp": "DeepSpeed alone", "pp": "DeepSpeed alone"},
+              "verdict_text": "FAIL for dp x zero"}
     monkeypatch.setattr("dtlib.cli.plan.rehearse_all", lambda *args, **kwargs: {"deepspeed": failed})
     code, out, _ = run(capsys, *PINNED, "--top", "1", "--emit", "deepspeed", "--rehearse")
     assert code == 1
-    assert "max param diff 1.00e-03 (tolerances 1e-05, 1e-06): FAIL" in out
+    assert "max param diff 1.00e-03 (tolerances 1e-05, 1e-06)" in out and "verdict: FAIL for dp x zero" in out

@@ -26,6 +26,7 @@ from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conv
                             recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
+from dtlib.frameworks.fullsize import fullsize_lines, rehearse_full_size
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
 from dtlib.plan.moe import check_imbalance, moe_numbers
@@ -157,10 +158,14 @@ def _check_moe_flags(args: argparse.Namespace, model: TransformerConfig) -> None
 
 
 def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any]) -> dict[str, Any]:
-    """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s runs."""
-    emitted = emit_all(args.emit, to_layout(best), model, args.global_batch, args.precision, args.emit_dir)
-    return {"emitted": emitted} | ({"rehearsals": rehearse_all(emitted, to_layout(best), args.precision)}
-                                   if args.rehearse else {})
+    """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s
+    numerics runs and full-size measurement."""
+    layout = to_layout(best)
+    emitted = emit_all(args.emit, layout, model, args.global_batch, args.precision, args.emit_dir)
+    if not args.rehearse:
+        return {"emitted": emitted}
+    return {"emitted": emitted, "fullsize": rehearse_full_size(model, layout),
+            "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -306,7 +311,8 @@ def _text(d: dict[str, Any]) -> str:
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
-    lines += emitted_lines(d.get("emitted", {})) + rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
+    lines += emitted_lines(d.get("emitted", {})) + (fullsize_lines(d["fullsize"]) if "fullsize" in d else [])
+    lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
 
 

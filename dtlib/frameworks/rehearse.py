@@ -11,7 +11,12 @@ The rehearsal a platform engineer does before renting the cluster, in the framew
 3. emit the framework's config for the shrunk layout and the runner's tiny model
    (:func:`dtlib.plan.emit.emit`), then run it in float32 with SGD and no clipping, as the
    one-process reference trains (:func:`_for_cpu` says why, one line per change);
-4. run it a few steps and the same model on one process, and :func:`~dtlib.frameworks.common.compare`.
+4. run it a few steps and the same model on one process, and :func:`~dtlib.frameworks.common.compare`;
+5. say which planned dimensions the run exercised and which it did not, and why (:func:`coverage`):
+   the verdict is PASS only for the rehearsed ones (:func:`verdict`; docs/rehearse.md).
+
+The full-size part of ``--rehearse`` (the planned model's memory per rank) is
+:mod:`dtlib.frameworks.fullsize`.
 
 torchtitan is not rehearsed: it is not installed (it runs on CPU only with five patches; see
 docs/frameworks.md), so its TOML is checked against its schema instead.
@@ -28,8 +33,8 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.frameworks.common import FrameworkRun, compare
 from dtlib.plan.emit import Emitted, emit
 
-__all__ = ["REHEARSABLE", "RUNS", "STEPS", "MAX_RANKS", "shrink_for", "rehearse", "rehearse_all",
-           "rehearsal_lines"]
+__all__ = ["REHEARSABLE", "RUNS", "STEPS", "MAX_RANKS", "shrink_for", "coverage", "verdict", "rehearse",
+           "rehearse_all", "rehearsal_lines"]
 
 REHEARSABLE = ("deepspeed", "megatron", "jax")
 MAX_RANKS = 8
@@ -66,6 +71,51 @@ def _model(framework: str) -> TransformerConfig:
     # jax_gspmd.MODEL: RMSNorm, no biases, no position embedding (rope stands in: no weights either)
     return TransformerConfig(name="jax-tiny", layers=2, hidden=32, heads=4, ffn=128, vocab=64, seq=16, bias=False,
                              norm="rmsnorm", position="rope")
+
+
+# the parallel dimensions a verdict speaks for: name, whether a layout uses it, and its size
+_DIMENSIONS: tuple[tuple[str, Any], ...] = (
+    ("dp", lambda L: L.dp), ("tp", lambda L: L.tp), ("pp", lambda L: L.pp), ("cp", lambda L: L.cp),
+    ("ep", lambda L: L.ep), ("etp", lambda L: L.etp), ("zero", lambda L: L.zero),
+    ("sp", lambda L: int(L.sequence_parallel)),
+    ("interleaving", lambda L: L.virtual_stages if L.schedule == "interleaved" else 1),
+)
+_UNUSED = {"zero": 0, "sp": 0}  # every other dimension is unused at 1
+SHRUNK_AWAY = "dropped by the shrink to at most 8 CPU ranks or refused by the trainer (dtlib.trainer.shrink)"
+
+
+def coverage(framework: str, planned: Parallelism, run: Parallelism,
+             model: TransformerConfig | None = None) -> tuple[list[str], dict[str, str]]:
+    """Which of ``planned``'s parallel dimensions the shrunk ``run`` exercised, and for each one it
+    did not, why. A dimension counts as rehearsed when the plan uses it and the run uses it too (at
+    any size: 2 exercises the same collectives as 64). An MoE ``model`` adds ``moe``: every runner
+    here trains a dense model."""
+    rehearsed, missing = [], {}
+    dropped = RUNS[framework][1]
+    for name, size in _DIMENSIONS:
+        unused = _UNUSED.get(name, 1)
+        if size(planned) == unused:
+            continue
+        if size(run) != unused:
+            rehearsed.append(name)
+        else:
+            key = {"sp": "sequence_parallel", "interleaving": "virtual_stages"}.get(name, name)
+            missing[name] = dropped if key not in RUNS[framework][0] else SHRUNK_AWAY
+    if model is not None and model.moe_experts:
+        missing["moe"] = (f"the runner's model is dense: {model.name}'s {model.moe_experts} experts, router and "
+                          f"token dispatch are not run")
+    return rehearsed, missing
+
+
+def verdict(passed: bool, rehearsed: list[str], not_rehearsed: list[str]) -> tuple[str, str]:
+    """``("pass" | "partial" | "fail", text)``: PASS only for the dimensions that ran, e.g.
+    ``"PASS for dp x zero; tp, pp not rehearsed"``."""
+    ran = " x ".join(rehearsed) or "one process"
+    if not passed:
+        return "fail", f"FAIL for {ran}"
+    if not not_rehearsed:
+        return "pass", f"PASS for {ran}"
+    return "partial", f"PASS for {ran}; {', '.join(not_rehearsed)} not rehearsed"
 
 
 def _check_framework(framework: str) -> None:
@@ -147,11 +197,14 @@ def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: An
 
 
 def rehearse(framework: str, layout: Parallelism, precision: str = "bf16", *, steps: int = STEPS,
-             timeout: float = 120.0) -> dict[str, Any]:
+             timeout: float = 120.0, model: TransformerConfig | None = None) -> dict[str, Any]:
     """Shrink ``layout`` for ``framework`` (:func:`shrink_for`), emit its config, run it and one
     process, and compare. Returns ``framework``, ``layout`` (the shrunk one), ``changes``,
     ``config`` (the emitted config as run), both runs' ``losses``, ``max_loss_diff``,
-    ``max_param_diff``, ``tolerance`` and ``passed``."""
+    ``max_param_diff``, ``tolerance``, ``passed`` (the rehearsed dimensions matched one process),
+    ``rehearsed`` / ``not_rehearsed`` (:func:`coverage`; ``why_not`` per dimension) and
+    ``verdict`` / ``verdict_text`` (:func:`verdict`: ``partial`` when a planned dimension did not
+    run). ``model``: the planned model, to say that an MoE model was not rehearsed."""
     shrunk, model, changes = shrink_for(framework, layout)
     emitted = emit(framework, shrunk, model, shrunk.global_batch, precision)
     if emitted.unsupported:  # a shrink rule is wrong, not the plan
@@ -169,16 +222,19 @@ def rehearse(framework: str, layout: Parallelism, precision: str = "bf16", *, st
     diff = compare(run, reference)
     tolerance = {"max_loss_diff": LOSS_TOL, "max_param_diff": PARAM_TOL}
     passed = all(diff[k] <= tolerance[k] for k in tolerance)
+    rehearsed, why_not = coverage(framework, layout, shrunk, model)
+    kind, text = verdict(passed, rehearsed, list(why_not))
     described = (f"{model.layers} layers, hidden {model.hidden}, {model.heads} heads, {model.seq}-token sequences, "
                  f"vocabulary {model.vocab} (the runner's model)")
     return {"framework": framework, "layout": asdict(shrunk), "ranks": shrunk.gpus, "changes": changes,
             "model": described, "config": config, "steps": steps, "losses": run.losses,
             "reference_losses": reference.losses, **diff, "tolerance": tolerance, "passed": passed,
-            "notes": run.notes}
+            "rehearsed": rehearsed, "not_rehearsed": list(why_not), "why_not": why_not, "verdict": kind,
+            "verdict_text": text, "notes": run.notes}
 
 
 def rehearse_all(emitted: dict[str, dict[str, Any]], layout: Parallelism, precision: str = "bf16",
-                 *, steps: int = STEPS) -> dict[str, dict[str, Any]]:
+                 *, steps: int = STEPS, model: TransformerConfig | None = None) -> dict[str, dict[str, Any]]:
     """:func:`rehearse` each framework of ``emitted`` (:func:`dtlib.plan.emit.emit_all`'s result);
     one not rehearsed here (torchtitan, or a layout it cannot express) says why."""
     out = {}
@@ -189,27 +245,32 @@ def rehearse_all(emitted: dict[str, dict[str, Any]], layout: Parallelism, precis
             out[name] = {"framework": name, "passed": None,
                          "why": "not installed here: its TOML was checked against its job_config.py schema"}
         else:
-            out[name] = rehearse(name, layout, precision, steps=steps)
+            out[name] = rehearse(name, layout, precision, steps=steps, model=model)
     return out
 
 
 def rehearsal_lines(results: dict[str, dict[str, Any]]) -> list[str]:
-    """The text of :func:`rehearse_all`: per framework the shrunk layout and what changed, the
-    differences from one process and PASS/FAIL, or why it was not rehearsed."""
+    """The text of :func:`rehearse_all`, labelled "numerics (shrunk run vs one process)": per
+    framework the shrunk layout and what changed, the differences from one process, which planned
+    dimensions ran and which did not (and why), and the verdict (:func:`verdict`), or why it was
+    not rehearsed."""
     lines = []
     for result in results.values():
         if result["passed"] is None:
-            lines.append(f"rehearsal under {result['framework']}: not run ({result['why']})")
+            lines.append(f"numerics (shrunk run vs one process) under {result['framework']}: not run ({result['why']})")
             continue
         L = result["layout"]
         shape = " ".join(f"{k} {L[k]}" for k in ("dp", "tp", "pp", "cp", "zero", "micro_batch_size",
                                                   "num_microbatches"))
         extra = (" sp" if L["sequence_parallel"] else "") + (f" {L['schedule']} v{L['virtual_stages']}"
                                                             if L["virtual_stages"] > 1 else "")
-        verdict = "PASS" if result["passed"] else "FAIL"
-        lines += ([f"rehearsal under {result['framework']}: {shape}{extra} on {result['ranks']} CPU ranks"]
+        lines += ([f"numerics (shrunk run vs one process) under {result['framework']}: {shape}{extra} on "
+                   f"{result['ranks']} CPU ranks"]
                   + [f"  changed: {line}" for line in result["changes"]] + [f"  model: {result['model']}"]
                   + [f"  vs one process, {result['steps']} steps: max loss diff {result['max_loss_diff']:.2e}, "
                      f"max param diff {result['max_param_diff']:.2e} (tolerances {result['tolerance']['max_loss_diff']:.0e}"
-                     f", {result['tolerance']['max_param_diff']:.0e}): {verdict}"])
+                     f", {result['tolerance']['max_param_diff']:.0e})"]
+                  + [f"  rehearsed: {', '.join(result['rehearsed']) or 'none (one process)'}"]
+                  + [f"  not rehearsed: {name} ({why})" for name, why in result["why_not"].items()]
+                  + [f"  verdict: {result['verdict_text']}"])
     return lines
