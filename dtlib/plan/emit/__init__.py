@@ -1,0 +1,113 @@
+"""A planned layout written as each framework's real launch configuration.
+
+:func:`emit` turns the planner's :class:`~dtlib.analytic.layout.Parallelism` (with the model, the
+global batch and the precision) into Megatron-LM's ``pretrain_gpt.py`` flags, a DeepSpeed JSON, a
+torchtitan TOML or a JAX mesh with a ``PartitionSpec`` per weight role. Where a framework cannot
+express the layout, the result carries one line per reason in ``unsupported`` and no config: a
+config that silently runs another layout is worse than none. ``notes`` say what the config leaves
+to the user's code, or what the framework does differently but equivalently. Pure Python: the
+framework's own config classes check these configs in :mod:`dtlib.frameworks.configs`.
+
+Sources, read for the names below (re-check them when a framework moves):
+
+* Megatron-LM ``megatron/training/arguments.py`` at tag ``core_v0.16.1`` (commit 55ac7082, the
+  release of the installed megatron-core): every flag emitted here was parsed by that file's own
+  ``add_megatron_arguments`` parser (many are generated from ``TransformerConfig``'s fields by
+  ``ArgumentGroupFactory``), and that file's ``validate_args`` accepted the flags of an FSDP, a
+  TP x PP interleaved + SP, a TP x CP + offload, a GPT-3 3D and an expert-parallel MoE layout
+  (bf16 and fp8); the rules quoted are its assertions.
+* DeepSpeed 0.19 ``deepspeed/runtime/config.py`` and ``constants.py`` (the installed version).
+* torchtitan ``torchtitan/config/job_config.py`` at tag ``v0.2.2`` (commit 73a0e697, Feb 2026),
+  the last release configured by TOML: main (commit b5bcd76, Aug 2026) replaced TOML files with
+  Python ``Trainer.Config`` functions (#2386) and froze the ``--section.key`` flags, whose names are
+  these keys. :mod:`dtlib.plan.torchtitan_schema` encodes the keys and types read there.
+* JAX: the mesh axes and weight roles are those :func:`dtlib.frameworks.jax_gspmd.run_jax` takes.
+
+One module per framework (:mod:`.megatron`, :mod:`.deepspeed`, :mod:`.torchtitan`, :mod:`.jax`),
+each with the list of what its framework cannot express next to the config it writes; they share
+one layout check and one refusal path (:mod:`.common`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dtlib.analytic import validate
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.layout import Parallelism
+from dtlib.plan.emit import deepspeed, jax, megatron, torchtitan
+from dtlib.plan.emit.common import FILENAMES, FRAMEWORKS, PRECISIONS, Emitted, flag_lines, json_lines, reasons
+from dtlib.plan.emit.deepspeed import deepspeed_config
+from dtlib.plan.emit.jax import JAX_AXES, JAX_ROLES, jax_mesh
+from dtlib.plan.emit.megatron import megatron_flags
+from dtlib.plan.emit.torchtitan import torchtitan_document, torchtitan_toml
+from dtlib.plan.torchtitan_schema import TORCHTITAN_SCHEMA, check_torchtitan
+
+__all__ = ["FRAMEWORKS", "FILENAMES", "PRECISIONS", "Emitted", "emit", "unsupported", "megatron_flags",
+           "deepspeed_config", "torchtitan_toml", "torchtitan_document", "jax_mesh", "check_torchtitan",
+           "TORCHTITAN_SCHEMA", "JAX_AXES", "JAX_ROLES", "emit_all", "emitted_lines", "check_emit_options"]
+
+_MODULES = {"megatron": megatron, "deepspeed": deepspeed, "torchtitan": torchtitan, "jax": jax}
+
+
+def unsupported(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
+                precision: str = "bf16") -> list[str]:
+    """Why ``framework`` cannot express ``layout`` (one line each; empty when it can)."""
+    validate.one_of("framework", framework, FRAMEWORKS)
+    return reasons(framework, _MODULES[framework].unsupported_here, layout, model, global_batch, precision)
+
+
+def emit(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
+         precision: str = "bf16") -> Emitted:
+    """``framework``'s config of ``layout`` (see the module docstring), or why it cannot be written."""
+    found = unsupported(framework, layout, model, global_batch, precision)
+    if found:
+        return Emitted(framework, "", None, found, [])
+    notes = _MODULES[framework].notes(layout, model, precision)
+    if framework == "megatron":
+        data = megatron_flags(layout, model, global_batch, precision)
+        return Emitted(framework, flag_lines(data), data, [], notes)
+    if framework == "deepspeed":
+        data = deepspeed_config(layout, model, global_batch, precision)
+        return Emitted(framework, json_lines(data), data, [], notes)
+    if framework == "torchtitan":
+        data = torchtitan_document(layout, model, global_batch, precision)
+        return Emitted(framework, torchtitan_toml(layout, model, global_batch, precision), data, [], notes)
+    data = jax_mesh(layout, model, global_batch, precision)
+    return Emitted(framework, json_lines(data), data, [], notes)
+
+
+def check_emit_options(frameworks: list[str] | None, directory: str | None, rehearse: bool) -> None:
+    """The command line's ``--emit``/``--emit-dir``/``--rehearse``, checked before anything runs."""
+    for flag, given in (("--emit-dir", directory is not None), ("--rehearse", rehearse)):
+        if given and not frameworks:
+            raise ValueError(f"{flag} needs --emit FRAMEWORK (one of {', '.join(FRAMEWORKS)})")
+    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"--emit-dir {directory} is a file; give a directory (created if missing)")
+
+
+def emit_all(frameworks: list[str], layout: Parallelism, model: TransformerConfig, global_batch: int,
+             precision: str = "bf16", directory: str | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`emit` for each framework (once each, in order) as dicts; with ``directory``, each
+    expressible config is also written there under :data:`FILENAMES` (key ``written``)."""
+    out = {f: emit(f, layout, model, global_batch, precision).to_dict() for f in dict.fromkeys(frameworks)}
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for e in out.values():
+            if e["text"]:
+                e["written"] = str(Path(directory) / e["file"])
+                Path(e["written"]).write_text(e["text"])
+    return out
+
+
+def emitted_lines(emitted: dict[str, dict[str, Any]]) -> list[str]:
+    """The text of :func:`emit_all`'s result: each config (indented) with its notes, or why not."""
+    lines = []
+    for name, e in emitted.items():
+        if e["unsupported"]:
+            lines += [f"{name}: cannot express layout #1:"] + [f"  - {r}" for r in e["unsupported"]]
+            continue
+        where = f", written to {e['written']}" if "written" in e else ""
+        lines += ([f"{name} ({e['file']}) of layout #1{where}:"] + [("  " + x).rstrip() for x in e["text"].rstrip().splitlines()]
+                  + [f"  note: {n}" for n in e["notes"]])
+    return lines
