@@ -38,7 +38,13 @@ MEGATRON_FLAGS = {
     "--num-experts", "--moe-router-topk", "--swiglu", "--normalization", "--position-embedding-type",
     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--fp16", "--fp8-format",
     # _add_moe_args of Megatron-LM's arguments.py (default None: the tensor-parallel size)
-    "--expert-tensor-parallel-size"}
+    "--expert-tensor-parallel-size",
+    # the step-time options (TransformerConfig fields made flags by ArgumentGroupFactory, and
+    # _add_training_args / _add_distributed_args): parsed and validated by the same parse_args
+    "--tp-comm-overlap", "--cp-comm-type", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
+    "--moe-permute-fusion", "--overlap-moe-expert-parallel-comm", "--no-masked-softmax-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion",
+    "--attention-backend", "--fp8-recipe"}
 
 
 def _parse(flags):
@@ -179,16 +185,24 @@ def test_torchtitan_fsdp_and_gradient_accumulation():
 
 def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
     layout = Parallelism(dp=4, tp=2, pp=4, zero=2, schedule="interleaved", virtual_stages=2, num_microbatches=8,
-                         micro_batch_size=2, sequence_parallel=True, recompute="selective")
+                         micro_batch_size=2, sequence_parallel=True, recompute="op")
     doc = _toml(layout, precision="fp8")
     par, training = doc["parallelism"], doc["training"]
     assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and par["pipeline_parallel_layers_per_stage"] == 4
+    # torchtitan's split (pipeline_parallel.py): ceil((layers + first_less + last_less) / per_stage)
+    # stages; its default 1 + 1 would make 9 stages of 4 for 32 layers, not pp x v = 8
+    assert (par["pipeline_parallel_first_stage_less_layers"], par["pipeline_parallel_last_stage_less_layers"]) == (0, 0)
+    balanced = _toml(Parallelism(dp=4, pp=2, zero=3, num_microbatches=4, account_for_embedding_and_loss=True))
+    assert (balanced["parallelism"]["pipeline_parallel_first_stage_less_layers"],
+            balanced["parallelism"]["pipeline_parallel_layers_per_stage"]) == (1, 17)  # (32 + 2) / 2
     assert par["fsdp_reshard_after_forward"] == "never"  # ZeRO-2: PyTorch's SHARD_GRAD_OP
     # pipeline micro-batches: local batch = micro x m, no accumulation
     assert training["local_batch_size"] == par["pipeline_parallel_microbatch_size"] * 8
     assert training["local_batch_size"] * par["data_parallel_shard_degree"] == training["global_batch_size"] == 64
     assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    assert doc["model"]["converters"] == ["float8"] and doc["quantize"]["linear"]["float8"]["filter_fqns"] == ["output"]
+    # the name float8.py registers (register_model_converter(..., "quantize.linear.float8")), v0.2.2
+    assert doc["model"]["converters"] == ["quantize.linear.float8"]
+    assert doc["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
     hsdp = _toml(Parallelism(dp=16, zero=3, shard_size=8, offload="params"))
     assert (hsdp["parallelism"]["data_parallel_replicate_degree"], hsdp["parallelism"]["data_parallel_shard_degree"]) == (2, 8)
     assert hsdp["training"]["enable_cpu_offload"] is True
@@ -207,6 +221,7 @@ def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
     (Parallelism(dp=4, zero=1, offload="optimizer"), "bf16", "ZeRO-1"),
     (Parallelism(dp=4, zero=3, offload="optimizer"), "bf16", "offload optimizer"),
     (FSDP, "fp16", "precision fp16"),
+    (Parallelism(dp=4, zero=3, recompute="selective"), "bf16", "none recomputes attention alone"),
 ])
 def test_torchtitan_cannot_express(layout, precision, reason):
     assert reason in unsupported("torchtitan", layout, LLAMA, layout.global_batch, precision)[0]
@@ -230,7 +245,7 @@ def test_the_torchtitan_schema_catches_a_wrong_key_or_type(section, key, value, 
 
 
 def test_the_torchtitan_schema_covers_every_emitted_key():
-    layouts = [FSDP, INTERLEAVED.with_(zero=2), Parallelism(dp=16, zero=3, shard_size=8, offload="params"),
+    layouts = [FSDP, INTERLEAVED.with_(zero=2, recompute="op"), Parallelism(dp=16, zero=3, shard_size=8, offload="params"),
                Parallelism(dp=8, ep=4, zero=3, num_microbatches=2)]
     for layout in layouts:
         model = MOE if layout.ep > 1 else LLAMA
@@ -285,3 +300,66 @@ def test_emit_results_and_bad_input():
         emit("jax", Parallelism(tp=3), LLAMA, 1)
     with pytest.raises(ValueError, match="model must be"):
         emit("jax", Parallelism(dp=8), "llama3-8b", 8)
+
+
+# ---- the timed plan: every step-time option is written or re-timed ------------------------------------
+from dataclasses import fields, replace  # noqa: E402
+
+from dtlib.analytic.hardware import cluster  # noqa: E402
+from dtlib.plan.emit import TimedPlan  # noqa: E402
+from dtlib.plan.emit.timed import retime  # noqa: E402
+from dtlib.plan.steptime import StepOptions  # noqa: E402
+
+# the StepOptions fields that describe the hardware or the model of the step, not a framework's
+# setting: no config can carry them (the test below checks that the rest is each a config knob)
+NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_limit_w", "oversubscription",
+              "moe_imbalance", "convention", "attention"}
+# each config knob: two values whose step times differ on the layouts below (dtype and fp8_recipe
+# with fp8 matmuls)
+KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),
+               "dp_overlap": (0.0, 1.0), "tp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "ep_overlap": (0.0, 1.0),
+               "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8")}
+KNOB_MOE = TransformerConfig(name="moe", layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, moe_experts=16,
+                             moe_top_k=2, bias=False)
+KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expresses > 1
+    "megatron": Parallelism(dp=2, tp=2, pp=2, cp=2, ep=2, zero=1, sequence_parallel=True, schedule="interleaved",
+                            virtual_stages=2, num_microbatches=4),
+    "deepspeed": Parallelism(dp=8, tp=2, ep=2, zero=1, sequence_parallel=True, num_microbatches=4),
+    "torchtitan": Parallelism(dp=4, tp=2, cp=2, ep=2, zero=2, sequence_parallel=True, num_microbatches=4),
+}
+# a knob that changes neither step time nor memory on a framework's layout, and why
+KNOB_IDLE = {("deepspeed", "cp_overlap"): "DeepSpeed refuses cp > 1 (no ring attention)",
+             ("deepspeed", "fp8_recipe"): "DeepSpeed refuses fp8 matmuls, so the recipe never applies",
+             ("torchtitan", "fp8_recipe"): "torchtitan's grouped experts are one kernel whatever the recipe "
+                                           "(stack expert_loop False): the recipe's launches never count"}
+
+
+def test_every_step_option_is_a_config_knob_or_named_as_none():
+    assert {f.name for f in fields(StepOptions)} == NOT_CONFIG | set(KNOB_VALUES)
+
+
+@pytest.mark.parametrize("framework", list(KNOB_LAYOUTS))
+@pytest.mark.parametrize("knob", list(KNOB_VALUES))
+def test_a_timed_option_is_emitted_or_retimed(framework, knob):
+    """Two plans that differ in one option and time differently (step or memory): either their
+    configs differ, or the config of one of them runs it otherwise and says so (``retimed``) with
+    the step it makes."""
+    if (framework, knob) in KNOB_IDLE:
+        pytest.skip(KNOB_IDLE[framework, knob])
+    layout = KNOB_LAYOUTS[framework]
+    cl = cluster("h100-sxm", layout.gpus // 8, 8)
+    base = StepOptions(stack={"megatron": "megatron"}.get(framework, framework),
+                       dtype="fp8" if knob == "fp8_recipe" and framework != "deepspeed" else "bf16")
+    a, b = (replace(base, **{knob: v}) for v in KNOB_VALUES[knob])
+    precision = lambda o: o.dtype  # noqa: E731  (fp8 matmuls: the precision flag too)
+    plans = [TimedPlan(layout, KNOB_MOE, layout.global_batch, o, precision(o), cl) for o in (a, b)]
+    if any(unsupported(framework, p) for p in plans):  # e.g. DeepSpeed has no fp8: refused by name
+        assert framework == "deepspeed" and knob in ("dtype", "fp8_recipe")
+        return
+    ta, tb = (retime(p, p.resolved) for p in plans)
+    assert (ta["step_time_s"], ta["memory_per_gpu_bytes"]) != (tb["step_time_s"], tb["memory_per_gpu_bytes"])
+    ea, eb = (emit(framework, p) for p in plans)
+    named = [r for e in (ea, eb) for r in e.retimed if r.startswith(f"{knob}:") or knob == "dtype"]
+    assert ea.text != eb.text or named, (knob, ea.retimed, eb.retimed)
+    for e, p in zip((ea, eb), plans):  # a config that runs otherwise carries the step it makes
+        assert (e.timing is not None) == bool(e.retimed)

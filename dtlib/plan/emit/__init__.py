@@ -36,7 +36,9 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit import deepspeed, jax, megatron, torchtitan
+from dtlib.analytic.units import GiB
 from dtlib.plan.emit.common import FILENAMES, FRAMEWORKS, PRECISIONS, Emitted, flag_lines, json_lines, reasons
+from dtlib.plan.emit.timed import FRAMEWORK_STACKS, TimedPlan, as_plan, retime, run_options
 from dtlib.plan.emit.deepspeed import deepspeed_config
 from dtlib.plan.emit.jax import JAX_AXES, JAX_ROLES, jax_mesh
 from dtlib.plan.emit.megatron import megatron_flags
@@ -45,36 +47,47 @@ from dtlib.plan.torchtitan_schema import TORCHTITAN_SCHEMA, check_torchtitan
 
 __all__ = ["FRAMEWORKS", "FILENAMES", "PRECISIONS", "Emitted", "emit", "unsupported", "megatron_flags",
            "deepspeed_config", "torchtitan_toml", "torchtitan_document", "jax_mesh", "check_torchtitan",
-           "TORCHTITAN_SCHEMA", "JAX_AXES", "JAX_ROLES", "emit_all", "emitted_lines", "check_emit_options"]
+           "TORCHTITAN_SCHEMA", "JAX_AXES", "JAX_ROLES", "emit_all", "emitted_lines", "check_emit_options",
+           "TimedPlan", "FRAMEWORK_STACKS"]
 
 _MODULES = {"megatron": megatron, "deepspeed": deepspeed, "torchtitan": torchtitan, "jax": jax}
 
 
-def unsupported(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
-                precision: str = "bf16") -> list[str]:
-    """Why ``framework`` cannot express ``layout`` (one line each; empty when it can)."""
+def unsupported(framework: str, plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+                global_batch: int | None = None, precision: str = "bf16") -> list[str]:
+    """Why ``framework`` cannot express the plan (one line each; empty when it can)."""
     validate.one_of("framework", framework, FRAMEWORKS)
-    return reasons(framework, _MODULES[framework].unsupported_here, layout, model, global_batch, precision)
+    plan = as_plan(plan, model, global_batch, precision, framework)
+    return reasons(framework, _MODULES[framework].unsupported_here, plan.layout, plan.model, plan.global_batch,
+                   plan.precision)
 
 
-def emit(framework: str, layout: Parallelism, model: TransformerConfig, global_batch: int,
-         precision: str = "bf16") -> Emitted:
-    """``framework``'s config of ``layout`` (see the module docstring), or why it cannot be written."""
-    found = unsupported(framework, layout, model, global_batch, precision)
+def emit(framework: str, plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+         global_batch: int | None = None, precision: str = "bf16") -> Emitted:
+    """``framework``'s config of the timed ``plan`` (or of a bare layout with ``model``,
+    ``global_batch`` and ``precision``, untimed, on the framework's stack), or why it cannot be
+    written. ``retimed`` lists the timed options the config runs otherwise, and ``timing`` is the
+    step of the run the config makes (re-timed when ``retimed`` is not empty)."""
+    plan = as_plan(plan, model, global_batch, precision, framework)
+    found = unsupported(framework, plan)
     if found:
         return Emitted(framework, "", None, found, [])
-    notes = _MODULES[framework].notes(layout, model, precision)
+    module = _MODULES[framework]
+    notes = module.notes(plan.layout, plan.model, plan.precision)
+    runs, retimed = run_options(framework, plan, module.realize)
+    timing = retime(plan, runs) if retimed else plan.timing
     if framework == "megatron":
-        data = megatron_flags(layout, model, global_batch, precision)
-        return Emitted(framework, flag_lines(data), data, [], notes)
-    if framework == "deepspeed":
-        data = deepspeed_config(layout, model, global_batch, precision)
-        return Emitted(framework, json_lines(data), data, [], notes)
-    if framework == "torchtitan":
-        data = torchtitan_document(layout, model, global_batch, precision)
-        return Emitted(framework, torchtitan_toml(layout, model, global_batch, precision), data, [], notes)
-    data = jax_mesh(layout, model, global_batch, precision)
-    return Emitted(framework, json_lines(data), data, [], notes)
+        data: Any = megatron_flags(plan)
+        text = flag_lines(data)
+    elif framework == "deepspeed":
+        data = deepspeed_config(plan)
+        text = json_lines(data)
+    elif framework == "torchtitan":
+        data, text = torchtitan_document(plan), torchtitan_toml(plan)
+    else:
+        data = jax_mesh(plan)
+        text = json_lines(data)
+    return Emitted(framework, text, data, [], notes, retimed, timing)
 
 
 def check_emit_options(frameworks: list[str] | None, directory: str | None, rehearse: bool) -> None:
@@ -86,11 +99,10 @@ def check_emit_options(frameworks: list[str] | None, directory: str | None, rehe
         raise ValueError(f"--emit-dir {directory} is a file; give a directory (created if missing)")
 
 
-def emit_all(frameworks: list[str], layout: Parallelism, model: TransformerConfig, global_batch: int,
-             precision: str = "bf16", directory: str | None = None) -> dict[str, dict[str, Any]]:
-    """:func:`emit` for each framework (once each, in order) as dicts; with ``directory``, each
-    expressible config is also written there under :data:`FILENAMES` (key ``written``)."""
-    out = {f: emit(f, layout, model, global_batch, precision).to_dict() for f in dict.fromkeys(frameworks)}
+def emit_all(frameworks: list[str], plan: TimedPlan, directory: str | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`emit` of ``plan`` for each framework (once each, in order) as dicts; with
+    ``directory``, each expressible config is also written there under :data:`FILENAMES` (key ``written``)."""
+    out = {f: emit(f, plan).to_dict() for f in dict.fromkeys(frameworks)}
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         for e in out.values():
@@ -109,5 +121,16 @@ def emitted_lines(emitted: dict[str, dict[str, Any]]) -> list[str]:
             continue
         where = f", written to {e['written']}" if "written" in e else ""
         lines += ([f"{name} ({e['file']}) of layout #1{where}:"] + [("  " + x).rstrip() for x in e["text"].rstrip().splitlines()]
-                  + [f"  note: {n}" for n in e["notes"]])
+                  + [f"  note: {n}" for n in e["notes"]] + _timing_lines(name, e))
+    return lines
+
+
+def _timing_lines(name: str, e: dict[str, Any]) -> list[str]:
+    """What the config runs otherwise than timed, and the step it makes then."""
+    lines = [f"  re-timed: {r}" for r in e["retimed"]]
+    t = e["timing"]
+    if e["retimed"]:
+        lines.append(f"  {name} runs layout #1 at {t['step_time_s']:.3f} s per step, MFU {100 * t['mfu']:.1f}%, "
+                     f"{t['memory_per_gpu_bytes'] / GiB:.1f} GiB per GPU" if t else
+                     f"  {name}'s run is not re-timed (the plan has no cluster, or a hybrid shard size)")
     return lines

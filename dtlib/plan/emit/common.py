@@ -30,13 +30,17 @@ GRADIENT_CLIPPING = 1.0
 
 @dataclass(frozen=True)
 class Emitted:
-    """One framework's config for one layout: ``text`` (the file's content) and ``data`` (flags,
-    dict), or, when ``unsupported`` is not empty, neither (one line per reason)."""
+    """One framework's config for one plan: ``text`` (the file's content) and ``data`` (flags,
+    dict), or, when ``unsupported`` is not empty, neither (one line per reason). ``retimed``: one
+    line per timed option the config runs otherwise; ``timing``: the step the config makes
+    (:data:`dtlib.plan.emit.timed.TIMING`; re-timed when ``retimed`` is not empty), or None."""
     framework: str
     text: str
     data: Any
     unsupported: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    retimed: list[str] = field(default_factory=list)
+    timing: dict[str, Any] | None = None
 
     @property
     def filename(self) -> str:
@@ -44,7 +48,8 @@ class Emitted:
 
     def to_dict(self) -> dict[str, Any]:
         return {"framework": self.framework, "file": self.filename, "text": self.text, "data": self.data,
-                "unsupported": self.unsupported, "notes": self.notes}
+                "unsupported": self.unsupported, "notes": self.notes, "retimed": self.retimed,
+                "timing": self.timing}
 
 
 def check_inputs(layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str) -> None:
@@ -65,16 +70,17 @@ def check_inputs(layout: Parallelism, model: TransformerConfig, global_batch: in
 def _memory_options_unsupported(framework: str, p: Parallelism) -> list[str]:
     """The layout options of docs/stacks.md ("memory that admits what ran") a framework's config
     is not emitted with: Megatron-LM takes partial recompute of the other layers with none
-    (``--recompute-method block``) and the balanced split; nothing else is emitted yet."""
+    (``--recompute-method block``) and the balanced split, torchtitan the balanced split
+    (``pipeline_parallel_first/last_stage_less_layers``) and per-op recompute; nothing else yet."""
     megatron = framework == "megatron"
     out = []
-    if p.recompute == "op":
-        out.append("recompute op (torchtitan's per-op checkpointing) is not emitted")
+    if p.recompute == "op" and framework != "torchtitan":
+        out.append(f"recompute op (torchtitan's per-op checkpointing) is not emitted for {framework}")
     if p.recompute_layers and not (megatron and p.recompute == "none"):
         out.append(f"recompute_layers={p.recompute_layers} with recompute={p.recompute!r} is not emitted for "
                    f"{framework}" + (" (Megatron-LM's block method leaves the other layers unrecomputed: "
                                      "use recompute='none')" if megatron else ""))
-    if p.account_for_embedding_and_loss and not megatron:
+    if p.account_for_embedding_and_loss and framework not in ("megatron", "torchtitan"):
         out.append(f"account_for_embedding_and_loss is not emitted for {framework}")
     if p.activation_offload_layers:
         out.append(f"activation_offload_layers is not emitted for {framework}")

@@ -10,6 +10,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import ADAMW, GRADIENT_CLIPPING, refuse
+from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
+from dtlib.plan.steptime import StepOptions
 
 
 def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
@@ -29,16 +31,43 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
         out.append(f"shard_size {p.shard_size}: hybrid sharding (DeepSpeed MiCS) is not emitted")
     return out
 
-def deepspeed_config(layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str = "bf16",
+def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
+    """The timed options DeepSpeed's JSON cannot run as they are (the model's own code, not the
+    JSON, decides its kernels: the deepspeed stack's eager ones are what is timed)."""
+    p, out = plan.layout, {}
+    for name, size, why in (("tp_overlap", p.tp, "DeepSpeed has no TP communication overlap"),
+                            ("ep_overlap", p.ep, "DeepSpeed-MoE has no all-to-all overlap key")):
+        if getattr(o, name) and size > 1:
+            out[name] = (0.0, f"{why}: re-timed with it exposed")
+    if p.zero == 0 and p.dp > 1 and dp_overlap(o, p):
+        out["dp_overlap"] = (0.0, "ZeRO-0: DeepSpeed's engine all-reduces the gradients after backward "
+                                  "(overlap_comm is a ZeRO key): re-timed with it exposed")
+    if o.fused_elementwise:
+        out["fused_elementwise"] = (False, "the JSON has no fusion key (the model's code decides): re-timed "
+                                           "eager, as dtlib's deepspeed stack")
+    if not o.flash_attention:
+        out["flash_attention"] = (True, "the JSON has no attention key: dtlib's deepspeed stack runs the model's "
+                                        "SDPA (Hugging Face's default), which stores no s x s scores")
+    if precision_bytes(o.precision) != precision_bytes("zero"):
+        out["precision"] = ("zero", "DeepSpeed's bf16/fp16 ZeRO keeps 16-bit gradients and fp32 master weights "
+                                    "and Adam states (2 + 2 + 12 bytes): re-timed with those bytes")
+    return out
+
+
+def deepspeed_config(plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+                     global_batch: int | None = None, precision: str = "bf16",
                      *, gradient_clipping: float = GRADIENT_CLIPPING) -> dict[str, Any]:
-    """The DeepSpeed JSON: batch sizes (DeepSpeed checks train_batch_size = micro x accumulation x
-    its data-parallel size), ZeRO stage and offload, precision, clipping and an AdamW block."""
-    refuse("deepspeed", unsupported_here, layout, model, global_batch, precision)
+    """The DeepSpeed JSON of the timed plan (or of a bare layout, on the deepspeed stack): batch
+    sizes (DeepSpeed checks train_batch_size = micro x accumulation x its data-parallel size),
+    ZeRO stage, overlap and offload, precision, clipping and an AdamW block."""
+    plan = as_plan(plan, model, global_batch, precision, "deepspeed")
+    refuse("deepspeed", unsupported_here, plan.layout, plan.model, plan.global_batch, plan.precision)
     validate.number("gradient_clipping", gradient_clipping, minimum=0, exclusive=False)
-    p = layout
+    o, _ = run_options("deepspeed", plan, realize)
+    p, precision, global_batch = plan.layout, plan.precision, plan.global_batch
     zero: dict[str, Any] = {"stage": p.zero}
-    if p.zero >= 1:  # overlap the reduce with backward, and keep gradients in one buffer (DeepSpeed docs)
-        zero.update(overlap_comm=True, contiguous_gradients=True)
+    if p.zero >= 1:  # overlap the reduce with backward as timed, gradients in one buffer (DeepSpeed docs)
+        zero.update(overlap_comm=bool(dp_overlap(o, p)), contiguous_gradients=True)
     if p.offload in ("optimizer", "params"):  # ZeRO-Offload (Ren et al. 2021): optimizer and its gradients
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if p.offload == "params":  # ZeRO-Infinity: the parameter shards too (stage 3)

@@ -7,6 +7,8 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import refuse, variants
+from dtlib.plan.emit.timed import TimedPlan, as_plan
+from dtlib.plan.steptime import StepOptions
 
 JAX_AXES = ("data", "fsdp", "model")
 JAX_ROLES = ("embed", "attn.qkv", "attn.out", "mlp.up", "mlp.down", "norm", "head")
@@ -59,11 +61,20 @@ def _jax_specs(data: int, fsdp: int, model: int) -> dict[str, list[Any]]:
             "norm": [f], "head": column}
 
 
-def jax_mesh(layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str = "bf16") -> dict[str, Any]:
+def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
+    """Nothing: dtlib has no JAX stack, so the plan keeps the stack it was timed with (XLA's
+    scheduler, not the mesh, decides what overlaps; :func:`notes` says so)."""
+    return {}
+
+
+def jax_mesh(plan: TimedPlan | Parallelism, model: TransformerConfig | None = None, global_batch: int | None = None,
+             precision: str = "bf16") -> dict[str, Any]:
     """``{"mesh": {axis: size}, "specs": {role: spec}, "batch": spec, "shapes": {role: shape}}``:
     each spec one entry per dimension (None, an axis name, or a list of axis names), what
     :func:`dtlib.frameworks.jax_gspmd.run_jax` takes."""
-    refuse("jax", unsupported_here, layout, model, global_batch, precision)
+    plan = as_plan(plan, model, global_batch, precision, "jax")
+    refuse("jax", unsupported_here, plan.layout, plan.model, plan.global_batch, plan.precision)
+    layout, model, precision = plan.layout, plan.model, plan.precision
     data, fsdp, tp = _jax_sizes(layout)
     batch_axes = [a for a, n in (("data", data), ("fsdp", fsdp)) if n > 1]
     batch = [batch_axes[0] if len(batch_axes) == 1 else batch_axes or None, None]
@@ -74,7 +85,9 @@ def jax_mesh(layout: Parallelism, model: TransformerConfig, global_batch: int, p
 
 
 def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
-    notes = ["mesh axes as jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3): XLA inserts the collectives"]
+    notes = ["mesh axes as jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3): XLA inserts the collectives",
+             "dtlib has no JAX stack (dtlib.analytic.stacks): the step time is the one timed, with its stack's "
+             "overlaps and kernels; XLA's scheduler decides what a JAX run overlaps"]
     if p.zero in (1, 2):
         notes.append(f"ZeRO-{p.zero} has no exact GSPMD equivalent: the fsdp axis shards parameters too (ZeRO-3)")
     if p.sequence_parallel:

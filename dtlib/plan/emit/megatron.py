@@ -12,6 +12,14 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import refuse, variants
+from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
+from dtlib.plan.steptime import StepOptions
+
+# the planner's FP8 recipes (dtlib.analytic.stacks.FP8_RECIPES) as Megatron-LM's --fp8-recipe
+# choices: tensorwise is Transformer Engine's Float8CurrentScaling (torchao's tensorwise is the
+# same current per-tensor scaling); torchao's rowwise has none
+_FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "tensorwise": "tensorwise", "mxfp8": "mxfp8",
+                "blockwise": "blockwise"}
 
 
 def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
@@ -38,12 +46,40 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
         out.append(f"shard_size {p.shard_size}: hybrid sharding is not emitted for Megatron-LM")
     return out
 
-def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: int,
-                   precision: str = "bf16") -> list[str]:
-    """Megatron-LM ``pretrain_gpt.py`` flags of the layout, the model's shape, the batch and the
-    precision (data, tokenizer and learning-rate flags are the user's)."""
-    refuse("megatron", unsupported_here, layout, model, global_batch, precision)
-    p, m = layout, model
+
+def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
+    """The timed options Megatron-LM's flags cannot run as they are (see :func:`megatron_flags`)."""
+    p, out = plan.layout, {}
+    if o.tp_overlap and p.tp > 1 and not p.sequence_parallel:
+        out["tp_overlap"] = (0.0, "--tp-comm-overlap needs --sequence-parallel (validate_args), which this "
+                                  "layout does not use: re-timed with TP communication exposed")
+    if o.ep_overlap and p.ep > 1:
+        why = ("pp > 1 needs virtual pipeline stages" if p.pp > 1 and p.schedule != "interleaved" else
+               "no full recompute" if p.recompute == "full" or p.recompute_layers else None)
+        if why:
+            out["ep_overlap"] = (0.0, f"--overlap-moe-expert-parallel-comm needs {why} (Megatron-Core "
+                                      f"TransformerConfig): re-timed with the all-to-all exposed")
+    if plan.precision == "fp8" and (o.fp8_recipe or "current") not in _FP8_RECIPES:
+        out["fp8_recipe"] = ("current", f"{o.fp8_recipe}: Megatron-LM's --fp8-recipe has no such recipe; "
+                                        f"emitted tensorwise (current scaling) and re-timed")
+    # --bf16 (and fp8) keeps fp32 main gradients (arguments.py: accumulate_allreduce_grads_in_fp32
+    # = True); --fp16 adds an fp32 gradient copy: dtlib's megatron-bf16 / megatron-fp16 conventions
+    runs = "megatron-fp16" if plan.precision == "fp16" else "megatron-bf16"
+    if precision_bytes(o.precision) != precision_bytes(runs):
+        out["precision"] = (runs, f"Megatron-LM's --{'fp16' if plan.precision == 'fp16' else 'bf16'} keeps "
+                                  f"{runs}'s bytes per parameter (fp32 main gradients): re-timed with them")
+    return out
+
+
+def megatron_flags(plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+                   global_batch: int | None = None, precision: str = "bf16") -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` flags of the timed plan (or of a bare layout, on the
+    megatron stack): the layout, the model, the batch, the precision and every option the step
+    time used (data, tokenizer and learning-rate flags are the user's)."""
+    plan = as_plan(plan, model, global_batch, precision, "megatron")
+    refuse("megatron", unsupported_here, plan.layout, plan.model, plan.global_batch, plan.precision)
+    o, _ = run_options("megatron", plan, realize)
+    p, m, precision, global_batch = plan.layout, plan.model, plan.precision, plan.global_batch
     f = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
          "--context-parallel-size", str(p.cp)]
     if p.schedule == "interleaved":
@@ -76,8 +112,9 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
         f += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy, "--ckpt-format", "fsdp_dtensor"]
     if p.offload == "optimizer":  # validate_args: offload needs the precision-aware optimizer
         f += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
-    if p.dp * p.cp > 1:  # the planner hides DP communication behind compute (StepOptions.dp_overlap)
+    if p.dp * p.cp > 1 and dp_overlap(o, p):  # DP communication hidden behind compute, as timed
         f += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if p.zero >= 1 else [])
+    f += _megatron_run_flags(plan, o)
     f += ["--micro-batch-size", str(p.micro_batch_size), "--global-batch-size", str(global_batch)]
     f += ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden), "--num-attention-heads", str(m.heads),
           "--ffn-hidden-size", str(m.ffn), "--seq-length", str(m.seq), "--max-position-embeddings", str(m.seq),
@@ -90,7 +127,30 @@ def megatron_flags(layout: Parallelism, model: TransformerConfig, global_batch: 
     f += ["--position-embedding-type", "rope"] if m.position == "rope" else []
     f += [] if m.tied_embeddings else ["--untie-embeddings-and-output-weights"]
     f += [] if m.bias else ["--disable-bias-linear"]
-    f += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format", "hybrid"]}[precision]
+    f += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format", "hybrid",
+                                                         "--fp8-recipe", _FP8_RECIPES[o.fp8_recipe or "current"]]}[precision]
+    return f
+
+
+def _megatron_run_flags(plan: TimedPlan, o: StepOptions) -> list[str]:
+    """The flags of the step-time options (``o``, as :func:`realize` leaves them): TP and EP
+    overlap, CP's p2p ring, the MoE dispatcher the planner times (all-to-all, Transformer Engine's
+    grouped experts, fused permutation; Megatron's defaults are allgather, a loop of experts and
+    unfused), the elementwise fusions (on by default) and the attention kernel."""
+    p, m, f = plan.layout, plan.model, []
+    if o.tp_overlap and p.tp > 1:
+        f += ["--tp-comm-overlap"]
+    if o.cp_overlap and p.cp > 1:  # TE's p2p ring sends the next K/V block during attention
+        f += ["--cp-comm-type", "p2p"]
+    if m.moe_experts:
+        f += ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+        f += ["--moe-permute-fusion"] if o.fused_elementwise else []
+        f += ["--overlap-moe-expert-parallel-comm"] if o.ep_overlap and p.ep > 1 else []
+    if not o.fused_elementwise:
+        f += ["--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+              "--no-bias-swiglu-fusion" if m.activation == "swiglu" else "--no-bias-gelu-fusion"]
+    if not o.flash_attention:  # the s x s scores written and read back, as the plan counts them
+        f += ["--attention-backend", "unfused"]
     return f
 
 

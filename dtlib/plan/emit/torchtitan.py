@@ -13,7 +13,13 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import GRADIENT_CLIPPING, refuse, variants
+from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
+from dtlib.plan.steptime import StepOptions
 from dtlib.plan.torchtitan_schema import check_torchtitan
+
+# the planner's FP8 recipes torchtitan's [quantize.linear.float8] recipe_name runs (torchao's
+# dynamic scaling: tensorwise is per-tensor current scaling); the others it has not
+_FP8_RECIPES = {"tensorwise": "tensorwise", "current": "tensorwise", "rowwise": "rowwise"}
 
 
 def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
@@ -38,9 +44,14 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     if m.seq % (2 * p.tp * p.cp):
         out.append(f"seq {m.seq}: torchtitan needs seq_len divisible by 2 x tp x cp = {2 * p.tp * p.cp} "
                    f"(ParallelDims.seq_len_divisor)")
-    if p.pp > 1 and m.layers % (p.pp * p.virtual_stages):
-        out.append(f"{m.layers} layers over {p.pp * p.virtual_stages} pipeline stages: not an even "
+    slots = m.layers + 2 * p.account_for_embedding_and_loss  # torchtitan's first/last_stage_less_layers
+    if p.pp > 1 and slots % (p.pp * p.virtual_stages):
+        out.append(f"{slots} layers over {p.pp * p.virtual_stages} pipeline stages: not an even "
                    f"pipeline_parallel_layers_per_stage")
+    if p.recompute == "selective":
+        out.append("recompute selective (Megatron's: core attention recomputed): torchtitan's selective modes "
+                   "are per-op ('op': every second matmul saved, recompute='op') or every N-th block; none "
+                   "recomputes attention alone")
     if p.shard_size is not None and p.shard_size % p.cp:
         out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
     return out
@@ -49,11 +60,41 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
 _TORCHTITAN_FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
 
 
-def torchtitan_document(layout: Parallelism, model: TransformerConfig, global_batch: int,
-                        precision: str = "bf16") -> dict[str, dict[str, Any]]:
-    """The torchtitan TOML as sections of keys (what :func:`torchtitan_toml` writes)."""
-    refuse("torchtitan", unsupported_here, layout, model, global_batch, precision)
-    p, m = layout, model
+def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
+    """The timed options torchtitan's TOML cannot run as they are."""
+    p, out = plan.layout, {}
+    for name, size, why in (
+            ("tp_overlap", p.tp, "async TP (enable_async_tensor_parallel) needs torch.compile, not emitted"),
+            ("cp_overlap", p.cp, "context_parallel_rotate_method 'allgather' gathers K/V before attention"),
+            ("ep_overlap", p.ep, "v0.2.2 has no EP all-to-all overlap key")):
+        if getattr(o, name) and size > 1:
+            out[name] = (0.0, f"{why}: re-timed with it exposed")
+    if dp_overlap(o, p) != dp_overlap(StepOptions(stack="torchtitan"), p):
+        out["dp_overlap"] = (None, "FSDP2 prefetches each block's all-gather and overlaps its reduce-scatter "
+                                   "(no key turns it off): re-timed with the torchtitan stack's overlap")
+    if o.fused_elementwise:
+        out["fused_elementwise"] = (False, "compile.enable is not emitted (eager, torchtitan's default): re-timed "
+                                           "with one kernel per elementwise operator")
+    if not o.flash_attention:
+        out["flash_attention"] = (True, "torchtitan's attention is SDPA (FlashAttention): the scores are never "
+                                        "stored")
+    if plan.precision == "fp8" and (o.fp8_recipe or "current") not in _FP8_RECIPES:
+        out["fp8_recipe"] = ("tensorwise", f"{o.fp8_recipe}: torchtitan's float8 recipe_name has tensorwise and "
+                                           f"rowwise only: emitted tensorwise and re-timed")
+    if precision_bytes(o.precision) != precision_bytes("fsdp-mixed"):
+        out["precision"] = ("fsdp-mixed", "FSDP2 mixed precision keeps fp32 parameter and gradient shards "
+                                          "(mixed_precision_param bfloat16): re-timed with those bytes")
+    return out
+
+
+def torchtitan_document(plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+                        global_batch: int | None = None, precision: str = "bf16") -> dict[str, dict[str, Any]]:
+    """The torchtitan TOML of the timed plan (or of a bare layout, on the torchtitan stack) as
+    sections of keys (what :func:`torchtitan_toml` writes)."""
+    plan = as_plan(plan, model, global_batch, precision, "torchtitan")
+    refuse("torchtitan", unsupported_here, plan.layout, plan.model, plan.global_batch, plan.precision)
+    o, _ = run_options("torchtitan", plan, realize)
+    p, m, precision, global_batch = plan.layout, plan.model, plan.precision, plan.global_batch
     # FSDP2 shards over dp_shard x cp; ZeRO-3 reshards after forward (torchtitan's default for
     # non-last blocks), ZeRO-2 keeps the gathered parameters until backward: PyTorch's
     # SHARD_GRAD_OP (dtlib.analytic.layout.FSDP_STRATEGIES).
@@ -73,7 +114,12 @@ def torchtitan_document(layout: Parallelism, model: TransformerConfig, global_ba
     if p.pp > 1:  # micro-batches are the pipeline's: local batch = micro x m, no accumulation
         par.update(pipeline_parallel_schedule={"1f1b": "1F1B", "gpipe": "GPipe",
                                                "interleaved": "Interleaved1F1B"}[p.schedule],
-                   pipeline_parallel_layers_per_stage=m.layers // (p.pp * p.virtual_stages),
+                   pipeline_parallel_layers_per_stage=(m.layers + 2 * p.account_for_embedding_and_loss)
+                   // (p.pp * p.virtual_stages),
+                   # the embedding and the output count as a layer each only as the plan balanced them
+                   # (torchtitan's default 1 each would add stages to an even split)
+                   pipeline_parallel_first_stage_less_layers=int(p.account_for_embedding_and_loss),
+                   pipeline_parallel_last_stage_less_layers=int(p.account_for_embedding_and_loss),
                    pipeline_parallel_microbatch_size=p.micro_batch_size)
         local = p.micro_batch_size * p.num_microbatches
     else:  # gradient accumulation: global_batch / (local x dp) steps
@@ -82,13 +128,14 @@ def torchtitan_document(layout: Parallelism, model: TransformerConfig, global_ba
                                 "max_norm": GRADIENT_CLIPPING, "mixed_precision_param": "bfloat16"}
     if p.offload == "params":
         training["enable_cpu_offload"] = True
-    # Megatron's selective recompute keeps the matmuls and recomputes the rest: torchtitan's "op" policy
-    ac = {"mode": p.recompute} | ({"selective_ac_option": "op"} if p.recompute == "selective" else {})
+    # the planner's "op" is torchtitan's per-op policy (every second matmul saved)
+    ac = {"mode": "selective", "selective_ac_option": "op"} if p.recompute == "op" else {"mode": p.recompute}
     doc = {"model": {"name": "llama3", "flavor": _TORCHTITAN_FLAVORS.get(m.name, m.name)},
            "training": training, "parallelism": par, "activation_checkpoint": ac}
     if precision == "fp8":  # the LM head stays in bf16, as the planner's fp8 assumes
-        doc["model"]["converters"] = ["float8"]
-        doc["quantize.linear.float8"] = {"filter_fqns": ["output"]}
+        doc["model"]["converters"] = ["quantize.linear.float8"]  # float8.py register_model_converter
+        doc["quantize.linear.float8"] = {"recipe_name": _FP8_RECIPES[o.fp8_recipe or "current"],
+                                         "filter_fqns": ["output"]}
     return doc
 
 
@@ -100,9 +147,10 @@ def _toml_value(v: Any) -> str:
     return json.dumps(v)  # ints, floats and strings are spelled the same in TOML
 
 
-def torchtitan_toml(layout: Parallelism, model: TransformerConfig, global_batch: int, precision: str = "bf16") -> str:
+def torchtitan_toml(plan: TimedPlan | Parallelism, model: TransformerConfig | None = None,
+                    global_batch: int | None = None, precision: str = "bf16") -> str:
     """The torchtitan TOML (``--job.config_file``), checked against :data:`TORCHTITAN_SCHEMA`."""
-    doc = torchtitan_document(layout, model, global_batch, precision)
+    doc = torchtitan_document(plan, model, global_batch, precision)
     check_torchtitan(doc)
     return "\n".join(f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
                      for section, table in doc.items())
