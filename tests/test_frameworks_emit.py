@@ -235,3 +235,22 @@ def test_a_failed_rehearsal_says_fail_and_exits_1(capsys, monkeypatch):
     code, out, _ = run(capsys, *PINNED, "--top", "1", "--emit", "deepspeed", "--rehearse")
     assert code == 1
     assert "max param diff 1.00e-03 (tolerances 1e-05, 1e-06): FAIL" in out
+
+
+def test_cli_plans_with_the_emitted_frameworks_stack_or_refuses_another(capsys):
+    code, out, err = run(capsys, *PLAN, "--emit", "torchtitan", "--stack", "megatron")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--stack megatron contradicts --emit torchtitan" in err
+    _, d = _json(PLAN + ["--top", "1", "--json", "--emit", "torchtitan"])
+    assert d["assumed"]["stack"] == "torchtitan" and not d["emitted"]["torchtitan"]["retimed"]
+
+
+def test_cli_prints_the_emitted_run_retimed_where_the_config_runs_otherwise():
+    """tp 4 without sequence parallelism: Megatron-LM's --tp-comm-overlap needs it, so the config runs
+    TP communication exposed and the printed #1 is that run, re-timed (slower than timed)."""
+    _, d = _json(["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "512", "--tp", "4", "--pp", "1",
+                  "--zero", "1", "--no-sequence-parallel", "--top", "1", "--json", "--emit", "megatron"])
+    best, e = d["configs"][0], d["emitted"]["megatron"]
+    assert "--tp-comm-overlap" not in e["data"] and e["retimed"][0].startswith("tp_overlap:")
+    assert best["retimed"]["framework"] == "megatron" and best["step_time_s"] == e["timing"]["step_time_s"]
+    assert best["step_time_s"] > best["retimed"]["timed"]["step_time_s"] and best["breakdown"]["tp_comm"] > 0
