@@ -132,5 +132,6 @@ def _timing_lines(name: str, e: dict[str, Any]) -> list[str]:
     if e["retimed"]:
         lines.append(f"  {name} runs layout #1 at {t['step_time_s']:.3f} s per step, MFU {100 * t['mfu']:.1f}%, "
                      f"{t['memory_per_gpu_bytes'] / GiB:.1f} GiB per GPU" if t else
-                     f"  {name}'s run is not re-timed (the plan has no cluster, or a hybrid shard size)")
+                     f"  {name}'s run is not re-timed (the plan has no cluster or has a hybrid shard size, or the run "
+                     f"does not fit in the GPU's memory at all)")
     return lines

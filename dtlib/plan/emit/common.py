@@ -8,7 +8,7 @@ with, then the framework's own list. A config that silently runs another layout 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from dtlib.analytic import validate
@@ -115,6 +115,17 @@ def variants(m: TransformerConfig) -> list[str]:
         ("moe_dense_layers", m.moe_dense_layers), ("moe_layer_freq", m.moe_layer_freq != 1),
         ("kv_lora_rank (MLA)", m.kv_lora_rank), ("head_dim", m.head_dim != m.hidden // m.heads),
         ("sliding_window", m.sliding_window)) if used]
+
+
+# the fields that change the model but not its shape (TransformerConfig's docstring)
+BEHAVIOUR_FIELDS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "norm_eps", "qk_norm", "router_score",
+                    "router_expert_bias", "routed_scaling", "attention_sinks", "activation_clamp")
+
+
+def model_code_note(m: TransformerConfig, where: str) -> str:
+    """The note of a config that carries no model: every field the model's code must set."""
+    values = ", ".join(f"{f.name}={getattr(m, f.name)!r}" for f in fields(m) if f.name not in ("name", "source"))
+    return f"the model is {where}, not this config: build it with {values}, dropout 0"
 
 
 def json_lines(data: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
-from dtlib.plan.emit.common import ADAMW, GRADIENT_CLIPPING, refuse
+from dtlib.plan.emit.common import ADAMW, GRADIENT_CLIPPING, model_code_note, refuse
 from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
 from dtlib.plan.steptime import StepOptions
 
@@ -100,4 +100,5 @@ def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     if p.recompute != "none":
         notes.append(f"recompute {p.recompute}: the model's code decides what to recompute "
                      f"(deepspeed.checkpointing.checkpoint per block for full)")
+    notes.append(model_code_note(m, "the training script's (a Hugging Face config.json or Megatron-DeepSpeed's flags)"))
     return notes

@@ -6,7 +6,7 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
-from dtlib.plan.emit.common import refuse, variants
+from dtlib.plan.emit.common import model_code_note, refuse, variants
 from dtlib.plan.emit.timed import TimedPlan, as_plan
 from dtlib.plan.steptime import StepOptions
 
@@ -19,8 +19,10 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
            f"are program structure, not a PartitionSpec)" for name, size in (("pp", p.pp), ("cp", p.cp)) if size > 1]
     if p.ep > 1:
         out.append(f"ep={p.ep}: the weight roles are a dense transformer's; experts are not laid out here")
-    if variants(m):
-        out.append(f"{', '.join(variants(m))}: the weight roles are a Llama/GPT block's")
+    extra = [name for name, used in (("moe_experts (MoE: no dense stand-in)", m.moe_experts), ("qk_norm", m.qk_norm),
+                                     ("attention_sinks", m.attention_sinks)) if used]
+    if extra + variants(m):
+        out.append(f"{', '.join(extra + variants(m))}: the weight roles are a dense Llama/GPT block's")
     if p.offload != "none":
         out.append(f"offload {p.offload}: a mesh places arrays on devices only")
     sizes = dict(zip(JAX_AXES, _jax_sizes(p)))
@@ -96,4 +98,5 @@ def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
         notes.append("fp8: matmul precision is the program's (e.g. jax.nn.scaled_matmul); the weights stay bfloat16")
     if p.num_microbatches > 1:
         notes.append(f"{p.num_microbatches} micro-batches are a loop (gradient accumulation) in the training step")
+    notes.append(model_code_note(m, "the JAX program's (the mesh and specs carry shapes only)"))
     return notes

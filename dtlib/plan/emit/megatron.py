@@ -13,7 +13,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import refuse, variants
 from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
-from dtlib.plan.steptime import StepOptions
+from dtlib.plan.steptime import StepOptions, resolve
 
 # the planner's FP8 recipes (dtlib.analytic.stacks.FP8_RECIPES) as Megatron-LM's --fp8-recipe
 # choices: tensorwise is Transformer Engine's Float8CurrentScaling (torchao's tensorwise is the
@@ -44,6 +44,22 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
                    f"parallel size 1 (TransformerConfig)")
     if p.shard_size is not None:
         out.append(f"shard_size {p.shard_size}: hybrid sharding is not emitted for Megatron-LM")
+    return out + _model_unsupported(m)
+
+
+def _model_unsupported(m: TransformerConfig) -> list[str]:
+    """The model fields pretrain_gpt.py's flags cannot build (arguments.py at core_v0.16.1)."""
+    out = []
+    if m.position == "alibi":
+        out.append("position alibi: --position-embedding-type has no ALiBi (learned_absolute, rope, mrope, "
+                   "relative, none)")
+    if m.embedding_norm:
+        out.append("embedding_norm: pretrain_gpt.py's GPTModel has no norm after the embedding")
+    if m.rope_scaling == "yarn" and not m.kv_lora_rank:
+        out.append("rope_scaling yarn without MLA: --rope-type yarn is MLA's only (core_transformer_config_from_args: "
+                   "'Common attention only support rope_type=\"rope\"')")
+    if m.qk_norm and m.kv_lora_rank:
+        out.append("qk_norm with MLA: Megatron's --qk-layernorm is MLA's latent-norm switch there")
     return out
 
 
@@ -121,7 +137,7 @@ def megatron_flags(plan: TimedPlan | Parallelism, model: TransformerConfig | Non
           "--vocab-size", str(m.vocab)]
     if m.kv_heads != m.heads:
         f += ["--group-query-attention", "--num-query-groups", str(m.kv_heads)]
-    f += _megatron_variant_flags(m)
+    f += _megatron_variant_flags(m) + _model_flags(plan)
     f += ["--swiglu"] if m.activation == "swiglu" else []
     f += ["--normalization", "RMSNorm"] if m.norm == "rmsnorm" else []
     f += ["--position-embedding-type", "rope"] if m.position == "rope" else []
@@ -152,6 +168,31 @@ def _megatron_run_flags(plan: TimedPlan, o: StepOptions) -> list[str]:
     if not o.flash_attention:  # the s x s scores written and read back, as the plan counts them
         f += ["--attention-backend", "unfused"]
     return f
+
+
+def _model_flags(plan: TimedPlan) -> list[str]:
+    """The flags of the fields that change the model but not its shape, written even where they
+    equal Megatron-LM's defaults (rotary base 10000, epsilon 1e-5, dropout 0.1, vocabulary padded
+    to a multiple of 128 x tp), so the file reads whole: RoPE base and scaling, norm epsilon,
+    QK-norm (with MLA the two latent RMSNorms: Megatron-Core's MLA builds q_layernorm and
+    kv_layernorm only with qk_layernorm), router scoring, attention sinks (``--softmax-type
+    learnable``), the SwiGLU clamp, and dropout: 0 unless the plan counts its masks, then 0.1."""
+    m = plan.model
+    f = ["--norm-epsilon", f"{m.norm_eps:g}", "--make-vocab-size-divisible-by", "128"]
+    if m.position == "rope":
+        f += ["--rotary-base", f"{m.rope_theta:.0f}"]
+    if m.kv_lora_rank:  # MLA's rope type defaults to yarn: written either way
+        f += ["--rope-type", m.rope_scaling if m.rope_scaling == "yarn" else "rope"]
+        f += ["--rotary-scaling-factor", f"{m.rope_scaling_factor:g}"] if m.rope_scaling == "yarn" else []
+    f += ["--qk-layernorm"] if m.qk_norm or m.kv_lora_rank else []
+    if m.moe_experts:
+        f += ["--moe-router-score-function", m.router_score]
+        f += ["--moe-router-enable-expert-bias"] if m.router_expert_bias else []
+        f += ["--moe-router-topk-scaling-factor", f"{m.routed_scaling:g}"] if m.routed_scaling != 1 else []
+    f += ["--softmax-type", "learnable"] if m.attention_sinks else []
+    f += ["--activation-func-clamp-value", f"{m.activation_clamp:g}"] if m.activation_clamp else []
+    dropout = "0.1" if resolve(plan.options, plan.dropout)[1] else "0"
+    return f + ["--hidden-dropout", dropout, "--attention-dropout", dropout]
 
 
 def _megatron_variant_flags(m: TransformerConfig) -> list[str]:
@@ -201,6 +242,13 @@ def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
         notes.append("--fp8-format needs Transformer Engine (--transformer-impl transformer_engine, the default)")
     if p.offload == "optimizer":
         notes.append("--use-precision-aware-optimizer needs Transformer Engine >= 2.1 (Megatron-Core OptimizerConfig)")
-    if m.position == "alibi":
-        notes.append("position alibi: pretrain_gpt.py has no ALiBi; pick --position-embedding-type yourself")
+    if m.kv_lora_rank and m.rope_scaling == "yarn":
+        notes.append("YaRN's other settings are Megatron's defaults (--mscale 1, --mscale-all-dim 0, beta 32/1, "
+                     "original length 4096); HF DeepSeek-V3's rope_scaling has mscale_all_dim 1: add it if you "
+                     "load those weights")
+    padded = -(-m.vocab // (128 * p.tp)) * 128 * p.tp
+    if padded != m.vocab:
+        notes.append(f"Megatron-LM pads the vocabulary {m.vocab} to {padded} (a multiple of 128 x tp): "
+                     f"{(padded - m.vocab) * m.hidden * (1 if m.tied_embeddings else 2):,} more parameters than "
+                     f"the plan counts")
     return notes

@@ -124,7 +124,8 @@ _STACK_FILLED = ("precision", "fp8_recipe", "tp_overlap", "cp_overlap", "fused_e
 def retime(plan: TimedPlan, options: StepOptions, headroom: float = 1.0) -> dict[str, Any] | None:
     """The step of ``plan``'s layout with ``options`` (:func:`dtlib.plan.search.search` with every
     knob pinned, so the row is the one the search prints): ``step_time_s``, ``mfu``,
-    ``memory_per_gpu_bytes``, ``breakdown`` (:data:`TIMING`); None when the plan has no cluster or a hybrid shard size."""
+    ``memory_per_gpu_bytes``, ``breakdown`` (:data:`TIMING`); None when the plan has no cluster or a
+    hybrid shard size, or the run does not fit in the whole GPU memory."""
     from dtlib.plan.search import GIVEN_OPTIONS, search
 
     p = plan.layout

@@ -8,10 +8,12 @@ functions (#2386) and froze the ``--section.key`` flags, whose names are these k
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.presets import PRESETS
 from dtlib.plan.emit.common import GRADIENT_CLIPPING, refuse, variants
 from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
 from dtlib.plan.steptime import StepOptions
@@ -24,9 +26,15 @@ _FP8_RECIPES = {"tensorwise": "tensorwise", "current": "tensorwise", "rowwise": 
 
 def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     out = []
-    if variants(m):
-        out.append(f"{', '.join(variants(m))}: dtlib emits torchtitan's llama3 model, which has none "
-                   f"(torchtitan's deepseek_v3 and qwen3 models are not emitted)")
+    lacks = [] if _flavor(m) else _llama3_lacks(m)
+    if lacks and m.name in _FLAVORS:  # a registered flavor's model, changed: name what changed
+        preset = PRESETS[m.name]
+        lacks = [f"{f.name}={getattr(m, f.name)!r} (torchtitan's {' '.join(_FLAVORS[m.name])}: "
+                 f"{getattr(preset, f.name)!r})" for f in fields(m)
+                 if f.name not in ("seq", "source") and getattr(m, f.name) != getattr(preset, f.name)] + lacks
+    if lacks:
+        out.append(f"{', '.join(lacks)}: torchtitan's llama3 model has none, and no registered flavor of its "
+                   f"other families (deepseek_v3, qwen3, gpt_oss, llama4) is this model")
     if p.zero == 1:
         out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
                    "ZeRO-3; no key shards the optimizer state alone")
@@ -56,8 +64,32 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
         out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
     return out
 
-# torchtitan's registered Llama 3 flavors (torchtitan/models/llama3/__init__.py) for dtlib's presets
-_TORCHTITAN_FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3-405b": "405B"}
+# dtlib's presets that are torchtitan v0.2.2's registered (model, flavor)s, read in
+# torchtitan/models/{llama3,deepseek_v3,qwen3,gpt_oss}/__init__.py at commit 73a0e697: the TOML
+# names a flavor; any other shape is a flavor registered in Python first
+_FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"), "llama3-405b": ("llama3", "405B"),
+            "deepseek-v2-lite": ("deepseek_v3", "16B"), "deepseek-v3": ("deepseek_v3", "671B"),
+            "qwen3-30b-a3b": ("qwen3", "30B-A3B"), "qwen3-235b-a22b": ("qwen3", "235B-A22B"),
+            "gpt-oss-120b": ("gpt_oss", "120b")}
+
+
+def _flavor(m: TransformerConfig) -> tuple[str, str] | None:
+    """torchtitan's (model, flavor) that is ``m`` field for field (any sequence length), or None."""
+    preset = PRESETS.get(m.name)
+    if m.name not in _FLAVORS or preset is None or m.with_(seq=preset.seq) != preset:
+        return None
+    return _FLAVORS[m.name]
+
+
+def _llama3_lacks(m: TransformerConfig) -> list[str]:
+    """The fields of ``m`` torchtitan's llama3 Transformer (SwiGLU, RMSNorm, RoPE without YaRN, no
+    biases, untied embeddings, every layer alike and dense) cannot build."""
+    return [name for name, lacking in (
+        (f"activation {m.activation}", m.activation != "swiglu"), (f"norm {m.norm}", m.norm != "rmsnorm"),
+        (f"position {m.position}", m.position != "rope"), ("bias", m.bias), ("tied_embeddings", m.tied_embeddings),
+        ("embedding_norm", m.embedding_norm), ("rope_scaling yarn", m.rope_scaling != "none"),
+        ("moe_experts (MoE)", m.moe_experts), ("qk_norm", m.qk_norm), ("attention_sinks", m.attention_sinks),
+        ("activation_clamp", m.activation_clamp)) if lacking] + variants(m)
 
 
 def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
@@ -130,7 +162,8 @@ def torchtitan_document(plan: TimedPlan | Parallelism, model: TransformerConfig 
         training["enable_cpu_offload"] = True
     # the planner's "op" is torchtitan's per-op policy (every second matmul saved)
     ac = {"mode": "selective", "selective_ac_option": "op"} if p.recompute == "op" else {"mode": p.recompute}
-    doc = {"model": {"name": "llama3", "flavor": _TORCHTITAN_FLAVORS.get(m.name, m.name)},
+    name, flavor = _flavor(m) or ("llama3", m.name)
+    doc = {"model": {"name": name, "flavor": flavor},
            "training": training, "parallelism": par, "activation_checkpoint": ac}
     if precision == "fp8":  # the LM head stays in bf16, as the planner's fp8 assumes
         doc["model"]["converters"] = ["quantize.linear.float8"]  # float8.py register_model_converter
@@ -159,9 +192,12 @@ def torchtitan_toml(plan: TimedPlan | Parallelism, model: TransformerConfig | No
 def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     notes = ["schema: torchtitan v0.2.2 job_config.py (the last TOML release); on main the same keys are "
              "--section.key flags"]
-    if m.name not in _TORCHTITAN_FLAVORS:
-        notes.append(f"flavor {m.name!r}: register a llama3 flavor with {m.layers} layers, hidden {m.hidden}, "
-                     f"{m.heads} heads ({m.kv_heads} KV), ffn {m.ffn}, vocab {m.vocab} (torchtitan ships 8B/70B/405B)")
+    if not _flavor(m):
+        notes.append(f"flavor {m.name!r}: register it in torchtitan/models/llama3/__init__.py as "
+                     f"TransformerModelArgs(dim={m.hidden}, n_layers={m.layers}, n_heads={m.heads}, "
+                     f"n_kv_heads={m.kv_heads}, vocab_size={m.vocab}, rope_theta={m.rope_theta:g}, "
+                     f"norm_eps={m.norm_eps:g}) with an FFN {m.ffn} wide (ffn_dim_multiplier, multiple_of); "
+                     f"torchtitan ships 8B/70B/405B")
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' activations (SequenceParallel in "
                      "apply_tp): sequence_parallel becomes on (same numbers, less activation memory)")
