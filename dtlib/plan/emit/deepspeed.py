@@ -10,7 +10,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit.common import ADAMW, GRADIENT_CLIPPING, model_code_note, refuse
-from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
+from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options, without
 from dtlib.plan.steptime import StepOptions
 
 
@@ -34,20 +34,15 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
 def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     """The timed options DeepSpeed's JSON cannot run as they are (the model's own code, not the
     JSON, decides its kernels: the deepspeed stack's eager ones are what is timed)."""
-    p, out = plan.layout, {}
-    for name, size, why in (("tp_overlap", p.tp, "DeepSpeed has no TP communication overlap"),
-                            ("ep_overlap", p.ep, "DeepSpeed-MoE has no all-to-all overlap key")):
-        if getattr(o, name) and size > 1:
-            out[name] = (0.0, f"{why}: re-timed with it exposed")
+    p = plan.layout
+    out = without(o, p, {"tp_overlap": "DeepSpeed has no TP communication overlap",
+                         "ep_overlap": "DeepSpeed-MoE has no all-to-all overlap key"},
+                  fused="the JSON has no fusion key (the model's code decides; dtlib's deepspeed stack is eager)",
+                  flash="the JSON has no attention key: dtlib's deepspeed stack runs the model's SDPA (Hugging "
+                        "Face's default)")
     if p.zero == 0 and p.dp > 1 and dp_overlap(o, p):
         out["dp_overlap"] = (0.0, "ZeRO-0: DeepSpeed's engine all-reduces the gradients after backward "
                                   "(overlap_comm is a ZeRO key): re-timed with it exposed")
-    if o.fused_elementwise:
-        out["fused_elementwise"] = (False, "the JSON has no fusion key (the model's code decides): re-timed "
-                                           "eager, as dtlib's deepspeed stack")
-    if not o.flash_attention:
-        out["flash_attention"] = (True, "the JSON has no attention key: dtlib's deepspeed stack runs the model's "
-                                        "SDPA (Hugging Face's default), which stores no s x s scores")
     if precision_bytes(o.precision) != precision_bytes("zero"):
         out["precision"] = ("zero", "DeepSpeed's bf16/fp16 ZeRO keeps 16-bit gradients and fp32 master weights "
                                     "and Adam states (2 + 2 + 12 bytes): re-timed with those bytes")

@@ -22,7 +22,7 @@ from dtlib.plan.emit.common import PRECISIONS
 from dtlib.plan.steptime import StepOptions, resolve
 
 __all__ = ["TimedPlan", "FRAMEWORK_STACKS", "as_plan", "run_options", "retime", "dp_overlap", "precision_bytes",
-           "Realize", "TIMING"]
+           "Realize", "TIMING", "without"]
 
 # the dtlib.analytic.stacks stack each framework runs as; JAX has none (XLA's scheduler decides
 # what overlaps: the plan keeps the stack it was timed with, and says so)
@@ -94,6 +94,21 @@ def precision_bytes(spec: Any) -> tuple[float, ...]:
     """Bytes per parameter and per activation of a precision convention: what the plan counts."""
     p = get_precision(spec)
     return (p.param, p.grad, p.master, p.grad_copy, p.states, p.activation)
+
+
+def without(o: StepOptions, layout: Parallelism, overlaps: dict[str, str], fused: str | None = None,
+            flash: str | None = None) -> dict[str, tuple[Any, str]]:
+    """What :data:`Realize` says of a config that lacks some overlaps (``overlaps``: option ->
+    why, re-timed at 0 where that dimension is > 1), runs eager elementwise kernels (``fused``:
+    why) and SDPA attention, which stores no scores (``flash``: why)."""
+    sizes = {"tp_overlap": layout.tp, "cp_overlap": layout.cp, "ep_overlap": layout.ep}
+    out = {name: (0.0, f"{why}: re-timed with it exposed") for name, why in overlaps.items()
+           if getattr(o, name) and sizes[name] > 1}
+    if fused and o.fused_elementwise:
+        out["fused_elementwise"] = (False, f"{fused}: re-timed with one kernel per elementwise operator")
+    if flash and not o.flash_attention:
+        out["flash_attention"] = (True, f"{flash}: SDPA (FlashAttention) stores no s x s scores")
+    return out
 
 
 # a framework module's realize(plan, options) -> {field: (value the config runs, why)} for the

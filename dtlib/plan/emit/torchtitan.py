@@ -15,7 +15,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.presets import PRESETS
 from dtlib.plan.emit.common import GRADIENT_CLIPPING, refuse, variants
-from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
+from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options, without
 from dtlib.plan.steptime import StepOptions
 from dtlib.plan.torchtitan_schema import check_torchtitan
 
@@ -94,22 +94,15 @@ def _llama3_lacks(m: TransformerConfig) -> list[str]:
 
 def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     """The timed options torchtitan's TOML cannot run as they are."""
-    p, out = plan.layout, {}
-    for name, size, why in (
-            ("tp_overlap", p.tp, "async TP (enable_async_tensor_parallel) needs torch.compile, not emitted"),
-            ("cp_overlap", p.cp, "context_parallel_rotate_method 'allgather' gathers K/V before attention"),
-            ("ep_overlap", p.ep, "v0.2.2 has no EP all-to-all overlap key")):
-        if getattr(o, name) and size > 1:
-            out[name] = (0.0, f"{why}: re-timed with it exposed")
+    p = plan.layout
+    out = without(o, p, {"tp_overlap": "async TP (enable_async_tensor_parallel) needs torch.compile, not emitted",
+                         "cp_overlap": "context_parallel_rotate_method 'allgather' gathers K/V before attention",
+                         "ep_overlap": "v0.2.2 has no EP all-to-all overlap key"},
+                  fused="compile.enable is not emitted (eager, torchtitan's default)",
+                  flash="torchtitan's attention is SDPA")
     if dp_overlap(o, p) != dp_overlap(StepOptions(stack="torchtitan"), p):
         out["dp_overlap"] = (None, "FSDP2 prefetches each block's all-gather and overlaps its reduce-scatter "
                                    "(no key turns it off): re-timed with the torchtitan stack's overlap")
-    if o.fused_elementwise:
-        out["fused_elementwise"] = (False, "compile.enable is not emitted (eager, torchtitan's default): re-timed "
-                                           "with one kernel per elementwise operator")
-    if not o.flash_attention:
-        out["flash_attention"] = (True, "torchtitan's attention is SDPA (FlashAttention): the scores are never "
-                                        "stored")
     if plan.precision == "fp8" and (o.fp8_recipe or "current") not in _FP8_RECIPES:
         out["fp8_recipe"] = ("tensorwise", f"{o.fp8_recipe}: torchtitan's float8 recipe_name has tensorwise and "
                                            f"rowwise only: emitted tensorwise and re-timed")
