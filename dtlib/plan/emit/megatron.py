@@ -11,7 +11,7 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
-from dtlib.plan.emit.common import refuse, variants
+from dtlib.plan.emit.common import refuse
 from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
 from dtlib.plan.steptime import StepOptions, resolve
 
