@@ -450,3 +450,10 @@ def test_megatron_writes_the_model_not_its_defaults():
     assert _parse(megatron_flags(FSDP, LLAMA, 512))["--rotary-base"] == "500000"
     assert "rope_scaling yarn without MLA" in unsupported("megatron", Parallelism(dp=8, ep=8, zero=1),
                                                           get_preset("gpt-oss-120b"), 8)[0]
+
+
+def test_megatron_dropout_follows_the_plans_masks():
+    """0 unless the plan counts dropout masks (--dropout), then Megatron's 0.1: the memory that was planned."""
+    for dropout, p in ((False, "0"), (True, "0.1")):
+        f = _parse(megatron_flags(TimedPlan(FSDP, LLAMA, 512, StepOptions(), dropout=dropout)))
+        assert (f["--hidden-dropout"], f["--attention-dropout"]) == (p, p)
