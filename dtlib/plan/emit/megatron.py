@@ -58,6 +58,8 @@ def _model_unsupported(m: TransformerConfig) -> list[str]:
     if m.rope_scaling == "yarn" and not m.kv_lora_rank:
         out.append("rope_scaling yarn without MLA: --rope-type yarn is MLA's only (core_transformer_config_from_args: "
                    "'Common attention only support rope_type=\"rope\"')")
+    if m.position == "rope" and m.rope_theta != int(m.rope_theta):
+        out.append(f"rope_theta {m.rope_theta:g}: --rotary-base takes an integer")
     if m.qk_norm and m.kv_lora_rank:
         out.append("qk_norm with MLA: Megatron's --qk-layernorm is MLA's latent-norm switch there")
     return out
