@@ -1,10 +1,12 @@
-"""A planned layout written as each framework's real launch configuration.
+"""A timed plan written as each framework's real launch configuration.
 
-:func:`emit` turns the planner's :class:`~dtlib.analytic.layout.Parallelism` (with the model, the
-global batch and the precision) into Megatron-LM's ``pretrain_gpt.py`` flags, a DeepSpeed JSON, a
-torchtitan TOML or a JAX mesh with a ``PartitionSpec`` per weight role. Where a framework cannot
-express the layout, the result carries one line per reason in ``unsupported`` and no config: a
-config that silently runs another layout is worse than none. ``notes`` say what the config leaves
+:func:`emit` turns the planner's timed plan (:class:`~dtlib.plan.emit.timed.TimedPlan`: the
+layout, the model, the global batch, the precision and the step options the step time used)
+into Megatron-LM's ``pretrain_gpt.py`` flags, a DeepSpeed JSON, a torchtitan TOML or a JAX mesh
+with a ``PartitionSpec`` per weight role. Where a framework cannot express the plan, the result
+carries one line per reason in ``unsupported`` and no config: a config that silently runs
+another model or layout is worse than none. Where it runs a timed option otherwise, ``retimed``
+says so and ``timing`` is the re-timed step (docs/emit.md). ``notes`` say what the config leaves
 to the user's code, or what the framework does differently but equivalently. Pure Python: the
 framework's own config classes check these configs in :mod:`dtlib.frameworks.configs`.
 
