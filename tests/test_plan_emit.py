@@ -457,3 +457,10 @@ def test_megatron_dropout_follows_the_plans_masks():
     for dropout, p in ((False, "0"), (True, "0.1")):
         f = _parse(megatron_flags(TimedPlan(FSDP, LLAMA, 512, StepOptions(), dropout=dropout)))
         assert (f["--hidden-dropout"], f["--attention-dropout"]) == (p, p)
+
+
+def test_torchtitan_expert_tensor_parallelism_as_planned():
+    qwen = get_preset("qwen3-30b-a3b")
+    layout = Parallelism(dp=4, tp=2, ep=4, etp=2, zero=3, sequence_parallel=True)
+    assert _toml(layout, qwen)["parallelism"]["expert_tensor_parallel_degree"] == 2
+    assert "ETP=TP or ETP=1" in unsupported("torchtitan", layout.with_(dp=8, tp=4, etp=2, ep=8), qwen, 8)[0]

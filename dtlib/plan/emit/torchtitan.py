@@ -56,6 +56,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     if p.pp > 1 and slots % (p.pp * p.virtual_stages):
         out.append(f"{slots} layers over {p.pp * p.virtual_stages} pipeline stages: not an even "
                    f"pipeline_parallel_layers_per_stage")
+    if m.moe_experts and p.etp not in (1, p.tp):
+        out.append(f"etp={p.etp}: torchtitan's expert tensor parallelism is 1 or tp={p.tp} (ParallelDims: "
+                   f"\"Currently we only support ETP=TP or ETP=1\")")
     if p.recompute == "selective":
         out.append("recompute selective (Megatron's: core attention recomputed): torchtitan's selective modes "
                    "are per-op ('op': every second matmul saved, recompute='op') or every N-th block; none "
@@ -134,8 +137,8 @@ def torchtitan_document(plan: TimedPlan | Parallelism, model: TransformerConfig 
                            "context_parallel_degree": p.cp}
     if p.zero == 2:
         par["fsdp_reshard_after_forward"] = "never"
-    if p.ep > 1:
-        par["expert_parallel_degree"] = p.ep
+    if p.ep > 1:  # the expert tensor parallel size always: dtlib's default 1 is torchtitan's too
+        par.update(expert_parallel_degree=p.ep, expert_tensor_parallel_degree=p.etp)
     if p.pp > 1:  # micro-batches are the pipeline's: local batch = micro x m, no accumulation
         par.update(pipeline_parallel_schedule={"1f1b": "1F1B", "gpipe": "GPipe",
                                                "interleaved": "Interleaved1F1B"}[p.schedule],
