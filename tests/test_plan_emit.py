@@ -38,7 +38,18 @@ MEGATRON_FLAGS = {
     "--num-experts", "--moe-router-topk", "--swiglu", "--normalization", "--position-embedding-type",
     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--fp16", "--fp8-format",
     # _add_moe_args of Megatron-LM's arguments.py (default None: the tensor-parallel size)
-    "--expert-tensor-parallel-size"}
+    "--expert-tensor-parallel-size",
+    # the step-time options (TransformerConfig fields made flags by ArgumentGroupFactory, and
+    # _add_training_args / _add_distributed_args): parsed and validated by the same parse_args
+    "--tp-comm-overlap", "--cp-comm-type", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
+    "--moe-permute-fusion", "--overlap-moe-expert-parallel-comm", "--no-masked-softmax-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion",
+    "--attention-backend", "--fp8-recipe",
+    # the model fields (TransformerConfig's rope, norm, router, softmax and activation flags)
+    "--norm-epsilon", "--make-vocab-size-divisible-by", "--rotary-base", "--rope-type", "--rotary-scaling-factor",
+    "--qk-layernorm", "--moe-router-score-function", "--moe-router-enable-expert-bias",
+    "--moe-router-topk-scaling-factor", "--softmax-type", "--activation-func-clamp-value", "--hidden-dropout",
+    "--attention-dropout"}
 
 
 def _parse(flags):
@@ -179,16 +190,24 @@ def test_torchtitan_fsdp_and_gradient_accumulation():
 
 def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
     layout = Parallelism(dp=4, tp=2, pp=4, zero=2, schedule="interleaved", virtual_stages=2, num_microbatches=8,
-                         micro_batch_size=2, sequence_parallel=True, recompute="selective")
+                         micro_batch_size=2, sequence_parallel=True, recompute="op")
     doc = _toml(layout, precision="fp8")
     par, training = doc["parallelism"], doc["training"]
     assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and par["pipeline_parallel_layers_per_stage"] == 4
+    # torchtitan's split (pipeline_parallel.py): ceil((layers + first_less + last_less) / per_stage)
+    # stages; its default 1 + 1 would make 9 stages of 4 for 32 layers, not pp x v = 8
+    assert (par["pipeline_parallel_first_stage_less_layers"], par["pipeline_parallel_last_stage_less_layers"]) == (0, 0)
+    balanced = _toml(Parallelism(dp=4, pp=2, zero=3, num_microbatches=4, account_for_embedding_and_loss=True))
+    assert (balanced["parallelism"]["pipeline_parallel_first_stage_less_layers"],
+            balanced["parallelism"]["pipeline_parallel_layers_per_stage"]) == (1, 17)  # (32 + 2) / 2
     assert par["fsdp_reshard_after_forward"] == "never"  # ZeRO-2: PyTorch's SHARD_GRAD_OP
     # pipeline micro-batches: local batch = micro x m, no accumulation
     assert training["local_batch_size"] == par["pipeline_parallel_microbatch_size"] * 8
     assert training["local_batch_size"] * par["data_parallel_shard_degree"] == training["global_batch_size"] == 64
     assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    assert doc["model"]["converters"] == ["float8"] and doc["quantize"]["linear"]["float8"]["filter_fqns"] == ["output"]
+    # the name float8.py registers (register_model_converter(..., "quantize.linear.float8")), v0.2.2
+    assert doc["model"]["converters"] == ["quantize.linear.float8"]
+    assert doc["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
     hsdp = _toml(Parallelism(dp=16, zero=3, shard_size=8, offload="params"))
     assert (hsdp["parallelism"]["data_parallel_replicate_degree"], hsdp["parallelism"]["data_parallel_shard_degree"]) == (2, 8)
     assert hsdp["training"]["enable_cpu_offload"] is True
@@ -207,6 +226,7 @@ def test_torchtitan_pipeline_interleaved_zero2_hsdp_fp8_and_offload():
     (Parallelism(dp=4, zero=1, offload="optimizer"), "bf16", "ZeRO-1"),
     (Parallelism(dp=4, zero=3, offload="optimizer"), "bf16", "offload optimizer"),
     (FSDP, "fp16", "precision fp16"),
+    (Parallelism(dp=4, zero=3, recompute="selective"), "bf16", "none recomputes attention alone"),
 ])
 def test_torchtitan_cannot_express(layout, precision, reason):
     assert reason in unsupported("torchtitan", layout, LLAMA, layout.global_batch, precision)[0]
@@ -230,10 +250,10 @@ def test_the_torchtitan_schema_catches_a_wrong_key_or_type(section, key, value, 
 
 
 def test_the_torchtitan_schema_covers_every_emitted_key():
-    layouts = [FSDP, INTERLEAVED.with_(zero=2), Parallelism(dp=16, zero=3, shard_size=8, offload="params"),
+    layouts = [FSDP, INTERLEAVED.with_(zero=2, recompute="op"), Parallelism(dp=16, zero=3, shard_size=8, offload="params"),
                Parallelism(dp=8, ep=4, zero=3, num_microbatches=2)]
     for layout in layouts:
-        model = MOE if layout.ep > 1 else LLAMA
+        model = get_preset("qwen3-30b-a3b") if layout.ep > 1 else LLAMA
         check_torchtitan(tomllib.loads(torchtitan_toml(layout, model, layout.global_batch, "fp8")))
     assert set(TORCHTITAN_SCHEMA["parallelism"]) >= {"data_parallel_shard_degree", "data_parallel_replicate_degree",
                                                      "tensor_parallel_degree", "pipeline_parallel_degree",
@@ -285,3 +305,162 @@ def test_emit_results_and_bad_input():
         emit("jax", Parallelism(tp=3), LLAMA, 1)
     with pytest.raises(ValueError, match="model must be"):
         emit("jax", Parallelism(dp=8), "llama3-8b", 8)
+
+
+# ---- the timed plan: every step-time option is written or re-timed ------------------------------------
+from dataclasses import fields, replace  # noqa: E402
+
+from dtlib.analytic.hardware import cluster  # noqa: E402
+from dtlib.plan.emit import TimedPlan  # noqa: E402
+from dtlib.plan.emit.timed import retime  # noqa: E402
+from dtlib.plan.steptime import StepOptions  # noqa: E402
+
+# the StepOptions fields that describe the hardware or the model of the step, not a framework's
+# setting: no config can carry them (the test below checks that the rest is each a config knob)
+NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_limit_w", "oversubscription",
+              "moe_imbalance", "convention", "attention"}
+# each config knob: two values whose step times differ on the layouts below (dtype and fp8_recipe
+# with fp8 matmuls)
+KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),
+               "dp_overlap": (0.0, 1.0), "tp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "ep_overlap": (0.0, 1.0),
+               "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8")}
+KNOB_MOE = TransformerConfig(name="moe", layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, moe_experts=16,
+                             moe_top_k=2, bias=False)
+KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expresses > 1
+    "megatron": Parallelism(dp=2, tp=2, pp=2, cp=2, ep=2, zero=1, sequence_parallel=True, schedule="interleaved",
+                            virtual_stages=2, num_microbatches=4),
+    "deepspeed": Parallelism(dp=8, tp=2, ep=2, zero=1, sequence_parallel=True, num_microbatches=4),
+    "torchtitan": Parallelism(dp=4, tp=2, cp=2, ep=8, zero=2, sequence_parallel=True, num_microbatches=8),
+}
+# a knob that changes neither step time nor memory on a framework's layout, and why
+KNOB_IDLE = {("deepspeed", "cp_overlap"): "DeepSpeed refuses cp > 1 (no ring attention)",
+             ("deepspeed", "fp8_recipe"): "DeepSpeed refuses fp8 matmuls, so the recipe never applies",
+             ("torchtitan", "fp8_recipe"): "torchtitan's grouped experts are one kernel whatever the recipe "
+                                           "(stack expert_loop False): the recipe's launches never count"}
+
+
+def test_every_step_option_is_a_config_knob_or_named_as_none():
+    assert {f.name for f in fields(StepOptions)} == NOT_CONFIG | set(KNOB_VALUES)
+
+
+@pytest.mark.parametrize("framework", list(KNOB_LAYOUTS))
+@pytest.mark.parametrize("knob", list(KNOB_VALUES))
+def test_a_timed_option_is_emitted_or_retimed(framework, knob):
+    """Two plans that differ in one option and time differently (step or memory): either their
+    configs differ, or the config of one of them runs it otherwise and says so (``retimed``) with
+    the step it makes."""
+    if (framework, knob) in KNOB_IDLE:
+        pytest.skip(KNOB_IDLE[framework, knob])
+    layout = KNOB_LAYOUTS[framework]
+    cl = cluster("h100-sxm", layout.gpus // 8, 8)
+    base = StepOptions(stack={"megatron": "megatron"}.get(framework, framework),
+                       dtype="fp8" if knob == "fp8_recipe" and framework != "deepspeed" else "bf16")
+    a, b = (replace(base, **{knob: v}) for v in KNOB_VALUES[knob])
+    precision = lambda o: o.dtype  # noqa: E731  (fp8 matmuls: the precision flag too)
+    model = get_preset("qwen3-30b-a3b") if framework == "torchtitan" else KNOB_MOE  # a torchtitan MoE flavor
+    plans = [TimedPlan(layout, model, layout.global_batch, o, precision(o), cl) for o in (a, b)]
+    if any(unsupported(framework, p) for p in plans):  # e.g. DeepSpeed has no fp8: refused by name
+        assert framework == "deepspeed" and knob in ("dtype", "fp8_recipe")
+        return
+    ta, tb = (retime(p, p.resolved) for p in plans)
+    assert (ta["step_time_s"], ta["memory_per_gpu_bytes"]) != (tb["step_time_s"], tb["memory_per_gpu_bytes"])
+    ea, eb = (emit(framework, p) for p in plans)
+    named = [r for e in (ea, eb) for r in e.retimed if r.startswith(f"{knob}:") or knob == "dtype"]
+    assert ea.text != eb.text or named, (knob, ea.retimed, eb.retimed)
+    for e, p in zip((ea, eb), plans):  # a config that runs otherwise carries the step it makes
+        assert (e.timing is not None) == bool(e.retimed)
+
+
+# ---- one description of the model: every field reaches every framework's config, or is refused by name ----
+DENSE = get_preset("llama3-8b").with_(name="custom")  # a shape no framework ships: nothing comes from a flavor
+MOE8 = TransformerConfig(layers=8, hidden=1024, heads=16, vocab=32000, seq=4096, moe_experts=8, moe_top_k=2,
+                         activation="swiglu", norm="rmsnorm", position="rope", bias=False)
+MLA = get_preset("deepseek-v2-lite").with_(name="custom")
+WINDOWED = get_preset("mistral-7b").with_(name="custom")
+# each field of TransformerConfig (but its label and source): a base model and another valid value
+FIELD_CHANGES = {
+    "layers": (DENSE, dict(layers=16)), "hidden": (DENSE, dict(hidden=2048)), "heads": (DENSE, dict(heads=16)),
+    "vocab": (DENSE, dict(vocab=32000)), "seq": (DENSE, dict(seq=4096)), "kv_heads": (DENSE, dict(kv_heads=4)),
+    "ffn": (DENSE, dict(ffn=11008)), "head_dim": (DENSE, dict(head_dim=256)),
+    "activation": (DENSE, dict(activation="gelu")), "tied_embeddings": (DENSE, dict(tied_embeddings=True)),
+    "bias": (DENSE, dict(bias=True)), "norm": (DENSE, dict(norm="layernorm")),
+    "position": (DENSE, dict(position="learned", rope_theta=10000.0)),
+    "moe_experts": (MOE8, dict(moe_experts=16)), "moe_top_k": (MOE8, dict(moe_top_k=1)),
+    "moe_ffn": (MOE8, dict(moe_ffn=1024)), "moe_shared_experts": (MOE8, dict(moe_shared_experts=1)),
+    "moe_dense_layers": (MOE8, dict(moe_dense_layers=1)), "moe_layer_freq": (MOE8, dict(moe_layer_freq=2)),
+    "moe_capacity_factor": (MOE8, dict(moe_capacity_factor=1.25)), "q_lora_rank": (MLA, dict(q_lora_rank=512)),
+    "kv_lora_rank": (MLA, dict(kv_lora_rank=256)), "qk_nope_head_dim": (MLA, dict(qk_nope_head_dim=64)),
+    "qk_rope_head_dim": (MLA, dict(qk_rope_head_dim=32)), "v_head_dim": (MLA, dict(v_head_dim=64)),
+    "sliding_window": (DENSE, dict(sliding_window=4096)), "global_attention_every": (WINDOWED, dict(global_attention_every=2)),
+    "embedding_norm": (DENSE, dict(embedding_norm=True)), "rope_theta": (DENSE, dict(rope_theta=1e6)),
+    "rope_scaling": (MLA, dict(rope_scaling="none", rope_scaling_factor=1.0)),
+    "rope_scaling_factor": (MLA, dict(rope_scaling_factor=20.0)), "norm_eps": (DENSE, dict(norm_eps=1e-6)),
+    "qk_norm": (DENSE, dict(qk_norm=True)), "router_score": (MOE8, dict(router_score="sigmoid")),
+    "router_expert_bias": (MOE8, dict(router_expert_bias=True)), "routed_scaling": (MOE8, dict(routed_scaling=2.5)),
+    "attention_sinks": (DENSE, dict(attention_sinks=True)), "activation_clamp": (DENSE, dict(activation_clamp=7.0)),
+}
+FIELD_LAYOUTS = {"megatron": Parallelism(dp=8, zero=1), "deepspeed": Parallelism(dp=8, zero=1),
+                 "torchtitan": Parallelism(dp=8, zero=3), "jax": Parallelism(dp=8, zero=3)}
+
+
+def test_every_model_field_has_a_change_to_emit():
+    assert set(FIELD_CHANGES) == {f.name for f in fields(TransformerConfig)} - {"name", "source"}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("field_name", list(FIELD_CHANGES))
+def test_a_model_field_is_emitted_or_refused_by_name(framework, field_name):
+    """A model that differs in one field: its config (file or notes) differs, or it is refused with
+    a line naming the field; never the same config for another model."""
+    base, change = FIELD_CHANGES[field_name]
+    if framework == "torchtitan" and base in (MOE8, MLA):  # its MoE and MLA models are registered flavors
+        base = get_preset("qwen3-30b-a3b") if base is MOE8 else get_preset("deepseek-v2-lite")
+    layout = FIELD_LAYOUTS[framework]
+    a, b = (emit(framework, layout, m, layout.global_batch) for m in (base, base.with_(**change)))
+    if a.unsupported:  # only JAX and torchtitan refuse a base: every MoE, MLA or windowed model / an unregistered one
+        assert framework in ("jax", "torchtitan") and base in (MOE8, MLA, WINDOWED), a.unsupported
+        pytest.skip(f"{framework} refuses the base model itself: {a.unsupported[0]}")
+    if b.unsupported and not a.unsupported:
+        assert any(field_name.split("_")[0] in r or field_name in r for r in b.unsupported), b.unsupported
+    else:
+        assert (a.text, a.notes, a.unsupported) != (b.text, b.notes, b.unsupported)
+
+
+@pytest.mark.parametrize("name, family, flavor", [("llama3-70b", "llama3", "70B"), ("deepseek-v3", "deepseek_v3", "671B"),
+                                                  ("qwen3-30b-a3b", "qwen3", "30B-A3B"), ("gpt-oss-120b", "gpt_oss", "120b")])
+def test_torchtitan_emits_its_own_model_family_never_a_dense_stand_in(name, family, flavor):
+    model = get_preset(name)
+    layout = Parallelism(dp=8, zero=3, ep=8 if model.moe_experts else 1)
+    assert _toml(layout, model)["model"] == {"name": family, "flavor": flavor}
+    changed = emit("torchtitan", layout, model.with_(norm_eps=1e-3), layout.global_batch)  # no flavor is that
+    assert changed.unsupported if model.moe_experts else "norm_eps=0.001" in changed.notes[-1]
+    for dense_stand_in in ("mixtral-8x7b", "gpt3-175b"):
+        assert unsupported("torchtitan", Parallelism(dp=8, zero=3), get_preset(dense_stand_in), 8)
+    assert unsupported("jax", Parallelism(dp=8, zero=3), get_preset("mixtral-8x7b"), 8)[0].startswith("moe_experts")
+
+
+def test_megatron_writes_the_model_not_its_defaults():
+    """Rope base, epsilon, router, QK/latent norms and dropout 0 (Megatron-LM defaults: 10000, 1e-5,
+    softmax, none, 0.1); GPT-OSS's YaRN without MLA is refused by name."""
+    f = _parse(megatron_flags(Parallelism(dp=8, ep=8, zero=1), get_preset("deepseek-v3"), 8))
+    assert (f["--rotary-base"], f["--rope-type"], f["--rotary-scaling-factor"], f["--norm-epsilon"]) == ("10000", "yarn", "40", "1e-06")
+    assert f["--moe-router-score-function"] == "sigmoid" and f["--moe-router-enable-expert-bias"] is True
+    assert f["--moe-router-topk-scaling-factor"] == "2.5" and f["--qk-layernorm"] is True
+    assert (f["--hidden-dropout"], f["--attention-dropout"]) == ("0", "0")
+    assert _parse(megatron_flags(FSDP, LLAMA, 512))["--rotary-base"] == "500000"
+    assert "rope_scaling yarn without MLA" in unsupported("megatron", Parallelism(dp=8, ep=8, zero=1),
+                                                          get_preset("gpt-oss-120b"), 8)[0]
+
+
+def test_megatron_dropout_follows_the_plans_masks():
+    """0 unless the plan counts dropout masks (--dropout), then Megatron's 0.1: the memory that was planned."""
+    for dropout, p in ((False, "0"), (True, "0.1")):
+        f = _parse(megatron_flags(TimedPlan(FSDP, LLAMA, 512, StepOptions(), dropout=dropout)))
+        assert (f["--hidden-dropout"], f["--attention-dropout"]) == (p, p)
+
+
+def test_torchtitan_expert_tensor_parallelism_as_planned():
+    qwen = get_preset("qwen3-30b-a3b")
+    layout = Parallelism(dp=4, tp=2, ep=4, etp=2, zero=3, sequence_parallel=True)
+    assert _toml(layout, qwen)["parallelism"]["expert_tensor_parallel_degree"] == 2
+    assert "ETP=TP or ETP=1" in unsupported("torchtitan", layout.with_(dp=8, tp=4, etp=2, ep=8), qwen, 8)[0]

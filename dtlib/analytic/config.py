@@ -15,7 +15,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 
-__all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS",
+__all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "ROUTER_SCORES",
            "norm_params", "attention_params", "mlp_params", "moe_mlp_params", "layer_params",
            "moe_layer_count", "sliding_layer_count", "embedding_params", "swiglu_ffn", "SHAPE_RULES"]
 
@@ -130,7 +130,9 @@ SHAPE_RULES = [
 
 # ---- the description ---------------------------------------------------------------------------
 _MOE_ONLY = dict(moe_ffn=None, moe_shared_experts=0, moe_dense_layers=0, moe_layer_freq=1,
-                 moe_capacity_factor=None)
+                 moe_capacity_factor=None, router_score="softmax", router_expert_bias=False, routed_scaling=1.0)
+ROPE_SCALINGS = ("none", "yarn")
+ROUTER_SCORES = ("softmax", "sigmoid")
 _MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -156,6 +158,18 @@ class TransformerConfig:
 
     Sliding-window attention: ``sliding_window`` keys per query (0: full attention) on every layer,
     or with ``global_attention_every = k`` on all but every k-th layer (Gemma-3, GPT-OSS: k = 2).
+
+    Fields that change the model but not its parameter count (HF config.json names in brackets;
+    what each framework's config makes of them: docs/emit.md): ``rope_theta`` (``rope_theta``: the
+    RoPE base, 10000 in Su et al. 2021), ``rope_scaling`` ``none`` or ``yarn`` with
+    ``rope_scaling_factor`` (``rope_scaling``; Peng et al. 2023, YaRN), ``norm_eps`` (``rms_norm_eps``
+    / ``layer_norm_epsilon``), ``qk_norm`` (RMSNorm on each query and key head, Qwen3; its 2 x
+    head_dim weights per layer are not counted), ``router_score`` ``softmax`` or ``sigmoid``
+    (``scoring_func``) with ``router_expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing
+    bias, Sec. 2.1.2: not a trained parameter) and ``routed_scaling`` (``routed_scaling_factor``),
+    ``attention_sinks`` (a learned logit per head in the softmax, GPT-OSS; not counted) and
+    ``activation_clamp`` (``swiglu_limit``: SwiGLU's inputs clamped to that limit, 0: none).
+    MLA's latent RMSNorms are part of ``kv_lora_rank > 0`` (counted in :func:`attention_params`).
     """
     name: str = "custom"
     layers: int
@@ -186,12 +200,22 @@ class TransformerConfig:
     sliding_window: int = 0
     global_attention_every: int = 0
     embedding_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    router_score: str = "softmax"
+    router_expert_bias: bool = False
+    routed_scaling: float = 1.0
+    attention_sinks: bool = False
+    activation_clamp: float = 0.0
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
             validate.integer(name, getattr(self, name))
-        for name in ("tied_embeddings", "bias", "embedding_norm"):
+        for name in ("tied_embeddings", "bias", "embedding_norm", "qk_norm", "router_expert_bias", "attention_sinks"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("activation", self.activation, ACTIVATIONS)
         validate.one_of("norm", self.norm, NORMS)
@@ -213,6 +237,7 @@ class TransformerConfig:
             name = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
             raise ValueError(f"rope needs an even head dimension, got {name} = {rotated}")
         self._check_moe()
+        self._check_variants()
         validate.integer("sliding_window", self.sliding_window, minimum=0)
         validate.integer("global_attention_every", self.global_attention_every, minimum=0,
                          maximum=self.layers)
@@ -247,6 +272,25 @@ class TransformerConfig:
                 "head_dim", f"qk_nope_head_dim + qk_rope_head_dim = {qk} with multi-head latent "
                 "attention (or leave it unset)", self.head_dim)
         object.__setattr__(self, "head_dim", qk)
+
+    def _check_variants(self) -> None:
+        validate.number("rope_theta", self.rope_theta)
+        validate.one_of("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        validate.number("rope_scaling_factor", self.rope_scaling_factor, minimum=1, exclusive=False)
+        if self.rope_scaling == "none" and self.rope_scaling_factor != 1:
+            raise validate.InvalidArgument("rope_scaling_factor", "1 without rope_scaling (set rope_scaling='yarn')",
+                                           self.rope_scaling_factor)
+        if self.position != "rope" and (self.rope_scaling != "none" or self.rope_theta != 10000.0):
+            raise validate.InvalidArgument("rope_theta" if self.rope_scaling == "none" else "rope_scaling",
+                                           "its default without position='rope'",
+                                           self.rope_theta if self.rope_scaling == "none" else self.rope_scaling)
+        validate.number("norm_eps", self.norm_eps, maximum=1)
+        validate.one_of("router_score", self.router_score, ROUTER_SCORES)
+        validate.number("routed_scaling", self.routed_scaling)
+        validate.number("activation_clamp", self.activation_clamp, minimum=0, exclusive=False)
+        if self.activation_clamp and self.activation != "swiglu":
+            raise validate.InvalidArgument("activation_clamp", "0 without activation='swiglu' (it clamps SwiGLU's "
+                                           "gate and linear inputs)", self.activation_clamp)
 
     def _check_moe(self) -> None:
         validate.integer("moe_experts", self.moe_experts, minimum=0)

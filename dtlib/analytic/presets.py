@@ -15,6 +15,14 @@ __all__ = ["PRESETS", "get_preset", "Training", "TODAY", "KORTHIKANTI_2022", "AC
 
 _LLAMA = dict(activation="swiglu", bias=False, norm="rmsnorm", position="rope", tied_embeddings=False)
 
+# The fields that change the model but not its count (rope_theta, rope_scaling and its factor,
+# norm_eps, qk_norm, router_score / router_expert_bias / routed_scaling, attention_sinks,
+# activation_clamp) are each preset's HF config.json, the one its source names: "rope_theta",
+# "rope_scaling" (type yarn, "factor"), "rms_norm_eps" / "layer_norm_epsilon" / "layer_norm_eps",
+# Qwen3's q_norm/k_norm (Qwen3Attention), DeepSeek-V3's "scoring_func": "sigmoid", "topk_method":
+# "noaux_tc" (the expert bias) and "routed_scaling_factor": 2.5, GPT-OSS's "rope_theta": 150000,
+# "rope_scaling" yarn factor 32, attention "sinks" and "swiglu_limit": 7.0. Left at the defaults
+# (RoPE base 10000, eps 1e-5, softmax routing) where the config.json has them.
 PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
     TransformerConfig(name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048,
                       tied_embeddings=True,
@@ -30,14 +38,17 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                              "config.json (6,738,415,616 parameters)"),
     TransformerConfig(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, vocab=128256,
                       seq=8192, ffn=14336, **_LLAMA,
+                      rope_theta=500000.0,
                       source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3; HF "
                              "meta-llama/Meta-Llama-3-8B config.json"),
     TransformerConfig(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, vocab=128256,
                       seq=8192, ffn=28672, **_LLAMA,
+                      rope_theta=500000.0,
                       source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3; HF "
                              "meta-llama/Meta-Llama-3-70B config.json"),
     TransformerConfig(name="llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
                       vocab=128256, seq=8192, ffn=53248, **_LLAMA,
+                      rope_theta=500000.0,
                       source="Llama Team 2024, 'The Llama 3 Herd of Models', Table 3 (pre-training "
                              "seq 8192); HF meta-llama/Llama-3.1-405B config.json"),
     TransformerConfig(name="bloom-176b", layers=70, hidden=14336, heads=112, vocab=250880, seq=2048,
@@ -49,10 +60,12 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
     # stands in for the final norm: same size).
     TransformerConfig(name="bert-base", layers=12, hidden=768, heads=12, vocab=30522, seq=512,
                       tied_embeddings=True,
+                      norm_eps=1e-12,
                       source="Devlin et al. 2019, 'BERT', Sec. 3 (110M); HF bert-base-uncased "
                              "(BertModel 109,482,240 incl. token types and pooler)"),
     TransformerConfig(name="bert-large", layers=24, hidden=1024, heads=16, vocab=30522, seq=512,
                       tied_embeddings=True,
+                      norm_eps=1e-12,
                       source="Devlin et al. 2019, 'BERT', Sec. 3 (340M); HF bert-large-uncased "
                              "(BertModel 335,141,888 incl. token types and pooler)"),
     # ---- mixture of experts, MLA, sliding windows (docs/models.md: the parameter check table) ----
@@ -62,11 +75,13 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                              "mistralai/Mistral-7B-v0.1 config.json (7,241,732,096 parameters)"),
     TransformerConfig(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000,
                       seq=32768, ffn=14336, moe_experts=8, moe_top_k=2, **_LLAMA,
+                      rope_theta=1e6,
                       source="Jiang et al. 2024, 'Mixtral of Experts', Table 1 (shape, 32k "
                              "context) and Sec. 1 (47B total, 13B active; Mistral AI's release "
                              "post: 46.7B, 12.9B); HF mistralai/Mixtral-8x7B-v0.1 config.json"),
     TransformerConfig(name="mixtral-8x22b", layers=56, hidden=6144, heads=48, kv_heads=8, vocab=32000,
                       seq=65536, ffn=16384, moe_experts=8, moe_top_k=2, **_LLAMA,
+                      rope_theta=1e6,
                       source="Mistral AI 2024, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B release "
                              "post: 141B total, 39B active, 64K context); HF mistralai/Mixtral-8x22B-v0.1 "
                              "config.json; NeMo MixtralConfig8x22B (56 layers, hidden 6144, 48 heads, "
@@ -75,6 +90,7 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       seq=4096, ffn=10944, moe_ffn=1408, moe_experts=64, moe_top_k=6,
                       moe_shared_experts=2, moe_dense_layers=1, kv_lora_rank=512,
                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **_LLAMA,
+                      rope_scaling="yarn", rope_scaling_factor=40.0, norm_eps=1e-6,
                       source="DeepSeek-AI 2024, 'DeepSeek-V2', App. B (15.7B total, 2.4B active; "
                              "no query compression); HF deepseek-ai/DeepSeek-V2-Lite config.json "
                              "(q_lora_rank null, first_k_dense_replace 1)"),
@@ -82,6 +98,7 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       seq=4096, ffn=18432, moe_ffn=2048, moe_experts=256, moe_top_k=8,
                       moe_shared_experts=1, moe_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, **_LLAMA,
+                      rope_scaling="yarn", rope_scaling_factor=40.0, norm_eps=1e-6, router_score="sigmoid", router_expert_bias=True, routed_scaling=2.5,
                       source="DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 4.2 (671B total, "
                              "37B active; pre-training seq 4K) and README_WEIGHTS.md (main model "
                              "671B, 36.6B active incl. the 0.9B output head; the MTP module, 11.5B "
@@ -89,12 +106,14 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
     TransformerConfig(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
                       head_dim=128, vocab=151936, seq=4096, ffn=6144, moe_ffn=768, moe_experts=128,
                       moe_top_k=8, **_LLAMA,
+                      rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
                       source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes; "
                              "pre-training seq 4096, Sec. 3.2); HF Qwen/Qwen3-30B-A3B model card "
                              "(30.5B total, 3.3B active) and config.json (q/k RMSNorms not counted)"),
     TransformerConfig(name="qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4,
                       head_dim=128, vocab=151936, seq=4096, ffn=12288, moe_ffn=1536,
                       moe_experts=128, moe_top_k=8, **_LLAMA,
+                      rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
                       source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes); HF "
                              "Qwen/Qwen3-235B-A22B model card (235B total, 22B active) and "
                              "config.json (q/k RMSNorms not counted)"),
@@ -102,6 +121,7 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       vocab=201088, seq=4096, ffn=2880, moe_experts=128, moe_top_k=4,
                       sliding_window=128, global_attention_every=2, activation="swiglu", bias=True,
                       norm="rmsnorm", position="rope", tied_embeddings=False,
+                      rope_theta=150000.0, rope_scaling="yarn", rope_scaling_factor=32.0, attention_sinks=True, activation_clamp=7.0,
                       source="OpenAI 2025, 'gpt-oss-120b & gpt-oss-20b Model Card', Table 1 (116.83B "
                              "total, 5.13B active without the input embedding; window 128 on "
                              "alternate layers; initial context 4096); HF openai/gpt-oss-120b "

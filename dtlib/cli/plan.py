@@ -28,10 +28,11 @@ from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, effici
 from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.fullsize import fullsize_lines, rehearse_full_size
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
-from dtlib.plan.emit import FILENAMES, FRAMEWORKS, check_emit_options, emit_all, emitted_lines
+from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
+                             emitted_lines)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
-from dtlib.analytic.stacks import get_stack
+from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
 
@@ -128,7 +129,8 @@ def add_plan_command(sub: Any) -> None:
                    ", ".join(FILENAMES.values()) + ")")
     e.add_argument("--rehearse", action="store_true",
                    help="run each emitted layout, shrunk to <= 8 CPU ranks, under its framework vs one process")
-    p.set_defaults(run=run_plan)
+    # no --stack: the first --emit framework's stack (so the printed run is the emitted one), else megatron
+    p.set_defaults(run=run_plan, stack=None)
 
 
 def _frameworks(value: str) -> list[str]:
@@ -157,13 +159,33 @@ def _check_moe_flags(args: argparse.Namespace, model: TransformerConfig) -> None
     check_imbalance(moe_numbers(model.numbers()), args.moe_imbalance)
 
 
-def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any]) -> dict[str, Any]:
-    """``--emit``: the configs of the best layout (written to ``--emit-dir``) and ``--rehearse``'s
-    numerics runs and full-size measurement."""
-    layout = to_layout(best)
-    emitted = emit_all(args.emit, layout, model, args.global_batch, args.precision, args.emit_dir)
+def _plan_stack(args: argparse.Namespace) -> str:
+    """``--stack``, else the stack of the first ``--emit`` framework that has one (dtlib.analytic.stacks),
+    else the default; a ``--stack`` another than an emitted framework runs is refused."""
+    emitted = [(f, FRAMEWORK_STACKS[f]) for f in args.emit or [] if FRAMEWORK_STACKS[f]]
+    for framework, stack in emitted:
+        if args.stack and args.stack != stack:
+            raise ValueError(f"--stack {args.stack} contradicts --emit {framework}: {framework} runs as dtlib's "
+                             f"{stack} stack; drop --stack (the plan then times {stack}) or give --stack {stack}")
+    return args.stack or (emitted[0][1] if emitted else DEFAULT_STACK)
+
+
+def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best: dict[str, Any],
+                       options: StepOptions, cl: Any) -> dict[str, Any]:
+    """``--emit``: the configs of the best layout as it was timed (written to ``--emit-dir``) and
+    ``--rehearse``'s numerics runs and full-size measurement. Where the first framework runs it
+    otherwise, ``best`` takes the re-timed numbers (key ``retimed``: that framework's lines), so the
+    printed step is the emitted run's."""
+    timing = {k: best[k] for k in ("step_time_s", "tokens_per_s", "mfu", "memory_per_gpu_bytes", "breakdown")}
+    plan = TimedPlan(to_layout(best), model, args.global_batch, options, args.precision, cl, args.dropout, timing)
+    emitted = emit_all(args.emit, plan, args.emit_dir)
+    first = emitted[args.emit[0]]
+    if first["retimed"] and first["timing"]:
+        best.update(first["timing"], retimed={"framework": args.emit[0], "why": first["retimed"],
+                                              "timed": timing})
     if not args.rehearse:
         return {"emitted": emitted}
+    layout = to_layout(best)
     return {"emitted": emitted, "fullsize": rehearse_full_size(model, layout),
             "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
 
@@ -189,7 +211,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     _check_moe_flags(args, model)
     activation, named_precision = conventions_from_args(args)
     moe = {k: getattr(args, k) for k in ("ep_overlap", "moe_imbalance") if getattr(args, k) is not None}
-    options = StepOptions(stack=args.stack, dtype=args.precision, efficiency=args.efficiency,
+    options = StepOptions(stack=_plan_stack(args), dtype=args.precision, efficiency=args.efficiency,
                           attention=args.attention_flops, dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           cp_overlap=args.cp_overlap, fused_elementwise=args.fused_elementwise,
                           oversubscription=args.oversubscription, precision=named_precision,
@@ -208,6 +230,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
+    frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
     training = None
     if r.configs and args.tokens:
         best = r.configs[0]
@@ -239,8 +262,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
          "caveats": [MOE_CAVEAT] if model.moe_experts else []}
-    if args.emit and r.configs:
-        d.update(_framework_configs(args, model, r.configs[0]))
+    d.update(frameworks)
     return d
 
 
@@ -300,6 +322,11 @@ def _text(d: dict[str, Any]) -> str:
                      f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
                      f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
                      f"{c['memory_per_gpu_bytes'] / GiB:>8.1f}")
+    again = d["configs"][0].get("retimed")
+    if again:
+        lines.append(f"#1 is the run the {again['framework']} config makes, re-timed (timed "
+                     f"{again['timed']['step_time_s']:.3f} s, MFU {100 * again['timed']['mfu']:.1f}%): "
+                     + "; ".join(again["why"]))
     lines.append("breakdown of the step (seconds):")
     lines.append("   " + " ".join(f"{k:>11}" for k in TERMS))
     for i, c in enumerate(d["configs"], 1):

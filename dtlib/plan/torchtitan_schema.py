@@ -29,6 +29,7 @@ TORCHTITAN_SCHEMA: dict[str, dict[str, Any]] = {
                     "fsdp_reshard_after_forward": ("default", "always", "never"), "tensor_parallel_degree": int,
                     "disable_loss_parallel": bool, "enable_async_tensor_parallel": bool,
                     "pipeline_parallel_degree": int, "pipeline_parallel_layers_per_stage": int,
+                    "pipeline_parallel_first_stage_less_layers": int, "pipeline_parallel_last_stage_less_layers": int,
                     "pipeline_parallel_schedule": _SCHEDULES, "pipeline_parallel_microbatch_size": int,
                     "context_parallel_degree": int, "expert_parallel_degree": int,
                     "expert_tensor_parallel_degree": int},
