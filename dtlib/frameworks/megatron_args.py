@@ -61,7 +61,7 @@ def _convert(flag: str, spec: dict[str, Any], text: str) -> Any:
         try:
             value = _TYPES[kind](text)
         except ValueError:
-            raise ValueError(f"{flag} takes {'an integer' if kind == 'int' else 'a number'}, got {text!r}") from None
+            raise ValueError(f"{flag} must be {'an integer' if kind == 'int' else 'a number'}, got {text!r}") from None
     elif kind in _TYPES and kind != "str":
         value = _TYPES[kind](flag, text)
     else:  # str, and the parser's own converters that dtlib never emits: the text itself
@@ -93,6 +93,8 @@ def parse_args(flags: list[str]) -> dict[str, Any]:
             j += 1
         nargs = spec["nargs"]
         want = {None: (1, 1), "?": (0, 1), "+": (1, None), "*": (0, None)}.get(nargs, (nargs, nargs))
+        if not values and want[0]:
+            raise ValueError(f"{flag} needs a value")
         if len(values) < want[0] or (want[1] is not None and len(values) > want[1]):
             raise ValueError(f"{flag} takes {nargs or 1} value(s), got {len(values)}: {values}")
         converted = [_convert(flag, spec, v) for v in values]
@@ -139,6 +141,12 @@ def validate(a: dict[str, Any], world_size: int) -> None:
                          f"(validate_args l. 1026-1027)")
     if a["multi_latent_attention"] and a["group_query_attention"]:  # l. 1265-1266
         raise ValueError("--multi-latent-attention excludes --group-query-attention (validate_args l. 1266)")
+    if a["fp8_param_gather"] and not (a["use_distributed_optimizer"] or a["use_torch_fsdp2"]
+                                      or a["use_megatron_fsdp"]):  # l. 655-657
+        raise ValueError("--fp8-param-gather needs the distributed optimizer, torch FSDP2 or Megatron-FSDP "
+                         "(validate_args l. 656)")
+    if a["fp4"] and a["fp8"]:  # l. 660-661
+        raise ValueError("--fp4-format and --fp8-format exclude each other (validate_args l. 661)")
     if a["fp8"] is not None and a["transformer_impl"] != "transformer_engine":  # FP8 GEMMs are TE's
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine (Megatron-Core's FP8 "
                          "comes from Transformer Engine)")

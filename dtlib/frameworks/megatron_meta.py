@@ -79,7 +79,7 @@ def megatron_transformer_config(args: dict[str, Any], world_size: int) -> Any:
             warnings.simplefilter("ignore")
             return cls(**kw)
     except (AssertionError, ValueError) as exc:
-        raise ValueError(f"Megatron-Core's {cls.__name__} refuses the flags: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"Megatron-Core refuses the flags: {str(exc).splitlines()[0]} ({cls.__name__})") from None
 
 
 @contextmanager
@@ -151,7 +151,11 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
         raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
     args = parse_args(list(flags))
     validate(args, world_size)
-    config = megatron_transformer_config(args, world_size)
+    # sequence and context parallelism split activations, never parameters, and the local spec's
+    # torch norm and attention refuse them (TE's run them): the config is checked with them, the
+    # model built without them, on the same process groups
+    config = dataclasses.replace(megatron_transformer_config(args, world_size), sequence_parallel=False,
+                                 context_parallel_size=1)
     tp = args["tensor_model_parallel_size"]
     vocab = padded_vocab_size(args["vocab_size"], tp, args["make_vocab_size_divisible_by"])
     chunks = []
