@@ -9,9 +9,10 @@ framework's own validation here, on CPU, before anyone pays:
   ``core_v0.16.1`` (:mod:`dtlib.frameworks.megatron_args`) with ``validate_args``' rules, then
   Megatron-Core's ``TransformerConfig``/DDP/optimizer configs built from the arguments, and the
   model itself on the meta device (:mod:`dtlib.frameworks.megatron_meta`);
-* torchtitan: not installed (it runs on CPU only with fragile patches, see docs/frameworks.md), so
-  the TOML is parsed with ``tomllib`` and checked against the schema read from its
-  ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`);
+* torchtitan: the TOML parsed with ``tomllib`` and checked against the schema read from its
+  ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`), then, where torchtitan 0.2.2 is
+  installed, parsed by its ``ConfigManager`` and its model built on meta
+  (:mod:`dtlib.frameworks.torchtitan_check`);
 * JAX: every spec built as a ``jax.sharding.PartitionSpec`` on an ``AbstractMesh`` of the emitted
   axis sizes (no devices needed, so a 64-way mesh checks here) and each weight's shard shape
   computed by ``NamedSharding.shard_shape``, which raises on an indivisible dimension.
@@ -139,7 +140,16 @@ def check_emitted(emitted: Emitted, layout: Parallelism) -> str:
         return (f"accepted by Megatron-LM's arguments ({record()['tag']}) and Megatron-Core's configs on "
                 f"{layout.gpus} ranks; its GPTModel holds {count:,} parameters on rank 0")
     if emitted.framework == "torchtitan":
+        from dtlib.frameworks.torchtitan_check import check_torchtitan_job, import_torchtitan
+
         check_torchtitan_toml(emitted.text)
-        return "matches torchtitan's job_config.py schema (v0.2.2)"
+        try:
+            import_torchtitan()
+        except ImportError as exc:  # the schema read from its source is then the whole check
+            return f"matches torchtitan's job_config.py schema (v0.2.2); {exc}"
+        built = check_torchtitan_job(emitted.text)
+        return (f"accepted by torchtitan 0.2.2's ConfigManager, pipeline split and converters; its "
+                f"{emitted.data['model']['name']} {emitted.data['model']['flavor']} holds {built['parameters']:,} "
+                f"parameters")
     check_jax(emitted.data)
     return "every PartitionSpec divides its weight on a jax.sharding.AbstractMesh"

@@ -116,6 +116,8 @@ def validate(a: dict[str, Any], world_size: int) -> None:
     tp, pp, cp = a["tensor_model_parallel_size"], a["pipeline_model_parallel_size"], a["context_parallel_size"]
     if world_size % (tp * pp * cp):  # initialize_model_parallel and validate_args' dp derivation
         raise ValueError(f"tp x pp x cp = {tp * pp * cp} must divide the world size {world_size} (Megatron-LM)")
+    if a["num_layers"] is None:  # pretrain_gpt.py builds a decoder of --num-layers layers
+        raise ValueError("--num-layers is required")
     layers = a["num_layers"] + bool(a["account_for_embedding_in_pipeline_split"]) \
         + bool(a["account_for_loss_in_pipeline_split"])
     uneven = a["decoder_first_pipeline_num_layers"] is not None or a["decoder_last_pipeline_num_layers"] is not None
