@@ -138,3 +138,26 @@ def _judge(name, kind, framework):
         check_jax(e.data)
         assert e.data["shapes"] == _jax_roles(model) and not model.moe_experts, \
             f"jax roles {e.data['shapes']} are not the preset's {_jax_roles(model)}"
+
+
+_POSITIONS = {"rope": "rope", "learned": "learned_absolute"}  # Megatron-LM's --position-embedding-type
+_DROPOUT = ("megatron: --hidden-dropout/--attention-dropout not emitted, so Megatron-LM trains with its default "
+            "0.1 (the plan counts no dropout masks)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason=_DROPOUT + ("; " + _BLOOM if n == "bloom-176b" else "")))
+    for n in PRESETS])
+def test_megatron_runs_the_presets_fields_not_megatrons_defaults(name):
+    """Fields that change the run but not the parameter count, as Megatron-LM reads the flags:
+    dropout (dtlib plans none) and the position embedding (ALiBi has no Megatron-LM flag: refuse)."""
+    model = PRESETS[name]
+    layout = Parallelism(dp=8, ep=8 if model.moe_experts % 8 == 0 and model.moe_experts else 1, zero=1)
+    e = emit("megatron", layout, model, layout.global_batch)
+    if e.unsupported:
+        return
+    args = parse_args(e.data)
+    assert args["hidden_dropout"] == 0 and args["attention_dropout"] == 0, \
+        f"dropout {args['hidden_dropout']}/{args['attention_dropout']}"
+    assert args["position_embedding_type"] == _POSITIONS.get(model.position), \
+        f"position {model.position!r} emitted as {args['position_embedding_type']!r}"
