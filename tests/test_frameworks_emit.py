@@ -146,7 +146,7 @@ def test_megatrons_check_refuses_flags_that_do_not_fit():
         check_megatron(flags[:groups] + ["6"] + flags[groups + 1:], 8)  # TransformerConfig's own rule
     with pytest.raises(ValueError, match="unknown Megatron-LM flag '--tensor-parallel-size'"):
         check_megatron(["--tensor-parallel-size", "2"], 2)
-    with pytest.raises(ValueError, match="--ffn-hidden-size must be a positive integer, got 'x'"):
+    with pytest.raises(ValueError, match="--ffn-hidden-size must be an integer, got 'x'"):
         check_megatron(["--ffn-hidden-size", "x"], 1)
     with pytest.raises(ValueError, match="--num-query-groups needs a value"):
         check_megatron(["--num-query-groups"], 1)

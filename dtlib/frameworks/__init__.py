@@ -15,7 +15,11 @@ dtlib's own runs, so a lesson and a test can put them next to each other:
   and step run in a subprocess: :mod:`~dtlib.frameworks.jax_worker`);
 * :mod:`dtlib.frameworks.ray_train` - Ray Train's ``TorchTrainer`` running ``dtlib train``;
 * :mod:`dtlib.frameworks.configs` - each config :mod:`dtlib.plan.emit` writes, checked by the
-  framework's own config classes; :mod:`dtlib.frameworks.rehearse` - a planned layout shrunk and
+  framework's own config classes: Megatron-LM's argument list recorded from its parser
+  (:mod:`~dtlib.frameworks.megatron_args`), Megatron-Core's ``GPTModel`` of the flags built on the
+  meta device for one rank of a fake world (:mod:`~dtlib.frameworks.megatron_meta`), torchtitan
+  0.2.2's config, model and pipeline code (:mod:`~dtlib.frameworks.torchtitan_check`);
+  :mod:`dtlib.frameworks.rehearse` - a planned layout shrunk and
   run under the framework, compared with one process (``dtlib plan --emit F --rehearse``).
 
 Each framework is imported only inside these modules' functions, so ``import dtlib`` never needs

@@ -5,12 +5,14 @@ framework's own validation here, on CPU, before anyone pays:
 
 * DeepSpeed: its ``DeepSpeedConfig`` (batch arithmetic, ZeRO and offload keys), through
   :func:`dtlib.frameworks.deepspeed_config.validate_deepspeed_config`;
-* Megatron: Megatron-Core's ``TransformerConfig``/``ModelParallelConfig`` built from the flags,
-  through :func:`dtlib.frameworks.megatron_flags.megatron_configs` (Megatron-LM's launch rules in
-  ``parse_megatron_flags``), then the model flags on those configs;
-* torchtitan: not installed (it runs on CPU only with fragile patches, see docs/frameworks.md), so
-  the TOML is parsed with ``tomllib`` and checked against the schema read from its
-  ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`);
+* Megatron: each flag read against Megatron-LM's argument list recorded from its own parser at
+  ``core_v0.16.1`` (:mod:`dtlib.frameworks.megatron_args`) with ``validate_args``' rules, then
+  Megatron-Core's ``TransformerConfig``/DDP/optimizer configs built from the arguments, and the
+  model itself on the meta device (:mod:`dtlib.frameworks.megatron_meta`);
+* torchtitan: the TOML parsed with ``tomllib`` and checked against the schema read from its
+  ``job_config.py`` (:data:`dtlib.plan.emit.TORCHTITAN_SCHEMA`), then, where torchtitan 0.2.2 is
+  installed, parsed by its ``ConfigManager`` and its model built on meta
+  (:mod:`dtlib.frameworks.torchtitan_check`);
 * JAX: every spec built as a ``jax.sharding.PartitionSpec`` on an ``AbstractMesh`` of the emitted
   axis sizes (no devices needed, so a 64-way mesh checks here) and each weight's shard shape
   computed by ``NamedSharding.shard_shape``, which raises on an indivisible dimension.
@@ -35,105 +37,52 @@ def check_deepspeed(config: dict[str, Any], world_size: int) -> Any:
     return validate_deepspeed_config(config, world_size)
 
 
-# The emitted flags dtlib's Megatron runner does not take (dtlib.frameworks.megatron_flags runs a
-# tiny GPT), as the Megatron-Core config fields Megatron-LM sets from them (arguments.py at
-# core_v0.16.1 generates most flags from TransformerConfig's field names; --swiglu, --num-experts,
-# --disable-bias-linear and --fp8-format are renamed there). flag -> (config, field, value or type).
-_MODEL_FLAGS: dict[str, tuple[str, str, Any]] = {
-    "--ffn-hidden-size": ("transformer", "ffn_hidden_size", int),
-    "--num-query-groups": ("transformer", "num_query_groups", int),
-    "--group-query-attention": ("gqa", "", True),
-    "--swiglu": ("transformer", "gated_linear_unit", True),
-    "--normalization": ("transformer", "normalization", str),
-    "--disable-bias-linear": ("transformer", "add_bias_linear", False),
-    "--bf16": ("transformer", "bf16", True),
-    "--fp16": ("transformer", "fp16", True),
-    "--fp8-format": ("transformer", "fp8", str),
-    "--expert-model-parallel-size": ("transformer", "expert_model_parallel_size", int),
-    "--num-experts": ("transformer", "num_moe_experts", int),
-    "--moe-router-topk": ("transformer", "moe_router_topk", int),
-    "--use-megatron-fsdp": ("ddp", "use_megatron_fsdp", True),
-    "--overlap-param-gather": ("ddp", "overlap_param_gather", True),
-    "--data-parallel-sharding-strategy": ("ddp", "data_parallel_sharding_strategy", str),
-    "--optimizer-cpu-offload": ("optimizer", "optimizer_cpu_offload", True),
-    "--use-precision-aware-optimizer": ("optimizer", "use_precision_aware_optimizer", True),
-    "--position-embedding-type": ("choice", "", ("learned_absolute", "rope", "mrope", "relative", "none")),
-    "--ckpt-format": ("choice", "", ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
-}
+def _from_args(cls: type, args: dict[str, Any], **fixed: Any) -> Any:
+    """``cls`` built from every argument named like one of its fields, as Megatron-LM builds its
+    DDP and optimizer configs (training.py ``get_model``, ``get_megatron_optimizer_config``)."""
+    import dataclasses
+
+    kw = {f.name: args[f.name] for f in dataclasses.fields(cls) if f.name in args and f.init}
+    return cls(**{**kw, **fixed})
 
 
-def _split_megatron(flags: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """(the flags the runner's parser reads, {other flag: its value or True})."""
-    from dtlib.frameworks.megatron_flags import SWITCH_FLAGS, VALUE_FLAGS
+def _te_version() -> Any:
+    from megatron.core.utils import get_te_version
 
-    runner, other, i = [], {}, 0
-    while i < len(flags):
-        flag = flags[i]
-        takes_value = flag in VALUE_FLAGS or (flag in _MODEL_FLAGS and _MODEL_FLAGS[flag][2] not in (True, False))
-        if takes_value and (i + 1 == len(flags) or flags[i + 1].startswith("--")):
-            raise ValueError(f"{flag} needs a value")
-        value = flags[i + 1] if takes_value else True
-        if flag in VALUE_FLAGS or flag in SWITCH_FLAGS:
-            runner += [flag] + ([value] if takes_value else [])
-        elif flag in _MODEL_FLAGS:
-            other[flag] = value
-        else:
-            raise ValueError(f"unknown Megatron-LM flag {flag!r}")
-        i += 2 if takes_value else 1
-    return runner, other
+    try:
+        return get_te_version()
+    except Exception:  # noqa: BLE001 -- Megatron-Core raises whatever importing TE raised
+        return None
 
 
 def check_megatron(flags: list[str], world_size: int) -> tuple[Any, Any, Any]:
-    """Megatron-Core's ``(TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)`` built
-    from ``flags`` on ``world_size`` ranks: Megatron-LM's launch rules and the layout through
-    :func:`dtlib.frameworks.megatron_flags.megatron_configs`, then the model, precision, Megatron-FSDP
-    and offload flags set on those configs (``dataclasses.replace`` runs Megatron-Core's
-    ``__post_init__`` checks again, e.g. query groups vs tensor-parallel size)."""
-    import dataclasses
-
-    import torch
-    import torch.nn.functional as F
+    """Megatron-Core's ``(TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)`` of
+    ``flags`` on ``world_size`` ranks: every flag read against Megatron-LM's own argument list at
+    core_v0.16.1 (:mod:`dtlib.frameworks.megatron_args`: name, arity, type, choices), the
+    ``validate_args`` rules those flags reach, then Megatron-Core's own config classes built from the
+    arguments as Megatron-LM builds them (their ``__post_init__`` checks run)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from dtlib.frameworks.megatron_flags import megatron_configs
+    from dtlib.frameworks.megatron_args import parse_args, validate
+    from dtlib.frameworks.megatron_meta import megatron_transformer_config
 
-    runner, other = _split_megatron(list(flags))
-    if "--use-megatron-fsdp" in other and "--overlap-param-gather" in runner:
-        # validate_args: --overlap-param-gather needs the distributed optimizer *or* Megatron-FSDP
-        # (the runner's parser knows only the former), and --overlap-grad-reduce either way
-        runner.remove("--overlap-param-gather")
-        if "--overlap-grad-reduce" not in runner:
-            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM)")
-        other["--overlap-param-gather"] = True
-    transformer, ddp = megatron_configs(runner, world_size)
-    fields: dict[str, dict[str, Any]] = {"transformer": {}, "ddp": {}, "optimizer": {}}
-    for flag, value in other.items():
-        config, name, kind = _MODEL_FLAGS[flag]
-        if config == "choice" and value not in kind:
-            raise ValueError(f"{flag} must be one of {', '.join(kind)}, got {value!r}")
-        if config in fields and kind is int and not value.isdigit():
-            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        if config in fields:
-            fields[config][name] = kind(value) if isinstance(kind, type) else kind
-    if "--num-query-groups" in other and "--group-query-attention" not in other:
-        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it otherwise)")
-    t = fields["transformer"]
-    if t.get("gated_linear_unit"):  # Megatron-LM's --swiglu: a gated SiLU MLP
-        t["activation_func"] = F.silu
-    if t.get("bf16") or t.get("fp16"):
-        t["params_dtype"] = torch.bfloat16 if t.get("bf16") else torch.float16
+    args = parse_args(list(flags))
+    validate(args, world_size)
+    transformer = megatron_transformer_config(args, world_size)
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        args[name] = dtypes[args[name]]  # validate_args l. 645-653 maps the names to torch dtypes
+    # OptimizerConfig's precision-aware optimizer asks Transformer Engine's version (>= 2.1); with no
+    # TE here that check cannot run, so the rest of the config is checked without it
+    te_free = {"use_precision_aware_optimizer": False} if _te_version() is None else {}
     try:
-        transformer = dataclasses.replace(transformer, **t)
-        ddp = dataclasses.replace(ddp, **fields["ddp"])
-        optimizer = OptimizerConfig(optimizer="adam", bf16=bool(t.get("bf16")), fp16=bool(t.get("fp16")),
-                                    use_distributed_optimizer=ddp.use_distributed_optimizer, **fields["optimizer"])
+        ddp = _from_args(DistributedDataParallelConfig, args)
+        optimizer = _from_args(OptimizerConfig, args, params_dtype=transformer.params_dtype, **te_free)
     except (AssertionError, ValueError) as exc:  # Megatron-Core's own refusal, as one line
         raise ValueError(f"Megatron-Core refuses the flags: {str(exc).splitlines()[0]}") from None
-    except TypeError as exc:  # utils.is_te_min_version compares None (no Transformer Engine) with a version
-        if "NoneType" not in str(exc):
-            raise
-        raise ValueError("these flags need Transformer Engine (Megatron-Core checks its version), which is not "
-                         "installed here: checked up to that point") from None
     return transformer, ddp, optimizer
 
 
@@ -183,10 +132,24 @@ def check_emitted(emitted: Emitted, layout: Parallelism) -> str:
         check_deepspeed(emitted.data, layout.dp)
         return f"accepted by DeepSpeed's DeepSpeedConfig on {layout.dp} data-parallel ranks"
     if emitted.framework == "megatron":
+        from dtlib.frameworks.megatron_args import record
+        from dtlib.frameworks.megatron_meta import params_per_rank
+
         check_megatron(emitted.data, layout.gpus)
-        return f"accepted by Megatron-Core's TransformerConfig on {layout.gpus} ranks"
+        count = params_per_rank(emitted.data, layout.gpus)
+        return (f"accepted by Megatron-LM's arguments ({record()['tag']}) and Megatron-Core's configs on "
+                f"{layout.gpus} ranks; its GPTModel holds {count:,} parameters on rank 0")
     if emitted.framework == "torchtitan":
+        from dtlib.frameworks.torchtitan_check import check_torchtitan_job, import_torchtitan
+
         check_torchtitan_toml(emitted.text)
-        return "matches torchtitan's job_config.py schema (v0.2.2)"
+        try:
+            import_torchtitan()
+        except ImportError as exc:  # the schema read from its source is then the whole check
+            return f"matches torchtitan's job_config.py schema (v0.2.2); {exc}"
+        built = check_torchtitan_job(emitted.text)
+        return (f"accepted by torchtitan 0.2.2's ConfigManager, pipeline split and converters; its "
+                f"{emitted.data['model']['name']} {emitted.data['model']['flavor']} holds {built['parameters']:,} "
+                f"parameters")
     check_jax(emitted.data)
     return "every PartitionSpec divides its weight on a jax.sharding.AbstractMesh"

@@ -1,0 +1,163 @@
+"""Every preset x framework x layout: the emitter refuses by name, or the framework's own code
+accepts the config and builds the preset's model (issue 35, part 4).
+
+Judges: Megatron-LM's argument list recorded at core_v0.16.1 + ``validate_args``' rules +
+Megatron-Core's configs, and ``GPTModel`` built on the meta device for the first and the last
+rank, its count equal to dtlib's ``stage_parameters`` with the vocabulary padded as Megatron-LM
+pads it (to a multiple of ``--make-vocab-size-divisible-by`` 128 x tp); DeepSpeed's
+``DeepSpeedConfig``; torchtitan 0.2.2's ``ConfigManager``, its flavor's model built on meta (count
+equal to the preset's), its pipeline split and converter registry; JAX's ``NamedSharding`` on an
+``AbstractMesh``, each weight role's shape the preset's.
+
+Known emitter bugs (issue 35 parts 1-2) are ``xfail(strict=True)`` with the judge's finding, so
+each one fails loudly once fixed and its mark is removed.
+"""
+import pytest
+
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.memory import stage_parameters
+from dtlib.analytic.presets import PRESETS
+from dtlib.frameworks.configs import check_deepspeed, check_jax, check_megatron
+from dtlib.frameworks.megatron_args import padded_vocab_size, parse_args
+from dtlib.plan.emit import FRAMEWORKS, emit
+
+MATRIX_TIMEOUT = 600  # the first megatron and torchtitan imports take ~30 s on a loaded 2-core machine
+# Measured 2026-11-29: the whole matrix takes 40 s of CPU (user) time; on the shared 2-core machine
+# under seven helpers' load, 4.4 minutes of wall time. The largest meta builds (GPT-3 175B at dp 8,
+# Qwen3-235B tp 4 x pp 2) take about 5 s of CPU each.
+
+
+def _layouts(model):
+    """name -> framework -> layout: data-parallel over 8 (with ep for MoE models: a rank then holds
+    1/ep of the experts, as every MoE recipe runs) and a tp x pp one. ZeRO is each framework's
+    natural choice (torchtitan and JAX shard with FSDP; DeepSpeed's pipeline engine refuses
+    ZeRO-2/3; Megatron's ZeRO-1 is its distributed optimizer)."""
+    fsdp = {f: 3 for f in ("torchtitan", "jax")}
+    tp = 4 if model.heads % 4 == 0 and model.kv_heads % 4 == 0 else 2
+    ep = (8 if model.moe_experts % 8 == 0 else 2) if model.moe_experts else 1
+    # JAX's mesh has no expert axis: its data-parallel layout of a MoE model is ep 1
+    return {"dp8": {f: Parallelism(dp=8, ep=1 if f == "jax" else ep, zero=fsdp.get(f, 3 if ep == 1 else 1))
+                    for f in FRAMEWORKS},
+            "tp_pp": {f: Parallelism(dp=2, tp=tp, pp=2, zero=fsdp.get(f, 1), num_microbatches=4,
+                                     sequence_parallel=True) for f in FRAMEWORKS}}
+
+
+CASES = [(name, kind, framework) for name, model in PRESETS.items() for kind in _layouts(model)
+         for framework in FRAMEWORKS]
+
+# (preset, layout, framework) -> what the judge finds today (layout None: every layout). Run
+# 2026-11-29 against main's emitters; remove a line when its fix lands (strict: it then fails).
+_TT_FLAVOR = ("torchtitan: [model] flavor is the preset's name, not a registered flavor of torchtitan's llama3 "
+              "(no deepseek_v3/qwen3/gpt_oss/MoE family emitted): ConfigManager parses it, get_train_spec refuses")
+_TT_PP = ("torchtitan: pipeline_parallel_first/last_stage_less_layers (default 1 each) are not emitted, so "
+          "layers_per_stage = layers/pp gives pp + 1 stages: pipeline_llm refuses (not divisible by the pp degree)")
+_MLA_NORMS = ("megatron: --qk-layernorm not emitted, so Megatron-Core's MLASelfAttention builds no q/kv latent "
+              "RMSNorms (q_lora_rank + kv_lora_rank parameters per layer fewer than dtlib counts)")
+_BLOOM = ("megatron: position alibi emitted as Megatron's default learned_absolute (+seq x hidden on the first "
+          "stage) and the embedding LayerNorm (embedding_norm) not emitted (-2 x hidden): neither is refused")
+_ROUTER_BIAS = ("megatron: Megatron-Core builds a router bias per MoE layer (128 experts x 36 layers = 4,608 "
+                "parameters) that dtlib's gpt-oss-120b preset leaves out of its count")
+_JAX_MOE = "jax: a MoE preset is laid out as one dense MLP of width moe_ffn (no expert role; should refuse)"
+KNOWN: dict[tuple[str, str | None, str], str] = {
+    **{(name, None, "torchtitan"): _TT_FLAVOR for name in PRESETS
+       if name not in ("llama3-8b", "llama3-70b", "llama3-405b", "mistral-7b", "deepseek-v2-lite", "deepseek-v3",
+                       "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b")},
+    **{(name, "tp_pp", "torchtitan"): _TT_PP for name in ("llama3-8b", "llama3-70b", "llama3-405b")},
+    ("deepseek-v2-lite", "dp8", "megatron"): _MLA_NORMS,
+    ("deepseek-v3", "dp8", "megatron"): _MLA_NORMS,
+    ("bloom-176b", None, "megatron"): _BLOOM,
+    ("gpt-oss-120b", "dp8", "megatron"): _ROUTER_BIAS,
+    ("mixtral-8x7b", "dp8", "jax"): _JAX_MOE,
+    ("mixtral-8x22b", "dp8", "jax"): _JAX_MOE,
+}
+
+
+def _params(case):
+    name, kind, framework = case
+    reason = KNOWN.get(case) or KNOWN.get((name, None, framework))
+    marks = [pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError), reason=reason)] if reason else []
+    return pytest.param(*case, marks=marks, id=f"{name}-{kind}-{framework}")
+
+
+def _dtlib_megatron_stages(model, layout, tp, make_divisible_by):
+    """dtlib's parameters on the first and the last pipeline rank, the vocabulary padded as
+    Megatron-LM pads it (dtlib's own convention pads to a multiple of tp only)."""
+    padded = model.with_(vocab=padded_vocab_size(model.vocab, tp, make_divisible_by))
+    s = stage_parameters(**layout.numbers(**padded.numbers()))
+    return [int(s[stage]["dense"] + s[stage]["expert"]) for stage in ("first", "last")]
+
+
+def _jax_roles(model):
+    """The weight-role shapes of the preset (its attention and one MLP)."""
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim
+    return {"embed": [model.vocab, model.hidden], "attn.qkv": [model.hidden, qkv],
+            "attn.out": [model.heads * model.head_dim, model.hidden], "mlp.up": [model.hidden, model.ffn],
+            "mlp.down": [model.ffn, model.hidden], "norm": [model.hidden], "head": [model.hidden, model.vocab]}
+
+
+@pytest.mark.timeout(MATRIX_TIMEOUT)
+@pytest.mark.parametrize("name, kind, framework", [_params(c) for c in CASES])
+def test_emitted_config_is_refused_by_name_or_accepted_and_builds_the_model(name, kind, framework):
+    _judge(name, kind, framework)
+
+
+def _judge(name, kind, framework):
+    """Refused by name, or accepted and the same model; raises what the judge found."""
+    model = PRESETS[name]
+    layout = _layouts(model)[kind][framework]
+    try:
+        e = emit(framework, layout, model, layout.global_batch)
+    except ValueError as exc:  # the layout itself is invalid for this model: refused, naming why
+        assert str(exc).strip()
+        return
+    if e.unsupported:
+        assert all(line.strip() for line in e.unsupported)
+        return
+    if framework == "megatron":
+        from dtlib.frameworks.megatron_meta import params_per_rank
+
+        check_megatron(e.data, layout.gpus)
+        args = parse_args(e.data)
+        want = _dtlib_megatron_stages(model, layout, layout.tp, args["make_vocab_size_divisible_by"])
+        got = [params_per_rank(e.data, layout.gpus, rank) for rank in (0, layout.gpus - 1)]
+        assert got == want, f"Megatron-Core's first/last rank {got} != dtlib's {want}"
+    elif framework == "deepspeed":
+        check_deepspeed(e.data, layout.dp)
+    elif framework == "torchtitan":
+        from dtlib.frameworks.torchtitan_check import check_torchtitan_job, import_torchtitan
+
+        try:
+            import_torchtitan()
+        except ImportError as exc:
+            pytest.skip(str(exc))
+
+        built = check_torchtitan_job(e.text)
+        assert built["parameters"] == model.num_parameters(), \
+            f"torchtitan builds {built['parameters']:,} parameters, the preset has {model.num_parameters():,}"
+    else:
+        check_jax(e.data)
+        assert e.data["shapes"] == _jax_roles(model) and not model.moe_experts, \
+            f"jax roles {e.data['shapes']} are not the preset's {_jax_roles(model)}"
+
+
+_POSITIONS = {"rope": "rope", "learned": "learned_absolute"}  # Megatron-LM's --position-embedding-type
+_DROPOUT = ("megatron: --hidden-dropout/--attention-dropout not emitted, so Megatron-LM trains with its default "
+            "0.1 (the plan counts no dropout masks)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason=_DROPOUT + ("; " + _BLOOM if n == "bloom-176b" else "")))
+    for n in PRESETS])
+def test_megatron_runs_the_presets_fields_not_megatrons_defaults(name):
+    """Fields that change the run but not the parameter count, as Megatron-LM reads the flags:
+    dropout (dtlib plans none) and the position embedding (ALiBi has no Megatron-LM flag: refuse)."""
+    model = PRESETS[name]
+    layout = Parallelism(dp=8, ep=8 if model.moe_experts % 8 == 0 and model.moe_experts else 1, zero=1)
+    e = emit("megatron", layout, model, layout.global_batch)
+    if e.unsupported:
+        return
+    args = parse_args(e.data)
+    assert args["hidden_dropout"] == 0 and args["attention_dropout"] == 0, \
+        f"dropout {args['hidden_dropout']}/{args['attention_dropout']}"
+    assert args["position_embedding_type"] == _POSITIONS.get(model.position), \
+        f"position {model.position!r} emitted as {args['position_embedding_type']!r}"
