@@ -7,10 +7,10 @@ import time
 import pytest
 
 from dtlib.analytic.layout import Parallelism
-from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.presets import PRESETS
 from dtlib.frameworks.configs import check_megatron
-from dtlib.frameworks.megatron_args import RECORD, padded_vocab_size, parse_args, record, validate
+from dtlib.frameworks.megatron_args import RECORD, padded_vocab_size, parse_args, validate
+from dtlib.frameworks.megatron_meta import dtlib_params_per_stage
 from dtlib.plan.emit import emit
 
 LLAMA = PRESETS["llama3-8b"]
@@ -72,13 +72,6 @@ def test_megatrons_own_moe_and_recompute_module_flags_are_accepted():
     assert check_megatron(flags, 4)[0].recompute_modules == ["core_attn", "mlp"]
 
 
-def _dtlib_rank(model, layout, stage="first"):
-    """dtlib's parameters on a rank, the vocabulary padded as Megatron-LM pads it (128 x tp)."""
-    padded = model.with_(vocab=padded_vocab_size(model.vocab, layout.tp))
-    s = stage_parameters(**layout.numbers(**padded.numbers()))[stage]
-    return int(s["dense"] + s["expert"])
-
-
 @pytest.mark.parametrize("name, layout", [
     ("llama3-8b", Parallelism(dp=8)),
     ("llama3-8b", Parallelism(dp=2, tp=4)),
@@ -93,9 +86,10 @@ def test_megatron_core_builds_dtlibs_count_per_rank(name, layout):
 
     model = PRESETS[name]
     flags = emit("megatron", layout, model, layout.global_batch).data
-    assert params_per_rank(flags, layout.gpus, 0) == _dtlib_rank(model, layout, "first")
+    dtlib = dtlib_params_per_stage(model, layout)
+    assert params_per_rank(flags, layout.gpus, 0) == dtlib["first"]
     if layout.pp > 1:  # the last stage: the head (a second copy when tied)
-        assert params_per_rank(flags, layout.gpus, layout.gpus - 1) == _dtlib_rank(model, layout, "last")
+        assert params_per_rank(flags, layout.gpus, layout.gpus - 1) == dtlib["last"]
 
 
 def test_vocabulary_padding_is_megatron_lms():
@@ -114,7 +108,7 @@ def test_megatron_core_builds_mla_and_dense_first_moe():
     assert type(gpt.decoder.layers[0].mlp).__name__ == "MLP" and type(gpt.decoder.layers[1].mlp).__name__ == "MoELayer"
     assert len(gpt.decoder.layers[1].mlp.experts.local_experts) == 64 // 8
     missing_norms = model.layers * model.kv_lora_rank  # kv latent RMSNorm (no q_lora_rank here)
-    assert sum(p.numel() for p in gpt.parameters()) == _dtlib_rank(model, layout) - missing_norms
+    assert sum(p.numel() for p in gpt.parameters()) == dtlib_params_per_stage(model, layout)["first"] - missing_norms
 
 
 def test_meta_builds_take_seconds_and_refuse_by_name():

@@ -15,10 +15,10 @@ each one fails loudly once fixed and its mark is removed.
 import pytest
 
 from dtlib.analytic.layout import Parallelism
-from dtlib.analytic.memory import stage_parameters
 from dtlib.analytic.presets import PRESETS
 from dtlib.frameworks.configs import check_deepspeed, check_jax, check_megatron
-from dtlib.frameworks.megatron_args import padded_vocab_size, parse_args
+from dtlib.frameworks.megatron_args import parse_args
+from dtlib.frameworks.megatron_meta import dtlib_params_per_stage
 from dtlib.plan.emit import FRAMEWORKS, emit
 
 MATRIX_TIMEOUT = 600  # the first megatron and torchtitan imports take ~30 s on a loaded 2-core machine
@@ -79,14 +79,6 @@ def _params(case):
     return pytest.param(*case, marks=marks, id=f"{name}-{kind}-{framework}")
 
 
-def _dtlib_megatron_stages(model, layout, tp, make_divisible_by):
-    """dtlib's parameters on the first and the last pipeline rank, the vocabulary padded as
-    Megatron-LM pads it (dtlib's own convention pads to a multiple of tp only)."""
-    padded = model.with_(vocab=padded_vocab_size(model.vocab, tp, make_divisible_by))
-    s = stage_parameters(**layout.numbers(**padded.numbers()))
-    return [int(s[stage]["dense"] + s[stage]["expert"]) for stage in ("first", "last")]
-
-
 def _jax_roles(model):
     """The weight-role shapes of the preset (its attention and one MLP)."""
     qkv = (model.heads + 2 * model.kv_heads) * model.head_dim
@@ -118,7 +110,8 @@ def _judge(name, kind, framework):
 
         check_megatron(e.data, layout.gpus)
         args = parse_args(e.data)
-        want = _dtlib_megatron_stages(model, layout, layout.tp, args["make_vocab_size_divisible_by"])
+        stages = dtlib_params_per_stage(model, layout, args["make_vocab_size_divisible_by"])
+        want = [stages["first"], stages["last"]]
         got = [params_per_rank(e.data, layout.gpus, rank) for rank in (0, layout.gpus - 1)]
         assert got == want, f"Megatron-Core's first/last rank {got} != dtlib's {want}"
     elif framework == "deepspeed":

@@ -69,7 +69,7 @@ def check_megatron(flags: list[str], world_size: int) -> tuple[Any, Any, Any]:
 
     args = parse_args(list(flags))
     validate(args, world_size)
-    transformer = megatron_transformer_config(args, world_size)
+    transformer = megatron_transformer_config(args)
     import torch
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}

@@ -11,6 +11,7 @@ that the emitted flags touch, each citing its line at that tag (55ac7082).
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from functools import cache
@@ -75,7 +76,7 @@ def parse_args(flags: list[str]) -> dict[str, Any]:
     """``flags`` read against the recorded parser: ``{dest: value}`` for every flag Megatron-LM
     defines, its default where absent. Raises ``ValueError`` naming the flag."""
     table = record()["flags"]
-    args = {spec["dest"]: spec["default"] for spec in table.values()}
+    args = {spec["dest"]: copy.deepcopy(spec["default"]) for spec in table.values()}  # callers may mutate
     i = 0
     while i < len(flags):
         flag = flags[i]

@@ -34,7 +34,7 @@ from unittest import mock
 
 from dtlib.frameworks.megatron_args import padded_vocab_size, parse_args, validate
 
-__all__ = ["megatron_transformer_config", "build_meta_gpt", "params_per_rank"]
+__all__ = ["megatron_transformer_config", "build_meta_gpt", "params_per_rank", "dtlib_params_per_stage"]
 
 # run-time settings for a CPU meta build (no parameter changes): field -> value
 _CPU = {"use_cpu_initialization": True, "perform_initialization": False, "gradient_accumulation_fusion": False,
@@ -43,7 +43,7 @@ _CPU = {"use_cpu_initialization": True, "perform_initialization": False, "gradie
         "transformer_impl": "local", "fp8": None, "fp8_recipe": "delayed"}
 
 
-def megatron_transformer_config(args: dict[str, Any], world_size: int) -> Any:
+def megatron_transformer_config(args: dict[str, Any]) -> Any:
     """Megatron-Core's ``TransformerConfig``/``MLATransformerConfig`` of parsed Megatron-LM
     arguments, as ``core_transformer_config_from_args`` maps them, with the CPU settings above.
     Megatron-Core's refusal (``__post_init__``) becomes a ``ValueError`` of one line."""
@@ -154,7 +154,7 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
     # sequence and context parallelism split activations, never parameters, and the local spec's
     # torch norm and attention refuse them (TE's run them): the config is checked with them, the
     # model built without them, on the same process groups
-    config = dataclasses.replace(megatron_transformer_config(args, world_size), sequence_parallel=False,
+    config = dataclasses.replace(megatron_transformer_config(args), sequence_parallel=False,
                                  context_parallel_size=1)
     tp = args["tensor_model_parallel_size"]
     vocab = padded_vocab_size(args["vocab_size"], tp, args["make_vocab_size_divisible_by"])
@@ -197,3 +197,16 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
 def params_per_rank(flags: list[str], world_size: int, rank: int = 0) -> int:
     """The parameters rank ``rank`` holds (all its model chunks), as Megatron-Core builds them."""
     return sum(p.numel() for p in build_meta_gpt(flags, world_size, rank).parameters())
+
+
+def dtlib_params_per_stage(model: Any, layout: Any, make_vocab_size_divisible_by: int = 128) -> dict[str, int]:
+    """dtlib's parameters on one rank of the first and of the last pipeline stage
+    (:func:`dtlib.analytic.memory.stage_parameters`, dense + expert) with the vocabulary padded as
+    Megatron-LM pads it (:func:`~dtlib.frameworks.megatron_args.padded_vocab_size`; dtlib's own
+    convention pads to a multiple of tp only): what :func:`params_per_rank` gives for the first
+    rank and the last."""
+    from dtlib.analytic.memory import stage_parameters
+
+    padded = model.with_(vocab=padded_vocab_size(model.vocab, layout.tp, make_vocab_size_divisible_by))
+    stages = stage_parameters(**layout.numbers(**padded.numbers()))
+    return {stage: int(stages[stage]["dense"] + stages[stage]["expert"]) for stage in ("first", "last")}

@@ -4,8 +4,9 @@ torchtitan 0.2.2 (the last release configured by TOML files) is installed withou
 dependencies (``pip install --no-deps torchtitan==0.2.2 tyro``; see docs/frameworks.md). Its
 modules import ``tokenizers``, ``datasets`` and ``torchdata`` (the tokenizer and data loader) and
 its MoE package imports a Triton kernel for token permutation; none of them runs in these
-checks, so where one is not installed an empty module stands in for it while torchtitan imports
-(never for a package that is installed, and never ``triton`` itself, which PyTorch probes).
+checks, so where one is not installed an empty module stands in for it while torchtitan imports, and is
+removed after (never for a package that is installed, and never ``triton`` itself, which
+PyTorch probes; the MoE kernel module, torchtitan's own, stays a stand-in).
 
 :func:`check_torchtitan_job` then uses torchtitan's own pieces:
 
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import types
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,11 @@ def _installed(name: str) -> bool:
         return False
 
 
+@cache
 def import_torchtitan() -> types.ModuleType:
-    """``torchtitan`` at :data:`TORCHTITAN_VERSION`, importable here (see the module docstring)."""
+    """``torchtitan`` at :data:`TORCHTITAN_VERSION` with every module these checks use imported
+    (config, train specs of all its models, quantization converters, pipeline split); the empty
+    stand-ins (see the module docstring) are in ``sys.modules`` only while it imports."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -67,15 +72,30 @@ def import_torchtitan() -> types.ModuleType:
                           f"tyro") from None
     if found != TORCHTITAN_VERSION:
         raise ImportError(f"torchtitan {found} is installed; these checks read {TORCHTITAN_VERSION}")
-    for name in _UNUSED_HERE:
-        if name not in sys.modules and not _installed(name.split(".")[0]):
-            stub = _Absent(name)
-            stub.__path__ = []
-            sys.modules[name] = stub
+    stand_ins = [name for name in _UNUSED_HERE if name not in sys.modules and not _installed(name.split(".")[0])]
     if _TRITON_KERNEL not in sys.modules and not _installed("triton"):
-        sys.modules[_TRITON_KERNEL] = _Absent(_TRITON_KERNEL)
-    import torchtitan
+        stand_ins.append(_TRITON_KERNEL)
+    for name in stand_ins:
+        stub = _Absent(name)
+        stub.__path__ = []
+        sys.modules[name] = stub
+    try:
+        import torchtitan
+        import torchtitan.components.quantization  # noqa: F401  (registers its converters)
+        import torchtitan.config  # noqa: F401
+        import torchtitan.distributed.pipeline_parallel  # noqa: F401
+        from torchtitan.models import _supported_models
+        from torchtitan.protocols.train_spec import get_train_spec
 
+        for name in _supported_models:  # the LLM families; flux (diffusion) needs transformers
+            try:
+                get_train_spec(name)
+            except ImportError:
+                pass
+    finally:
+        for name in stand_ins:
+            if name != _TRITON_KERNEL:  # torchtitan's own module: it stays, as torchtitan imported it
+                sys.modules.pop(name, None)
     return torchtitan
 
 
@@ -145,8 +165,7 @@ def pipeline_stages(job: Any, model_args: Any) -> list[list[str]]:
 
 def check_converters(job: Any) -> None:
     """Every ``[model] converters`` name registered by torchtitan's quantization components."""
-    import_torchtitan()
-    import torchtitan.components.quantization  # noqa: F401  (registers its converters)
+    import_torchtitan()  # which registers the quantization converters
     from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
     for name in job.model.converters:
