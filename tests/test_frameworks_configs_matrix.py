@@ -45,38 +45,9 @@ def _layouts(model):
 CASES = [(name, kind, framework) for name, model in PRESETS.items() for kind in _layouts(model)
          for framework in FRAMEWORKS]
 
-# (preset, layout, framework) -> what the judge finds today (layout None: every layout). Run
-# 2026-11-29 against main's emitters; remove a line when its fix lands (strict: it then fails).
-_TT_FLAVOR = ("torchtitan: [model] flavor is the preset's name, not a registered flavor of torchtitan's llama3 "
-              "(no deepseek_v3/qwen3/gpt_oss/MoE family emitted): ConfigManager parses it, get_train_spec refuses")
-_TT_PP = ("torchtitan: pipeline_parallel_first/last_stage_less_layers (default 1 each) are not emitted, so "
-          "layers_per_stage = layers/pp gives pp + 1 stages: pipeline_llm refuses (not divisible by the pp degree)")
-_MLA_NORMS = ("megatron: --qk-layernorm not emitted, so Megatron-Core's MLASelfAttention builds no q/kv latent "
-              "RMSNorms (q_lora_rank + kv_lora_rank parameters per layer fewer than dtlib counts)")
-_BLOOM = ("megatron: position alibi emitted as Megatron's default learned_absolute (+seq x hidden on the first "
-          "stage) and the embedding LayerNorm (embedding_norm) not emitted (-2 x hidden): neither is refused")
-_ROUTER_BIAS = ("megatron: Megatron-Core builds a router bias per MoE layer (128 experts x 36 layers = 4,608 "
-                "parameters) that dtlib's gpt-oss-120b preset leaves out of its count")
-_JAX_MOE = "jax: a MoE preset is laid out as one dense MLP of width moe_ffn (no expert role; should refuse)"
-KNOWN: dict[tuple[str, str | None, str], str] = {
-    **{(name, None, "torchtitan"): _TT_FLAVOR for name in PRESETS
-       if name not in ("llama3-8b", "llama3-70b", "llama3-405b", "mistral-7b", "deepseek-v2-lite", "deepseek-v3",
-                       "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b")},
-    **{(name, "tp_pp", "torchtitan"): _TT_PP for name in ("llama3-8b", "llama3-70b", "llama3-405b")},
-    ("deepseek-v2-lite", "dp8", "megatron"): _MLA_NORMS,
-    ("deepseek-v3", "dp8", "megatron"): _MLA_NORMS,
-    ("bloom-176b", None, "megatron"): _BLOOM,
-    ("gpt-oss-120b", "dp8", "megatron"): _ROUTER_BIAS,
-    ("mixtral-8x7b", "dp8", "jax"): _JAX_MOE,
-    ("mixtral-8x22b", "dp8", "jax"): _JAX_MOE,
-}
-
-
 def _params(case):
     name, kind, framework = case
-    reason = KNOWN.get(case) or KNOWN.get((name, None, framework))
-    marks = [pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError), reason=reason)] if reason else []
-    return pytest.param(*case, marks=marks, id=f"{name}-{kind}-{framework}")
+    return pytest.param(*case, id=f"{name}-{kind}-{framework}")
 
 
 def _jax_roles(model):
@@ -134,13 +105,7 @@ def _judge(name, kind, framework):
 
 
 _POSITIONS = {"rope": "rope", "learned": "learned_absolute"}  # Megatron-LM's --position-embedding-type
-_DROPOUT = ("megatron: --hidden-dropout/--attention-dropout not emitted, so Megatron-LM trains with its default "
-            "0.1 (the plan counts no dropout masks)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=_DROPOUT + ("; " + _BLOOM if n == "bloom-176b" else "")))
-    for n in PRESETS])
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_megatron_runs_the_presets_fields_not_megatrons_defaults(name):
     """Fields that change the run but not the parameter count, as Megatron-LM reads the flags:
     dropout (dtlib plans none) and the position embedding (ALiBi has no Megatron-LM flag: refuse)."""

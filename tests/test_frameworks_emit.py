@@ -34,11 +34,6 @@ PINNED_PLAN = TimedPlan(PINNED_LAYOUT, LLAMA, 512, StepOptions(tp_overlap=0))
 # writes (--tp-comm-overlap, --fp8-recipe, --norm-epsilon, --rotary-base, ...; each parsed and
 # validated by Megatron-LM's own parse_args/validate_args at core_v0.16.1): strict, so these
 # cases pass loudly once that check reads Megatron-LM's generated argument record
-STEP_FLAGS_UNCHECKED = pytest.mark.xfail(strict=True, raises=ValueError,
-                                         reason="dtlib.frameworks does not know Megatron-LM's step-time and "
-                                                "model flags yet")
-
-
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -78,7 +73,6 @@ def test_the_top_layout_is_accepted_by_every_frameworks_own_config_class(plans):
             assert check_emitted(e, layout)  # raises if the framework refuses it
 
 
-@STEP_FLAGS_UNCHECKED
 def test_the_top_layout_is_accepted_by_megatrons_own_config_class(plans):
     layout = to_layout(plans["top"]["configs"][0])
     assert check_emitted(emit("megatron", layout, LLAMA, 512), layout)
@@ -97,7 +91,6 @@ def test_the_pinned_3d_layout_where_it_is_expressible(plans):
     assert "on 8 data-parallel ranks" in check_emitted(deepspeed, layout)
 
 
-@STEP_FLAGS_UNCHECKED
 def test_the_pinned_3d_layout_is_accepted_by_megatrons_own_config_class():
     # Megatron-Core's TransformerConfig built from the flags: the 3D layout as Megatron reads it
     assert check_emitted(emit("megatron", PINNED_PLAN), PINNED_LAYOUT)
@@ -109,11 +102,10 @@ def test_the_pinned_3d_layout_is_accepted_by_megatrons_own_config_class():
     ("deepspeed", Parallelism(dp=8, zero=2, offload="optimizer"), LLAMA, "bf16"),
     pytest.param("megatron", Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2,
                                          sequence_parallel=True, num_microbatches=8, recompute="selective"), LLAMA,
-                 "fp8", marks=STEP_FLAGS_UNCHECKED),
+                 "fp8"),
     pytest.param("megatron", Parallelism(dp=8, tp=2, cp=2, zero=1, micro_batch_size=2, num_microbatches=4,
-                                         recompute="full"), LLAMA, "bf16", marks=STEP_FLAGS_UNCHECKED),
-    pytest.param("megatron", Parallelism(dp=8, tp=8, pp=8, num_microbatches=16), get_preset("gpt3-175b"), "fp16",
-                 marks=STEP_FLAGS_UNCHECKED),
+                                         recompute="full"), LLAMA, "bf16"),
+    pytest.param("megatron", Parallelism(dp=8, tp=8, pp=8, num_microbatches=16), get_preset("gpt3-175b"), "fp16"),
     ("jax", Parallelism(dp=16, tp=4, zero=3, shard_size=8), LLAMA, "bf16"),
 ])
 def test_variants_accepted_by_the_frameworks_own_checks(framework, layout, model, precision):
@@ -135,8 +127,6 @@ def test_the_frameworks_checks_refuse_a_broken_config():
         check_emitted(emit("jax", Parallelism(pp=2, num_microbatches=2), LLAMA, 2), Parallelism(pp=2, num_microbatches=2))
 
 
-@pytest.mark.xfail(strict=True, reason="dtlib.frameworks does not know Megatron-LM's step-time and model flags yet: "
-                                       "it refuses --norm-epsilon before the rule under test")
 def test_megatrons_check_refuses_flags_that_do_not_fit():
     flags = emit("megatron", Parallelism(dp=2, tp=4), LLAMA, 2).data
     with pytest.raises(ValueError, match="must divide the world size 6"):
@@ -223,7 +213,6 @@ def test_rehearse_under_jax_equals_one_process():
     assert result["losses"][0] != result["losses"][-1]
 
 
-@STEP_FLAGS_UNCHECKED
 def test_rehearse_under_megatron_equals_one_process():
     layout = Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2, sequence_parallel=True,
                          num_microbatches=8)

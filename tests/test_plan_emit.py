@@ -413,8 +413,8 @@ def test_a_model_field_is_emitted_or_refused_by_name(framework, field_name):
     """A model that differs in one field: its config (file or notes) differs, or it is refused with
     a line naming the field; never the same config for another model."""
     base, change = FIELD_CHANGES[field_name]
-    if framework == "torchtitan" and base in (MOE8, MLA):  # its MoE and MLA models are registered flavors
-        base = get_preset("qwen3-30b-a3b") if base is MOE8 else get_preset("deepseek-v2-lite")
+    if framework == "torchtitan" and base in (DENSE, MOE8, MLA):  # it builds registered flavors only
+        base = get_preset({id(DENSE): "llama3-8b", id(MOE8): "qwen3-30b-a3b", id(MLA): "deepseek-v2-lite"}[id(base)])
     layout = FIELD_LAYOUTS[framework]
     a, b = (emit(framework, layout, m, layout.global_batch) for m in (base, base.with_(**change)))
     if a.unsupported:  # only JAX and torchtitan refuse a base: every MoE, MLA or windowed model / an unregistered one
@@ -433,7 +433,7 @@ def test_torchtitan_emits_its_own_model_family_never_a_dense_stand_in(name, fami
     layout = Parallelism(dp=8, zero=3, ep=8 if model.moe_experts else 1)
     assert _toml(layout, model)["model"] == {"name": family, "flavor": flavor}
     changed = emit("torchtitan", layout, model.with_(norm_eps=1e-3), layout.global_batch)  # no flavor is that
-    assert changed.unsupported if model.moe_experts else "norm_eps=0.001" in changed.notes[-1]
+    assert "norm_eps=0.001" in changed.unsupported[0] and not changed.text
     for dense_stand_in in ("mixtral-8x7b", "gpt3-175b"):
         assert unsupported("torchtitan", Parallelism(dp=8, zero=3), get_preset(dense_stand_in), 8)
     assert unsupported("jax", Parallelism(dp=8, zero=3), get_preset("mixtral-8x7b"), 8)[0].startswith("moe_experts")

@@ -154,8 +154,10 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
     # sequence and context parallelism split activations, never parameters, and the local spec's
     # torch norm and attention refuse them (TE's run them): the config is checked with them, the
     # model built without them, on the same process groups
+    # the fused MoE permute is a Transformer Engine kernel without parameters, imported only when
+    # the flag is on (moe_utils.fused_permute: absent without TE): built without it, same count
     config = dataclasses.replace(megatron_transformer_config(args), sequence_parallel=False,
-                                 context_parallel_size=1)
+                                 context_parallel_size=1, moe_permute_fusion=False)
     tp = args["tensor_model_parallel_size"]
     vocab = padded_vocab_size(args["vocab_size"], tp, args["make_vocab_size_divisible_by"])
     chunks = []

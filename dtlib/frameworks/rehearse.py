@@ -157,13 +157,7 @@ def _for_cpu(e: Emitted) -> tuple[Any, list[str]]:
     for DeepSpeed, SGD without clipping (what :func:`~dtlib.frameworks.deepspeed_zero.reference_run`
     mirrors; DeepSpeed's default clipping would change the numbers)."""
     if e.framework == "megatron":
-        data = [f for f in e.data if f not in ("--bf16", "--fp16")]
-        for flag in ("--fp8-format", "--ffn-hidden-size"):  # the tiny GPT's FFN is Megatron's default 4 x hidden
-            if flag in data:
-                i = data.index(flag)
-                del data[i:i + 2]
-        return data + ["--optimizer", "sgd"], ["precision -> float32, optimizer Adam (Megatron-LM's default) -> "
-                                               "--optimizer sgd: as the one-process reference trains"]
+        return _megatron_for_cpu(e.data)
     if e.framework == "deepspeed":
         data = {k: v for k, v in e.data.items() if k not in ("bf16", "fp16")}
         data.update(gradient_clipping=0.0, optimizer={"type": "SGD", "params": {"lr": LR}})
@@ -172,6 +166,66 @@ def _for_cpu(e: Emitted) -> tuple[Any, list[str]]:
         return data, [f"precision -> float32, optimizer AdamW -> SGD lr {LR:g} (zero_allow_untested_optimizer), "
                       f"gradient_clipping {e.data['gradient_clipping']:g} -> 0: as the one-process reference trains"]
     return {**e.data, "dtype": "float32"}, ["precision -> float32: CPU devices compare in float32"]
+
+
+# Megatron-LM flags the CPU runner leaves out: kernels and overlaps that change speed, never the
+# numbers a step computes (Megatron-Core documents each as a performance option), with why
+_MEGATRON_SPEED_ONLY = {
+    "--tp-comm-overlap": "TP communication overlap needs Transformer Engine's userbuffers (CUDA)",
+    "--moe-grouped-gemm": "grouped GEMM kernels need CUDA",
+    "--moe-permute-fusion": "the fused permute kernel needs Transformer Engine",
+    "--overlap-moe-expert-parallel-comm": "expert-parallel overlap needs CUDA streams",
+    "--no-masked-softmax-fusion": "fusions are CUDA kernels, off on CPU anyway",
+    "--no-bias-dropout-fusion": "fusions are CUDA kernels, off on CPU anyway",
+    "--no-rope-fusion": "fusions are CUDA kernels, off on CPU anyway",
+    "--no-bias-swiglu-fusion": "fusions are CUDA kernels, off on CPU anyway",
+    "--no-bias-gelu-fusion": "fusions are CUDA kernels, off on CPU anyway",
+}
+_MEGATRON_SPEED_ONLY_VALUES = {
+    "--attention-backend": "the attention kernel choice needs CUDA; the runner's is the local one",
+    "--cp-comm-type": "the runner does not run context parallelism",
+    "--fp8-recipe": "FP8 needs Transformer Engine; the run compares in float32",
+    "--fp8-format": "FP8 needs Transformer Engine; the run compares in float32",
+    "--recompute-modules": "recomputing a module repeats its forward: memory, not the numbers",
+}
+# model flags whose value the runner's tiny GPT builds anyway (dtlib.frameworks.megatron_flags:
+# dropout 0, LayerNorm epsilon Megatron-Core's 1e-5); another value would be another model
+_MEGATRON_RUNNER_BUILDS = {"--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--norm-epsilon": 1e-5}
+
+
+def _megatron_for_cpu(flags: list[str]) -> tuple[list[str], list[str]]:
+    """Megatron-LM flags as the CPU runner takes them, and one line per change (see the tables)."""
+    from dtlib.frameworks.megatron_flags import SWITCH_FLAGS, VALUE_FLAGS
+
+    data, dropped, i = [], [], 0
+    while i < len(flags):
+        flag, i = flags[i], i + 1
+        values = []
+        while i < len(flags) and not flags[i].startswith("--"):  # --recompute-modules takes several
+            values.append(flags[i])
+            i += 1
+        value = " ".join(values) or None
+        if flag in _MEGATRON_SPEED_ONLY or flag in _MEGATRON_SPEED_ONLY_VALUES:
+            why = _MEGATRON_SPEED_ONLY.get(flag) or _MEGATRON_SPEED_ONLY_VALUES[flag]
+            dropped.append(f"{flag}{'' if value is None else ' ' + value} left out: {why}")
+        elif flag in _MEGATRON_RUNNER_BUILDS:
+            if float(value) != _MEGATRON_RUNNER_BUILDS[flag]:
+                raise ValueError(f"the CPU runner builds {flag} {_MEGATRON_RUNNER_BUILDS[flag]:g}, the config "
+                                 f"says {value}: not rehearsable")
+        elif flag == "--ffn-hidden-size":  # the tiny GPT's FFN is Megatron's default 4 x hidden
+            continue
+        elif flag == "--make-vocab-size-divisible-by":
+            dropped.append(f"{flag} {value} left out: the runner's vocabulary stays unpadded, as its "
+                           f"one-process reference's")
+        elif flag in ("--bf16", "--fp16"):
+            continue
+        elif flag in VALUE_FLAGS or flag in SWITCH_FLAGS:
+            data += [flag] + values
+        else:
+            raise ValueError(f"the CPU runner cannot run Megatron-LM flag {flag}: not rehearsable")
+    lines = ["precision -> float32, optimizer Adam (Megatron-LM's default) -> --optimizer sgd: as the "
+             "one-process reference trains"]
+    return data + ["--optimizer", "sgd"], lines + dropped
 
 
 def _run(framework: str, layout: Parallelism, model: TransformerConfig, data: Any, steps: int,

@@ -26,15 +26,22 @@ _FP8_RECIPES = {"tensorwise": "tensorwise", "current": "tensorwise", "rowwise": 
 
 def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     out = []
-    lacks = [] if _flavor(m) else _llama3_lacks(m)
-    if lacks and m.name in _FLAVORS:  # a registered flavor's model, changed: name what changed
+    flavor = _flavor(m)
+    lacks = [] if flavor else _llama3_lacks(m)
+    if not flavor and m.name in _FLAVORS:  # a registered flavor's model, changed: name what changed
         preset = PRESETS[m.name]
         lacks = [f"{f.name}={getattr(m, f.name)!r} (torchtitan's {' '.join(_FLAVORS[m.name])}: "
                  f"{getattr(preset, f.name)!r})" for f in fields(m)
                  if f.name not in ("seq", "source") and getattr(m, f.name) != getattr(preset, f.name)] + lacks
-    if lacks:
+    if lacks and _llama3_lacks(m):
         out.append(f"{', '.join(lacks)}: torchtitan's llama3 model has none, and no registered flavor of its "
                    f"other families (deepseek_v3, qwen3, gpt_oss, llama4) is this model")
+    elif not flavor:  # torchtitan's get_train_spec refuses a flavor it has not registered
+        out.append(f"{', '.join(lacks) + ': ' if lacks else ''}no registered torchtitan v0.2.2 flavor is the model "
+                   f"{m.name!r} (llama3 ships 8B, 70B, 405B); register TransformerModelArgs(dim={m.hidden}, "
+                   f"n_layers={m.layers}, n_heads={m.heads}, n_kv_heads={m.kv_heads}, vocab_size={m.vocab}, "
+                   f"rope_theta={m.rope_theta:g}, norm_eps={m.norm_eps:g}) with an FFN {m.ffn} wide in "
+                   f"torchtitan/models/llama3/__init__.py")
     if p.zero == 1:
         out.append("ZeRO-1: torchtitan shards with FSDP2 only, i.e. ZeRO-2 (reshard_after_forward never) or "
                    "ZeRO-3; no key shards the optimizer state alone")
@@ -158,7 +165,7 @@ def torchtitan_document(plan: TimedPlan | Parallelism, model: TransformerConfig 
         training["enable_cpu_offload"] = True
     # the planner's "op" is torchtitan's per-op policy (every second matmul saved)
     ac = {"mode": "selective", "selective_ac_option": "op"} if p.recompute == "op" else {"mode": p.recompute}
-    name, flavor = _flavor(m) or ("llama3", m.name)
+    name, flavor = _flavor(m)
     doc = {"model": {"name": name, "flavor": flavor},
            "training": training, "parallelism": par, "activation_checkpoint": ac}
     if precision == "fp8":  # the LM head stays in bf16, as the planner's fp8 assumes
@@ -188,12 +195,6 @@ def torchtitan_toml(plan: TimedPlan | Parallelism, model: TransformerConfig | No
 def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
     notes = ["schema: torchtitan v0.2.2 job_config.py (the last TOML release); on main the same keys are "
              "--section.key flags"]
-    if not _flavor(m):
-        notes.append(f"flavor {m.name!r}: register it in torchtitan/models/llama3/__init__.py as "
-                     f"TransformerModelArgs(dim={m.hidden}, n_layers={m.layers}, n_heads={m.heads}, "
-                     f"n_kv_heads={m.kv_heads}, vocab_size={m.vocab}, rope_theta={m.rope_theta:g}, "
-                     f"norm_eps={m.norm_eps:g}) with an FFN {m.ffn} wide (ffn_dim_multiplier, multiple_of); "
-                     f"torchtitan ships 8B/70B/405B")
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards the norms' activations (SequenceParallel in "
                      "apply_tp): sequence_parallel becomes on (same numbers, less activation memory)")
