@@ -41,7 +41,8 @@ from dtlib.analytic.precision import Precision, get_precision
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
            "flat_link", "flat_vs_hierarchical",
            "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
-           "comm_report", "tp_layer_times", "NCCL_TUNING", "nccl_latency", "nccl_time"]
+           "comm_report", "tp_layer_times", "NCCL_TUNING", "nccl_latency", "nccl_time", "cp_kv_width",
+           "cp_kv_bytes"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 ALGORITHMS = ("ring", "tree")
@@ -241,6 +242,35 @@ def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, sch
     return (pp - 1) / (v * num_microbatches)
 
 
+def cp_kv_width(*, heads: Any, kv_heads: Any, head_dim: Any, kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0,
+                qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, **_model: Any) -> Any:
+    """K plus V elements per token of one layer, all heads (before tensor parallelism), as the
+    context-parallel ring passes them (scalars or arrays; the keys of
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers`).
+
+    GQA/MHA: ``kv_heads`` K and V heads of ``head_dim`` each (Ainslie et al. 2023; Transformer
+    Engine's ``DotProductAttention`` exchanges the ``kv_heads`` groups, not the repeated heads).
+    MLA (``kv_lora_rank > 0``): the latent is decompressed before core attention, so the ring passes
+    every head's K of ``qk_nope_head_dim + qk_rope_head_dim`` (the shared rope key expanded to each
+    head) and V of ``v_head_dim`` (Megatron-Core ``MLASelfAttention.get_query_key_value_tensors``,
+    core_v0.16.1: ``key = cat([k_no_pe, k_pos_emb.expand(..., heads, ...)])``, ``value`` of
+    ``v_head_dim``, handed to ``TEDotProductAttention`` with ``k_channels``/``v_channels``).
+    """
+    gqa = 2 * kv_heads * head_dim
+    mla = heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
+    latent = np.asarray(kv_lora_rank) > 0
+    return np.where(latent, mla, gqa) if latent.ndim else (mla if latent else gqa)
+
+
+def cp_kv_bytes(n: dict[str, Any], act_bytes: Any) -> Any:
+    """Bytes of one layer's K and V all-gathered over the context-parallel group per micro-batch
+    (the gathered buffer, as nccl-tests counts it): ``micro_batch_size x seq`` tokens of
+    :func:`cp_kv_width` elements, each TP rank holding its ``1/tp`` of the heads. ``n``: layout and
+    model numbers (:meth:`Parallelism.numbers` with :meth:`TransformerConfig.numbers`). What
+    ``dtlib comm`` (:func:`strategy_volumes`) and ``dtlib plan`` (:mod:`dtlib.plan.steptime`) both use."""
+    return n["micro_batch_size"] * n["seq"] * cp_kv_width(**n) * act_bytes / n["tp"]
+
+
 def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
                      precision: "Precision | str" = "zero", seq: int | None = None) -> dict[str, dict[str, float]]:
     """Per step, for each strategy: the collective, its buffer size S per call, calls per step,
@@ -307,8 +337,8 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     boundaries = layout.virtual_stages if layout.schedule == "interleaved" else 1
     add("pp_activations", "p2p", act / layout.tp if layout.sequence_parallel else act,
         2 * boundaries * m * (layout.pp > 1), 2)
-    kv = 2 * b * s * cfg.kv_heads * cfg.head_dim * prec.activation / layout.tp
-    add("cp_kv", "all_gather", kv, 2 * layers_here * m, layout.cp)
+    add("cp_kv", "all_gather", cp_kv_bytes(layout.numbers(**cfg.numbers(s)), prec.activation),
+        2 * layers_here * m, layout.cp)
     if cfg.moe_experts:
         # the last stage has the most MoE layers: dense layers come first (first_k_dense_replace)
         moe_here = (moe_layer_count(L, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq)

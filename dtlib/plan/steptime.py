@@ -25,7 +25,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time, nccl_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
@@ -300,9 +300,9 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     tensor_parallel_mlp = 1 - moe["moe_share"] * (moe["shared_experts"] == 0)
     tp_calls = (2 + full) * (1 + tensor_parallel_mlp) * layers_here * m
     tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
-    kv = 2 * b * (s / cp) * n["kv_heads"] * (h // n["heads"]) * prec.activation / tp
+    # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
-        tp * cp <= g, "all_gather", kv * cp, cp, intra, inter)
+        tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)
     # ---- EP: all-to-all of the routed tokens per MoE layer (dtlib.plan.moe) -----------------
     check_imbalance(moe, options.moe_imbalance)
     load = expert_load(moe, options.moe_imbalance)
