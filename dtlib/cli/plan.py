@@ -195,8 +195,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
-                                           "activation_offload_layers", "recompute_modules")
+                                           "activation_offload_layers", "recompute_modules", "first_stage_layers",
+                                           "last_stage_layers")
              if getattr(args, k) is not None}
+    if args.pipeline_layout:
+        fixed["pipeline_layout"] = True
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
