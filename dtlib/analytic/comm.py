@@ -34,7 +34,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
-from dtlib.analytic.config import TransformerConfig, moe_layer_count
+from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism, check_pipeline
 from dtlib.analytic.precision import Precision, get_precision
 
@@ -292,18 +292,21 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     with ``etp > 1`` each is followed by an all-gather (reduce-scatter on the way back) of ``etp``
     x those bytes over the ETP group (``etp_tokens``).
     """
-    from dtlib.analytic.memory import memory_per_gpu, stage_parameters  # local import avoids a cycle
+    from dtlib.analytic.memory import memory_per_gpu, rank_parameters  # local imports avoid a cycle
+    from dtlib.analytic.stages import rank_layers
 
     prec = get_precision(precision)
     s = cfg.seq if seq is None else validate.integer("seq", seq)
-    L, h, m, b = cfg.layers, cfg.hidden, layout.num_microbatches, layout.micro_batch_size
-    layers_here = -(-L // layout.pp)
+    h, m, b = cfg.hidden, layout.num_microbatches, layout.micro_batch_size
     unsharded = layout.with_(zero=0, offload="none")
     held = memory_per_gpu(cfg, unsharded, precision=prec, seq=s)
     params_rank = held.parameters / prec.param
-    # the expert parameters of that rank's stage, reduced over their own group (below)
-    stages = stage_parameters(**unsharded.numbers(**cfg.numbers(s)), balanced=layout.account_for_embedding_and_loss)
-    expert_rank = float(stages["first" if held.stage == 0 else "last"]["expert"])
+    # the most loaded rank's layers (dtlib.analytic.stages), and its expert parameters, reduced
+    # over their own group (below)
+    n, balanced = unsharded.numbers(**cfg.numbers(s)), layout.account_for_embedding_and_loss
+    stage = rank_layers(n, held.stage, balanced)
+    layers_here, moe_here = int(stage["layers"]), int(stage["moe_layers"])
+    expert_rank = float(rank_parameters(n, held.stage, balanced)["expert"])
     act = b * (s / layout.cp) * h * prec.activation  # one micro-batch's b x s x h activations
     d = layout.dp * layout.cp  # gradients are reduced over the dp x cp replicas
     out: dict[str, dict[str, float]] = {}
@@ -340,9 +343,6 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     add("cp_kv", "all_gather", cp_kv_bytes(layout.numbers(**cfg.numbers(s)), prec.activation),
         2 * layers_here * m, layout.cp)
     if cfg.moe_experts:
-        # the last stage has the most MoE layers: dense layers come first (first_k_dense_replace)
-        moe_here = (moe_layer_count(L, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq)
-                    - moe_layer_count(L - layers_here, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq))
         moe_calls = (4 + 2 * (layout.recompute == "full")) * moe_here * m
         padded = cfg.moe_capacity_factor or 1
         dispatched = act / layout.tp * cfg.moe_top_k * padded

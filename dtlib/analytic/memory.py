@@ -114,7 +114,7 @@ def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any
     holds its chunks' layers, dense and MoE as Megatron-LM places them
     (:func:`dtlib.analytic.stages.rank_layers`), the first the embedding, the last the LM head.
     """
-    n = dict(n, virtual_stages=n.get("virtual_stages", 1))
+    n = {"pp": 1, "virtual_stages": 1, **n}
     return {"first": rank_parameters(n, 0 * n["pp"], balanced), "last": rank_parameters(n, n["pp"] - 1, balanced)}
 
 
