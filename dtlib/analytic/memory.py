@@ -162,8 +162,10 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                   recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
                   activation_offload_layers: int | None = None, recompute_modules: tuple[str, ...] = (),
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
-                  overhead_bytes: Any = 0.0) -> dict[str, Any]:
-    """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
+                  overhead_bytes: Any = 0.0, ranks: list[int] | None = None) -> dict[str, Any]:
+    """The shared core (scalars or arrays): bytes on the most loaded GPU, by component, and its
+    pipeline ``stage``; ``ranks``: the pipeline ranks to evaluate (default: those that can be the
+    most loaded, :func:`dtlib.analytic.stages.candidate_ranks`).
 
     ``n`` holds layout numbers (``dp tp pp cp ep zero sequence_parallel virtual_stages micro_batch_size
     num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
@@ -183,7 +185,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             partial = s["layers"] if recompute == "full" else recompute_layers
             return [dict(stored_on_rank(schedule, s, r, balanced, partial), rank=r,
                          **{"held." + k: v for k, v in rank_layers(s, r, balanced).items()})
-                    for r in candidate_ranks(s, balanced)]
+                    for r in (candidate_ranks(s, balanced) if ranks is None else [r + 0 * s["pp"] for r in ranks])]
         table = on_structures(ranks_of, n)
         ranks = [t["rank"] for t in table]
         per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
