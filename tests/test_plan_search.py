@@ -98,7 +98,7 @@ def test_nothing_fits_says_the_smallest_memory_and_what_to_change():
 
 def test_no_valid_layout_names_the_broken_rule():
     r = search(SMALL, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 8, "pp": 1, "cp": 1})
-    assert r.searched == 0 and "tp=8 must divide kv_heads=4 (query groups); valid tp: 1, 2, 4" in r.why
+    assert r.searched == 0 and "tp=8 must divide the 4 KV heads (kv_heads, Megatron's query groups); valid tp: 1, 2, 4" in r.why
     r = search(SMALL, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 3})
     assert "tp x pp x cp = 3 must divide the 8 GPUs" in r.why
     r = search(SMALL, cluster("h100-sxm", 1, 8), 7, options=OPTIONS, fixed={"dp": 8})

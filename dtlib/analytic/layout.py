@@ -224,12 +224,16 @@ def split_problem(layers: int, pp: int, virtual_stages: int = 1, first_stage_lay
     if (first or last) and balanced:
         return (f"{given}an uneven pipeline split, cannot be combined with account_for_embedding_and_loss "
                 f"(Megatron-Core TransformerConfig); give one or the other")
+    what = "" if first or last else (" + the embedding and the loss" if balanced else "")
+    if pp * v > layers + 2 * bool(balanced):
+        return (f"pipeline stages pp={pp} x virtual stages {v} exceed the {layers} layers{what}; valid: "
+                f"pp x virtual_stages <= {layers + 2 * bool(balanced)} with pipeline_layout, dividing "
+                f"{layers + 2 * bool(balanced)} otherwise (Megatron-LM)")
     suggestion = megatron_split(layers, pp, v, balanced)
     hint = ("no even or first/last split of these sizes is valid; valid pp x virtual_stages divide "
             f"{layers + 2 * balanced}, or pipeline_layout=True (a layout string)" if suggestion is None else
             "valid: first_stage_layers={}, last_stage_layers={} (Megatron-LM --decoder-first/last-pipeline-"
             "num-layers; None: not given)".format(*(x or None for x in suggestion)))
-    what = "" if first or last else (" + the embedding and the loss" if balanced else "")
     return (f"pipeline split: {given}{layers} layers{what} over pp={pp} x virtual_stages={v} is not a split "
             f"Megatron-LM accepts (even: layers divisible by pp x virtual_stages; uneven: first/last "
             f"stage layers multiples of virtual_stages, the rest even over the middle ranks); {hint}")
@@ -308,13 +312,13 @@ RULES: list[Rule] = [
     # Megatron-Core splits heads, query groups and every ColumnParallelLinear's output over tp
     # (``divide`` asserts in attention.py, mlp.py; SharedExpertMLP is an MLP over the TP group)
     (("heads", "tp"), lambda heads, tp: heads % tp == 0,
-     lambda heads, tp: f"tensor parallel size tp={tp} must divide heads={heads} (attention heads); "
+     lambda heads, tp: f"tensor parallel size tp={tp} must divide the {heads} attention heads; "
                        f"valid tp: {validate.divisors(heads)}"),
     (("kv_heads", "tp"), lambda kv_heads, tp: kv_heads % tp == 0,
-     lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide kv_heads={kv_heads} (query groups); "
-                          f"valid tp: {validate.divisors(kv_heads)}"),
+     lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide the {kv_heads} KV heads (kv_heads, "
+                          f"Megatron's query groups); valid tp: {validate.divisors(kv_heads)}"),
     (("ffn", "tp"), lambda ffn, tp: ffn % tp == 0,
-     lambda ffn, tp: f"tensor parallel size tp={tp} must divide ffn={ffn} (the FFN width); "
+     lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn} (ffn); "
                      f"valid tp: {validate.divisors(ffn)}"),
     (("moe_ffn", "shared_experts", "tp"), lambda moe_ffn, shared_experts, tp: (moe_ffn * shared_experts) % tp == 0,
      lambda moe_ffn, shared_experts, tp: f"tensor parallel size tp={tp} must divide the shared-expert width "
