@@ -11,7 +11,7 @@ from dtlib.analytic.layout import Parallelism, megatron_split, pipeline_split, s
 from dtlib.analytic.memory import memory_per_gpu, per_gpu_bytes, rank_parameters
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.presets import get_preset
-from dtlib.analytic.stages import pipeline_stages, stored_on_rank
+from dtlib.analytic.stages import megatron_layout_string, pipeline_stages, stored_on_rank
 from dtlib.analytic.units import GiB
 from dtlib.plan.steptime import StepOptions, step_time
 
@@ -130,3 +130,21 @@ def test_uneven_splits_are_timed_by_their_slowest_stage():
     # the last rank, 10 layers and Llama 3's 128K-vocabulary LM head (about 1.9 layers' GEMMs)
     assert head > layer and split == pytest.approx(max(11 * layer, 10 * layer + head), rel=1e-9)
     assert split > 1.02 * (32 / 3 * layer + head / 3)  # the balanced share it replaces
+
+
+@pytest.mark.parametrize("layers,pp,v,balanced", [(61, 32, 1, False), (61, 4, 4, False), (126, 16, 4, True),
+                                                  (27, 4, 1, False)])
+def test_the_layout_string_builds_in_megatron_core_what_dtlib_counts(layers, pp, v, balanced):
+    """A pipeline_layout split written as --pipeline-model-parallel-layout: Megatron-Core's own
+    parser builds every rank's chunks with the layers dtlib places there."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    model = get_preset("deepseek-v3").with_(layers=layers)
+    layout = Parallelism(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b", num_microbatches=pp,
+                         pipeline_layout=True, account_for_embedding_and_loss=balanced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parsed = PipelineParallelLayerLayout.from_str(megatron_layout_string(model, layout), pp)
+        parsed.validate_layer_layout(num_layers=layers, mtp_num_layers=None)
+        built = [[chunk.count(LayerType.decoder) for chunk in rank] for rank in parsed.layout]  # [pp rank][chunk]
+    assert built == [[len(c) for c in s.chunks] for s in pipeline_stages(model, layout)]

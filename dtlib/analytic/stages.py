@@ -26,7 +26,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, moe_layer_count
 from dtlib.analytic.layout import SCHEDULES, Parallelism
 
-__all__ = ["Stage", "pipeline_stages", "chunk_layers", "rank_layers", "stored_on_rank", "candidate_ranks",
+__all__ = ["Stage", "pipeline_stages", "megatron_layout_string", "chunk_layers", "rank_layers", "stored_on_rank", "candidate_ranks",
            "on_structures", "distinct_rows"]
 
 
@@ -205,3 +205,17 @@ def pipeline_stages(model: TransformerConfig, layout: Parallelism) -> list[Stage
         moe = sum(int(_moe_between(n, c[0], c[-1] + 1)) for c in chunks if c)
         out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=r == 0, loss=r == layout.pp - 1))
     return out
+
+
+def megatron_layout_string(model: TransformerConfig, layout: Parallelism) -> str:
+    """Megatron-LM's ``--pipeline-model-parallel-layout`` for ``layout``'s split: the pp x
+    virtual_stages chunks in Megatron's order (virtual stage by virtual stage, ranks in order,
+    ``PipelineParallelLayerLayout``), ``|`` between chunks, ``E`` the embedding first, ``t`` a
+    decoder layer, ``L`` the loss last (core_v0.16.1 ``pipeline_parallel_layer_layout.py``)."""
+    stages = pipeline_stages(model, layout)
+    chunks = []
+    for j in range(layout.virtual_stages):
+        for stage in stages:
+            ends = ("E" if j == 0 and stage.embedding else "", "L" if j == layout.virtual_stages - 1 and stage.loss else "")
+            chunks.append(ends[0] + "t" * len(stage.chunks[j]) + ends[1])
+    return "|".join(chunks)
