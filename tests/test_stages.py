@@ -12,8 +12,7 @@ from dtlib.analytic.memory import memory_per_gpu, per_gpu_bytes, rank_parameters
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.stages import megatron_layout_string, pipeline_stages, stored_on_rank
-from dtlib.analytic.units import GiB
-from dtlib.plan.steptime import StepOptions, step_time
+from dtlib.plan.steptime import step_time
 
 torch = pytest.importorskip("torch")
 mcore = pytest.importorskip("megatron.core.transformer.transformer_config")
