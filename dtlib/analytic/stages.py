@@ -148,8 +148,9 @@ def distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     key = np.zeros(len(columns[0]), dtype=np.int64)
     for c in columns:
         values, code = np.unique(c, return_inverse=True)
+        if (int(key.max()) + 1) * len(values) > 2 ** 40:  # re-code before the key could overflow
+            key = np.unique(key, return_inverse=True)[1].reshape(-1)
         key = key * len(values) + code.reshape(-1)
-        key = np.unique(key, return_inverse=True)[1].reshape(-1)  # re-code: the key stays small
     _, first, where = np.unique(key, return_index=True, return_inverse=True)
     return first, where.reshape(-1)
 
