@@ -153,16 +153,21 @@ def test_ep_volumes_are_the_sequence_parallel_shard_of_the_moe_layers():
     """DeepSeek-V3, tp 2, ep 8, pp 16, 4 micro-batches of 1 x 4096 tokens, bf16: each rank
     dispatches its sequence-parallel shard, 4096 / 2 tokens x top_k 8 x h 7168 x 2 bytes, to its 8
     EP peers (Megatron-Core runs MoE with TP only sequence-parallel), 4 all-to-alls per MoE layer and
-    micro-batch (6 with full recompute); the last stage's 4 layers are all MoE, and with pp 1 only
-    58 of the 61 (the first 3 are dense). etp 2 all-gathers / reduce-scatters 2 x the bytes."""
+    micro-batch (6 with full recompute); 61 layers over pp 16 is Megatron's uneven split 3 + 14 x 4
+    + 2, and the most loaded rank is the second, whose 4 layers are all MoE (the first holds the 3
+    dense ones); with pp 1, 58 of the 61. etp 2 all-gathers / reduce-scatters 2 x the bytes."""
     cfg = get_preset("deepseek-v3")
-    layout = Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True, num_microbatches=4)
+    layout = Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True, num_microbatches=4,
+                         first_stage_layers=3, last_stage_layers=2)
+    from dtlib.analytic.memory import memory_per_gpu
+    assert memory_per_gpu(cfg, layout).stage == 1
     per_call = 4096 // 2 * 8 * 7168 * 2
     v = strategy_volumes(cfg, layout)
     assert v["ep_tokens"]["bytes"] == per_call and v["ep_tokens"]["calls"] == 4 * 4 * 4
     assert v["ep_tokens"]["bytes_sent_per_gpu"] == 7 / 8 * per_call * 64
     assert v["etp_tokens"]["bytes"] == 2 * per_call and v["etp_tokens"]["bytes_sent_per_gpu"] == per_call * 64
-    whole = strategy_volumes(cfg, layout.with_(pp=1, dp=128, recompute="full"))
+    whole = strategy_volumes(cfg, layout.with_(pp=1, dp=128, recompute="full", first_stage_layers=None,
+                                               last_stage_layers=None))
     assert whole["ep_tokens"]["calls"] == 6 * 58 * 4
     assert "etp_tokens" not in strategy_volumes(cfg, layout.with_(etp=1))  # no ETP group
     # padded buffers: a capacity factor multiplies the bytes
@@ -190,6 +195,7 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group():
     from dtlib.analytic.memory import memory_per_gpu
     held = memory_per_gpu(cfg, layout.with_(zero=0)).parameters  # 2-byte parameters
     assert v["dp_grad_reduce_scatter"]["bytes"] + v["edp_grad_reduce_scatter"]["bytes"] == pytest.approx(held, rel=1e-12)
-    folded = strategy_volumes(cfg, Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True))
+    folded = strategy_volumes(cfg, Parallelism(dp=8, tp=2, pp=16, ep=8, etp=2, sequence_parallel=True,
+                                               first_stage_layers=3, last_stage_layers=2))
     assert not any(k.startswith("edp_") for k in folded) and "dp_grad_all_reduce" in folded
     assert not any(k.startswith("edp_") for k in strategy_volumes(get_preset("llama3-8b"), Parallelism(dp=8)))

@@ -21,6 +21,9 @@ LLAMA3_FLAGS = ["--model", "llama3-405b", "--seq", "8192", "--tp", "8", "--pp", 
                 "--recompute", "none", "--sequence-parallel", "--virtual-stages", "4", "--micro-batch", "1"]
 LLAMA3 = Parallelism(dp=64, tp=8, pp=16, zero=2, sequence_parallel=True, schedule="interleaved",
                      virtual_stages=4, micro_batch_size=1, num_microbatches=32)
+# 126 layers in 16 x 4 chunks: Megatron-LM builds it only from a layout string (its even split needs
+# 126 divisible by 64); the layers spread 2 per chunk, the last two chunks 1
+SPREAD = LLAMA3.with_(pipeline_layout=True)
 
 
 def _json(capsys, *argv) -> dict:
@@ -30,14 +33,15 @@ def _json(capsys, *argv) -> dict:
 
 # (extra flags for both commands, memory-only flags, plan-only flags, memory_per_gpu kwargs, layout)
 CASES = {
-    "llama3-405b, the issue's layout": ([], ["--schedule", "interleaved", "--microbatches", "32"],
-                                        ["--gpus", "8192", "--global-batch", "2048"], {}, LLAMA3),
+    "llama3-405b, the issue's layout": (["--pipeline-layout"], ["--schedule", "interleaved", "--microbatches", "32"],
+                                        ["--gpus", "8192", "--global-batch", "2048"], {}, SPREAD),
     "llama3-405b, Llama 3's balanced stages": (
         ["--account-for-embedding-and-loss"], ["--schedule", "interleaved", "--microbatches", "32"],
         ["--gpus", "8192", "--global-batch", "2048"], {}, LLAMA3.with_(account_for_embedding_and_loss=True)),
     "llama3-405b, FP8, 2 layers recomputed per chunk": (
-        ["--recompute-layers", "2", "--precision", "fp8"], ["--schedule", "interleaved", "--microbatches", "32"],
-        ["--gpus", "8192", "--global-batch", "2048"], {"dtype": "fp8"}, LLAMA3.with_(recompute_layers=2)),
+        ["--recompute-layers", "2", "--precision", "fp8", "--pipeline-layout"],
+        ["--schedule", "interleaved", "--microbatches", "32"],
+        ["--gpus", "8192", "--global-batch", "2048"], {"dtype": "fp8"}, SPREAD.with_(recompute_layers=2)),
 }
 
 
@@ -173,19 +177,24 @@ def test_fp8_keeps_one_byte_copies_of_the_gemm_inputs_on_transformer_engine_only
 def test_llama3_405b_fits_as_published_and_what_made_it_not():
     """Llama 3 paper, Sec. 3.3: 405B at 8K, tp 8 / pp 16 / dp 64, no activation checkpointing, on
     80 GB H100s. It fits once the memory model counts Megatron's fused SwiGLU and Llama 3's
-    pipeline balancing (one layer fewer on the first and last stages, Sec. 3.3.2); docs/stacks.md
-    goes through every term."""
+    pipeline balancing with one-layer chunks (126 layers + the embedding and the loss in 16 x 8
+    chunks, Sec. 3.3.2). Every rank counts: with 2-layer chunks (v = 4) balancing empties a layer
+    of rank 0's first chunk, but rank 1 keeps its 8 layers and holds 77 chunk-forwards at its peak
+    (29 of its first chunk), 154 layer x micro-batch pairs against rank 0's 158 unbalanced, and does
+    not fit; docs/stacks.md goes through every term."""
     h100 = get_gpu("h100-sxm")
-    balanced = memory_per_gpu(LLAMA405, LLAMA3.with_(account_for_embedding_and_loss=True),
+    balanced = memory_per_gpu(LLAMA405, LLAMA3.with_(virtual_stages=8, account_for_embedding_and_loss=True),
                               precision="megatron-bf16", gpu=h100)
-    assert balanced.fits and balanced.total < 70 * GiB
-    even = memory_per_gpu(LLAMA405, LLAMA3, precision="megatron-bf16", gpu=h100)
-    eager = memory_per_gpu(LLAMA405, LLAMA3, precision="megatron-bf16", gpu=h100, stack="torchtitan")
+    assert balanced.fits and balanced.stage == 1
+    even = memory_per_gpu(LLAMA405, SPREAD, precision="megatron-bf16", gpu=h100)
+    eager = memory_per_gpu(LLAMA405, SPREAD, precision="megatron-bf16", gpu=h100, stack="torchtitan")
     # eager SwiGLU: one more FFN-wide tensor (s b f / t, 2 bytes) per layer x micro-batch held (158)
-    assert not even.fits and eager.total - even.total == 158 * 2 * 8192 * 53248 / 8
-    # the first rank's first chunk holds the most micro-batches (31 of 79): one layer fewer there
-    assert even.activations - balanced.activations == pytest.approx(31 / 158 * even.activations, rel=1e-12)
-    paper = memory_per_gpu(LLAMA405, LLAMA3, precision="megatron-bf16", convention="korthikanti-2022")
+    assert not even.fits and even.stage == 0 and eager.total - even.total == 158 * 2 * 8192 * 53248 / 8
+    two_layer_chunks = memory_per_gpu(LLAMA405, LLAMA3.with_(account_for_embedding_and_loss=True),
+                                      precision="megatron-bf16", gpu=h100)
+    assert two_layer_chunks.stage == 1 and not two_layer_chunks.fits
+    assert two_layer_chunks.activations == pytest.approx(154 / 158 * even.activations, rel=1e-12)
+    paper = memory_per_gpu(LLAMA405, SPREAD, precision="megatron-bf16", convention="korthikanti-2022")
     assert paper.total > 5 * even.total  # the 2022 default: scores and masks stored
 
 
@@ -196,18 +205,21 @@ def test_one_layer_per_chunk_is_valid_only_with_the_balanced_split(capsys):
     from dtlib.analytic.layout import stage_layers
 
     v8 = LLAMA3.with_(virtual_stages=8)
-    with pytest.raises(ValueError, match=r"pp=16 x virtual stages 8 exceed the 126 layers; valid: pp x virtual_stages <= 126"):
+    with pytest.raises(ValueError, match=r"126 layers over pp=16 x virtual_stages=8 is not a split Megatron-LM accepts"):
         memory_per_gpu(LLAMA405, v8)
+    with pytest.raises(ValueError, match=r"pp=16 x virtual_stages=8 = 128 chunks exceed the 126 layers; valid: "
+                                         r"pp x virtual_stages <= 126"):
+        memory_per_gpu(LLAMA405, v8.with_(pipeline_layout=True))
     balanced = memory_per_gpu(LLAMA405, v8.with_(account_for_embedding_and_loss=True), precision="megatron-bf16",
                               gpu=get_gpu("h100-sxm"))
     assert balanced.fits
     assert stage_layers(126, 16, 8, True) == (7, 7)  # 8 chunks of one layer, one of them empty
-    with pytest.raises(ValueError, match="exceed the 126 layers \\+ the embedding and the loss"):
+    with pytest.raises(ValueError, match="126 layers \\+ the embedding and the loss over pp=16 x virtual_stages=16"):
         memory_per_gpu(LLAMA405, LLAMA3.with_(virtual_stages=16, account_for_embedding_and_loss=True))
     flags = [f for f in LLAMA3_FLAGS if f != "4"]
     flags[flags.index("--virtual-stages") + 1:flags.index("--virtual-stages") + 1] = ["8"]
     assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32"]) == 2
-    assert "exceed the 126 layers" in capsys.readouterr().err
+    assert "126 layers over pp=16 x virtual_stages=8 is not a split Megatron-LM accepts" in capsys.readouterr().err
     assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32",
                  "--account-for-embedding-and-loss"]) == 0
 

@@ -51,16 +51,17 @@ def test_expert_shard_group_is_edp_and_a_partial_optimizer_shrinks_it():
 
 
 def test_memory_plan_and_the_api_agree_on_an_moe_layout(capsys):
-    """DeepSeek-V3 at tp 2, ep 8, etp 1, pp 8 on 256 GPUs: the three give the same bytes."""
+    """DeepSeek-V3 at tp 2, ep 8, etp 1, pp 8 on 256 GPUs (61 layers: Megatron's uneven 7 + 6 x 8 + 6):
+    the three give the same bytes."""
     layout_flags = ["--model", "deepseek-v3", "--tp", "2", "--pp", "8", "--dp", "16", "--ep", "8", "--etp", "1",
                     "--zero", "1", "--recompute", "full", "--sequence-parallel", "--micro-batch", "1",
-                    "--virtual-stages", "1"]
+                    "--virtual-stages", "1", "--first-stage-layers", "7", "--last-stage-layers", "6"]
     assert main(["memory", *layout_flags, "--microbatches", "4", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)
     assert main(["plan", *layout_flags, "--cp", "1", "--gpus", "256", "--global-batch", "64", "--gpu", "h200",
                  "--headroom", "1", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     layout = Parallelism(dp=16, tp=2, pp=8, ep=8, zero=1, recompute="full", sequence_parallel=True,
-                         num_microbatches=4)
+                         num_microbatches=4, first_stage_layers=7, last_stage_layers=6)
     api = memory_per_gpu(DSV3, layout, precision="megatron-bf16").total
     assert plan["configs"][0]["memory_per_gpu_bytes"] == api == mem["per_gpu"]["total"]

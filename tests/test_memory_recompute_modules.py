@@ -111,7 +111,8 @@ def _published_memory(run, **changes) -> float:
         num_microbatches=run.global_batch // (lay["dp"] * lay["micro_batch_size"]),
         recompute_layers=lay.get("recompute_layers"), activation_offload_layers=lay.get("activation_offload_layers"),
         account_for_embedding_and_loss=lay.get("account_for_embedding_and_loss", False),
-        recompute_modules=lay.get("recompute_modules", ()))
+        recompute_modules=lay.get("recompute_modules", ()), pipeline_layout=lay.get("pipeline_layout", False),
+        first_stage_layers=lay.get("first_stage_layers"), last_stage_layers=lay.get("last_stage_layers"))
     return memory_per_gpu(run.model, layout, precision=run.precision, stack=run.stack, dtype=run.dtype).total
 
 

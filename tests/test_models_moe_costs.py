@@ -166,12 +166,12 @@ def test_memory_of_moe_presets_through_both_paths():
     """The scalar and the array path give the same bytes for MoE/MLA presets, and a width replaced
     by an array re-derives the head size as with_ does."""
     layout = Parallelism(dp=16, tp=2, pp=4, ep=8, sequence_parallel=True, num_microbatches=8,
-                         recompute="selective")
+                         recompute="selective", pipeline_layout=True)  # 27 layers: a layout string
     for name in ("deepseek-v2-lite", "qwen3-30b-a3b", "gpt-oss-120b"):
         cfg = get_preset(name)
         scalar = memory_per_gpu(cfg, layout).total
         batch = memory_batch(cfg, recompute="selective", dp=[16], tp=[2], pp=[4], ep=[8],
-                             sequence_parallel=[True], num_microbatches=[8])
+                             sequence_parallel=[True], num_microbatches=[8], pipeline_layout=[1])
         assert batch["total"][0] == pytest.approx(scalar, rel=1e-12)
     llama = get_preset("llama3-8b")
     wide = memory_batch(llama, hidden=[4096, 8192], heads=[32, 64], kv_heads=[8, 8], dp=[1, 1])
@@ -188,9 +188,10 @@ def test_invalid_rows_of_an_moe_model_stay_finite():
     """Invalid rows get a safe one-dense-layer shape (DeepSeek-V3's 3 dense first layers and 58 MoE
     layers would otherwise make negative layer counts, and negative bytes, in the arithmetic)."""
     cfg = get_preset("deepseek-v3")
-    out = memory_batch(cfg, dp=[64, 64], pp=[4, 100], ep=[8, 8], on_invalid="nan")
+    out = memory_batch(cfg, dp=[64, 64], pp=[4, 100], ep=[8, 8], pipeline_layout=[1, 1], on_invalid="nan")
     assert list(out["valid"]) == [True, False] and np.isnan(out["total"][1])
-    assert out["total"][0] == pytest.approx(memory_per_gpu(cfg, Parallelism(dp=64, pp=4, ep=8)).total, rel=1e-12)
+    assert out["total"][0] == pytest.approx(memory_per_gpu(cfg, Parallelism(dp=64, pp=4, ep=8, pipeline_layout=True)).total,
+                                            rel=1e-12)
     # the step time of every layout the search tries, invalid ones included
     r = search(get_preset("deepseek-v2-lite").with_(moe_dense_layers=3), cluster("h100-sxm", 2, 8), 64, top=1)
     assert r.configs and r.configs[0]["step_time_s"] > 0

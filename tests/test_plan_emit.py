@@ -119,8 +119,6 @@ def test_megatron_experts_gpt3_shape_and_no_data_parallel_overlap():
 
 @pytest.mark.parametrize("layout, model, reason", [
     (Parallelism(pp=4, num_microbatches=8, schedule="gpipe"), LLAMA, "schedule gpipe"),
-    (Parallelism(pp=4, num_microbatches=8), LLAMA.with_(layers=30), "30 layers over pp=4"),
-    (Parallelism(pp=2, virtual_stages=3, schedule="interleaved", num_microbatches=4), LLAMA, "32 layers over pp=2 x 3"),
     (Parallelism(dp=4, zero=3, offload="params"), LLAMA, "offload params"),
     (Parallelism(cp=4), LLAMA.with_(seq=4100), "2 x context-parallel-size = 8"),
     (Parallelism(dp=4, zero=3, offload="optimizer"), LLAMA, "offload optimizer with ZeRO-3"),
@@ -133,6 +131,18 @@ def test_megatron_cannot_express(layout, model, reason):
     assert (e.text, e.data, e.unsupported) == ("", None, [line])
     with pytest.raises(ValueError, match="megatron cannot express"):
         megatron_flags(layout, model, layout.global_batch)
+
+
+@pytest.mark.parametrize("layout, model, reason", [
+    (Parallelism(pp=4, num_microbatches=8), LLAMA.with_(layers=30),
+     "30 layers over pp=4 x virtual_stages=1 is not a split Megatron-LM accepts"),
+    (Parallelism(pp=2, virtual_stages=3, schedule="interleaved", num_microbatches=4), LLAMA,
+     "32 layers over pp=2 x virtual_stages=3 is not a split Megatron-LM accepts"),
+])
+def test_splits_megatron_refuses_are_refused_before_anything_is_emitted(layout, model, reason):
+    """dtlib.analytic.layout's split rule (Megatron-LM's) refuses the layout for every framework."""
+    with pytest.raises(ValueError, match=reason):
+        unsupported("megatron", layout, model, layout.global_batch)
 
 
 def test_deepspeed_config_batch_zero_offload_precision_and_clipping():

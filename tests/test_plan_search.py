@@ -98,7 +98,7 @@ def test_nothing_fits_says_the_smallest_memory_and_what_to_change():
 
 def test_no_valid_layout_names_the_broken_rule():
     r = search(SMALL, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 8, "pp": 1, "cp": 1})
-    assert r.searched == 0 and "tp=8 must divide the 4 KV heads" in r.why
+    assert r.searched == 0 and "tp=8 must divide the 4 KV heads (kv_heads, Megatron's query groups); valid tp: 1, 2, 4" in r.why
     r = search(SMALL, cluster("h100-sxm", 1, 8), 8, options=OPTIONS, fixed={"tp": 3})
     assert "tp x pp x cp = 3 must divide the 8 GPUs" in r.why
     r = search(SMALL, cluster("h100-sxm", 1, 8), 7, options=OPTIONS, fixed={"dp": 8})
@@ -123,8 +123,10 @@ def test_the_whole_search_of_a_10b_model_on_10000_gpus_times_every_candidate():
     # its speed (the 1 s) is measured in benchmarks/bench_plan_search.py, not here
     model = get_preset("capstone-10b")
     r = search(model, cluster("h100-sxm", 1250, 8), 5000, top=5)
-    # 10,569 fit: the default stack's fused SwiGLU keeps 3 FFN-wide tensors, not 4 (speed: benchmarks/)
-    assert r.searched == 10_788 and r.fitting == 10_569 and len(r.configs) == 5
+    # 10,590 fit: the default stack's fused SwiGLU keeps 3 FFN-wide tensors, not 4 (speed: benchmarks/);
+    # splits Megatron's even rule refuses are placed by a layout string, one more layer only on the
+    # chunks that take the remainder (before: the whole first rank rounded up, 10,569)
+    assert r.searched == 10_788 and r.fitting == 10_590 and len(r.configs) == 5
 
 
 def test_a_top_1_search_names_the_same_best_layout_as_a_top_5_one():

@@ -17,7 +17,8 @@ def _random_layouts(rng, n):
     pick = lambda options: rng.choice(options, n)  # noqa: E731
     return dict(dp=pick([1, 2, 4, 8]), tp=pick([1, 2, 3, 4, 8]), pp=pick([1, 2, 4, 5]),
                 cp=pick([1, 2]), zero=pick([0, 1, 2, 3]), micro_batch_size=pick([1, 2, 4]),
-                num_microbatches=pick([1, 4, 8]), sequence_parallel=pick([False, True]))
+                num_microbatches=pick([1, 4, 8]), sequence_parallel=pick([False, True]),
+                pipeline_layout=pick([False, True]))  # Megatron's even split, or a layout string
 
 
 @pytest.mark.parametrize("model,options", [
@@ -28,7 +29,7 @@ def _random_layouts(rng, n):
 ])
 def test_vector_path_equals_scalar_path_on_random_configs(model, options):
     rng = np.random.default_rng(sum(map(ord, model)))  # fixed seed per case
-    n = 150
+    n = 200
     cfg = tiny_gpt_config(layers=4) if model == "tiny" else get_preset(model)
     layouts = _random_layouts(rng, n)
     if options["schedule"] == "interleaved":
@@ -36,7 +37,8 @@ def test_vector_path_equals_scalar_path_on_random_configs(model, options):
     out = memory_batch(cfg, precision="megatron-bf16", on_invalid="nan", **options, **layouts)
     checked = 0
     for i in range(n):
-        kw = {k: (bool(v[i]) if k == "sequence_parallel" else int(v[i])) for k, v in layouts.items()}
+        kw = {k: (bool(v[i]) if k in ("sequence_parallel", "pipeline_layout") else int(v[i]))
+              for k, v in layouts.items()}
         try:
             scalar = memory_per_gpu(cfg, Parallelism(**kw, **options), precision="megatron-bf16")
         except ValueError:

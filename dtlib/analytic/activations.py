@@ -320,28 +320,29 @@ def _kept(recompute: str, *, flash_attention: Any, fused_swiglu: Any, fp8_inputs
 
 
 def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any,
-                         ffn: Any, vocab: Any, stored: dict[str, dict[str, Any]], tp: Any = 1, cp: Any = 1,
+                         ffn: Any, vocab: Any, stored: list[dict[str, Any]], tp: Any = 1, cp: Any = 1,
                          sequence_parallel: Any = False, recompute: str = "none", swiglu: Any = False,
                          dropout: Any = False, flash_attention: Any = True, fused_swiglu: Any = False,
                          fp8_inputs: Any = False, act_bytes: Any = 2, mask_bytes: Any = 1,
                          logits_bytes: Any = 4, norm_saved: Any = 1, offloaded: Any = 0,
-                         pp: Any = 1, experts: Any = 0, top_k: Any = 0,
-                         recompute_modules: tuple[str, ...] = (), **model: Any) -> dict[str, dict[str, Any]]:
-    """Activation bytes on the first and the last pipeline rank, by component.
+                         experts: Any = 0, top_k: Any = 0,
+                         recompute_modules: tuple[str, ...] = (), **model: Any) -> list[dict[str, Any]]:
+    """Activation bytes on pipeline ranks, by component, one dict per entry of ``stored``.
 
-    ``stored`` (:func:`dtlib.analytic.layout.stored_layer_microbatches`): per rank, the
+    ``stored`` (:func:`dtlib.analytic.stages.stored_on_rank`): per rank, the
     layer x micro-batch pairs fully recomputed (``full``: only the layer input kept, Korthikanti
-    Sec. 4.3) and the others (``rest``: :func:`stored_layer_bytes` for ``recompute``), and the
-    micro-batches in flight of the chunk holding the embedding (first rank) or the loss (last).
+    Sec. 4.3) and the others (``rest``: :func:`stored_layer_bytes` for ``recompute``), the share
+    of them in MoE layers (``moe_share``), and the micro-batches in flight of the chunk holding the
+    embedding (``embedding``, 0 off the first rank) and the loss (``output``, 0 off the last).
     ``layers``: their sum; ``embedding`` and ``output`` once per micro-batch of that chunk;
     ``recompute_buffer``: a fully or per-op recomputed layer is rebuilt during its backward, a
     transient the paper leaves out but the GPU must hold (what the layer would keep without
     recomputation, less what it keeps anyway). ``offloaded``: the share of each chunk's layers whose
     kept activations live in CPU memory (``cpu``, not in ``total``); ``offload_buffer``: one of
     those layers' activations back on the GPU for its backward. ``model``: the other keys of
-    :meth:`~dtlib.analytic.config.TransformerConfig.numbers` (``layers``, ``moe_layers``,
-    ``sliding_layers``, ``moe_ffn``, MLA dims, ...): per-layer bytes are averaged over the model's
-    dense / MoE and sliding / global layers (:func:`mean_layer_bytes`). ``recompute_modules``
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers` (``layers``, ``sliding_layers``,
+    ``moe_ffn``, MLA dims, ...): per-layer bytes are the rank's mix of dense and MoE layers, each
+    averaged over the model's sliding / global layers (:func:`mean_layer_bytes`). ``recompute_modules``
     (:func:`recompute_module_bytes`) thin the layers that are not fully recomputed; a recomputed
     module is rebuilt inside its own backward, a transient of one module that is left out.
     """
@@ -355,28 +356,37 @@ def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads:
     kinds = {k: shape.pop(k) for k in ("layers", "moe_layers", "sliding_layers", "sliding_window") if k in shape}
     kinds.setdefault("layers", 1)
 
-    def mean(function, **fixed):
-        return mean_layer_bytes(per_layer=lambda **kw: function(**fixed, **kw), **kinds, **shape)
+    sliding = kinds.get("sliding_layers", 0) / kinds["layers"]
+    windowed = np.any(np.asarray(kinds.get("sliding_window", 0)) > 0) and np.any(sliding)
+    moe_model = np.any(np.asarray(experts) > 0)
 
-    full_layer = mean(layer_bytes, recompute="full")
-    kept = mean(stored_layer_bytes, recompute="none" if recompute == "full" else recompute,
-                recompute_modules=recompute_modules, **options)
-    whole = mean(stored_layer_bytes, recompute="none", **options)
+    def mean(function, **fixed):
+        """(dense, MoE) layer bytes, each averaged over sliding / global layers (as
+        :func:`mean_layer_bytes`, each kind evaluated only where the model has it)."""
+        def kind(moe: bool):
+            one = lambda window: function(**fixed, **dict(shape, experts=experts if moe else 0, sliding_window=window))
+            return (1 - sliding) * one(0) + sliding * one(kinds["sliding_window"]) if windowed else one(0)
+        dense = kind(False)
+        return dense, (kind(True) if moe_model else dense)
+
+    by_kind = {"full": mean(layer_bytes, recompute="full"),
+               "kept": mean(stored_layer_bytes, recompute="none" if recompute == "full" else recompute,
+                            recompute_modules=recompute_modules, **options),
+               "whole": mean(stored_layer_bytes, recompute="none", **options)}
     emb = embedding_bytes(dropout=dropout, mask_bytes=mask_bytes, **common)
     out = output_bytes(vocab=vocab, act_bytes=act_bytes, logits_bytes=logits_bytes,
                        norm_saved=norm_saved, **common)
-    single = pp == 1  # one rank holds both ends
-    result = {}
-    for rank, ends in (("first", (emb, out)), ("last", (out, emb))):
-        counts = stored[rank]
+    result = []
+    for counts in stored:
+        share = counts["moe_share"]
+        full_layer, kept, whole = ((1 - share) * dense + share * moe for dense, moe in by_kind.values())
         rebuilt = np.where(counts["full"] > 0, whole - full_layer, 0) if recompute != "op" else whole - kept
         layers = counts["full"] * full_layer + counts["rest"] * kept
         reloaded = np.where(counts["rest"] > 0, kept, full_layer)
-        result[rank] = {"layers": (1 - offloaded) * layers, "cpu": offloaded * layers,
-                        "offload_buffer": np.where(offloaded > 0, reloaded, 0) + 0 * full_layer,
-                        "embedding": (emb if rank == "first" else _where(single, emb, 0 * emb)) * counts["end"],
-                        "output": (out if rank == "last" else _where(single, out, 0 * out)) * counts["end"],
-                        "recompute_buffer": rebuilt + 0 * full_layer}
-        result[rank]["total"] = sum(result[rank][k] for k in ("layers", "embedding", "output", "recompute_buffer",
-                                                              "offload_buffer"))
+        rank = {"layers": (1 - offloaded) * layers, "cpu": offloaded * layers,
+                "offload_buffer": np.where(offloaded > 0, reloaded, 0) + 0 * full_layer,
+                "embedding": emb * counts["embedding"], "output": out * counts["output"],
+                "recompute_buffer": rebuilt + 0 * full_layer}
+        rank["total"] = sum(rank[k] for k in ("layers", "embedding", "output", "recompute_buffer", "offload_buffer"))
+        result.append(rank)
     return result

@@ -34,14 +34,15 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
-from dtlib.analytic.config import TransformerConfig, moe_layer_count
+from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism, check_pipeline
 from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
            "flat_link", "flat_vs_hierarchical",
            "algbw", "busbw", "hierarchical_time", "strategy_volumes", "bubble_fraction",
-           "comm_report", "tp_layer_times", "NCCL_TUNING", "nccl_latency", "nccl_time"]
+           "comm_report", "tp_layer_times", "NCCL_TUNING", "nccl_latency", "nccl_time", "cp_kv_width",
+           "cp_kv_bytes"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
 ALGORITHMS = ("ring", "tree")
@@ -241,6 +242,35 @@ def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, sch
     return (pp - 1) / (v * num_microbatches)
 
 
+def cp_kv_width(*, heads: Any, kv_heads: Any, head_dim: Any, kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0,
+                qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, **_model: Any) -> Any:
+    """K plus V elements per token of one layer, all heads (before tensor parallelism), as the
+    context-parallel ring passes them (scalars or arrays; the keys of
+    :meth:`~dtlib.analytic.config.TransformerConfig.numbers`).
+
+    GQA/MHA: ``kv_heads`` K and V heads of ``head_dim`` each (Ainslie et al. 2023; Transformer
+    Engine's ``DotProductAttention`` exchanges the ``kv_heads`` groups, not the repeated heads).
+    MLA (``kv_lora_rank > 0``): the latent is decompressed before core attention, so the ring passes
+    every head's K of ``qk_nope_head_dim + qk_rope_head_dim`` (the shared rope key expanded to each
+    head) and V of ``v_head_dim`` (Megatron-Core ``MLASelfAttention.get_query_key_value_tensors``,
+    core_v0.16.1: ``key = cat([k_no_pe, k_pos_emb.expand(..., heads, ...)])``, ``value`` of
+    ``v_head_dim``, handed to ``TEDotProductAttention`` with ``k_channels``/``v_channels``).
+    """
+    gqa = 2 * kv_heads * head_dim
+    mla = heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
+    latent = np.asarray(kv_lora_rank) > 0
+    return np.where(latent, mla, gqa) if latent.ndim else (mla if latent else gqa)
+
+
+def cp_kv_bytes(n: dict[str, Any], act_bytes: Any) -> Any:
+    """Bytes of one layer's K and V all-gathered over the context-parallel group per micro-batch
+    (the gathered buffer, as nccl-tests counts it): ``micro_batch_size x seq`` tokens of
+    :func:`cp_kv_width` elements, each TP rank holding its ``1/tp`` of the heads. ``n``: layout and
+    model numbers (:meth:`Parallelism.numbers` with :meth:`TransformerConfig.numbers`). What
+    ``dtlib comm`` (:func:`strategy_volumes`) and ``dtlib plan`` (:mod:`dtlib.plan.steptime`) both use."""
+    return n["micro_batch_size"] * n["seq"] * cp_kv_width(**n) * act_bytes / n["tp"]
+
+
 def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
                      precision: "Precision | str" = "zero", seq: int | None = None) -> dict[str, dict[str, float]]:
     """Per step, for each strategy: the collective, its buffer size S per call, calls per step,
@@ -262,18 +292,21 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     with ``etp > 1`` each is followed by an all-gather (reduce-scatter on the way back) of ``etp``
     x those bytes over the ETP group (``etp_tokens``).
     """
-    from dtlib.analytic.memory import memory_per_gpu, stage_parameters  # local import avoids a cycle
+    from dtlib.analytic.memory import memory_per_gpu, rank_parameters  # local imports avoid a cycle
+    from dtlib.analytic.stages import rank_layers
 
     prec = get_precision(precision)
     s = cfg.seq if seq is None else validate.integer("seq", seq)
-    L, h, m, b = cfg.layers, cfg.hidden, layout.num_microbatches, layout.micro_batch_size
-    layers_here = -(-L // layout.pp)
+    h, m, b = cfg.hidden, layout.num_microbatches, layout.micro_batch_size
     unsharded = layout.with_(zero=0, offload="none")
     held = memory_per_gpu(cfg, unsharded, precision=prec, seq=s)
     params_rank = held.parameters / prec.param
-    # the expert parameters of that rank's stage, reduced over their own group (below)
-    stages = stage_parameters(**unsharded.numbers(**cfg.numbers(s)), balanced=layout.account_for_embedding_and_loss)
-    expert_rank = float(stages["first" if held.stage == 0 else "last"]["expert"])
+    # the most loaded rank's layers (dtlib.analytic.stages), and its expert parameters, reduced
+    # over their own group (below)
+    n, balanced = unsharded.numbers(**cfg.numbers(s)), layout.account_for_embedding_and_loss
+    stage = rank_layers(n, held.stage, balanced)
+    layers_here, moe_here = int(stage["layers"]), int(stage["moe_layers"])
+    expert_rank = float(rank_parameters(n, held.stage, balanced)["expert"])
     act = b * (s / layout.cp) * h * prec.activation  # one micro-batch's b x s x h activations
     d = layout.dp * layout.cp  # gradients are reduced over the dp x cp replicas
     out: dict[str, dict[str, float]] = {}
@@ -307,12 +340,9 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     boundaries = layout.virtual_stages if layout.schedule == "interleaved" else 1
     add("pp_activations", "p2p", act / layout.tp if layout.sequence_parallel else act,
         2 * boundaries * m * (layout.pp > 1), 2)
-    kv = 2 * b * s * cfg.kv_heads * cfg.head_dim * prec.activation / layout.tp
-    add("cp_kv", "all_gather", kv, 2 * layers_here * m, layout.cp)
+    add("cp_kv", "all_gather", cp_kv_bytes(layout.numbers(**cfg.numbers(s)), prec.activation),
+        2 * layers_here * m, layout.cp)
     if cfg.moe_experts:
-        # the last stage has the most MoE layers: dense layers come first (first_k_dense_replace)
-        moe_here = (moe_layer_count(L, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq)
-                    - moe_layer_count(L - layers_here, cfg.moe_experts, cfg.moe_dense_layers, cfg.moe_layer_freq))
         moe_calls = (4 + 2 * (layout.recompute == "full")) * moe_here * m
         padded = cfg.moe_capacity_factor or 1
         dispatched = act / layout.tp * cfg.moe_top_k * padded

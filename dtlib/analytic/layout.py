@@ -8,6 +8,7 @@ rule; :mod:`dtlib.analytic.vectorised` evaluates the same predicates on arrays.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from dtlib.analytic.config import SHAPE_RULES
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
            "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
-           "stored_layer_microbatches"]
+           "megatron_split", "split_problem", "pipeline_split"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # what the search tries; "op" (torchtitan's per-op selective checkpointing, dtlib.analytic.activations)
@@ -55,6 +56,16 @@ class Parallelism:
     Transformer Engine ``get_cpu_offload_context``; DeepSpeed ``activation_checkpointing.
     cpu_checkpointing`` offloads every layer's checkpoint): the activations N layers of each chunk
     keep move to CPU memory, and one layer's are on the GPU again while its backward runs.
+    ``first_stage_layers`` / ``last_stage_layers`` (Megatron-LM ``--decoder-first-pipeline-num-layers``
+    / ``--decoder-last-pipeline-num-layers``, Megatron-Core ``num_layers_in_first/last_pipeline_stage``):
+    an uneven split, the layers of the first / last pipeline rank (all its chunks), the other ranks
+    sharing the rest evenly; None: Megatron's even split. ``pipeline_layout`` (Megatron-LM
+    ``--pipeline-model-parallel-layout``, a string naming every chunk's layers,
+    :func:`dtlib.analytic.stages.megatron_layout_string`): the layers (and, when
+    ``account_for_embedding_and_loss``, the embedding and the loss) spread over the pp x
+    virtual_stages chunks as evenly as they go, the earlier chunks taking the remainder; any number
+    of chunks up to the layers. :func:`megatron_split` picks the first/last counts,
+    :func:`split_problem` says which splits Megatron accepts.
     ``recompute_modules`` (Megatron-Core ``--recompute-granularity selective --recompute-modules``,
     :data:`~dtlib.analytic.activations.RECOMPUTE_MODULES`): the submodules whose stored tensors the
     layers not fully recomputed drop and rebuild in backward
@@ -80,6 +91,9 @@ class Parallelism:
     account_for_embedding_and_loss: bool = False
     activation_offload_layers: int | None = None
     recompute_modules: tuple[str, ...] = ()
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    pipeline_layout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "num_microbatches"):
@@ -89,8 +103,12 @@ class Parallelism:
             validate.integer("shard_size", self.shard_size)
         validate.boolean("sequence_parallel", self.sequence_parallel)
         validate.boolean("account_for_embedding_and_loss", self.account_for_embedding_and_loss)
+        validate.boolean("pipeline_layout", self.pipeline_layout)
         for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE_OPTIONS), ("offload", OFFLOAD)):
             validate.one_of(name, getattr(self, name), valid)
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                validate.integer(name, getattr(self, name))
         if self.activation_offload_layers is not None:
             validate.integer("activation_offload_layers", self.activation_offload_layers, minimum=0)
         if self.recompute_layers is not None:
@@ -121,6 +139,10 @@ class Parallelism:
         d = {k: v for k, v in asdict(self).items() if k not in _OPTIONS}
         d["sequence_parallel"] = bool(self.sequence_parallel)
         d["shard_size"] = self.sharded_over
+        # 0: not set (Megatron's None), so the rules and formulas read plain integers
+        d["first_stage_layers"] = self.first_stage_layers or 0
+        d["last_stage_layers"] = self.last_stage_layers or 0
+        d["pipeline_layout"] = int(self.pipeline_layout)
         d.update(extra)
         return d
 
@@ -153,21 +175,128 @@ def fsdp(strategy: str, dp: int, shard_size: int | None = None, **layout: Any) -
 
 Rule = validate.Rule
 
-# every pipeline chunk holds at least one layer; with the balanced split
-# (account_for_embedding_and_loss) the embedding and the loss take a slot each, so the chunk that
-# gives its one layer up holds the embedding (or the loss) alone: Llama 3 405B's 126 layers + 2 in
-# 16 x 8 chunks ("the first model chunk on the first stage has only the embedding", Sec. 3.3.2)
-def _stages_rule(extra: int) -> "Rule":
-    """pp x virtual_stages chunks at most as many as the ``layers + extra`` pipeline slots."""
-    what = " + the embedding and the loss" if extra else ""
-    return (("layers", "pp", "virtual_stages"),
-            lambda layers, pp, virtual_stages: pp * virtual_stages <= layers + extra,
-            lambda layers, pp, virtual_stages: f"pipeline stages pp={pp} x virtual stages {virtual_stages} "
-                                               f"exceed the {layers} layers{what}; valid: pp x virtual_stages "
-                                               f"<= {layers + extra}")
+# Megatron-LM's pipeline split, core_v0.16.1: without uneven stages the layers (+1 for the
+# embedding, +1 for the loss with --account-for-*-in-pipeline-split) split evenly over pp ranks and
+# each rank's share over its virtual_stages chunks (``validate_args`` in
+# ``megatron/training/arguments.py``; ``get_num_layers_to_build`` in
+# ``megatron/core/transformer/transformer_block.py``). With --decoder-first/last-pipeline-num-layers
+# (``TransformerConfig.__post_init__``, "Uneven PP"): each given count > 0 and a multiple of
+# virtual_stages, the middle ranks share the rest evenly, in a multiple of virtual_stages each, and
+# there are middle layers exactly when there are middle ranks; never with --account-for-*. Llama 3
+# 405B's 126 layers + 2 in 16 x 8 one-layer chunks: the first chunk holds the embedding alone (Sec. 3.3.2).
+# With --pipeline-model-parallel-layout any chunk may hold any layers (``PipelineParallelLayerLayout.
+# validate_layer_layout`` checks only that every layer, the embedding first and the loss last, is
+# named once), and no other split flag may be given (``TransformerConfig.__post_init__``).
+_SPLIT_FIELDS = ("layers", "pp", "virtual_stages", "first_stage_layers", "last_stage_layers", "pipeline_layout")
 
 
-_STAGES_RULE, _BALANCED_STAGES_RULE = _stages_rule(0), _stages_rule(2)
+def _split_valid(layers, pp, virtual_stages, first_stage_layers, last_stage_layers, pipeline_layout=0,
+                 balanced=False):
+    """Vectorised: Megatron-LM accepts this pipeline split (0: first/last stage layers not given;
+    ``pipeline_layout``: placed by a layout string, every chunk holding a layer or the embedding/loss)."""
+    first, last, v = np.asarray(first_stage_layers), np.asarray(last_stage_layers), np.asarray(virtual_stages)
+    even = (layers + 2 * bool(balanced)) % (pp * v) == 0
+    middle_ranks = pp - (first > 0) - (last > 0)
+    middle = layers - first - last
+    middle_ok = np.where(middle_ranks > 0, (middle > 0) & (middle % np.maximum(middle_ranks * v, 1) == 0),
+                         middle == 0)
+    uneven = (pp >= 2) & (first % v == 0) & (last % v == 0) & middle_ok & (not balanced)
+    split = np.where((first > 0) | (last > 0), uneven, even)
+    spread = (first == 0) & (last == 0) & (pp * v <= layers + 2 * bool(balanced))
+    return np.where(np.asarray(pipeline_layout) > 0, spread, split)
+
+
+def split_problem(layers: int, pp: int, virtual_stages: int = 1, first_stage_layers: int = 0,
+                  last_stage_layers: int = 0, pipeline_layout: int = 0, balanced: bool = False) -> str | None:
+    """What Megatron-LM refuses in this pipeline split (one line naming the fields and the valid
+    values), or None when it accepts it. 0 or None: first/last stage layers not given."""
+    first, last, v = first_stage_layers or 0, last_stage_layers or 0, virtual_stages
+    if bool(_split_valid(layers, pp, v, first, last, pipeline_layout, balanced)):
+        return None
+    given = (f"first_stage_layers={first}, " if first else "") + (f"last_stage_layers={last}, " if last else "")
+    if pipeline_layout and (first or last):
+        return (f"pipeline_layout (--pipeline-model-parallel-layout) cannot be combined with {given.rstrip(', ')} "
+                f"(Megatron-Core TransformerConfig); give one or the other")
+    if pipeline_layout:
+        return (f"pipeline_layout: pp={pp} x virtual_stages={v} = {pp * v} chunks exceed the {layers} layers"
+                f"{' + the embedding and the loss' if balanced else ''}; valid: pp x virtual_stages "
+                f"<= {layers + 2 * bool(balanced)}")
+    if (first or last) and balanced:
+        return (f"{given}an uneven pipeline split, cannot be combined with account_for_embedding_and_loss "
+                f"(Megatron-Core TransformerConfig); give one or the other")
+    what = "" if first or last else (" + the embedding and the loss" if balanced else "")
+    if pp * v > layers + 2 * bool(balanced):
+        return (f"pipeline stages pp={pp} x virtual stages {v} exceed the {layers} layers{what}; valid: "
+                f"pp x virtual_stages <= {layers + 2 * bool(balanced)} with pipeline_layout, dividing "
+                f"{layers + 2 * bool(balanced)} otherwise (Megatron-LM)")
+    suggestion = megatron_split(layers, pp, v, balanced)
+    hint = ("no even or first/last split of these sizes is valid; valid pp x virtual_stages divide "
+            f"{layers + 2 * balanced}, or pipeline_layout=True (a layout string)" if suggestion is None else
+            "valid: first_stage_layers={}, last_stage_layers={} (Megatron-LM --decoder-first/last-pipeline-"
+            "num-layers; None: not given)".format(*(x or None for x in suggestion)))
+    return (f"pipeline split: {given}{layers} layers{what} over pp={pp} x virtual_stages={v} is not a split "
+            f"Megatron-LM accepts (even: layers divisible by pp x virtual_stages; uneven: first/last "
+            f"stage layers multiples of virtual_stages, the rest even over the middle ranks); {hint}")
+
+
+@lru_cache(maxsize=4096)
+def megatron_split(layers: int, pp: int, virtual_stages: int = 1, balanced: bool = False) -> tuple[int, int] | None:
+    """The pipeline split Megatron-LM accepts with the fewest layers on its busiest rank, as
+    ``(first_stage_layers, last_stage_layers)``: ``(0, 0)`` when the even split is valid, the
+    uneven counts otherwise (0 for one not given: that rank is a middle one), None when no split
+    is valid. Ties go to the lighter first and last ranks (they also hold the embedding and the
+    LM head with the loss), then the lighter last one."""
+    layers, pp, v = int(layers), int(pp), int(virtual_stages)
+    if _split_valid(layers, pp, v, 0, 0, 0, balanced):
+        return 0, 0
+    if balanced or pp < 2:
+        return None
+    best, choice = None, None
+    for first in range(0, layers + 1, v):
+        for last in range(0, layers - first + 1, v):
+            middle_ranks = pp - (first > 0) - (last > 0)
+            middle = layers - first - last
+            # _split_valid's uneven rule, in plain integers (this loop runs per (layers, pp, v))
+            if not (first or last) or (middle % (middle_ranks * v) or not middle if middle_ranks else middle):
+                continue
+            k = middle // middle_ranks if middle_ranks else 0
+            ends = (first or k, last or k)
+            key = (max(k, *ends), max(ends), ends[1], (first > 0) + (last > 0))
+            if best is None or key < best:
+                best, choice = key, (first, last)
+    return choice
+
+
+@lru_cache(maxsize=4096)
+def pipeline_split(layers: int, pp: int, virtual_stages: int = 1, balanced: bool = False) -> dict[str, int] | None:
+    """The split the planner gives a layout (:class:`Parallelism`'s ``first_stage_layers``,
+    ``last_stage_layers``, ``pipeline_layout``; 0 for not given): the one with the fewest layers on
+    its busiest rank among Megatron-LM's even split, its first/last-stage flags
+    (:func:`megatron_split`) and a layout string spreading the layers as evenly as the chunks allow,
+    preferred in that order when equal; None when none is valid."""
+    layers, pp, v = int(layers), int(pp), int(virtual_stages)
+    options = []
+    flags = megatron_split(layers, pp, v, balanced)
+    if flags is not None:
+        first, last = flags
+        middle_ranks = pp - (first > 0) - (last > 0)
+        k = (layers - first - last) // middle_ranks if middle_ranks else 0
+        busiest = max(k, first or k, last or k) if first or last else -(-(layers + 2 * balanced) // pp)
+        options.append((busiest, dict(first_stage_layers=first, last_stage_layers=last, pipeline_layout=0)))
+    if pp * v <= layers + 2 * balanced:
+        q, r = divmod(layers + 2 * balanced, pp * v)
+        busiest = sum(q + (j * pp < r) for j in range(v))  # rank 0: the earlier chunks take the remainder
+        options.append((busiest, dict(first_stage_layers=0, last_stage_layers=0, pipeline_layout=1)))
+    return min(options, key=lambda o: o[0])[1] if options else None
+
+
+def _split_rule(balanced: bool) -> "Rule":
+    return (_SPLIT_FIELDS,
+            lambda **k: _split_valid(**k, balanced=balanced),
+            lambda **k: split_problem(**k, balanced=balanced))
+
+
+_STAGES_RULE, _BALANCED_STAGES_RULE = _split_rule(False), _split_rule(True)
 
 
 # (fields needed, predicate -> True where valid, message). Predicates use only arithmetic and
@@ -180,14 +309,22 @@ RULES: list[Rule] = [
     validate.rule("largest_layer", integer=False, minimum=0),
     *SHAPE_RULES,
     validate.rule("zero", minimum=0, maximum=3),
+    # Megatron-Core splits heads, query groups and every ColumnParallelLinear's output over tp
+    # (``divide`` asserts in attention.py, mlp.py; SharedExpertMLP is an MLP over the TP group)
     (("heads", "tp"), lambda heads, tp: heads % tp == 0,
      lambda heads, tp: f"tensor parallel size tp={tp} must divide the {heads} attention heads; "
                        f"valid tp: {validate.divisors(heads)}"),
     (("kv_heads", "tp"), lambda kv_heads, tp: kv_heads % tp == 0,
-     lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide the {kv_heads} KV heads; "
-                          f"valid tp: {validate.divisors(kv_heads)}"),
+     lambda kv_heads, tp: f"tensor parallel size tp={tp} must divide the {kv_heads} KV heads (kv_heads, "
+                          f"Megatron's query groups); valid tp: {validate.divisors(kv_heads)}"),
     (("ffn", "tp"), lambda ffn, tp: ffn % tp == 0,
-     lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn}"),
+     lambda ffn, tp: f"tensor parallel size tp={tp} must divide the FFN width {ffn} (ffn); "
+                     f"valid tp: {validate.divisors(ffn)}"),
+    (("moe_ffn", "shared_experts", "tp"), lambda moe_ffn, shared_experts, tp: (moe_ffn * shared_experts) % tp == 0,
+     lambda moe_ffn, shared_experts, tp: f"tensor parallel size tp={tp} must divide the shared-expert width "
+                                         f"moe_ffn x shared_experts = {moe_ffn * shared_experts} (Megatron-Core "
+                                         f"--moe-shared-expert-intermediate-size, split over tp by SharedExpertMLP); "
+                                         f"valid tp: {validate.divisors(moe_ffn * shared_experts)}"),
     _STAGES_RULE,
     (("seq", "cp"), lambda seq, cp: seq % cp == 0,
      lambda seq, cp: f"context parallel size cp={cp} must divide the sequence length {seq}; "
@@ -197,14 +334,15 @@ RULES: list[Rule] = [
      lambda seq, cp, tp, sequence_parallel: f"sequence parallelism splits the {seq // cp} tokens per "
                                             f"context shard over tp={tp}; tp must divide {seq // cp}"),
     (("experts", "ep"), lambda experts, ep: (ep == 1) | ((experts > 0) & (experts % np.maximum(ep, 1) == 0)),
-     lambda experts, ep: f"expert parallel size ep={ep} needs an MoE model whose expert count "
-                         f"({experts}) it divides; use ep=1 for a dense model"),
+     lambda experts, ep: (f"expert parallel size ep={ep} must divide experts={experts}; valid ep: "
+                          f"{validate.divisors(experts)}") if experts > 0 else
+                         f"expert parallel size ep={ep} needs an MoE model; use ep=1 for a dense model"),
     (("experts", "etp"), lambda experts, etp: (etp == 1) | (experts > 0),
      lambda experts, etp: f"expert tensor parallel size etp={etp} needs an MoE model; use etp=1 "
                           f"for a dense model"),
     (("moe_ffn", "etp"), lambda moe_ffn, etp: moe_ffn % etp == 0,
-     lambda moe_ffn, etp: f"expert tensor parallel size etp={etp} must divide the expert FFN width "
-                          f"{moe_ffn}; valid etp: {validate.divisors(moe_ffn)}"),
+     lambda moe_ffn, etp: f"expert tensor parallel size etp={etp} must divide moe_ffn={moe_ffn} (the "
+                          f"expert FFN width); valid etp: {validate.divisors(moe_ffn)}"),
     (("dp", "tp", "cp", "ep", "etp"), lambda dp, tp, cp, ep, etp: (dp * tp * cp) % (ep * etp) == 0,
      lambda dp, tp, cp, ep, etp: f"ep x etp = {ep}x{etp} must divide the {dp * tp * cp} GPUs of a "
                                  f"pipeline stage (dp x tp x cp; Megatron-Core's expert grid); "
@@ -306,57 +444,6 @@ def stage_layers(layers: Any, pp: Any, virtual_stages: Any = 1, balanced: Any = 
 def _where(cond: Any, a: Any, b: Any) -> Any:
     return np.where(cond, a, b) if isinstance(cond, np.ndarray) or isinstance(a, np.ndarray) \
         or isinstance(b, np.ndarray) else (a if cond else b)
-
-
-def stored_layer_microbatches(schedule: str, layers: Any, pp: Any, num_microbatches: Any,
-                              virtual_stages: Any = 1, balanced: Any = False,
-                              recompute_layers: int | None = None) -> dict[str, dict[str, Any]]:
-    """What the first and the last pipeline rank hold at their activation peak, counted chunk by
-    chunk: ``full`` and ``rest``, layer x micro-batch pairs whose layer is fully recomputed (the
-    first ``recompute_layers`` of each chunk, Megatron's block method) or stores its activations,
-    and ``end``, the micro-batches in flight of the chunk holding the embedding (first rank) or
-    the loss (last rank).
-
-    Micro-batches in flight per chunk follow Megatron-LM's schedules (``schedules.py``): forward
-    k of a rank runs chunk ``(k mod p v) // p`` (``get_model_chunk_id``), and the peak is after the
-    warm-up forwards plus the first steady-state one: ``2(p-1) + (v-1)p + 1`` on the first rank,
-    ``(v-1)p + 1`` on the last (:func:`in_flight` in units of a whole rank). 1F1B: ``min(m, p)``
-    on the first rank and 1 on the last; GPipe: all m; no pipeline: 1. With
-    ``balanced`` the first chunk of the first rank and the last chunk of the last rank hold one
-    layer fewer, which is where the first rank keeps the most micro-batches (Llama 3, Sec. 3.3.2).
-    """
-    validate.one_of("schedule", schedule, SCHEDULES)
-    m, p, v = num_microbatches, pp, virtual_stages
-    if schedule != "interleaved":
-        v = 1 + 0 * np.asarray(p)
-    lf, ll = stage_layers(layers, pp, v)     # before balancing: every chunk has lf / v layers
-    if schedule == "gpipe":
-        total_first = total_last = m * v
-    elif schedule == "1f1b":
-        total_first, total_last = np.minimum(m, p), 1
-    else:
-        total_first = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
-        total_last = np.minimum(m * v, (v - 1) * p + 1)
-    no_pipeline = p == 1
-    total_first, total_last = np.where(no_pipeline, 1, total_first), np.where(no_pipeline, 1, total_last)
-
-    def in_chunk(total: Any, chunk: Any) -> Any:
-        """Forwards among the first ``total`` that run ``chunk`` (groups of p per chunk)."""
-        groups, left = total // (p * v), total % (p * v)
-        return groups * p + np.clip(left - chunk * p, 0, p)
-
-    end_first = np.where(no_pipeline, 1, in_chunk(total_first, 0))
-    end_last = np.where(no_pipeline, 1, in_chunk(total_last, v - 1))
-    n = 0 if recompute_layers is None else recompute_layers
-    out = {}
-    for rank, per_rank, total, end in (("first", lf, total_first, end_first), ("last", ll, total_last, end_last)):
-        per_chunk = per_rank / v
-        # the chunk with the embedding or the loss (without a pipeline both slots are the one rank's)
-        smaller = per_chunk - _where(balanced, 1, 0) * (p > 1)
-        full = total * np.minimum(n, per_chunk) - end * (np.minimum(n, per_chunk) - np.minimum(n, smaller))
-        layer_microbatches = total * per_chunk - end * (per_chunk - smaller)
-        out[rank] = {"full": full, "rest": layer_microbatches - full, "end": end}
-    return out
 
 
 def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any = 1) -> tuple[Any, Any]:

@@ -12,7 +12,9 @@ states, activations, and (separately labelled) temporary buffers and framework o
 * activations follow :mod:`dtlib.analytic.activations` (Korthikanti et al. 2022) with the micro-batches
   in flight of the pipeline schedule.
 
-The first and the last pipeline rank are both evaluated and the larger is reported. Every formula
+Every pipeline rank that can be the most loaded is evaluated (:func:`dtlib.analytic.stages.candidate_ranks`:
+the first, the last, and the middle ranks where the mix of dense and MoE layers changes; each with
+its own layers and micro-batches in flight) and the heaviest is reported, with its ``stage``. Every formula
 accepts numpy arrays: :mod:`dtlib.analytic.vectorised` calls :func:`per_gpu_bytes` on arrays.
 """
 from __future__ import annotations
@@ -26,10 +28,10 @@ from dtlib.analytic import validate
 from dtlib.analytic.units import GB, GiB
 from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
-from dtlib.analytic.config import (TransformerConfig, attention_params, mlp_params, moe_layer_count,
-                                   norm_params)
+from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
 from dtlib.analytic.presets import Training, activation_convention, get_preset
-from dtlib.analytic.layout import Parallelism, check_layout, stage_layers, stored_layer_microbatches
+from dtlib.analytic.layout import Parallelism, check_layout
+from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers, stored_on_rank
 from dtlib.analytic.precision import Precision, get_precision
 from dtlib.analytic.stacks import Stack, get_stack
 
@@ -38,7 +40,7 @@ _MODEL_KINDS = ("layers", "moe_layers", "sliding_layers", "sliding_window", "moe
                 "capacity_factor", "etp", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim")
 
-__all__ = ["memory_per_gpu", "MemoryBreakdown", "per_gpu_bytes", "stage_parameters",
+__all__ = ["memory_per_gpu", "MemoryBreakdown", "per_gpu_bytes", "stage_parameters", "rank_parameters",
            "model_state_bytes", "model_numbers", "memory_options", "stack_storage", "GiB", "GB"]
 
 
@@ -48,31 +50,12 @@ def model_numbers(cfg: TransformerConfig, seq: int | None = None) -> dict[str, A
     return cfg.numbers(seq)
 
 
-def _moe_layers_before(b: Any, experts: Any, dense_layers: Any, moe_layer_freq: Any) -> Any:
-    """MoE layers among the first ``b`` layers (:func:`dtlib.analytic.config.moe_layer_count`)."""
-    return moe_layer_count(np.maximum(b, dense_layers), experts, dense_layers, moe_layer_freq)
-
-
-def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias,
-                     experts, learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1, etp=1,
-                     virtual_stages=1, moe_ffn=None, shared_experts=0, dense_layers=0, moe_layer_freq=1,
-                     head_dim=None, q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0,
-                     qk_rope_head_dim=0, v_head_dim=0, balanced=False, **_unused) -> dict[str, dict[str, Any]]:
-    """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
-    ZeRO over dp), ``expert`` (sharded over the expert-data-parallel group,
-    :func:`model_state_bytes`) and ``unit`` (largest block gathered at once by
-    ZeRO-3/FSDP with per-block wrapping).
-
-    Megatron-Core's placement: attention and dense MLPs are split over ``tp`` (Shoeybi et al. 2019),
-    norms, row-parallel biases and the router replicated; MLA's down-projections ``q_a``/``kv_a``
-    and their norms are replicated too (``MLASelfAttention`` builds them with
-    ``parallel_mode='duplicated'``), its up-projections and O split over ``tp``. Routed experts are
-    split over ``ep`` (whole experts) and each over ``etp`` (``--expert-tensor-parallel-size``);
-    shared experts are dense MLPs over ``tp`` (``SharedExpertMLP`` uses the TP group). A stage
-    holds its share of dense and MoE layers (the first ``dense_layers`` are dense, then every
-    ``moe_layer_freq``-th); with virtual stages a rank's chunks spread over the model, so its MoE
-    share is the model's, rounded up.
-    """
+def _layer_blocks(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias, experts,
+                  learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1, etp=1, moe_ffn=None,
+                  shared_experts=0, moe_layers=0, head_dim=None, q_lora_rank=0, kv_lora_rank=0,
+                  qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, **_unused) -> dict[str, Any]:
+    """Parameters on one GPU of one dense layer, of an MoE layer's non-expert part and of its
+    experts, of the embedding and of the LM head, and the largest block (:func:`stage_parameters`)."""
     moe_ffn = ffn if moe_ffn is None else moe_ffn
     norm = norm_params(hidden, norm_has_bias)
     attention = dict(head_dim=head_dim, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
@@ -97,23 +80,42 @@ def stage_parameters(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, 
     embedding = vocab_rows * hidden + learned_positions * seq * hidden + embedding_norm * norm
     # the last stage holds the LM head; a tied head is a second copy when pp > 1 (Megatron-LM)
     head = norm + ((1 - tied) + tied * (pp > 1)) * vocab_rows * hidden
-    single = pp == 1
-    lf, ll = stage_layers(layers, pp, virtual_stages, balanced)
-    total_moe = moe_layer_count(layers, experts, dense_layers, moe_layer_freq)
-    spread = virtual_stages > 1
-    moe_first = np.where(spread, -(-lf * total_moe // layers),
-                         _moe_layers_before(lf, experts, dense_layers, moe_layer_freq))
-    moe_last = np.where(spread, -(-ll * total_moe // layers),
-                        total_moe - _moe_layers_before(layers - ll, experts, dense_layers, moe_layer_freq))
-    largest = np.where(total_moe > 0, np.maximum(moe_dense + expert_layer, (total_moe < layers) * dense_layer),
+    largest = np.where(moe_layers > 0, np.maximum(moe_dense + expert_layer, (moe_layers < layers) * dense_layer),
                        dense_layer)
-    unit = np.maximum(np.maximum(largest, embedding), head)
-    first = {"dense": embedding + (lf - moe_first) * dense_layer + moe_first * moe_dense + single * head,
-             "expert": moe_first * expert_layer}
-    last = {"dense": (ll - moe_last) * dense_layer + moe_last * moe_dense + head + single * embedding,
-            "expert": moe_last * expert_layer}
-    first["unit"] = last["unit"] = unit
-    return {"first": first, "last": last}
+    return {"dense_layer": dense_layer, "moe_dense": moe_dense, "expert_layer": expert_layer,
+            "embedding": embedding, "head": head, "unit": np.maximum(np.maximum(largest, embedding), head)}
+
+
+def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
+                    blocks: dict[str, Any] | None = None, held: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parameters on one GPU of pipeline rank ``rank`` (:func:`stage_parameters`); ``n``: layout and
+    model numbers; ``blocks`` (:func:`_layer_blocks` of ``n``) and ``held``
+    (:func:`~dtlib.analytic.stages.rank_layers`), when already at hand."""
+    blocks = _layer_blocks(**n) if blocks is None else blocks
+    held = rank_layers(n, rank, balanced) if held is None else held
+    dense_layers, moe = held["layers"] - held["moe_layers"], held["moe_layers"]
+    ends = (rank == 0) * blocks["embedding"] + (rank == n["pp"] - 1) * blocks["head"]
+    return {"dense": ends + dense_layers * blocks["dense_layer"] + moe * blocks["moe_dense"],
+            "expert": moe * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends}
+
+
+def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any]]:
+    """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
+    ZeRO over dp), ``expert`` (sharded over the expert-data-parallel group,
+    :func:`model_state_bytes`) and ``unit`` (largest block gathered at once by
+    ZeRO-3/FSDP with per-block wrapping); :func:`rank_parameters` for any rank.
+
+    Megatron-Core's placement: attention and dense MLPs are split over ``tp`` (Shoeybi et al. 2019),
+    norms, row-parallel biases and the router replicated; MLA's down-projections ``q_a``/``kv_a``
+    and their norms are replicated too (``MLASelfAttention`` builds them with
+    ``parallel_mode='duplicated'``), its up-projections and O split over ``tp``. Routed experts are
+    split over ``ep`` (whole experts) and each over ``etp`` (``--expert-tensor-parallel-size``);
+    shared experts are dense MLPs over ``tp`` (``SharedExpertMLP`` uses the TP group). A rank
+    holds its chunks' layers, dense and MoE as Megatron-LM places them
+    (:func:`dtlib.analytic.stages.rank_layers`), the first the embedding, the last the LM head.
+    """
+    n = {"pp": 1, "virtual_stages": 1, **n}
+    return {"first": rank_parameters(n, 0 * n["pp"], balanced), "last": rank_parameters(n, n["pp"] - 1, balanced)}
 
 
 def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1, tp=1, etp=1,
@@ -160,8 +162,10 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                   recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
                   activation_offload_layers: int | None = None, recompute_modules: tuple[str, ...] = (),
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
-                  overhead_bytes: Any = 0.0) -> dict[str, Any]:
-    """The shared core (scalars or arrays): bytes on the most loaded GPU, by component.
+                  overhead_bytes: Any = 0.0, ranks: list[int] | None = None) -> dict[str, Any]:
+    """The shared core (scalars or arrays): bytes on the most loaded GPU, by component, and its
+    pipeline ``stage``; ``ranks``: the pipeline ranks to evaluate (default: those that can be the
+    most loaded, :func:`dtlib.analytic.stages.candidate_ranks`).
 
     ``n`` holds layout numbers (``dp tp pp cp ep zero sequence_parallel virtual_stages micro_batch_size
     num_microbatches shard_size``) and either the model shape (:func:`model_numbers`) or ``params``
@@ -175,46 +179,54 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     shaped = n.get("hidden") is not None
     balanced = account_for_embedding_and_loss
     if shaped:
-        stages = stage_parameters(**n, balanced=balanced)
-    else:
-        dense = n["params"] / (n["tp"] * n["pp"])
-        stages = {s: {"dense": dense, "expert": 0 * dense, "unit": 0 * dense} for s in ("first", "last")}
-    if n.get("largest_layer") is not None:  # a whole layer; each TP rank gathers its 1/tp of it
-        for s in stages.values():
-            s["unit"] = n["largest_layer"] / n["tp"] + 0 * s["dense"]
-    out = {}
-    if shaped:
-        # full recompute is recompute_layers = every layer of every chunk (Megatron's block method)
-        partial = n["layers"] if recompute == "full" else recompute_layers
-        stored = stored_layer_microbatches(schedule, n["layers"], n["pp"], n["num_microbatches"],
-                                           n["virtual_stages"], balanced, partial)
+        n = dict(n, first_stage_layers=n.get("first_stage_layers", 0), last_stage_layers=n.get("last_stage_layers", 0))
+        def ranks_of(s: dict[str, Any]) -> list[dict[str, Any]]:
+            # full recompute is recompute_layers = every layer of every chunk (Megatron's block method)
+            partial = s["layers"] if recompute == "full" else recompute_layers
+            return [dict(stored_on_rank(schedule, s, r, balanced, partial), rank=r,
+                         **{"held." + k: v for k, v in rank_layers(s, r, balanced).items()})
+                    for r in (candidate_ranks(s, balanced) if ranks is None else [r + 0 * s["pp"] for r in ranks])]
+        table = on_structures(ranks_of, n)
+        ranks = [t["rank"] for t in table]
         per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
         offloaded = np.minimum(activation_offload_layers or 0, per_chunk) / per_chunk
         act = activation_breakdown(
             seq=n["seq"], micro_batch_size=n["micro_batch_size"], hidden=n["hidden"], heads=n["heads"],
-            kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"], stored=stored, tp=n["tp"], cp=n["cp"],
-            pp=n["pp"], sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
+            kv_heads=n["kv_heads"], ffn=n["ffn"], vocab=n["vocab"],
+            stored=table, tp=n["tp"], cp=n["cp"],
+            sequence_parallel=n["sequence_parallel"], recompute=recompute, swiglu=n["swiglu"],
             dropout=dropout, flash_attention=flash_attention, fused_swiglu=fused_swiglu,
             fp8_inputs=fp8_inputs, offloaded=offloaded, act_bytes=prec.activation, mask_bytes=mask_bytes,
             logits_bytes=logits_bytes, norm_saved=norm_saved, experts=n["experts"], top_k=n["top_k"],
             recompute_modules=recompute_modules, **{k: n[k] for k in _MODEL_KINDS if k in n})
-    for s in ("first", "last"):
-        st = model_state_bytes(stages[s]["dense"], stages[s]["expert"], stages[s]["unit"], prec,
-                               zero=n["zero"], shard_size=n["shard_size"], ep=n["ep"], tp=n["tp"],
-                               etp=n.get("etp", 1), offload=offload)
-        st["activations"] = act[s]["total"] if shaped else None
+        blocks = _layer_blocks(**n)
+        params = [rank_parameters(n, t["rank"], balanced, blocks, {"layers": t["held.layers"],
+                                                                  "moe_layers": t["held.moe_layers"]})
+                  for t in table]
+    else:
+        ranks = [0 * n["pp"]]
+        dense = n["params"] / (n["tp"] * n["pp"])
+        params = [{"dense": dense, "expert": 0 * dense, "unit": 0 * dense}]
+    if n.get("largest_layer") is not None:  # a whole layer; each TP rank gathers its 1/tp of it
+        for p in params:
+            p["unit"] = n["largest_layer"] / n["tp"] + 0 * p["dense"]
+    picked: dict[str, Any] = {}
+    for i, (rank, p) in enumerate(zip(ranks, params)):
+        st = model_state_bytes(p["dense"], p["expert"], p["unit"], prec, zero=n["zero"], shard_size=n["shard_size"],
+                               ep=n["ep"], tp=n["tp"], etp=n.get("etp", 1), offload=offload)
+        st["activations"] = act[i]["total"] if shaped else None
         if shaped:
-            st["cpu"] = st["cpu"] + act[s].pop("cpu")
+            st["cpu"] = st["cpu"] + act[i].pop("cpu")
         st["overhead"] = overhead_bytes + 0 * st["parameters"]
         st["total"] = (st["parameters"] + st["gradients"] + st["optimizer"] + st["temporary"]
                        + st["overhead"] + (st["activations"] if shaped else 0))
         if shaped:
-            st.update({f"activations.{k}": v for k, v in act[s].items() if k != "total"})
-        out[s] = st
-    last_is_max = out["last"]["total"] > out["first"]["total"]
-    picked = {k: (None if v is None else np.where(last_is_max, out["last"][k], v))
-              for k, v in out["first"].items()}
-    picked["stage"] = np.where(n["pp"] == 1, 0, np.where(last_is_max, n["pp"] - 1, 0))
+            st.update({f"activations.{k}": v for k, v in act[i].items() if k != "total"})
+        st["stage"] = rank + 0 * st["total"]
+        # the heaviest rank so far (the first of equals: ties keep the earlier rank)
+        heavier = st["total"] > picked["total"] if picked else True
+        picked = {k: (None if v is None else np.where(heavier, v, picked[k]) if picked else v) for k, v in st.items()}
+    picked["stage"] = np.where(n["pp"] == 1, 0, picked["stage"]).astype(int)
     return picked
 
 

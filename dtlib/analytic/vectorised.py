@@ -28,7 +28,8 @@ from dtlib.analytic.precision import Precision, get_precision
 __all__ = ["memory_batch", "flops_batch", "layout_arrays"]
 
 _LAYOUT_DEFAULTS = dict(dp=1, tp=1, pp=1, cp=1, ep=1, etp=1, zero=0, sequence_parallel=False,
-                        virtual_stages=1, micro_batch_size=1, num_microbatches=1)
+                        virtual_stages=1, micro_batch_size=1, num_microbatches=1, first_stage_layers=0,
+                        last_stage_layers=0, pipeline_layout=0)
 _SAFE = dict(_LAYOUT_DEFAULTS, shard_size=1, gpus=None, layers=1, hidden=1, heads=1, kv_heads=1,
              ffn=1, moe_ffn=1, head_dim=1, vocab=1, seq=1, params=1.0, largest_layer=0.0,
              moe_layers=0, dense_layers=0, moe_layer_freq=1, sliding_layers=0)  # one dense layer

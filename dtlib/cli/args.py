@@ -238,7 +238,10 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
                        offload=args.offload, recompute_layers=getattr(args, "recompute_layers", None),
                        account_for_embedding_and_loss=getattr(args, "account_for_embedding_and_loss", False),
                        activation_offload_layers=getattr(args, "activation_offload_layers", None),
-                       recompute_modules=getattr(args, "recompute_modules", None) or ())
+                       recompute_modules=getattr(args, "recompute_modules", None) or (),
+                       first_stage_layers=getattr(args, "first_stage_layers", None),
+                       last_stage_layers=getattr(args, "last_stage_layers", None),
+                       pipeline_layout=getattr(args, "pipeline_layout", False))
 
 
 def _suggest_gpus(args: argparse.Namespace, shape: dict[str, Any], gpus: int, model_parallel: int,
@@ -295,6 +298,14 @@ def recompute_detail_args(g: Any) -> None:
     g.add_argument("--account-for-embedding-and-loss", action="store_true",
                    help="Megatron --account-for-embedding-in-pipeline-split --account-for-loss-in-"
                         "pipeline-split: the first and last chunk hold one layer fewer (Llama 3, Sec. 3.3.2)")
+    g.add_argument("--first-stage-layers", type=positive_int, default=None, metavar="N",
+                   help="Megatron --decoder-first-pipeline-num-layers N: an uneven split, N layers on the first "
+                        "pipeline rank, the middle ranks sharing the rest evenly")
+    g.add_argument("--last-stage-layers", type=positive_int, default=None, metavar="N",
+                   help="Megatron --decoder-last-pipeline-num-layers N: N layers on the last pipeline rank")
+    g.add_argument("--pipeline-layout", action="store_true",
+                   help="Megatron --pipeline-model-parallel-layout: the layers spread as evenly as the pp x "
+                        "virtual-stages chunks allow (any split Megatron's even rule refuses)")
     g.add_argument("--activation-offload-layers", type=non_negative_int, default=None, metavar="N",
                    help="Megatron --cpu-offloading-num-layers N / DeepSpeed cpu_checkpointing: the activations "
                         "of N layers of each chunk kept in CPU memory")

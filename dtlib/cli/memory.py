@@ -57,7 +57,11 @@ def run_memory(args: argparse.Namespace) -> int:
     rows += [("offloaded to CPU", format_gib(m.cpu)), (f"{m.gpu.name} memory", format_gib(m.gpu.memory_bytes)),
              ("fits", "yes" if m.fits else "NO")]
     # "pipeline stage", 0-based: next to zero= a bare "stage 3" reads like a ZeRO stage
-    where = f"most loaded: pipeline stage {m.stage} of 0-{layout.pp - 1}; " if layout.pp > 1 else ""
+    split = ("; layers placed by a layout string" if layout.pipeline_layout else
+             "".join(f"; {name} stage {n} layers" for name, n in (("first", layout.first_stage_layers),
+                                                                    ("last", layout.last_stage_layers)) if n))
+    where = (f"most loaded: pipeline stage {m.stage} of 0-{layout.pp - 1} (every stage evaluated{split}); "
+             if layout.pp > 1 else "")
     partial = f" recompute_layers={layout.recompute_layers}" if layout.recompute_layers is not None else ""
     partial += f" recompute_modules={','.join(layout.recompute_modules)}" if layout.recompute_modules else ""
     title = (f"memory per GPU ({where}dp={layout.dp} tp={layout.tp} pp={layout.pp} "

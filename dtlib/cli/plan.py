@@ -222,8 +222,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
-                                           "activation_offload_layers", "recompute_modules")
+                                           "activation_offload_layers", "recompute_modules", "first_stage_layers",
+                                           "last_stage_layers")
              if getattr(args, k) is not None}
+    if args.pipeline_layout:
+        fixed["pipeline_layout"] = True
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
@@ -315,13 +318,14 @@ def _text(d: dict[str, Any]) -> str:
         return "\n".join(lines + [d["why"]])
     lines.append(_LEGEND + (_LEGEND_ETP if moe else ""))
     lines.append(f"{'#':>2} {'dp':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2}{etp_head} {'v':>2} {'mb':>2} {'m':>4} "
-                 f"{'zero':>4} {'recompute':>9} {'sp':>3} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'GiB/GPU':>8}")
+                 f"{'zero':>4} {'recompute':>9} {'sp':>3} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'GiB/GPU':>8} "
+                 f"{'stage':>5}  split")
     for i, c in enumerate(d["configs"], 1):
         lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2}{etp_cells(c)} "
                      f"{c['virtual_stages']:>2} {c['micro_batch']:>2} {c['microbatches']:>4} {c['zero']:>4} "
                      f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
                      f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
-                     f"{c['memory_per_gpu_bytes'] / GiB:>8.1f}")
+                     f"{c['memory_per_gpu_bytes'] / GiB:>8.1f} {c['memory_stage']:>5}  {split_label(c)}")
     again = d["configs"][0].get("retimed")
     if again:
         lines.append(f"#1 is the run the {again['framework']} config makes, re-timed (timed "
@@ -341,6 +345,17 @@ def _text(d: dict[str, Any]) -> str:
     lines += emitted_lines(d.get("emitted", {})) + (fullsize_lines(d["fullsize"]) if "fullsize" in d else [])
     lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
+
+
+def split_label(c: dict[str, Any]) -> str:
+    """A search row's pipeline split in Megatron-LM's terms (dtlib.analytic.layout.split_problem)."""
+    if c["pp"] == 1:
+        return "-"
+    if c.get("pipeline_layout"):
+        return "layout string"
+    ends = [f"{name} {c[key]}" for name, key in (("first", "first_stage_layers"), ("last", "last_stage_layers"))
+            if c.get(key)]
+    return ", ".join(ends) if ends else "even"
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -163,7 +163,7 @@ def attention_projections(n: dict[str, Any], tokens: Any, **weights_kw: Any) -> 
 def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
                         flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
                         clock: float = 1.0, moe_imbalance: float = 1.0, fp8_recipe: str = "current",
-                        expert_loop: bool = True) -> dict[str, Any]:
+                        expert_loop: bool = True, stage: dict[str, Any] | None = None) -> dict[str, Any]:
     """Seconds per step on one GPU of the weight GEMMs (``gemm``) and of attention
     (``attention``) for the layouts ``n`` (:func:`dtlib.analytic.vectorised.layout_arrays`).
 
@@ -178,7 +178,11 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     per-expert cost of the kernels launched for each expert when the stack loops over them
     (``expert_loop``; their number depends on ``fp8_recipe`` when ``dtype`` is fp8:
     :func:`dtlib.plan.moe.grouped_gemm_overhead`); plus the shared experts and the router. A
-    fraction ``moe_layers / layers`` of the layers is MoE."""
+    fraction ``moe_layers / layers`` of the layers is MoE. ``stage``: one pipeline rank's ``layers``
+    and ``moe_layers`` and its share of the LM ``head`` (0 or 1) instead of the balanced share
+    (``layers / pp`` of the model's mix, ``1 / pp`` of the head). Also returned, per step: one
+    ``dense_layer``'s and one ``moe_layer``'s weight GEMMs, the ``head``'s and one layer's
+    ``attention_layer`` (:func:`dtlib.plan.stages.slowest_stage` sums them per rank)."""
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.array("attention_efficiency", attention_efficiency, maximum=1)  # or one per layout
     tp, pp, cp, ep = n["tp"], n["pp"], n["cp"], n["ep"]
@@ -205,16 +209,19 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
     router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)
-    share = moe["moe_share"]
-    forward = attn["forward"] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
-    backward = attn["backward"] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
     head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
-    if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
-        attn_elements = attn["inputs"] + attn["outputs"] + attn["weights"]
-        elements = attn_elements + (1 - share) * dense_mlp[2] + share * (grouped[2] + shared[2])
-        cast = FP8_CAST_BYTES * elements / gpu.memory_bandwidth
-    else:
+    full, selective = recompute == "full", recompute == "selective"
+
+    def layer(share: Any) -> Any:
+        """Weight GEMMs of one layer, one micro-batch: a share ``share`` of it an MoE layer."""
+        forward = attn["forward"] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
+        backward = attn["backward"] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
         cast = 0.0
+        if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
+            elements = (attn["inputs"] + attn["outputs"] + attn["weights"] + (1 - share) * dense_mlp[2]
+                        + share * (grouped[2] + shared[2]))
+            cast = FP8_CAST_BYTES * elements / gpu.memory_bandwidth
+        return (1 + full) * forward + backward + cast
 
     # ---- attention core of one layer, one micro-batch ---------------------------------------------
     qk_dim = n.get("head_dim", h // heads)
@@ -241,8 +248,12 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
         context = _fwd_bwd(s / cp, v_dim, s, per_head, **bf16_kw)
         attn_fwd, attn_bwd = scores[0] + context[0], scores[1] + context[1]
 
-    full, selective = recompute == "full", recompute == "selective"
-    layers = n["layers"] / pp
-    gemm = m * (layers * ((1 + full) * forward + backward + cast) + (head[0] + head[1]) / pp)
-    attention = m * layers * ((1 + full + selective) * attn_fwd + attn_bwd)
-    return {"gemm": np.asarray(gemm, float), "attention": np.asarray(attention, float)}
+    per_layer = {"dense_layer": m * layer(0), "moe_layer": m * layer(1), "head": m * (head[0] + head[1]),
+                 "attention_layer": m * ((1 + full + selective) * attn_fwd + attn_bwd)}
+    per_layer = {k: np.asarray(v, float) for k, v in per_layer.items()}
+    if stage is None:  # balanced: layers / pp of the model's mix, 1 / pp of the head
+        stage = {"layers": n["layers"] / pp, "moe_layers": moe["moe_share"] * n["layers"] / pp, "head": 1 / pp}
+    gemm = ((stage["layers"] - stage["moe_layers"]) * per_layer["dense_layer"]
+            + stage["moe_layers"] * per_layer["moe_layer"] + stage["head"] * per_layer["head"])
+    attention = stage["layers"] * per_layer["attention_layer"]
+    return {"gemm": np.asarray(gemm, float), "attention": np.asarray(attention, float), **per_layer}

@@ -44,7 +44,7 @@ STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
 # layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
                "virtual_stages", "micro_batch_size", "account_for_embedding_and_loss", "activation_offload_layers",
-               "offload", "recompute_modules")
+               "offload", "recompute_modules", "first_stage_layers", "last_stage_layers", "pipeline_layout")
 
 _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
               "Using Megatron-LM', Table 1 (A100 80GB, seq 2048, V 51200, full recomputation; "
@@ -688,6 +688,12 @@ _BRIDGE_OVERLAP = {
     ("DGX-B200", "qwen3-235b-a22b"): dict(ep_overlap=1.0),
     ("DGX-H100", "qwen3-235b-a22b"): dict(ep_overlap=1.0, tp_overlap=0.0),
 }
+# The pipeline splits (Megatron-LM accepts an uneven one only through a layout string or the
+# first/last-stage flags, dtlib.analytic.layout.split_problem): DeepSeek-V3's 61 layers are placed by
+# a --pipeline-model-parallel-layout string (set_deepseek_v3_pipeline_model_parallel_layout,
+# recipes/deepseek/deepseek_v3.py), Qwen3-235B's 94 by account_for_{embedding,loss}_in_pipeline_split
+# (recipes/qwen/h100/qwen3_moe.py; Megatron-Bridge commit 067f987df)
+_BRIDGE_SPLIT = {"deepseek-v3": dict(pipeline_layout=True), "qwen3-235b-a22b": dict(account_for_embedding_and_loss=True)}
 _BRIDGE_MEMORY = {
     ("DGX-GB300", "llama3-70b"): dict(activation_offload_layers=20),
     ("DGX-GB200", "llama3-70b"): dict(activation_offload_layers=40),
@@ -727,7 +733,7 @@ def pending_runs() -> list[PublishedRun]:
             cl = _dgx(gpu, gpus)
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
                       micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
-                      **_BRIDGE_MEMORY.get((system, preset), {}))
+                      **_BRIDGE_MEMORY.get((system, preset), {}), **_BRIDGE_SPLIT.get(preset, {}))
         over_table = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), {})
         layout.update(over_table)
         moe = ep > 1 or model.moe_experts > 0

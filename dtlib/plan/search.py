@@ -29,14 +29,15 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster
-from dtlib.analytic.layout import RECOMPUTE, RECOMPUTE_OPTIONS, Parallelism
+from dtlib.analytic.layout import RECOMPUTE, RECOMPUTE_OPTIONS, Parallelism, pipeline_split
+from dtlib.analytic.stages import distinct_rows
 from dtlib.analytic.memory import per_gpu_bytes
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays
 
-__all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "MICRO_BATCHES", "VIRTUAL_STAGES"]
+__all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "SPLIT", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -44,7 +45,9 @@ CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
            "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
-           "offload", "recompute_modules")
+           "offload", "recompute_modules", "first_stage_layers", "last_stage_layers", "pipeline_layout")
+# the pipeline split: given, or chosen per (pp, virtual_stages) by dtlib.analytic.layout.pipeline_split
+SPLIT = ("first_stage_layers", "last_stage_layers", "pipeline_layout")
 # GIVEN_OPTIONS: the layout options the search never varies, only takes as given (from ``fixed``,
 # else these defaults, Parallelism's): each candidate row carries them unchanged, so callers that
 # compare rows by their searched knobs leave these out (dtlib.plan.validation). Offload moves
@@ -74,7 +77,7 @@ class SearchResult:
 
 
 def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
-          tp_within_node: bool, interleaved: bool) -> dict[str, np.ndarray]:
+          tp_within_node: bool, interleaved: bool, balanced: bool = False) -> dict[str, np.ndarray]:
     """The candidate product for one schedule, as flat integer arrays.
 
     The model-parallel sizes are combined and filtered first (they must divide the GPUs; ``ep x
@@ -120,6 +123,23 @@ def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: di
     a = {k: v[keep] for k, v in a.items()}
     a["num_microbatches"] = global_batch // (a["dp"] * a["micro_batch_size"])
     a["gpus"] = np.full(a["dp"].shape, gpus)
+    return _with_split(a, cfg.layers, fixed, balanced)
+
+
+def _with_split(a: dict[str, np.ndarray], layers: int, fixed: dict[str, Any], balanced: bool) -> dict[str, np.ndarray]:
+    """``a`` with the pipeline split of every row: the pinned one, else the planner's
+    (:func:`~dtlib.analytic.layout.pipeline_split`; rows without a valid split are dropped), so
+    every layout searched is one Megatron-LM builds and an emitter can write."""
+    if any(fixed.get(k) for k in SPLIT):
+        for k in SPLIT:
+            a[k] = np.full(a["dp"].shape, int(fixed.get(k) or 0))
+        return a
+    first, row = distinct_rows([a["pp"], a["virtual_stages"]])
+    splits = [pipeline_split(layers, int(a["pp"][i]), int(a["virtual_stages"][i]), balanced) for i in first]
+    keep = np.array([s is not None for s in splits], dtype=bool)[row]
+    a = {k: v[keep] for k, v in a.items()}
+    for k in SPLIT:
+        a[k] = np.array([s[k] if s else 0 for s in splits], dtype=np.int64)[row[keep]]
     return a
 
 
@@ -134,21 +154,25 @@ def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
     return dict(zip(options, cols.T))
 
 
-def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, i: int, recompute: str,
-         peak: float, given: dict[str, Any]) -> dict[str, Any]:
-    """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches)."""
+def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, stage: np.ndarray, i: int,
+         recompute: str, peak: float, given: dict[str, Any]) -> dict[str, Any]:
+    """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches);
+    ``memory_stage``: the pipeline rank whose memory is ``memory_per_gpu_bytes`` (the heaviest)."""
     t = float(r["step_time"][i])
     gpus = int(r["gpus"][i])
     return {"dp": int(a["dp"][i]), "tp": int(a["tp"][i]), "pp": int(a["pp"][i]), "cp": int(a["cp"][i]),
             "ep": int(a["ep"][i]), "etp": int(a["etp"][i]), "virtual_stages": int(a["virtual_stages"][i]),
             "micro_batch": int(a["micro_batch_size"][i]), "microbatches": int(a["num_microbatches"][i]),
             "zero": int(a["zero"][i]), "recompute": recompute, **given,
+            "first_stage_layers": int(a["first_stage_layers"][i]) or None,
+            "last_stage_layers": int(a["last_stage_layers"][i]) or None,
+            "pipeline_layout": bool(a["pipeline_layout"][i]),
             "sequence_parallel": bool(a["sequence_parallel"][i]), "step_time_s": t,
             "tokens_per_s": float(r["tokens"][i]) / t,
             "model_tflops_per_gpu": float(r["model_flops"][i]) / (t * gpus) / 1e12,
             "hardware_tflops_per_gpu": float(r["hardware_flops"][i]) / (t * gpus) / 1e12,
             "mfu": float(r["model_flops"][i]) / (t * gpus * peak),
-            "memory_per_gpu_bytes": float(mem[i]),
+            "memory_per_gpu_bytes": float(mem[i]), "memory_stage": int(stage[i]),
             "breakdown": {k: float(r[k][i]) for k in TERMS},
             "compute_split": {"gemm": float(r["compute_gemm"][i]), "attention": float(r["compute_attention"][i])}}
 
@@ -161,6 +185,9 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
                        schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
                        virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
                        num_microbatches=config["microbatches"], recompute=config["recompute"],
+                       first_stage_layers=config.get("first_stage_layers"),
+                       last_stage_layers=config.get("last_stage_layers"),
+                       pipeline_layout=config.get("pipeline_layout", False),
                        **{k: config.get(k, v) for k, v in GIVEN_OPTIONS.items()})
 
 
@@ -207,11 +234,11 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     smallest: tuple[float, dict[str, Any]] | None = None
     broken: str | None = None  # the rule a pinned layout breaks, if every candidate breaks one
     for schedule in schedules:
-        grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved")
+        balanced = given["account_for_embedding_and_loss"]
+        grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved", balanced)
         candidates += grid["dp"].size
         if grid["dp"].size == 0:
             continue
-        balanced = given["account_for_embedding_and_loss"]
         n, valid = layout_arrays(model, grid, schedule, given["offload"], on_invalid="nan", balanced=balanced)
         if not valid.any():
             try:
@@ -225,8 +252,9 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
         for recompute in recomputes:
             if recompute == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
                 continue  # partial and per-module recompute describe the other recompute settings
-            mem = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, **given,
-                                **memory_kwargs(options, dropout))["total"]
+            held = per_gpu_bytes(n, prec, recompute=recompute, schedule=schedule, **given,
+                                 **memory_kwargs(options, dropout))
+            mem, stage = held["total"], held["stage"]
             fits = mem <= capacity
             searched += int(mem.size)
             fitting += int(fits.sum())
@@ -236,15 +264,17 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             if not fits.any():
                 continue
             # step times of the fitting layouts only
-            here, mem_here = _take(grid, fits), mem[fits]
+            here, mem_here, stage_here = _take(grid, fits), mem[fits], np.broadcast_to(stage, mem.shape)[fits]
             t = step_time_arrays(_take(n, fits), cluster, recompute=recompute, schedule=schedule,
                                  options=options, dropout=dropout, recompute_layers=given["recompute_layers"],
-                                 recompute_modules=given["recompute_modules"])
+                                 recompute_modules=given["recompute_modules"],
+                                 account_for_embedding_and_loss=given["account_for_embedding_and_loss"])
             times = t["step_time"]
             # fastest first, equal times by memory (as the rows below): a top-1 search must pick
             # the same layout as the first of a top-5 one
             best = np.lexsort((mem_here, times))[:top]
-            rows += [(float(times[i]), float(mem_here[i]), _row(here, t, mem_here, int(i), recompute, peak, given))
+            rows += [(float(times[i]), float(mem_here[i]),
+                      _row(here, t, mem_here, stage_here, int(i), recompute, peak, given))
                      for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]

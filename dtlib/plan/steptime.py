@@ -11,8 +11,9 @@ the same ranks, ``etp-ep-edp`` (Megatron-Core's MoE parallel folding, :mod:`dtli
 A "node" is an NVLink domain: 8 GPUs on a DGX/HGX board, 72 on a GB200/GB300 NVL72 rack, where
 whole groups are assumed packed into each domain (as SLURM's block scheduling places a job's 64-GPU segments).
 
-Stages are assumed balanced (the LM head's FLOPs are spread over all GPUs, as Narayanan et al.
-2021 eq. 3 counts them). Compute is timed from the GEMM shapes after TP/CP splitting
+The pipelined terms are the slowest pipeline rank's (:mod:`dtlib.plan.stages`: its own layers, MoE
+layers and, on the last rank, the LM head; with ``efficiency`` given, Narayanan et al. 2021 eq. 3's
+flat compute over all GPUs, the other terms on the rank with the most layers). Compute is timed from the GEMM shapes after TP/CP splitting
 (:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 """
@@ -25,12 +26,12 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time, nccl_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import Cluster, Link
-from dtlib.analytic.layout import Parallelism, stage_layers
+from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
 from dtlib.analytic.precision import Precision, get_precision
 from dtlib.analytic.presets import Training, activation_convention
@@ -40,6 +41,7 @@ from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
 from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.terms import TERMS
+from dtlib.plan.stages import slowest_stage
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
 from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
@@ -175,7 +177,8 @@ def _hierarchical(op: str, nbytes: Any, ranks: Any, local: Any, intra: Link, int
 def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "none",
                      schedule: str = "1f1b", options: StepOptions = StepOptions(),
                      dropout: bool = False, recompute_layers: int | None = None,
-                     recompute_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+                     recompute_modules: tuple[str, ...] = (),
+                     account_for_embedding_and_loss: bool = False) -> dict[str, Any]:
     """The breakdown for every layout in ``n`` (numbers as :func:`dtlib.analytic.vectorised.layout_arrays`
     returns them); ``dropout``: the model keeps dropout masks (as the memory model); ``options``
     are filled from their stack (:func:`resolve`). Returns each term of :data:`TERMS` (seconds),
@@ -192,26 +195,28 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     (Megatron-Core's per-module recompute) repeat their modules' forward
     (:func:`dtlib.plan.recompute.recompute_module_work`) in every layer ``recompute_layers`` leaves stored."""
     options, _ = resolve(options)
+    balanced = account_for_embedding_and_loss
     if recompute == "op":
         h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
         recomputed = h * kv_dim + h * h + h * f   # wk, wo, and w3 (SwiGLU) or fc2 (GELU)
         share = recomputed * n["layers"] / layers_matmul_params(**n)  # of a mean layer's weights
-        return _mixed(_terms(n, cluster, "none", schedule, options, dropout),
-                      _terms(n, cluster, "full", schedule, options, dropout), share, 0 * share)
-    plain = _terms(n, cluster, recompute, schedule, options, dropout)
+        return _mixed(_terms(n, cluster, "none", schedule, options, dropout, balanced),
+                      _terms(n, cluster, "full", schedule, options, dropout, balanced), share, 0 * share)
+    plain = _terms(n, cluster, recompute, schedule, options, dropout, balanced)
     out, kept = plain, 1.0
     if recompute_layers:
         per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
         share = np.minimum(recompute_layers, per_chunk) / per_chunk
-        out = _mixed(plain, _terms(n, cluster, "full", schedule, options, dropout), share, share)
+        out = _mixed(plain, _terms(n, cluster, "full", schedule, options, dropout, balanced), share, share)
         kept = 1 - share
     if recompute_modules:  # in the layers recompute_layers leaves stored
-        out = _with_modules(out, plain, n, cluster, schedule, options, dropout, recompute_modules, kept)
+        out = _with_modules(out, plain, n, cluster, schedule, options, dropout, recompute_modules, kept, balanced)
     return out
 
 
 def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any], cluster: Cluster, schedule: str,
-                  options: StepOptions, dropout: bool, modules: tuple[str, ...], kept: Any) -> dict[str, Any]:
+                  options: StepOptions, dropout: bool, modules: tuple[str, ...], kept: Any,
+                  balanced: bool = False) -> dict[str, Any]:
     """``base`` plus the forward work ``modules`` repeat in backward in the ``kept`` share of the
     layers (those not fully recomputed): FLOPs at the weight GEMMs' peak and efficiency, bytes at the
     HBM bandwidth, per layer of the stage and micro-batch, in the pipelined work the bubble scales;
@@ -220,14 +225,14 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
     work = recompute_module_work(modules, n, prec.activation, dropout, bool(options.flash_attention))
     gpu = cluster.gpu
     v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * n["pp"]
-    per_step = kept * stage_layers(n["layers"], n["pp"], v)[0] * n["num_microbatches"]
+    per_step = kept * plain["stage_layers"] * n["num_microbatches"]
     efficiency = GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency
     flops_time = work["flops"] / (gpu.peak(options.dtype) * clock_scale(gpu, options.power_limit_w) * efficiency)
     extra = per_step * (flops_time + work["bytes"] / gpu.memory_bandwidth)
     # core_attn with explicit attention: the attention core again, as selective recompute repeats it
     attention = 0 * extra
     if np.any(work["attention"]):
-        selective = _terms(n, cluster, "selective", schedule, options, dropout)
+        selective = _terms(n, cluster, "selective", schedule, options, dropout, balanced)
         attention = kept * work["attention"] * (selective["compute_attention"] - plain["compute_attention"])
     pipelined = extra + attention
     out = dict(base)
@@ -256,7 +261,7 @@ def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_sha
 
 
 def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, options: StepOptions,
-           dropout: bool) -> dict[str, Any]:
+           dropout: bool, balanced: bool = False) -> dict[str, Any]:
     """:func:`step_time_arrays` for one recompute setting (``none``, ``selective`` or ``full``)."""
     stack = get_stack(options.stack)
     gpu, g = cluster.gpu, cluster.gpus_per_node
@@ -279,41 +284,44 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
         compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
         parts = {"gemm": compute, "attention": 0 * compute}
-    else:  # shape-aware: GEMMs from their shapes, attention from FlashAttention (dtlib.plan.gemm)
-        parts = transformer_compute(
+        # the per-layer terms below: the rank with the most layers
+        stage = slowest_stage(n, {"dense_layer": 1, "moe_layer": 1, "head": 0, "attention_layer": 0}, balanced)
+    else:  # shape-aware: GEMMs from their shapes, attention from FlashAttention (dtlib.plan.gemm),
+        # on the slowest pipeline rank (dtlib.plan.stages)
+        stage = slowest_stage(n, transformer_compute(
             n, gpu, recompute=recompute, dtype=options.dtype, flash_attention=options.flash_attention,
             gemm_efficiency=GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency,
             attention_efficiency=(ATTENTION_EFFICIENCY * stack.attention_scale(gpu)
                                   if options.attention_efficiency is None else options.attention_efficiency),
             clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance,
-            fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop)
+            fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop), balanced)
+        parts = {"gemm": stage["gemm"], "attention": stage["attention"]}
         compute = parts["gemm"] + parts["attention"]
 
     # ---- model-parallel communication, per layer and micro-batch ---------------------------
     intra, inter = cluster.intra, _inter_link(cluster, options.oversubscription)
-    layers_here = stage_layers(n["layers"], pp, v)[0]
+    layers_here, moe_here = stage["layers"], stage["moe_layers"]
     act = b * (s / cp) * h * prec.activation
     moe = moe_numbers(n)
     # attention's 2 collectives and the MLP's 2, but an MoE layer's routed experts take their
     # tokens through the EP dispatcher instead (ep_comm); shared experts gather over tp as a dense
     # MLP does (Megatron-Core SharedExpertMLP)
-    tensor_parallel_mlp = 1 - moe["moe_share"] * (moe["shared_experts"] == 0)
-    tp_calls = (2 + full) * (1 + tensor_parallel_mlp) * layers_here * m
+    tp_calls = (2 + full) * (2 * layers_here - moe_here * (moe["shared_experts"] == 0)) * m
     tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
-    kv = 2 * b * (s / cp) * n["kv_heads"] * (h // n["heads"]) * prec.activation / tp
+    # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
-        tp * cp <= g, "all_gather", kv * cp, cp, intra, inter)
+        tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)
     # ---- EP: all-to-all of the routed tokens per MoE layer (dtlib.plan.moe) -----------------
     check_imbalance(moe, options.moe_imbalance)
     load = expert_load(moe, options.moe_imbalance)
-    ep_calls = (4 + 2 * full) * moe["moe_share"] * layers_here * m
+    ep_calls = (4 + 2 * full) * moe_here * m
     ep_parts = ep_comm_time(b=b, s=s, h=h, tp=tp, cp=cp, dp=dp, ep=ep, moe=moe, load=load,
                             act_bytes=prec.activation, calls=ep_calls, gpus_per_node=g,
                             intra=intra, inter=inter)
     # overlap hides an all-to-all behind another micro-batch's compute of the same MoE layers (DeepSeek-V3's
     # DualPipe, Sec. 3.2.1; Megatron's --overlap-moe-expert-parallel-comm): never more than that compute
     ep_raw = ep_parts["all_to_all"] + ep_parts["etp"]
-    ep_comm = ep_raw - options.ep_overlap * np.minimum(ep_raw, moe["moe_share"] * compute)
+    ep_comm = ep_raw - options.ep_overlap * np.minimum(ep_raw, moe_here / np.maximum(layers_here, 1) * compute)
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
     # averaged over the model's dense / MoE and sliding / global layers (dtlib.analytic.activations)
     per_layer = n | dict(dropout=dropout, act_bytes=prec.activation)
@@ -331,7 +339,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     local_experts = np.where(moe["moe"], n["experts"] / ep, 1)
     permuted = permutation_bytes(tokens=b * s / (cp * tp), h=h, moe=moe, load=load, local_experts=local_experts,
                                  act_bytes=prec.activation)
-    elementwise = elementwise + (1 + full / 2) * permuted * moe["moe_share"] * layers_here * m / gpu.memory_bandwidth
+    elementwise = elementwise + (1 + full / 2) * permuted * moe_here * m / gpu.memory_bandwidth
 
     pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
@@ -381,7 +389,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     out.update(model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
                tokens=np.asarray(tokens, float), gpus=np.asarray(gpus), params_per_gpu=dense + expert,
                dp_comm_unhidden=dp_comm_raw, compute_gemm=parts["gemm"] * np.ones_like(compute, dtype=float),
-               compute_attention=parts["attention"] * np.ones_like(compute, dtype=float))
+               compute_attention=parts["attention"] * np.ones_like(compute, dtype=float),
+               stage_rank=stage["rank"] * np.ones_like(compute, dtype=int), stage_layers=layers_here)
     return out
 
 
@@ -443,7 +452,8 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
                          balanced=layout.account_for_embedding_and_loss)
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
-                         recompute_modules=layout.recompute_modules)
+                         recompute_modules=layout.recompute_modules,
+                         account_for_embedding_and_loss=layout.account_for_embedding_and_loss)
     eff = options.efficiency
     return StepTime(layout=layout, step_time=float(r["step_time"][0]),
                     breakdown={k: float(r[k][0]) for k in TERMS}, tokens_per_step=float(r["tokens"][0]),

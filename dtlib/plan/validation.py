@@ -30,7 +30,7 @@ from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.published import METRIC_UNITS, PUBLISHED, SOURCES, PublishedRun
-from dtlib.plan.search import FIXABLE, GIVEN_OPTIONS, search
+from dtlib.plan.search import FIXABLE, GIVEN_OPTIONS, SPLIT, search
 from dtlib.analytic.stacks import get_stack
 from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays
 
@@ -166,8 +166,10 @@ def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]
     # every integer or boolean knob of a search row is a layout array (any knob search gains is
     # carried too); two are named differently in the rows (the command line's JSON names)
     renamed = {"micro_batch": "micro_batch_size", "microbatches": "num_microbatches"}
-    knobs = [k for k, v in found[0].items() if isinstance(v, (bool, int)) and k not in GIVEN_OPTIONS]
-    return [(schedule, recompute, {renamed.get(k, k): np.array([int(c[k]) for c in rows]) for k in knobs})
+    # (the pipeline split's counts are None where not given: 0 in the arrays; memory_stage is a result)
+    knobs = [k for k, v in found[0].items() if (isinstance(v, (bool, int)) or k in SPLIT)
+             and k not in GIVEN_OPTIONS and k != "memory_stage"]
+    return [(schedule, recompute, {renamed.get(k, k): np.array([int(c[k] or 0) for c in rows]) for k in knobs})
             for (schedule, recompute), rows in groups.items()]
 
 
@@ -189,7 +191,8 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
                        attention_efficiency=np.repeat(attention * scale, k))
         t = step_time_arrays(n, run.cluster, recompute=recompute, schedule=schedule, options=opts,
                              dropout=dropout, recompute_layers=run.layout.get("recompute_layers"),
-                             recompute_modules=tuple(run.layout.get("recompute_modules", ())))
+                             recompute_modules=tuple(run.layout.get("recompute_modules", ())),
+                             account_for_embedding_and_loss=bool(run.layout.get("account_for_embedding_and_loss")))
         time = t["step_time"].reshape(points, k)
         per_gpu = {"tokens_per_gpu_s": t["tokens"] / run.cluster.world_size,
                    "hardware_tflops_per_gpu": t["hardware_flops"] / (t["gpus"] * 1e12),
