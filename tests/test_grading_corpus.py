@@ -15,13 +15,16 @@ import pytest
 import torch
 
 from dtlib import grading
-from dtlib.grading import grades_csv, rowfiles, transfer, verdict
+from dtlib.grading import checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
 from tests.test_grading import _tiny_course
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "grading_corpus"
+# one batch of 7 rows, --jobs 2: about 2 minutes on an idle 2-core machine, 5 at a load of 12
+pytestmark = pytest.mark.timeout(900)
 CPU_TIME = "12"  # as in tests/test_grading_isolation.py: an honest tiny row needs about 4.5 s
-FORMULA_NAME = '=HYPERLINK("http://x.test")&.ipynb'
+FORMULA_NAME = '=HYPERLINK("x.test")&.ipynb'  # an honest notebook with a byte-order mark, named so
+LEFTOVERS = [Path(folder) / "dtlib-corpus-leftover" for folder in ("/tmp", "/var/tmp", "/dev/shm")]
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +58,36 @@ def graded(tmp_path_factory, tiny):
     tmp = tmp_path_factory.mktemp("corpus-batch")
     subs = tmp / "submissions"
     subs.mkdir()
+    git_dir, common = checkouts._git_dirs(ROOT)
+    trees = [str(ROOT), *map(str, checkouts._checkouts(common) if common else [])]
     for path in sorted(CORPUS.glob("*.py")):
-        nbformat.write(_before_first_check(copies["exercise"], path.read_text()), subs / f"{path.stem}.ipynb")
+        cell = path.read_text().replace("CHECKOUTS", repr(trees))
+        nbformat.write(_before_first_check(copies["exercise"], cell), subs / f"{path.stem}.ipynb")
     nbformat.write(_with_magics(copies["solution"]), subs / "honest_magics.ipynb")
-    (subs / "honest_bom.ipynb").write_bytes(b"\xef\xbb\xbf" + nbformat.writes(copies["solution"]).encode())
-    nbformat.write(copies["solution"], subs / FORMULA_NAME)
+    (subs / FORMULA_NAME).write_bytes(b"\xef\xbb\xbf" + nbformat.writes(copies["solution"]).encode())
     out = tmp / "grades.csv"
     argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out),
             "--jobs", "2", "--cpu-time", CPU_TIME]
-    before = set(Path(tempfile.gettempdir()).glob("dtlib-row-*"))
-    assert grading.main(argv) == 0
+    before = set(Path(tempfile.gettempdir()).glob("dtlib-*"))
+    for path in LEFTOVERS:
+        path.unlink(missing_ok=True)
+    os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
+    try:
+        assert grading.main(argv) == 0
+    finally:
+        del os.environ["GRADER_SECRET_TOKEN"]
+    leftovers = [p for p in LEFTOVERS if p.exists()]
+    for path in leftovers:
+        path.unlink()
     with open(out, newline="") as f:
         rows = {r["submission"]: r for r in csv.DictReader(f)}
-    return {"rows": rows, "left": set(Path(tempfile.gettempdir()).glob("dtlib-row-*")) - before, "out": out}
+    return {"rows": rows, "left": set(Path(tempfile.gettempdir()).glob("dtlib-*")) - before, "out": out,
+            "leftovers": leftovers}
 
 
 def test_honest_notebooks_with_magics_and_a_bom_get_full_marks(graded):
     rows = graded["rows"]
-    for name in ("honest_magics.ipynb", "honest_bom.ipynb"):
+    for name in ("honest_magics.ipynb", "'" + FORMULA_NAME):  # the second with a byte-order mark
         assert (rows[name]["status"], rows[name]["total"], rows[name]["error"]) == ("graded", "3", ""), rows[name]
 
 
@@ -82,6 +97,12 @@ def test_the_corpus_scores_zero_and_costs_no_other_row(graded):
         row = rows[f"{path.stem}.ipynb"]
         assert row["total"] == "0" and row["status"] not in ("verdict failed", "grader failed"), row
     assert not graded["left"], graded["left"]  # the deep folders went with their row
+
+
+def test_nothing_a_row_writes_in_the_shared_scratch_folders_outlives_it(graded):
+    if sandbox.submission_user(0) is None:
+        pytest.skip("no mount namespace and user drop here (not root): /tmp is shared, as the isolation line says")
+    assert graded["leftovers"] == []
 
 
 def test_learner_text_in_the_csv_is_no_formula(graded):

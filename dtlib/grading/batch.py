@@ -20,6 +20,7 @@ says where), ``not a notebook`` (not JSON, or not nbformat), ``timed out``, ``gr
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -36,7 +37,7 @@ from typing import Callable
 import nbformat
 
 from dtlib.analytic import validate
-from dtlib.grading import children, grades_csv, prefork, rowfiles, sandbox, verdict
+from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
 __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
@@ -140,8 +141,9 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
             # otter grades a notebook named like the master; submissions may be named by student.
             target = Path(tmp) / master_name
             rowfiles.create_private(target, nbformat.writes(nb).encode())
+            own = dataclasses.replace(mounts, reach=(*mounts.reach, tmp))  # of /tmp, only its own folder
             report, status, why, isolated, why_verdict = children.run_children(
-                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, mounts)
+                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
         finally:
             rowfiles.remove_tree(tmp)  # whatever the row left there (1,500 nested folders included)
         if report is None:
@@ -223,15 +225,18 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     # What no submission may read (the other submissions, the masters and solutions) or change.
     course = master.parent.parent.resolve() if master else None
     hidden = {files[0].parent.resolve(), *([master.parent.resolve(), course / "solutions"] if master else [])}
-    mounts = sandbox.Mounts(hidden=tuple(str(p) for p in hidden if p.is_dir()),
-                            read_only=tuple(dict.fromkeys([_CHECKOUT, *([str(course)] if course else [])])),
-                            reach=(tempfile.gettempdir(),))  # each submission's own folder is made there
+    trees = [_CHECKOUT, *([str(course)] if course else [])]
+    logs = tempfile.mkdtemp(prefix="dtlib-batch-")
+    mounts = sandbox.Mounts(hidden=tuple(dict.fromkeys([*(str(p) for p in hidden if p.is_dir()),
+                                                        *checkouts.secrets(*trees)])),
+                            read_only=tuple(dict.fromkeys(trees)),
+                            reach=(logs,))  # each row adds its own folder
     progress(sandbox.isolation(mounts, cpu_time))
     if master is None:
         progress("warning: no master given: scores are otter's in-notebook ones, which a submission can forge")
     points = question_points(autograder_zip)
     setup = verdict.setup_sources(nbformat.read(master, as_version=4)) if master else []
-    with tempfile.TemporaryDirectory() as logs:
+    try:
         # The verdicts run where a learner's notebook runs, the course's exercises/ (else an empty
         # folder: never the hidden masters/, which a verdict would keep reaching as its cwd). The
         # setup's own time limit is not a submission's: it imports torch and the checks, once.
@@ -247,6 +252,8 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
         finally:
             if forker:
                 forker.close()
+    finally:
+        rowfiles.remove_tree(logs)
     sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
     grades_csv.write(rows, out_csv)
     return rows

@@ -30,8 +30,9 @@ def first_line(text: str, limit: int = 200) -> str:
 
 
 def _child_env(home: Path) -> dict[str, str]:
-    """The environment of a walled-off child: ours, with a home and temp folder of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "IPYTHON"))}
+    """The environment of a walled-off child: the allow-list of ours (:func:`sandbox.minimal_env`),
+    with a home and temp folder of its own."""
+    env = sandbox.minimal_env()
     env.update(HOME=str(home), TMPDIR=str(home), JUPYTER_RUNTIME_DIR=str(home / ".jupyter"),
                MPLCONFIGDIR=str(home / ".mpl"), PYTHONDONTWRITEBYTECODE="1")
     return env

@@ -36,9 +36,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Mounts", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
+__all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
            "process_group_cap", "cpu_account", "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
 
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
+_MS_NOSUID, _MS_NODEV = 0x2, 0x4
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x20, 0x1000, 0x4000, 0x40000  # <linux/mount.h>
@@ -56,6 +58,23 @@ class Limits:
     memory_bytes: int = 8 << 30   # address space: torch alone maps ~2 GiB
     file_bytes: int = 256 << 20   # any file written, logs and notebook outputs included
     processes: int = 512          # threads count too: torch, gloo and the kernel start dozens
+    # private tmpfs mounts over the shared scratch folders (see SCRATCH), each this large at most
+    # (tmpfs pages are memory): what a row writes there vanishes with its processes
+    scratch_bytes: int = 256 << 20
+
+
+# The grader's environment variables a learner's process gets (an allow-list: instructor secrets
+# such as tokens and keys never reach it): where the interpreter and packages are, the locale,
+# thread counts, the frameworks' own settings, the course's (``DTLIB_``).
+ENV_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "HOME", "LANG", "LANGUAGE", "TZ", "TERM",
+             "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+ENV_PREFIXES = ("LC_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "GLOO_", "TORCH", "PYTORCH_", "JAX_",
+                "XLA_", "DTLIB_")
+
+
+def minimal_env() -> dict[str, str]:
+    """The grader's environment, only the variables of :data:`ENV_NAMES` and :data:`ENV_PREFIXES`."""
+    return {k: v for k, v in os.environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
 def _netns_available() -> bool:
@@ -120,7 +139,8 @@ def _can_drop_user() -> bool:
 def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> str:
     """One line: what walls this machine gives each submission with ``mounts`` and a CPU budget
     of ``cpu_time`` seconds (printed by the grader)."""
-    parts = ["own temporary folder", "CPU/memory/file-size limits per process"]
+    parts = ["own temporary folder (files 0600, umask 077)", "CPU/memory/file-size limits per process",
+             "minimal environment (an allow-list of variables)"]
     weak = []
     group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
     remove_group(group)
@@ -151,10 +171,13 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         weak.append("grader not root: submissions run as your user and could read or write your files")
     if _netns_available():
         parts.append("no network (own network namespace, loopback only)")
-        parts.append("course checkout read-only, other submissions, masters and solutions hidden (own mount namespace)")
+        parts.append("course checkout read-only, other submissions, masters and solutions hidden, and the git "
+                     "history, masters and solutions of every checkout of the course's repository (own mount namespace)")
+        parts.append(f"private {', '.join(SCRATCH)} ({Limits().scratch_bytes >> 20} MiB tmpfs each, gone with the "
+                     "child; of the shared /tmp only the row's own folder)")
     else:
-        weak.append("network reachable, checkout writable, other submissions and masters readable "
-                    "(namespaces need root)")
+        weak.append("network reachable, checkout writable, other submissions, masters and git history readable, "
+                    "/tmp shared (namespaces need root)")
     line = "isolation: " + ", ".join(parts)
     return line + ("; weaker than intended (warning): " + "; ".join(weak) if weak else "")
 
@@ -280,17 +303,29 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         if libc.unshare(_CLONE_NEWNET) == 0:
             _loopback_up()
         hide, readonly = mounts.hidden, mounts.read_only
-        plan = reach_plan(interpreter_paths() + mounts.reach + readonly) if uid is not None else ()
-        if (hide or readonly or plan) and libc.unshare(_CLONE_NEWNS) == 0:
+        needed = interpreter_paths() + mounts.reach + readonly
+        plan = reach_plan(needed) if uid is not None else ()
+        if libc.unshare(_CLONE_NEWNS) == 0:
             # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
             for blocker, paths in plan:
-                _reach(libc, blocker, paths)
+                _reach(libc, blocker, paths, read_only=True)
+            for folder in SCRATCH:  # a private tmpfs; of the shared one, only what it needs
+                if os.path.isdir(folder):
+                    _reach(libc, folder, _under(needed, folder), read_only=False, size=limits.scratch_bytes)
             for path in readonly:  # the course checkout: readable, never writable
                 libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None)
                 libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
-            for path in hide:
-                libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
+            for path in hide:  # a folder: an empty read-only one over it; a file (a worktree's .git): empty
+                if os.path.isdir(path):
+                    libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
+                elif os.path.exists(path):
+                    libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+            try:  # a cwd entered before the mounts would still lead, by "..", to the shared /tmp
+                os.chdir(os.getcwd())
+            except OSError:
+                os.chdir("/")
+    os.umask(0o077)  # what a learner's process creates is its own
     for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
                         (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (value, value))
@@ -303,11 +338,25 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
-def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...]) -> None:
-    """Mount an empty tmpfs over ``blocker`` and bind each of ``paths`` (under it) back, read-only."""
+def _under(paths: tuple[str, ...], folder: str) -> tuple[str, ...]:
+    """The outermost of ``paths`` (real paths) strictly under ``folder``, parents first."""
+    inside = sorted(p for p in dict.fromkeys(os.path.realpath(p) for p in paths if os.path.exists(p))
+                    if p.startswith(folder.rstrip("/") + "/"))
+    outer: list[str] = []
+    for path in inside:
+        if not any(path.startswith(p + "/") for p in outer):
+            outer.append(path)
+    return tuple(outer)
+
+
+def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...], read_only: bool,
+           size: int = 64 << 10) -> None:
+    """Mount an empty tmpfs over ``blocker`` (0755, or 1777 like ``/tmp`` when it is not read-only)
+    and bind each of ``paths`` (under it) back, read-only if ``read_only``."""
     held = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]  # reachable after the tmpfs hides them
     try:
-        if libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+        options = f"mode={'0755' if read_only else '1777'},size={size}".encode()
+        if libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
             raise OSError(ctypes.get_errno(), f"cannot mount a tmpfs over {blocker}")
         for path, fd in zip(paths, held):
             if os.path.isdir(f"/proc/self/fd/{fd}"):
@@ -318,7 +367,8 @@ def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...]) -> None:
             source = f"/proc/self/fd/{fd}".encode()
             if libc.mount(source, path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
                 raise OSError(ctypes.get_errno(), f"cannot bind {path}")
-            libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
+            if read_only:
+                libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
     finally:
         for fd in held:
             os.close(fd)
