@@ -52,6 +52,11 @@ def _with_magics(solution):
     return nb
 
 
+def _row_folders() -> set[Path]:
+    """The folders a batch makes in the grader's /tmp (its rows', its verdicts')."""
+    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in Path(tempfile.gettempdir()).glob(pattern)}
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory, tiny):
     masters, copies = tiny
@@ -68,7 +73,7 @@ def graded(tmp_path_factory, tiny):
     out = tmp / "grades.csv"
     argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out),
             "--jobs", "2", "--cpu-time", CPU_TIME]
-    before = set(Path(tempfile.gettempdir()).glob("dtlib-*"))
+    before = _row_folders()
     for path in LEFTOVERS:
         path.unlink(missing_ok=True)
     os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
@@ -81,7 +86,7 @@ def graded(tmp_path_factory, tiny):
         path.unlink()
     with open(out, newline="") as f:
         rows = {r["submission"]: r for r in csv.DictReader(f)}
-    return {"rows": rows, "left": set(Path(tempfile.gettempdir()).glob("dtlib-*")) - before, "out": out,
+    return {"rows": rows, "left": _row_folders() - before, "out": out,
             "leftovers": leftovers}
 
 
@@ -226,3 +231,34 @@ def test_class_answers_with_bases_outside_the_list_are_refused_without_importing
     stand_in = verdict._stand_in_class("q1", "F", [("torch.autograd.function", "Function")], {"apply": "class"})
     assert issubclass(stand_in, torch.autograd.Function)
     assert verdict._stand_in_class("q1", "P", [("builtins", "object")], {}).__bases__ == (object,)
+
+
+def test_secrets_are_every_checkouts_history_masters_and_solutions(tmp_path):
+    git = lambda *args, cwd: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],  # noqa: E731
+                                            cwd=cwd, check=True, capture_output=True, timeout=60)
+    main = tmp_path / "main"
+    for name in ("solutions", "masters", "exercises"):
+        (main / name).mkdir(parents=True)
+        (main / name / "01.ipynb").write_text("{}")
+    git("init", "-q", cwd=main)
+    git("add", "-A", cwd=main)
+    git("commit", "-qm", "course", cwd=main)
+    git("worktree", "add", "-q", str(tmp_path / "other"), cwd=main)
+    git("worktree", "add", "-q", str(tmp_path / "mine"), cwd=main)
+    found = set(checkouts.secrets(tmp_path / "mine"))
+    expected = {str(main / ".git"), str(main / ".git" / "worktrees" / "mine")} | {
+        str(tree / name) for tree in (main, tmp_path / "other", tmp_path / "mine") for name in checkouts.SOLVED}
+    assert found == expected
+    assert not any("exercises" in p for p in found)
+    assert checkouts.secrets(tmp_path / "main" / "exercises") == ()  # not a checkout: nothing to hide
+
+
+def test_two_graders_at_once_get_different_users():
+    if sandbox.submission_user(0) is None:
+        pytest.skip("no user drop here (not root)")
+    mine = sandbox.submission_user(0)  # this process holds its block from now on
+    probe = "from dtlib.grading import sandbox\nprint(sandbox.submission_user(0))"
+    other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert int(other.stdout) != mine and mine >= 3_000_000_000, other.stderr[-2000:]
+    with pytest.raises(ValueError, match="submission index must be in"):
+        sandbox.submission_user(-1)

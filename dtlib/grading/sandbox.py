@@ -157,7 +157,8 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         weak.append("no process-count cap (needs root: a user of its own or a pids cgroup): "
                     "a fork bomb is not contained")
     if _can_drop_user():
-        parts.append(f"own unprivileged user per submission (uid {_FIRST_UID}+, no groups: cannot write the "
+        parts.append(f"own unprivileged user per submission, unique among the graders on this machine "
+                     f"(uid {_FIRST_UID}+, no groups: cannot write the "
                      "checkout or other submissions, read root's files or signal root's processes)")
         mounts = mounts or Mounts()
         for blocker, paths in reach_plan(interpreter_paths() + mounts.reach + mounts.read_only):
@@ -182,9 +183,43 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
     return line + ("; weaker than intended (warning): " + "; ".join(weak) if weak else "")
 
 
+_USERS_PER_BATCH = 1 << 20  # 2 per row: 524,288 rows; 1,234 batches at once below 2**32 - 2
+_SLOTS = ("/run/dtlib-grading", "/var/lib/dtlib-grading")  # root's own: no learner can hold a slot
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_slot() -> int:
+    """This grader process's block of user ids, unique among the graders running on the machine:
+    the first ``slot-N.lock`` in :data:`_SLOTS` it can ``flock``, held until the process ends (the
+    kernel releases the lock then, even after a crash). Two batches graded at once once shared
+    their users, and each ended the other's rows with ``kill(-1)``."""
+    for folder in _SLOTS:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            info = os.lstat(folder)
+            if info.st_uid != 0 or info.st_mode & 0o022 or not os.path.isdir(folder) or os.path.islink(folder):
+                continue
+        except OSError:
+            continue
+        for slot in range((0xFFFF_FFFE - _FIRST_UID) // _USERS_PER_BATCH):
+            fd = os.open(os.path.join(folder, f"slot-{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return slot  # fd stays open: the lock is held while this process lives
+            except BlockingIOError:
+                os.close(fd)
+    raise RuntimeError(f"no free block of submission users: cannot create or lock a slot in {' or '.join(_SLOTS)}")
+
+
 def submission_user(index: int) -> int | None:
-    """The user id for the ``index``-th learner process group of a batch, or ``None`` (not root)."""
-    return _FIRST_UID + index if _can_drop_user() else None
+    """The user id for the ``index``-th learner process group of this grader process, unique on the
+    machine (:func:`_batch_slot`), or ``None`` (not root)."""
+    if not _can_drop_user():
+        return None
+    if not 0 <= index < _USERS_PER_BATCH:
+        raise ValueError(f"submission index must be in [0, {_USERS_PER_BATCH}), got {index}")
+    return _FIRST_UID + _batch_slot() * _USERS_PER_BATCH + index
 
 
 def chown_tree(path: str, uid: int | None) -> None:
