@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # or a flood is stopped after this much CPU time whatever the machine's load; the wall limit is
 # derived from it (10 x + 60 s) and stops only what waits forever.
 CPU_TIME = "12"
+# the shared batch of 11 rows, --jobs 2: 96 s on an idle 2-core machine, 374 s at a load of 12
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
