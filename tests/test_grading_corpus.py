@@ -262,3 +262,20 @@ def test_two_graders_at_once_get_different_users():
     assert int(other.stdout) != mine and mine >= 3_000_000_000, other.stderr[-2000:]
     with pytest.raises(ValueError, match="submission index must be in"):
         sandbox.submission_user(-1)
+
+
+def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
+    name = f"dtlib-grade-test-memory-{os.getpid()}"
+    group = sandbox.memory_cap(name, 64 << 20)
+    if group is None:
+        pytest.skip("no memory cgroup here (not root, or no memory controller)")
+    try:
+        # two processes of 48 MiB each: under any per-process limit of 64 MiB, over the group's
+        hog = ("import os, time\npid = os.fork()\nblock = bytearray(48 << 20)\nfor i in range(0, len(block), 4096):\n"
+               "    block[i] = 1\ntime.sleep(0.5)\nif pid:\n    os.waitpid(pid, 0)")
+        joined = lambda: open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid()))  # noqa: E731
+        ran = subprocess.run([sys.executable, "-c", hog], preexec_fn=joined, capture_output=True, timeout=120)
+        assert ran.returncode != 0, "two 48 MiB processes ran in a 64 MiB group"
+    finally:
+        sandbox.kill_group(group)
+        sandbox.remove_group(group)

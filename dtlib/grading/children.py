@@ -41,7 +41,8 @@ def _child_env(home: Path) -> dict[str, str]:
 def _groups(home: Path, limits: sandbox.Limits) -> tuple[str, ...]:
     """The cgroups of one child (same name in every hierarchy: on cgroup v2 it is one group)."""
     name = f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}"
-    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name))
+    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name),
+            sandbox.memory_cap(name, limits.group_memory_bytes), sandbox.cpu_weight(name))
     return tuple(dict.fromkeys(g for g in made if g))
 
 

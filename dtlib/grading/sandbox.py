@@ -9,9 +9,11 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
 * ``unshare(CLONE_NEWNET)`` gives it a network namespace whose only interface is a fresh loopback
   (the ranks and the Jupyter kernel talk over 127.0.0.1; nothing else is reachable);
 * ``unshare(CLONE_NEWNS)`` gives it a mount namespace: the checkout read-only, the other
-  submissions, masters and solutions hidden, and a folder other users cannot enter (``/root``,
-  where the interpreter may live) replaced by an empty one with only what the child needs bound
-  back read-only (:func:`reach_plan`);
+  submissions, masters, solutions and git history hidden, a folder other users cannot enter
+  (``/root``, where the interpreter may live) replaced by an empty one with only what the child
+  needs bound back read-only (:func:`reach_plan`), and a private size-limited tmpfs over each of
+  :data:`SCRATCH` (``/tmp``, ``/var/tmp``, ``/dev/shm``) that vanishes with it;
+* its environment is an allow-list of the grader's (:func:`minimal_env`), its umask 077;
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
   signal or trace their processes; :func:`kill_user` then ends everything that user started,
@@ -36,8 +38,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
-           "process_group_cap", "cpu_account", "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
+__all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
+           "kill_user", "submission_user", "chown_tree", "process_group_cap", "cpu_account", "memory_cap", "cpu_weight",
+           "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
 
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
@@ -61,6 +64,7 @@ class Limits:
     # private tmpfs mounts over the shared scratch folders (see SCRATCH), each this large at most
     # (tmpfs pages are memory): what a row writes there vanishes with its processes
     scratch_bytes: int = 256 << 20
+    group_memory_bytes: int = 6 << 30  # all of a child's processes together (memory cgroup), tmpfs included
 
 
 # The grader's environment variables a learner's process gets (an allow-list: instructor secrets
@@ -151,6 +155,18 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
             parts.append(f"{cpu_time:g} CPU seconds per child for all its processes together (CPU-accounting cgroup)")
         else:
             weak.append(f"{cpu_time:g} CPU seconds per process only (no CPU-accounting cgroup: needs root)")
+    probe = f"dtlib-grade-probe-{os.getpid()}"
+    memory, weight = memory_cap(probe, Limits().group_memory_bytes), cpu_weight(probe)
+    for made in dict.fromkeys([memory, weight]):
+        remove_group(made)
+    if memory:
+        parts.append(f"{Limits().group_memory_bytes >> 30} GiB of memory per child for all its processes (memory cgroup)")
+    else:
+        weak.append("no memory cap for all of a child's processes together (no memory cgroup: needs root)")
+    if weight:
+        parts.append("equal CPU weight per child, however many processes it runs (cpu cgroup)")
+    else:
+        weak.append("no CPU weight per child (no cpu cgroup: needs root): a row of many processes slows its neighbours")
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
@@ -261,6 +277,45 @@ def process_group_cap(name: str, processes: int) -> str | None:
 
 
 _CPU_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")  # v1's cpuacct hierarchy, or v2's
+# (hierarchy, file, value): cgroup v1's own hierarchy for the controller first, then v2's single one
+_WEIGHT_KNOBS = (("/sys/fs/cgroup/cpu", "cpu.shares", 1024), ("/sys/fs/cgroup", "cpu.weight", 100))  # defaults
+
+
+def _memory_knobs(memory_bytes: int) -> tuple[tuple[str, str, int], ...]:
+    return (("/sys/fs/cgroup/memory", "memory.limit_in_bytes", memory_bytes),
+            ("/sys/fs/cgroup", "memory.max", memory_bytes))
+
+
+def _knob_group(name: str, knobs: tuple[tuple[str, str, int], ...]) -> str | None:
+    """A cgroup ``name`` with its value written to the first of ``knobs`` that takes it, or ``None``."""
+    for root, knob, value in knobs:
+        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue
+        path = os.path.join(root, name)
+        made = not os.path.isdir(path)  # on cgroup v2 the pids and cpu groups are this same folder
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as f:
+                f.write(str(value))
+            return path
+        except OSError:
+            if made:
+                remove_group(path)
+    return None
+
+
+def memory_cap(name: str, memory_bytes: int) -> str | None:
+    """A cgroup holding all of a child's processes to ``memory_bytes`` of memory together (v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``; tmpfs pages count), or ``None``. ``RLIMIT_AS`` is
+    per process: one row of many processes once held 5.4 GiB."""
+    return _knob_group(name, _memory_knobs(memory_bytes))
+
+
+def cpu_weight(name: str) -> str | None:
+    """A cgroup with the default CPU weight (v1 ``cpu.shares``, v2 ``cpu.weight``), or ``None``: the
+    scheduler shares the CPU between such groups, not between processes, so a row of 48 busy
+    processes gets no more of it than the honest row beside it."""
+    return _knob_group(name, _WEIGHT_KNOBS)
 
 
 def cpu_account(name: str) -> str | None:
@@ -315,7 +370,7 @@ def sweep_groups(prefix: str, wait: float = 60.0) -> None:
     """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
     bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
     deadline = time.monotonic() + wait
-    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS):
+    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS + tuple(r for r, _, _ in _memory_knobs(0) + _WEIGHT_KNOBS)):
         for name in (os.listdir(root) if os.path.isdir(root) else []):
             path = os.path.join(root, name)
             while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
