@@ -64,7 +64,9 @@ class Limits:
     # private tmpfs mounts over the shared scratch folders (see SCRATCH), each this large at most
     # (tmpfs pages are memory): what a row writes there vanishes with its processes
     scratch_bytes: int = 256 << 20
-    group_memory_bytes: int = 6 << 30  # all of a child's processes together (memory cgroup), tmpfs included
+    # all of a child's processes together (memory cgroup, tmpfs included): above memory_bytes, so one
+    # process meets RLIMIT_AS (a MemoryError it may catch) before the OOM killer
+    group_memory_bytes: int = 10 << 30
 
 
 # The grader's environment variables a learner's process gets (an allow-list: instructor secrets
