@@ -20,7 +20,7 @@ says where), ``not a notebook`` (not JSON, or not nbformat), ``timed out``, ``gr
 """
 from __future__ import annotations
 
-import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -37,7 +37,7 @@ from typing import Callable
 import nbformat
 
 from dtlib.analytic import validate
-from dtlib.grading import children, prefork, sandbox, verdict
+from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
 __all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
@@ -65,7 +65,8 @@ def question_points(autograder_zip: Path) -> dict[str, float]:
 def _read_notebook(path: Path) -> tuple[nbformat.NotebookNode | None, str]:
     """The notebook, or ``None`` and why it is not one."""
     try:
-        nb = nbformat.read(path, as_version=4)
+        # utf-8-sig: a byte-order mark (some editors write one) is not part of the JSON
+        nb = nbformat.reads(path.read_bytes().decode("utf-8-sig"), as_version=4)
         nbformat.validate(nb)
     except UnicodeDecodeError:
         return None, "not a text file"
@@ -134,14 +135,17 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
     else:
         cells = verdict.question_cells(nb, list(points), setup)
         uids = sandbox.submission_user(2 * index), sandbox.submission_user(2 * index + 1)
-        with tempfile.TemporaryDirectory() as tmp:
+        tmp = tempfile.mkdtemp(prefix="dtlib-row-")  # 0700, made with O_EXCL
+        try:
             os.chmod(tmp, 0o711)  # the children may reach their own folders inside, not list it
             # otter grades a notebook named like the master; submissions may be named by student.
             target = Path(tmp) / master_name
-            nbformat.write(nb, target)
-            os.chmod(target, 0o600)
+            rowfiles.create_private(target, nbformat.writes(nb).encode())
+            own = dataclasses.replace(mounts, reach=(*mounts.reach, tmp))  # of /tmp, only its own folder
             report, status, why, isolated, why_verdict = children.run_children(
-                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, mounts)
+                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
+        finally:
+            rowfiles.remove_tree(tmp)  # whatever the row left there (1,500 nested folders included)
         if report is None:
             row.update(status=status, error=why)
         elif forker is not None and isolated is None:
@@ -161,6 +165,12 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
     row.update({q: f"{s:g}" for q, s in scores.items()})
     row.update(total=f"{sum(scores.values()):g}", possible=f"{sum(points.values()):g}")
     return row
+
+
+def _failed_row(name: str, points: dict[str, float], why: str) -> dict:
+    """The row of a submission whose grading itself raised: 0 points, ``grader failed``."""
+    return {"submission": name, "status": "grader failed", "error": why, **{q: "0" for q in points},
+            "total": "0", "possible": f"{sum(points.values()):g}"}
 
 
 def submission_files(submissions: str | os.PathLike) -> list[Path]:
@@ -210,19 +220,23 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     are left after it) and one with its score and status when it is done.
     """
     check_options(timeout, jobs, cpu_time)
+    grades_csv.check_out_path(out_csv)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     # What no submission may read (the other submissions, the masters and solutions) or change.
     course = master.parent.parent.resolve() if master else None
     hidden = {files[0].parent.resolve(), *([master.parent.resolve(), course / "solutions"] if master else [])}
-    mounts = sandbox.Mounts(hidden=tuple(str(p) for p in hidden if p.is_dir()),
-                            read_only=tuple(dict.fromkeys([_CHECKOUT, *([str(course)] if course else [])])),
-                            reach=(tempfile.gettempdir(),))  # each submission's own folder is made there
+    trees = [_CHECKOUT, *([str(course)] if course else [])]
+    logs = tempfile.mkdtemp(prefix="dtlib-batch-")
+    mounts = sandbox.Mounts(hidden=tuple(dict.fromkeys([*(str(p) for p in hidden if p.is_dir()),
+                                                        *checkouts.secrets(*trees)])),
+                            read_only=tuple(dict.fromkeys(trees)),
+                            reach=(logs,))  # each row adds its own folder
     progress(sandbox.isolation(mounts, cpu_time))
     if master is None:
         progress("warning: no master given: scores are otter's in-notebook ones, which a submission can forge")
     points = question_points(autograder_zip)
     setup = verdict.setup_sources(nbformat.read(master, as_version=4)) if master else []
-    with tempfile.TemporaryDirectory() as logs:
+    try:
         # The verdicts run where a learner's notebook runs, the course's exercises/ (else an empty
         # folder: never the hidden masters/, which a verdict would keep reaching as its cwd). The
         # setup's own time limit is not a submission's: it imports torch and the checks, once.
@@ -238,11 +252,10 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
         finally:
             if forker:
                 forker.close()
+    finally:
+        rowfiles.remove_tree(logs)
     sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    grades_csv.write(rows, out_csv)
     return rows
 
 
@@ -256,7 +269,10 @@ def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points
         where = f"[{i}/{len(files)}] {path.name}"
         progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
-        row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, forker, setup, i, mounts)
+        try:
+            row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, forker, setup, i, mounts)
+        except Exception as exc:  # noqa: BLE001 - whatever a row did, it costs only that row
+            row = _failed_row(path.name, points, first_line(f"{type(exc).__name__}: {exc}"))
         why = f" - {row['error']}" if row["error"] else ""
         progress(f"{where}: {row['total']}/{row['possible']}, {row['status']}{why} "
                  f"({time.monotonic() - start:.0f} s)")

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dtlib.grading import prefork, sandbox
+from dtlib.grading import prefork, rowfiles, sandbox
 
 __all__ = ["run_children", "first_line"]
 
@@ -31,8 +30,9 @@ def first_line(text: str, limit: int = 200) -> str:
 
 
 def _child_env(home: Path) -> dict[str, str]:
-    """The environment of a walled-off child: ours, with a home and temp folder of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "IPYTHON"))}
+    """The environment of a walled-off child: the allow-list of ours (:func:`sandbox.minimal_env`),
+    with a home and temp folder of its own."""
+    env = sandbox.minimal_env()
     env.update(HOME=str(home), TMPDIR=str(home), JUPYTER_RUNTIME_DIR=str(home / ".jupyter"),
                MPLCONFIGDIR=str(home / ".mpl"), PYTHONDONTWRITEBYTECODE="1")
     return env
@@ -41,7 +41,8 @@ def _child_env(home: Path) -> dict[str, str]:
 def _groups(home: Path, limits: sandbox.Limits) -> tuple[str, ...]:
     """The cgroups of one child (same name in every hierarchy: on cgroup v2 it is one group)."""
     name = f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}"
-    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name))
+    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name),
+            sandbox.memory_cap(name, limits.group_memory_bytes), sandbox.cpu_weight(name))
     return tuple(dict.fromkeys(g for g in made if g))
 
 
@@ -77,7 +78,7 @@ def _counts_cpu(group: str) -> bool:
 
 def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: sandbox.Limits,
            cwd: Path, mounts: sandbox.Mounts, groups: tuple[str, ...]) -> subprocess.Popen:
-    with open(log_path, "w") as log:
+    with rowfiles.open_private(log_path) as log:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=cwd, env=_child_env(home),
                                 preexec_fn=lambda: sandbox.child_setup(limits, uid, mounts, groups))
 
@@ -136,7 +137,7 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     report_read, report_write = os.pipe()
     log_path = home.parent / "verdict.log"
     try:
-        with open(log_path, "w") as log:
+        with rowfiles.open_private(log_path) as log:
             pid = forker.start(job_read, report_write, log.fileno(), forker.cwd, _child_env(home), limits, uid,
                                mounts, groups)
     finally:
@@ -155,7 +156,7 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
         found = None
     if isinstance(found, dict):
         return found, ""
-    lines = [s for s in log_path.read_text(errors="replace")[-20000:].splitlines() if s.strip()]
+    lines = [s for s in rowfiles.read_tail(log_path, 20000).splitlines() if s.strip()]
     return None, "the verdict process ended without a report" + (f" ({first_line(lines[-1])})" if lines else "")
 
 
@@ -176,8 +177,10 @@ def run_children(autograder_zip: Path, notebook: Path, forker: prefork.Forker | 
         home.mkdir(mode=0o700)
         sandbox.chown_tree(str(home), uid)
     target = homes[0] / notebook.name
-    shutil.copy(notebook, target)
-    zips = [shutil.copy(autograder_zip, home / autograder_zip.name) for home in homes]
+    rowfiles.copy_private(notebook, target)
+    zips = [home / autograder_zip.name for home in homes]
+    for copy in zips:
+        rowfiles.copy_private(autograder_zip, copy)
     for home, uid in zip(homes, uids):
         sandbox.chown_tree(str(home), uid)
     out_json, log_path = homes[0] / "report.json", workdir / "grader.log"
@@ -212,12 +215,12 @@ def run_children(autograder_zip: Path, notebook: Path, forker: prefork.Forker | 
     if code is None:
         return None, "timed out", (f"{why} (a cell that never ends?); raise --timeout or --cpu-time "
                                    "if it is just slow"), found, why_verdict
-    if code == 0 and out_json.is_file():
+    if code == 0:
+        # the submission's own user wrote it, and may have put a link, a FIFO or anything there
         try:
-            with open(out_json, "rb") as f:
-                return json.loads(f.read(_MAX_REPORT)), "graded", "", found, why_verdict
-        except ValueError:
-            pass
-    lines = [s for s in log_path.read_text(errors="replace")[-20000:].splitlines() if s.strip()]
+            return json.loads(rowfiles.read_limited(out_json, _MAX_REPORT, uids[0])), "graded", "", found, why_verdict
+        except (OSError, ValueError) as exc:
+            return None, "grader failed", first_line(f"no readable report ({exc})"), found, why_verdict
+    lines = [s for s in rowfiles.read_tail(log_path, 20000).splitlines() if s.strip()]
     why = first_line(lines[-1] if lines else f"the grader exited with code {code}")
     return None, "grader failed", why, found, why_verdict

@@ -33,7 +33,7 @@ from pathlib import Path
 import nbformat
 
 from dtlib.course import course_root
-from dtlib.grading import batch
+from dtlib.grading import batch, grades_csv
 
 MASTERS_ENV = "DTLIB_MASTERS"
 
@@ -152,6 +152,7 @@ def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLik
     ``timeout`` ``None``: :func:`dtlib.grading.batch.wall_limit` of ``cpu_time``."""
     files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
     batch.check_options(1.0 if timeout is None else timeout, jobs, cpu_time)
+    grades_csv.check_out_path(out_csv)
     timeout = batch.wall_limit(timeout, cpu_time)
     master = _master_for(lesson, folder)
     zips = list((_assigned(master) / "autograder").glob("*.zip"))

@@ -24,7 +24,7 @@ import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from dtlib.grading import sandbox
+from dtlib.grading import rowfiles, sandbox
 
 __all__ = ["Forker", "serve"]
 
@@ -39,10 +39,12 @@ class Forker:
         folder), writes its output to ``log`` and must be ready within ``timeout`` seconds."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
         self._sock, self._lock, self.cwd = mine, threading.Lock(), cwd
-        with open(log, "w") as out:
+        with rowfiles.open_private(log) as out:
             self._proc = subprocess.Popen([sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno())],
                                           stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=cwd,
-                                          pass_fds=(theirs.fileno(),), start_new_session=True)
+                                          pass_fds=(theirs.fileno(),), start_new_session=True,
+                                          # its verdicts' memory (/proc/self/environ) is this env
+                                          env=sandbox.minimal_env())
         theirs.close()
         self._proc.stdin.write(json.dumps(setup).encode())
         self._proc.stdin.close()
@@ -53,7 +55,7 @@ class Forker:
             ready = b""
         self._sock.settimeout(None)
         if ready != b"ready":
-            lines = [s for s in log.read_text(errors="replace").splitlines() if s.strip()]
+            lines = [s for s in rowfiles.read_tail(log, 20000).splitlines() if s.strip()]
             self.close()
             raise RuntimeError("the master's setup cells failed in the verdict's parent: "
                                + (lines[-1] if lines else "no output"))

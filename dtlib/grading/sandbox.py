@@ -9,9 +9,11 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
 * ``unshare(CLONE_NEWNET)`` gives it a network namespace whose only interface is a fresh loopback
   (the ranks and the Jupyter kernel talk over 127.0.0.1; nothing else is reachable);
 * ``unshare(CLONE_NEWNS)`` gives it a mount namespace: the checkout read-only, the other
-  submissions, masters and solutions hidden, and a folder other users cannot enter (``/root``,
-  where the interpreter may live) replaced by an empty one with only what the child needs bound
-  back read-only (:func:`reach_plan`);
+  submissions, masters, solutions and git history hidden, a folder other users cannot enter
+  (``/root``, where the interpreter may live) replaced by an empty one with only what the child
+  needs bound back read-only (:func:`reach_plan`), and a private size-limited tmpfs over each of
+  :data:`SCRATCH` (``/tmp``, ``/var/tmp``, ``/dev/shm``) that vanishes with it;
+* its environment is an allow-list of the grader's (:func:`minimal_env`), its umask 077;
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
   signal or trace their processes; :func:`kill_user` then ends everything that user started,
@@ -36,9 +38,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Mounts", "isolation", "child_setup", "kill_user", "submission_user", "chown_tree",
-           "process_group_cap", "cpu_account", "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
+__all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
+           "kill_user", "submission_user", "chown_tree", "process_group_cap", "cpu_account", "memory_cap", "cpu_weight",
+           "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
 
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
+_MS_NOSUID, _MS_NODEV = 0x2, 0x4
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x20, 0x1000, 0x4000, 0x40000  # <linux/mount.h>
@@ -56,6 +61,26 @@ class Limits:
     memory_bytes: int = 8 << 30   # address space: torch alone maps ~2 GiB
     file_bytes: int = 256 << 20   # any file written, logs and notebook outputs included
     processes: int = 512          # threads count too: torch, gloo and the kernel start dozens
+    # private tmpfs mounts over the shared scratch folders (see SCRATCH), each this large at most
+    # (tmpfs pages are memory): what a row writes there vanishes with its processes
+    scratch_bytes: int = 256 << 20
+    # all of a child's processes together (memory cgroup, tmpfs included): above memory_bytes, so one
+    # process meets RLIMIT_AS (a MemoryError it may catch) before the OOM killer
+    group_memory_bytes: int = 10 << 30
+
+
+# The grader's environment variables a learner's process gets (an allow-list: instructor secrets
+# such as tokens and keys never reach it): where the interpreter and packages are, the locale,
+# thread counts, the frameworks' own settings, the course's (``DTLIB_``).
+ENV_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "HOME", "LANG", "LANGUAGE", "TZ", "TERM",
+             "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+ENV_PREFIXES = ("LC_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "GLOO_", "TORCH", "PYTORCH_", "JAX_",
+                "XLA_", "DTLIB_")
+
+
+def minimal_env() -> dict[str, str]:
+    """The grader's environment, only the variables of :data:`ENV_NAMES` and :data:`ENV_PREFIXES`."""
+    return {k: v for k, v in os.environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
 def _netns_available() -> bool:
@@ -120,7 +145,8 @@ def _can_drop_user() -> bool:
 def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> str:
     """One line: what walls this machine gives each submission with ``mounts`` and a CPU budget
     of ``cpu_time`` seconds (printed by the grader)."""
-    parts = ["own temporary folder", "CPU/memory/file-size limits per process"]
+    parts = ["own temporary folder (files 0600, umask 077)", "CPU/memory/file-size limits per process",
+             "minimal environment (an allow-list of variables)"]
     weak = []
     group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
     remove_group(group)
@@ -131,13 +157,26 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
             parts.append(f"{cpu_time:g} CPU seconds per child for all its processes together (CPU-accounting cgroup)")
         else:
             weak.append(f"{cpu_time:g} CPU seconds per process only (no CPU-accounting cgroup: needs root)")
+    probe = f"dtlib-grade-probe-{os.getpid()}"
+    memory, weight = memory_cap(probe, Limits().group_memory_bytes), cpu_weight(probe)
+    for made in dict.fromkeys([memory, weight]):
+        remove_group(made)
+    if memory:
+        parts.append(f"{Limits().group_memory_bytes >> 30} GiB of memory per child for all its processes (memory cgroup)")
+    else:
+        weak.append("no memory cap for all of a child's processes together (no memory cgroup: needs root)")
+    if weight:
+        parts.append("equal CPU weight per child, however many processes it runs (cpu cgroup)")
+    else:
+        weak.append("no CPU weight per child (no cpu cgroup: needs root): a row of many processes slows its neighbours")
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
         weak.append("no process-count cap (needs root: a user of its own or a pids cgroup): "
                     "a fork bomb is not contained")
     if _can_drop_user():
-        parts.append(f"own unprivileged user per submission (uid {_FIRST_UID}+, no groups: cannot write the "
+        parts.append(f"own unprivileged user per submission, unique among the graders on this machine "
+                     f"(uid {_FIRST_UID}+, no groups: cannot write the "
                      "checkout or other submissions, read root's files or signal root's processes)")
         mounts = mounts or Mounts()
         for blocker, paths in reach_plan(interpreter_paths() + mounts.reach + mounts.read_only):
@@ -151,17 +190,54 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         weak.append("grader not root: submissions run as your user and could read or write your files")
     if _netns_available():
         parts.append("no network (own network namespace, loopback only)")
-        parts.append("course checkout read-only, other submissions, masters and solutions hidden (own mount namespace)")
+        parts.append("course checkout read-only, other submissions, masters and solutions hidden, and the git "
+                     "history, masters and solutions of every checkout of the course's repository (own mount namespace)")
+        parts.append(f"private {', '.join(SCRATCH)} ({Limits().scratch_bytes >> 20} MiB tmpfs each, gone with the "
+                     "child; of the shared /tmp only the row's own folder)")
     else:
-        weak.append("network reachable, checkout writable, other submissions and masters readable "
-                    "(namespaces need root)")
+        weak.append("network reachable, checkout writable, other submissions, masters and git history readable, "
+                    "/tmp shared (namespaces need root)")
     line = "isolation: " + ", ".join(parts)
     return line + ("; weaker than intended (warning): " + "; ".join(weak) if weak else "")
 
 
+_USERS_PER_BATCH = 1 << 20  # 2 per row: 524,288 rows; 1,234 batches at once below 2**32 - 2
+_SLOTS = ("/run/dtlib-grading", "/var/lib/dtlib-grading")  # root's own: no learner can hold a slot
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_slot() -> int:
+    """This grader process's block of user ids, unique among the graders running on the machine:
+    the first ``slot-N.lock`` in :data:`_SLOTS` it can ``flock``, held until the process ends (the
+    kernel releases the lock then, even after a crash). Two batches graded at once once shared
+    their users, and each ended the other's rows with ``kill(-1)``."""
+    for folder in _SLOTS:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            info = os.lstat(folder)
+            if info.st_uid != 0 or info.st_mode & 0o022 or not os.path.isdir(folder) or os.path.islink(folder):
+                continue
+        except OSError:
+            continue
+        for slot in range((0xFFFF_FFFE - _FIRST_UID) // _USERS_PER_BATCH):
+            fd = os.open(os.path.join(folder, f"slot-{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return slot  # fd stays open: the lock is held while this process lives
+            except BlockingIOError:
+                os.close(fd)
+    raise RuntimeError(f"no free block of submission users: cannot create or lock a slot in {' or '.join(_SLOTS)}")
+
+
 def submission_user(index: int) -> int | None:
-    """The user id for the ``index``-th learner process group of a batch, or ``None`` (not root)."""
-    return _FIRST_UID + index if _can_drop_user() else None
+    """The user id for the ``index``-th learner process group of this grader process, unique on the
+    machine (:func:`_batch_slot`), or ``None`` (not root)."""
+    if not _can_drop_user():
+        return None
+    if not 0 <= index < _USERS_PER_BATCH:
+        raise ValueError(f"submission index must be in [0, {_USERS_PER_BATCH}), got {index}")
+    return _FIRST_UID + _batch_slot() * _USERS_PER_BATCH + index
 
 
 def chown_tree(path: str, uid: int | None) -> None:
@@ -203,6 +279,45 @@ def process_group_cap(name: str, processes: int) -> str | None:
 
 
 _CPU_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")  # v1's cpuacct hierarchy, or v2's
+# (hierarchy, file, value): cgroup v1's own hierarchy for the controller first, then v2's single one
+_WEIGHT_KNOBS = (("/sys/fs/cgroup/cpu", "cpu.shares", 1024), ("/sys/fs/cgroup", "cpu.weight", 100))  # defaults
+
+
+def _memory_knobs(memory_bytes: int) -> tuple[tuple[str, str, int], ...]:
+    return (("/sys/fs/cgroup/memory", "memory.limit_in_bytes", memory_bytes),
+            ("/sys/fs/cgroup", "memory.max", memory_bytes))
+
+
+def _knob_group(name: str, knobs: tuple[tuple[str, str, int], ...]) -> str | None:
+    """A cgroup ``name`` with its value written to the first of ``knobs`` that takes it, or ``None``."""
+    for root, knob, value in knobs:
+        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue
+        path = os.path.join(root, name)
+        made = not os.path.isdir(path)  # on cgroup v2 the pids and cpu groups are this same folder
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, knob), "w") as f:
+                f.write(str(value))
+            return path
+        except OSError:
+            if made:
+                remove_group(path)
+    return None
+
+
+def memory_cap(name: str, memory_bytes: int) -> str | None:
+    """A cgroup holding all of a child's processes to ``memory_bytes`` of memory together (v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``; tmpfs pages count), or ``None``. ``RLIMIT_AS`` is
+    per process: one row of many processes once held 5.4 GiB."""
+    return _knob_group(name, _memory_knobs(memory_bytes))
+
+
+def cpu_weight(name: str) -> str | None:
+    """A cgroup with the default CPU weight (v1 ``cpu.shares``, v2 ``cpu.weight``), or ``None``: the
+    scheduler shares the CPU between such groups, not between processes, so a row of 48 busy
+    processes gets no more of it than the honest row beside it."""
+    return _knob_group(name, _WEIGHT_KNOBS)
 
 
 def cpu_account(name: str) -> str | None:
@@ -257,7 +372,7 @@ def sweep_groups(prefix: str, wait: float = 60.0) -> None:
     """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
     bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
     deadline = time.monotonic() + wait
-    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS):
+    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS + tuple(r for r, _, _ in _memory_knobs(0) + _WEIGHT_KNOBS)):
         for name in (os.listdir(root) if os.path.isdir(root) else []):
             path = os.path.join(root, name)
             while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
@@ -280,17 +395,29 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         if libc.unshare(_CLONE_NEWNET) == 0:
             _loopback_up()
         hide, readonly = mounts.hidden, mounts.read_only
-        plan = reach_plan(interpreter_paths() + mounts.reach + readonly) if uid is not None else ()
-        if (hide or readonly or plan) and libc.unshare(_CLONE_NEWNS) == 0:
+        needed = interpreter_paths() + mounts.reach + readonly
+        plan = reach_plan(needed) if uid is not None else ()
+        if libc.unshare(_CLONE_NEWNS) == 0:
             # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
             for blocker, paths in plan:
-                _reach(libc, blocker, paths)
+                _reach(libc, blocker, paths, read_only=True)
+            for folder in SCRATCH:  # a private tmpfs; of the shared one, only what it needs
+                if os.path.isdir(folder):
+                    _reach(libc, folder, _under(needed, folder), read_only=False, size=limits.scratch_bytes)
             for path in readonly:  # the course checkout: readable, never writable
                 libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None)
                 libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
-            for path in hide:
-                libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
+            for path in hide:  # a folder: an empty read-only one over it; a file (a worktree's .git): empty
+                if os.path.isdir(path):
+                    libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY, b"size=4k")
+                elif os.path.exists(path):
+                    libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+            try:  # a cwd entered before the mounts would still lead, by "..", to the shared /tmp
+                os.chdir(os.getcwd())
+            except OSError:
+                os.chdir("/")
+    os.umask(0o077)  # what a learner's process creates is its own
     for what, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
                         (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (value, value))
@@ -303,11 +430,25 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
-def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...]) -> None:
-    """Mount an empty tmpfs over ``blocker`` and bind each of ``paths`` (under it) back, read-only."""
+def _under(paths: tuple[str, ...], folder: str) -> tuple[str, ...]:
+    """The outermost of ``paths`` (real paths) strictly under ``folder``, parents first."""
+    inside = sorted(p for p in dict.fromkeys(os.path.realpath(p) for p in paths if os.path.exists(p))
+                    if p.startswith(folder.rstrip("/") + "/"))
+    outer: list[str] = []
+    for path in inside:
+        if not any(path.startswith(p + "/") for p in outer):
+            outer.append(path)
+    return tuple(outer)
+
+
+def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...], read_only: bool,
+           size: int = 64 << 10) -> None:
+    """Mount an empty tmpfs over ``blocker`` (0755, or 1777 like ``/tmp`` when it is not read-only)
+    and bind each of ``paths`` (under it) back, read-only if ``read_only``."""
     held = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths]  # reachable after the tmpfs hides them
     try:
-        if libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", 0, b"mode=0755,size=64k") != 0:
+        options = f"mode={'0755' if read_only else '1777'},size={size}".encode()
+        if libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
             raise OSError(ctypes.get_errno(), f"cannot mount a tmpfs over {blocker}")
         for path, fd in zip(paths, held):
             if os.path.isdir(f"/proc/self/fd/{fd}"):
@@ -318,7 +459,8 @@ def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...]) -> None:
             source = f"/proc/self/fd/{fd}".encode()
             if libc.mount(source, path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
                 raise OSError(ctypes.get_errno(), f"cannot bind {path}")
-            libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
+            if read_only:
+                libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
     finally:
         for fd in held:
             os.close(fd)

@@ -3,8 +3,9 @@
 A learner child sends its answers with :func:`encode` (``torch.save``); the verdict reads them with
 :func:`decode`: ``torch.load(weights_only=True)``, which builds only containers, numbers, strings
 and tensors, plus the globals it names that are dtlib's own data classes (dataclasses, named
-tuples, enums outside ``dtlib.grading``) or numpy's scalar and array types, each checked by name
-before loading. A pickle can run any code when loaded; this cannot.
+tuples, enums outside ``dtlib.grading``, in modules already imported: a name never imports
+anything) or numpy's scalar, array and number dtype classes (named one by one), each checked by
+name before loading. A pickle can run any code when loaded; this cannot.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import enum
 import importlib
 import io
+import sys
 import warnings
 from typing import Any
 
@@ -33,17 +35,23 @@ def encode(obj: Any) -> bytes:
 # torch's weights_only documentation lists for them.
 _NUMPY = {"numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar", "numpy.dtype",
           "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray"}
+# numpy's dtype classes of numbers (numpy >= 1.25 pickles a dtype by its class): named one by one,
+# never "any attribute of numpy.dtypes" (objects, strings and voids are not numbers).
+_NUMPY_DTYPES = {f"numpy.dtypes.{name}DType" for name in (
+    "Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64",
+    "Float16", "Float32", "Float64", "Complex64", "Complex128")}
 
 
 def _data_class(qualified: str) -> Any:
     """A dtlib data class named in a learner's reply (dataclass, named tuple or enum), or one of
     numpy's scalar and array globals; anything else is refused."""
     module, _, name = qualified.rpartition(".")
-    if qualified in _NUMPY or module == "numpy.dtypes":
+    if qualified in _NUMPY or qualified in _NUMPY_DTYPES:
         return getattr(importlib.import_module(module), name)
     if not module.startswith("dtlib.") or module.startswith("dtlib.grading"):
         raise ValueError(f"refusing to load {qualified}: only data and dtlib's data classes come back")
-    obj = getattr(importlib.import_module(module), name, None)
+    # only a module the verdict has imported itself: naming one (dtlib.__main__) must not run it
+    obj = getattr(sys.modules.get(module), name, None)
     if not (isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, (tuple, enum.Enum)))):
         raise ValueError(f"refusing to load {qualified}: not a data class")
     return obj
@@ -53,10 +61,7 @@ def _numpy_globals() -> list[Any]:
     """numpy's array, scalar and dtype globals (data only: torch's weights_only documentation lists
     them as safe), allowed in every reply: exercise 13's Megatron replies (dicts of float32 arrays)
     once failed to load with only the ones the scan had named."""
-    import numpy.dtypes
-
-    out = [_data_class(name) for name in sorted(_NUMPY) if _importable(name)]
-    return out + [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    return [_data_class(name) for name in sorted(_NUMPY | _NUMPY_DTYPES) if _importable(name)]
 
 
 def _importable(qualified: str) -> bool:

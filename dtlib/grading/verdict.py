@@ -24,7 +24,6 @@ loaded here. The report (scores and the first failure per question) is one JSON 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import inspect
 import json
 import os
@@ -112,6 +111,7 @@ def _learner_namespace(question: str) -> dict:
         from IPython.core.inputtransformer2 import TransformerManager
 
         ns = dict(_SETUP)
+        ns.setdefault("get_ipython", _ipython(ns))
         for source in _CELLS.get(question, []):
             try:
                 exec(compile(TransformerManager().transform_cell(source), "<answer cell>", "exec"), ns)
@@ -119,6 +119,29 @@ def _learner_namespace(question: str) -> dict:
                 continue
         _LEARNER[question] = ns
     return _LEARNER[question]
+
+
+def _ipython(ns: dict):
+    """``get_ipython`` for answer cells run on ``ns``: what IPython's transformer turns ``%%time``,
+    ``%matplotlib inline`` and ``!echo`` into calls (``run_cell_magic``, ``run_line_magic``,
+    ``system``) needs a shell, made on first use, whose namespace is ``ns``, as in Jupyter's kernel."""
+    shell = None
+
+    def get_ipython():
+        nonlocal shell
+        if shell is None:
+            from IPython.core.interactiveshell import InteractiveShell
+            from traitlets.config import Config
+
+            class Shell(InteractiveShell):
+                def enable_gui(self, gui=None):  # no event loop here: figures are never shown
+                    pass
+
+            config = Config()
+            config.HistoryManager.enabled = False  # no sqlite file in the child's home
+            shell = Shell(user_ns=ns, config=config)
+        return shell
+    return get_ipython
 
 
 def _fork_learner(body) -> tuple[int, int]:
@@ -254,13 +277,31 @@ class LearnerCallable:
         return f"<learner's {self.name}>"
 
 
-def _trusted_base(module: str, qualname: str) -> type | None:
-    if not (module in ("builtins", "torch") or module.startswith(("torch.", "dtlib."))) or module.startswith("dtlib.grading"):
-        return None
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) else None
+# The bases a learner's class may have (module, qualified name as ``cls.__module__`` and
+# ``__qualname__`` give them): the exercises subclass nothing or torch.autograd.Function; the rest
+# are the torch classes a learner's answer would reasonably build on.
+TRUSTED_BASES = frozenset({
+    ("builtins", "object"),
+    ("torch.autograd.function", "Function"),
+    ("torch.nn.modules.module", "Module"),
+    ("torch.nn.modules.linear", "Linear"),
+    ("torch.nn.modules.sparse", "Embedding"),
+    ("torch.optim.optimizer", "Optimizer"),
+    ("torch.utils.data.dataset", "Dataset"),
+})
+
+
+def _trusted_base(module: str, qualname: str) -> type:
+    """The class a base names, if it is one of :data:`TRUSTED_BASES`; refused otherwise, before
+    anything is imported (a base naming ``dtlib.__main__`` once made the verdict run dtlib's CLI).
+    The modules are torch's own, already imported by the verdict's parent."""
+    if (module, qualname) not in TRUSTED_BASES:
+        raise ValueError(f"base class {module}.{qualname} is not one of the allowed bases "
+                         f"({', '.join(sorted(f'{m}.{q}' for m, q in TRUSTED_BASES))})")
+    obj = getattr(sys.modules.get(module), qualname, None)
+    if not isinstance(obj, type):
+        raise ValueError(f"base class {module}.{qualname} is not loaded in the verdict")
+    return obj
 
 
 def _stand_in_class(question: str, name: str, bases: list[list[str]], statics: dict[str, str]) -> type:
@@ -283,7 +324,7 @@ def _stand_in_class(question: str, name: str, bases: list[list[str]], statics: d
             return getattr(real(), _attr)(*args, **kwargs)
         body[attr] = staticmethod(delegate) if kind == "static" else classmethod(
             lambda cls, *a, _d=delegate, **k: _d(*a, **k))
-    resolved = tuple(b for b in (_trusted_base(*pair) for pair in bases) if b is not None) or (object,)
+    resolved = tuple(_trusted_base(*pair) for pair in bases if pair != ("builtins", "object")) or (object,)
     return types.new_class(name, resolved, exec_body=lambda ns: ns.update(body))
 
 

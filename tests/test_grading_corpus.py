@@ -1,0 +1,281 @@
+"""Grades that hold against a determined learner and a busy machine (issue 39): the corpus in
+``tests/grading_corpus/`` graded as one batch next to honest notebooks that use IPython's syntax,
+and the walls each attack met, one by one."""
+import csv
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+
+from dtlib import grading
+from dtlib.grading import checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
+from tests.test_grading import _tiny_course
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "grading_corpus"
+# one batch of 7 rows, --jobs 2: about 2 minutes on an idle 2-core machine, 5 at a load of 12
+pytestmark = pytest.mark.timeout(900)
+CPU_TIME = "12"  # as in tests/test_grading_isolation.py: an honest tiny row needs about 4.5 s
+FORMULA_NAME = '=HYPERLINK("x.test")&.ipynb'  # an honest notebook with a byte-order mark, named so
+LEFTOVERS = [Path(folder) / "dtlib-corpus-leftover" for folder in ("/tmp", "/var/tmp", "/dev/shm")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-corpus")
+    masters = _tiny_course(root / "course")
+    return masters, grading.generate(masters / "99_tiny.ipynb")
+
+
+def _before_first_check(nb, source: str):
+    changed = nbformat.from_dict(nb)
+    at = next(i for i, c in enumerate(changed.cells) if "grader.check" in c.source)
+    changed.cells.insert(at, nbformat.v4.new_code_cell(source))
+    return changed
+
+
+def _with_magics(solution):
+    """The solution as a learner who times cells and plots writes it."""
+    nb = nbformat.from_dict(solution)
+    for cell in nb.cells:
+        if "def double" in cell.source:
+            cell.source = "%%time\n" + cell.source
+        elif "def half" in cell.source:
+            cell.source = "%matplotlib inline\n!echo checking half\n" + cell.source
+    return nb
+
+
+def _row_folders() -> set[Path]:
+    """The folders a batch makes in the grader's /tmp (its rows', its verdicts')."""
+    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in Path(tempfile.gettempdir()).glob(pattern)}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory, tiny):
+    masters, copies = tiny
+    tmp = tmp_path_factory.mktemp("corpus-batch")
+    subs = tmp / "submissions"
+    subs.mkdir()
+    git_dir, common = checkouts._git_dirs(ROOT)
+    trees = [str(ROOT), *map(str, checkouts._checkouts(common) if common else [])]
+    for path in sorted(CORPUS.glob("*.py")):
+        cell = path.read_text().replace("CHECKOUTS", repr(trees))
+        nbformat.write(_before_first_check(copies["exercise"], cell), subs / f"{path.stem}.ipynb")
+    nbformat.write(_with_magics(copies["solution"]), subs / "honest_magics.ipynb")
+    (subs / FORMULA_NAME).write_bytes(b"\xef\xbb\xbf" + nbformat.writes(copies["solution"]).encode())
+    out = tmp / "grades.csv"
+    argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out),
+            "--jobs", "2", "--cpu-time", CPU_TIME]
+    before = _row_folders()
+    for path in LEFTOVERS:
+        path.unlink(missing_ok=True)
+    os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
+    try:
+        assert grading.main(argv) == 0
+    finally:
+        del os.environ["GRADER_SECRET_TOKEN"]
+    leftovers = [p for p in LEFTOVERS if p.exists()]
+    for path in leftovers:
+        path.unlink()
+    with open(out, newline="") as f:
+        rows = {r["submission"]: r for r in csv.DictReader(f)}
+    return {"rows": rows, "left": _row_folders() - before, "out": out,
+            "leftovers": leftovers}
+
+
+def test_honest_notebooks_with_magics_and_a_bom_get_full_marks(graded):
+    rows = graded["rows"]
+    for name in ("honest_magics.ipynb", "'" + FORMULA_NAME):  # the second with a byte-order mark
+        assert (rows[name]["status"], rows[name]["total"], rows[name]["error"]) == ("graded", "3", ""), rows[name]
+
+
+def test_the_corpus_scores_zero_and_costs_no_other_row(graded):
+    rows = graded["rows"]
+    for path in CORPUS.glob("*.py"):
+        row = rows[f"{path.stem}.ipynb"]
+        assert row["total"] == "0" and row["status"] not in ("verdict failed", "grader failed"), row
+    assert not graded["left"], graded["left"]  # the deep folders went with their row
+
+
+def test_nothing_a_row_writes_in_the_shared_scratch_folders_outlives_it(graded):
+    if sandbox.submission_user(0) is None:
+        pytest.skip("no mount namespace and user drop here (not root): /tmp is shared, as the isolation line says")
+    assert graded["leftovers"] == []
+
+
+def test_learner_text_in_the_csv_is_no_formula(graded):
+    assert "'" + FORMULA_NAME in graded["rows"]  # the file name a submission chose
+    assert graded["rows"]["'" + FORMULA_NAME]["total"] == "3"
+    assert stat.S_IMODE(os.stat(graded["out"]).st_mode) == 0o600
+
+
+def test_out_in_a_folder_others_can_write_is_refused(tmp_path, capsys):
+    (tmp_path / "subs").mkdir()
+    (tmp_path / "subs" / "a.ipynb").write_text("{}")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    for out in (Path(tempfile.gettempdir()) / "grades.csv", shared / "grades.csv"):
+        assert grading.main(["grade", str(tmp_path / "subs"), "--lesson", "01", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --out {str(out)!r}: other users can write"), err
+    with pytest.raises(ValueError, match="does not exist"):
+        grades_csv.check_out_path(tmp_path / "missing" / "grades.csv")
+
+
+def test_grades_csv_replaces_a_planted_link_and_neutralises_formulas(tmp_path):
+    victim = tmp_path / "root_only"
+    victim.write_text("secret")
+    (tmp_path / "grades.csv").symlink_to(victim)
+    rows = [{"submission": s, "status": "graded", "error": e, "total": "-1"}
+            for s, e in (("=1+1", "+x"), ("-x", "@SUM(A1)"), ("\tx", "\rx"), ("a=b", "fine"))]
+    grades_csv.write(rows, tmp_path / "grades.csv")
+    assert victim.read_text() == "secret" and not (tmp_path / "grades.csv").is_symlink()
+    with open(tmp_path / "grades.csv", newline="") as f:
+        got = list(csv.DictReader(f))
+    assert [(r["submission"], r["error"]) for r in got] == [
+        ("'=1+1", "'+x"), ("'-x", "'@SUM(A1)"), ("'\tx", "'\rx"), ("a=b", "fine")]
+    assert {r["total"] for r in got} == {"-1"}  # the grader's own numbers are left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grades.csv", "root_only"]  # no temporary left
+
+
+def test_remove_tree_removes_any_depth_without_following_links(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    row = tmp_path / "row"
+    here = row
+    for _ in range(3000):  # deeper than PATH_MAX allows as one path
+        here = here / "dd"
+    os.makedirs(row)
+    fd = os.open(row, os.O_RDONLY)
+    for _ in range(3000):
+        os.mkdir("dd", dir_fd=fd)
+        sub = os.open("dd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.symlink(outside, "link", dir_fd=fd)
+    os.mkfifo("fifo", dir_fd=fd)
+    os.close(fd)
+    (row / "sibling").mkdir()
+    (row / "sibling" / "f").write_text("y")
+    assert rowfiles.remove_tree(row) == []
+    assert not row.exists() and (outside / "keep").read_text() == "x"
+    assert rowfiles.remove_tree(row) == []  # already gone: nothing to say
+
+
+def test_read_limited_refuses_links_fifos_big_files_and_other_owners(tmp_path):
+    good = tmp_path / "report.json"
+    good.write_text('{"scores": {}}')
+    assert rowfiles.read_limited(good, 100, os.getuid()) == b'{"scores": {}}'
+    link = tmp_path / "link.json"
+    link.symlink_to("/proc/kmsg")  # the root grader blocked forever reading it
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, why in ((link, "Too many levels"), (fifo, "not a regular file")):
+        with pytest.raises(OSError, match=why):
+            rowfiles.read_limited(path, 100)
+    with pytest.raises(OSError, match="larger than 5 bytes"):
+        rowfiles.read_limited(good, 5)
+    with pytest.raises(OSError, match="not owned by user"):
+        rowfiles.read_limited(good, 100, os.getuid() + 1)
+    rowfiles.create_private(tmp_path / "new")
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o600
+    with pytest.raises(FileExistsError):  # never an existing file, nor a link planted there
+        rowfiles.create_private(link)
+
+
+def _blob_naming(module: str, name: str) -> bytes:
+    """A reply whose pickle calls ``module.name()``: a zip as torch.save writes it, data.pkl replaced."""
+    import io
+    import zipfile
+
+    plain = io.BytesIO(transfer.encode({"x": 1}))
+    out = io.BytesIO()
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("data.pkl"):
+                data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")R."
+            dst.writestr(item, data)
+    return out.getvalue()
+
+
+def test_decode_names_exact_classes_and_imports_nothing():
+    for module, name in (("numpy.dtypes", "ObjectDType"), ("numpy.dtypes", "_add_dtype_helper"),
+                         ("dtlib.__main__", "main"), ("os", "system")):
+        with pytest.raises(ValueError, match="refusing to load"):
+            transfer.decode(_blob_naming(module, name))
+    # numbers still come back: float32 arrays and numpy scalars
+    got = transfer.decode(transfer.encode({"w": np.arange(3, dtype=np.float32), "s": np.float64(2.5)}))
+    assert got["w"].tolist() == [0.0, 1.0, 2.0] and got["s"] == 2.5
+    probe = ("import sys\nfrom dtlib.grading import transfer\n"
+             "from tests.test_grading_corpus import _blob_naming\n"
+             "try:\n    transfer.decode(_blob_naming('dtlib.__main__', 'main'))\nexcept ValueError:\n    pass\n"
+             "print('dtlib.__main__' in sys.modules)")
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.stdout.strip() == "False", ran.stderr[-2000:]
+
+
+def test_class_answers_with_bases_outside_the_list_are_refused_without_importing():
+    with pytest.raises(ValueError, match="not one of the allowed bases"):
+        verdict._stand_in_class("q1", "A", [("dtlib.__main__", "main")], {})
+    assert "dtlib.__main__" not in sys.modules
+    stand_in = verdict._stand_in_class("q1", "F", [("torch.autograd.function", "Function")], {"apply": "class"})
+    assert issubclass(stand_in, torch.autograd.Function)
+    assert verdict._stand_in_class("q1", "P", [("builtins", "object")], {}).__bases__ == (object,)
+
+
+def test_secrets_are_every_checkouts_history_masters_and_solutions(tmp_path):
+    git = lambda *args, cwd: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],  # noqa: E731
+                                            cwd=cwd, check=True, capture_output=True, timeout=60)
+    main = tmp_path / "main"
+    for name in ("solutions", "masters", "exercises"):
+        (main / name).mkdir(parents=True)
+        (main / name / "01.ipynb").write_text("{}")
+    git("init", "-q", cwd=main)
+    git("add", "-A", cwd=main)
+    git("commit", "-qm", "course", cwd=main)
+    git("worktree", "add", "-q", str(tmp_path / "other"), cwd=main)
+    git("worktree", "add", "-q", str(tmp_path / "mine"), cwd=main)
+    found = set(checkouts.secrets(tmp_path / "mine"))
+    expected = {str(main / ".git"), str(main / ".git" / "worktrees" / "mine")} | {
+        str(tree / name) for tree in (main, tmp_path / "other", tmp_path / "mine") for name in checkouts.SOLVED}
+    assert found == expected
+    assert not any("exercises" in p for p in found)
+    assert checkouts.secrets(tmp_path / "main" / "exercises") == ()  # not a checkout: nothing to hide
+
+
+def test_two_graders_at_once_get_different_users():
+    if sandbox.submission_user(0) is None:
+        pytest.skip("no user drop here (not root)")
+    mine = sandbox.submission_user(0)  # this process holds its block from now on
+    probe = "from dtlib.grading import sandbox\nprint(sandbox.submission_user(0))"
+    other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert int(other.stdout) != mine and mine >= 3_000_000_000, other.stderr[-2000:]
+    with pytest.raises(ValueError, match="submission index must be in"):
+        sandbox.submission_user(-1)
+
+
+def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
+    name = f"dtlib-grade-test-memory-{os.getpid()}"
+    group = sandbox.memory_cap(name, 64 << 20)
+    if group is None:
+        pytest.skip("no memory cgroup here (not root, or no memory controller)")
+    try:
+        # two processes of 48 MiB each: under any per-process limit of 64 MiB, over the group's
+        hog = ("import os, time\npid = os.fork()\nblock = bytearray(48 << 20)\nfor i in range(0, len(block), 4096):\n"
+               "    block[i] = 1\ntime.sleep(0.5)\nif pid:\n    os.waitpid(pid, 0)")
+        joined = lambda: open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid()))  # noqa: E731
+        ran = subprocess.run([sys.executable, "-c", hog], preexec_fn=joined, capture_output=True, timeout=120)
+        assert ran.returncode != 0, "two 48 MiB processes ran in a 64 MiB group"
+    finally:
+        sandbox.kill_group(group)
+        sandbox.remove_group(group)
