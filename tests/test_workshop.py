@@ -10,7 +10,7 @@
   all its cells, all three at once; each saved notebook has no error output and prints every
   claim the lesson makes; after logout nothing of theirs runs and their scratch folders are empty.
 
-Needs Debian's ``chromium``, ``playwright`` and the proxy (``make workshop-proxy``: npm); without
+Needs JupyterHub (the ``workshop`` extra), Debian's ``chromium``, ``playwright`` and the proxy (``make workshop-proxy``: npm); without
 them the room test skips with one line, except under ``CI=true``, where it fails.
 """
 from __future__ import annotations
@@ -94,6 +94,10 @@ def test_bad_limits_are_refused_in_one_line():
 
 def _missing() -> str | None:
     try:
+        import jupyterhub  # noqa: F401
+    except ImportError:
+        return "jupyterhub (pip install -e '.[workshop]')"
+    try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
         return "the playwright package"
@@ -149,9 +153,10 @@ def hub(tmp_path):
         pytest.skip(f"the workshop test needs {missing} (CI=true makes this a failure)")
     public, hub_port, api = _free_ports(3)
     settings = {"@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+                "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
                 "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
                     {"fetchNews": "false", "checkForUpdates": False}}
-    for user in LEARNERS:  # every cell in the page (no virtual scrolling), no news pop-up
+    for user in LEARNERS:  # every cell in the page (no virtual scrolling), no autosave, no news pop-up
         for name, value in settings.items():
             path = tmp_path / "homes" / user / ".jupyter/lab/user-settings" / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,8 +193,8 @@ def hub(tmp_path):
             limits.remove(limits.locate(user))
 
 
-def _login(browser, base: str, user: str):
-    """A learner's own browser session: log in, land in JupyterLab on lesson 01 (their server spawned)."""
+def _log_in(browser, base: str, user: str):
+    """A learner's own browser session: submit the hub's login form (their server starts spawning)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.set_default_timeout(SPAWN_S * 1000)
@@ -199,10 +204,14 @@ def _login(browser, base: str, user: str):
     page.fill("#username_input", user)
     page.fill("#password_input", "any")  # DummyAuthenticator: any password (tests only)
     page.click("#login_submit")
+    return context, page, errors
+
+
+def _wait_for_lab(page, user: str) -> None:
+    """Their server has started and JupyterLab shows lesson 01 with its kernel idle."""
     page.wait_for_url(f"**/user/{user}/lab/tree/{LESSON}*")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for()
     page.locator(".jp-StatusBar-TextItem", has_text="| Idle").first.wait_for()
-    return context, page, errors
 
 
 def _run_all(page) -> None:
@@ -210,8 +219,8 @@ def _run_all(page) -> None:
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
 
-def _wait_finished(page, user: str, deadline: float) -> None:
-    """Every code cell has an execution count; then the notebook is saved (Ctrl+S)."""
+def _wait_finished(page, user: str, deadline: float) -> float:
+    """Every code cell has an execution count; then the notebook is saved (Ctrl+S): when."""
     left = max(1.0, deadline - time.monotonic())
     try:
         page.wait_for_function(
@@ -223,15 +232,18 @@ def _wait_finished(page, user: str, deadline: float) -> None:
         raise AssertionError(f"{user}: lesson 01 did not finish within {RUN_S} s of all three starting: "
                              f"prompts {prompts}") from exc
     page.locator(".jp-NotebookPanel:visible .jp-Notebook").first.click()
+    saved = time.time()
     page.keyboard.press("Control+s")
+    return saved
 
 
-def _saved_outputs(home: Path, started: float) -> nbformat.NotebookNode:
+def _saved(home: Path, since: float) -> nbformat.NotebookNode:
+    """The lesson as the learner's JupyterLab saved it at ``since`` or later (autosave is off)."""
     path = home / LESSON
     deadline = time.monotonic() + 30
-    while path.stat().st_mtime < started and time.monotonic() < deadline:
+    while path.stat().st_mtime < since and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert path.stat().st_mtime >= started, f"{path} was not saved"
+    assert path.stat().st_mtime >= since, f"{path} was not saved"
     return nbformat.read(path, as_version=4)
 
 
@@ -246,21 +258,21 @@ def test_three_learners_run_lesson_01_at_once(hub):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
         try:
-            sessions = {user: _login(browser, base, user) for user in LEARNERS}
+            sessions = {user: _log_in(browser, base, user) for user in LEARNERS}  # three spawns at once
+            for user, (_, page, _) in sessions.items():
+                _wait_for_lab(page, user)
             # each server is in its own cgroup, with the course copied into its home
             groups = {user: limits.locate(user) for user in LEARNERS}
             for user, group in groups.items():
                 assert (state / "homes" / user / "exercises" / "01_data_parallel.ipynb").exists()
                 if group.version:
                     assert set(_processes_of(user)) <= set(limits.pids(group)), user
-            started = time.time()
             for _, page, _ in sessions.values():
                 _run_all(page)
             deadline = time.monotonic() + RUN_S
-            for user, (_, page, _) in sessions.items():
-                _wait_finished(page, user, deadline)
+            saved = {user: _wait_finished(page, user, deadline) for user, (_, page, _) in sessions.items()}
             for user, (_, page, errors) in sessions.items():
-                nb = _saved_outputs(state / "homes" / user, started)
+                nb = _saved(state / "homes" / user, saved[user])
                 outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
                 failed = [o for o in outputs if o.output_type == "error"
                           or (o.output_type == "stream" and o.name == "stderr" and "Traceback" in o.text)]
