@@ -24,12 +24,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
+from _server import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -166,31 +166,13 @@ def hub(tmp_path):
             f"--JupyterHub.bind_url=http://127.0.0.1:{public}", f"--JupyterHub.hub_bind_url=http://127.0.0.1:{hub_port}",
             f"--ConfigurableHTTPProxy.api_url=http://127.0.0.1:{api}", "--Spawner.cpu_limit=1", "--Spawner.mem_limit=3G"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    log = open(tmp_path / "hub.log", "w")
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{public}"
-    try:
-        deadline = time.monotonic() + HUB_S
-        while True:
-            assert proc.poll() is None, f"the hub exited: {(tmp_path / 'hub.log').read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/hub/api/", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, f"the hub did not answer within {HUB_S} s"
-                time.sleep(0.5)
-        yield base, tmp_path
-    finally:
-        started = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True) \
-            if proc.poll() is None else []
-        proc.send_signal(signal.SIGTERM)  # the hub stops the servers it spawned and its proxy
-        _, alive = psutil.wait_procs(started, timeout=STOP_S)
-        for p in alive:
-            p.kill()
-        proc.wait(timeout=10)
-        log.close()
-        for user in LEARNERS:  # what a failed run left: its groups and their processes
-            limits.remove(limits.locate(user))
+    with serve(args, f"http://127.0.0.1:{public}/hub/api/", tmp_path / "hub.log", HUB_S, STOP_S,
+               cwd=tmp_path, env=env):
+        try:
+            yield f"http://127.0.0.1:{public}", tmp_path
+        finally:  # what a failed run left once the hub is gone: the learners' groups and processes
+            for user in LEARNERS:
+                limits.remove(limits.locate(user))
 
 
 def _log_in(browser, base: str, user: str):
