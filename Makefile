@@ -72,7 +72,7 @@ $(CHP): workshop/package.json workshop/package-lock.json
 	touch $@
 
 workshop: install $(CHP) $(LAB_OVERRIDES)
-	$(PY) -m pip install --quiet "jupyterhub>=6.1"
+	$(PY) -m pip install --quiet -e ".[workshop]"
 	mkdir -p .workshop
 	cd .workshop && ../$(PY) -m jupyterhub -f ../workshop/jupyterhub_config.py $(WORKSHOP_ARGS)
 
