@@ -50,20 +50,24 @@ def _child(group: limits.Group, code: str, *args: str) -> subprocess.CompletedPr
 
 
 @pytest.fixture
-def group(request):
-    cpu, mem = request.param
+def group(request, monkeypatch):
+    cpu, mem, cgroups = request.param
+    if not cgroups:  # the fallback, as on a machine without writable cgroups
+        monkeypatch.setattr(limits, "locate", lambda user: limits.Group((), 0, None))
     made = limits.make_group(f"test-{os.getpid()}", cpu, mem)
     yield made
     assert limits.remove(made) == []
 
 
-@pytest.mark.parametrize("group", [(None, 128 * MIB)], indirect=True)
+@pytest.mark.parametrize("group", [(None, 128 * MIB, True), (None, 128 * MIB, False)], indirect=True,
+                         ids=["cgroup", "fallback"])
 def test_memory_limit_ends_a_process_over_it(group):
     grow = "import sys\nblocks = [bytearray(16 << 20) for _ in range(int(sys.argv[1]) // 16)]\nprint('held')"
     small = _child(group, grow, "32")
     assert small.returncode == 0 and "held" in small.stdout, small.stderr
     big = _child(group, grow, "512")
     assert "held" not in big.stdout
+    assert limits.enforced(group) == ((None, 128 * MIB) if group.version else (None, None))
     if group.version:  # the whole tree's memory: the kernel's OOM killer
         assert big.returncode == -signal.SIGKILL, big
         assert limits.peak_memory(group) <= 128 * MIB
@@ -71,10 +75,11 @@ def test_memory_limit_ends_a_process_over_it(group):
         assert "MemoryError" in big.stderr, big.stderr
 
 
-@pytest.mark.parametrize("group", [(0.25, None)], indirect=True)
+@pytest.mark.parametrize("group", [(0.25, None, True)], indirect=True)
 def test_cpu_limit_caps_cpu_seconds_per_wall_second(group):
     if not group.version:
         pytest.skip("no writable cgroup here: the CPU cap needs one (the fallback only lowers priority)")
+    assert limits.enforced(group) == (0.25, None)
     spin = ("import resource, time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass\n"
             "r = resource.getrusage(resource.RUSAGE_SELF)\nprint(r.ru_utime + r.ru_stime)")
     used = float(_child(group, spin).stdout)
@@ -249,6 +254,7 @@ def test_three_learners_run_lesson_01_at_once(hub):
                 assert (state / "homes" / user / "exercises" / "01_data_parallel.ipynb").exists()
                 if group.version:
                     assert set(_processes_of(user)) <= set(limits.pids(group)), user
+                    assert limits.enforced(group) == (1.0, 3 * 2**30), user  # --Spawner.cpu_limit, mem_limit
             for _, page, _ in sessions.values():
                 _run_all(page)
             deadline = time.monotonic() + RUN_S

@@ -140,6 +140,27 @@ def pids(group: Group) -> list[int]:
     return sorted(found)
 
 
+def enforced(group: Group) -> tuple[float | None, int | None]:
+    """``(cores, bytes)`` the kernel enforces on ``group`` now, read back from its cgroup files
+    (``None``: unlimited, or no cgroup)."""
+    values: dict[str, str] = {}
+    for path in group.paths:
+        for name in ("cpu.max", "memory.max", "cpu.cfs_quota_us", "cpu.cfs_period_us", "memory.limit_in_bytes"):
+            if os.path.exists(os.path.join(path, name)):
+                with open(os.path.join(path, name)) as f:
+                    values[name] = f.read().strip()
+    if "cpu.max" in values:
+        quota, period = values["cpu.max"].split()
+        memory = values["memory.max"]
+    else:
+        quota, period = values.get("cpu.cfs_quota_us", "-1"), values.get("cpu.cfs_period_us", "1")
+        memory = values.get("memory.limit_in_bytes", "-1")
+    cores = None if quota in ("max", "-1") else int(quota) / int(period)
+    # v1 reports "no limit" as the largest page-aligned value (PAGE_COUNTER_MAX pages)
+    limit = None if memory in ("max", "-1") or int(memory) >= 2**62 else int(memory)
+    return cores, limit
+
+
 def peak_memory(group: Group) -> int | None:
     """The most memory (bytes) the group's processes held at once, where the kernel records it."""
     for path in group.paths:
