@@ -95,6 +95,32 @@ def test_bad_limits_are_refused_in_one_line():
         limits.make_group("x", None, -5)
 
 
+def test_the_course_is_copied_once_and_scratch_emptied_without_following_links(tmp_path, monkeypatch):
+    spawner = pytest.importorskip("workshop.spawner", reason="needs jupyterhub (the workshop extra)")
+    home = tmp_path / "home"
+    monkeypatch.setattr(spawner, "_home", lambda s: home)
+    monkeypatch.setattr(spawner, "_owner", lambda s: None)
+    spawner.install_course(None)
+    lesson = home / LESSON
+    assert lesson.read_bytes() == (ROOT / LESSON).read_bytes()
+    assert sorted(p.name for p in (home / "exercises").iterdir()) == sorted(p.name for p in (ROOT / "exercises").iterdir())
+    lesson.write_text("the learner's own work")
+    spawner.install_course(None)  # a second login: nothing overwritten
+    assert lesson.read_text() == "the learner's own work"
+    (home / ".tmp" / "dtlib-launch-1").mkdir()
+    (home / ".tmp" / "dtlib-launch-1" / "out0.txt").write_text("rank 0")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the learner's")
+    (home / ".tmp" / "link").symlink_to(outside)
+    spawner.empty_scratch(None)
+    assert list((home / ".tmp").iterdir()) == [] and (outside / "keep").exists()
+    (home / ".tmp").rmdir()
+    (home / ".tmp").symlink_to(outside)  # the folder itself replaced by a link: left alone
+    spawner.empty_scratch(None)
+    assert (outside / "keep").exists()
+
+
 # ---- the room -------------------------------------------------------------------------------
 
 def _missing() -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import stat
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
@@ -55,16 +56,36 @@ def install_course(spawner) -> None:
     the wheel's package data; replacing the copy below by that command changes nothing else."""
     home, owner = _home(spawner), _owner(spawner)
     home.mkdir(parents=True, exist_ok=True)
-    made = [home / ".tmp"]
+    made = []
     for folder in COURSE:
-        if not (home / folder).exists():
+        if not os.path.lexists(home / folder):
             shutil.copytree(ROOT / folder, home / folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
             made.append(home / folder)
-    (home / ".tmp").mkdir(mode=0o700, exist_ok=True)
-    if owner:
+    if not os.path.lexists(home / ".tmp"):
+        (home / ".tmp").mkdir(mode=0o700)
+        made.append(home / ".tmp")
+    if owner:  # only what was just made here: never a path the learner could have pointed elsewhere
         for top in made:
             for path in [top, *top.rglob("*")]:
                 os.chown(path, *owner, follow_symlinks=False)
+
+
+def empty_scratch(spawner) -> None:
+    """Delete what is in the learner's ``~/.tmp`` (their ranks' scratch folders), as root but
+    never through a symlink: the folder is opened with ``O_NOFOLLOW`` and emptied relative to it,
+    so a learner who replaced it by a link to another folder deletes nothing outside their own."""
+    try:
+        fd = os.open(_home(spawner) / ".tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, or a link: nothing of ours to empty
+        return
+    try:
+        for name in os.listdir(fd):
+            if stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 class _Limited:
@@ -102,9 +123,7 @@ class _Limited:
         if left:
             self.log.warning("%s's cgroups %s still hold processes after SIGKILL", self.user.name, left)
         self._group = None
-        scratch = _home(self) / ".tmp"
-        for entry in scratch.iterdir() if scratch.is_dir() else ():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        empty_scratch(self)
 
 
 class WorkshopSpawner(_Limited, LocalProcessSpawner):
