@@ -53,15 +53,15 @@ def _child(group: limits.Group, code: str, *args: str) -> subprocess.CompletedPr
 
 @pytest.fixture
 def group(request, monkeypatch):
-    cpu, mem, cgroups = request.param
+    cpu, mem, tasks, cgroups = request.param
     if not cgroups:  # the fallback, as on a machine without writable cgroups
         monkeypatch.setattr(limits, "locate", lambda user: limits.Group((), 0, None))
-    made = limits.make_group(f"test-{os.getpid()}", cpu, mem)
+    made = limits.make_group(f"test-{os.getpid()}", cpu, mem, tasks)
     yield made
     assert limits.remove(made) == []
 
 
-@pytest.mark.parametrize("group", [(None, 128 * MIB, True), (None, 128 * MIB, False)], indirect=True,
+@pytest.mark.parametrize("group", [(None, 128 * MIB, None, True), (None, 128 * MIB, None, False)], indirect=True,
                          ids=["cgroup", "fallback"])
 def test_memory_limit_ends_a_process_over_it(group):
     grow = "import sys\nblocks = [bytearray(16 << 20) for _ in range(int(sys.argv[1]) // 16)]\nprint('held')"
@@ -69,7 +69,7 @@ def test_memory_limit_ends_a_process_over_it(group):
     assert small.returncode == 0 and "held" in small.stdout, small.stderr
     big = _child(group, grow, "512")
     assert "held" not in big.stdout
-    assert limits.enforced(group) == ((None, 128 * MIB) if group.version else (None, None))
+    assert limits.enforced(group) == ((None, 128 * MIB, None) if group.version else (None, None, None))
     if group.version:  # the whole tree's memory: the kernel's OOM killer
         assert big.returncode == -signal.SIGKILL, big
         assert limits.peak_memory(group) <= 128 * MIB
@@ -77,11 +77,11 @@ def test_memory_limit_ends_a_process_over_it(group):
         assert "MemoryError" in big.stderr, big.stderr
 
 
-@pytest.mark.parametrize("group", [(0.25, None, True)], indirect=True)
+@pytest.mark.parametrize("group", [(0.25, None, None, True)], indirect=True)
 def test_cpu_limit_caps_cpu_seconds_per_wall_second(group):
     if not group.version:
         pytest.skip("no writable cgroup here: the CPU cap needs one (the fallback only lowers priority)")
-    assert limits.enforced(group) == (0.25, None)
+    assert limits.enforced(group) == (0.25, None, None)
     spin = ("import resource, time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass\n"
             "r = resource.getrusage(resource.RUSAGE_SELF)\nprint(r.ru_utime + r.ru_stime)")
     used = float(_child(group, spin).stdout)
@@ -90,11 +90,25 @@ def test_cpu_limit_caps_cpu_seconds_per_wall_second(group):
     assert used <= 0.25 * 2 + 2 * limits.CFS_PERIOD_US / 1e6, used
 
 
+@pytest.mark.parametrize("group", [(None, None, 40, True)], indirect=True)
+def test_tasks_limit_stops_a_thread_or_fork_bomb(group):
+    if not group.version or limits.enforced(group)[2] is None:
+        pytest.skip("no pids cgroup here (the fallback's RLIMIT_NPROC does not bind root)")
+    assert limits.enforced(group)[2] == 40
+    bomb = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
+            "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        n += 1\n"
+            "except RuntimeError:\n    pass\nprint(n)")
+    started = int(_child(group, bomb).stdout)
+    assert started < 40  # the interpreter's own thread counts too
+
+
 def test_bad_limits_are_refused_in_one_line():
     with pytest.raises(ValueError, match="cpu_limit must be >= 0 cores"):
         limits.make_group("x", -1.0, None)
     with pytest.raises(ValueError, match="mem_limit must be >= 0 bytes"):
         limits.make_group("x", None, -5)
+    with pytest.raises(ValueError, match="tasks_limit must be >= 0 processes"):
+        limits.make_group("x", None, None, -1)
 
 
 def test_the_course_is_copied_once_and_scratch_emptied_without_following_links(tmp_path, monkeypatch):
@@ -282,7 +296,7 @@ def test_three_learners_run_lesson_01_at_once(hub):
                 assert (state / "homes" / user / "exercises" / "01_data_parallel.ipynb").exists()
                 if group.version:
                     assert set(_processes_of(user)) <= set(limits.pids(group)), user
-                    assert limits.enforced(group) == (1.0, 3 * 2**30), user  # --Spawner.cpu_limit, mem_limit
+                    assert limits.enforced(group)[:2] == (1.0, 3 * 2**30), user  # --Spawner.cpu_limit, mem_limit
             for _, page, _ in sessions.values():
                 _run_all(page)
             deadline = time.monotonic() + RUN_S

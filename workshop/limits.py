@@ -8,14 +8,17 @@ every rank they launch share one budget:
 * CPU: a CFS quota of ``cpu_limit`` cores (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
   ``cpu.cfs_period_us``: the kernel's "CFS Bandwidth Control", Documentation/scheduler/sched-bwc.rst);
 * memory: ``mem_limit`` bytes for the whole tree (v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
-  past it the kernel reclaims, then its OOM killer ends a process of that learner only.
+  past it the kernel reclaims, then its OOM killer ends a process of that learner only;
+* tasks: at most ``tasks_limit`` processes and threads at once (``pids.max``, where the ``pids``
+  controller is there), so a fork bomb stops at the learner's own cap.
 
 The groups are made under the hub's own cgroup of each controller (the place a service manager
 delegates), named ``dtlib-workshop-<user>``. Where no cgroup can be made (not root, cgroups
 read-only, a v2 hierarchy whose controllers are not delegated), :func:`make_group` returns a group
 with no paths and :func:`join` falls back to ``RLIMIT_AS`` = ``mem_limit`` per process, a weaker
 guarantee: each process of the learner may use that much address space (not the tree in all),
-and the CPU is not capped (the server only runs at a lower priority, ``nice`` 10).
+``RLIMIT_NPROC`` = ``tasks_limit`` counts all processes of the learner's uid (root is exempt), and
+the CPU is not capped (the server only runs at a lower priority, ``nice`` 10).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Group:
     paths: tuple[str, ...]
     version: int  # 1 or 2; 0 when no cgroup could be made
     mem_limit: int | None
+    tasks_limit: int | None = None
 
     @property
     def enforced(self) -> str:
@@ -79,43 +83,53 @@ def locate(user: str) -> Group:
     mounts = _mounts() if os.path.exists("/proc/self/mountinfo") else {}
     name = f"dtlib-workshop-{user}"
     if "cpu" in mounts and "memory" in mounts:
-        return Group(tuple(os.path.join(mounts[k], _own(k).lstrip("/"), name) for k in ("cpu", "memory")), 1, None)
+        kinds = ("cpu", "memory", "pids") if "pids" in mounts else ("cpu", "memory")
+        return Group(tuple(os.path.join(mounts[k], _own(k).lstrip("/"), name) for k in kinds), 1, None)
     if "" in mounts:
         return Group((os.path.join(mounts[""], _own("").lstrip("/"), name),), 2, None)
     return Group((), 0, None)
 
 
-def _create(version: int, paths: tuple[str, ...], cpu_limit: float | None, mem_limit: int | None) -> None:
+def _create(version: int, paths: tuple[str, ...], cpu_limit: float | None, mem_limit: int | None,
+            tasks_limit: int | None) -> None:
     quota = round(cpu_limit * CFS_PERIOD_US) if cpu_limit else None
-    if version == 2:  # the parent must hand both controllers down (EBUSY where it holds processes)
+    if version == 2:  # the parent must hand the controllers down (EBUSY where it holds processes)
         _write(os.path.dirname(paths[0]), "cgroup.subtree_control", "+cpu +memory")
+        try:
+            _write(os.path.dirname(paths[0]), "cgroup.subtree_control", "+pids")
+        except OSError:  # a kernel without the pids controller: the other two still hold
+            pass
     for path in paths:
         os.makedirs(path, exist_ok=True)
     if version == 1:
-        cpu, memory = paths
+        cpu, memory = paths[:2]
         _write(cpu, "cpu.cfs_period_us", str(CFS_PERIOD_US))
         _write(cpu, "cpu.cfs_quota_us", str(quota or -1))
         _write(memory, "memory.limit_in_bytes", str(mem_limit or -1))
     else:
         _write(paths[0], "cpu.max", f"{quota or 'max'} {CFS_PERIOD_US}")
         _write(paths[0], "memory.max", str(mem_limit or "max"))
+    if os.path.exists(os.path.join(paths[-1], "pids.max")):
+        _write(paths[-1], "pids.max", str(tasks_limit or "max"))
 
 
-def make_group(user: str, cpu_limit: float | None, mem_limit: int | None) -> Group:
+def make_group(user: str, cpu_limit: float | None, mem_limit: int | None, tasks_limit: int | None = None) -> Group:
     """The cgroups for ``user``'s server, limits set (``None``/0: unlimited), or the fallback."""
     if cpu_limit is not None and not cpu_limit >= 0:
         raise ValueError(f"cpu_limit must be >= 0 cores (0: unlimited), got {cpu_limit}")
     if mem_limit is not None and not mem_limit >= 0:
         raise ValueError(f"mem_limit must be >= 0 bytes (0: unlimited), got {mem_limit}")
+    if tasks_limit is not None and not tasks_limit >= 0:
+        raise ValueError(f"tasks_limit must be >= 0 processes and threads (0: unlimited), got {tasks_limit}")
     if os.geteuid() == 0:
         where = locate(user)
         try:
             if where.version:
-                _create(where.version, where.paths, cpu_limit, mem_limit)
-                return Group(where.paths, where.version, mem_limit)
+                _create(where.version, where.paths, cpu_limit, mem_limit, tasks_limit)
+                return Group(where.paths, where.version, mem_limit, tasks_limit)
         except OSError:
             pass
-    return Group((), 0, mem_limit)
+    return Group((), 0, mem_limit, tasks_limit)
 
 
 def join(group: Group) -> None:
@@ -125,6 +139,8 @@ def join(group: Group) -> None:
     if not group.version:
         if group.mem_limit:
             resource.setrlimit(resource.RLIMIT_AS, (group.mem_limit, group.mem_limit))
+        if group.tasks_limit:
+            resource.setrlimit(resource.RLIMIT_NPROC, (group.tasks_limit, group.tasks_limit))
         os.nice(10)
 
 
@@ -140,12 +156,13 @@ def pids(group: Group) -> list[int]:
     return sorted(found)
 
 
-def enforced(group: Group) -> tuple[float | None, int | None]:
-    """``(cores, bytes)`` the kernel enforces on ``group`` now, read back from its cgroup files
-    (``None``: unlimited, or no cgroup)."""
+def enforced(group: Group) -> tuple[float | None, int | None, int | None]:
+    """``(cores, bytes, tasks)`` the kernel enforces on ``group`` now, read back from its cgroup
+    files (``None``: unlimited, or no cgroup)."""
     values: dict[str, str] = {}
     for path in group.paths:
-        for name in ("cpu.max", "memory.max", "cpu.cfs_quota_us", "cpu.cfs_period_us", "memory.limit_in_bytes"):
+        for name in ("cpu.max", "memory.max", "cpu.cfs_quota_us", "cpu.cfs_period_us", "memory.limit_in_bytes",
+                     "pids.max"):
             if os.path.exists(os.path.join(path, name)):
                 with open(os.path.join(path, name)) as f:
                     values[name] = f.read().strip()
@@ -158,7 +175,8 @@ def enforced(group: Group) -> tuple[float | None, int | None]:
     cores = None if quota in ("max", "-1") else int(quota) / int(period)
     # v1 reports "no limit" as the largest page-aligned value (PAGE_COUNTER_MAX pages)
     limit = None if memory in ("max", "-1") or int(memory) >= 2**62 else int(memory)
-    return cores, limit
+    tasks = values.get("pids.max", "max")
+    return cores, limit, None if tasks == "max" else int(tasks)
 
 
 def peak_memory(group: Group) -> int | None:

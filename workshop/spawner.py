@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
-from traitlets import default
+from traitlets import Integer, default
 
 from workshop import limits
 
@@ -92,10 +92,13 @@ class _Limited:
     """Adds the learner's cgroups (:mod:`workshop.limits`) and scratch folder to a local spawner."""
 
     _group: limits.Group | None = None
+    tasks_limit = Integer(4096, config=True, help="""Most processes and threads a learner's server may
+        run at once (its kernels and ranks included; torch, gloo and Jupyter start dozens of threads
+        each); 0: no cap. Stops a fork bomb at the learner's own cgroup.""")
 
     def _limits(self) -> limits.Group:
         if self._group is None:  # after a hub restart too: the same name finds the same groups
-            self._group = limits.make_group(self.user.name, self.cpu_limit, self.mem_limit)
+            self._group = limits.make_group(self.user.name, self.cpu_limit, self.mem_limit, self.tasks_limit)
         return self._group
 
     def make_preexec_fn(self, name):
@@ -113,8 +116,8 @@ class _Limited:
         return env
 
     async def start(self):
-        self.log.info("%s's limits: %s cores, %s bytes; %s", self.user.name, self.cpu_limit or "no cap",
-                      self.mem_limit or "no cap", self._limits().enforced)
+        self.log.info("%s's limits: %s cores, %s bytes, %s tasks; %s", self.user.name, self.cpu_limit or "no cap",
+                      self.mem_limit or "no cap", self.tasks_limit or "no cap", self._limits().enforced)
         return await super().start()
 
     async def stop(self, now=False):
