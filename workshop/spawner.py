@@ -88,8 +88,9 @@ def empty_scratch(spawner) -> None:
         os.close(fd)
 
 
-class _Limited:
-    """Adds the learner's cgroups (:mod:`workshop.limits`) and scratch folder to a local spawner."""
+class WorkshopSpawner(LocalProcessSpawner):
+    """A learner's server as their own system account, in their own cgroups
+    (:mod:`workshop.limits`), with its own scratch folder."""
 
     _group: limits.Group | None = None
     tasks_limit = Integer(4096, config=True, help="""Most processes and threads a learner's server may
@@ -129,11 +130,7 @@ class _Limited:
         empty_scratch(self)
 
 
-class WorkshopSpawner(_Limited, LocalProcessSpawner):
-    """A learner's server as their own system account, in their own cgroups."""
-
-
-class SharedAccountSpawner(_Limited, SimpleLocalProcessSpawner):
+class SharedAccountSpawner(WorkshopSpawner, SimpleLocalProcessSpawner):
     """A learner's server as the hub's account in ``homes/<user>``, in their own cgroups (tests, CI)."""
 
     @default("home_dir_template")
