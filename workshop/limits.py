@@ -43,7 +43,7 @@ class Group:
     def enforced(self) -> str:
         """What this group guarantees, in one line (for the hub's log and the instructor)."""
         if self.version:
-            return f"cgroup v{self.version}: CPU quota and memory limit for the learner's whole process tree"
+            return f"cgroup v{self.version}: CPU quota, memory and task limits for the learner's whole process tree"
         return "no writable cgroup: RLIMIT_AS per process and nice 10, CPU not capped"
 
 
