@@ -12,7 +12,7 @@
 
 Needs JupyterHub (the ``workshop`` extra), Debian's ``chromium``, ``playwright`` and the proxy
 (``make workshop-proxy``: npm); without them the room test skips with one line, except under
-``CI=true``, where it fails. The room takes 5.5 to 7 minutes on 2 cores shared with other jobs
+``CI=true``, where it fails. The room took 4 to 7 minutes on 2 cores shared with other jobs
 (load average 15 to 60): three spawns, three JupyterLabs and 3 x 27 CPU seconds of lesson 01.
 """
 from __future__ import annotations
