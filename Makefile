@@ -12,7 +12,7 @@ FIRST_LESSON := notebooks/00_collectives.ipynb
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
 
-.PHONY: install lab test exercises check-exercises grade benchmarks clean
+.PHONY: install lab test exercises check-exercises grade benchmarks workshop workshop-proxy clean
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,23 @@ grade: install
 
 benchmarks: install
 	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done
+
+# The workshop server (docs/workshop.md): JupyterHub with its proxy, each learner's server in its
+# own cgroups with the course in its home. State (user database, cookie secret) goes in .workshop/.
+# WORKSHOP_ARGS: any JupyterHub option, e.g. --Spawner.cpu_limit=2 --JupyterHub.bind_url=http://:80
+WORKSHOP_ARGS ?=
+CHP := workshop/node_modules/.bin/configurable-http-proxy
+
+workshop-proxy: $(CHP)
+
+$(CHP): workshop/package.json workshop/package-lock.json
+	npm ci --prefix workshop --no-audit --no-fund
+	touch $@
+
+workshop: install $(CHP) $(LAB_OVERRIDES)
+	$(PY) -m pip install --quiet -e ".[workshop]"
+	mkdir -p .workshop
+	cd .workshop && ../$(PY) -m jupyterhub -f ../workshop/jupyterhub_config.py $(WORKSHOP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

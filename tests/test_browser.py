@@ -19,15 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from _server import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_LESSON = "00_collectives.ipynb"
@@ -96,8 +94,6 @@ def lab(tmp_path_factory):
     and every rank it started."""
     if _MISSING:
         pytest.fail(f"browser test needs {_MISSING}: {HOW}")
-    import psutil
-
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "course"
     root.mkdir()
@@ -120,31 +116,8 @@ def lab(tmp_path_factory):
             f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}"]
     if os.getuid() == 0:
         args.append("--allow-root")
-    log = open(tmp / "lab.log", "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = psutil.Process(proc.pid)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, f"JupyterLab exited: {(tmp / 'lab.log').read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/api/status", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, f"JupyterLab did not answer within {START_S} s"
-                time.sleep(0.5)
-        yield base
-    finally:
-        # kernels run in their own sessions, and spawn ranks: note them all before stopping
-        started = [server] + server.children(recursive=True) if proc.poll() is None else []
-        proc.send_signal(signal.SIGTERM)  # the server shuts its kernels down on SIGTERM
-        _, alive = psutil.wait_procs(started, timeout=20)
-        for p in alive:
-            p.kill()
-        psutil.wait_procs(alive, timeout=10)
-        proc.wait(timeout=10)
-        log.close()
+    with serve(args, f"http://127.0.0.1:{port}/api/status", tmp / "lab.log", START_S, 20, env=env):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

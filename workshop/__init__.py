@@ -1,0 +1,1 @@
+"""The workshop server: JupyterHub for a room of learners (docs/workshop.md)."""
