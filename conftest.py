@@ -8,9 +8,9 @@ reading. The run fails, with a table, when a notebook's CPU seconds go over the 
 busy machine it grows with the other processes' load, CPU time does not (tests/test_cpu_time.py
 runs a notebook beside a CPU hog). Measurements behind the budget: docs/site.md.
 
-With ``--executed-dir=DIR`` each notebook is also written to DIR with the outputs nbval
-received, cell by cell, so ``make site`` publishes the run of ``make test`` without executing
-every lesson a second time.
+With ``--executed-dir=DIR`` each notebook is also written to DIR (same relative path) with the
+outputs nbval received, as soon as its last cell has run, so the website (``book/build.py``)
+publishes the run of ``make test`` without executing every lesson a second time.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import pytest
 NOTEBOOK_CPU_BUDGET_S = 120.0
 _wall: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = {}
-_executed: dict[str, object] = {}  # path -> the notebook node nbval read, outputs filled in
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,6 +40,12 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--notebook-cpu-budget must be a positive number of seconds, got {budget}")
 
 
+def _notebook(item: pytest.Item) -> str | None:
+    """The notebook's path (relative to the rootdir) when the item is one of its cells."""
+    path = item.nodeid.split("::", 1)[0]
+    return path if path.endswith(".ipynb") else None
+
+
 def _kernel_pid(item: pytest.Item) -> int | None:
     kernel = getattr(item.parent, "kernel", None)
     km = getattr(kernel, "km", None)  # nbval deletes it when the kernel is stopped
@@ -50,11 +55,11 @@ def _kernel_pid(item: pytest.Item) -> int | None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     yield
-    if not item.nodeid.split("::", 1)[0].endswith(".ipynb"):
+    path = _notebook(item)
+    if path is None:
         return
     from dtlib.cpu_time import tree_cpu_seconds  # psutil: only where notebooks are run
 
-    path = item.nodeid.split("::", 1)[0]
     pid = _kernel_pid(item)
     if pid is not None:
         try:
@@ -63,8 +68,19 @@ def pytest_runtest_call(item: pytest.Item):
             pass
     outputs = getattr(item, "test_outputs", None)
     if item.config.getoption("--executed-dir") and outputs is not None:
-        item.cell.outputs = list(outputs)
-        _executed[path] = item.parent.nb
+        item.cell.outputs = list(outputs)  # nbval's cell is the one in item.parent.nb
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Save a notebook with its outputs once its last cell has run (a later test may read it)."""
+    folder, path = item.config.getoption("--executed-dir"), _notebook(item)
+    if folder and path and getattr(nextitem, "parent", None) is not item.parent:
+        import nbformat
+
+        target = Path(folder) / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(item.parent.nb, str(target))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -93,13 +109,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001
-    folder = session.config.getoption("--executed-dir")
-    if folder and _executed:
-        import nbformat
-
-        for path, nb in _executed.items():
-            target = Path(folder) / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            nbformat.write(nb, str(target))
     if _over(session.config) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-c", str(ROOT / "book"),
+    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(ROOT / "book"),
                     str(stage_dir), str(out)], check=True)
     (out / ".nojekyll").touch()  # GitHub Pages: serve _static/ as is
     done = time.monotonic()

@@ -23,7 +23,6 @@ nb_execution_mode = "off"
 nb_ipywidgets_js = {}
 nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 nb_merge_streams = True
-myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
 myst_heading_anchors = 3
 
 autodoc_default_options = {"members": True, "undoc-members": False}
@@ -34,6 +33,8 @@ html_title = "dtlib: learn distributed training by running it"
 html_theme_options = {"show_toc_level": 2, "use_download_button": False}
 html_copy_source = False  # the pages are the product; the notebooks are in the repository
 html_show_sourcelink = False
+# The theme's light/dark switch logs a console error when no mode is set ("invalid theme mode").
+html_context = {"default_mode": "light"}
 html_last_updated_fmt = None
 # A docstring's reST slip is a warning, not a failed build; a missing page is caught by the browser test.
 suppress_warnings = ["myst.header", "misc.highlighting_failure"]
