@@ -38,13 +38,17 @@ lab: install $(LAB_OVERRIDES)
 # Every lesson and every solved exercise executed under nbval (each saved with its outputs into
 # _build/executed/ for the website), then the library's tests; tests/test_site.py builds the
 # website from those saved runs (as `make site` does) and opens it in headless Chromium.
-test: install
+test: install $(VENV)/.site-installed
 	$(PY) -m pytest notebooks solutions tests --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider --durations=25 --executed-dir=_build/executed
 
 # The course website in _site/ (docs/site.md): lessons with their outputs (from make test's run
 # when newer than the lesson, else executed now), exercises, docs, API reference, search.
-site: install
+site: install $(VENV)/.site-installed
 	$(PY) book/build.py
+
+$(VENV)/.site-installed: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[site]"
+	touch $@
 
 # Regenerate exercises/ and solutions/ from masters/ (after editing a master).
 exercises: install

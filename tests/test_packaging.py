@@ -15,7 +15,8 @@ def _name(spec: str) -> str:
 
 
 def test_environment_yml_matches_pyproject():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + [d for extra in project.get("optional-dependencies", {}).values() for d in extra]
     pypi = {_name(d): d for d in deps}
     conda = set()
     text = (ROOT / "environment.yml").read_text()
