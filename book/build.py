@@ -60,7 +60,7 @@ def _title_index(nb: nbformat.NotebookNode) -> int:
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown" and cell.source.lstrip().startswith("# "):
             return i
-    raise ValueError(f"notebook has no '# ' title cell")
+    raise ValueError("notebook has no '# ' title cell")
 
 
 def execute(source: Path, target: Path, timeout: int) -> None:
@@ -116,7 +116,7 @@ def api_pages(folder: Path) -> list[str]:
                           f"   :members:\n   :noindex:\n```\n")
         (folder / f"{package}.md").write_text("\n".join(blocks))
         names.append(package)
-    toc = "\n".join(f"{n}" for n in names)
+    toc = "\n".join(names)
     (folder / "index.md").write_text(
         "# API reference\n\nGenerated from dtlib's docstrings by `book/build.py` "
         "(`sphinx.ext.autodoc`).\n\n```{toctree}\n:maxdepth: 1\n\n" + toc + "\n```\n")

@@ -25,7 +25,7 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from urllib.parse import urldefrag, urljoin, urlparse
+from urllib.parse import urldefrag
 
 import nbformat
 import pytest
