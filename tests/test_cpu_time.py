@@ -76,7 +76,7 @@ def _run_notebook_cpu(cells: list[str]) -> float:
 
 
 def test_cpu_figure_is_immune_to_a_concurrent_hog():
-    work = SPIN.format(n=3_000_000)
+    work = SPIN.format(n=8_000_000)
     cells = [work,  # in the kernel, then in two child processes it joins (the way ranks are)
              "import multiprocessing as mp\n"
              f"def spin(_):\n    {work.replace(chr(10), chr(10) + '    ')}\n"
