@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(ROOT / "book"),
+                    "-d", str(ROOT / "_build" / "doctrees"),
                     str(stage_dir), str(out)], check=True)
     (out / ".nojekyll").touch()  # GitHub Pages: serve _static/ as is
     done = time.monotonic()
