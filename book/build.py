@@ -160,12 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     stage_dir = ROOT / "_build" / "book"
     origin = stage(stage_dir, Path(args.executed), args.timeout)
     staged = time.monotonic()
+    # Sphinx writes into _build/html and myst-nb its notebooks beside it (outdir's parent /
+    # jupyter_execute): all in _build/; the site is then moved to --out.
+    html = ROOT / "_build" / "html"
+    if html.exists():
+        shutil.rmtree(html)
+    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(ROOT / "book"),
+                    "-d", str(ROOT / "_build" / "doctrees"), str(stage_dir), str(html)], check=True)
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", "auto", "-c", str(ROOT / "book"),
-                    "-d", str(ROOT / "_build" / "doctrees"),
-                    str(stage_dir), str(out)], check=True)
+    shutil.move(html, out)
     (out / ".nojekyll").touch()  # GitHub Pages: serve _static/ as is
     done = time.monotonic()
     ran = sorted(k for k, v in origin.items() if v == "executed now")
