@@ -12,7 +12,7 @@ FIRST_LESSON := notebooks/00_collectives.ipynb
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_ARGS ?=
 
-.PHONY: install lab test exercises check-exercises grade benchmarks workshop workshop-proxy clean
+.PHONY: install lab test site exercises check-exercises grade benchmarks workshop workshop-proxy clean
 
 install: $(VENV)/.installed
 
@@ -35,9 +35,16 @@ lab: install $(LAB_OVERRIDES)
 	$(VENV)/bin/jupyter lab $(AS_ROOT) --ServerApp.root_dir=$(CURDIR) \
 		--LabApp.default_url=/lab/tree/$(FIRST_LESSON) $(LAB_ARGS)
 
-# The library's tests, then every lesson and every solved exercise executed under nbval.
+# Every lesson and every solved exercise executed under nbval (each saved with its outputs into
+# _build/executed/ for the website), then the library's tests; tests/test_site.py builds the
+# website from those saved runs (as `make site` does) and opens it in headless Chromium.
 test: install
-	$(PY) -m pytest tests notebooks solutions --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider --durations=25
+	$(PY) -m pytest notebooks solutions tests --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider --durations=25 --executed-dir=_build/executed
+
+# The course website in _site/ (docs/site.md): lessons with their outputs (from make test's run
+# when newer than the lesson, else executed now), exercises, docs, API reference, search.
+site: install
+	$(PY) book/build.py
 
 # Regenerate exercises/ and solutions/ from masters/ (after editing a master).
 exercises: install
@@ -72,9 +79,8 @@ $(CHP): workshop/package.json workshop/package-lock.json
 	touch $@
 
 workshop: install $(CHP) $(LAB_OVERRIDES)
-	$(PY) -m pip install --quiet -e ".[workshop]"
 	mkdir -p .workshop
 	cd .workshop && ../$(PY) -m jupyterhub -f ../workshop/jupyterhub_config.py $(WORKSHOP_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache _build _site

@@ -91,6 +91,41 @@ def test_explorer_shows_the_figure_and_reports_bad_settings():
     assert explorer.result == 2 and "image/png" in explorer.out.outputs[0]["data"]
 
 
+def test_explorer_output_carries_its_figure_for_static_pages(monkeypatch):
+    """A notebook saved after running holds the widget's view *and* its default figure as a PNG,
+    so a page without a widget manager (the course website) shows the picture; an invalid setting
+    leaves only the view and its text."""
+    import base64
+    import io
+
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    import dtlib.widgets.base as base
+
+    def plot(n):
+        fig = Figure(figsize=(2, 2))
+        fig.add_subplot().bar([0], [n])
+        return fig
+
+    shown = []
+    monkeypatch.setattr(base, "display", lambda obj, raw=False: shown.append((obj, raw)))
+    def compute(n):
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        return n
+
+    explorer = base.Explorer({"n": W.IntSlider(value=1, min=-1, max=3)}, compute, plot)
+    explorer._ipython_display_()
+    (bundle, raw), = shown
+    assert raw and bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.widget.model_id
+    pixels = imread(io.BytesIO(base64.b64decode(bundle["image/png"])))
+    assert pixels.shape[0] > 50 and pixels.min() < pixels.max()  # a drawn figure, not a blank
+    explorer.controls["n"].value = -1
+    explorer._ipython_display_()
+    assert "image/png" not in shown[-1][0] and "text/plain" in shown[-1][0]
+
+
 def test_widget_defaults_match_the_lessons_numbers():
     """A widget opens on the lesson's own setting, so its first picture repeats the lesson's numbers
     (lesson 11's link was 20 MB/s in the text and 10 MB/s in the widget)."""

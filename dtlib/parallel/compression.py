@@ -137,7 +137,7 @@ class TopKState:
 
 
 def topk_hook(state: TopKState, bucket: Any) -> _Deferred:
-    """Send the ``k`` largest |g + error| entries of the bucket; average the sparse sums."""
+    """Send the ``k`` largest ``|g + error|`` entries of the bucket; average the sparse sums."""
     group, buf = state.process_group, bucket.buffer()
     n = dist.get_world_size(group)
     acc = buf.clone()

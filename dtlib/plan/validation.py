@@ -137,7 +137,7 @@ def validation_table(gemm: float | None = None, attention: float | None = None,
 
 
 def mean_absolute_error(rows: list[dict[str, Any]]) -> float:
-    """Mean of |relative error| over ``rows``."""
+    """Mean of ``|relative error|`` over ``rows``."""
     return float(np.mean([abs(r["error"]) for r in rows]))
 
 

@@ -6,6 +6,7 @@ nothing else lives in the widget, so everything it shows is also testable withou
 """
 from __future__ import annotations
 
+import base64
 from typing import Any, Callable
 
 import ipywidgets as W
@@ -77,4 +78,10 @@ class Explorer:
                                          else self.result)
 
     def _ipython_display_(self) -> None:
-        display(self.widget)
+        # The widget's view, plus its current figure as a PNG in the same output: JupyterLab shows
+        # the live controls, a static page (the course website, nbconvert) the default setting's
+        # figure, as ipywidgets itself falls back to text/plain where no widget manager runs.
+        bundle = self.widget._repr_mimebundle_()
+        if self.error is None and self.figure is not None:
+            bundle["image/png"] = base64.b64encode(_figure_png(self.figure)).decode("ascii")
+        display(bundle, raw=True)
