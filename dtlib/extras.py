@@ -15,6 +15,7 @@ line and exits 2; Jupyter shows that line instead of a traceback.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 __all__ = ["EXTRAS", "MissingExtra", "require", "extra_of", "missing"]
 
@@ -25,7 +26,8 @@ EXTRAS: dict[str, dict[str, str]] = {
                "jupyterlab": "jupyterlab", "ipykernel": "ipykernel", "tqdm": "tqdm", "sklearn": "scikit-learn",
                "cloudpickle": "cloudpickle", "torchft": "torchft", "tensorboard": "tensorboard",
                "otter": "otter-grader"},
-    "frameworks": {"deepspeed": "deepspeed", "megatron.core": "megatron-core", "jax": "jax", "ray": "ray[train]"},
+    "frameworks": {"deepspeed": "deepspeed", "megatron.core": "megatron-core", "jax": "jax", "ray": "ray[train]",
+                   "torchtitan": "torchtitan"},
 }
 
 
@@ -46,6 +48,10 @@ class MissingExtra(ModuleNotFoundError):
 
 
 def _installed(module: str) -> bool:
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):  # None in sys.modules blocks the import of it and below
+        if sys.modules.get(".".join(parts[:i]), True) is None:
+            return False
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a missing parent package (megatron), a module without spec

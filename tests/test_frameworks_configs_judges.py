@@ -98,8 +98,8 @@ def test_vocabulary_padding_is_megatron_lms():
 
 
 def test_megatron_core_builds_mla_and_dense_first_moe():
-    """DeepSeek-V2-Lite (MLA, 64 experts, 2 shared, the first layer dense) at ep 8: every term but
-    the MLA latent norms, which the emitter does not switch on (--qk-layernorm; issue 35)."""
+    """DeepSeek-V2-Lite (MLA, 64 experts, 2 shared, the first layer dense) at ep 8: every term,
+    the MLA latent norms included (--qk-layernorm builds them under MLA), equals dtlib's count."""
     from dtlib.frameworks.megatron_meta import build_meta_gpt
 
     model, layout = PRESETS["deepseek-v2-lite"], Parallelism(dp=8, ep=8, zero=1)
@@ -107,8 +107,11 @@ def test_megatron_core_builds_mla_and_dense_first_moe():
     gpt = build_meta_gpt(flags, 8)
     assert type(gpt.decoder.layers[0].mlp).__name__ == "MLP" and type(gpt.decoder.layers[1].mlp).__name__ == "MoELayer"
     assert len(gpt.decoder.layers[1].mlp.experts.local_experts) == 64 // 8
-    missing_norms = model.layers * model.kv_lora_rank  # kv latent RMSNorm (no q_lora_rank here)
-    assert sum(p.numel() for p in gpt.parameters()) == dtlib_params_per_stage(model, layout)["first"] - missing_norms
+    assert sum(p.numel() for p in gpt.parameters()) == dtlib_params_per_stage(model, layout)["first"]
+    without_norms = [f for f in flags if f != "--qk-layernorm"]  # the flag the emitter once left out
+    dropped = model.layers * model.kv_lora_rank  # kv latent RMSNorm (no q_lora_rank here)
+    assert sum(p.numel() for p in build_meta_gpt(without_norms, 8).parameters()) == \
+        dtlib_params_per_stage(model, layout)["first"] - dropped
 
 
 def test_meta_builds_take_seconds_and_refuse_by_name():
@@ -145,19 +148,20 @@ def test_torchtitan_builds_the_emitted_llama3_flavor(torchtitan):
     assert built["job"].parallelism.data_parallel_shard_degree == 8
 
 
-def test_torchtitans_own_rules_refuse_todays_pipeline_and_fp8_tomls(torchtitan):
-    """issue 35: every pp > 1 TOML and the fp8 converter name are refused by torchtitan 0.2.2"""
+def test_torchtitans_own_rules_take_the_emitted_pipeline_and_fp8_tomls(torchtitan):
+    """torchtitan 0.2.2's split adds a stage for its default first/last_stage_less_layers 1: the
+    emitted TOML sets them (issue 35), and its fp8 converter is the registered name."""
     pp = Parallelism(dp=2, tp=4, pp=2, zero=3, num_microbatches=4, sequence_parallel=True)
     job = torchtitan.parse_job(emit("torchtitan", pp, LLAMA, pp.global_batch).text)
     args, _ = torchtitan.build_meta_model(job)
-    with pytest.raises(ValueError, match="3 stages .* not divisible by pipeline_parallel_degree 2"):
-        torchtitan.pipeline_stages(job, args)
-    job.parallelism.pipeline_parallel_first_stage_less_layers = 0  # the keys a fix would emit
-    job.parallelism.pipeline_parallel_last_stage_less_layers = 0
     stages = torchtitan.pipeline_stages(job, args)
     assert len(stages) == 2 and "tok_embeddings" in stages[0] and "output" in stages[1]
+    job.parallelism.pipeline_parallel_first_stage_less_layers = 1  # torchtitan's defaults
+    job.parallelism.pipeline_parallel_last_stage_less_layers = 1
+    with pytest.raises(ValueError, match="3 stages .* not divisible by pipeline_parallel_degree 2"):
+        torchtitan.pipeline_stages(job, args)
     fp8 = emit("torchtitan", Parallelism(dp=8, zero=3), LLAMA, 8, "fp8").text
+    assert torchtitan.check_torchtitan_job(fp8)["parameters"] == LLAMA.num_parameters()
     with pytest.raises(ValueError, match="'float8' is not a torchtitan converter; registered: .*quantize.linear.float8"):
-        torchtitan.check_torchtitan_job(fp8)
-    with pytest.raises(ValueError, match="flavor = 'mixtral-8x7b' is not a torchtitan llama3 flavor"):
-        torchtitan.check_torchtitan_job(emit("torchtitan", Parallelism(dp=8, zero=3), PRESETS["mixtral-8x7b"], 8).text)
+        torchtitan.check_torchtitan_job(fp8.replace('"quantize.linear.float8"', '"float8"'))
+    assert emit("torchtitan", Parallelism(dp=8, zero=3), PRESETS["mixtral-8x7b"], 8).unsupported

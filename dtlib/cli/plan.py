@@ -26,7 +26,6 @@ from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conv
                             recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
-from dtlib.frameworks.fullsize import fullsize_lines, rehearse_full_size
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
@@ -185,6 +184,8 @@ def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best:
                                               "timed": timing})
     if not args.rehearse:
         return {"emitted": emitted}
+    from dtlib.frameworks.fullsize import rehearse_full_size  # torch: the course extra
+
     layout = to_layout(best)
     return {"emitted": emitted, "fullsize": rehearse_full_size(model, layout),
             "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
@@ -342,7 +343,12 @@ def _text(d: dict[str, Any]) -> str:
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
-    lines += emitted_lines(d.get("emitted", {})) + (fullsize_lines(d["fullsize"]) if "fullsize" in d else [])
+    if "fullsize" in d:
+        from dtlib.frameworks.fullsize import fullsize_lines
+
+        lines += emitted_lines(d.get("emitted", {})) + fullsize_lines(d["fullsize"])
+    else:
+        lines += emitted_lines(d.get("emitted", {}))
     lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
 

@@ -122,13 +122,34 @@ def validate(a: dict[str, Any], world_size: int) -> None:
     layers = a["num_layers"] + bool(a["account_for_embedding_in_pipeline_split"]) \
         + bool(a["account_for_loss_in_pipeline_split"])
     uneven = a["decoder_first_pipeline_num_layers"] is not None or a["decoder_last_pipeline_num_layers"] is not None
+    per_chunk, chunks_per_rank = a["num_layers_per_virtual_pipeline_stage"], a["num_virtual_stages_per_pipeline_rank"]
+    layout = a["pipeline_model_parallel_layout"]
+    if (per_chunk is not None) + (chunks_per_rank is not None) + (layout is not None) > 1:  # l. 503-514
+        raise ValueError("give at most one of --num-layers-per-virtual-pipeline-stage, "
+                         "--num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout (validate_args l. 503)")
+    if layout is not None:  # l. 516-523: the layout's chunks, counted by Megatron-Core's own parser
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        chunks = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+        if chunks % pp:
+            raise ValueError(f"--pipeline-model-parallel-layout has {chunks} chunks, not a multiple of "
+                             f"--pipeline-model-parallel-size {pp} (validate_args l. 519)")
+        _validate_rest(a, tp)
+        return
+    if per_chunk is not None and uneven:  # l. 529-531
+        raise ValueError("an uneven split (--decoder-first/last-pipeline-num-layers) takes interleaving as "
+                         "--num-virtual-stages-per-pipeline-rank (validate_args l. 530)")
     if not uneven and layers % pp:  # l. 537-544 and 564-571
         raise ValueError(f"--num-layers {a['num_layers']} (+ accounted embedding/loss) = {layers} must be divisible by "
                          f"--pipeline-model-parallel-size {pp} (validate_args l. 570)")
-    per_chunk = a["num_layers_per_virtual_pipeline_stage"]
     if per_chunk is not None and (layers // pp) % per_chunk:  # l. 547
         raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the {layers // pp} layers "
                          f"per pipeline stage (validate_args l. 547)")
+    _validate_rest(a, tp)
+
+
+def _validate_rest(a: dict[str, Any], tp: int) -> None:
+    """The rules past the pipeline split (:func:`validate`)."""
     if a["overlap_param_gather"] and not ((a["use_distributed_optimizer"] or a["use_megatron_fsdp"])
                                           and a["overlap_grad_reduce"]):  # l. 597-600
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp, and "

@@ -40,7 +40,10 @@ __all__ = ["megatron_transformer_config", "build_meta_gpt", "params_per_rank", "
 _CPU = {"use_cpu_initialization": True, "perform_initialization": False, "gradient_accumulation_fusion": False,
         "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
         "masked_softmax_fusion": False, "persist_layer_norm": False, "moe_grouped_gemm": False,
-        "transformer_impl": "local", "fp8": None, "fp8_recipe": "delayed"}
+        "transformer_impl": "local", "fp8": None, "fp8_recipe": "delayed",
+        # the fused MoE permute is a Transformer Engine kernel without parameters: __post_init__
+        # imports it when the flag is on (moe_utils.fused_permute, absent without TE)
+        "moe_permute_fusion": False}
 
 
 def megatron_transformer_config(args: dict[str, Any]) -> Any:
@@ -66,6 +69,15 @@ def megatron_transformer_config(args: dict[str, Any]) -> Any:
         layers = (args["num_layers"] + bool(args["account_for_embedding_in_pipeline_split"])
                   + bool(args["account_for_loss_in_pipeline_split"]))
         virtual = layers // args["pipeline_model_parallel_size"] // per_chunk
+        kw["virtual_pipeline_model_parallel_size"] = virtual if virtual > 1 else None
+    elif args["num_virtual_stages_per_pipeline_rank"] is not None:  # l. 550-551: given as chunks per rank
+        virtual = args["num_virtual_stages_per_pipeline_rank"]
+        kw["virtual_pipeline_model_parallel_size"] = virtual if virtual > 1 else None
+    elif args["pipeline_model_parallel_layout"] is not None:  # l. 516-525: the layout's chunks over pp
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        chunks = PipelineParallelLayerLayout.get_num_stages_from_str(args["pipeline_model_parallel_layout"])
+        virtual = chunks // args["pipeline_model_parallel_size"]
         kw["virtual_pipeline_model_parallel_size"] = virtual if virtual > 1 else None
     if isinstance(kw.get("cp_comm_type"), list) and len(kw["cp_comm_type"]) == 1:  # l. 1361-1362
         kw["cp_comm_type"] = kw["cp_comm_type"][0]
@@ -154,10 +166,10 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
     # sequence and context parallelism split activations, never parameters, and the local spec's
     # torch norm and attention refuse them (TE's run them): the config is checked with them, the
     # model built without them, on the same process groups
-    # the fused MoE permute is a Transformer Engine kernel without parameters, imported only when
-    # the flag is on (moe_utils.fused_permute: absent without TE): built without it, same count
+    # the token dispatcher holds no parameters, and the alltoall one makes a CUDA stream in its
+    # constructor (token_dispatcher.py): the model is built with the allgather one, same count
     config = dataclasses.replace(megatron_transformer_config(args), sequence_parallel=False,
-                                 context_parallel_size=1, moe_permute_fusion=False)
+                                 context_parallel_size=1, moe_token_dispatcher_type="allgather")
     tp = args["tensor_model_parallel_size"]
     vocab = padded_vocab_size(args["vocab_size"], tp, args["make_vocab_size_divisible_by"])
     chunks = []

@@ -130,7 +130,7 @@ def _with_split(a: dict[str, np.ndarray], layers: int, fixed: dict[str, Any], ba
     """``a`` with the pipeline split of every row: the pinned one, else the planner's
     (:func:`~dtlib.analytic.layout.pipeline_split`; rows without a valid split are dropped), so
     every layout searched is one Megatron-LM builds and an emitter can write."""
-    if any(fixed.get(k) for k in SPLIT):
+    if any(fixed.get(k) for k in SPLIT) or not len(a["pp"]):  # pinned, or no layout to split
         for k in SPLIT:
             a[k] = np.full(a["dp"].shape, int(fixed.get(k) or 0))
         return a

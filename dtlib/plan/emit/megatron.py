@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.layout import Parallelism, split_problem
+from dtlib.analytic.stages import megatron_layout_string
 from dtlib.plan.emit.common import refuse
 from dtlib.plan.emit.timed import TimedPlan, as_plan, dp_overlap, precision_bytes, run_options
 from dtlib.plan.steptime import StepOptions, resolve
@@ -26,11 +27,12 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     out = []
     if p.schedule == "gpipe":
         out.append("schedule gpipe: Megatron-LM runs 1F1B or interleaved 1F1B only (no GPipe flag)")
-    slots = m.layers + 2 * p.account_for_embedding_and_loss  # the embedding and the loss take one each
-    if p.pp > 1 and slots % (p.pp * p.virtual_stages):
-        what = f"{m.layers} layers" + (" + the embedding and the loss" if p.account_for_embedding_and_loss else "")
-        out.append(f"{what} over pp={p.pp} x {p.virtual_stages} chunks: Megatron-LM needs num_layers "
-                   f"divisible by the pipeline size (validate_args), or an uneven split dtlib does not choose")
+    # the split rule is Megatron-LM's own (dtlib.analytic.layout.split_problem): even, the first/last
+    # stage counts, or a layout string; check_layout has refused any other before this point
+    problem = split_problem(m.layers, p.pp, p.virtual_stages, p.first_stage_layers or 0, p.last_stage_layers or 0,
+                            int(p.pipeline_layout), p.account_for_embedding_and_loss) if p.pp > 1 else None
+    if problem:
+        out.append(problem)
     if p.cp > 1 and m.seq % (2 * p.cp):
         out.append(f"seq {m.seq}: Megatron-LM needs seq-length a multiple of 2 x context-parallel-size = {2 * p.cp}")
     if p.offload == "params":
@@ -100,11 +102,7 @@ def megatron_flags(plan: TimedPlan | Parallelism, model: TransformerConfig | Non
     p, m, precision, global_batch = plan.layout, plan.model, plan.precision, plan.global_batch
     f = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
          "--context-parallel-size", str(p.cp)]
-    if p.schedule == "interleaved":
-        slots = m.layers + 2 * p.account_for_embedding_and_loss
-        f += ["--num-layers-per-virtual-pipeline-stage", str(slots // (p.pp * p.virtual_stages))]
-    if p.account_for_embedding_and_loss:
-        f += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    f += _pipeline_split_flags(p, m)
     if p.ep > 1:
         f += ["--expert-model-parallel-size", str(p.ep)]
     if m.moe_experts:  # always: Megatron-LM's default (None) is etp = tp, dtlib's is 1
@@ -195,6 +193,30 @@ def _model_flags(plan: TimedPlan) -> list[str]:
     f += ["--activation-func-clamp-value", f"{m.activation_clamp:g}"] if m.activation_clamp else []
     dropout = "0.1" if resolve(plan.options, plan.dropout)[1] else "0"
     return f + ["--hidden-dropout", dropout, "--attention-dropout", dropout]
+
+
+def _pipeline_split_flags(p: Parallelism, m: TransformerConfig) -> list[str]:
+    """The pipeline split as Megatron-LM 0.16.1 takes it (arguments.py, TransformerConfig
+    ``__post_init__``): a layout string alone (it places the embedding and the loss itself); the
+    first/last stage counts with interleaving given as chunks per rank
+    (``--num-virtual-stages-per-pipeline-rank``: layers per chunk differ between ranks); or the even
+    split, interleaving as layers per chunk, with the account-for flags when the embedding and the
+    loss take a slot each."""
+    if p.pp == 1:
+        return []
+    if p.pipeline_layout:
+        return ["--pipeline-model-parallel-layout", megatron_layout_string(m, p)]
+    if p.first_stage_layers or p.last_stage_layers:
+        f = ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)] if p.first_stage_layers else []
+        f += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)] if p.last_stage_layers else []
+        return f + (["--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages)] if p.virtual_stages > 1 else [])
+    f = []
+    if p.schedule == "interleaved":
+        slots = m.layers + 2 * p.account_for_embedding_and_loss
+        f += ["--num-layers-per-virtual-pipeline-stage", str(slots // (p.pp * p.virtual_stages))]
+    if p.account_for_embedding_and_loss:
+        f += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    return f
 
 
 def _megatron_variant_flags(m: TransformerConfig) -> list[str]:
