@@ -205,7 +205,7 @@ def test_one_layer_per_chunk_is_valid_only_with_the_balanced_split(capsys):
     from dtlib.analytic.layout import stage_layers
 
     v8 = LLAMA3.with_(virtual_stages=8)
-    with pytest.raises(ValueError, match=r"126 layers over pp=16 x virtual_stages=8 is not a split Megatron-LM accepts"):
+    with pytest.raises(ValueError, match=r"pipeline stages pp=16 x virtual stages 8 exceed the 126 layers"):
         memory_per_gpu(LLAMA405, v8)
     with pytest.raises(ValueError, match=r"pp=16 x virtual_stages=8 = 128 chunks exceed the 126 layers; valid: "
                                          r"pp x virtual_stages <= 126"):
@@ -214,12 +214,12 @@ def test_one_layer_per_chunk_is_valid_only_with_the_balanced_split(capsys):
                               gpu=get_gpu("h100-sxm"))
     assert balanced.fits
     assert stage_layers(126, 16, 8, True) == (7, 7)  # 8 chunks of one layer, one of them empty
-    with pytest.raises(ValueError, match="126 layers \\+ the embedding and the loss over pp=16 x virtual_stages=16"):
+    with pytest.raises(ValueError, match="pp=16 x virtual stages 16 exceed the 126 layers \\+ the embedding and the loss"):
         memory_per_gpu(LLAMA405, LLAMA3.with_(virtual_stages=16, account_for_embedding_and_loss=True))
     flags = [f for f in LLAMA3_FLAGS if f != "4"]
     flags[flags.index("--virtual-stages") + 1:flags.index("--virtual-stages") + 1] = ["8"]
     assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32"]) == 2
-    assert "126 layers over pp=16 x virtual_stages=8 is not a split Megatron-LM accepts" in capsys.readouterr().err
+    assert "pipeline stages pp=16 x virtual stages 8 exceed the 126 layers" in capsys.readouterr().err
     assert main(["memory", *flags, "--schedule", "interleaved", "--microbatches", "32",
                  "--account-for-embedding-and-loss"]) == 0
 

@@ -16,7 +16,7 @@ from dtlib.plan.emit import (FILENAMES, FRAMEWORKS, JAX_ROLES, TORCHTITAN_SCHEMA
 LLAMA = get_preset("llama3-8b")    # GQA, SwiGLU, RMSNorm, RoPE, untied, no biases
 GPT3 = get_preset("gpt3-175b")     # MHA, GELU, LayerNorm, learned positions, tied, biases
 MOE = TransformerConfig(name="moe", layers=8, hidden=1024, heads=16, vocab=32000, seq=4096, moe_experts=8,
-                        moe_top_k=2)
+                        moe_top_k=2, router_bias=True)  # GPT-style: every linear layer biased, the router too
 FSDP = Parallelism(dp=64, zero=3, num_microbatches=8)
 INTERLEAVED = Parallelism(dp=4, tp=4, pp=4, zero=1, schedule="interleaved", virtual_stages=2, sequence_parallel=True,
                           num_microbatches=8, recompute="selective")
@@ -407,7 +407,7 @@ FIELD_CHANGES = {
     "rope_scaling_factor": (MLA, dict(rope_scaling_factor=20.0)), "norm_eps": (DENSE, dict(norm_eps=1e-6)),
     "qk_norm": (DENSE, dict(qk_norm=True)), "router_score": (MOE8, dict(router_score="sigmoid")),
     "router_expert_bias": (MOE8, dict(router_expert_bias=True)), "routed_scaling": (MOE8, dict(routed_scaling=2.5)),
-    "attention_sinks": (DENSE, dict(attention_sinks=True)), "activation_clamp": (DENSE, dict(activation_clamp=7.0)),
+    "attention_sinks": (DENSE, dict(attention_sinks=True)), "router_bias": (MOE8, dict(router_bias=True)), "activation_clamp": (DENSE, dict(activation_clamp=7.0)),
 }
 FIELD_LAYOUTS = {"megatron": Parallelism(dp=8, zero=1), "deepspeed": Parallelism(dp=8, zero=1),
                  "torchtitan": Parallelism(dp=8, zero=3), "jax": Parallelism(dp=8, zero=3)}

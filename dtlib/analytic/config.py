@@ -39,7 +39,8 @@ def norm_params(hidden: Any, norm_has_bias: Any) -> Any:
 
 def attention_params(hidden: Any, heads: Any, kv_heads: Any, bias: Any, head_dim: Any = None,
                      q_lora_rank: Any = 0, kv_lora_rank: Any = 0, qk_nope_head_dim: Any = 0,
-                     qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, norm_has_bias: Any = 0) -> Any:
+                     qk_rope_head_dim: Any = 0, v_head_dim: Any = 0, norm_has_bias: Any = 0,
+                     qk_norm: Any = 0, sinks: Any = 0) -> Any:
     """Weights (+ biases) of one attention block.
 
     GQA/MHA (Ainslie et al. 2023): Q is h x (heads x head_dim), K and V h x (kv_heads x head_dim),
@@ -50,6 +51,10 @@ def attention_params(hidden: Any, heads: Any, kv_heads: Any, bias: Any, head_dim
     (or one h x heads(nope + rope) matrix when ``q_lora_rank == 0``); keys and values share
     ``kv_a_proj_with_mqa`` h x (kv_lora_rank + rope) (the latent plus one shared rope key), its
     RMSNorm and ``kv_b_proj`` kv_lora_rank x heads(nope + v_head_dim); O is heads v_head_dim x h.
+    ``qk_norm`` (GQA only; MLA's latent norms are counted above): one RMSNorm of ``head_dim`` on
+    the queries and one on the keys, shared by the heads (Qwen3, HF ``Qwen3Attention.q_norm/k_norm``;
+    Megatron-Core ``--qk-layernorm``). ``sinks``: one learned logit per head (GPT-OSS, HF
+    ``GptOssAttention.sinks``; Megatron-Core ``--softmax-type learnable``).
     """
     d = hidden // heads if head_dim is None else head_dim
     q_dim, kv_dim = heads * d, kv_heads * d
@@ -65,7 +70,8 @@ def attention_params(hidden: Any, heads: Any, kv_heads: Any, bias: Any, head_dim
                  + bias * (kv_lora_rank + qk_rope_head_dim + heads * (qk_nope_head_dim + v_head_dim)))
     output = heads * v_head_dim * hidden + bias * hidden
     mla = kv_lora_rank > 0
-    return (kv_lora_rank == 0) * gqa + mla * (query + key_value + output)
+    return ((kv_lora_rank == 0) * (gqa + qk_norm * norm_params(2 * d, norm_has_bias))
+            + mla * (query + key_value + output) + sinks * heads)
 
 
 def mlp_params(hidden: Any, ffn: Any, mlp_matrices: Any, bias: Any) -> Any:
@@ -74,23 +80,25 @@ def mlp_params(hidden: Any, ffn: Any, mlp_matrices: Any, bias: Any) -> Any:
 
 
 def moe_mlp_params(hidden: Any, moe_ffn: Any, mlp_matrices: Any, bias: Any, experts: Any,
-                   shared_experts: Any = 0) -> Any:
+                   shared_experts: Any = 0, router_bias: Any = 0) -> Any:
     """An MoE MLP: ``experts`` routed and ``shared_experts`` always-active MLPs, each ``moe_ffn``
     wide (DeepSeekMoE, Dai et al. 2024, Sec. 3; HF ``DeepseekV3MoE`` sizes its shared expert
-    ``moe_intermediate_size x n_shared_experts``, the same count), plus the h x E router (no bias)."""
-    return (experts + shared_experts) * mlp_params(hidden, moe_ffn, mlp_matrices, bias) + hidden * experts
+    ``moe_intermediate_size x n_shared_experts``, the same count), plus the h x E router, with a
+    bias of E when ``router_bias`` (GPT-OSS, HF ``GptOssTopKRouter.bias``)."""
+    return ((experts + shared_experts) * mlp_params(hidden, moe_ffn, mlp_matrices, bias)
+            + hidden * experts + router_bias * experts)
 
 
 def layer_params(hidden: Any, heads: Any, kv_heads: Any, ffn: Any, mlp_matrices: Any, bias: Any,
                  norm_has_bias: Any, experts: Any = 0, moe_ffn: Any = None, shared_experts: Any = 0,
-                 **attention: Any) -> Any:
+                 router_bias: Any = 0, **attention: Any) -> Any:
     """One transformer block: 2 norms + attention + a dense MLP ``ffn`` wide (``experts == 0``) or
     an MoE MLP (:func:`moe_mlp_params`, experts ``moe_ffn`` wide, default ``ffn``). ``attention``:
     the keyword arguments of :func:`attention_params` after ``bias`` (head_dim, MLA ranks)."""
     moe_ffn = ffn if moe_ffn is None else moe_ffn
     moe = experts > 0
     mlp = ((experts == 0) * mlp_params(hidden, ffn, mlp_matrices, bias)
-           + moe * moe_mlp_params(hidden, moe_ffn, mlp_matrices, bias, experts, shared_experts))
+           + moe * moe_mlp_params(hidden, moe_ffn, mlp_matrices, bias, experts, shared_experts, router_bias))
     attn = attention_params(hidden, heads, kv_heads, bias, norm_has_bias=norm_has_bias, **attention)
     return 2 * norm_params(hidden, norm_has_bias) + attn + mlp
 
@@ -130,7 +138,8 @@ SHAPE_RULES = [
 
 # ---- the description ---------------------------------------------------------------------------
 _MOE_ONLY = dict(moe_ffn=None, moe_shared_experts=0, moe_dense_layers=0, moe_layer_freq=1,
-                 moe_capacity_factor=None, router_score="softmax", router_expert_bias=False, routed_scaling=1.0)
+                 moe_capacity_factor=None, router_score="softmax", router_expert_bias=False, routed_scaling=1.0,
+                 router_bias=False)
 ROPE_SCALINGS = ("none", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
 _MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -163,11 +172,12 @@ class TransformerConfig:
     what each framework's config makes of them: docs/emit.md): ``rope_theta`` (``rope_theta``: the
     RoPE base, 10000 in Su et al. 2021), ``rope_scaling`` ``none`` or ``yarn`` with
     ``rope_scaling_factor`` (``rope_scaling``; Peng et al. 2023, YaRN), ``norm_eps`` (``rms_norm_eps``
-    / ``layer_norm_epsilon``), ``qk_norm`` (RMSNorm on each query and key head, Qwen3; its 2 x
-    head_dim weights per layer are not counted), ``router_score`` ``softmax`` or ``sigmoid``
+    / ``layer_norm_epsilon``), ``qk_norm`` (RMSNorm on each query and key head, Qwen3: 2 x
+    head_dim weights per layer), ``router_score`` ``softmax`` or ``sigmoid``
     (``scoring_func``) with ``router_expert_bias`` (DeepSeek-V3's auxiliary-loss-free balancing
     bias, Sec. 2.1.2: not a trained parameter) and ``routed_scaling`` (``routed_scaling_factor``),
-    ``attention_sinks`` (a learned logit per head in the softmax, GPT-OSS; not counted) and
+    ``attention_sinks`` (a learned logit per head in the softmax, GPT-OSS: heads per layer),
+    ``router_bias`` (a bias on the router's E logits, GPT-OSS: E per MoE layer) and
     ``activation_clamp`` (``swiglu_limit``: SwiGLU's inputs clamped to that limit, 0: none).
     MLA's latent RMSNorms are part of ``kv_lora_rank > 0`` (counted in :func:`attention_params`).
     """
@@ -209,13 +219,15 @@ class TransformerConfig:
     router_expert_bias: bool = False
     routed_scaling: float = 1.0
     attention_sinks: bool = False
+    router_bias: bool = False
     activation_clamp: float = 0.0
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
             validate.integer(name, getattr(self, name))
-        for name in ("tied_embeddings", "bias", "embedding_norm", "qk_norm", "router_expert_bias", "attention_sinks"):
+        for name in ("tied_embeddings", "bias", "embedding_norm", "qk_norm", "router_expert_bias", "attention_sinks",
+                     "router_bias"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("activation", self.activation, ACTIVATIONS)
         validate.one_of("norm", self.norm, NORMS)
@@ -337,7 +349,7 @@ class TransformerConfig:
     def _attention_kw(self) -> dict[str, Any]:
         return dict(head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                    v_head_dim=self.v_head_dim)
+                    v_head_dim=self.v_head_dim, qk_norm=int(self.qk_norm), sinks=int(self.attention_sinks))
 
     def layer_parameters(self, moe: bool | None = None) -> int:
         """Parameters of one transformer block: an MoE block when ``moe`` (default: whether the
@@ -345,7 +357,7 @@ class TransformerConfig:
         moe = bool(self.moe_experts) if moe is None else moe
         return int(layer_params(self.hidden, self.heads, self.kv_heads, self.ffn, self.mlp_matrices,
                                 self.bias, self.norm_has_bias, self.moe_experts if moe else 0,
-                                self.moe_ffn, self.moe_shared_experts, **self._attention_kw()))
+                                self.moe_ffn, self.moe_shared_experts, int(self.router_bias), **self._attention_kw()))
 
     def embedding_parameters(self) -> int:
         """Input side: token (+ learned position) embeddings and the optional embedding norm."""
@@ -393,7 +405,8 @@ class TransformerConfig:
                     moe_layers=self.moe_layers, capacity_factor=self.moe_capacity_factor or 0,
                     head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                    v_head_dim=self.v_head_dim, sliding_window=self.sliding_window,
+                    v_head_dim=self.v_head_dim, qk_norm=int(self.qk_norm), sinks=int(self.attention_sinks),
+                    router_bias=int(self.router_bias), sliding_window=self.sliding_window,
                     global_attention_every=self.global_attention_every, sliding_layers=self.sliding_layers,
                     learned_positions=int(self.position == "learned"),
                     embedding_norm=int(self.embedding_norm), tied=int(self.tied_embeddings),

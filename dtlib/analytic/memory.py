@@ -53,27 +53,31 @@ def model_numbers(cfg: TransformerConfig, seq: int | None = None) -> dict[str, A
 def _layer_blocks(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bias, norm_has_bias, experts,
                   learned_positions, embedding_norm, tied, layers, tp=1, pp=1, ep=1, etp=1, moe_ffn=None,
                   shared_experts=0, moe_layers=0, head_dim=None, q_lora_rank=0, kv_lora_rank=0,
-                  qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, **_unused) -> dict[str, Any]:
+                  qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, qk_norm=0, sinks=0, router_bias=0,
+                  **_unused) -> dict[str, Any]:
     """Parameters on one GPU of one dense layer, of an MoE layer's non-expert part and of its
-    experts, of the embedding and of the LM head, and the largest block (:func:`stage_parameters`)."""
+    experts, of the embedding and of the LM head, and the largest block (:func:`stage_parameters`).
+    The q/k norms and a router bias are replicated over TP, the sinks split with the heads
+    (Megatron-Core: ``q_layernorm``/``k_layernorm`` of the head size, ``softmax_offset`` per local head)."""
     moe_ffn = ffn if moe_ffn is None else moe_ffn
     norm = norm_params(hidden, norm_has_bias)
     attention = dict(head_dim=head_dim, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
                      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-                     v_head_dim=v_head_dim)
+                     v_head_dim=v_head_dim, qk_norm=qk_norm, sinks=sinks)
     attn = attention_params(hidden, heads, kv_heads, bias, norm_has_bias=norm_has_bias, **attention)
+    qk_norms = (kv_lora_rank == 0) * qk_norm * norm_params(2 * head_dim, norm_has_bias)
     mla_down = (kv_lora_rank > 0) * (
         (q_lora_rank > 0) * (hidden * q_lora_rank + norm_params(q_lora_rank, norm_has_bias) + bias * q_lora_rank)
         + hidden * (kv_lora_rank + qk_rope_head_dim) + norm_params(kv_lora_rank, norm_has_bias)
         + bias * (kv_lora_rank + qk_rope_head_dim))
-    # replicated across TP: both norms, MLA's down-projections, the attention-out bias
-    replicated = 2 * norm + mla_down + bias * hidden
+    # replicated across TP: both norms, the q/k norms, MLA's down-projections, the attention-out bias
+    replicated = 2 * norm + qk_norms + mla_down + bias * hidden
     dense_mlp = mlp_params(hidden, ffn, mlp_matrices, bias)
     shared_mlp = shared_experts * mlp_params(hidden, moe_ffn, mlp_matrices, bias)
     # MLP down biases and the h x E router are replicated as well
     dense_layer = (attn + dense_mlp - bias * hidden + 2 * norm - replicated) / tp + replicated + bias * hidden
     moe_dense = ((attn + shared_mlp - shared_experts * bias * hidden + 2 * norm - replicated) / tp
-                 + replicated + shared_experts * bias * hidden + hidden * experts)
+                 + replicated + shared_experts * bias * hidden + (hidden + router_bias) * experts)
     expert_mlp = mlp_params(hidden, moe_ffn, mlp_matrices, bias)
     expert_layer = experts * ((expert_mlp - bias * hidden) / etp + bias * hidden) / ep
     vocab_rows = -(-vocab // tp)  # vocab-parallel embedding, padded to a multiple of tp

@@ -109,24 +109,25 @@ PRESETS: dict[str, TransformerConfig] = {c.name: c for c in [
                       rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
                       source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes; "
                              "pre-training seq 4096, Sec. 3.2); HF Qwen/Qwen3-30B-A3B model card "
-                             "(30.5B total, 3.3B active) and config.json (q/k RMSNorms not counted)"),
+                             "(30.5B total, 3.3B active) and config.json (q/k RMSNorms of head_dim)"),
     TransformerConfig(name="qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4,
                       head_dim=128, vocab=151936, seq=4096, ffn=12288, moe_ffn=1536,
                       moe_experts=128, moe_top_k=8, **_LLAMA,
                       rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
                       source="Qwen Team 2025, 'Qwen3 Technical Report', Table 2 (MoE shapes); HF "
                              "Qwen/Qwen3-235B-A22B model card (235B total, 22B active) and "
-                             "config.json (q/k RMSNorms not counted)"),
+                             "config.json (q/k RMSNorms of head_dim)"),
     TransformerConfig(name="gpt-oss-120b", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64,
                       vocab=201088, seq=4096, ffn=2880, moe_experts=128, moe_top_k=4,
                       sliding_window=128, global_attention_every=2, activation="swiglu", bias=True,
                       norm="rmsnorm", position="rope", tied_embeddings=False,
-                      rope_theta=150000.0, rope_scaling="yarn", rope_scaling_factor=32.0, attention_sinks=True, activation_clamp=7.0,
+                      rope_theta=150000.0, rope_scaling="yarn", rope_scaling_factor=32.0, attention_sinks=True, router_bias=True,
+                      activation_clamp=7.0,
                       source="OpenAI 2025, 'gpt-oss-120b & gpt-oss-20b Model Card', Table 1 (116.83B "
                              "total, 5.13B active without the input embedding; window 128 on "
                              "alternate layers; initial context 4096); HF openai/gpt-oss-120b "
-                             "config.json (attention_bias true, expert biases; attention sinks and "
-                             "the router bias not counted)"),
+                             "config.json (attention_bias true, expert biases, attention sinks and "
+                             "the router bias)"),
     # The capstone's model: Llama-2-13B widths with 36 layers -> ~10.2B; heads 40 and kv_heads 8
     # allow TP 1/2/4/8, 36 layers allow PP 1/2/3/4/6/9/12.
     TransformerConfig(name="capstone-10b", layers=36, hidden=5120, heads=40, kv_heads=8, vocab=32000,

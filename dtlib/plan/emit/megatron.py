@@ -57,6 +57,9 @@ def _model_unsupported(m: TransformerConfig) -> list[str]:
                    "relative, none)")
     if m.embedding_norm:
         out.append("embedding_norm: pretrain_gpt.py's GPTModel has no norm after the embedding")
+    if m.moe_experts and m.router_bias != m.bias:  # TopKRouter: a bias exactly when add_bias_linear
+        out.append(f"router_bias={m.router_bias} with bias={m.bias}: Megatron-Core's router has a bias exactly "
+                   f"when the linear layers do (--add-bias-linear, moe/router.py)")
     if m.rope_scaling == "yarn" and not m.kv_lora_rank:
         out.append("rope_scaling yarn without MLA: --rope-type yarn is MLA's only (core_transformer_config_from_args: "
                    "'Common attention only support rope_type=\"rope\"')")
