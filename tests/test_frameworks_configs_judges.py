@@ -165,3 +165,24 @@ def test_torchtitans_own_rules_take_the_emitted_pipeline_and_fp8_tomls(torchtita
     with pytest.raises(ValueError, match="'float8' is not a torchtitan converter; registered: .*quantize.linear.float8"):
         torchtitan.check_torchtitan_job(fp8.replace('"quantize.linear.float8"', '"float8"'))
     assert emit("torchtitan", Parallelism(dp=8, zero=3), PRESETS["mixtral-8x7b"], 8).unsupported
+
+
+def test_rehearse_counts_the_emitted_gpt_on_megatron_cores_meta_device():
+    """--rehearse's Megatron-Core line: the emitted flags' GPTModel on rank 0, its count equal to
+    dtlib's (vocabulary padded as Megatron pads it), at megatron-bf16's bytes per parameter, the
+    optimizer over dp with the distributed optimizer (ZeRO-1)."""
+    from dtlib.analytic.precision import get_precision
+    from dtlib.frameworks.megatron_meta import model_state_on_rank
+
+    layout = Parallelism(dp=4, tp=2, zero=1)
+    flags = emit("megatron", layout, LLAMA, layout.global_batch).data
+    state = model_state_on_rank(flags, LLAMA, layout)
+    prec = get_precision("megatron-bf16")
+    assert state["parameters_megatron"] == state["parameters_dtlib"] == 4_015_263_744
+    assert state["bytes"]["optimizer"] == 4_015_263_744 * prec.optimizer / 4
+    assert state["bytes"]["gradients"] == 4_015_263_744 * prec.grad
+    ddp = model_state_on_rank(emit("megatron", Parallelism(dp=4, tp=2), LLAMA, 4).data, LLAMA, Parallelism(dp=4, tp=2))
+    assert ddp["bytes"]["optimizer"] == 4 * state["bytes"]["optimizer"]  # ZeRO-0: every rank holds it all
+    moe = PRESETS["mixtral-8x7b"]
+    ep = Parallelism(dp=8, ep=8, zero=1)
+    assert model_state_on_rank(emit("megatron", ep, moe, 8).data, moe, ep)["bytes"]["optimizer"] is None

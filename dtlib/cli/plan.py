@@ -187,8 +187,15 @@ def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best:
     from dtlib.frameworks.fullsize import rehearse_full_size  # torch: the course extra
 
     layout = to_layout(best)
-    return {"emitted": emitted, "fullsize": rehearse_full_size(model, layout),
-            "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
+    out = {"emitted": emitted}
+    if "megatron" in emitted and not emitted["megatron"]["unsupported"]:  # before the fake world of fullsize
+        from dtlib.frameworks.megatron_meta import model_state_on_rank
+
+        precision = resolve(options)[0].precision
+        out["megatron_meta"] = model_state_on_rank(emitted["megatron"]["data"], model, layout,
+                                                   precision if isinstance(precision, str) else precision.name)
+    return out | {"fullsize": rehearse_full_size(model, layout),
+                  "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,6 +303,18 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
             "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype)}
 
 
+def _megatron_meta_lines(m: dict[str, Any]) -> list[str]:
+    """``--rehearse``'s Megatron-Core line: the emitted flags' GPTModel counted on the meta device."""
+    same = "equal" if m["parameters_megatron"] == m["parameters_dtlib"] else \
+        f"{m['parameters_megatron'] - m['parameters_dtlib']:+,} against dtlib's"
+    b = m["bytes"]
+    optimizer = "left to dtlib memory (experts shard over their own group)" if b["optimizer"] is None \
+        else f"{b['optimizer'] / GiB:.2f} GiB"
+    return [f"Megatron-Core (meta device, the emitted flags): rank {m['rank']} holds {m['parameters_megatron']:,} "
+            f"parameters, dtlib {m['parameters_dtlib']:,} ({same}); at {m['precision']} that is weights "
+            f"{b['parameters'] / GiB:.2f} GiB, gradients {b['gradients'] / GiB:.2f} GiB, optimizer {optimizer}"]
+
+
 def _text(d: dict[str, Any]) -> str:
     a = d["assumed"]
     moe = d["experts"] > 0
@@ -343,12 +362,13 @@ def _text(d: dict[str, Any]) -> str:
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
+    lines += emitted_lines(d.get("emitted", {}))
     if "fullsize" in d:
         from dtlib.frameworks.fullsize import fullsize_lines
 
-        lines += emitted_lines(d.get("emitted", {})) + fullsize_lines(d["fullsize"])
-    else:
-        lines += emitted_lines(d.get("emitted", {}))
+        lines += fullsize_lines(d["fullsize"])
+    if "megatron_meta" in d:
+        lines += _megatron_meta_lines(d["megatron_meta"])
     lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
 

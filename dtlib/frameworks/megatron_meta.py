@@ -34,7 +34,8 @@ from unittest import mock
 
 from dtlib.frameworks.megatron_args import padded_vocab_size, parse_args, validate
 
-__all__ = ["megatron_transformer_config", "build_meta_gpt", "params_per_rank", "dtlib_params_per_stage"]
+__all__ = ["megatron_transformer_config", "build_meta_gpt", "params_per_rank", "dtlib_params_per_stage",
+           "model_state_on_rank"]
 
 # run-time settings for a CPU meta build (no parameter changes): field -> value
 _CPU = {"use_cpu_initialization": True, "perform_initialization": False, "gradient_accumulation_fusion": False,
@@ -224,3 +225,23 @@ def dtlib_params_per_stage(model: Any, layout: Any, make_vocab_size_divisible_by
     padded = model.with_(vocab=padded_vocab_size(model.vocab, layout.tp, make_vocab_size_divisible_by))
     stages = stage_parameters(**layout.numbers(**padded.numbers()))
     return {stage: int(stages[stage]["dense"] + stages[stage]["expert"]) for stage in ("first", "last")}
+
+
+def model_state_on_rank(flags: list[str], model: Any, layout: Any, precision: str = "megatron-bf16") -> dict[str, Any]:
+    """Megatron-Core's own count for ``--rehearse``: the GPTModel of the emitted ``flags`` built on
+    the meta device for rank 0, its parameters beside dtlib's (:func:`dtlib_params_per_stage`), and
+    the bytes of weights, gradients and optimizer state that count takes under ``precision``
+    (:mod:`dtlib.analytic.precision`; Megatron-Core's distributed optimizer, ZeRO-1, shards the
+    optimizer state over the data-parallel x context-parallel group, ``DistributedOptimizer``).
+    Expert parameters shard over the expert-data-parallel group instead: an MoE model's optimizer
+    bytes are left to ``dtlib memory`` (None here)."""
+    from dtlib.analytic.precision import get_precision
+
+    args = parse_args(list(flags))
+    megatron = params_per_rank(flags, layout.gpus, 0)
+    dtlib = dtlib_params_per_stage(model, layout, args["make_vocab_size_divisible_by"])["first"]
+    prec = get_precision(precision)
+    shard = layout.dp * layout.cp if args["use_distributed_optimizer"] else 1
+    optimizer = None if model.moe_experts else megatron * prec.optimizer / shard
+    return {"rank": 0, "parameters_megatron": megatron, "parameters_dtlib": dtlib, "precision": precision,
+            "bytes": {"parameters": megatron * prec.param, "gradients": megatron * prec.grad, "optimizer": optimizer}}
