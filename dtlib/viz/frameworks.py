@@ -127,7 +127,7 @@ def plot_emitted(predicted: Mapping[str, float], texts: Mapping[str, str],
     names = list(texts)
     # each caveat in at most two lines of the panel's width, "..." where shortened
     caveats = {name: [w for m in (notes or {}).get(name, [])
-                      for w in textwrap.wrap(textwrap.shorten(m, 92, placeholder=" ..."), 46, subsequent_indent="  ")]
+                      for w in textwrap.wrap(textwrap.shorten(m, 84, placeholder=" ..."), 42, subsequent_indent="  ")]
                for name in names}
     below = max((len(c) for c in caveats.values()), default=0)
     height = 4.6 + 0.13 * below
