@@ -19,7 +19,7 @@ def _fails(check, answer, pattern: str) -> str:
 
 
 # ---- q1: DeepSpeed ------------------------------------------------------------------------------
-DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
       "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
       "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
 
@@ -42,7 +42,7 @@ def test_deepspeed_answer_passes_and_trains_equal_to_one_process():
 
 DS_MISTAKES = [
     (dict(gradient_accumulation_steps=1), "batch", r"do not multiply out"),
-    (dict(train_batch_size=4, gradient_accumulation_steps=1), "batch", r"trains 4 sequences per optimizer step"),
+    (dict(train_batch_size=4, gradient_accumulation_steps=2), "batch", r"trains 4 sequences per optimizer step"),
     (dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1), "batch", r"one forward pass of one rank runs 4"),
     (dict(gradient_accumulation_steps=None), "batch", r"gradient_accumulation_steps missing"),
     (dict(train_batch_size=0), "batch", r"train_batch_size must be a positive integer"),
@@ -183,6 +183,53 @@ def test_jax_wrong_dimension_is_correct_but_costs_collectives(jax_answer_run):
     assert sum(run.collectives[0].values()) > sum(jax_answer_run.collectives[0].values())
 
 
+# ---- q4: the flags a config silently drops -------------------------------------------------------
+SILENT = {"--rotary-base": 500000, "--hidden-dropout": 0, "--attention-dropout": 0.0}
+
+
+def _silent(**changes):
+    answer = {k: v for k, v in (SILENT | changes).items() if v is not None}
+    return lambda: answer
+
+
+def test_silent_answer_passes_and_the_broken_config_is_accepted_by_megatron():
+    """The answer passes; the broken flags are what Megatron-LM accepts (its own argument record and
+    Megatron-Core's configs), and filling the answer back in gives the emitter's values."""
+    from dtlib.frameworks.configs import check_megatron
+    from dtlib.frameworks.megatron_args import parse_args
+
+    checks.check_silent_flags(_silent())
+    checks.check_silent_values(_silent())
+    broken = checks.broken_megatron_flags()
+    t = checks.SILENT_TASK
+    check_megatron(broken, t["dp"] * t["tp"])
+    read = parse_args(broken)  # Megatron-LM's defaults fill the gaps: another model
+    assert (read["rotary_base"], read["hidden_dropout"], read["attention_dropout"]) == (10000, 0.1, 0.1)
+    fixed = parse_args(broken + [str(x) for kv in SILENT.items() for x in kv])
+    assert (fixed["rotary_base"], fixed["hidden_dropout"], fixed["attention_dropout"]) == (500000, 0.0, 0.0)
+
+
+SILENT_MISTAKES = [
+    (dict(**{"--attention-dropout": None}), "flags", r"2 of the 3 flags"),
+    (dict(**{"--rope-base": 500000}), "flags", r"--rope-base is not a Megatron-LM flag"),
+    (dict(**{"--swiglu": True}), "flags", r"--swiglu is in the config already"),
+    (dict(**{"--init-method-std": 0.02}), "flags", r"--init-method-std is absent, but its default does not change"),
+    (dict(**{"--rotary-base": 10000}), "values", r"--rotary-base 10000 is not what the plan needs: read the preset"),
+    (dict(**{"--hidden-dropout": 0.1}), "values", r"--hidden-dropout 0.1 is not what the plan needs: read what"),
+    (dict(**{"--hidden-dropout": "none"}), "values", r"'none' is not a number"),
+]
+
+
+@pytest.mark.parametrize("changes, check, hint", SILENT_MISTAKES)
+def test_silent_mistakes_have_their_own_hint_that_never_gives_the_value(changes, check, hint):
+    first = _fails(getattr(checks, f"check_silent_{check}"), _silent(**changes), hint)
+    assert "500000" not in first and "500,000" not in first
+
+
+def test_silent_answer_that_is_not_a_dict_is_reported():
+    _fails(checks.check_silent_flags, lambda: ["--rotary-base"], r"must return a dict")
+
+
 # ---- every question -----------------------------------------------------------------------------------
 ALL_CHECKS = [name for name in checks.__all__ if name.startswith("check_")]
 
@@ -200,7 +247,7 @@ def test_an_answer_that_raises_is_reported():
 
 
 # What the solutions write; a hint that contains one gives the answer away.
-GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 2", "= 2 x 2 x 2",
+GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 4", "= 1 x 4 x 2",
              "'gradient_clipping': 0", "gradient_clipping to 0", "None, 'model'", "'model', None",
              "qkv': ['fsdp', 'model']", "up': ['fsdp', 'model']", "out': ['model', 'fsdp']",
              "down': ['model', 'fsdp']", "('fsdp', 'model')", "dim 1", "dim 0"]

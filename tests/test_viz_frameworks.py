@@ -69,3 +69,28 @@ def test_memory_stacks_each_rank_under_its_prediction():
 def test_nothing_to_draw_is_an_error(plot, empty):
     with pytest.raises(ValueError, match="nothing to plot"):
         plot(empty)
+
+
+def test_emitted_says_how_many_lines_are_cut_and_shows_the_caveats():
+    text = "\n".join(f"--flag-{i} {i}" for i in range(30))
+    fig = viz.plot_emitted({"parameters": MiB}, {"Megatron-LM flags": text}, {},
+                           notes={"Megatron-LM flags": ["re-timed: tp_overlap 0"]}, max_lines=22)
+    shown = _texts(fig)
+    assert "--flag-20 20" in shown and "--flag-21 21" not in shown  # 21 lines, then the count
+    assert "... 9 more lines not shown" in shown
+    assert "re-timed: tp_overlap 0" in shown
+    full = viz.plot_emitted({"parameters": MiB}, {"Megatron-LM flags": text}, {}, max_lines=30)
+    assert "--flag-29 29" in _texts(full) and "more lines" not in _texts(full)
+
+
+def test_fullsize_terms_groups_tracker_and_dtlib_per_term_and_total():
+    from dtlib.analytic.units import GiB
+
+    fig = viz.plot_fullsize_terms({"parameters": {"tracker": 3 * GiB, "dtlib": 3 * GiB},
+                                   "temporary": {"tracker": 9 * GiB, "dtlib": 4 * GiB}})
+    (ax,) = fig.axes
+    assert _heights(ax) == pytest.approx([3, 9, 12, 3, 4, 7])  # tracker bars, then dtlib bars, in GiB
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["parameters", "temporary", "total"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["tracker", "dtlib"]
+    with pytest.raises(ValueError, match="nothing to plot"):
+        viz.plot_fullsize_terms({})

@@ -223,7 +223,12 @@ FIGURES = {
         {"DeepSpeed": '{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2}\n}',
          "Megatron-LM": "--tensor-model-parallel-size 2\n--micro-batch-size 1",
          "JAX": "mesh {'data': 2, 'model': 2}\nattn.qkv: P(None, 'model')"},
-        {"DeepSpeed": ["tensor parallelism (tp 2): DeepSpeed alone has no TP for a GPT"], "JAX": []}),
+        {"DeepSpeed": ["tensor parallelism (tp 2): DeepSpeed alone has no TP for a GPT"], "JAX": []},
+        notes={"Megatron-LM": ["tp_overlap: --tp-comm-overlap needs --sequence-parallel: re-timed"]}),
+    "plot_fullsize_terms": lambda: frameworks_viz.plot_fullsize_terms(
+        {t: {"PyTorch's tracker": a * 2**30, "dtlib memory": b * 2**30}
+         for t, a, b in (("parameters", 0.69, 0.69), ("gradients", 0, 0.69), ("optimizer", 1.38, 1.38),
+                         ("activations", 6.61, 6.60), ("temporary", 8.82, 3.91))}),
 }
 
 

@@ -10,13 +10,13 @@ from typing import Mapping, Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from dtlib.analytic.units import binary_unit
+from dtlib.analytic.units import GiB, binary_unit
 from dtlib.viz.charts import plot_grouped_bars
 from dtlib.viz.style import FONT, PART_COLORS, SMALL_FONT, colour
 from dtlib.viz.zero import plot_stage_costs
 
 __all__ = ["plot_framework_losses", "plot_framework_memory", "plot_framework_collectives",
-           "plot_silent_defaults", "plot_emitted"]
+           "plot_silent_defaults", "plot_emitted", "plot_fullsize_terms"]
 
 # Differences of exactly 0 cannot sit on a log axis: they are drawn at this floor and labelled.
 _FLOOR = 1e-12
@@ -115,15 +115,23 @@ def plot_silent_defaults(cases: Mapping[str, Mapping[str, float]], title: str = 
 
 
 def plot_emitted(predicted: Mapping[str, float], texts: Mapping[str, str],
-                 unsupported: Mapping[str, Sequence[str]], title: str = "") -> Figure:
+                 unsupported: Mapping[str, Sequence[str]], title: str = "",
+                 notes: Mapping[str, Sequence[str]] | None = None, max_lines: int = 18) -> Figure:
     """What ``dtlib plan --emit`` writes for one layout. Left: the predicted model-state bytes per
     rank (``predicted`` with ``parameters``, ``gradients``, ``optimizer``). Right: one panel per
-    framework with its emitted text (``texts[framework]``) and, in red, the lines it cannot express
-    (``unsupported[framework]``)."""
+    framework with its emitted text (``texts[framework]``, its first ``max_lines`` lines and then
+    how many more there are), in red the lines it cannot express (``unsupported[framework]``), and
+    in grey its caveats (``notes[framework]``: the emitter's notes and re-timed lines)."""
     if not texts:
         raise ValueError("nothing to plot: texts is empty")
     names = list(texts)
-    fig = Figure(figsize=(12.5, 4.6))
+    # each caveat in at most two lines of the panel's width, "..." where shortened
+    caveats = {name: [w for m in (notes or {}).get(name, [])
+                      for w in textwrap.wrap(textwrap.shorten(m, 84, placeholder=" ..."), 42, subsequent_indent="  ")]
+               for name in names}
+    below = max((len(c) for c in caveats.values()), default=0)
+    height = 4.6 + 0.13 * below
+    fig = Figure(figsize=(12.5, height))
     grid = fig.add_gridspec(1, 1 + len(names), width_ratios=[0.7] + [1.25] * len(names))
     ax = fig.add_subplot(grid[0, 0])
     scale, unit = binary_unit(max(sum(predicted.get(p, 0) for p in _STATES), 1))
@@ -143,7 +151,9 @@ def plot_emitted(predicted: Mapping[str, float], texts: Mapping[str, str],
     for i, name in enumerate(names):
         panel = fig.add_subplot(grid[0, 1 + i])
         panel.axis("off")
-        lines = _wrap(texts[name], 34)[:22]
+        lines = _wrap(texts[name], 34)
+        if len(lines) > max_lines:  # say what is cut, never cut silently
+            lines = lines[:max_lines - 1] + [f"... {len(lines) - max_lines + 1} more lines not shown"]
         missing = [f"cannot express: {m}" for m in unsupported.get(name, [])]
         panel.set_title(name, fontsize=FONT)
         panel.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=SMALL_FONT,
@@ -152,9 +162,26 @@ def plot_emitted(predicted: Mapping[str, float], texts: Mapping[str, str],
             panel.text(0.0, 0.0, "\n".join(w for m in missing for w in textwrap.wrap(m, 38, subsequent_indent="  ")),
                        va="bottom", ha="left",
                        color="#c0392b", fontsize=SMALL_FONT, transform=panel.transAxes)
+        if caveats[name]:
+            panel.text(0.0, -0.02, "\n".join(caveats[name]), va="top", ha="left", color="#555555", fontsize=SMALL_FONT,
+                       transform=panel.transAxes)
     if title:
         fig.suptitle(title, fontsize=FONT + 1)
-    fig.subplots_adjust(left=0.06, right=0.99, top=0.86, bottom=0.2, wspace=0.35)
+    fig.subplots_adjust(left=0.06, right=0.99, top=1 - 0.64 / height, bottom=(0.92 + 0.13 * below) / height,
+                        wspace=0.35)
+    return fig
+
+
+def plot_fullsize_terms(terms: Mapping[str, Mapping[str, float]], title: str = "") -> Figure:
+    """Peak memory of one rank by term (``terms[term] = {"tracker": bytes, "dtlib": bytes}``, any
+    series names): PyTorch's memory tracker at the peak beside ``dtlib memory``, grouped bars in GiB,
+    one group per term and one for their total."""
+    if not terms:
+        raise ValueError("nothing to plot: terms is empty")
+    series = list(dict.fromkeys(k for v in terms.values() for k in v))
+    values = dict(terms) | {"total": {s: sum(v.get(s, 0) for v in terms.values()) for s in series}}
+    fig = plot_grouped_bars(values, ylabel="GiB on rank 0", scale=GiB,
+                            title=title or "full size: PyTorch's memory tracker vs dtlib memory, term by term")
     return fig
 
 

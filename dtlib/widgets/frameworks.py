@@ -1,6 +1,7 @@
 """Emitter explorer ``"emitted_configs"``: a layout of a 8B model -> what ``dtlib plan --emit`` writes
 for DeepSpeed, Megatron-LM and JAX (:mod:`dtlib.plan.emit`), the lines a framework cannot express,
-and the model-state bytes per rank :mod:`dtlib.analytic.memory` predicts. Pure and fast: nothing
+its caveats (notes and re-timed lines), and the model-state bytes per rank
+:mod:`dtlib.analytic.memory` predicts. Pure and fast: nothing
 is launched."""
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def emitted_configs(zero: int, dp: int, tp: int, pp: int, micro_batch_size: int,
             "predicted": {"parameters": memory.parameters, "gradients": memory.gradients,
                           "optimizer": memory.optimizer},
             "texts": {FRAMEWORKS[n]: _compact(n, e) for n, e in emitted.items()},
-            "unsupported": {FRAMEWORKS[n]: list(e.unsupported) for n, e in emitted.items()}}
+            "unsupported": {FRAMEWORKS[n]: list(e.unsupported) for n, e in emitted.items()},
+            # the emitter's caveats (e.g. JAX writes ZeRO-1 as ZeRO-3) and what it re-timed
+            "notes": {FRAMEWORKS[n]: list(e.notes) + list(e.retimed) for n, e in emitted.items()}}
 
 
 def _compact(framework: str, emitted) -> str:
@@ -58,7 +61,7 @@ def _compact(framework: str, emitted) -> str:
 
 def _plot(r: dict):
     L = r["layout"]
-    return plot_emitted(r["predicted"], r["texts"], r["unsupported"],
+    return plot_emitted(r["predicted"], r["texts"], r["unsupported"], notes=r["notes"],
                         title=f"{MODEL} on dp{L.dp} x tp{L.tp} x pp{L.pp} = {L.gpus} GPUs, ZeRO-{L.zero}, "
                               f"global batch {r['global_batch']} = {L.micro_batch_size} x {L.num_microbatches} "
                               f"micro-batches x dp{L.dp}")

@@ -11,6 +11,11 @@
   ``partition_specs()``, a PartitionSpec per weight role and one for the batch, for
   :data:`JAX_TASK`: the Megatron split on the right dimension of each matrix, every weight sharded
   over ``fsdp``, and the GSPMD run on 8 host devices equal to the unsharded one.
+* Q4 :func:`check_silent_flags`, :func:`check_silent_values` - ``silent_changes()``, a dict flag ->
+  value, for :func:`broken_megatron_flags` (the flags ``dtlib plan --emit megatron`` writes for
+  :data:`SILENT_TASK`, with :data:`_DROPPED` removed): every flag whose absence lets Megatron-LM's
+  default change the planned model, and the value the plan needs. The expected flags and values
+  are the emitter's own output, computed here, never in the learner's notebook.
 
 Every failing check raises an ``AssertionError`` whose first line names the mistake and how to
 think about it, never the answer. The runs are compared with one process within
@@ -26,7 +31,8 @@ from dtlib.grading.feedback import first_line
 __all__ = ["DEEPSPEED_TASK", "MEGATRON_TASK", "JAX_TASK", "TOLERANCE", "STEPS",
            "check_deepspeed_batch", "check_deepspeed_memory", "check_deepspeed_run",
            "check_megatron_layout", "check_megatron_batch", "check_megatron_run",
-           "check_jax_tensor_parallel", "check_jax_fsdp", "check_jax_run", "answer"]
+           "check_jax_tensor_parallel", "check_jax_fsdp", "check_jax_run", "answer",
+           "SILENT_TASK", "broken_megatron_flags", "check_silent_flags", "check_silent_values"]
 
 STEPS = 3
 # fp32 runs that reorder sums (a reduce-scatter, an all-reduce, a sharded matmul) differ from one
@@ -36,7 +42,7 @@ STEPS = 3
 TOLERANCE = 1e-5
 
 # The layouts the questions ask for (the learner reads them in the exercise's markdown).
-DEEPSPEED_TASK = {"world_size": 2, "global_batch": 8, "micro_batch_size": 2,
+DEEPSPEED_TASK = {"world_size": 2, "global_batch": 8, "micro_batch_size": 1,
                   "sharded": ("optimizer", "gradients")}
 MEGATRON_TASK = {"world_size": 4, "tp": 2, "pp": 2, "sequence_parallel": True, "micro_batch_size": 1,
                  "global_batch": 4}
@@ -355,3 +361,97 @@ def check_jax_run(partition_specs: Callable) -> Any:
         raise AssertionError(f"the JAX run failed: {first_line(e)}") from e
     _equal_to_one_process("JAX", compare(run, _jax_reference()))
     return run
+
+
+# ---------------------------------------------------------------- Q4: the flag a config silently drops
+
+# The plan whose emitted Megatron-LM flags lose some model flags: Llama 3 8B (rope base 500,000,
+# trained without dropout) on dp 8 x tp 2 with sequence parallelism.
+SILENT_TASK = {"model": "llama3-8b", "dp": 8, "tp": 2, "micro_batch_size": 1, "global_batch": 64,
+               "precision": "bf16"}
+# Model flags whose absence Megatron-LM accepts and fills with its own default (rotary base 10000,
+# dropouts 0.1: megatron/training/arguments.py at core_v0.16.1, dtlib.frameworks.megatron_args).
+_DROPPED = ("--rotary-base", "--hidden-dropout", "--attention-dropout")
+# what a learner should compare each dropped flag with (a pointer, never the value)
+_WHERE = {"--rotary-base": "the preset's rope_theta (dtlib.analytic.presets.get_preset)",
+          "--hidden-dropout": "what the plan counts (dtlib plan has no dropout masks unless --dropout)",
+          "--attention-dropout": "what the plan counts (dtlib plan has no dropout masks unless --dropout)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _emitted_flags() -> tuple[str, ...]:
+    """The flags ``dtlib plan --emit megatron`` writes for :data:`SILENT_TASK` (the emitter's own)."""
+    from dtlib.analytic.layout import Parallelism
+    from dtlib.analytic.presets import get_preset
+    from dtlib.plan.emit import emit
+
+    t = SILENT_TASK
+    layout = Parallelism(dp=t["dp"], tp=t["tp"], sequence_parallel=True, micro_batch_size=t["micro_batch_size"],
+                         num_microbatches=t["global_batch"] // (t["dp"] * t["micro_batch_size"]))
+    return tuple(emit("megatron", layout, get_preset(t["model"]), t["global_batch"], t["precision"]).data)
+
+
+def _needed() -> dict[str, str]:
+    """Each dropped flag and the value the emitter wrote for it."""
+    flags = list(_emitted_flags())
+    return {f: flags[flags.index(f) + 1] for f in _DROPPED}
+
+
+def broken_megatron_flags() -> list[str]:
+    """:func:`_emitted_flags` without the flags of :data:`_DROPPED` (and their values): Megatron-LM
+    accepts this list and builds a model with the planned parameter count, but not the planned model."""
+    flags, out = list(_emitted_flags()), []
+    i = 0
+    while i < len(flags):
+        if flags[i] in _DROPPED:
+            i += 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def _silent(silent_changes: Callable) -> dict[str, Any]:
+    value = answer(silent_changes, "silent_changes")
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise AssertionError("silent_changes() must return a dict such as {'--some-flag': value}: each flag the "
+                             "config should have written, with the value the plan needs")
+    return value
+
+
+def check_silent_flags(silent_changes: Callable) -> None:
+    """The flags named are exactly those whose absence lets Megatron-LM's default change the model."""
+    from dtlib.frameworks.megatron_args import record
+
+    named, known, broken = _silent(silent_changes), record()["flags"], broken_megatron_flags()
+    for flag in named:
+        if flag not in known:
+            raise AssertionError(f"{flag} is not a Megatron-LM flag (its argument list at {record()['tag']}, "
+                                 "dtlib.frameworks.megatron_args.record()): name flags as pretrain_gpt.py reads them")
+        if flag in broken:
+            raise AssertionError(f"{flag} is in the config already, and a written flag is read as written: look "
+                                 "for a model field the config does not write at all")
+        if flag not in _DROPPED:
+            raise AssertionError(f"{flag} is absent, but its default does not change this plan's model: compare "
+                                 "Megatron-LM's default with what the plan needs before naming a flag")
+    found = len(set(named) & set(_DROPPED))
+    if found < len(_DROPPED):
+        raise AssertionError(f"{found} of the {len(_DROPPED)} flags whose default silently changes the model are "
+                             "named: compare every model field of the preset, and what the plan counts, with "
+                             "Megatron-LM's default for the flags that are missing")
+
+
+def check_silent_values(silent_changes: Callable) -> None:
+    """Each named flag's value is the one the plan needs (the emitter's), compared as numbers."""
+    named, needed = _silent(silent_changes), _needed()
+    for flag in (f for f in _DROPPED if f in named):
+        try:
+            value = float(named[flag])
+        except (TypeError, ValueError):
+            raise AssertionError(f"{flag}: {named[flag]!r} is not a number; Megatron-LM reads a number "
+                                 "there") from None
+        if value != float(needed[flag]):
+            raise AssertionError(f"{flag} {named[flag]} is not what the plan needs: read {_WHERE[flag]}")
+    if not any(f in named for f in _DROPPED):
+        raise AssertionError("none of the flags named is one whose default changes the model: find them first "
+                             "(the check above)")
