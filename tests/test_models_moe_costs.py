@@ -67,9 +67,12 @@ def test_weight_flops_use_the_active_parameters(name):
     n = cfg.numbers()
     norms = (2 * cfg.layers + 1) * norm_params(cfg.hidden, cfg.norm_has_bias)
     norms += (cfg.kv_lora_rank > 0) * cfg.layers * (cfg.q_lora_rank + cfg.kv_lora_rank)
+    norms += cfg.qk_norm * cfg.layers * 2 * cfg.head_dim  # Qwen3's q/k RMSNorms
+    norms += cfg.attention_sinks * cfg.layers * cfg.heads  # GPT-OSS's sinks: a logit per head, no matmul
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     biases = cfg.bias * cfg.layers * (q + 2 * kv + cfg.hidden)  # attention
     biases += cfg.bias * cfg.moe_layers * cfg.moe_top_k * (2 * cfg.moe_ffn + cfg.hidden)  # experts
+    biases += cfg.router_bias * cfg.moe_layers * cfg.moe_experts  # GPT-OSS's router
     matmuls = layers_matmul_params(**n) + cfg.vocab * cfg.hidden
     assert matmuls == cfg.active_parameters(input_embedding=False) - norms - biases
 
