@@ -140,7 +140,9 @@ def partition(model: TinyGPT, pp: int, virtual_stages: int = 1,
     block counts per stage. The RULES of :mod:`dtlib.analytic.layout` reject more stages than layers.
     """
     layers = model.cfg.layers
-    check_layout({"layers": layers, "pp": pp, "virtual_stages": virtual_stages},
+    # any chunk may hold any blocks (as with Megatron's layout string): the rule is chunks <= layers
+    check_layout({"layers": layers, "pp": pp, "virtual_stages": virtual_stages, "first_stage_layers": 0,
+                  "last_stage_layers": 0, "pipeline_layout": 1},
                  schedule="interleaved" if virtual_stages > 1 else "1f1b")
     stages = pp * virtual_stages
     if isinstance(balance, str):
