@@ -22,6 +22,10 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
   read by the grader to stop it after a budget of CPU seconds).
 
 What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
+
+About 500 lines, one module: every wall is set up in one child-side sequence (:func:`child_setup`:
+namespaces, mounts, tmpfs, cgroups, limits, then the user), whose order matters and is read top
+to bottom here; the per-row files and the CSV live apart (``rowfiles``, ``grades_csv``).
 """
 from __future__ import annotations
 
