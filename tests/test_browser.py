@@ -16,6 +16,7 @@ is not used). Without them it skips with one line saying how to enable it, excep
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -120,19 +121,26 @@ def lab(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def browser(lab):
+@contextlib.contextmanager
+def launched_chromium(timeout_s: float):
+    """Debian's Chromium under Playwright, closed on exit. --no-sandbox: Chromium's sandbox needs
+    user namespaces, which root in a container lacks; a container's /dev/shm is often too small
+    for it, so it uses /tmp instead."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        # --no-sandbox: Chromium's sandbox needs user namespaces, which root in a container lacks;
-        # a container's /dev/shm is often too small for it, so it uses /tmp instead
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"],
-                                     timeout=START_S * 1000)
+                                     timeout=timeout_s * 1000)
         try:
             yield chromium
         finally:
             chromium.close()
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    with launched_chromium(START_S) as chromium:
+        yield chromium
 
 
 class Lab:

@@ -29,7 +29,7 @@ from urllib.parse import urldefrag
 
 import nbformat
 import pytest
-from test_browser import CHROMIUM, HOW, _MISSING
+from test_browser import HOW, _MISSING, launched_chromium
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_site"
@@ -80,29 +80,21 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def browser(site):
-    from playwright.sync_api import sync_playwright
+    with launched_chromium(PAGE_S) as chromium:
+        context = chromium.new_context()
+        # Offline: whatever is not this site is refused, and counted.
+        outside: list[str] = []
 
-    with sync_playwright() as p:
-        # flags as tests/test_browser.py: no sandbox (root in a container), /tmp not /dev/shm
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"],
-                                     timeout=PAGE_S * 1000)
-        try:
-            context = chromium.new_context()
-            # Offline: whatever is not this site is refused, and counted.
-            outside: list[str] = []
+        def route(r):
+            if r.request.url.startswith(site) or r.request.url.startswith("data:"):
+                r.continue_()
+            else:
+                outside.append(r.request.url)
+                r.abort()
 
-            def route(r):
-                if r.request.url.startswith(site) or r.request.url.startswith("data:"):
-                    r.continue_()
-                else:
-                    outside.append(r.request.url)
-                    r.abort()
-
-            context.route("**/*", route)
-            context.outside = outside
-            yield context
-        finally:
-            chromium.close()
+        context.route("**/*", route)
+        context.outside = outside
+        yield context
 
 
 def _visit(context, url: str) -> tuple[list[str], list[str], list[tuple[str, str]], set[str], object]:
