@@ -215,6 +215,11 @@ def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: f
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        # gloo's full-mesh connect can return on one rank while a peer is still finishing its
+        # side; a rank whose fn then returns at once would close the socket under that peer
+        # ("Connection closed by peer"). Wait on the store until every rank has joined.
+        store.set(f"dtlib/joined/{rank}", "1")
+        store.wait([f"dtlib/joined/{r}" for r in range(world_size)])
         result = fn(rank, world_size, *args)
         try:
             blob = (_codec[0] if _codec else cloudpickle.dumps)(_to_cpu(result))
