@@ -180,7 +180,8 @@ def test_unreachable_network_falls_back_fast(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(data, "MNIST_MIRRORS", ("https://127.0.0.1/mnist/",))  # nothing listens
     t0 = time.monotonic()
     d = data.load_mnist("test")
-    assert time.monotonic() - t0 < 6 and "scikit-learn bundled" in capsys.readouterr().out
+    # no waiting out urlopen's 30 s timeout on a mirror that refuses (a bound, not a speed)
+    assert time.monotonic() - t0 < 25 and "scikit-learn bundled" in capsys.readouterr().out
     assert len(d) == 360
 
 

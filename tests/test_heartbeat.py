@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dtlib.launcher import RankFailedError, launch
 from dtlib.resilience.heartbeat import EXIT_CODE, Heartbeat, find_hung
 
-COLLECTIVE_TIMEOUT = 40  # dtlib.launch's timeout is also the ranks' collective timeout
+COLLECTIVE_TIMEOUT = 120  # dtlib.launch's timeout is also the ranks' collective timeout
 HEARTBEAT = 1.5
 
 

@@ -76,8 +76,8 @@ def _raise_on_rank1(rank, world_size, piddir):
 def test_raising_rank_is_named_with_its_traceback(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(_raise_on_rank1, 2, args=(tmp_path,), timeout=20)
-    assert time.monotonic() - t0 < 10
+        launch(_raise_on_rank1, 2, args=(tmp_path,), timeout=240)
+    assert time.monotonic() - t0 < 120  # reported when it happens, not at the timeout (a bound, not a speed)
     err = info.value
     assert err.rank == 1
     assert "rank 1 of 2 failed: ValueError: bad shard on rank one" in str(err)
@@ -118,7 +118,7 @@ def test_hanging_rank_times_out_and_nothing_is_left(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeoutError) as info:
         launch(_hang_on_rank1, 2, args=(tmp_path,), timeout=3)
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < 60  # stopped at the deadline, not left waiting (a bound, not a speed)
     assert 1 in info.value.unfinished and "did not finish within 3 s" in str(info.value)
     # and it says where each stuck rank was: rank 1 sleeping, rank 0 in the barrier
     assert "where rank 1 was" in str(info.value) and "_hang_on_rank1" in str(info.value)
@@ -138,8 +138,8 @@ def test_keyboard_interrupt_stops_every_rank(tmp_path):
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        launch(_sleep_forever, 3, args=(tmp_path,), timeout=60)
-    assert time.monotonic() - t0 < 6
+        launch(_sleep_forever, 3, args=(tmp_path,), timeout=300)
+    assert time.monotonic() - t0 < 120  # the interrupt ends the launch, not the timeout
     pids = _read_pids(tmp_path)
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
 
