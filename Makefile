@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[all]"  # the core and every extra (pyproject.toml)
+	@# DeepSpeed's CPU Adam (ZeRO-Offload), compiled into ~/.cache/torch_extensions once here, as
+	@# DS_BUILD_CPU_ADAM=1 does for a source install, rather than on a learner's first offload run.
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('CPUAdamBuilder').load(verbose=False)" \
+		|| echo "note: DeepSpeed's CPU Adam did not compile now; it will on first use"
 	touch $@
 
 # JupyterLab's defaults for the course, installed where it reads packages' overrides (its

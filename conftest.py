@@ -23,6 +23,7 @@ import pytest
 NOTEBOOK_CPU_BUDGET_S = 120.0
 _wall: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = {}
+_CPU_PROPERTY = "notebook_cpu_s"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,7 +64,8 @@ def pytest_runtest_call(item: pytest.Item):
     pid = _kernel_pid(item)
     if pid is not None:
         try:
-            _cpu[path] = max(_cpu.get(path, 0.0), tree_cpu_seconds(pid))
+            # carried by the cell's report, so that under pytest-xdist the controller sees it too
+            item.user_properties.append((_CPU_PROPERTY, tree_cpu_seconds(pid)))
         except ValueError:  # the kernel died in this cell; nbval reports that failure
             pass
     outputs = getattr(item, "test_outputs", None)
@@ -87,6 +89,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::", 1)[0]
     if path.endswith(".ipynb"):
         _wall[path] += report.duration
+        for name, value in report.user_properties:
+            if name == _CPU_PROPERTY:
+                _cpu[path] = max(_cpu.get(path, 0.0), value)
 
 
 def _over(config: pytest.Config) -> list[str]:
@@ -109,5 +114,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:  # noqa: ARG001
+    # (a pytest-xdist worker's reports reach the controller, whose session decides the status)
     if _over(session.config) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -126,6 +126,18 @@ def test_budget_fails_on_cpu_not_on_waiting(tmp_path):
     assert "".join(saved["cells"][0]["outputs"][0]["text"]) == "burnt\n"
 
 
+def test_budget_fails_the_run_under_xdist(tmp_path):
+    """`make test` runs nbval in pytest-xdist workers: the CPU reading travels with the cell's
+    report to the controller, which prints the table and fails the run."""
+    pytest.importorskip("xdist")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 3: pass"
+    _notebook(tmp_path, [burn])
+    burnt = _pytest(tmp_path, "--notebook-cpu-budget=2", "-n", "1")
+    assert burnt.returncode == 1, burnt.stdout[-2000:]
+    row = next(line for line in burnt.stdout.splitlines() if "lesson.ipynb" in line and "OVER BUDGET" in line)
+    assert float(row.split()[0]) >= 3.0, row  # the kernel's CPU seconds, read in the worker
+
+
 def test_budget_option_is_checked(tmp_path):
     _notebook(tmp_path, ["1"])
     bad = _pytest(tmp_path, "--notebook-cpu-budget=0")

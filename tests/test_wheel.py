@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # what a built wheel never takes from the tree: outputs, caches, environments
-_NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "_site",
+_NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "_site", "_build",
                                       ".pytest_cache", ".ipynb_checkpoints", "node_modules", "*.whl")
 PLAN = ["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "512", "--top", "3", "--json"]
 MEMORY = ["memory", "--model", "llama3-8b", "--tp", "8", "--gpus", "64", "--json"]

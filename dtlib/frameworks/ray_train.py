@@ -105,8 +105,8 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
 
     ``max_failures``: worker-group restarts Ray may do (``FailureConfig``); ``storage_path``: Ray's
     storage for its run directory (default: a temporary directory removed afterwards);
-    ``timeout``: seconds for the whole run, Ray's start included. Starts Ray if it is not running
-    and always shuts down what it started; on timeout Ray is shut down in any case, so nothing is
+    ``timeout``: seconds for the whole run, Ray's start included. Starts a Ray instance of its own
+    when this process is not connected to one, and always shuts down what it started; on timeout Ray is shut down in any case, so nothing is
     left running. A run that fails more than ``max_failures`` times raises Ray's
     ``TrainingFailedError`` (with the worker's traceback)."""
     check_ray_config(config, max_failures, timeout)
@@ -167,7 +167,11 @@ def _start_ray(num_cpus: int) -> str:
     for attempt in (1, 2):
         try:
             with _environment({_SESSION_VARIABLE: token}):
-                ray.init(num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES, include_dashboard=False)
+                # "local": a new instance of our own. Without an address ray.init joins whatever Ray
+                # already runs on the machine (RAY_ADDRESS, or the newest GCS it finds), which a
+                # run that shuts its Ray down afterwards must not do.
+                ray.init(address="local", num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES,
+                         include_dashboard=False)
             break
         except Exception:
             ray.shutdown()
