@@ -41,9 +41,18 @@ lab: install $(LAB_OVERRIDES)
 
 # Every lesson and every solved exercise executed under nbval (each saved with its outputs into
 # _build/executed/ for the website), then the library's tests; tests/test_site.py builds the
-# website from those saved runs (as `make site` does) and opens it in headless Chromium.
+# website from those saved runs (as `make site` does) and opens it in headless Chromium. Two runs,
+# so the notebooks are saved before the site is built; both run whatever the first's outcome.
+# TEST_JOBS pytest-xdist workers, each taking whole files (--dist loadfile: a notebook's cells
+# share one kernel, a module its fixtures): the suite waits on processes, sockets and timeouts
+# about half the time, which a second worker fills. TEST_JOBS=0 runs everything in one process.
+TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -p no:cacheprovider --durations=25 -n $(TEST_JOBS) --dist loadfile
 test: install
-	$(PY) -m pytest notebooks solutions tests --nbval-lax --nbval-cell-timeout=120 -p no:cacheprovider --durations=25 --executed-dir=_build/executed
+	@status=0; \
+	$(PYTEST) notebooks solutions --nbval-lax --nbval-cell-timeout=120 --executed-dir=_build/executed || status=1; \
+	$(PYTEST) tests || status=1; \
+	exit $$status
 
 # The course website in _site/ (docs/site.md): lessons with their outputs (from make test's run
 # when newer than the lesson, else executed now), exercises, docs, API reference, search.
