@@ -30,7 +30,7 @@ FOLDERS = ("notebooks", "exercises", "masters")  # what the wheel carries (setup
 LEARNER_FOLDERS = ("notebooks", "exercises")  # what a learner's copy holds
 FIRST_LESSON = "notebooks/00_collectives.ipynb"
 RECORD = ".dtlib-course.json"
-_SKIPPED = {".ipynb_checkpoints", "__pycache__"}
+_SKIPPED = {".ipynb_checkpoints", "__pycache__", ".OTTER_LOG"}  # editor, Python and otter leftovers of a run
 
 
 class LearnerChanges(ValueError):

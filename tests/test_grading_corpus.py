@@ -1,6 +1,7 @@
 """Grades that hold against a determined learner and a busy machine (issue 39): the corpus in
 ``tests/grading_corpus/`` graded as one batch next to honest notebooks that use IPython's syntax,
 and the walls each attack met, one by one."""
+import contextlib
 import csv
 import os
 import stat
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import nbformat
 import numpy as np
@@ -52,9 +54,20 @@ def _with_magics(solution):
     return nb
 
 
-def _row_folders() -> set[Path]:
-    """The folders a batch makes in the grader's /tmp (its rows', its verdicts')."""
-    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in Path(tempfile.gettempdir()).glob(pattern)}
+@contextlib.contextmanager
+def _folders_made() -> Iterator[list[Path]]:
+    """The temporary folders made while in the block (a batch's rows' and verdicts'): this
+    batch's own, not those of a batch another test runs at the same time."""
+    made, real = [], tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made.append(Path(real(*args, **kwargs)))
+        return str(made[-1])
+    tempfile.mkdtemp = recording
+    try:
+        yield made
+    finally:
+        tempfile.mkdtemp = real
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +86,22 @@ def graded(tmp_path_factory, tiny):
     out = tmp / "grades.csv"
     argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out),
             "--jobs", "2", "--cpu-time", CPU_TIME]
-    before = _row_folders()
     for path in LEFTOVERS:
         path.unlink(missing_ok=True)
     os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
     try:
-        assert grading.main(argv) == 0
+        with _folders_made() as made:
+            assert grading.main(argv) == 0
     finally:
         del os.environ["GRADER_SECRET_TOKEN"]
+    assert any(p.name.startswith("dtlib-row-") for p in made)  # the record saw the rows
     leftovers = [p for p in LEFTOVERS if p.exists()]
     for path in leftovers:
         path.unlink()
     with open(out, newline="") as f:
         rows = {r["submission"]: r for r in csv.DictReader(f)}
-    return {"rows": rows, "left": _row_folders() - before, "out": out,
+    left = {p for p in made if p.name.startswith(("dtlib-row-", "dtlib-batch-")) and p.exists()}
+    return {"rows": rows, "left": left, "out": out,
             "leftovers": leftovers}
 
 

@@ -126,7 +126,8 @@ def _lab_on_lesson_0(command: Callable[[str], list[str]], what: str) -> Iterator
             assert r.status == 200 and "JupyterLab" in r.read().decode()
         yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited: its failure is the news
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

@@ -123,7 +123,8 @@ def test_the_installed_wheel_grades_with_its_own_masters(wheel, tmp_path):
     dependencies, here this environment's packages seen through a .pth file."""
     python = _venv(tmp_path / "venv", wheel)
     (site,) = (tmp_path / "venv" / "lib").glob("python3*/site-packages")
-    (site / "course-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # resolved: the grader's walls hide the shared /tmp, where a symlinked venv may point
+    (site / "course-dependencies.pth").write_text(str(Path(sysconfig.get_paths()["purelib"]).resolve()) + "\n")
     found = _run(python, "-c", "import dtlib.grading as g; print(g.masters_dir())", cwd=tmp_path)
     assert found.stdout.strip() == str(site / "dtlib" / "course_files" / "masters"), found.stderr
     lesson = "03_memory.ipynb"  # arithmetic only: no ranks to start
