@@ -345,10 +345,12 @@ def _weights_diagnosis(setting: str, params: list[torch.Tensor], world_size: int
     """Rank 0's weights against one process training on the full batch, computed here (called
     after the launch, so no rank process ever holds it: issue 39)."""
     data = _ddp_batches(steps, 16, 128)  # _ddp_worker's batch and width
-    diff = _max_diff(params, _train_single(data, 0.1, 1.0))
+    with torch.random.fork_rng(devices=[]):  # ddp_model seeds: leave the caller's generator be
+        mean, summed = _train_single(data, 0.1, 1.0), _train_single(data, 0.1, float(world_size))
+    diff = _max_diff(params, mean)
     if diff <= 1e-5:
         return None
-    if _max_diff(params, _train_single(data, 0.1, float(world_size))) < 1e-5:  # summed, not averaged
+    if _max_diff(params, summed) < 1e-5:  # gradients summed over ranks, not averaged
         return (f"{setting}, the gradients are summed over ranks, not averaged: divide by the "
                 "world size (before or after the all-reduce)")
     return (f"{setting}, after {steps} SGD steps the weights differ from one process training "

@@ -133,7 +133,8 @@ def _state_bytes(state: list[tuple[tuple[int, ...], dict]]) -> int:
 def _unsharded_adamw(world_size: int, steps: int) -> tuple[list[torch.Tensor], int]:
     """``torch.optim.AdamW`` on the whole model with the gradients the ranks average (the same
     shards, summed in rank order, divided by ``world_size``): its parameters and state bytes."""
-    model = zero1_model()
+    with torch.random.fork_rng(devices=[]):  # zero1_model seeds: leave the caller's generator be
+        model = zero1_model()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, **_ADAMW)
     for x, y in _zero1_batches(steps):
@@ -168,7 +169,8 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
                              f"{first_line(e)}") from None
     setting = f"on {world_size} ranks"
     ref_params, unsharded = _unsharded_adamw(world_size, steps)  # after the launch: no rank holds it
-    start = [p.detach() for p in zero1_model().parameters()]
+    with torch.random.fork_rng(devices=[]):
+        start = [p.detach() for p in zero1_model().parameters()]
     largest = max(p.numel() for p in start) * 8
     for rank, out in enumerate(ranks):
         if out["n_inner"] == 0:
