@@ -9,6 +9,7 @@ the reference in the learner's rank, the same submission passed (q1 of lesson 02
 sent, q2 of lesson 04 without sharding): the messages matched below are the checks' verdicts on
 what the submission really did.
 """
+import copy
 import gc
 import importlib
 import pkgutil
@@ -24,8 +25,8 @@ import dtlib.grading.checks
 import dtlib.measure
 import dtlib.parallel.local_sgd
 from dtlib.data import load_mnist
-from dtlib.grading.checks import (communication, data_parallel, local_sgd, pipeline_parallel,
-                                  tensor_parallel, zero_fsdp)
+from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd,
+                                  pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
 from tests.test_checks_communication import Summed
 from tests.test_checks_zero_fsdp import FullOnEveryRank
@@ -39,9 +40,6 @@ NO_LEARNER_CODE_IN_RANKS = {
                                                     "(test_pipeline_ranks_run_no_learner_code)",
     "rank_grid.check_groups": "the groups are canonicalised to sorted lists of ints before the launch",
 }
-# issue 39 item 3 names lessons 01, 02, 04, 05, 06 and 11; lesson 10's check still runs the
-# uninterrupted training (its reference) in the rank that calls restore (docs/grading.md)
-NOT_YET = {"fault_tolerance.check_resume"}
 
 
 def _names(code: types.CodeType):
@@ -187,6 +185,35 @@ def averaging_swaps_diloco(params, global_params, bufs, lr, momentum):
     dtlib.parallel.local_sgd.DiLoCo.sync = lambda self: average([p.data for p in self.model.parameters()])
 
 
+def saves_nothing(step, model, optimizer):
+    return {}
+
+
+def restore_forges_the_reference(state, model, optimizer):
+    """Restores nothing; makes the check's snapshot at the kill step equal its fresh state, and the
+    check's uninterrupted run equal what its own continuation will give."""
+    snaps = [v for v in _callers_hold() if isinstance(v, dict) and set(v) == {"params", "moments", "rng"}]
+    for snap in snaps:
+        for saved, p in zip(snap["params"], model.parameters()):
+            saved.copy_(p.detach())
+        snap["moments"].clear()
+        snap["rng"].copy_(torch.get_rng_state())
+    shapes = [p.shape for p in model.parameters()]
+    straight = next((v for v in _callers_hold() if isinstance(v, list) and len(v) == len(shapes)
+                     and all(isinstance(t, torch.Tensor) and t.shape == s for t, s in zip(v, shapes))
+                     and not any(v is snap["params"] for snap in snaps)
+                     and not any(t is p for t, p in zip(v, model.parameters()))), None)
+    if straight is not None:  # run the continuation on copies, then put the RNG back
+        rng, twin = torch.get_rng_state(), copy.deepcopy(model)
+        opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+        for index in range(fault_tolerance.KILL_STEP, fault_tolerance.STEPS):
+            fault_tolerance._step(twin, opt, index, dist.get_rank(), dist.get_world_size())
+        for t, p in zip(straight, twin.parameters()):
+            t.copy_(p.detach())
+        torch.set_rng_state(rng)
+    return fault_tolerance.KILL_STEP
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_mnist("train", verbose=False).subset(128)
@@ -204,6 +231,9 @@ THIEVES: dict[str, tuple[Callable, str]] = {
                               "as much as unsharded AdamW"),
     "tensor_parallel.check_f_and_g": (lambda d: tensor_parallel.check_f_and_g(f_thief, g_thief), ""),
     "tensor_parallel.check_parallel_mlp": (lambda d: tensor_parallel.check_parallel_mlp(mlp_thief), ""),
+    "fault_tolerance.check_resume": (
+        lambda d: fault_tolerance.check_resume(saves_nothing, restore_forges_the_reference),
+        "parameters were not restored"),
     "local_sgd.check_outer_step": (lambda d: local_sgd.check_outer_step(outer_thief), ""),
     "local_sgd.check_diloco_rounds": (
         lambda d: local_sgd.check_diloco_rounds(averaging_swaps_diloco, world_size=2, rounds=2),
@@ -221,7 +251,7 @@ THIEVES: dict[str, tuple[Callable, str]] = {
 def test_every_check_that_launches_ranks_is_covered():
     found = launching_checks()
     assert "communication.check_ring_all_reduce" in found and "rank_grid.check_groups" in found
-    assert found == set(THIEVES) | set(NO_LEARNER_CODE_IN_RANKS) | NOT_YET
+    assert found == set(THIEVES) | set(NO_LEARNER_CODE_IN_RANKS)
 
 
 @pytest.mark.parametrize("check", sorted(THIEVES))
