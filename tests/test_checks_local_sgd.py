@@ -5,7 +5,8 @@ import torch.distributed as dist
 
 from dtlib.grading.checks import local_sgd as checks
 from dtlib.parallel.heterogeneous import weighted_average_gradients
-from dtlib.parallel.local_sgd import outer_nesterov_step
+from dtlib.launcher import launch
+from dtlib.parallel.local_sgd import DiLoCo, outer_nesterov_step
 
 
 def _reference_outer(params, global_params, bufs, lr, momentum):
@@ -104,3 +105,25 @@ def test_weighted_average_check_names_each_mistake(fn, message):
     assert message in str(failed.value).splitlines()[0]
     with pytest.raises(AssertionError, match="weight each rank's gradient by its sample count"):
         checks.check_uneven_batches_match_one_process(fn)
+
+
+def _dtlib_diloco(rank, world_size, h, rounds):
+    model = checks._model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+    outer = torch.optim.SGD(model.parameters(), lr=checks.LR, momentum=checks.MOMENTUM, nesterov=True)
+    ctx = DiLoCo(model, inner, outer, sync_every=h)
+    for step, (x, y) in enumerate(checks._rounds_data(rank, h * rounds)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        if (step + 1) % h == 0:
+            ctx.sync()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_rounds_reference_is_dtlibs_diloco_on_real_ranks():
+    """The check simulates the ranks in its own process (issue 39: no reference where learner code
+    runs); dtlib's DiLoCo over 3 real ranks ends at the same parameters."""
+    want = checks._diloco_reference(3, 3, 3)
+    for params in launch(_dtlib_diloco, 3, args=(3, 3), timeout=60, output="none"):
+        assert checks._close(params, want)

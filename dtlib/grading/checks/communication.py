@@ -43,27 +43,37 @@ def _rank_input(shape: tuple[int, ...], rank: int) -> torch.Tensor:
 
 
 def _ring_worker(rank: int, world_size: int, fn: Callable, shapes: tuple) -> list[dict]:
+    """Runs only the learner's ring; what it returns is data (the sum it is compared with is
+    computed by the check, in its own process: issue 39)."""
     out = []
     for shape in shapes:
-        x = _rank_input(shape, rank)
-        expected = x.clone()
-        dist.all_reduce(expected)
-        dist.barrier()
-        tensor = x.clone()
+        tensor = _rank_input(shape, rank)
+        dist.barrier()  # every rank has made its input before any sends
         with CollectiveCounter() as counter:
             returned = fn(tensor)
         result = tensor if returned is None else returned
         dist.barrier()  # no rank moves on to the next size while a peer still sends
-        out.append({"shape": shape, "input": x, "expected": expected,
-                    "result": result.detach().clone() if isinstance(result, torch.Tensor) else None,
+        out.append({"result": result.detach().clone() if isinstance(result, torch.Tensor) else None,
                     "returned_type": type(returned).__name__, "sent": counter.bytes("send"),
                     "collectives": sorted(set(counter.counts) - {"send", "recv"})})
     return out
 
 
-def _ring_diagnosis(world_size: int, results: list[list[dict]]) -> str | None:
+def _ring_expected(world_size: int, shapes: tuple) -> list[list[dict]]:
+    """Per rank and shape, its input and the sum over ranks, made by the check from the seeds."""
+    per_shape = []
+    for shape in shapes:
+        inputs = [_rank_input(shape, r) for r in range(world_size)]
+        per_shape.append((shape, inputs, torch.stack(inputs).sum(0)))
+    return [[{"shape": shape, "input": inputs[rank], "expected": total}
+             for shape, inputs, total in per_shape] for rank in range(world_size)]
+
+
+def _ring_diagnosis(world_size: int, shapes: tuple, returned: list[list[dict]]) -> str | None:
     """What is wrong, in words, or None if every rank holds the sum everywhere."""
     n = world_size
+    results = [[{**want, **got} for want, got in zip(wants, gots)]
+               for wants, gots in zip(_ring_expected(n, shapes), returned)]
     wrong: list[tuple[int, dict]] = []
     for rank, per_shape in enumerate(results):
         for r in per_shape:
@@ -144,7 +154,7 @@ def check_ring_all_reduce(fn: Callable, world_sizes: tuple[int, ...] = (2, 3, 4)
                 f"your function raised on rank {e.rank} of {n}: {first_line(e)}. Tensors have "
                 f"shapes {[tuple(s) for s in shapes]}: flatten with tensor.view(-1) and split with "
                 "tensor_split (sizes need not divide by the world size)") from None
-        problem = _ring_diagnosis(n, results)
+        problem = _ring_diagnosis(n, tuple(shapes), results)
         if problem:
             raise AssertionError(problem)
 
@@ -292,7 +302,8 @@ def _ddp_step(ddp: Any, x: torch.Tensor, y: torch.Tensor, world_size: int) -> di
 
 
 def _ddp_worker(rank: int, world_size: int, cls: type, cap_mb: float, steps: int,
-                layers: int = 4, width: int = 128, batch: int = 16, reference: bool = True) -> dict:
+                layers: int = 4, width: int = 128, batch: int = 16) -> dict:
+    # the learner's training only: single-process training is the check's, in its own process
     data = _ddp_batches(steps, batch, width)
     # ranks other than 0 start elsewhere: the constructor must broadcast rank 0's weights
     model = ddp_model(seed=0 if rank == 0 else 50 + rank, layers=layers, width=width)
@@ -304,11 +315,7 @@ def _ddp_worker(rank: int, world_size: int, cls: type, cap_mb: float, steps: int
         opt.zero_grad()
         per_step.append(_ddp_step(ddp, xs, ys, world_size))
         opt.step()
-    out = {"params": [p.detach().clone() for p in model.parameters()], "steps": per_step}
-    if rank == 0 and reference:
-        out["mean"] = _train_single(data, 0.1, 1.0)
-        out["sum"] = _train_single(data, 0.1, float(world_size))  # gradients summed, not averaged
-    return out
+    return {"params": [p.detach().clone() for p in model.parameters()], "steps": per_step}
 
 
 def record_timeline(cls: type, bucket_cap_mb: float = 1.0, world_size: int = 2, layers: int = 6,
@@ -319,7 +326,7 @@ def record_timeline(cls: type, bucket_cap_mb: float = 1.0, world_size: int = 2, 
     Raises AssertionError, saying why, if the class does not run."""
     try:
         out = launch(_ddp_worker, world_size,
-                     args=(cls, bucket_cap_mb, 2, layers, width, batch, False),
+                     args=(cls, bucket_cap_mb, 2, layers, width, batch),
                      timeout=timeout, output="none")
     except LaunchTimeoutError:
         raise AssertionError(f"training with your class hung (no result in {timeout:g} s)") from None
@@ -329,7 +336,26 @@ def record_timeline(cls: type, bucket_cap_mb: float = 1.0, world_size: int = 2, 
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    """The largest difference, inf where either side is NaN or inf (a NaN never passes)."""
+    diffs = [(x - y).abs().max().item() for x, y in zip(a, b)]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
+
+
+def _weights_diagnosis(setting: str, params: list[torch.Tensor], world_size: int, steps: int) -> str | None:
+    """Rank 0's weights against one process training on the full batch, computed here (called
+    after the launch, so no rank process ever holds it: issue 39)."""
+    data = _ddp_batches(steps, 16, 128)  # _ddp_worker's batch and width
+    with torch.random.fork_rng(devices=[]):  # ddp_model seeds: leave the caller's generator be
+        mean, summed = _train_single(data, 0.1, 1.0), _train_single(data, 0.1, float(world_size))
+    diff = _max_diff(params, mean)
+    if diff <= 1e-5:
+        return None
+    if _max_diff(params, summed) < 1e-5:  # gradients summed over ranks, not averaged
+        return (f"{setting}, the gradients are summed over ranks, not averaged: divide by the "
+                "world size (before or after the all-reduce)")
+    return (f"{setting}, after {steps} SGD steps the weights differ from one process training "
+            f"on the full batch by {diff:.2e}: each p.grad must end as the mean over ranks of "
+            "the local gradients (check the offsets into the flat buffers)")
 
 
 def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
@@ -394,18 +420,11 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                         "back, or the optimizer may read a buffer the all-reduce is still writing")
         ref = ranks[0]
         for rank, out in enumerate(ranks[1:], start=1):
-            if _max_diff(out["params"], ref["params"]) > 1e-6:
+            if not _max_diff(out["params"], ref["params"]) <= 1e-6:
                 raise AssertionError(
                     f"{setting}, rank {rank} ended with different weights from rank 0: after "
                     "wait(), copy each bucket's averaged values back into every p.grad (in place, "
                     "p.grad.copy_(...)) before the optimizer step")
-        diff = _max_diff(ref["params"], ref["mean"])
-        if diff > 1e-5:
-            if _max_diff(ref["params"], ref["sum"]) < 1e-5:
-                raise AssertionError(
-                    f"{setting}, the gradients are summed over ranks, not averaged: divide by the "
-                    "world size (before or after the all-reduce)")
-            raise AssertionError(
-                f"{setting}, after {steps} SGD steps the weights differ from one process training "
-                f"on the full batch by {diff:.2e}: each p.grad must end as the mean over ranks of "
-                "the local gradients (check the offsets into the flat buffers)")
+        problem = _weights_diagnosis(setting, ref["params"], world_size, steps)
+        if problem:
+            raise AssertionError(problem)

@@ -1,11 +1,14 @@
 """Checks for lesson 11's exercise: DiLoCo's outer step and the sample-weighted gradient average.
 
-Both run the learner's function on real ranks (:func:`dtlib.launch`) against dtlib's own
-(:func:`dtlib.parallel.local_sgd.outer_nesterov_step`, :class:`dtlib.parallel.local_sgd.DiLoCo`,
-:func:`dtlib.parallel.heterogeneous.weighted_average_gradients`), and name the classic mistakes.
+Both run the learner's function, and only it, on real ranks (:func:`dtlib.launch`); what it
+is compared with (one outer step written out, DiLoCo with ``torch.optim.SGD(nesterov=True)`` as
+the outer optimizer as :class:`dtlib.parallel.local_sgd.DiLoCo` runs it, the sample-weighted
+mean, one process on the whole batch) is computed in the check's own process after the launch
+(issue 39). They name the classic mistakes.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -14,7 +17,6 @@ from torch import nn
 
 from dtlib.grading.checks.data_parallel import probe_model
 from dtlib.grading.feedback import launch_checked
-from dtlib.parallel.local_sgd import DiLoCo
 
 __all__ = ["check_outer_step", "check_diloco_rounds", "check_weighted_average",
            "check_uneven_batches_match_one_process"]
@@ -59,7 +61,13 @@ def _expected_outer(world_size: int, variant: str = "right") -> dict:
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest difference, nan where either side holds a NaN (Python's max would drop it)."""
+    diffs = [(x - y).abs().max().item() for x, y in zip(a, b)]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 
 def check_outer_step(fn: Callable, world_size: int = 2) -> None:
@@ -90,7 +98,7 @@ def check_outer_step(fn: Callable, world_size: int = 2) -> None:
                                  "(g.sub_(lr * ...)), the caller keeps the same list")
         raise AssertionError(
             f"rank {rank}'s new global parameters are off by "
-            f"{max((a - b).abs().max().item() for a, b in zip(got['global'], want['global'])):.3g}: "
+            f"{_max_diff(got['global'], want['global']):.3g}: "
             "follow steps 1-4 of the question in order (pseudo-gradient, average, momentum, step)")
 
 
@@ -99,37 +107,62 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _rounds_worker(rank: int, world_size: int, fn: Callable, h: int, rounds: int) -> dict:
+def _rounds_data(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(50 + rank)
-    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(h * rounds)]
-    results = {}
-    for name in ("yours", "dtlib"):
-        model = _model()
-        inner = torch.optim.AdamW(model.parameters(), lr=0.02)
-        if name == "dtlib":
-            outer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
-            ctx = DiLoCo(model, inner, outer, sync_every=h)
-        else:
-            glob = [p.detach().clone() for p in model.parameters()]
-            bufs = [torch.zeros_like(p) for p in glob]
-        for step, (x, y) in enumerate(data):
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(steps)]
+
+
+def _rounds_worker(rank: int, world_size: int, fn: Callable, h: int, rounds: int) -> list[torch.Tensor]:
+    """DiLoCo with the learner's outer step only: the reference is the check's, computed in its
+    own process (issue 39)."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+    glob = [p.detach().clone() for p in model.parameters()]
+    bufs = [torch.zeros_like(p) for p in glob]
+    for step, (x, y) in enumerate(_rounds_data(rank, h * rounds)):
+        F.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        if (step + 1) % h == 0:
+            with torch.no_grad():
+                fn([p.data for p in model.parameters()], glob, bufs, LR, MOMENTUM)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _diloco_reference(world_size: int, h: int, rounds: int) -> list[torch.Tensor]:
+    """The global parameters after ``rounds`` rounds of DiLoCo (Douillard et al. 2023,
+    Algorithm 1), the ranks simulated in this process: each replica's AdamW on its own data, and
+    every ``h`` steps ``torch.optim.SGD(nesterov=True)`` stepping the global copy along the mean
+    pseudo-gradient (what :class:`dtlib.parallel.local_sgd.DiLoCo` does over real ranks)."""
+    with torch.random.fork_rng(devices=[]):  # _model seeds: leave the caller's generator be
+        replicas, glob = [_model() for _ in range(world_size)], _model()
+    inners = [torch.optim.AdamW(m.parameters(), lr=0.02) for m in replicas]
+    outer = torch.optim.SGD(glob.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
+    data = [_rounds_data(rank, h * rounds) for rank in range(world_size)]
+    for step in range(h * rounds):
+        for model, inner, batches in zip(replicas, inners, data):
+            x, y = batches[step]
             F.mse_loss(model(x), y).backward()
             inner.step()
             inner.zero_grad()
-            if name == "dtlib" and (step + 1) % h == 0:
-                ctx.sync()
-            elif name == "yours" and (step + 1) % h == 0:
-                with torch.no_grad():
-                    fn([p.data for p in model.parameters()], glob, bufs, LR, MOMENTUM)
-        results[name] = [p.detach().clone() for p in model.parameters()]
-    return results
+        if (step + 1) % h == 0:
+            with torch.no_grad():
+                for i, g in enumerate(glob.parameters()):
+                    g.grad = sum(g - list(m.parameters())[i] for m in replicas) / world_size
+                outer.step()
+                outer.zero_grad(set_to_none=True)
+                for model in replicas:
+                    for p, g in zip(model.parameters(), glob.parameters()):
+                        p.copy_(g)
+    return [p.detach().clone() for p in glob.parameters()]
 
 
 def check_diloco_rounds(fn: Callable, world_size: int = 3, h: int = 3, rounds: int = 3) -> None:
     """``rounds`` rounds of DiLoCo (AdamW inside, H = ``h``) with your outer step end where
     dtlib's DiLoCo (``torch.optim.SGD(nesterov=True)`` as the outer optimizer) ends."""
     out = launch_checked(_rounds_worker, world_size, (fn, h, rounds), timeout=60)
-    if any(not _close(r["yours"], r["dtlib"]) for r in out):
+    want = _diloco_reference(world_size, h, rounds)  # after the launch: no rank holds it
+    if any(not _close(r, want) for r in out):
         # a wrong single step is the first check's to name (item 9 of issue 28: this check used to
         # blame the momentum buffer for every mistake)
         try:
@@ -138,13 +171,13 @@ def check_diloco_rounds(fn: Callable, world_size: int = 3, h: int = 3, rounds: i
             raise AssertionError("one outer step is already wrong (the check above names why): fix it "
                                  "first") from exc
     for rank, r in enumerate(out):
-        assert _close(r["yours"], out[0]["yours"]), (
+        assert _close(r, out[0]), (
             f"rank {rank} ends with different parameters from rank 0: after the outer step every "
             "rank must hold the same (averaged, stepped) global parameters")
-        assert _close(r["yours"], r["dtlib"]), (
+        assert _close(r, want), (
             f"after {rounds} rounds your DiLoCo differs from torch's Nesterov SGD on the averaged "
             "pseudo-gradient by "
-            f"{max((a - b).abs().max().item() for a, b in zip(r['yours'], r['dtlib'])):.3g}, though one "
+            f"{_max_diff(r, want):.3g}, though one "
             "outer step is right: the momentum buffers must carry over from round to round")
 
 
@@ -210,7 +243,8 @@ def check_uneven_batches_match_one_process(fn: Callable, sizes: tuple[int, ...] 
     """Ranks with ``sizes`` samples each, averaging with ``fn``, train exactly like one process on
     the whole global batch."""
     out = launch_checked(_uneven_worker, len(sizes), (fn, sizes, steps), timeout=60)
-    ref = _model()
+    with torch.random.fork_rng(devices=[]):  # _model seeds: leave the caller's generator be
+        ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     g = torch.Generator().manual_seed(9)
     for _ in range(steps):
@@ -219,7 +253,7 @@ def check_uneven_batches_match_one_process(fn: Callable, sizes: tuple[int, ...] 
         F.mse_loss(ref(x), y).backward()
         opt.step()
     for rank, params in enumerate(out):
-        diff = max((a - b.detach()).abs().max().item() for a, b in zip(params, ref.parameters()))
-        assert diff < 1e-5, (
+        diff = _max_diff(params, [p.detach() for p in ref.parameters()])
+        assert diff < 1e-5, (  # False for NaN
             f"with {list(sizes)} samples per rank, rank {rank} ends {diff:.2e} away from one "
             "process on the whole batch: weight each rank's gradient by its sample count")

@@ -37,9 +37,14 @@ def _run(worker: Callable, world_size: int, args: tuple, timeout: float, what: s
 
 
 # ---- q1: f and g -------------------------------------------------------------------------------------
+def _f_g_input() -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+
+
 def _f_g_worker(rank: int, world_size: int, f: type, g: type) -> dict:
-    torch.manual_seed(0)
-    x = torch.randn(3, 4, requires_grad=True)           # the same on every rank (replicated)
+    """Runs only the learner's f and g and returns their outputs and gradients (what they are
+    compared with is made by the check, in its own process: issue 39)."""
+    x = _f_g_input().requires_grad_()                   # the same on every rank (replicated)
     upstream = torch.full((3, 4), float(rank + 1))       # a different gradient on every rank
     with CollectiveCounter() as f_fwd:
         y = f.apply(x)
@@ -50,8 +55,7 @@ def _f_g_worker(rank: int, world_size: int, f: type, g: type) -> dict:
         z = g.apply(partial)
     with CollectiveCounter() as g_bwd:
         z.backward(torch.ones(3, 4))
-    return {"f_out": y.detach(), "x": x.detach(), "f_grad": x.grad, "g_out": z.detach(),
-            "g_grad": partial.grad, "upstream": upstream,
+    return {"f_out": y.detach(), "f_grad": x.grad, "g_out": z.detach(), "g_grad": partial.grad,
             "calls": {"f forward": len(f_fwd.calls), "f backward": len(f_bwd.calls),
                       "g forward": len(g_fwd.calls), "g backward": len(g_bwd.calls)}}
 
@@ -66,18 +70,20 @@ def check_f_and_g(f: type, g: type, world_size: int = 2, timeout: float = 30.0) 
     n = world_size
     total = sum(range(1, n + 1))  # sum over ranks of (rank + 1)
     setting = f"on {n} ranks"
+    x = _f_g_input()
     for rank, r in enumerate(ranks):
+        upstream = torch.full((3, 4), float(rank + 1))  # _f_g_worker's gradient on this rank
         if r["f_grad"] is None or r["g_grad"] is None:
             raise AssertionError(f"{setting}, no gradient reached the input: backward must return "
                                  "a tensor (the input's gradient), not None")
-        if not torch.allclose(r["f_out"], r["x"], **TOL):
+        if not torch.allclose(r["f_out"], x, **TOL):
             raise AssertionError(f"{setting}, f changed its input in forward: f is the identity "
                                  "forward (return x, e.g. x.view_as(x)); the input is already "
                                  "the same on every rank")
         if r["calls"]["f forward"]:
             raise AssertionError(f"{setting}, f issued a collective in forward: its forward is "
                                  "the identity, the all-reduce belongs in its backward")
-        if torch.allclose(r["f_grad"], r["upstream"], **TOL) and n > 1:
+        if torch.allclose(r["f_grad"], upstream, **TOL) and n > 1:
             raise AssertionError(f"{setting}, rank {rank}'s input gradient is only its own: the "
                                  "backward of f must all-reduce the input gradient (each rank "
                                  "holds the contribution of its own slice of the layer)")
@@ -112,29 +118,41 @@ def mlp_layers(hidden: int = 8, ffn: int = 32, seed: int = 0) -> tuple[nn.Linear
     return up, down
 
 
-def _mlp_worker(rank: int, world_size: int, fn: Callable) -> dict:
-    up, down = mlp_layers()
-    ref_up, ref_down = mlp_layers()
+def _mlp_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 5, 8, generator=g)
-    target = torch.randn(2, 5, 8, generator=g)
-    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    return torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+
+
+def _mlp_worker(rank: int, world_size: int, fn: Callable) -> dict:
+    """Runs only the learner's MLP and returns its output and gradients (the full MLP is the
+    check's, in its own process: issue 39)."""
+    up, down = mlp_layers()
+    x, target = _mlp_inputs()
+    x.requires_grad_()
     try:
-        out = fn(x_ours, up, down, rank, world_size)
+        out = fn(x, up, down, rank, world_size)
     except RuntimeError as e:  # a shape mismatch: every rank raises it before any collective
         return {"error": first_line(e)}
-    ref = ref_down(F.gelu(ref_up(x_ref)))
-    ((ref - target) ** 2).sum().backward()
-    if isinstance(out, torch.Tensor) and out.shape == ref.shape:
+    if isinstance(out, torch.Tensor) and out.shape == target.shape:
         ((out - target) ** 2).sum().backward()
-    grads = {n: p.grad for n, p in [*up.named_parameters(prefix="up"), *down.named_parameters(prefix="down")]}
-    return {"out": out.detach() if isinstance(out, torch.Tensor) else out, "ref": ref.detach(),
-            "x_grad": x_ours.grad, "x_grad_ref": x_ref.grad, "grads": grads,
-            "ref_grads": {"up.weight": ref_up.weight.grad.chunk(world_size, 0)[rank],
-                          "up.bias": ref_up.bias.grad.chunk(world_size, 0)[rank],
-                          "down.weight": ref_down.weight.grad.chunk(world_size, 1)[rank],
-                          "down.bias": ref_down.bias.grad},
-            "bias": down.bias.detach()}
+    grads = {n: None if p.grad is None else p.grad.clone()
+             for n, p in [*up.named_parameters(prefix="up"), *down.named_parameters(prefix="down")]}
+    return {"out": out.detach().clone() if isinstance(out, torch.Tensor) else out,
+            "x_grad": x.grad, "grads": grads}
+
+
+def _full_mlp() -> dict:
+    """The unsplit MLP's output, input gradient, weight gradients and ``down``'s bias, on
+    :func:`_mlp_worker`'s inputs."""
+    with torch.random.fork_rng(devices=[]):  # mlp_layers seeds: leave the caller's generator be
+        up, down = mlp_layers()
+    x, target = _mlp_inputs()
+    x.requires_grad_()
+    out = down(F.gelu(up(x)))
+    ((out - target) ** 2).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "bias": down.bias.detach(),
+            "grads": {n: p.grad for n, p in [*up.named_parameters(prefix="up"),
+                                             *down.named_parameters(prefix="down")]}}
 
 
 def _slice_of(full_grad: torch.Tensor | None, name: str, rank: int, n: int) -> torch.Tensor | None:
@@ -150,12 +168,13 @@ def check_parallel_mlp(fn: Callable, world_size: int = 2, timeout: float = 30.0)
     so the gradients flow back into ``up`` and ``down``), through f and g."""
     ranks = _run(_mlp_worker, world_size, (fn,), timeout, "parallel_mlp")
     setting = f"on {world_size} ranks"
+    full = _full_mlp()  # after the launch: no rank holds it
     for rank, r in enumerate(ranks):
         if "error" in r:
             raise AssertionError(f"{setting}, your parallel_mlp raised on rank {rank}: {r['error']}. "
                                  "Keep up's output features (up.weight.chunk(world_size, 0)) and "
                                  "down's input features (down.weight.chunk(world_size, 1))")
-        out, ref = r["out"], r["ref"]
+        out, ref = r["out"], full["out"]
         if not isinstance(out, torch.Tensor):
             raise AssertionError(f"parallel_mlp returned {type(out).__name__}: return the output "
                                  "tensor (the same shape as x)")
@@ -164,7 +183,7 @@ def check_parallel_mlp(fn: Callable, world_size: int = 2, timeout: float = 30.0)
                                  f"{tuple(ref.shape)}: split up by output features (rows of "
                                  "up.weight) and down by input features (columns of down.weight)")
         off = out - ref
-        extra_bias = (world_size - 1) * r["bias"]
+        extra_bias = (world_size - 1) * full["bias"]
         if torch.allclose(off, extra_bias.expand_as(off), **TOL) and world_size > 1:
             raise AssertionError(f"{setting}, the output is off by (world_size - 1) x down.bias: "
                                  "the bias was added on every rank before the all-reduce; add it "
@@ -176,13 +195,13 @@ def check_parallel_mlp(fn: Callable, world_size: int = 2, timeout: float = 30.0)
         if r["x_grad"] is None:
             raise AssertionError(f"{setting}, x received no gradient: compute with x (through f), "
                                  "not a detached copy")
-        if not torch.allclose(r["x_grad"], r["x_grad_ref"], **TOL):
+        if not torch.allclose(r["x_grad"], full["x_grad"], **TOL):
             raise AssertionError(f"{setting}, x's gradient on rank {rank} is only this rank's "
                                  "share: enter the parallel region with f, whose backward "
                                  "all-reduces it")
-        for name, want in r["ref_grads"].items():
+        for name, full_grad in full["grads"].items():
             got = _slice_of(r["grads"][name], name, rank, world_size)
-            if got is None or not torch.allclose(got, want, **TOL):
+            if got is None or not torch.allclose(got, _slice_of(full_grad, name, rank, world_size), **TOL):
                 hint = ("did you all-reduce before adding the bias?" if name == "down.bias"
                         else "use this rank's slice: up.weight.chunk(world_size, 0)[rank], "
                              "down.weight.chunk(world_size, 1)[rank]")

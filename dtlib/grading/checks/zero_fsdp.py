@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -86,16 +87,23 @@ def _inner_optimizers(obj: Any) -> list[torch.optim.Optimizer]:
     return [v for v in vars(obj).values() if isinstance(v, torch.optim.Optimizer)]
 
 
-def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
+_ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _zero1_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(9)
-    data = [(torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g))
+    return [(torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g))
             for _ in range(steps)]
-    model, ref = zero1_model(), zero1_model()
-    kwargs = dict(lr=1e-2, weight_decay=0.1)
-    opt = cls(model.parameters(), **kwargs)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)
+
+
+def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
+    """Runs only the learner's optimizer and returns data: its parameters and its inner
+    optimizers' state tensors, copied (the reference AdamW and every byte count are the check's,
+    in its own process: issue 39)."""
+    model = zero1_model()
+    opt = cls(model.parameters(), **_ADAMW)
     all_reduces = 0
-    for x, y in data:
+    for x, y in _zero1_batches(steps):
         xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
         for p in model.parameters():
             p.grad = None
@@ -103,21 +111,43 @@ def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
         for p in model.parameters():  # what DDP does before the step: average the gradients
             dist.all_reduce(p.grad)
             p.grad /= world_size
-        for p, q in zip(model.parameters(), ref.parameters()):  # the same gradients, unsharded
-            q.grad = p.grad.clone()
         with CollectiveCounter() as counter:
             opt.step()
         all_reduces += counter.counts["all_reduce"]
-        ref_opt.step()
     inner = _inner_optimizers(opt)
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "ref": [p.detach().clone() for p in ref.parameters()],
-            "start": [p.detach().clone() for p in zero1_model().parameters()],
-            "names": [n for n, _ in model.named_parameters()],
-            "n_inner": len(inner), "state": sum(optimizer_state_bytes(o)["optimizer"] for o in inner),
-            "unsharded_state": optimizer_state_bytes(ref_opt)["optimizer"],
-            "largest": max(p.numel() for p in model.parameters()) * 8,
+            "names": [n for n, _ in model.named_parameters()], "n_inner": len(inner),
+            # (shape of the parameter, its state tensors) per parameter of each inner optimizer
+            "state": [(tuple(p.shape), {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)})
+                      for o in inner for p, state in o.state.items()],
             "all_reduce_in_step": all_reduces > 0}
+
+
+def _state_bytes(state: list[tuple[tuple[int, ...], dict]]) -> int:
+    """:func:`dtlib.measure.optimizer_state_bytes` of the state a rank returned (its ``optimizer``
+    bytes: the tensors shaped like their parameter), measured here, not in the rank."""
+    states = {torch.empty(shape, device="meta"): tensors for shape, tensors in state}
+    return optimizer_state_bytes(SimpleNamespace(state=states))["optimizer"]
+
+
+def _unsharded_adamw(world_size: int, steps: int) -> tuple[list[torch.Tensor], int]:
+    """``torch.optim.AdamW`` on the whole model with the gradients the ranks average (the same
+    shards, summed in rank order, divided by ``world_size``): its parameters and state bytes."""
+    with torch.random.fork_rng(devices=[]):  # zero1_model seeds: leave the caller's generator be
+        model = zero1_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, **_ADAMW)
+    for x, y in _zero1_batches(steps):
+        shards = zip(x.tensor_split(world_size), y.tensor_split(world_size))
+        per_rank = [torch.autograd.grad(nn.functional.cross_entropy(model(xs), ys), params)
+                    for xs, ys in shards]
+        for i, p in enumerate(params):
+            p.grad = per_rank[0][i].clone()
+            for grads in per_rank[1:]:
+                p.grad += grads[i]
+            p.grad /= world_size
+        opt.step()
+    return [p.detach().clone() for p in params], optimizer_state_bytes(opt)["optimizer"]
 
 
 def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float = 30.0) -> None:
@@ -138,46 +168,53 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
         raise AssertionError(f"your optimizer raised on rank {e.rank} of {world_size}: "
                              f"{first_line(e)}") from None
     setting = f"on {world_size} ranks"
+    ref_params, unsharded = _unsharded_adamw(world_size, steps)  # after the launch: no rank holds it
+    with torch.random.fork_rng(devices=[]):
+        start = [p.detach() for p in zero1_model().parameters()]
+    largest = max(p.numel() for p in start) * 8
     for rank, out in enumerate(ranks):
         if out["n_inner"] == 0:
             raise AssertionError(
                 f"{setting}, rank {rank}'s optimizer has no inner torch optimizer attribute: keep "
                 "this rank's torch.optim.AdamW (over its own parameters only) in self.optimizer")
     for rank, out in enumerate(ranks):
-        for name, p, r, p0 in zip(out["names"], out["params"], out["ref"], out["start"]):
-            if torch.allclose(p, r, atol=1e-6, rtol=1e-5):
-                continue
-            if out["all_reduce_in_step"]:
+        wrong = [(name, p, r, p0) for name, p, r, p0 in zip(out["names"], out["params"], ref_params, start)
+                 if not torch.allclose(p, r, atol=1e-6, rtol=1e-5)]  # NaN is never close
+        if not wrong:
+            continue
+        name, p, r, _ = wrong[0]
+        if out["all_reduce_in_step"]:
+            raise AssertionError(
+                f"{setting}, rank {rank}'s {name} differs from unsharded AdamW and your step "
+                "calls dist.all_reduce: don't average the weights - the owner's updated value "
+                "is the right one; send it with dist.broadcast(p.data, src=owner)")
+        # a parameter left at its start (not sent by its owner) also skews every later gradient
+        for stale, q, _, q0 in wrong:
+            if torch.equal(q, q0):
                 raise AssertionError(
-                    f"{setting}, rank {rank}'s {name} differs from unsharded AdamW and your step "
-                    "calls dist.all_reduce: don't average the weights - the owner's updated value "
-                    "is the right one; send it with dist.broadcast(p.data, src=owner)")
-            if torch.equal(p, p0):
-                raise AssertionError(
-                    f"{setting}, {name} never changed on rank {rank}: after each rank steps its "
+                    f"{setting}, {stale} never changed on rank {rank}: after each rank steps its "
                     "own shard, every parameter must be sent from its owner to the others "
                     "(dist.broadcast(p.data, src=owner) on every rank, for every parameter)")
+        raise AssertionError(
+            f"{setting}, after {steps} steps rank {rank}'s {name} differs from unsharded "
+            f"AdamW by {(p - r).abs().max().item():.2e}: each rank must step exactly its own "
+            "parameters with AdamW (lr and weight_decay as given), then take every other "
+            "parameter from its owner")
+    held = [_state_bytes(out["state"]) for out in ranks]
+    for rank, state in enumerate(held):
+        if state >= unsharded:
             raise AssertionError(
-                f"{setting}, after {steps} steps rank {rank}'s {name} differs from unsharded "
-                f"AdamW by {(p - r).abs().max().item():.2e}: each rank must step exactly its own "
-                "parameters with AdamW (lr and weight_decay as given), then take every other "
-                "parameter from its owner")
-    total = sum(out["state"] for out in ranks)
-    unsharded = ranks[0]["unsharded_state"]
-    for rank, out in enumerate(ranks):
-        if out["state"] >= unsharded:
-            raise AssertionError(
-                f"{setting}, rank {rank} holds {out['state']} bytes of Adam state, as much as "
+                f"{setting}, rank {rank} holds {state} bytes of Adam state, as much as "
                 f"unsharded AdamW ({unsharded}): every rank steps the full optimizer. Build "
                 "self.optimizer over this rank's own parameters only - that is the 1/N saving")
-        bound = unsharded / world_size + out["largest"]
-        if out["state"] > bound:
+        bound = unsharded / world_size + largest
+        if state > bound:
             raise AssertionError(
-                f"{setting}, rank {rank} holds {out['state']} bytes of Adam state; 1/N of the "
+                f"{setting}, rank {rank} holds {state} bytes of Adam state; 1/N of the "
                 f"unsharded {unsharded} plus one parameter's is {bound:g}: balance the shards")
-    if total != unsharded:
+    if sum(held) != unsharded:
         raise AssertionError(
-            f"{setting}, the ranks hold {total} bytes of Adam state together but unsharded AdamW "
+            f"{setting}, the ranks hold {sum(held)} bytes of Adam state together but unsharded AdamW "
             f"holds {unsharded}: each parameter's state must live on exactly one rank (its owner)")
 
 
@@ -192,4 +229,5 @@ def zero1_state_per_rank(cls: type, world_size: int = 4, steps: int = 2,
         raise AssertionError(f"the ranks hung (no result in {timeout:g} s)") from None
     except RankFailedError as e:
         raise AssertionError(f"your optimizer raised on rank {e.rank}: {first_line(e)}") from None
-    return {"per_rank": [out["state"] for out in ranks], "unsharded": ranks[0]["unsharded_state"]}
+    return {"per_rank": [_state_bytes(out["state"]) for out in ranks],
+            "unsharded": _unsharded_adamw(world_size, steps)[1]}
