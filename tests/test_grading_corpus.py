@@ -1,9 +1,11 @@
 """Grades that hold against a determined learner and a busy machine (issue 39): the corpus in
 ``tests/grading_corpus/`` graded as one batch next to honest notebooks that use IPython's syntax,
 and the walls each attack met, one by one."""
+import atexit
 import contextlib
 import csv
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -70,6 +72,20 @@ def _folders_made() -> Iterator[list[Path]]:
         tempfile.mkdtemp = real
 
 
+def _plain_copy() -> Path:
+    """A world-readable copy of the course's solutions outside /tmp and outside the checkout (the
+    walls' allow-list must hide it: no list of hiding places knows it), removed at exit."""
+    parent = next((f for f in ("/srv", "/opt", "/var/lib", str(ROOT.parent)) if os.access(f, os.W_OK)), None)
+    if parent is None:
+        pytest.skip("no folder outside /tmp to put a plain copy of the course in")
+    copy = Path(tempfile.mkdtemp(prefix="dtlib-plain-copy-", dir=parent))
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    shutil.copytree(ROOT / "solutions", copy / "solutions")
+    for path in [copy, *copy.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory, tiny):
     masters, copies = tiny
@@ -78,8 +94,9 @@ def graded(tmp_path_factory, tiny):
     subs.mkdir()
     git_dir, common = checkouts._git_dirs(ROOT)
     trees = [str(ROOT), *map(str, checkouts._checkouts(common) if common else [])]
+    plain = _plain_copy()
     for path in sorted(CORPUS.glob("*.py")):
-        cell = path.read_text().replace("CHECKOUTS", repr(trees))
+        cell = path.read_text().replace("CHECKOUTS", repr(trees)).replace("PLAIN_COPY", repr(str(plain)))
         nbformat.write(_before_first_check(copies["exercise"], cell), subs / f"{path.stem}.ipynb")
     nbformat.write(_with_magics(copies["solution"]), subs / "honest_magics.ipynb")
     (subs / FORMULA_NAME).write_bytes(b"\xef\xbb\xbf" + nbformat.writes(copies["solution"]).encode())

@@ -123,8 +123,10 @@ def _write_batch(copies, masters: Path, subs: Path, cheats: dict[str, str]) -> N
 
 
 def _shared_folder() -> str:
-    """A folder every user can pass, not one of the scratch folders (``/tmp``) a child sees privately."""
-    return next((f for f in ("/run", "/var/lib", "/srv", "/opt") if os.path.isdir(f) and os.stat(f).st_mode & 0o001),
+    """A folder every user can pass and a child still sees: inside a system folder (the walls'
+    allow-list shows those as they are, and hides every other folder at /), not a scratch folder."""
+    return next((f for f in ("/usr/local/share", "/usr/local", "/etc")
+                 if os.path.isdir(f) and os.stat(f).st_mode & 0o001 and os.access(f, os.W_OK)),
                 tempfile.gettempdir())
 
 

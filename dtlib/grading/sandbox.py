@@ -42,11 +42,17 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
+__all__ = ["Limits", "Mounts", "SCRATCH", "SYSTEM", "allow_plan", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
            "kill_user", "submission_user", "chown_tree", "process_group_cap", "cpu_account", "memory_cap", "cpu_weight",
            "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
 
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
+# The machine's system folders, seen as they are: programs, libraries, their configuration,
+# devices, the kernel's views. Every other folder at the root of the file system (home folders,
+# /opt, /srv, /mnt, /var, /run, wherever a checkout or a copy of the course lies) is replaced in a
+# child's view by an empty one with only what the child needs bound back read-only: an
+# allow-list (:func:`allow_plan`), not a list of hiding places.
+SYSTEM = ("/usr", "/etc", "/dev", "/proc", "/sys", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 _CLONE_NEWNS = 0x00020000
@@ -137,6 +143,28 @@ def reach_plan(paths: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...
     return tuple((blocker, tuple(under)) for blocker, under in plan.items())
 
 
+def allow_plan(paths: tuple[str, ...], root: str = "/") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``((folder, (path, ...)), ...)``: each folder at ``root`` that is neither :data:`SYSTEM`
+    nor ``/tmp`` (a scratch folder of its own) with the ``paths`` under it a child must reach
+    (:func:`child_setup` mounts an empty tmpfs over the folder and binds those back read-only;
+    ``/var/tmp`` gets its private tmpfs after that). A folder that is itself needed stays whole."""
+    needed = {os.path.realpath(p) for p in paths if os.path.exists(p)}
+    plan = []
+    for name in sorted(os.listdir(root)):
+        top = os.path.join(root, name)
+        if top in SYSTEM or top == "/tmp" or os.path.islink(top) or not os.path.isdir(top) or top in needed:
+            continue
+        plan.append((top, _under(tuple(needed), top)))
+    return tuple(plan)
+
+
+def _top_files(root: str = "/") -> tuple[str, ...]:
+    """Plain files at the root of the file system (a container's description, an installer):
+    each is covered by an empty one in a child's view."""
+    return tuple(os.path.join(root, n) for n in sorted(os.listdir(root))
+                 if os.path.isfile(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n)))
+
+
 @functools.lru_cache(maxsize=1)
 def _can_drop_user() -> bool:
     """Root, its own mount namespace for each child (to reach an interpreter under ``/root``),
@@ -182,10 +210,6 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         parts.append(f"own unprivileged user per submission, unique among the graders on this machine "
                      f"(uid {_FIRST_UID}+, no groups: cannot write the "
                      "checkout or other submissions, read root's files or signal root's processes)")
-        mounts = mounts or Mounts()
-        for blocker, paths in reach_plan(interpreter_paths() + mounts.reach + mounts.read_only):
-            parts.append(f"{blocker} (closed to other users) replaced by an empty folder with only "
-                         f"{', '.join(paths)} bound back read-only (own mount namespace)")
     elif os.name == "posix" and os.geteuid() == 0:
         weak.append(f"submissions run as root: no mount namespace, or the interpreter ({sys.executable}), its "
                     "libraries or dtlib are not readable by other users, so no unprivileged user can run it; "
@@ -194,6 +218,11 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         weak.append("grader not root: submissions run as your user and could read or write your files")
     if _netns_available():
         parts.append("no network (own network namespace, loopback only)")
+        mounts = mounts or Mounts()
+        kept = sorted({p for _, paths in allow_plan(interpreter_paths() + mounts.reach + mounts.read_only)
+                       for p in paths})
+        parts.append(f"of the file system only the system folders ({', '.join(SYSTEM)}) and, read-only, "
+                     f"{', '.join(kept)} (own mount namespace: every other folder at / is empty)")
         parts.append("course checkout read-only, other submissions, masters and solutions hidden, and the git "
                      "history, masters and solutions of every checkout of the course's repository (own mount namespace)")
         parts.append(f"private {', '.join(SCRATCH)} ({Limits().scratch_bytes >> 20} MiB tmpfs each, gone with the "
@@ -400,15 +429,19 @@ def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), grou
             _loopback_up()
         hide, readonly = mounts.hidden, mounts.read_only
         needed = interpreter_paths() + mounts.reach + readonly
-        plan = reach_plan(needed) if uid is not None else ()
+        # the allow-list at /, then any folder closed to other users inside a system folder
+        plan = allow_plan(needed) + tuple((b, p) for b, p in reach_plan(needed) if b.startswith(SYSTEM))
+        scratch = [folder for folder in SCRATCH if os.path.isdir(folder)]
         if libc.unshare(_CLONE_NEWNS) == 0:
             # private first, so these mounts never reach the grader's own view of the disk
             libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
             for blocker, paths in plan:
                 _reach(libc, blocker, paths, read_only=True)
-            for folder in SCRATCH:  # a private tmpfs; of the shared one, only what it needs
-                if os.path.isdir(folder):
-                    _reach(libc, folder, _under(needed, folder), read_only=False, size=limits.scratch_bytes)
+            for path in _top_files():
+                libc.mount(b"/dev/null", path.encode(), None, _MS_BIND, None)
+            for folder in scratch:  # a private tmpfs; of the shared one, only what it needs
+                os.makedirs(folder, exist_ok=True)  # /var/tmp, inside the empty /var
+                _reach(libc, folder, _under(needed, folder), read_only=False, size=limits.scratch_bytes)
             for path in readonly:  # the course checkout: readable, never writable
                 libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None)
                 libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
