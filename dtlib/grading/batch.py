@@ -1,9 +1,9 @@
 """Grade a folder of submissions into one CSV: every file gets a row, whatever it holds.
 
 Each submission is graded by otter's local grader (``otter.api.grade_submission``) in a child
-process of its own (:mod:`dtlib.grading.children`), under a wall-clock limit and optionally a CPU
-budget: a notebook that hangs, crashes its kernel or breaks
-otter costs only its own row. A row holds ``submission``, ``status``, ``error`` (why, in one
+process of its own (:mod:`dtlib.grading.children`), under a budget of CPU seconds (by default
+:data:`DEFAULT_CPU_TIME`) and a wall-clock limit derived from it: a notebook that hangs, spins,
+crashes its kernel or breaks otter costs only its own row. A row holds ``submission``, ``status``, ``error`` (why, in one
 line), one column per question, ``total`` and ``possible``; scores are written with ``:g``.
 
 The points are the isolated verdict's (:mod:`dtlib.grading.verdict`), computed at the same time
@@ -40,12 +40,19 @@ from dtlib.analytic import validate
 from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
-__all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
 
 # The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
 _CHECKOUT = str(Path(__file__).resolve().parents[2])
 
-DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
+DEFAULT_TIMEOUT = 600.0  # seconds for a batch's one-off setup (the master's setup cells, imports)
+# CPU seconds each of a submission's two children (execution, verdict) may use, all their processes
+# together: 2.5 x the budget a whole lesson notebook gets in the test suite (conftest.py's
+# NOTEBOOK_CPU_BUDGET_S, 120 CPU-s: "under a minute on 2 cores"), and the slowest solution's
+# execution uses well under that, so an honest notebook never meets it and a busy one costs at most
+# this much of the machine, whatever its load. The wall limit derives from it (:func:`wall_limit`).
+DEFAULT_CPU_TIME = 300.0
+MAX_CPU_TIME = 86400.0  # a day: beyond it no lesson is meant to run (and RLIMIT_CPU stays in range)
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 
 
@@ -123,7 +130,7 @@ def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], fai
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float, cpu_time: float | None, forker: prefork.Forker | None, setup: list[str],
+               timeout: float, cpu_time: float, forker: prefork.Forker | None, setup: list[str],
                index: int = 0, mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
     scores = dict.fromkeys(points, 0.0)
@@ -184,43 +191,42 @@ def submission_files(submissions: str | os.PathLike) -> list[Path]:
     return files
 
 
-def wall_limit(timeout: float | None, cpu_time: float | None) -> float:
-    """``timeout`` if given; else, with a CPU budget, ten times it plus a minute (a submission
-    that gets a tenth of a core on a loaded machine still finishes: the CPU budget, not the
-    clock, is what stops a busy one; the wall limit stops only what waits forever); else
-    :data:`DEFAULT_TIMEOUT`."""
-    if timeout is not None:
-        return timeout
-    return 10 * cpu_time + 60 if cpu_time else DEFAULT_TIMEOUT
+def wall_limit(timeout: float | None, cpu_time: float) -> float:
+    """``timeout`` if given; else ten times the CPU budget plus a minute (a submission that gets a
+    tenth of a core on a loaded machine still finishes: the CPU budget, not the clock, is what
+    stops a busy one; the wall limit stops only what waits forever)."""
+    return timeout if timeout is not None else 10 * cpu_time + 60
 
 
-def check_options(timeout: float, jobs: int, cpu_time: float | None = None) -> None:
+def check_options(timeout: float | None, jobs: int, cpu_time: float = DEFAULT_CPU_TIME) -> None:
     """Clear errors, naming the flag, for a time limit or a number of parallel gradings that cannot work."""
     try:
-        validate.number("timeout", timeout)
+        if timeout is not None:
+            validate.number("timeout", timeout)
         validate.integer("jobs", jobs, minimum=1)
-        if cpu_time is not None:
-            validate.number("cpu-time", cpu_time, minimum=1, exclusive=False)
+        validate.number("cpu-time", cpu_time, minimum=1, exclusive=False, maximum=MAX_CPU_TIME)
     except validate.InvalidArgument as exc:
         raise exc.renamed(f"--{exc.name}") from None
 
 
 def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: str | os.PathLike,
-          timeout: float = DEFAULT_TIMEOUT, jobs: int = 1,
+          timeout: float | None = None, jobs: int = 1,
           progress: Callable[[str], None] | None = None, master: Path | None = None,
-          cpu_time: float | None = None) -> list[dict]:
+          cpu_time: float = DEFAULT_CPU_TIME) -> list[dict]:
     """Grade each of ``files``, ``jobs`` at a time; write and return one row each, in file order.
 
     With ``master`` (the master notebook), the points are the isolated verdict's; without it,
-    otter's in-notebook score (forgeable: only for a quick look). ``timeout`` is each
-    submission's wall-clock limit; ``cpu_time`` (optional) the CPU seconds each of its two
-    children may use, all their processes together where a CPU-accounting cgroup can be made
-    (root), else per process: unlike the wall clock, the machine's load does not change it.
+    otter's in-notebook score (forgeable: only for a quick look). ``cpu_time`` is the CPU seconds
+    each of a submission's two children may use, all their processes together where a
+    CPU-accounting cgroup can be made (root), else per process: unlike the wall clock, the
+    machine's load does not change it. ``timeout`` is each submission's wall-clock limit (``None``:
+    :func:`wall_limit` of ``cpu_time``).
     Progress goes to stderr by default: the isolation used, a line when a file starts (how many
     are left after it) and one with its score and status when it is done.
     """
     check_options(timeout, jobs, cpu_time)
     grades_csv.check_out_path(out_csv)
+    timeout = wall_limit(timeout, cpu_time)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     # What no submission may read (the other submissions, the masters and solutions) or change.
     course = master.parent.parent.resolve() if master else None
@@ -260,7 +266,7 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
 
 
 def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points: dict[str, float], timeout: float,
-               cpu_time: float | None, forker: prefork.Forker | None, setup: list[str], jobs: int,
+               cpu_time: float, forker: prefork.Forker | None, setup: list[str], jobs: int,
                mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
     order = itertools.count(1)
 
