@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -279,3 +280,40 @@ def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
     finally:
         sandbox.kill_group(group)
         sandbox.remove_group(group)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_end_groups_ends_escapees_of_the_session_by_their_cgroup(tmp_path):
+    groups = sandbox.child_groups(f"dtlib-grade-test-end-{os.getpid()}", sandbox.Limits())
+    if not groups:
+        pytest.skip("no cgroup here (not root): a row is ended by kill(-1) as its user, as the isolation line says")
+    assert sandbox.cleanup_method(groups)
+    pids = tmp_path / "pids"
+    # a new session, then double-forked children in sessions of their own: none is in the
+    # child's process group, and they run as the grader's own user (no kill(-1) could tell them apart)
+    escape = (f"import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+              f"        if os.fork() == 0:\n            open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+              "            while True:\n                pass\n        os._exit(0)\ntime.sleep(0.2)")
+    joined = lambda: [open(os.path.join(g, "cgroup.procs"), "w").write(str(os.getpid())) for g in groups]  # noqa: E731
+    try:
+        subprocess.run([sys.executable, "-c", escape], preexec_fn=joined, timeout=120, check=True)
+        escaped = [int(p) for p in pids.read_text().split()]
+        assert len(escaped) == 3 and all(os.path.exists(f"/proc/{p}") for p in escaped)
+        sandbox.end_groups(groups)
+        for _ in range(50):  # SIGKILL lands at once; reaping by init may take a moment
+            if not any(map(_running, escaped)):
+                break
+            time.sleep(0.1)
+        assert not any(map(_running, escaped)), escaped
+    finally:
+        for group in groups:
+            sandbox.end_groups((group,))
+            sandbox.remove_group(group)
+    assert not any(os.path.exists(g) for g in groups)

@@ -40,10 +40,7 @@ def _child_env(home: Path) -> dict[str, str]:
 
 def _groups(home: Path, limits: sandbox.Limits) -> tuple[str, ...]:
     """The cgroups of one child (same name in every hierarchy: on cgroup v2 it is one group)."""
-    name = f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}"
-    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name),
-            sandbox.memory_cap(name, limits.group_memory_bytes), sandbox.cpu_weight(name))
-    return tuple(dict.fromkeys(g for g in made if g))
+    return sandbox.child_groups(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits)
 
 
 class _Budget:
@@ -84,14 +81,17 @@ def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: 
 
 
 def _stop(pid: int, groups: tuple[str, ...], uid: int | None, wait: Callable[[], object] = lambda: None) -> None:
-    """End a child and everything it started: its session, its cgroups, every process of its user."""
+    """End a child and everything it started: its session, then its cgroups
+    (:func:`sandbox.end_groups`), or, only where no cgroup could be made, every process of its user
+    (``kill(-1)`` as that user)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    sandbox.kill_user(uid)
-    for group in groups:
-        sandbox.kill_group(group)
+    if groups:
+        sandbox.end_groups(groups)
+    else:
+        sandbox.kill_user(uid)
     wait()
     for group in groups:
         for _ in range(300):  # orphans of a fork bomb take a while to be reaped

@@ -16,10 +16,12 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
 * its environment is an allow-list of the grader's (:func:`minimal_env`), its umask 077;
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
-  signal or trace their processes; :func:`kill_user` then ends everything that user started,
-  double-forked escapees included;
-* it joins cgroups that cap its processes (``pids``) and count their CPU time (``cpuacct``,
-  read by the grader to stop it after a budget of CPU seconds).
+  signal or trace their processes;
+* it joins cgroups that cap its processes (``pids``), count their CPU time (``cpuacct``, read by
+  the grader to stop it after a budget of CPU seconds), cap their memory together and weigh
+  their CPU share; :func:`end_groups` ends everything in them at the end of the row
+  (``cgroup.kill`` on v2, the freezer on v1), double-forked escapees included, and only where
+  no cgroup could be made does :func:`kill_user` (``kill(-1)`` as its user) do it.
 
 What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
 
@@ -44,7 +46,8 @@ from dataclasses import dataclass
 
 __all__ = ["Limits", "Mounts", "SCRATCH", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
            "kill_user", "submission_user", "chown_tree", "process_group_cap", "cpu_account", "memory_cap", "cpu_weight",
-           "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
+           "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups", "freezer", "child_groups", "end_groups",
+           "cleanup_method"]
 
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
@@ -152,19 +155,19 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
     parts = ["own temporary folder (files 0600, umask 077)", "CPU/memory/file-size limits per process",
              "minimal environment (an allow-list of variables)"]
     weak = []
-    group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
-    remove_group(group)
+    probe = f"dtlib-grade-probe-{os.getpid()}"
+    group = process_group_cap(probe, 1)
+    counter = cpu_account(probe) if cpu_time else None
+    memory, weight = memory_cap(probe, Limits().group_memory_bytes), cpu_weight(probe)
+    made = tuple(dict.fromkeys(g for g in (group, counter, memory, weight, freezer(probe)) if g))
+    cleanup = cleanup_method(made)
+    for path in made:
+        remove_group(path)
     if cpu_time:
-        counter = cpu_account(f"dtlib-grade-probe-{os.getpid()}")
-        remove_group(counter)
         if counter:
             parts.append(f"{cpu_time:g} CPU seconds per child for all its processes together (CPU-accounting cgroup)")
         else:
             weak.append(f"{cpu_time:g} CPU seconds per process only (no CPU-accounting cgroup: needs root)")
-    probe = f"dtlib-grade-probe-{os.getpid()}"
-    memory, weight = memory_cap(probe, Limits().group_memory_bytes), cpu_weight(probe)
-    for made in dict.fromkeys([memory, weight]):
-        remove_group(made)
     if memory:
         parts.append(f"{Limits().group_memory_bytes >> 30} GiB of memory per child for all its processes (memory cgroup)")
     else:
@@ -173,6 +176,13 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         parts.append("equal CPU weight per child, however many processes it runs (cpu cgroup)")
     else:
         weak.append("no CPU weight per child (no cpu cgroup: needs root): a row of many processes slows its neighbours")
+    if cleanup:
+        parts.append(f"a child ended with everything it started by {cleanup}")
+    elif _can_drop_user():
+        parts.append("a child ended with everything it started by kill(-1) as its own user (no cgroup could be made)")
+    else:
+        weak.append("a child ended by killing its session only (no cgroup, no user of its own: needs root): "
+                    "a process that left the session may outlive its row")
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
@@ -285,14 +295,15 @@ def process_group_cap(name: str, processes: int) -> str | None:
 _CPU_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")  # v1's cpuacct hierarchy, or v2's
 # (hierarchy, file, value): cgroup v1's own hierarchy for the controller first, then v2's single one
 _WEIGHT_KNOBS = (("/sys/fs/cgroup/cpu", "cpu.shares", 1024), ("/sys/fs/cgroup", "cpu.weight", 100))  # defaults
+_FREEZER_ROOT = "/sys/fs/cgroup/freezer"  # cgroup v1's freezer hierarchy
 
 
-def _memory_knobs(memory_bytes: int) -> tuple[tuple[str, str, int], ...]:
+def _memory_knobs(memory_bytes: int) -> tuple[tuple[str, str, int | str], ...]:
     return (("/sys/fs/cgroup/memory", "memory.limit_in_bytes", memory_bytes),
             ("/sys/fs/cgroup", "memory.max", memory_bytes))
 
 
-def _knob_group(name: str, knobs: tuple[tuple[str, str, int], ...]) -> str | None:
+def _knob_group(name: str, knobs: tuple[tuple[str, str, int | str], ...]) -> str | None:
     """A cgroup ``name`` with its value written to the first of ``knobs`` that takes it, or ``None``."""
     for root, knob, value in knobs:
         if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
@@ -322,6 +333,20 @@ def cpu_weight(name: str) -> str | None:
     scheduler shares the CPU between such groups, not between processes, so a row of 48 busy
     processes gets no more of it than the honest row beside it."""
     return _knob_group(name, _WEIGHT_KNOBS)
+
+
+def freezer(name: str) -> str | None:
+    """A cgroup v1 ``freezer`` group (thawed), or ``None``: on v2 every group can be frozen and
+    killed (``cgroup.freeze``, ``cgroup.kill``), so none is needed there."""
+    return _knob_group(name, ((_FREEZER_ROOT, "freezer.state", "THAWED"),))
+
+
+def child_groups(name: str, limits: Limits) -> tuple[str, ...]:
+    """The cgroups of one child, ``name`` in every hierarchy (on cgroup v2 one group): its
+    process cap, CPU counter, memory cap, CPU weight and (v1) freezer; those that could be made."""
+    made = (process_group_cap(name, limits.processes), cpu_account(name), memory_cap(name, limits.group_memory_bytes),
+            cpu_weight(name), freezer(name))
+    return tuple(dict.fromkeys(g for g in made if g))
 
 
 def cpu_account(name: str) -> str | None:
@@ -376,11 +401,12 @@ def sweep_groups(prefix: str, wait: float = 60.0) -> None:
     """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
     bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
     deadline = time.monotonic() + wait
-    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS + tuple(r for r, _, _ in _memory_knobs(0) + _WEIGHT_KNOBS)):
+    roots = _PIDS_ROOTS + _CPU_ROOTS + tuple(r for r, _, _ in _memory_knobs(0) + _WEIGHT_KNOBS) + (_FREEZER_ROOT,)
+    for root in dict.fromkeys(roots):
         for name in (os.listdir(root) if os.path.isdir(root) else []):
             path = os.path.join(root, name)
             while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
-                kill_group(path)
+                end_groups((path,))
                 remove_group(path)
                 time.sleep(0.1)
 
@@ -487,6 +513,54 @@ def kill_group(path: str | None) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _write(path: str, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def end_groups(groups: tuple[str, ...], wait: float = 2.0) -> None:
+    """End every process in the cgroups ``groups`` (one child's: :func:`child_groups`), escapees
+    of its session included, without knowing their pids or user: cgroup v2's ``cgroup.kill``
+    (the kernel kills the whole group at once, Linux 5.14+); on v1, the freezer group frozen
+    first (a fork bomb cannot add a process between reading ``cgroup.procs`` and the kills), every
+    process killed, then thawed so the kills land; and every pid left in any group killed."""
+    for group in groups:
+        _write(os.path.join(group, "cgroup.kill"), "1")
+    frozen = [g for g in groups if _write(os.path.join(g, "freezer.state"), "FROZEN")]
+    deadline = time.monotonic() + wait
+    for group in frozen:  # FREEZING until every task has stopped
+        while time.monotonic() < deadline and _read(os.path.join(group, "freezer.state")) != "FROZEN":
+            time.sleep(0.01)
+    for group in groups:
+        kill_group(group)
+    for group in frozen:
+        _write(os.path.join(group, "freezer.state"), "THAWED")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def cleanup_method(groups: tuple[str, ...]) -> str:
+    """How :func:`end_groups` ends a child in ``groups`` (said in the ``isolation:`` line), or
+    ``""`` where no cgroup could be made (the grader then falls back to :func:`kill_user`)."""
+    if any(os.path.exists(os.path.join(g, "cgroup.kill")) for g in groups):
+        return "cgroup.kill of its cgroup (v2)"
+    if any(os.path.exists(os.path.join(g, "freezer.state")) for g in groups):
+        return "its freezer cgroup frozen, every process in it killed, then thawed (cgroup v1)"
+    if groups:
+        return "every process in its cgroups killed until they are empty (cgroup v1, no freezer)"
+    return ""
 
 
 def kill_user(uid: int | None) -> None:
