@@ -3,8 +3,9 @@
 Each submission is graded by otter's local grader (``otter.api.grade_submission``) in a child
 process of its own (:mod:`dtlib.grading.children`), under a budget of CPU seconds (by default
 :data:`DEFAULT_CPU_TIME`) and a wall-clock limit derived from it: a notebook that hangs, spins,
-crashes its kernel or breaks otter costs only its own row. A row holds ``submission``, ``status``, ``error`` (why, in one
-line), one column per question, ``total`` and ``possible``; scores are written with ``:g``.
+crashes its kernel or breaks otter costs only its own row. A row holds ``submission``,
+``status``, ``error`` (why, in one line), one column per question, ``total`` and ``possible``;
+scores are written with ``:g``.
 
 The points are the isolated verdict's (:mod:`dtlib.grading.verdict`), computed at the same time
 in a second child that never runs the submission's top-level code, forked from one pre-imported
@@ -40,7 +41,8 @@ from dtlib.analytic import validate
 from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
-__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit",
+           "grade", "question_points"]
 
 # The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
 _CHECKOUT = str(Path(__file__).resolve().parents[2])
