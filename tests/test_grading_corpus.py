@@ -87,9 +87,9 @@ def _groups_of(pid: int) -> list[str]:
             for p in Path("/sys/fs/cgroup").glob(pattern)]
 
 
-def _row_folders() -> set[Path]:
-    """The folders a batch makes in the grader's /tmp (its rows', its verdicts')."""
-    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in Path(tempfile.gettempdir()).glob(pattern)}
+def _row_folders(scratch: Path) -> set[Path]:
+    """The folders a batch makes in the grader's temporary folder (its rows', its verdicts')."""
+    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in scratch.glob(pattern)}
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +114,23 @@ def graded(tmp_path_factory, tiny):
     nbformat.write(_uid_probe(copies["exercise"]), other / "uid_probe.ipynb")
     out, other_out = tmp / "grades.csv", tmp / "other.csv"
     argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out), "--jobs", "2"]
-    before = _row_folders()
+    # the graders' own temporary folder (others grading on this machine use /tmp itself), in /tmp:
+    # the rows' folders must be reachable by their users, as under a closed folder they are not
+    scratch = Path(tempfile.mkdtemp(prefix="dtlib-corpus-scratch-"))
+    scratch.chmod(0o711)
     for path in LEFTOVERS:
         path.unlink(missing_ok=True)
     other_argv = ["--masters", str(masters), "grade", str(other), "--lesson", "99", "--out", str(other_out)]
     second = subprocess.Popen(
         [sys.executable, "-c", "from tests.test_grading_corpus import grade_with_test_defaults as grade\n"
          f"raise SystemExit(grade({other_argv!r}))"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(scratch)})
     os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
     try:
-        assert grade_with_test_defaults(argv) == 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tempfile, "tempdir", str(scratch))
+            assert grade_with_test_defaults(argv) == 0
     finally:
         del os.environ["GRADER_SECRET_TOKEN"]
         _, err = second.communicate(timeout=600)
@@ -136,7 +142,9 @@ def graded(tmp_path_factory, tiny):
         rows = {r["submission"]: r for r in csv.DictReader(f)}
     with open(other_out, newline="") as f:
         other_rows = {r["submission"]: r for r in csv.DictReader(f)}
-    return {"rows": rows, "left": _row_folders() - before, "out": out, "leftovers": leftovers,
+    left = _row_folders(scratch)
+    rowfiles.remove_tree(scratch)
+    return {"rows": rows, "left": left, "out": out, "leftovers": leftovers,
             "other": other_rows, "groups": _groups_of(os.getpid()) + _groups_of(second.pid)}
 
 

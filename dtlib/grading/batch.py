@@ -99,8 +99,9 @@ def _first_cell_error(nb: nbformat.NotebookNode) -> str:
     return ""
 
 
-def _grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> None:
-    """Child process body: grade one notebook, write scores and its first cell error as JSON."""
+def grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> None:
+    """An execution's body (forked by :mod:`dtlib.grading.prefork`, walled off): grade one
+    notebook with otter, write its scores and its first cell error as JSON."""
     from otter.api import grade_submission
 
     results = grade_submission(str(notebook), str(autograder_zip), quiet=True)
@@ -132,7 +133,8 @@ def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], fai
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float, cpu_time: float, forker: prefork.Forker | None, setup: list[str],
+               timeout: float, cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None,
+               setup: list[str],
                index: int = 0, mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
     scores = dict.fromkeys(points, 0.0)
@@ -152,7 +154,7 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
             rowfiles.create_private(target, nbformat.writes(nb).encode())
             own = dataclasses.replace(mounts, reach=(*mounts.reach, tmp))  # of /tmp, only its own folder
             report, status, why, isolated, why_verdict = children.run_children(
-                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
+                autograder_zip, target, runner, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
         finally:
             rowfiles.remove_tree(tmp)  # whatever the row left there (1,500 nested folders included)
         if report is None:
@@ -253,13 +255,19 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
             os.chmod(logs, 0o711)
             cwd = Path(logs) / "cwd"
             cwd.mkdir(mode=0o755)
-        forker = prefork.Forker(setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT) if master else None
+        # both parents import at once: otter's grader for the executions, torch and the checks for the verdicts
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            starting = (pool.submit(prefork.Forker, None, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT),
+                        pool.submit(prefork.Forker, setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT)
+                        if master else None)
+        parents = [f.result() for f in starting if f and not f.exception()]
         try:
-            rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, forker, setup,
+            runner, forker = (f.result() if f else None for f in starting)  # raises why one could not start
+            rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, runner, forker, setup,
                               jobs, mounts, progress)
         finally:
-            if forker:
-                forker.close()
+            for parent in parents:
+                parent.close()
     finally:
         rowfiles.remove_tree(logs)
     sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
@@ -268,8 +276,8 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
 
 
 def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points: dict[str, float], timeout: float,
-               cpu_time: float, forker: prefork.Forker | None, setup: list[str], jobs: int,
-               mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
+               cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None, setup: list[str],
+               jobs: int, mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
     order = itertools.count(1)
 
     def grade_next(path: Path) -> dict:
@@ -278,7 +286,8 @@ def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points
         progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
         try:
-            row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, forker, setup, i, mounts)
+            row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, runner, forker, setup, i,
+                             mounts)
         except Exception as exc:  # noqa: BLE001 - whatever a row did, it costs only that row
             row = _failed_row(path.name, points, first_line(f"{type(exc).__name__}: {exc}"))
         why = f" - {row['error']}" if row["error"] else ""
@@ -290,6 +299,3 @@ def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(grade_next, files))
 
-
-if __name__ == "__main__":
-    _grade_in_child(*map(Path, sys.argv[1:4]))
