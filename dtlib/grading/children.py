@@ -157,9 +157,10 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     return None, "the verdict process ended without a report" + (f" ({first_line(lines[-1])})" if lines else "")
 
 
-def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, forker: prefork.Forker | None, cells: dict,
-                  timeout: float, cpu_time: float | None, workdir: Path, uids: tuple[int | None, int | None],
-                  mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
+def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, forker: prefork.Forker | None,
+                 cells: dict, timeout: float, cpu_time: float | None, workdir: Path,
+                 uids: tuple[int | None, int | None],
+                 mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
     """Execute ``notebook`` with otter (forked from ``runner``, the batch's execution parent) and,
     at the same time, compute its isolated verdict (forked from ``forker``).
 

@@ -52,7 +52,8 @@ class Forker:
         self._sock, self._lock, self.cwd = mine, threading.Lock(), cwd
         with rowfiles.open_private(log) as out:
             kind = "execute" if setup is None else "verdict"
-            self._proc = subprocess.Popen([sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno()), kind],
+            argv = [sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno()), kind]
+            self._proc = subprocess.Popen(argv,
                                           stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=cwd,
                                           pass_fds=(theirs.fileno(),), start_new_session=True,
                                           # its verdicts' memory (/proc/self/environ) is this env
@@ -87,7 +88,7 @@ class Forker:
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
             reply = self._sock.recv(64)
         if not reply:
-            raise RuntimeError("the verdict's parent ended")
+            raise RuntimeError("the pre-imported parent ended")
         return int(reply)
 
     def close(self) -> None:
