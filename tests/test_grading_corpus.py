@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dtlib import grading
-from dtlib.grading import batch, checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
+from dtlib.grading import batch, cgroups, checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
 from tests.test_grading import _tiny_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,7 +345,7 @@ def test_two_graders_at_once_get_different_users():
 
 def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
     name = f"dtlib-grade-test-memory-{os.getpid()}"
-    group = sandbox.memory_cap(name, 64 << 20)
+    group = cgroups.memory_cap(name, 64 << 20)
     if group is None:
         pytest.skip("no memory cgroup here (not root, or no memory controller)")
     try:
@@ -356,8 +356,8 @@ def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
         ran = subprocess.run([sys.executable, "-c", hog], preexec_fn=joined, capture_output=True, timeout=120)
         assert ran.returncode != 0, "two 48 MiB processes ran in a 64 MiB group"
     finally:
-        sandbox.kill_group(group)
-        sandbox.remove_group(group)
+        cgroups.kill_group(group)
+        cgroups.remove_group(group)
 
 
 def _running(pid: int) -> bool:
@@ -369,10 +369,10 @@ def _running(pid: int) -> bool:
 
 
 def test_end_groups_ends_escapees_of_the_session_by_their_cgroup(tmp_path):
-    groups = sandbox.child_groups(f"dtlib-grade-test-end-{os.getpid()}", sandbox.Limits())
+    groups = cgroups.child_groups(f"dtlib-grade-test-end-{os.getpid()}", 512, 10 << 30)
     if not groups:
         pytest.skip("no cgroup here (not root): a row is ended by kill(-1) as its user, as the isolation line says")
-    assert sandbox.cleanup_method(groups)
+    assert cgroups.cleanup_method(groups)
     pids = tmp_path / "pids"
     # a new session, then double-forked children in sessions of their own: none is in the
     # child's process group, and they run as the grader's own user (no kill(-1) could tell them apart)
@@ -384,7 +384,7 @@ def test_end_groups_ends_escapees_of_the_session_by_their_cgroup(tmp_path):
         subprocess.run([sys.executable, "-c", escape], preexec_fn=joined, timeout=120, check=True)
         escaped = [int(p) for p in pids.read_text().split()]
         assert len(escaped) == 3 and all(os.path.exists(f"/proc/{p}") for p in escaped)
-        sandbox.end_groups(groups)
+        cgroups.end_groups(groups)
         for _ in range(50):  # SIGKILL lands at once; reaping by init may take a moment
             if not any(map(_running, escaped)):
                 break
@@ -392,6 +392,6 @@ def test_end_groups_ends_escapees_of_the_session_by_their_cgroup(tmp_path):
         assert not any(map(_running, escaped)), escaped
     finally:
         for group in groups:
-            sandbox.end_groups((group,))
-            sandbox.remove_group(group)
+            cgroups.end_groups((group,))
+            cgroups.remove_group(group)
     assert not any(os.path.exists(g) for g in groups)

@@ -38,7 +38,7 @@ from typing import Callable
 import nbformat
 
 from dtlib.analytic import validate
-from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
+from dtlib.grading import cgroups, checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit",
@@ -270,7 +270,7 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
                 parent.close()
     finally:
         rowfiles.remove_tree(logs)
-    sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
+    cgroups.sweep_groups(f"dtlib-grade-{os.getpid()}-")
     grades_csv.write(rows, out_csv)
     return rows
 

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from dtlib.grading import prefork, rowfiles, sandbox
+from dtlib.grading import cgroups, prefork, rowfiles, sandbox
 
 __all__ = ["run_children", "first_line"]
 
@@ -38,7 +38,8 @@ def _child_env(home: Path) -> dict[str, str]:
 
 def _groups(home: Path, limits: sandbox.Limits) -> tuple[str, ...]:
     """The cgroups of one child (same name in every hierarchy: on cgroup v2 it is one group)."""
-    return sandbox.child_groups(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits)
+    return cgroups.child_groups(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits.processes,
+                                limits.group_memory_bytes)
 
 
 class _Budget:
@@ -54,7 +55,7 @@ class _Budget:
         """Why the child must stop now, or ``""``."""
         if time.monotonic() >= self.deadline:
             return f"no result within {self.timeout:g} s"
-        if self.counter and sandbox.cpu_seconds_used(self.counter) > self.cpu_time:
+        if self.counter and cgroups.cpu_seconds_used(self.counter) > self.cpu_time:
             return f"more than {self.cpu_time:g} s of CPU time used"
         return ""
 
@@ -65,7 +66,7 @@ class _Budget:
 
 def _counts_cpu(group: str) -> bool:
     try:
-        sandbox.cpu_seconds_used(group)
+        cgroups.cpu_seconds_used(group)
         return True
     except (OSError, KeyError, ValueError):
         return False
@@ -73,20 +74,20 @@ def _counts_cpu(group: str) -> bool:
 
 def _stop(pid: int, groups: tuple[str, ...], uid: int | None) -> None:
     """End a child and everything it started: its session, then its cgroups
-    (:func:`sandbox.end_groups`), or, only where no cgroup could be made, every process of its user
+    (:func:`cgroups.end_groups`), or, only where no cgroup could be made, every process of its user
     (``kill(-1)`` as that user)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     if groups:
-        sandbox.end_groups(groups)
+        cgroups.end_groups(groups)
     else:
         sandbox.kill_user(uid)
     for group in groups:
         for _ in range(300):  # orphans of a fork bomb take a while to be reaped
-            sandbox.kill_group(group)
-            sandbox.remove_group(group)
+            cgroups.kill_group(group)
+            cgroups.remove_group(group)
             if not os.path.exists(group):
                 break
             time.sleep(0.1)
