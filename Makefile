@@ -70,7 +70,7 @@ check-exercises: install
 # [OUT=grades.csv] [TIMEOUT=seconds per submission] [CPU_TIME=CPU seconds per submission] [JOBS=submissions at once]
 grade: install
 	@if [ -z "$(SUBMISSIONS)" ] || [ -z "$(LESSON)" ]; then \
-	  echo "usage: make grade SUBMISSIONS=path/to/folder LESSON=01 [OUT=grades.csv] [TIMEOUT=600] [CPU_TIME=s] [JOBS=1]"; \
+	  echo "usage: make grade SUBMISSIONS=path/to/folder LESSON=01 [OUT=grades.csv] [TIMEOUT=s] [CPU_TIME=300] [JOBS=1]"; \
 	  echo "  grades every file in SUBMISSIONS against masters/LESSON_*.ipynb, one CSV row each"; \
 	  exit 2; fi
 	$(PY) -m dtlib.grading grade "$(SUBMISSIONS)" --lesson "$(LESSON)" --out "$(or $(OUT),grades.csv)" \

@@ -2,16 +2,16 @@
 ``tests/grading_corpus/`` graded as one batch next to honest notebooks that use IPython's syntax,
 and the walls each attack met, one by one."""
 import atexit
-import contextlib
 import csv
+import dataclasses
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
 
 import nbformat
 import numpy as np
@@ -19,16 +19,38 @@ import pytest
 import torch
 
 from dtlib import grading
-from dtlib.grading import checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
+from dtlib.grading import batch, cgroups, checkouts, grades_csv, rowfiles, sandbox, transfer, verdict
 from tests.test_grading import _tiny_course
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "grading_corpus"
-# one batch of 7 rows, --jobs 2: about 2 minutes on an idle 2-core machine, 5 at a load of 12
+# one batch of 11 rows, --jobs 2, beside a second batch of 3: about 2 minutes on an idle 2-core
+# machine, 5 at a load of 12
 pytestmark = pytest.mark.timeout(900)
-CPU_TIME = "12"  # as in tests/test_grading_isolation.py: an honest tiny row needs about 4.5 s
+# The default --cpu-time in these batches (neither passes the flag: the budget that stops the CPU hog
+# is the default's): as in tests/test_grading_isolation.py, an honest tiny row needs about 4.5 s.
+CPU_TIME = 12.0
+# The memory cgroup of each child here (sandbox.Limits' default is 10 GiB): the memory hog meets it
+# at 2 GiB, not 10, on a test machine others share; an honest tiny row holds a few hundred MiB.
+GROUP_MEMORY = 2 << 30
 FORMULA_NAME = '=HYPERLINK("x.test")&.ipynb'  # an honest notebook with a byte-order mark, named so
+# attacks whose own row cannot be graded at all (0 points, the rest of the batch untouched): its
+# report replaced by a link, its kernel killed by the memory cgroup (or a MemoryError in a cell)
+OWN_ROW_FAILS = {"proc_link_over_report": ("grader failed",), "memory_hog": ("grader failed", "cell raised")}
 LEFTOVERS = [Path(folder) / "dtlib-corpus-leftover" for folder in ("/tmp", "/var/tmp", "/dev/shm")]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SmallLimits(sandbox.Limits):
+    group_memory_bytes: int = GROUP_MEMORY
+
+
+def grade_with_test_defaults(argv: list[str]) -> int:
+    """``grading.main(argv)`` with :data:`CPU_TIME` as the default --cpu-time and :data:`GROUP_MEMORY`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch, "DEFAULT_CPU_TIME", CPU_TIME)
+        patch.setattr(sandbox, "Limits", _SmallLimits)
+        return grading.main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +78,20 @@ def _with_magics(solution):
     return nb
 
 
-@contextlib.contextmanager
-def _folders_made() -> Iterator[list[Path]]:
-    """The temporary folders made while in the block (a batch's rows' and verdicts'): this
-    batch's own, not those of a batch another test runs at the same time."""
-    made, real = [], tempfile.mkdtemp
+def _uid_probe(exercise):
+    """The unsolved exercise with a cell that raises naming its user: the row's ``error`` says it."""
+    return _before_first_check(exercise, "import os\nraise RuntimeError(f'uid {os.getuid()}')")
 
-    def recording(*args, **kwargs):
-        made.append(Path(real(*args, **kwargs)))
-        return str(made[-1])
-    tempfile.mkdtemp = recording
-    try:
-        yield made
-    finally:
-        tempfile.mkdtemp = real
+
+def _groups_of(pid: int) -> list[str]:
+    """The cgroups a grader process ``pid`` made that still exist (one per child, in each hierarchy)."""
+    return [str(p) for pattern in (f"dtlib-grade-{pid}-*", f"*/dtlib-grade-{pid}-*")  # v2; v1 and hybrid
+            for p in Path("/sys/fs/cgroup").glob(pattern)]
+
+
+def _row_folders(scratch: Path) -> set[Path]:
+    """The folders a batch makes in the grader's temporary folder (its rows', its verdicts')."""
+    return {p for pattern in ("dtlib-row-*", "dtlib-batch-*") for p in scratch.glob(pattern)}
 
 
 def _plain_copy() -> Path:
@@ -100,26 +122,47 @@ def graded(tmp_path_factory, tiny):
         nbformat.write(_before_first_check(copies["exercise"], cell), subs / f"{path.stem}.ipynb")
     nbformat.write(_with_magics(copies["solution"]), subs / "honest_magics.ipynb")
     (subs / FORMULA_NAME).write_bytes(b"\xef\xbb\xbf" + nbformat.writes(copies["solution"]).encode())
-    out = tmp / "grades.csv"
-    argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out),
-            "--jobs", "2", "--cpu-time", CPU_TIME]
+    nbformat.write(_uid_probe(copies["exercise"]), subs / "uid_probe.ipynb")
+    # a second batch at once, from a second grader process: it must get users and cgroups of its own
+    other = tmp / "other"
+    other.mkdir()
+    nbformat.write(copies["solution"], other / "honest.ipynb")
+    nbformat.write(copies["exercise"], other / "unsolved.ipynb")
+    nbformat.write(_uid_probe(copies["exercise"]), other / "uid_probe.ipynb")
+    out, other_out = tmp / "grades.csv", tmp / "other.csv"
+    argv = ["--masters", str(masters), "grade", str(subs), "--lesson", "99", "--out", str(out), "--jobs", "2"]
+    # the graders' own temporary folder (others grading on this machine use /tmp itself), in /tmp:
+    # the rows' folders must be reachable by their users, as under a closed folder they are not
+    scratch = Path(tempfile.mkdtemp(prefix="dtlib-corpus-scratch-"))
+    scratch.chmod(0o711)
     for path in LEFTOVERS:
         path.unlink(missing_ok=True)
+    other_argv = ["--masters", str(masters), "grade", str(other), "--lesson", "99", "--out", str(other_out)]
+    second = subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_grading_corpus import grade_with_test_defaults as grade\n"
+         f"raise SystemExit(grade({other_argv!r}))"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(scratch)})
     os.environ["GRADER_SECRET_TOKEN"] = "s3cret"  # an instructor's secret in the grader's environment
     try:
-        with _folders_made() as made:
-            assert grading.main(argv) == 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tempfile, "tempdir", str(scratch))
+            assert grade_with_test_defaults(argv) == 0
     finally:
         del os.environ["GRADER_SECRET_TOKEN"]
-    assert any(p.name.startswith("dtlib-row-") for p in made)  # the record saw the rows
+        _, err = second.communicate(timeout=600)
+    assert second.returncode == 0, err[-3000:]
     leftovers = [p for p in LEFTOVERS if p.exists()]
     for path in leftovers:
         path.unlink()
     with open(out, newline="") as f:
         rows = {r["submission"]: r for r in csv.DictReader(f)}
-    left = {p for p in made if p.name.startswith(("dtlib-row-", "dtlib-batch-")) and p.exists()}
-    return {"rows": rows, "left": left, "out": out,
-            "leftovers": leftovers}
+    with open(other_out, newline="") as f:
+        other_rows = {r["submission"]: r for r in csv.DictReader(f)}
+    left = _row_folders(scratch)
+    rowfiles.remove_tree(scratch)
+    return {"rows": rows, "left": left, "out": out, "leftovers": leftovers,
+            "other": other_rows, "groups": _groups_of(os.getpid()) + _groups_of(second.pid)}
 
 
 def test_honest_notebooks_with_magics_and_a_bom_get_full_marks(graded):
@@ -132,8 +175,29 @@ def test_the_corpus_scores_zero_and_costs_no_other_row(graded):
     rows = graded["rows"]
     for path in CORPUS.glob("*.py"):
         row = rows[f"{path.stem}.ipynb"]
-        assert row["total"] == "0" and row["status"] not in ("verdict failed", "grader failed"), row
+        assert row["total"] == "0", row
+        if path.stem in OWN_ROW_FAILS:
+            assert row["status"] in OWN_ROW_FAILS[path.stem], row
+        else:
+            assert row["status"] not in ("verdict failed", "grader failed"), row
     assert not graded["left"], graded["left"]  # the deep folders went with their row
+    assert not graded["groups"], graded["groups"]  # every child's cgroups emptied and removed, both batches'
+
+
+def test_a_cpu_hog_is_stopped_by_the_default_budget(graded):
+    row = graded["rows"]["cpu_hog.ipynb"]  # no --cpu-time given: the default budget stopped it
+    assert row["status"] == "timed out" and f"more than {CPU_TIME:g} s of CPU time used" in row["error"], row
+
+
+def test_two_batches_at_once_both_complete_with_users_of_their_own(graded):
+    other = graded["other"]
+    assert (other["honest.ipynb"]["status"], other["honest.ipynb"]["total"]) == ("graded", "3"), other
+    assert other["unsolved.ipynb"]["total"] == "0", other
+    if sandbox.submission_user(0) is None:
+        pytest.skip("no user drop here (not root): both batches run as your user, as the isolation line says")
+    uids = [int(rows["uid_probe.ipynb"]["error"].rsplit("uid ", 1)[1]) for rows in (graded["rows"], other)]
+    blocks = [(uid - 3_000_000_000) >> 20 for uid in uids]  # sandbox._USERS_PER_BATCH: one block per grader
+    assert min(uids) >= 3_000_000_000 and blocks[0] != blocks[1], uids
 
 
 def test_nothing_a_row_writes_in_the_shared_scratch_folders_outlives_it(graded):
@@ -298,7 +362,7 @@ def test_two_graders_at_once_get_different_users():
 
 def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
     name = f"dtlib-grade-test-memory-{os.getpid()}"
-    group = sandbox.memory_cap(name, 64 << 20)
+    group = cgroups.memory_cap(name, 64 << 20)
     if group is None:
         pytest.skip("no memory cgroup here (not root, or no memory controller)")
     try:
@@ -309,5 +373,42 @@ def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
         ran = subprocess.run([sys.executable, "-c", hog], preexec_fn=joined, capture_output=True, timeout=120)
         assert ran.returncode != 0, "two 48 MiB processes ran in a 64 MiB group"
     finally:
-        sandbox.kill_group(group)
-        sandbox.remove_group(group)
+        cgroups.kill_group(group)
+        cgroups.remove_group(group)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_end_groups_ends_escapees_of_the_session_by_their_cgroup(tmp_path):
+    groups = cgroups.child_groups(f"dtlib-grade-test-end-{os.getpid()}", 512, 10 << 30)
+    if not groups:
+        pytest.skip("no cgroup here (not root): a row is ended by kill(-1) as its user, as the isolation line says")
+    assert cgroups.cleanup_method(groups)
+    pids = tmp_path / "pids"
+    # a new session, then double-forked children in sessions of their own: none is in the
+    # child's process group, and they run as the grader's own user (no kill(-1) could tell them apart)
+    escape = (f"import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+              f"        if os.fork() == 0:\n            open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+              "            while True:\n                pass\n        os._exit(0)\ntime.sleep(0.2)")
+    joined = lambda: [open(os.path.join(g, "cgroup.procs"), "w").write(str(os.getpid())) for g in groups]  # noqa: E731
+    try:
+        subprocess.run([sys.executable, "-c", escape], preexec_fn=joined, timeout=120, check=True)
+        escaped = [int(p) for p in pids.read_text().split()]
+        assert len(escaped) == 3 and all(os.path.exists(f"/proc/{p}") for p in escaped)
+        cgroups.end_groups(groups)
+        for _ in range(50):  # SIGKILL lands at once; reaping by init may take a moment
+            if not any(map(_running, escaped)):
+                break
+            time.sleep(0.1)
+        assert not any(map(_running, escaped)), escaped
+    finally:
+        for group in groups:
+            cgroups.end_groups((group,))
+            cgroups.remove_group(group)
+    assert not any(os.path.exists(g) for g in groups)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dtlib import grading
-from dtlib.grading import sandbox
+from dtlib.grading import cgroups, sandbox
 from tests.test_grading import _tiny_course, _with_cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,8 +132,8 @@ def _shared_folder() -> str:
 
 def _process_cap() -> bool:
     """Whether a fork bomb is contained here (a user of its own or a pids cgroup)."""
-    group = sandbox.process_group_cap(f"dtlib-grade-probe-test-{os.getpid()}", 1)
-    sandbox.remove_group(group)
+    group = cgroups.process_group_cap(f"dtlib-grade-probe-test-{os.getpid()}", 1)
+    cgroups.remove_group(group)
     return sandbox.submission_user(0) is not None or group is not None
 
 

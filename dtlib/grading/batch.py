@@ -1,10 +1,11 @@
 """Grade a folder of submissions into one CSV: every file gets a row, whatever it holds.
 
 Each submission is graded by otter's local grader (``otter.api.grade_submission``) in a child
-process of its own (:mod:`dtlib.grading.children`), under a wall-clock limit and optionally a CPU
-budget: a notebook that hangs, crashes its kernel or breaks
-otter costs only its own row. A row holds ``submission``, ``status``, ``error`` (why, in one
-line), one column per question, ``total`` and ``possible``; scores are written with ``:g``.
+process of its own (:mod:`dtlib.grading.children`), under a budget of CPU seconds (by default
+:data:`DEFAULT_CPU_TIME`) and a wall-clock limit derived from it: a notebook that hangs, spins,
+crashes its kernel or breaks otter costs only its own row. A row holds ``submission``,
+``status``, ``error`` (why, in one line), one column per question, ``total`` and ``possible``;
+scores are written with ``:g``.
 
 The points are the isolated verdict's (:mod:`dtlib.grading.verdict`), computed at the same time
 in a second child that never runs the submission's top-level code, forked from one pre-imported
@@ -37,15 +38,23 @@ from typing import Callable
 import nbformat
 
 from dtlib.analytic import validate
-from dtlib.grading import checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
+from dtlib.grading import cgroups, checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
 from dtlib.grading.children import first_line
 
-__all__ = ["DEFAULT_TIMEOUT", "submission_files", "check_options", "wall_limit", "grade", "question_points"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit",
+           "grade", "question_points"]
 
 # The checkout this grader runs from: mounted read-only for every child (see sandbox.child_setup).
 _CHECKOUT = str(Path(__file__).resolve().parents[2])
 
-DEFAULT_TIMEOUT = 600.0  # seconds per submission: the slowest solution takes about 60 s
+DEFAULT_TIMEOUT = 600.0  # seconds for a batch's one-off setup (the master's setup cells, imports)
+# CPU seconds each of a submission's two children (execution, verdict) may use, all their processes
+# together: 2.5 x the budget a whole lesson notebook gets in the test suite (conftest.py's
+# NOTEBOOK_CPU_BUDGET_S, 120 CPU-s: "under a minute on 2 cores"), and the slowest solution's
+# execution uses well under that, so an honest notebook never meets it and a busy one costs at most
+# this much of the machine, whatever its load. The wall limit derives from it (:func:`wall_limit`).
+DEFAULT_CPU_TIME = 300.0
+MAX_CPU_TIME = 86400.0  # a day: beyond it no lesson is meant to run (and RLIMIT_CPU stays in range)
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 
 
@@ -90,8 +99,9 @@ def _first_cell_error(nb: nbformat.NotebookNode) -> str:
     return ""
 
 
-def _grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> None:
-    """Child process body: grade one notebook, write scores and its first cell error as JSON."""
+def grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> None:
+    """An execution's body (forked by :mod:`dtlib.grading.prefork`, walled off): grade one
+    notebook with otter, write its scores and its first cell error as JSON."""
     from otter.api import grade_submission
 
     results = grade_submission(str(notebook), str(autograder_zip), quiet=True)
@@ -123,7 +133,8 @@ def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], fai
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float, cpu_time: float | None, forker: prefork.Forker | None, setup: list[str],
+               timeout: float, cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None,
+               setup: list[str],
                index: int = 0, mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
     scores = dict.fromkeys(points, 0.0)
@@ -143,7 +154,7 @@ def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[
             rowfiles.create_private(target, nbformat.writes(nb).encode())
             own = dataclasses.replace(mounts, reach=(*mounts.reach, tmp))  # of /tmp, only its own folder
             report, status, why, isolated, why_verdict = children.run_children(
-                autograder_zip, target, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
+                autograder_zip, target, runner, forker, cells, timeout, cpu_time, Path(tmp), uids, own)
         finally:
             rowfiles.remove_tree(tmp)  # whatever the row left there (1,500 nested folders included)
         if report is None:
@@ -184,43 +195,42 @@ def submission_files(submissions: str | os.PathLike) -> list[Path]:
     return files
 
 
-def wall_limit(timeout: float | None, cpu_time: float | None) -> float:
-    """``timeout`` if given; else, with a CPU budget, ten times it plus a minute (a submission
-    that gets a tenth of a core on a loaded machine still finishes: the CPU budget, not the
-    clock, is what stops a busy one; the wall limit stops only what waits forever); else
-    :data:`DEFAULT_TIMEOUT`."""
-    if timeout is not None:
-        return timeout
-    return 10 * cpu_time + 60 if cpu_time else DEFAULT_TIMEOUT
+def wall_limit(timeout: float | None, cpu_time: float) -> float:
+    """``timeout`` if given; else ten times the CPU budget plus a minute (a submission that gets a
+    tenth of a core on a loaded machine still finishes: the CPU budget, not the clock, is what
+    stops a busy one; the wall limit stops only what waits forever)."""
+    return timeout if timeout is not None else 10 * cpu_time + 60
 
 
-def check_options(timeout: float, jobs: int, cpu_time: float | None = None) -> None:
+def check_options(timeout: float | None, jobs: int, cpu_time: float = DEFAULT_CPU_TIME) -> None:
     """Clear errors, naming the flag, for a time limit or a number of parallel gradings that cannot work."""
     try:
-        validate.number("timeout", timeout)
+        if timeout is not None:
+            validate.number("timeout", timeout)
         validate.integer("jobs", jobs, minimum=1)
-        if cpu_time is not None:
-            validate.number("cpu-time", cpu_time, minimum=1, exclusive=False)
+        validate.number("cpu-time", cpu_time, minimum=1, exclusive=False, maximum=MAX_CPU_TIME)
     except validate.InvalidArgument as exc:
         raise exc.renamed(f"--{exc.name}") from None
 
 
 def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: str | os.PathLike,
-          timeout: float = DEFAULT_TIMEOUT, jobs: int = 1,
+          timeout: float | None = None, jobs: int = 1,
           progress: Callable[[str], None] | None = None, master: Path | None = None,
-          cpu_time: float | None = None) -> list[dict]:
+          cpu_time: float = DEFAULT_CPU_TIME) -> list[dict]:
     """Grade each of ``files``, ``jobs`` at a time; write and return one row each, in file order.
 
     With ``master`` (the master notebook), the points are the isolated verdict's; without it,
-    otter's in-notebook score (forgeable: only for a quick look). ``timeout`` is each
-    submission's wall-clock limit; ``cpu_time`` (optional) the CPU seconds each of its two
-    children may use, all their processes together where a CPU-accounting cgroup can be made
-    (root), else per process: unlike the wall clock, the machine's load does not change it.
+    otter's in-notebook score (forgeable: only for a quick look). ``cpu_time`` is the CPU seconds
+    each of a submission's two children may use, all their processes together where a
+    CPU-accounting cgroup can be made (root), else per process: unlike the wall clock, the
+    machine's load does not change it. ``timeout`` is each submission's wall-clock limit (``None``:
+    :func:`wall_limit` of ``cpu_time``).
     Progress goes to stderr by default: the isolation used, a line when a file starts (how many
     are left after it) and one with its score and status when it is done.
     """
     check_options(timeout, jobs, cpu_time)
     grades_csv.check_out_path(out_csv)
+    timeout = wall_limit(timeout, cpu_time)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     # What no submission may read (the other submissions, the masters and solutions) or change.
     course = master.parent.parent.resolve() if master else None
@@ -245,23 +255,29 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
             os.chmod(logs, 0o711)
             cwd = Path(logs) / "cwd"
             cwd.mkdir(mode=0o755)
-        forker = prefork.Forker(setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT) if master else None
+        # both parents import at once: otter's grader for the executions, torch and the checks for the verdicts
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            starting = (pool.submit(prefork.Forker, None, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT),
+                        pool.submit(prefork.Forker, setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT)
+                        if master else None)
+        parents = [f.result() for f in starting if f and not f.exception()]
         try:
-            rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, forker, setup,
+            runner, forker = (f.result() if f else None for f in starting)  # raises why one could not start
+            rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, runner, forker, setup,
                               jobs, mounts, progress)
         finally:
-            if forker:
-                forker.close()
+            for parent in parents:
+                parent.close()
     finally:
         rowfiles.remove_tree(logs)
-    sandbox.sweep_groups(f"dtlib-grade-{os.getpid()}-")
+    cgroups.sweep_groups(f"dtlib-grade-{os.getpid()}-")
     grades_csv.write(rows, out_csv)
     return rows
 
 
 def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points: dict[str, float], timeout: float,
-               cpu_time: float | None, forker: prefork.Forker | None, setup: list[str], jobs: int,
-               mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
+               cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None, setup: list[str],
+               jobs: int, mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
     order = itertools.count(1)
 
     def grade_next(path: Path) -> dict:
@@ -270,7 +286,8 @@ def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points
         progress(f"{where}: grading ({len(files) - i} left after it)")
         start = time.monotonic()
         try:
-            row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, forker, setup, i, mounts)
+            row = _grade_one(path, autograder_zip, master_name, points, timeout, cpu_time, runner, forker, setup, i,
+                             mounts)
         except Exception as exc:  # noqa: BLE001 - whatever a row did, it costs only that row
             row = _failed_row(path.name, points, first_line(f"{type(exc).__name__}: {exc}"))
         why = f" - {row['error']}" if row["error"] else ""
@@ -282,6 +299,3 @@ def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(grade_next, files))
 
-
-if __name__ == "__main__":
-    _grade_in_child(*map(Path, sys.argv[1:4]))

@@ -1,7 +1,8 @@
-"""The two walled-off children of one submission: otter's execution of the notebook and the
-isolated verdict, run at the same time, each stopped by a wall-clock limit and, optionally, a
-budget of CPU seconds for all its processes together (:class:`_Budget`), then ended with
-everything they started (:func:`_stop`). Used by :mod:`dtlib.grading.batch`.
+"""The two walled-off children of one submission, each forked from a pre-imported parent
+(:mod:`dtlib.grading.prefork`): otter's execution of the notebook and the isolated verdict, run
+at the same time, each stopped by a wall-clock limit and a budget of CPU seconds for all its
+processes together (:class:`_Budget`), then ended with everything they started (:func:`_stop`).
+Used by :mod:`dtlib.grading.batch`.
 """
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import math
 import os
 import select
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-from dtlib.grading import prefork, rowfiles, sandbox
+from dtlib.grading import cgroups, prefork, rowfiles, sandbox
 
 __all__ = ["run_children", "first_line"]
 
@@ -40,10 +38,8 @@ def _child_env(home: Path) -> dict[str, str]:
 
 def _groups(home: Path, limits: sandbox.Limits) -> tuple[str, ...]:
     """The cgroups of one child (same name in every hierarchy: on cgroup v2 it is one group)."""
-    name = f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}"
-    made = (sandbox.process_group_cap(name, limits.processes), sandbox.cpu_account(name),
-            sandbox.memory_cap(name, limits.group_memory_bytes), sandbox.cpu_weight(name))
-    return tuple(dict.fromkeys(g for g in made if g))
+    return cgroups.child_groups(f"dtlib-grade-{os.getpid()}-{home.parent.name}-{home.name}", limits.processes,
+                                limits.group_memory_bytes)
 
 
 class _Budget:
@@ -59,7 +55,7 @@ class _Budget:
         """Why the child must stop now, or ``""``."""
         if time.monotonic() >= self.deadline:
             return f"no result within {self.timeout:g} s"
-        if self.counter and sandbox.cpu_seconds_used(self.counter) > self.cpu_time:
+        if self.counter and cgroups.cpu_seconds_used(self.counter) > self.cpu_time:
             return f"more than {self.cpu_time:g} s of CPU time used"
         return ""
 
@@ -70,33 +66,28 @@ class _Budget:
 
 def _counts_cpu(group: str) -> bool:
     try:
-        sandbox.cpu_seconds_used(group)
+        cgroups.cpu_seconds_used(group)
         return True
     except (OSError, KeyError, ValueError):
         return False
 
 
-def _start(cmd: list[str], home: Path, log_path: Path, uid: int | None, limits: sandbox.Limits,
-           cwd: Path, mounts: sandbox.Mounts, groups: tuple[str, ...]) -> subprocess.Popen:
-    with rowfiles.open_private(log_path) as log:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=cwd, env=_child_env(home),
-                                preexec_fn=lambda: sandbox.child_setup(limits, uid, mounts, groups))
-
-
-def _stop(pid: int, groups: tuple[str, ...], uid: int | None, wait: Callable[[], object] = lambda: None) -> None:
-    """End a child and everything it started: its session, its cgroups, every process of its user."""
+def _stop(pid: int, groups: tuple[str, ...], uid: int | None) -> None:
+    """End a child and everything it started: its session, then its cgroups
+    (:func:`cgroups.end_groups`), or, only where no cgroup could be made, every process of its user
+    (``kill(-1)`` as that user)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    sandbox.kill_user(uid)
-    for group in groups:
-        sandbox.kill_group(group)
-    wait()
+    if groups:
+        cgroups.end_groups(groups)
+    else:
+        sandbox.kill_user(uid)
     for group in groups:
         for _ in range(300):  # orphans of a fork bomb take a while to be reaped
-            sandbox.kill_group(group)
-            sandbox.remove_group(group)
+            cgroups.kill_group(group)
+            cgroups.remove_group(group)
             if not os.path.exists(group):
                 break
             time.sleep(0.1)
@@ -105,7 +96,7 @@ def _stop(pid: int, groups: tuple[str, ...], uid: int | None, wait: Callable[[],
 def _exchange(stdin: int, stdout: int, job: bytes, budget: _Budget) -> tuple[bytes | None, str]:
     """Write ``job`` to a verdict's stdin, then read its stdout to the end; or ``None`` and why
     it was stopped first."""
-    out, chunks, size = job, [], 0
+    out = job
     try:
         while out and not budget.spent():
             _, ready, _ = select.select([], [stdin], [], budget.wait())
@@ -115,6 +106,13 @@ def _exchange(stdin: int, stdout: int, job: bytes, budget: _Budget) -> tuple[byt
         out = b""  # it ended before reading the job: it will give no report
     finally:
         os.close(stdin)
+    return _read_to_end(stdout, budget)
+
+
+def _read_to_end(stdout: int, budget: _Budget) -> tuple[bytes | None, str]:
+    """What a child writes to ``stdout`` until it closes it (at most about :data:`_MAX_REPORT`
+    bytes), or ``None`` and why it was stopped first."""
+    chunks, size = [], 0
     while size <= _MAX_REPORT:
         why = budget.spent()
         if why:
@@ -138,7 +136,7 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     log_path = home.parent / "verdict.log"
     try:
         with rowfiles.open_private(log_path) as log:
-            pid = forker.start(job_read, report_write, log.fileno(), forker.cwd, _child_env(home), limits, uid,
+            pid = forker.start([job_read, report_write, log.fileno()], forker.cwd, _child_env(home), limits, uid,
                                mounts, groups)
     finally:
         os.close(job_read)
@@ -160,10 +158,12 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     return None, "the verdict process ended without a report" + (f" ({first_line(lines[-1])})" if lines else "")
 
 
-def run_children(autograder_zip: Path, notebook: Path, forker: prefork.Forker | None, cells: dict,
-                  timeout: float, cpu_time: float | None, workdir: Path, uids: tuple[int | None, int | None],
-                  mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
-    """Execute ``notebook`` with otter and, at the same time, compute its isolated verdict.
+def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, forker: prefork.Forker | None,
+                 cells: dict, timeout: float, cpu_time: float | None, workdir: Path,
+                 uids: tuple[int | None, int | None],
+                 mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
+    """Execute ``notebook`` with otter (forked from ``runner``, the batch's execution parent) and,
+    at the same time, compute its isolated verdict (forked from ``forker``).
 
     Returns otter's report (or ``None``), a status and why, then the verdict (or ``None``) and
     why it failed. Each child has its own user (``uids``) and folder, a session of its own (a
@@ -185,8 +185,17 @@ def run_children(autograder_zip: Path, notebook: Path, forker: prefork.Forker | 
         sandbox.chown_tree(str(home), uid)
     out_json, log_path = homes[0] / "report.json", workdir / "grader.log"
     groups = _groups(homes[0], limits)
-    executor = _start([sys.executable, "-m", "dtlib.grading.batch", str(zips[0]), str(target), str(out_json)],
-                      homes[0], log_path, uids[0], limits, homes[0], mounts, groups)
+    status_read, status_write = os.pipe()  # the execution writes "ok" there when it has written its report
+    try:
+        with rowfiles.open_private(log_path) as log, open(os.devnull, "rb") as null:
+            executor = runner.start([null.fileno(), log.fileno(), log.fileno(), status_write], homes[0],
+                                    _child_env(homes[0]), limits, uids[0], mounts, groups,
+                                    argv=[str(zips[0]), str(target), str(out_json)])
+    except BaseException:
+        os.close(status_read)
+        raise
+    finally:
+        os.close(status_write)
     budget = _Budget(timeout, cpu_time, groups)
     judged: dict = {"result": (None, "")}
     if forker is not None:  # its own thread, so both children are watched (and stopped) at once
@@ -200,27 +209,22 @@ def run_children(autograder_zip: Path, notebook: Path, forker: prefork.Forker | 
         watcher = threading.Thread(target=judge, daemon=True)
         watcher.start()
     try:
-        code, why = None, ""
-        while code is None and not why:
-            why = budget.spent()
-            try:
-                code = executor.wait(budget.wait())
-            except subprocess.TimeoutExpired:
-                pass
+        status, why = _read_to_end(status_read, budget)
     finally:
-        _stop(executor.pid, groups, uids[0], executor.wait)
+        os.close(status_read)
+        _stop(executor, groups, uids[0])
         if forker is not None:
             watcher.join()
     found, why_verdict = judged["result"]
-    if code is None:
+    if status is None:
         return None, "timed out", (f"{why} (a cell that never ends?); raise --timeout or --cpu-time "
                                    "if it is just slow"), found, why_verdict
-    if code == 0:
+    if status == b"ok":
         # the submission's own user wrote it, and may have put a link, a FIFO or anything there
         try:
             return json.loads(rowfiles.read_limited(out_json, _MAX_REPORT, uids[0])), "graded", "", found, why_verdict
         except (OSError, ValueError) as exc:
             return None, "grader failed", first_line(f"no readable report ({exc})"), found, why_verdict
     lines = [s for s in rowfiles.read_tail(log_path, 20000).splitlines() if s.strip()]
-    why = first_line(lines[-1] if lines else f"the grader exited with code {code}")
+    why = first_line(lines[-1] if lines else "the grader ended without a report")
     return None, "grader failed", why, found, why_verdict

@@ -155,13 +155,13 @@ def check(folder: str | os.PathLike | None = None) -> list[str]:
 
 def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLike,
           timeout: float | None = None, jobs: int = 1,
-          folder: str | os.PathLike | None = None, cpu_time: float | None = None) -> list[dict]:
-    """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`);
+          folder: str | os.PathLike | None = None, cpu_time: float = batch.DEFAULT_CPU_TIME) -> list[dict]:
+    """Grade every file in ``submissions`` for ``lesson`` (see :func:`dtlib.grading.batch.grade`):
+    ``cpu_time`` CPU seconds per child of a submission (:data:`dtlib.grading.batch.DEFAULT_CPU_TIME`),
     ``timeout`` ``None``: :func:`dtlib.grading.batch.wall_limit` of ``cpu_time``."""
     files = batch.submission_files(submissions)  # bad arguments fail before otter assign runs
-    batch.check_options(1.0 if timeout is None else timeout, jobs, cpu_time)
+    batch.check_options(timeout, jobs, cpu_time)
     grades_csv.check_out_path(out_csv)
-    timeout = batch.wall_limit(timeout, cpu_time)
     master = _master_for(lesson, folder)
     zips = list((_assigned(master) / "autograder").glob("*.zip"))
     if len(zips) != 1:
@@ -186,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--lesson", required=True, help="lesson number, e.g. 01")
     p_grade.add_argument("--out", default="grades.csv", help="CSV to write (default grades.csv)")
     p_grade.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                         help=f"wall-clock limit per submission (default {batch.DEFAULT_TIMEOUT:g}; with "
-                              "--cpu-time, 10 x that + 60)")
-    p_grade.add_argument("--cpu-time", type=float, default=None, metavar="SECONDS",
+                         help="wall-clock limit per submission; it stops only what waits forever "
+                              "(default 10 x --cpu-time + 60)")
+    p_grade.add_argument("--cpu-time", type=float, default=batch.DEFAULT_CPU_TIME, metavar="SECONDS",
                          help="CPU seconds a submission's execution, and its verdict, may each use (all "
                               "their processes together as root, else per process); machine load does "
-                              "not change it (default: none, --timeout + 5 per process)")
+                              f"not change it (default {batch.DEFAULT_CPU_TIME:g}: 2.5 x the 120 CPU-s a "
+                              f"whole lesson notebook gets in the test suite; 1 to {batch.MAX_CPU_TIME:g}; "
+                              "no way to turn it off: raise it for a slow lesson)")
     p_grade.add_argument("--jobs", type=int, default=1, metavar="N",
                          help="submissions graded at once (default 1; each runs its own kernel and "
                               "ranks, so keep N below the number of cores)")

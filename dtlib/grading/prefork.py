@@ -11,6 +11,13 @@ descriptors (``SCM_RIGHTS``); the forked verdict walls itself off (:func:`sandbo
 session, cgroup, namespaces, limits, its own user) before it reads the submission's cells, so the
 parent never holds a submission's code and never runs any. This is the zygote of Android and of
 Python's own ``multiprocessing`` ``forkserver``, with the setup done once.
+
+The execution of each notebook (otter's grader, which starts the Jupyter kernel) is forked the
+same way from a second parent per batch that has only imported otter's grader: a fresh
+``python -m dtlib.grading.batch`` per submission spent 4 to 6 of its 10 seconds (the tiny course)
+starting Python and importing otter, nbconvert and the kernel machinery. That parent runs no setup
+and holds nothing of the course: it never sees a learner's code either (the kernel, started by the
+forked child, is a fresh interpreter).
 """
 from __future__ import annotations
 
@@ -29,24 +36,30 @@ from dtlib.grading import rowfiles, sandbox
 __all__ = ["Forker", "serve"]
 
 _MAX_REQUEST = 1 << 20
+# What an execution parent imports once (otter.api imports some of it only when it first grades).
+_EXECUTION_MODULES = ("otter.api", "otter.run.run_autograder", "otter.execute", "nbclient", "nbconvert",
+                      "jupyter_client.manager", "ipykernel.kernelspec")
 
 
 class Forker:
-    """The pre-imported parent of a batch's verdict processes (one per batch)."""
+    """The pre-imported parent of a batch's verdict processes, or of its executions (one each per batch)."""
 
-    def __init__(self, setup: list[str], cwd: Path, log: Path, timeout: float):
+    def __init__(self, setup: list[str] | None, cwd: Path, log: Path, timeout: float):
         """Start the parent: it runs the master's ``setup`` cells in ``cwd`` (also the verdicts'
-        folder), writes its output to ``log`` and must be ready within ``timeout`` seconds."""
+        folder), or with ``setup`` ``None`` only imports otter's grader (an execution parent),
+        writes its output to ``log`` and must be ready within ``timeout`` seconds."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
         self._sock, self._lock, self.cwd = mine, threading.Lock(), cwd
         with rowfiles.open_private(log) as out:
-            self._proc = subprocess.Popen([sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno())],
+            kind = "execute" if setup is None else "verdict"
+            argv = [sys.executable, "-P", "-m", "dtlib.grading.prefork", str(theirs.fileno()), kind]
+            self._proc = subprocess.Popen(argv,
                                           stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=cwd,
                                           pass_fds=(theirs.fileno(),), start_new_session=True,
                                           # its verdicts' memory (/proc/self/environ) is this env
                                           env=sandbox.minimal_env())
         theirs.close()
-        self._proc.stdin.write(json.dumps(setup).encode())
+        self._proc.stdin.write(json.dumps(setup or []).encode())
         self._proc.stdin.close()
         self._sock.settimeout(timeout)
         try:
@@ -57,41 +70,42 @@ class Forker:
         if ready != b"ready":
             lines = [s for s in rowfiles.read_tail(log, 20000).splitlines() if s.strip()]
             self.close()
-            raise RuntimeError("the master's setup cells failed in the verdict's parent: "
+            raise RuntimeError(("the master's setup cells failed in the verdict's parent: " if setup is not None
+                                else "otter's grader could not be imported: ")
                                + (lines[-1] if lines else "no output"))
 
-    def start(self, stdin: int, stdout: int, stderr: int, cwd: Path, env: dict[str, str], limits: sandbox.Limits,
-              uid: int | None, mounts: sandbox.Mounts, groups: tuple[str, ...]) -> int:
-        """Fork one verdict process with these descriptors and walls, in ``cwd`` (entered after
-        the walls are up: a folder hidden from it stays hidden); returns its pid (the leader of
-        its own session: :func:`os.killpg` ends it and what it started)."""
+    def start(self, fds: list[int], cwd: Path, env: dict[str, str], limits: sandbox.Limits,
+              uid: int | None, mounts: sandbox.Mounts, groups: tuple[str, ...], argv: list[str] | None = None) -> int:
+        """Fork one verdict process, or (an execution parent, ``argv``: the autograder zip, the
+        notebook and the report to write) one execution, with these descriptors as its 0, 1, 2
+        (an execution's fourth, its 3, is written ``ok`` when it succeeded and closes when it
+        ends) and walls, in ``cwd`` (entered after the walls are up: a folder hidden from it
+        stays hidden); returns its pid (the leader of its own session: :func:`os.killpg` ends it
+        and what it started)."""
         request = {"cwd": str(cwd), "env": env, "limits": asdict(limits), "uid": uid,
-                   "mounts": asdict(mounts), "groups": list(groups)}
+                   "mounts": asdict(mounts), "groups": list(groups), "argv": argv}
         with self._lock:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin, stdout, stderr])
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
             reply = self._sock.recv(64)
         if not reply:
-            raise RuntimeError("the verdict's parent ended")
+            raise RuntimeError("the pre-imported parent ended")
         return int(reply)
 
     def close(self) -> None:
-        self._sock.close()  # the parent sees the end of its requests and exits
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        """End the parent at once: it holds nothing to save, and leaving Python with torch
+        imported took it seconds (its forked children are ended by their own cgroups)."""
+        self._sock.close()
+        self._proc.kill()
+        self._proc.wait()
 
 
-def _verdict_child(request: dict, fds: list[int]) -> None:
-    """In the forked child: take the descriptors, wall off, then run the verdict."""
-    from dtlib.grading import verdict
-
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the descriptors, wall off, then run the verdict or the execution."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the parent ignores it; the checks wait for ranks
         for target, fd in enumerate(fds):
-            os.dup2(fd, target)
+            os.dup2(fd, target, inheritable=target < 3)  # the status descriptor: never the kernel's
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
@@ -101,7 +115,15 @@ def _verdict_child(request: dict, fds: list[int]) -> None:
         mounts = sandbox.Mounts(**{k: tuple(v) for k, v in request["mounts"].items()})
         sandbox.child_setup(sandbox.Limits(**request["limits"]), request["uid"], mounts, tuple(request["groups"]))
         os.chdir(request["cwd"])
-        verdict.main()
+        if request["argv"]:
+            from dtlib.grading import batch
+
+            batch.grade_in_child(*map(Path, request["argv"]))
+            os.write(3, b"ok")
+        else:
+            from dtlib.grading import verdict
+
+            verdict.main()
         code = 0
     except BaseException:  # noqa: BLE001 - the log says why; the batch sees no report
         import traceback
@@ -113,26 +135,34 @@ def _verdict_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def serve(fd: int) -> None:
-    """The parent: import, run the master's setup (JSON list on stdin), then fork per request."""
-    from dtlib.grading import verdict
+def serve(fd: int, kind: str) -> None:
+    """The parent: import, run the master's setup (JSON list on stdin; a ``verdict`` parent) or
+    import otter's grader (an ``execute`` parent), then fork per request."""
+    setup = json.loads(sys.stdin.read())
+    if kind == "verdict":
+        from dtlib.grading import verdict
 
-    verdict.prepare(json.loads(sys.stdin.read()))
+        verdict.prepare(setup)
+    else:
+        import importlib
+
+        for module in _EXECUTION_MODULES:
+            importlib.import_module(module)
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the verdicts
     sock.sendall(b"ready")
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 3)
+        message, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 4)
         if not message:
             return
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _verdict_child(json.loads(message), fds)
+            _child(json.loads(message), fds)
         for received in fds:
             os.close(received)
         sock.sendall(str(pid).encode())
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2])

@@ -16,16 +16,18 @@ their ``preexec_fn``. In that child, before Python or any learner code runs:
 * its environment is an allow-list of the grader's (:func:`minimal_env`), its umask 077;
 * when the grader runs as root it drops to an unprivileged user id of its own (no name needed),
   so it cannot write the course checkout, another submission's folder or the grader's files, nor
-  signal or trace their processes; :func:`kill_user` then ends everything that user started,
-  double-forked escapees included;
-* it joins cgroups that cap its processes (``pids``) and count their CPU time (``cpuacct``,
-  read by the grader to stop it after a budget of CPU seconds).
+  signal or trace their processes;
+* it joins cgroups that cap its processes (``pids``), count their CPU time (``cpuacct``, read by
+  the grader to stop it after a budget of CPU seconds), cap their memory together and weigh
+  their CPU share; :mod:`dtlib.grading.cgroups` ends everything in them at the end of the row
+  (``cgroup.kill`` on v2, the freezer on v1), double-forked escapees included, and only where
+  no cgroup could be made does :func:`kill_user` (``kill(-1)`` as its user) do it.
 
 What the OS refuses is skipped and named by :func:`isolation`, which the grader prints.
 
-About 500 lines, one module: every wall is set up in one child-side sequence (:func:`child_setup`:
-namespaces, mounts, tmpfs, cgroups, limits, then the user), whose order matters and is read top
-to bottom here; the per-row files and the CSV live apart (``rowfiles``, ``grades_csv``).
+Every wall is set up in one child-side sequence (:func:`child_setup`: namespaces, mounts, tmpfs,
+cgroups, limits, then the user), whose order matters and is read top to bottom here; the cgroups
+themselves, the per-row files and the CSV live apart (``cgroups``, ``rowfiles``, ``grades_csv``).
 """
 from __future__ import annotations
 
@@ -39,12 +41,12 @@ import signal
 import socket
 import struct
 import sys
-import time
 from dataclasses import dataclass
 
-__all__ = ["Limits", "Mounts", "SCRATCH", "SYSTEM", "allow_plan", "ENV_NAMES", "ENV_PREFIXES", "minimal_env", "isolation", "child_setup",
-           "kill_user", "submission_user", "chown_tree", "process_group_cap", "cpu_account", "memory_cap", "cpu_weight",
-           "cpu_seconds_used", "remove_group", "kill_group", "sweep_groups"]
+from dtlib.grading import cgroups
+
+__all__ = ["Limits", "Mounts", "SCRATCH", "SYSTEM", "allow_plan", "ENV_NAMES", "ENV_PREFIXES", "minimal_env",
+           "isolation", "child_setup", "kill_user", "submission_user", "chown_tree"]
 
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")  # shared by every user: each child gets its own
 # The machine's system folders, seen as they are: programs, libraries, their configuration,
@@ -180,19 +182,19 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
     parts = ["own temporary folder (files 0600, umask 077)", "CPU/memory/file-size limits per process",
              "minimal environment (an allow-list of variables)"]
     weak = []
-    group = process_group_cap(f"dtlib-grade-probe-{os.getpid()}", 1)
-    remove_group(group)
+    probe = f"dtlib-grade-probe-{os.getpid()}"
+    group = cgroups.process_group_cap(probe, 1)
+    counter = cgroups.cpu_account(probe) if cpu_time else None
+    memory, weight = cgroups.memory_cap(probe, Limits().group_memory_bytes), cgroups.cpu_weight(probe)
+    made = tuple(dict.fromkeys(g for g in (group, counter, memory, weight, cgroups.freezer(probe)) if g))
+    cleanup = cgroups.cleanup_method(made)
+    for path in made:
+        cgroups.remove_group(path)
     if cpu_time:
-        counter = cpu_account(f"dtlib-grade-probe-{os.getpid()}")
-        remove_group(counter)
         if counter:
             parts.append(f"{cpu_time:g} CPU seconds per child for all its processes together (CPU-accounting cgroup)")
         else:
             weak.append(f"{cpu_time:g} CPU seconds per process only (no CPU-accounting cgroup: needs root)")
-    probe = f"dtlib-grade-probe-{os.getpid()}"
-    memory, weight = memory_cap(probe, Limits().group_memory_bytes), cpu_weight(probe)
-    for made in dict.fromkeys([memory, weight]):
-        remove_group(made)
     if memory:
         parts.append(f"{Limits().group_memory_bytes >> 30} GiB of memory per child for all its processes (memory cgroup)")
     else:
@@ -201,6 +203,13 @@ def isolation(mounts: Mounts | None = None, cpu_time: float | None = None) -> st
         parts.append("equal CPU weight per child, however many processes it runs (cpu cgroup)")
     else:
         weak.append("no CPU weight per child (no cpu cgroup: needs root): a row of many processes slows its neighbours")
+    if cleanup:
+        parts.append(f"a child ended with everything it started by {cleanup}")
+    elif _can_drop_user():
+        parts.append("a child ended with everything it started by kill(-1) as its own user (no cgroup could be made)")
+    else:
+        weak.append("a child ended by killing its session only (no cgroup, no user of its own: needs root): "
+                    "a process that left the session may outlive its row")
     if group or _can_drop_user():
         parts.append("process-count cap (" + ("pids cgroup" if group else "RLIMIT_NPROC") + ")")
     else:
@@ -287,110 +296,6 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING))
 
 
-_PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, or v2's
-
-
-def process_group_cap(name: str, processes: int) -> str | None:
-    """A fresh ``pids`` cgroup allowing ``processes`` tasks, or ``None`` where none can be made.
-
-    ``RLIMIT_NPROC`` does not bind root (the kernel exempts it), so a grader that cannot drop to
-    an unprivileged user caps fork bombs with the cgroup's ``pids.max`` instead."""
-    for root in _PIDS_ROOTS:
-        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
-            continue
-        if root == "/sys/fs/cgroup" and not os.path.exists(os.path.join(root, "cgroup.controllers")):
-            continue
-        path = os.path.join(root, name)
-        try:
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(processes))
-            return path
-        except OSError:
-            continue
-    return None
-
-
-_CPU_ROOTS = ("/sys/fs/cgroup/cpuacct", "/sys/fs/cgroup")  # v1's cpuacct hierarchy, or v2's
-# (hierarchy, file, value): cgroup v1's own hierarchy for the controller first, then v2's single one
-_WEIGHT_KNOBS = (("/sys/fs/cgroup/cpu", "cpu.shares", 1024), ("/sys/fs/cgroup", "cpu.weight", 100))  # defaults
-
-
-def _memory_knobs(memory_bytes: int) -> tuple[tuple[str, str, int], ...]:
-    return (("/sys/fs/cgroup/memory", "memory.limit_in_bytes", memory_bytes),
-            ("/sys/fs/cgroup", "memory.max", memory_bytes))
-
-
-def _knob_group(name: str, knobs: tuple[tuple[str, str, int], ...]) -> str | None:
-    """A cgroup ``name`` with its value written to the first of ``knobs`` that takes it, or ``None``."""
-    for root, knob, value in knobs:
-        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, "cgroup.procs")):
-            continue
-        path = os.path.join(root, name)
-        made = not os.path.isdir(path)  # on cgroup v2 the pids and cpu groups are this same folder
-        try:
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, knob), "w") as f:
-                f.write(str(value))
-            return path
-        except OSError:
-            if made:
-                remove_group(path)
-    return None
-
-
-def memory_cap(name: str, memory_bytes: int) -> str | None:
-    """A cgroup holding all of a child's processes to ``memory_bytes`` of memory together (v1
-    ``memory.limit_in_bytes``, v2 ``memory.max``; tmpfs pages count), or ``None``. ``RLIMIT_AS`` is
-    per process: one row of many processes once held 5.4 GiB."""
-    return _knob_group(name, _memory_knobs(memory_bytes))
-
-
-def cpu_weight(name: str) -> str | None:
-    """A cgroup with the default CPU weight (v1 ``cpu.shares``, v2 ``cpu.weight``), or ``None``: the
-    scheduler shares the CPU between such groups, not between processes, so a row of 48 busy
-    processes gets no more of it than the honest row beside it."""
-    return _knob_group(name, _WEIGHT_KNOBS)
-
-
-def cpu_account(name: str) -> str | None:
-    """A fresh cgroup that counts the CPU time of everything in it (v1 ``cpuacct``, v2
-    ``cpu.stat``), or ``None`` where none can be made. The grader reads it with
-    :func:`cpu_seconds_used` to stop a submission by the CPU time all its processes used, which
-    machine load does not change (``RLIMIT_CPU`` is per process: a fork bomb's processes would
-    each start from zero)."""
-    for root, counter in zip(_CPU_ROOTS, ("cpuacct.usage", "cgroup.controllers")):
-        if os.geteuid() != 0 or not os.path.exists(os.path.join(root, counter)):
-            continue
-        path = os.path.join(root, name)
-        try:
-            os.makedirs(path, exist_ok=True)
-            cpu_seconds_used(path)
-            return path
-        except OSError:
-            continue
-    return None
-
-
-def cpu_seconds_used(path: str) -> float:
-    """CPU seconds (user + system) used so far by the processes of the cgroup ``path``."""
-    if os.path.exists(os.path.join(path, "cpuacct.usage")):
-        with open(os.path.join(path, "cpuacct.usage")) as f:
-            return int(f.read()) / 1e9
-    with open(os.path.join(path, "cpu.stat")) as f:
-        usage = dict(line.split() for line in f if line.strip())
-    return int(usage["usage_usec"]) / 1e6
-
-
-def remove_group(path: str | None) -> None:
-    """Remove a cgroup made by :func:`process_group_cap` (its processes must be gone)."""
-    if path:
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
-
-
 @dataclass(frozen=True)
 class Mounts:
     """Folders a learner's process must not see (``hidden``) or change (``read_only``), and those
@@ -401,24 +306,11 @@ class Mounts:
     reach: tuple[str, ...] = ()
 
 
-def sweep_groups(prefix: str, wait: float = 60.0) -> None:
-    """Kill and remove every cgroup whose name starts with ``prefix`` (a batch's leftovers: a fork
-    bomb's orphans may outlive its row's own cleanup on a loaded machine)."""
-    deadline = time.monotonic() + wait
-    for root in dict.fromkeys(_PIDS_ROOTS + _CPU_ROOTS + tuple(r for r, _, _ in _memory_knobs(0) + _WEIGHT_KNOBS)):
-        for name in (os.listdir(root) if os.path.isdir(root) else []):
-            path = os.path.join(root, name)
-            while name.startswith(prefix) and os.path.isdir(path) and time.monotonic() < deadline:
-                kill_group(path)
-                remove_group(path)
-                time.sleep(0.1)
-
-
 def child_setup(limits: Limits, uid: int | None, mounts: Mounts = Mounts(), groups: tuple[str, ...] = ()) -> None:
     """``preexec_fn`` of a learner's process: new session, limits, own network, own user, and an
     empty read-only folder mounted over each of ``mounts.hidden`` (other submissions, masters,
     solutions), ``mounts.read_only`` (the course checkout) bound read-only, inside the ``groups``
-    cgroups (:func:`process_group_cap`, :func:`cpu_account`)."""
+    cgroups (:mod:`dtlib.grading.cgroups`)."""
     os.setsid()
     for group in groups:
         with open(os.path.join(group, "cgroup.procs"), "w") as f:
@@ -501,25 +393,6 @@ def _reach(libc: ctypes.CDLL, blocker: str, paths: tuple[str, ...], read_only: b
     finally:
         for fd in held:
             os.close(fd)
-
-
-def kill_group(path: str | None) -> None:
-    """SIGKILL every process in the cgroup ``path`` (what a submission left running)."""
-    if not path:
-        return
-    for _ in range(5):  # a fork bomb may spawn between two rounds; pids.max bounds it
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(line) for line in f if line.strip()]
-        except OSError:
-            return
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def kill_user(uid: int | None) -> None:
