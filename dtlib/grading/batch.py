@@ -39,7 +39,7 @@ import nbformat
 
 from dtlib.analytic import validate
 from dtlib.grading import cgroups, checkouts, children, grades_csv, prefork, rowfiles, sandbox, verdict
-from dtlib.grading.children import first_line
+from dtlib.grading.grades_csv import first_line
 
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_CPU_TIME", "MAX_CPU_TIME", "submission_files", "check_options", "wall_limit",
            "grade", "question_points"]
@@ -87,28 +87,6 @@ def _read_notebook(path: Path) -> tuple[nbformat.NotebookNode | None, str]:
 def _missing_checks(nb: nbformat.NotebookNode, questions: list[str]) -> list[str]:
     present = {q for cell in nb.cells if cell.cell_type == "code" for q in _CHECK_CALL.findall(cell.source)}
     return [q for q in questions if q not in present]
-
-
-def _first_cell_error(nb: nbformat.NotebookNode) -> str:
-    """``"the cell starting `...`: Type: message"`` for the first cell whose output is an error."""
-    for cell in nb.cells:
-        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            if out.get("output_type") == "error":
-                start = first_line(cell.source, 60)
-                return f"the cell starting `{start}` raised {out['ename']}: {first_line(out['evalue'])}"
-    return ""
-
-
-def grade_in_child(autograder_zip: Path, notebook: Path, out_json: Path) -> None:
-    """An execution's body (forked by :mod:`dtlib.grading.prefork`, walled off): grade one
-    notebook with otter, write its scores and its first cell error as JSON."""
-    from otter.api import grade_submission
-
-    results = grade_submission(str(notebook), str(autograder_zip), quiet=True)
-    executed = getattr(results, "notebook", None)
-    report = {"scores": {q: results.get_score(q) for q in results.test_files},
-              "cell_error": _first_cell_error(executed) if executed is not None else ""}
-    out_json.write_text(json.dumps(report))
 
 
 def _scores(report: object, questions: dict) -> dict[str, float]:

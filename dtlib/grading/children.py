@@ -16,15 +16,11 @@ import time
 from pathlib import Path
 
 from dtlib.grading import cgroups, prefork, rowfiles, sandbox
+from dtlib.grading.grades_csv import first_line
 
-__all__ = ["run_children", "first_line"]
+__all__ = ["run_children"]
 
 _MAX_REPORT = 1 << 20  # bytes of a child's JSON report read back
-
-
-def first_line(text: str, limit: int = 200) -> str:
-    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _child_env(home: Path) -> dict[str, str]:

@@ -21,10 +21,16 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["LEARNER_TEXT", "check_out_path", "neutralise", "write"]
+__all__ = ["LEARNER_TEXT", "first_line", "check_out_path", "neutralise", "write"]
 
 LEARNER_TEXT = ("submission", "error")  # the columns whose text a submission chooses
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    """The first non-blank line of ``text``, at most ``limit`` characters: a row's ``error`` cell."""
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def check_out_path(out_csv: str | os.PathLike) -> None:

@@ -116,9 +116,9 @@ def _child(request: dict, fds: list[int]) -> None:
         sandbox.child_setup(sandbox.Limits(**request["limits"]), request["uid"], mounts, tuple(request["groups"]))
         os.chdir(request["cwd"])
         if request["argv"]:
-            from dtlib.grading import batch
+            from dtlib.grading import execution
 
-            batch.grade_in_child(*map(Path, request["argv"]))
+            execution.grade_in_child(*map(Path, request["argv"]))
             os.write(3, b"ok")
         else:
             from dtlib.grading import verdict
