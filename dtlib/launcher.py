@@ -17,7 +17,7 @@ does not have). Here:
 The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
 :func:`init_from_env`) from the script, as PyTorch's own examples do with ``env://``.
 
-About 530 lines, over the usual 400: starting, watching and tearing down the ranks share the
+About 540 lines, over the usual 400: starting, watching and tearing down the ranks share the
 workdir, the pipes and the result/error files (and their optional data-only codec, see
 :func:`set_result_codec`); split, each part would need the others' file formats.
 """

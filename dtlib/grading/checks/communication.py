@@ -224,6 +224,9 @@ def ddp_model(seed: int = 0, layers: int = 4, width: int = 128) -> nn.Sequential
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
 
 
+_DDP_BATCH = 16  # the global batch of the checks' DDP runs, in the ranks and in the check's own reference
+
+
 def _ddp_batches(steps: int, batch: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
     return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
@@ -302,7 +305,7 @@ def _ddp_step(ddp: Any, x: torch.Tensor, y: torch.Tensor, world_size: int) -> di
 
 
 def _ddp_worker(rank: int, world_size: int, cls: type, cap_mb: float, steps: int,
-                layers: int = 4, width: int = 128, batch: int = 16) -> dict:
+                layers: int = 4, width: int = 128, batch: int = _DDP_BATCH) -> dict:
     # the learner's training only: single-process training is the check's, in its own process
     data = _ddp_batches(steps, batch, width)
     # ranks other than 0 start elsewhere: the constructor must broadcast rank 0's weights
@@ -344,7 +347,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def _weights_diagnosis(setting: str, params: list[torch.Tensor], world_size: int, steps: int) -> str | None:
     """Rank 0's weights against one process training on the full batch, computed here (called
     after the launch, so no rank process ever holds it: issue 39)."""
-    data = _ddp_batches(steps, 16, 128)  # _ddp_worker's batch and width
+    data = _ddp_batches(steps, _DDP_BATCH, 128)  # _ddp_worker's batch, ddp_model's width (_train_single's model)
     with torch.random.fork_rng(devices=[]):  # ddp_model seeds: leave the caller's generator be
         mean, summed = _train_single(data, 0.1, 1.0), _train_single(data, 0.1, float(world_size))
     diff = _max_diff(params, mean)
