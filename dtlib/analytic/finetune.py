@@ -43,7 +43,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 
-__all__ = ["FineTuning", "FINETUNE", "LORA_TARGETS", "DEFAULT_LORA_TARGETS", "target_mask", "target_shapes",
+__all__ = ["FineTuning", "FINETUNE", "LORA_TARGETS", "DEFAULT_LORA_TARGETS", "target_mask", "target_on", "target_shapes",
            "adapter_params", "adapter_layer_params", "check_targets"]
 
 FINETUNE = ("full", "lora")
@@ -115,7 +115,8 @@ def check_targets(finetune: FineTuning, n: dict[str, Any]) -> None:
                                        ",".join(wrong))
 
 
-def _on(mask: Any, name: str) -> Any:
+def target_on(mask: Any, name: str) -> Any:
+    """1 where the bit mask ``mask`` (:func:`target_mask`) holds target ``name``, else 0."""
     return (np.asarray(mask) >> LORA_TARGETS.index(name)) & 1
 
 
@@ -163,7 +164,7 @@ def adapter_layer_params(n: dict[str, Any], moe: bool, *, tp: Any = 1, ep: Any =
         group = etp if routed else tp
         side_in = d_in / np.where(split == "row", group, 1)
         side_out = d_out / np.where(split == "column", group, 1)
-        adapters = _on(mask, name) * r * (side_in + side_out)
+        adapters = target_on(mask, name) * r * (side_in + side_out)
         if routed:
             expert = expert + adapters * (np.where(copies > 0, n.get("top_k", 0), 0) if active else copies / ep)
         else:

@@ -26,6 +26,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params
+from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets
 
 __all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token",
            "attention_flops_per_token", "step_flops", "recompute_flops_per_token", "megatron_flops_per_step",
@@ -126,12 +127,22 @@ def recompute_flops_per_token(recompute: str, layers_forward: Any, attention_for
 
 def step_flops(tokens: Any, *, recompute: str = "none", attention: str = "full",
                count_logits: bool = True, **shape: Any) -> dict[str, Any]:
-    """Model FLOPs (3 x forward) and hardware FLOPs (+ recomputation) of a step of ``tokens``."""
-    fwd = forward_flops_per_token(attention=attention, count_logits=count_logits, **shape)
+    """Model FLOPs (3 x forward) and hardware FLOPs (+ recomputation) of a step of ``tokens``.
+
+    With ``lora_rank`` > 0 in ``shape`` (LoRA, :mod:`dtlib.analytic.finetune`) the forward adds the
+    adapters' ``2 r (d_in + d_out)`` per targeted matrix and token, and the frozen weights (the
+    layers' and the LM head's) skip their weight gradient: 2x their forward instead of 3x (Hu et
+    al. 2021, Sec. 4.2; backward = dgrad + wgrad, each 1x forward, Narayanan et al. 2021, Sec. 5.1);
+    attention and the adapters keep 3x. ``frozen_per_token``: the forward FLOPs of the frozen weights."""
+    adapters = 2 * adapter_params(shape, active=True)
+    fwd = forward_flops_per_token(attention=attention, count_logits=count_logits, **shape) + adapters
     layers_fwd = fwd - count_logits * 2 * shape["hidden"] * shape["vocab"]
     attn_fwd = attention_flops_per_token(attention=attention, **shape)
     extra = recompute_flops_per_token(recompute, layers_fwd, attn_fwd)
-    return {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
+    frozen = (np.asarray(shape.get("lora_rank", 0)) > 0) * (fwd - attn_fwd - adapters)
+    train = 3 * fwd - frozen
+    return {"forward_per_token": fwd, "frozen_per_token": frozen, "model": train * tokens,
+            "hardware": (train + extra) * tokens}
 
 
 def megatron_flops_per_step(batch: float, seq: float, layers: float, hidden: float, vocab: float,
@@ -177,11 +188,16 @@ def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
 def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | None = None,
                  step_time: float | None = None, gpus: int = 1, gpu: "str | Accelerator" = "h100-sxm",
                  dtype: str = "bf16", recompute: str = "none", attention: str = "full",
-                 count_logits: bool = True) -> dict[str, Any]:
+                 count_logits: bool = True, finetune: FineTuning | None = None) -> dict[str, Any]:
     """FLOPs of a step of ``batch`` sequences; with ``step_time`` (s) also MFU and HFU.
 
     ``model`` is a config, or a bare parameter count (then ``seq`` is required and the count is
-    6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing)."""
+    6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing).
+    ``finetune``: LoRA counts its adapters and no weight gradients of the frozen weights
+    (:func:`step_flops`; a model shape only)."""
+    finetune = finetune or FineTuning()
+    if not isinstance(finetune, FineTuning):
+        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
     validate.integer("batch", batch)
     validate.integer("gpus", gpus)
     if seq is not None:
@@ -189,12 +205,18 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.boolean("count_logits", count_logits)
     if isinstance(model, TransformerConfig):
-        shape = shape_of(model, seq)
+        shape = dict(shape_of(model, seq), **finetune.numbers())
+        check_targets(finetune, shape)
         tokens = batch * shape["seq"]
         f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits, **shape)
         name = model.name
         counts = {"parameters": model.num_parameters(), "active_parameters": model.active_parameters()}
+        if finetune.lora:
+            counts["trainable_parameters"] = float(adapter_params(shape))
     else:
+        if finetune.lora:
+            raise ValueError("LoRA needs a model shape (its targets are matrices of the layers); "
+                             "a bare parameter count has none")
         model = validate.number("params", model)
         if seq is None:
             raise ValueError("a bare parameter count needs seq (tokens per sequence) to count FLOPs per step")
@@ -210,7 +232,8 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
            "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],
            "gpu": acc.name, "dtype": dtype, "peak_flops_per_gpu": peak, "gpus": gpus,
            "ideal_step_time": f["model"] / (gpus * peak),
-           "conventions": {"attention": attention, "count_logits": count_logits, "recompute": recompute}}
+           "conventions": {"attention": attention, "count_logits": count_logits, "recompute": recompute,
+                           "finetune": finetune.describe()}}
     if step_time is not None:
         validate.number("step_time", step_time)
         fastest = f["hardware"] / (gpus * peak)

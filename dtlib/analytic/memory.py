@@ -29,6 +29,7 @@ from dtlib.analytic.units import GB, GiB
 from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
+from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targets
 from dtlib.analytic.presets import Training, activation_convention, get_preset
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers, stored_on_rank
@@ -99,8 +100,13 @@ def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
     held = rank_layers(n, rank, balanced) if held is None else held
     dense_layers, moe = held["layers"] - held["moe_layers"], held["moe_layers"]
     ends = (rank == 0) * blocks["embedding"] + (rank == n["pp"] - 1) * blocks["head"]
+    # LoRA adapters of the rank's layers (dtlib.analytic.finetune; none without lora_rank)
+    split = dict(tp=n.get("tp", 1), ep=n.get("ep", 1), etp=n.get("etp", 1))
+    dense_adapters, moe_adapters = adapter_layer_params(n, False, **split), adapter_layer_params(n, True, **split)
     return {"dense": ends + dense_layers * blocks["dense_layer"] + moe * blocks["moe_dense"],
-            "expert": moe * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends}
+            "expert": moe * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends,
+            "adapter": dense_layers * dense_adapters["dense"] + moe * moe_adapters["dense"],
+            "expert_adapter": moe * moe_adapters["expert"]}
 
 
 def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any]]:
@@ -123,7 +129,8 @@ def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any
 
 
 def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1, tp=1, etp=1,
-                      offload: str = "none") -> dict[str, Any]:
+                      offload: str = "none", adapter: Any = 0, expert_adapter: Any = 0,
+                      frozen: Any = False) -> dict[str, Any]:
     """GPU and CPU bytes of parameters, gradients and optimizer for ZeRO ``zero`` (0-3).
 
     Stage >= 1 divides the optimizer, >= 2 also the gradients, 3 also the parameters, by the
@@ -141,18 +148,27 @@ def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size,
     ``temporary`` term, DeepSpeed's ``4 * largest_layer_params`` for 2-byte weights
     (``estimate_zero3_model_states_mem_needs``). Offloading (Ren et al. 2021, ZeRO-Offload) moves the
     optimizer and the gradient shards to CPU; ``params`` also the parameter shards (ZeRO-Infinity).
+
+    ``frozen`` (LoRA, :mod:`dtlib.analytic.finetune`; Hu et al. 2021, Sec. 4.2): the ``dense`` and
+    ``expert`` weights are frozen, held once in the working dtype (``prec.param``: no gradient, no
+    optimizer state, no master copy; ZeRO-3 still shards them and gathers a unit without its
+    gradients); the ``adapter`` and ``expert_adapter`` parameters are trained with every byte of ``prec``.
     """
     expert_shard = np.maximum(shard_size * tp // (etp * ep), 1)
 
-    def count(min_stage):
+    def count(min_stage, dense=dense, expert=expert):
         on = zero >= min_stage
         return dense / np.where(on, shard_size, 1) + expert / np.where(on, expert_shard, 1)
 
-    params, grads, optim = prec.param * count(3), prec.grad * count(2), prec.optimizer * count(1)
-    temporary = np.where(zero == 3, 2 * prec.param * unit, 0)
+    def trained(min_stage):
+        return np.where(frozen, count(min_stage, adapter, expert_adapter), count(min_stage))
+
+    params = prec.param * (count(3) + np.where(frozen, count(3, adapter, expert_adapter), 0))
+    grads, optim = prec.grad * trained(2), prec.optimizer * trained(1)
+    temporary = np.where(zero == 3, np.where(frozen, 1, 2) * prec.param * unit, 0)
     cpu = 0 * params
     if offload in ("optimizer", "params"):
-        cpu = optim + prec.grad * count(1)
+        cpu = optim + prec.grad * trained(1)
         optim, grads = 0 * optim, 0 * grads
     if offload == "params":
         cpu, params = cpu + params, 0 * params
@@ -217,7 +233,9 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     picked: dict[str, Any] = {}
     for i, (rank, p) in enumerate(zip(ranks, params)):
         st = model_state_bytes(p["dense"], p["expert"], p["unit"], prec, zero=n["zero"], shard_size=n["shard_size"],
-                               ep=n["ep"], tp=n["tp"], etp=n.get("etp", 1), offload=offload)
+                               ep=n["ep"], tp=n["tp"], etp=n.get("etp", 1), offload=offload,
+                               adapter=p.get("adapter", 0), expert_adapter=p.get("expert_adapter", 0),
+                               frozen=np.asarray(n.get("lora_rank", 0)) > 0)
         st["activations"] = act[i]["total"] if shaped else None
         if shaped:
             st["cpu"] = st["cpu"] + act[i].pop("cpu")
@@ -286,7 +304,7 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
                    stack: "Stack | str | None" = None, dtype: str = "bf16",
                    mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
                    largest_layer_params: float | None = None,
-                   overhead_bytes: float = 0.0) -> MemoryBreakdown:
+                   overhead_bytes: float = 0.0, finetune: FineTuning | None = None) -> MemoryBreakdown:
     """Bytes per GPU on the most loaded GPU of ``layout`` training ``model``.
 
     ``model``: a :class:`TransformerConfig`, a preset name, or a parameter count (then activations
@@ -304,9 +322,14 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     ``overhead_bytes``: framework overhead (CUDA context, NCCL buffers, fragmentation; default 0,
     typically 1-3 GiB on a GPU). ``largest_layer_params`` overrides the ZeRO-3 gather unit: the
     parameters of the largest layer before tensor parallelism, which splits it over ``tp`` ranks
-    as it splits the layers of a shaped model.
+    as it splits the layers of a shaped model. ``finetune``: a :class:`~dtlib.analytic.finetune.FineTuning`
+    (default: every weight trained); LoRA freezes the base weights and trains adapters
+    (:func:`model_state_bytes`), and needs a model shape.
     """
     layout = layout or Parallelism()
+    finetune = finetune or FineTuning()
+    if not isinstance(finetune, FineTuning):
+        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
     prec = get_precision(precision)
     cfg = resolve_model(model)
     chosen_stack = get_stack(stack)
@@ -324,8 +347,13 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
         validate.number(name, value, minimum=0, exclusive=False)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if isinstance(cfg, TransformerConfig):
-        n = layout.numbers(**model_numbers(cfg, seq), gpus=gpus, largest_layer=largest_layer_params)
+        n = layout.numbers(**model_numbers(cfg, seq), **finetune.numbers(), gpus=gpus,
+                           largest_layer=largest_layer_params)
+        check_targets(finetune, n)
     else:
+        if finetune.lora:
+            raise ValueError("LoRA needs a model shape (its targets are matrices of the layers); "
+                             "a bare parameter count has none")
         if layout.ep > 1:
             raise ValueError("expert parallelism needs a model shape with moe_experts; "
                              "a bare parameter count cannot be split into experts")
@@ -341,6 +369,9 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
                       overhead_bytes=overhead_bytes)
     detail = {k.split(".", 1)[1]: float(v) for k, v in r.items() if k.startswith("activations.")}
     notes = [f"precision: {prec.name} ({prec.total:g} bytes/param before sharding)"]
+    if finetune.lora:
+        notes.append(f"fine-tuning: {finetune.describe()}: frozen weights at {prec.param:g} bytes/param, "
+                     f"adapters at {prec.total:g}")
     if r["activations"] is None:
         notes.append("activations: not computed (bare parameter count; give a model shape)")
     else:

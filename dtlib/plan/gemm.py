@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
+from dtlib.analytic.finetune import target_on, target_shapes
 from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.hardware import Accelerator
 from dtlib.plan.moe import expert_load, expert_rows, grouped_gemm_overhead, moe_numbers
@@ -103,11 +104,36 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
     return np.maximum(math, memory)
 
 
-def _fwd_bwd(m: Any, n: Any, k: Any, batch: Any, **kw: Any) -> tuple[Any, Any]:
-    """Forward GEMM (M, N, K) and its two backward GEMMs: dX (M x K over N), dW (K x N over M)."""
+def _fwd_bwd(m: Any, n: Any, k: Any, batch: Any, frozen: Any = 0, **kw: Any) -> tuple[Any, Any]:
+    """Forward GEMM (M, N, K) and its two backward GEMMs: dX (M x K over N), dW (K x N over M);
+    a ``frozen`` weight (LoRA's base, Hu et al. 2021, Sec. 4.2) has no dW."""
     forward = gemm_time(m, n, k, batch=batch, **kw)
-    backward = gemm_time(m, k, n, batch=batch, **kw) + gemm_time(k, n, m, batch=batch, **kw)
+    backward = gemm_time(m, k, n, batch=batch, **kw) + (1 - frozen) * gemm_time(k, n, m, batch=batch, **kw)
     return forward, backward
+
+
+def adapter_gemms(n: dict[str, Any], tokens: Any, expert_rows: Any, local_experts: Any,
+                  kw: dict[str, Any]) -> dict[bool, tuple[Any, Any]]:
+    """Forward and backward seconds of one layer's LoRA adapters on one GPU, for a dense layer
+    (``False``) and an MoE layer (``True``): per targeted matrix (:func:`dtlib.analytic.finetune.target_shapes`)
+    X A (``tokens`` x r over its input) and (X A) B (x its output over r), both trained, split as
+    the matrix is over tp (routed experts: ``expert_rows`` rows each, ``local_experts`` of them,
+    over etp). Thin GEMMs: :func:`gemm_time` finds most of them bound by memory traffic."""
+    r = np.maximum(n.get("lora_rank", 0), 1)
+    on_layer = (np.asarray(n.get("lora_rank", 0)) > 0) * 1.0
+    out = {}
+    for moe in (False, True):
+        forward = backward = 0.0
+        for name, d_in, d_out, split, copies, routed in target_shapes(n, moe):
+            group = n.get("etp", 1) if routed else n["tp"]
+            d_in = np.maximum(d_in / np.where(split == "row", group, 1), 1)
+            d_out = np.maximum(d_out / np.where(split == "column", group, 1), 1)
+            rows, batch = (expert_rows, local_experts) if routed else (tokens, 1)
+            a, b = _fwd_bwd(rows, r, d_in, batch, **kw), _fwd_bwd(rows, d_out, r, batch, **kw)
+            on = on_layer * target_on(n.get("lora_targets", 0), name) * (np.asarray(copies) > 0)
+            forward, backward = forward + on * (a[0] + b[0]), backward + on * (a[1] + b[1])
+        out[moe] = (forward, backward)
+    return out
 
 
 def _mlp(rows: Any, width: Any, h: Any, matrices: Any, batch: Any, kw: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -193,6 +219,13 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
                       bytes_per_element=1.0 if dtype == "fp8" else 2.0)
     bf16_kw = dict(gpu=gpu, dtype="bf16", efficiency=gemm_efficiency, clock=clock)
+    # LoRA: the weight GEMMs' weights are frozen (no dW), the adapters' are not (adapter_gemms)
+    lora = np.any(np.asarray(n.get("lora_rank", 0)) > 0)
+    frozen = (np.asarray(n.get("lora_rank", 0)) > 0) * 1.0
+    adapter_kw = dict(weights_kw)
+    if lora:
+        weights_kw = dict(weights_kw, frozen=frozen)
+    weight_bf16_kw = dict(bf16_kw, frozen=frozen) if lora else bf16_kw
 
     # ---- weight GEMMs of one layer, one micro-batch (Shoeybi et al. 2019, Sec. 3) --------------
     attn = attention_projections(n, tokens, **weights_kw)
@@ -208,14 +241,17 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
     shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
                   (moe["shared_experts"] > 0) * 1.0, weights_kw)
-    router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw)
-    head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw)
+    router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **weight_bf16_kw)
+    head = _fwd_bwd(tokens, vocab / tp, h, 1, **weight_bf16_kw)
+    adapters = adapter_gemms(n, tokens, rows, local_experts, adapter_kw) if lora else {False: (0, 0), True: (0, 0)}
     full, selective = recompute == "full", recompute == "selective"
 
     def layer(share: Any) -> Any:
         """Weight GEMMs of one layer, one micro-batch: a share ``share`` of it an MoE layer."""
-        forward = attn["forward"] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
-        backward = attn["backward"] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
+        forward = (attn["forward"] + (1 - share) * (dense_mlp[0] + adapters[False][0])
+                   + share * (grouped[0] + shared[0] + router[0] + adapters[True][0]))
+        backward = (attn["backward"] + (1 - share) * (dense_mlp[1] + adapters[False][1])
+                    + share * (grouped[1] + shared[1] + router[1] + adapters[True][1]))
         cast = 0.0
         if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
             elements = (attn["inputs"] + attn["outputs"] + attn["weights"] + (1 - share) * dense_mlp[2]

@@ -35,7 +35,8 @@ from dtlib.analytic.memory import per_gpu_bytes
 from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
-from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays
+from dtlib.analytic.finetune import FineTuning
+from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays, with_finetune
 
 __all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "SPLIT", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
@@ -194,7 +195,7 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
            options: StepOptions = StepOptions(), fixed: dict[str, Any] | None = None,
            headroom: float = 0.9, tp_within_node: bool = True, dropout: bool | None = None,
-           top: int = 5) -> SearchResult:
+           top: int = 5, finetune: FineTuning | None = None) -> SearchResult:
     """Rank every valid, fitting layout of ``model`` on ``cluster`` at ``global_batch`` sequences.
 
     ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
@@ -202,6 +203,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     buffers, fragmentation). ``options`` are filled from their stack and ``dropout`` from the
     activation convention (:func:`dtlib.plan.steptime.resolve`); memory is counted with the same
     conventions as :func:`dtlib.analytic.memory.memory_per_gpu` (:func:`dtlib.plan.steptime.memory_kwargs`).
+    ``finetune``: full (default) or LoRA fine-tuning (:mod:`dtlib.analytic.finetune`), in memory and time alike.
     """
     start = time.perf_counter()
     if not isinstance(model, TransformerConfig):
@@ -249,6 +251,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             continue
         # only valid layouts go on: the formulas are never evaluated on the placeholder rows
         n, grid = _take(n, valid), _take(grid, valid)
+        n = with_finetune(n, finetune, model)
         for recompute in recomputes:
             if recompute == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
                 continue  # partial and per-module recompute describe the other recompute settings

@@ -28,6 +28,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
 from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import Cluster, Link
@@ -47,7 +48,7 @@ from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_l
 from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
-           "memory_kwargs"]
+           "memory_kwargs", "with_finetune"]
 
 DTYPES = ("bf16", "fp8")
 
@@ -144,6 +145,17 @@ def memory_kwargs(options: StepOptions, dropout: bool) -> dict[str, bool]:
     ``options``: what ``dtlib plan`` counts is what ``dtlib memory`` counts."""
     counted = Training(flash_attention=bool(options.flash_attention), dropout=dropout, source="")
     return memory_options(counted, get_stack(options.stack), options.dtype)
+
+
+def with_finetune(n: dict[str, Any], finetune: FineTuning | None, model: TransformerConfig) -> dict[str, Any]:
+    """The layouts ``n`` with ``finetune``'s numbers (:meth:`~dtlib.analytic.finetune.FineTuning.numbers`)
+    as arrays of their length, its targets checked against ``model``."""
+    finetune = finetune or FineTuning()
+    if not isinstance(finetune, FineTuning):
+        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
+    check_targets(finetune, model.numbers())
+    rows = np.shape(n["dp"])
+    return dict(n, **{k: np.full(rows, v) for k, v in finetune.numbers().items()})
 
 
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
@@ -278,8 +290,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     flops = step_flops(tokens, recompute=recompute, attention=options.attention, **n)
     weights = 2 * layers_matmul_params(**n)
     attn = attention_flops_per_token(attention=options.attention, **n)
-    extra = recompute_flops_per_token(recompute, weights + attn, attn)
-    weight_hw = tokens * (3 * weights + extra - (recompute != "none") * attn)
+    # LoRA (dtlib.analytic.finetune): adapter GEMMs, and no weight gradients of the frozen weights
+    lora, adapters = np.asarray(n.get("lora_rank", 0)) > 0, 2 * adapter_params(n, active=True)
+    extra = recompute_flops_per_token(recompute, weights + adapters + attn, attn)
+    weight_hw = tokens * ((3 - lora) * weights + 3 * adapters + extra - (recompute != "none") * attn)
     if options.efficiency is not None:  # the flat convention: one fraction of peak for everything
         peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
         compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
@@ -350,26 +364,32 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     stages = stage_parameters(**n)
     first, last = (stages[k]["dense"] + stages[k]["expert"] for k in ("first", "last"))
     use_last = last > first
-    dense = np.where(use_last, stages["last"]["dense"], stages["first"]["dense"])
-    expert = np.where(use_last, stages["last"]["expert"], stages["first"]["expert"])
+    dense, expert, dense_trained, expert_trained = (
+        np.where(use_last, stages["last"][k], stages["first"][k]) for k in ("dense", "expert", "adapter", "expert_adapter"))
+    # what is trained: every weight, or (LoRA) the adapters only; ZeRO-3 still gathers the frozen weights
+    dense_trained, expert_trained = np.where(lora, dense_trained, dense), np.where(lora, expert_trained, expert)
     zero = n["zero"]
     dp_comm_raw = 0 * compute
     dp_edges = 0 * compute  # the last bucket's reduce and the first gather: nothing left to hide them
     dense_local = np.where(tp <= g, np.minimum(dp * cp, np.maximum(g // tp, 1)), 1)
     # expert parameters: reduced over the expert-data-parallel group (Megatron-Core's expert grid)
     grid = expert_grid(tp, cp, dp, ep, moe["etp"], g)
-    for params, ranks, local in ((dense, dp * cp, dense_local), (expert, grid["edp"], grid["edp_local"])):
-        grads, weights_bytes = params * prec.grad, params * prec.param
-        calls = _buckets(params, ranks, zero, layers_here)
+    for params, trained, ranks, local in ((dense, dense_trained, dp * cp, dense_local),
+                                          (expert, expert_trained, grid["edp"], grid["edp_local"])):
+        grads, weights_bytes = trained * prec.grad, np.where(zero == 3, params + lora * trained, trained) * prec.param
+        calls = _buckets(trained, ranks, zero, layers_here)
         reduce = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter, calls),
                           _hierarchical("reduce_scatter", grads, ranks, local, intra, inter, calls))
         gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
+        # LoRA without adapters in this group: nothing to reduce (ZeRO-3 still gathers the frozen weights)
+        reduce, gather = np.where(trained > 0, reduce, 0), np.where((trained > 0) | (zero == 3), gather, 0)
         t = reduce + np.where(zero == 3, 2 * m, 1) * gather
         used = (ranks > 1) & (params > 0)  # dense models: no expert part
         dp_comm_raw = dp_comm_raw + np.where(used, t, 0)
         dp_edges = dp_edges + np.where(used, (reduce + gather) / calls, 0)
     per_token_fwd = flops["forward_per_token"]
-    backward_share = (2 * per_token_fwd + extra) / (3 * per_token_fwd + extra)
+    frozen = flops["frozen_per_token"]  # LoRA: the frozen weights' skipped weight gradients
+    backward_share = (2 * per_token_fwd - frozen + extra) / (3 * per_token_fwd - frozen + extra)
     one_micro = compute / m
     budget = np.where(zero == 3, compute,
                       one_micro * backward_share + (zero >= 1) * one_micro * (1 - backward_share))
@@ -378,7 +398,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     dp_comm = np.maximum(dp_comm_raw - dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
-    owned = dense / np.where(zero >= 1, dp * cp, 1) + expert / np.where(zero >= 1, grid["edp"], 1)
+    owned = dense_trained / np.where(zero >= 1, dp * cp, 1) + expert_trained / np.where(zero >= 1, grid["edp"], 1)
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
 
@@ -430,13 +450,15 @@ class StepTime:
 
 def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *,
               options: StepOptions = StepOptions(), seq: int | None = None,
-              dropout: bool | None = None) -> StepTime:
+              dropout: bool | None = None, finetune: FineTuning | None = None) -> StepTime:
     """The step-time breakdown of ``layout`` training ``model`` on ``cluster`` (see :data:`TERMS`).
 
     The layout must use ``cluster``'s GPUs exactly; the global batch is
     ``dp x micro_batch_size x num_microbatches`` sequences of ``seq`` (default: the model's) tokens.
     ``dropout`` and ``options.flash_attention`` default to the activation convention
-    (:func:`resolve`; ``today``: FlashAttention-style attention, no dropout).
+    (:func:`resolve`; ``today``: FlashAttention-style attention, no dropout). ``finetune``: LoRA
+    times the adapters' GEMMs, no weight gradients of the frozen weights and DP traffic of the
+    adapters only (:mod:`dtlib.analytic.finetune`).
     """
     if not isinstance(model, TransformerConfig):
         raise ValueError(f"model must be a TransformerConfig (a shape: the step time needs layers), got {model!r}")
@@ -450,6 +472,7 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
         arrays["seq"] = np.asarray([seq])
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise",
                          balanced=layout.account_for_embedding_and_loss)
+    n = with_finetune(n, finetune, model)
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
                          recompute_modules=layout.recompute_modules,
