@@ -68,7 +68,7 @@ def test_active_adapters_count_top_k_experts():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(method="lora", rank=0), "lora_rank must be an integer >= 1, got 0"),
     (dict(method="lora", rank=4, targets=("qkv",)), "lora_targets must be one of"),
-    (dict(method="full", rank=4), "lora_rank must be unset without finetune='lora'"),
+    (dict(method="full", rank=4), "lora_rank must be unset unless finetune is 'lora'"),
     (dict(method="partial"), "finetune must be one of"),
 ])
 def test_bad_values(kwargs, message):
@@ -82,3 +82,92 @@ def test_targets_the_model_lacks():
     gelu = dict(LLAMA, activation="gelu", norm="layernorm")
     with pytest.raises(ValueError, match="got 'gate_proj'"):
         dtlib_adapters(gelu, 2, ("gate_proj",))
+
+
+# ---- memory, FLOPs, step time and the command line ---------------------------------------------
+from dtlib.analytic.flops import flops_report, layers_matmul_params  # noqa: E402
+from dtlib.analytic.hardware import cluster  # noqa: E402
+from dtlib.analytic.layout import Parallelism  # noqa: E402
+from dtlib.analytic.memory import memory_per_gpu  # noqa: E402
+from dtlib.analytic.presets import get_preset  # noqa: E402
+from dtlib.plan.steptime import step_time  # noqa: E402
+
+SMALL = TransformerConfig(**dict(LLAMA, layers=4, hidden=256, heads=8, kv_heads=4, ffn=512, vocab=1000, seq=256))
+LORA = FineTuning("lora", rank=8, targets=("q_proj", "v_proj", "down_proj"))
+
+
+def small_adapters() -> float:
+    return adapter_params(dict(SMALL.numbers(), **LORA.numbers()))
+
+
+def test_lora_memory_freezes_the_base():
+    """ZeRO's 2 + 2 + 12 bytes: the base weights 2 bytes each, the adapters all 16."""
+    full = memory_per_gpu(SMALL, precision="zero")
+    lora = memory_per_gpu(SMALL, precision="zero", finetune=LORA)
+    n, a = SMALL.num_parameters(), small_adapters()
+    assert full.parameters == 2 * n and full.gradients == 2 * n and full.optimizer == 12 * n
+    assert lora.parameters == 2 * (n + a) and lora.gradients == 2 * a and lora.optimizer == 12 * a
+    assert lora.activations == full.activations
+    # ZeRO-1 over 4 ranks shards the adapters' optimizer states only
+    zero1 = memory_per_gpu(SMALL, Parallelism(dp=4, zero=1), precision="zero", finetune=LORA)
+    assert zero1.optimizer == 12 * a / 4 and zero1.parameters == lora.parameters
+    assert memory_per_gpu(SMALL, precision="zero", finetune=FineTuning("full")).total == full.total
+
+
+def test_lora_flops_skip_the_frozen_weight_gradients():
+    """Per token: the frozen weights (layers and LM head) 2 x 2W instead of 3 x 2W, plus 3 x 2A of
+    the adapters; attention unchanged."""
+    full = flops_report(SMALL, 2, recompute="none")
+    lora = flops_report(SMALL, 2, recompute="none", finetune=LORA)
+    weights = layers_matmul_params(**SMALL.numbers()) + SMALL.hidden * SMALL.vocab
+    tokens = 2 * SMALL.seq
+    assert lora["model_flops_per_step"] == pytest.approx(
+        full["model_flops_per_step"] - tokens * 2 * weights + tokens * 6 * small_adapters(), rel=1e-12)
+    assert lora["flops_per_token"] * tokens == pytest.approx(lora["model_flops_per_step"], rel=1e-12)
+    assert lora["trainable_parameters"] == small_adapters()
+
+
+def test_lora_step_has_less_compute_and_adapter_traffic_only():
+    """Llama-3-8B, rank 16 on q and v: no weight-gradient GEMMs of the base (a third of them) for a
+    few thin adapter GEMMs; the optimizer and the DP reduce touch the adapters only."""
+    model, layout, cl = get_preset("llama3-8b"), Parallelism(dp=8, zero=1, num_microbatches=2), cluster("h100-sxm", 1, 8)
+    ft = FineTuning("lora", rank=16, targets=("q_proj", "v_proj"))
+    full, lora = step_time(model, layout, cl), step_time(model, layout, cl, finetune=ft)
+    assert step_time(model, layout, cl, finetune=FineTuning("full")).step_time == full.step_time
+    assert 0.6 < lora.breakdown["compute"] / full.breakdown["compute"] < 0.85
+    share = adapter_params(dict(model.numbers(), **ft.numbers())) / model.num_parameters()
+    assert lora.breakdown["optimizer"] == pytest.approx(full.breakdown["optimizer"] * share, rel=1e-3)
+    assert lora.breakdown["dp_comm"] <= full.breakdown["dp_comm"]
+
+
+def run(capsys, *argv):
+    from dtlib.cli import main
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--finetune", "lora", "--lora-rank", "0"), "--lora-rank must be an integer >= 1"),
+    (("--lora-rank", "4"), "--lora-rank given without --finetune lora"),
+    (("--finetune", "lora"), "--finetune lora needs --lora-rank"),
+    (("--finetune", "lora", "--lora-rank", "4", "--lora-targets", "qkv"), "--lora-targets must be names from"),
+    (("--finetune", "lora", "--lora-rank", "4", "--lora-targets", "kv_b_proj"),
+     "--lora-targets must be matrices this model has"),
+])
+@pytest.mark.parametrize("command", ["memory", "flops"])
+def test_cli_bad_values_one_line(capsys, command, flags, message):
+    code, out, err = run(capsys, command, "llama3-8b", *flags)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_plan_memory_flops_accept_lora(capsys):
+    lora = ("--finetune", "lora", "--lora-rank", "16", "--lora-targets", "q_proj,v_proj")
+    code, out, _ = run(capsys, "memory", "llama3-8b", "--json", *lora)
+    # 6,815,744 adapters x 4 bytes (the megatron stack's fp32 gradients); the base 8,030,261,248 x 2 bytes
+    assert code == 0 and '"gradients": 27262976.0' in out and '"parameters": 16074153984.0' in out
+    code, out, _ = run(capsys, "flops", "llama3-8b", *lora)
+    assert code == 0 and "6,815,744" in out
+    code, out, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "1",
+                       "--tp", "1", "--pp", "1", "--micro-batch", "1", "--zero", "1", "--recompute", "none", *lora)
+    assert code == 0 and "training: LoRA rank 16 on q_proj, v_proj" in out

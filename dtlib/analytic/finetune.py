@@ -68,7 +68,7 @@ class FineTuning:
         if self.method == "full":
             for name, value in (("lora_rank", self.rank), ("lora_targets", self.targets)):
                 if value is not None:
-                    raise validate.InvalidArgument(name, "unset without finetune='lora' (full fine-tuning "
+                    raise validate.InvalidArgument(name, "unset unless finetune is 'lora' (full fine-tuning "
                                                    "trains every weight)", value)
             return
         validate.integer("lora_rank", self.rank, minimum=1)

@@ -228,7 +228,8 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         counts = {"parameters": model, "active_parameters": model}
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     peak = acc.peak(dtype)
-    out = {"model": name, **counts, "tokens_per_step": tokens, "flops_per_token": 3 * f["forward_per_token"],
+    out = {"model": name, **counts, "tokens_per_step": tokens,
+           "flops_per_token": 3 * f["forward_per_token"] - f.get("frozen_per_token", 0),
            "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],
            "gpu": acc.name, "dtype": dtype, "peak_flops_per_gpu": peak, "gpus": gpus,
            "ideal_step_time": f["model"] / (gpus * peak),

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from dtlib.analytic import validate
 from dtlib.analytic.activations import RECOMPUTE_MODULES
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
+from dtlib.analytic.finetune import DEFAULT_LORA_TARGETS, FINETUNE, LORA_TARGETS, FineTuning
 from dtlib.analytic.hardware import ACCELERATORS
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.memory import GiB, resolve_model
@@ -106,6 +107,41 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", dest="num_microbatches", type=positive_int, default=1,
                    help="micro-batches per step per pipeline (Megatron's num_microbatches)")
     g.add_argument("--offload", choices=OFFLOAD, default="none")
+
+
+def finetune_args(p: argparse.ArgumentParser) -> None:
+    """``--finetune``, ``--lora-rank`` and ``--lora-targets`` (:mod:`dtlib.analytic.finetune`), in their own group."""
+    g = p.add_argument_group("fine-tuning (docs/finetune.md)")
+    g.add_argument("--finetune", choices=FINETUNE, default=None,
+                   help="full: every weight trained (as pre-training, the default); lora: adapters on frozen "
+                        "weights (Hu et al. 2021)")
+    g.add_argument("--lora-rank", type=positive_int, default=None, metavar="R", help="LoRA rank r (>= 1; with --finetune lora)")
+    g.add_argument("--lora-targets", type=_targets, default=None, metavar="NAME[,NAME...]",
+                   help=f"matrices given adapters, HF PEFT target_modules names: {', '.join(LORA_TARGETS)} "
+                        f"(default {','.join(DEFAULT_LORA_TARGETS)}, PEFT's for Llama)")
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    wrong = [t for t in names if t not in LORA_TARGETS]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(f"must be names from {', '.join(LORA_TARGETS)}, got {text!r}")
+    return names
+
+
+def finetune_from_args(args: argparse.Namespace) -> FineTuning:
+    """The :class:`~dtlib.analytic.finetune.FineTuning` of the flags (``--lora-*`` only with ``--finetune lora``)."""
+    method = args.finetune or "full"
+    if method != "lora":
+        given = [flag for flag, value in (("--lora-rank", args.lora_rank), ("--lora-targets", args.lora_targets))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --finetune lora; valid: --finetune lora "
+                             f"--lora-rank R [--lora-targets ...], or neither")
+        return FineTuning(method)
+    if args.lora_rank is None:
+        raise ValueError("--finetune lora needs --lora-rank R (an integer >= 1; 8 or 16 are common)")
+    return FineTuning("lora", rank=args.lora_rank, targets=args.lora_targets)
 
 
 # One precision vocabulary for every subcommand (memory, comm, plan): the training precision,

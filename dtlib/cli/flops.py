@@ -5,15 +5,15 @@ import argparse
 from typing import Any
 
 from dtlib.analytic.flops import ATTENTION, flops_report
-from dtlib.cli.args import (checked_layout, emit, layout_args, model_args, model_from_args, positive_int, seconds,
-                            table, training_defaults)
+from dtlib.cli.args import (checked_layout, emit, finetune_args, finetune_from_args, layout_args, model_args,
+                            model_from_args, positive_int, seconds, table, training_defaults)
 
 __all__ = ["add_flops_command", "run_flops"]
 
 
 def add_flops_command(sub: Any) -> None:
     p = sub.add_parser("flops", help="FLOPs per step, MFU and HFU")
-    model_args(p), layout_args(p)
+    model_args(p), layout_args(p), finetune_args(p)
     p.add_argument("--batch", type=positive_int,
                    help="global batch in sequences (default dp*micro_batch_size*num_microbatches)")
     p.add_argument("--step-time", type=seconds, help="measured seconds per step (gives MFU/HFU)")
@@ -32,9 +32,11 @@ def run_flops(args: argparse.Namespace) -> int:
                      step_time=args.step_time, gpus=layout.gpus if args.gpus is None else args.gpus,
                      gpu=args.gpu,
                      dtype=args.dtype, recompute=args.recompute, attention=args.attention_flops,
-                     count_logits=not args.no_logits)
+                     count_logits=not args.no_logits, finetune=finetune_from_args(args))
     rows = [("parameters (total)", f"{r['parameters']:,.0f}"),
             ("parameters (active per token)", f"{r['active_parameters']:,.0f}"),
+            *([("parameters (trained: LoRA adapters)", f"{r['trainable_parameters']:,.0f}")]
+              if "trainable_parameters" in r else []),
             ("tokens per step", f"{r['tokens_per_step']:,}"),
             ("FLOPs per token (train)", f"{r['flops_per_token']:.4g}"),
             ("model FLOPs per step", f"{r['model_flops_per_step']:.4g}"),
@@ -43,5 +45,6 @@ def run_flops(args: argparse.Namespace) -> int:
             ("step time at 100% MFU", f"{r['ideal_step_time']:.4g} s")]
     if "mfu" in r:
         rows += [("MFU", f"{100 * r['mfu']:.1f} %"), ("HFU", f"{100 * r['hfu']:.1f} %")]
+    assumed = assumed + [f"fine-tuning: {r['conventions']['finetune']}"] * ("trainable_parameters" in r)
     r["notes"] = assumed
     return emit(args, r, "\n".join([table(rows, f"FLOPs: {r['model']} on {r['gpus']} GPUs")] + assumed))

@@ -6,8 +6,8 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.memory import memory_per_gpu
-from dtlib.cli.args import (checked_layout, conventions_from_args, emit, format_gib, layout_args, model_args,
-                            model_from_args, parse_count, parse_size, precision_args, precision_from_args,
+from dtlib.cli.args import (checked_layout, conventions_from_args, emit, finetune_args, finetune_from_args,
+                            format_gib, layout_args, model_args, model_from_args, parse_count, parse_size, precision_args, precision_from_args,
                             recompute_detail_args, table)
 
 __all__ = ["add_memory_command", "run_memory"]
@@ -31,7 +31,7 @@ dtlib plan. The output says what was assumed.
 def add_memory_command(sub: Any) -> None:
     p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)",
                        description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_args(p), layout_args(p), precision_args(p, activations=True)
+    model_args(p), layout_args(p), precision_args(p, activations=True), finetune_args(p)
     recompute_detail_args(p.add_argument_group("what the layout keeps (docs/stacks.md)"))
     p.add_argument("--largest-layer", type=parse_count,
                    help="ZeRO-3 gather unit in parameters, e.g. 32M (needed with --params: a bare "
@@ -48,7 +48,8 @@ def run_memory(args: argparse.Namespace) -> int:
                        gpus=args.gpus, seq=args.seq, dropout=args.dropout, flash_attention=args.flash_attention,
                        convention=conventions_from_args(args)[0], stack=args.stack,
                        dtype="fp8" if args.precision == "fp8" else "bf16",
-                       largest_layer_params=args.largest_layer, overhead_bytes=args.overhead)
+                       largest_layer_params=args.largest_layer, overhead_bytes=args.overhead,
+                       finetune=finetune_from_args(args))
     if layout.zero == 3 and not isinstance(model, TransformerConfig) and args.largest_layer is None:
         m.notes.append("temporary: the ZeRO-3 gather buffer is counted as 0 because a bare parameter "
                        "count has no layer sizes; give --largest-layer N (DeepSpeed budgets 4 bytes x "

@@ -21,8 +21,8 @@ from dtlib.analytic.precision import get_precision
 from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.stacks import FP8_RECIPES
 from dtlib.analytic.units import GiB
-from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, gpu_name,
-                            model_args, model_from_args, parse_count, positive_int, precision_choice,
+from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, finetune_args,
+                            finetune_from_args, gpu_name, model_args, model_from_args, parse_count, positive_int, precision_choice,
                             recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
@@ -58,6 +58,7 @@ def add_plan_command(sub: Any) -> None:
     p = sub.add_parser("plan", help="search layouts: step time, MFU, memory, days, cost, failures",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_args(p)
+    finetune_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     c.add_argument("--system", type=system_name, metavar="NAME",
@@ -237,8 +238,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         fixed["pipeline_layout"] = True
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
+    finetune = finetune_from_args(args)
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
-               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
+               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top,
+               finetune=finetune)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
@@ -272,7 +275,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
-         "caveats": [MOE_CAVEAT] if model.moe_experts else []}
+         "finetune": finetune.describe(),
+         "caveats": ([MOE_CAVEAT] if model.moe_experts else [])
+         + ([LORA_EMIT_CAVEAT] if finetune.lora and args.emit else [])}
     d.update(frameworks)
     return d
 
@@ -281,6 +286,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
 MOE_CAVEAT = ("caveat: published mixture-of-experts runs are the planner's largest misses, most of them timed "
               "too fast (GPT-OSS; Qwen3 on Megatron-Core's alltoall dispatcher): read an MoE step time as a "
               "lower bound (docs/validation.md)")
+LORA_EMIT_CAVEAT = ("caveat: the emitted framework configs train every weight; set up LoRA in the framework "
+                    "(e.g. Megatron-Bridge's or PEFT's LoRA) with the same rank and targets")
 _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
            "pipeline rank; mb: micro-batch size in sequences; m: micro-batches per step; zero: ZeRO stage; "
            "sp: sequence parallelism")
@@ -333,7 +340,7 @@ def _text(d: dict[str, Any]) -> str:
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
              f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
-             f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
+             f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)", f"training: {d['finetune']}"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])
     lines.append(_LEGEND + (_LEGEND_ETP if moe else ""))
