@@ -275,7 +275,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
-         "finetune": finetune.describe(),
+         "finetune": finetune.describe(), "lora": finetune.lora,
          "caveats": ([MOE_CAVEAT] if model.moe_experts else [])
          + ([LORA_EMIT_CAVEAT] if finetune.lora and args.emit else [])}
     d.update(frameworks)
@@ -340,7 +340,7 @@ def _text(d: dict[str, Any]) -> str:
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
              f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
-             f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)", f"training: {d['finetune']}"]
+             f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"] + [f"training: {d['finetune']}"] * d["lora"]
     if d["why"]:
         return "\n".join(lines + [d["why"]])
     lines.append(_LEGEND + (_LEGEND_ETP if moe else ""))
