@@ -17,7 +17,7 @@ from dtlib.analytic import validate
 
 __all__ = ["TransformerConfig", "num_parameters", "ACTIVATIONS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "ROUTER_SCORES",
            "norm_params", "attention_params", "mlp_params", "moe_mlp_params", "layer_params",
-           "moe_layer_count", "sliding_layer_count", "embedding_params", "swiglu_ffn", "SHAPE_RULES"]
+           "moe_layer_count", "sliding_layer_count", "embedding_params", "mtp_params", "swiglu_ffn", "SHAPE_RULES"]
 
 ACTIVATIONS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -103,6 +103,13 @@ def layer_params(hidden: Any, heads: Any, kv_heads: Any, ffn: Any, mlp_matrices:
     return 2 * norm_params(hidden, norm_has_bias) + attn + mlp
 
 
+def mtp_params(hidden: Any, norm_has_bias: Any, block: Any) -> Any:
+    """One MTP module (DeepSeek-V3 Sec. 2.2, eq. 21): its transformer ``block``, the h x 2h projection
+    M (no bias) and three norms (Megatron-Core ``MultiTokenPredictionLayer``: ``enorm``, ``hnorm``,
+    ``final_layernorm``); the embedding and the output head are shared."""
+    return block + 2 * hidden * hidden + 3 * norm_params(hidden, norm_has_bias)
+
+
 def moe_layer_count(layers: Any, experts: Any, dense_layers: Any = 0, layer_freq: Any = 1) -> Any:
     """MoE layers of a model: after ``dense_layers`` dense ones (DeepSeek's
     ``first_k_dense_replace``), every ``layer_freq``-th layer, starting with the first
@@ -179,6 +186,13 @@ class TransformerConfig:
     ``attention_sinks`` (a learned logit per head in the softmax, GPT-OSS: heads per layer),
     ``router_bias`` (a bias on the router's E logits, GPT-OSS: E per MoE layer) and
     ``activation_clamp`` (``swiglu_limit``: SwiGLU's inputs clamped to that limit, 0: none).
+
+    ``mtp_layers``: D multi-token-prediction modules (DeepSeek-V3, arXiv:2412.19437, Sec. 2.2, eq. 21;
+    HF ``num_nextn_predict_layers``, Megatron-Core ``--mtp-num-layers``; DeepSeek-V3 trains D = 1),
+    each a transformer block of the kind of the model's last layer, the projection M of the two
+    normalised 2h-wide inputs to h (h x 2h, no bias), and three norms (the two inputs', Megatron-Core
+    ``enorm``/``hnorm``, and the shared head's, ``final_layernorm``, HF ``shared_head.norm``); the
+    embedding and the output head are the main model's (:func:`mtp_params`).
     MLA's latent RMSNorms are part of ``kv_lora_rank > 0`` (counted in :func:`attention_params`).
     """
     name: str = "custom"
@@ -221,6 +235,7 @@ class TransformerConfig:
     attention_sinks: bool = False
     router_bias: bool = False
     activation_clamp: float = 0.0
+    mtp_layers: int = 0
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -250,6 +265,7 @@ class TransformerConfig:
             raise ValueError(f"rope needs an even head dimension, got {name} = {rotated}")
         self._check_moe()
         self._check_variants()
+        validate.integer("mtp_layers", self.mtp_layers, minimum=0)
         validate.integer("sliding_window", self.sliding_window, minimum=0)
         validate.integer("global_attention_every", self.global_attention_every, minimum=0,
                          maximum=self.layers)
@@ -359,6 +375,17 @@ class TransformerConfig:
                                 self.bias, self.norm_has_bias, self.moe_experts if moe else 0,
                                 self.moe_ffn, self.moe_shared_experts, int(self.router_bias), **self._attention_kw()))
 
+    @property
+    def mtp_moe(self) -> bool:
+        """Whether the MTP blocks are MoE blocks: of the kind of the model's last layer (Megatron-Core
+        builds them from the decoder's last layer spec; DeepSeek-V3's are MoE)."""
+        return self.moe_layers > int(moe_layer_count(self.layers - 1, self.moe_experts, self.moe_dense_layers,
+                                                     self.moe_layer_freq))
+
+    def mtp_parameters(self) -> int:
+        """Parameters of the ``mtp_layers`` MTP modules (:func:`mtp_params`)."""
+        return self.mtp_layers * int(mtp_params(self.hidden, self.norm_has_bias, self.layer_parameters(self.mtp_moe)))
+
     def embedding_parameters(self) -> int:
         """Input side: token (+ learned position) embeddings and the optional embedding norm."""
         return (embedding_params(self.hidden, self.vocab, self.seq, self.position == "learned")
@@ -382,7 +409,7 @@ class TransformerConfig:
         unused = (self.moe_experts - self.moe_top_k) * mlp_params(
             self.hidden, self.moe_ffn or self.ffn, self.mlp_matrices, self.bias)
         lookup = (not input_embedding) * self.vocab * self.hidden
-        return int(self.num_parameters() - self.moe_layers * unused - lookup)
+        return int(self.num_parameters() - (self.moe_layers + self.mtp_layers * self.mtp_moe) * unused - lookup)
 
     def numbers(self, seq: int | None = None) -> dict[str, Any]:
         """The numbers the formulas of :mod:`dtlib.analytic.memory` and :mod:`dtlib.analytic.flops` read (booleans
@@ -411,7 +438,7 @@ class TransformerConfig:
                     learned_positions=int(self.position == "learned"),
                     embedding_norm=int(self.embedding_norm), tied=int(self.tied_embeddings),
                     swiglu=int(self.activation == "swiglu"), rmsnorm=int(self.norm == "rmsnorm"),
-                    rope=int(self.position == "rope"))
+                    rope=int(self.position == "rope"), mtp_layers=self.mtp_layers, mtp_moe=int(self.mtp_moe))
 
     def with_(self, **changes: Any) -> "TransformerConfig":
         """A copy with some fields changed (validated again). A head size or expert width that
@@ -433,4 +460,4 @@ def num_parameters(cfg: TransformerConfig) -> int:
     builds): the dense layers, the :attr:`~TransformerConfig.moe_layers` MoE layers, embeddings, head."""
     dense_layers = cfg.layers - cfg.moe_layers
     return int(cfg.embedding_parameters() + dense_layers * cfg.layer_parameters(moe=False)
-               + cfg.moe_layers * cfg.layer_parameters(moe=True) + cfg.head_parameters())
+               + cfg.moe_layers * cfg.layer_parameters(moe=True) + cfg.head_parameters() + cfg.mtp_parameters())

@@ -108,11 +108,23 @@ def forward_flops_per_token(*, layers: Any, hidden: Any, heads: Any, kv_heads: A
                             vocab: Any, seq: Any, mlp_matrices: Any = 2, experts: Any = 0,
                             top_k: Any = 0, attention: str = "full", count_logits: bool = True,
                             **shape: Any) -> Any:
-    """Forward FLOPs per token: 2 x matmul weights + attention + (optionally) the 2hV logits."""
+    """Forward FLOPs per token: 2 x matmul weights + attention + (optionally) the 2hV logits.
+
+    ``mtp_layers`` D (in ``shape``; DeepSeek-V3 Sec. 2.2) add per token D x (their block, dense or
+    MoE as ``mtp_moe`` says, with full attention; the h x 2h projection; the shared head's 2hV logits
+    again, eq. 22)."""
     weights = layers_matmul_params(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
                                    mlp_matrices=mlp_matrices, experts=experts, top_k=top_k, **shape)
     attn = attention_flops_per_token(seq, hidden, layers, attention, heads=heads, **shape)
-    return 2 * weights + attn + count_logits * 2 * hidden * vocab
+    main = 2 * weights + attn + count_logits * 2 * hidden * vocab
+    mtp, mtp_moe = shape.get("mtp_layers", 0), shape.get("mtp_moe", 0)
+    if not np.any(mtp):
+        return main
+    block = matmul_params_per_layer(hidden, heads, kv_heads, ffn, mlp_matrices, experts * mtp_moe, top_k * mtp_moe,
+                                    **shape)
+    mtp_attention = attention_flops_per_token(seq, hidden, 1, attention, heads=heads,
+                                              **dict(shape, sliding_layers=0))
+    return main + mtp * (2 * (block + 2 * hidden * hidden) + mtp_attention + count_logits * 2 * hidden * vocab)
 
 
 def recompute_flops_per_token(recompute: str, layers_forward: Any, attention_forward: Any) -> Any:

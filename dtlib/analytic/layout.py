@@ -16,6 +16,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.activations import check_recompute_modules
 from dtlib.analytic.config import SHAPE_RULES
+from dtlib.analytic.pipeline_layout import PipelineLayout, layout_numbers
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
            "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
@@ -93,7 +94,7 @@ class Parallelism:
     recompute_modules: tuple[str, ...] = ()
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
-    pipeline_layout: bool = False
+    pipeline_layout: bool | str = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "num_microbatches"):
@@ -103,7 +104,10 @@ class Parallelism:
             validate.integer("shard_size", self.shard_size)
         validate.boolean("sequence_parallel", self.sequence_parallel)
         validate.boolean("account_for_embedding_and_loss", self.account_for_embedding_and_loss)
-        validate.boolean("pipeline_layout", self.pipeline_layout)
+        if isinstance(self.pipeline_layout, str):
+            self._check_explicit_layout()
+        else:
+            validate.boolean("pipeline_layout", self.pipeline_layout)
         for name, valid in (("schedule", SCHEDULES), ("recompute", RECOMPUTE_OPTIONS), ("offload", OFFLOAD)):
             validate.one_of(name, getattr(self, name), valid)
         for name in ("first_stage_layers", "last_stage_layers"):
@@ -119,6 +123,28 @@ class Parallelism:
                                  f"'selective' or 'op' for the other layers")
         object.__setattr__(self, "recompute_modules", check_recompute_modules(self.recompute_modules, self.recompute))
         check_layout(self.numbers(), self.schedule, self.offload, self.account_for_embedding_and_loss)
+
+    def _check_explicit_layout(self) -> None:
+        """A layout string fixes the chunks: ``virtual_stages`` = chunks / pp, and no other split flag
+        (Megatron-Core ``TransformerConfig.__post_init__``)."""
+        v = self.explicit_layout.virtual_stages(self.pp)
+        if self.virtual_stages != v:
+            raise validate.InvalidArgument(
+                "virtual_stages", f"{v} (the pipeline layout's {v * self.pp} chunks / pp {self.pp})", self.virtual_stages)
+        for name in ("first_stage_layers", "last_stage_layers", "account_for_embedding_and_loss"):
+            if getattr(self, name):
+                raise validate.InvalidArgument(name, "unset with a pipeline layout string (it places every "
+                                               "layer, the embedding and the loss itself)", getattr(self, name))
+
+    @property
+    def explicit_layout(self) -> "PipelineLayout | None":
+        """The parsed layout string (:mod:`dtlib.analytic.pipeline_layout`), None without one."""
+        return PipelineLayout(self.pipeline_layout) if isinstance(self.pipeline_layout, str) else None
+
+    def check_model(self, model: Any) -> None:
+        """A layout string names the model's layers and MTP layers (``model``: a TransformerConfig)."""
+        if self.explicit_layout is not None:
+            self.explicit_layout.check(self.pp, model.layers, getattr(model, "mtp_layers", 0))
 
     @property
     def gpus(self) -> int:
@@ -142,7 +168,9 @@ class Parallelism:
         # 0: not set (Megatron's None), so the rules and formulas read plain integers
         d["first_stage_layers"] = self.first_stage_layers or 0
         d["last_stage_layers"] = self.last_stage_layers or 0
-        d["pipeline_layout"] = int(self.pipeline_layout)
+        # 0: Megatron's split flags, 1: a layout string spreading the layers, 2: one given explicitly
+        d["pipeline_layout"] = 2 if isinstance(self.pipeline_layout, str) else int(self.pipeline_layout)
+        d.update(layout_numbers(self.explicit_layout))
         d.update(extra)
         return d
 
@@ -203,7 +231,8 @@ def _split_valid(layers, pp, virtual_stages, first_stage_layers, last_stage_laye
     uneven = (pp >= 2) & (first % v == 0) & (last % v == 0) & middle_ok & (not balanced)
     split = np.where((first > 0) | (last > 0), uneven, even)
     spread = (first == 0) & (last == 0) & (pp * v <= layers + 2 * bool(balanced))
-    return np.where(np.asarray(pipeline_layout) > 0, spread, split)
+    # 2: an explicit string, checked against the model by PipelineLayout.check
+    return np.where(np.asarray(pipeline_layout) == 2, True, np.where(np.asarray(pipeline_layout) > 0, spread, split))
 
 
 def split_problem(layers: int, pp: int, virtual_stages: int = 1, first_stage_layers: int = 0,

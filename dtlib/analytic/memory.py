@@ -87,8 +87,12 @@ def _layer_blocks(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bia
     head = norm + ((1 - tied) + tied * (pp > 1)) * vocab_rows * hidden
     largest = np.where(moe_layers > 0, np.maximum(moe_dense + expert_layer, (moe_layers < layers) * dense_layer),
                        dense_layer)
+    # an MTP module (DeepSeek-V3 Sec. 2.2): its block, the h x 2h projection (column-parallel in
+    # Megatron-Core) and three replicated norms; away from rank 0 its rank holds a copy of the embedding
+    mtp_extra = 2 * hidden * hidden / tp + 3 * norm
     return {"dense_layer": dense_layer, "moe_dense": moe_dense, "expert_layer": expert_layer,
-            "embedding": embedding, "head": head, "unit": np.maximum(np.maximum(largest, embedding), head)}
+            "embedding": embedding, "head": head, "mtp_extra": mtp_extra, "vocab_table": vocab_rows * hidden,
+            "unit": np.maximum(np.maximum(largest, embedding), head)}
 
 
 def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
@@ -100,11 +104,14 @@ def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
     held = rank_layers(n, rank, balanced) if held is None else held
     dense_layers, moe = held["layers"] - held["moe_layers"], held["moe_layers"]
     ends = (rank == 0) * blocks["embedding"] + (rank == n["pp"] - 1) * blocks["head"]
+    mtp, mtp_moe = held.get("mtp", 0), n.get("mtp_moe", 0)
+    mtp_dense = mtp * (blocks["mtp_extra"] + np.where(mtp_moe, blocks["moe_dense"], blocks["dense_layer"]))
+    ends = ends + mtp_dense + (mtp > 0) * (rank != 0) * blocks["vocab_table"]
     # LoRA adapters of the rank's layers (dtlib.analytic.finetune; none without lora_rank)
     split = dict(tp=n.get("tp", 1), ep=n.get("ep", 1), etp=n.get("etp", 1))
     dense_adapters, moe_adapters = adapter_layer_params(n, False, **split), adapter_layer_params(n, True, **split)
     return {"dense": ends + dense_layers * blocks["dense_layer"] + moe * blocks["moe_dense"],
-            "expert": moe * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends,
+            "expert": (moe + mtp * mtp_moe) * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends,
             "adapter": dense_layers * dense_adapters["dense"] + moe * moe_adapters["dense"],
             "expert_adapter": moe * moe_adapters["expert"]}
 
@@ -221,7 +228,8 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             recompute_modules=recompute_modules, **{k: n[k] for k in _MODEL_KINDS if k in n})
         blocks = _layer_blocks(**n)
         params = [rank_parameters(n, t["rank"], balanced, blocks, {"layers": t["held.layers"],
-                                                                  "moe_layers": t["held.moe_layers"]})
+                                                                  "moe_layers": t["held.moe_layers"],
+                                                                  "mtp": t["held.mtp"]})
                   for t in table]
     else:
         ranks = [0 * n["pp"]]
@@ -347,6 +355,7 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
         validate.number(name, value, minimum=0, exclusive=False)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if isinstance(cfg, TransformerConfig):
+        layout.check_model(cfg)
         n = layout.numbers(**model_numbers(cfg, seq), **finetune.numbers(), gpus=gpus,
                            largest_layer=largest_layer_params)
         check_targets(finetune, n)

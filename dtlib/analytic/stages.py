@@ -26,7 +26,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, moe_layer_count
 from dtlib.analytic.layout import SCHEDULES, Parallelism
 
-__all__ = ["Stage", "pipeline_stages", "megatron_layout_string", "chunk_layers", "rank_layers", "stored_on_rank", "candidate_ranks",
+__all__ = ["Stage", "pipeline_stages", "megatron_layout_string", "chunk_layers", "mtp_in_chunk", "rank_layers",
+           "stored_on_rank", "candidate_ranks",
            "on_structures", "distinct_rows"]
 
 
@@ -47,6 +48,11 @@ def chunk_layers(n: dict[str, Any], rank: Any, chunk: Any, balanced: Any = False
     ``rank``; ``n``: the layout and model numbers (``layers pp virtual_stages first_stage_layers
     last_stage_layers``; the last two 0 when not given)."""
     L, pp, v = n["layers"], n["pp"], n["virtual_stages"]
+    decoders = n.get("layout_decoders")
+    if decoders is not None:  # an explicit layout string (dtlib.analytic.pipeline_layout): its own counts
+        offsets = np.concatenate([[0], np.cumsum(decoders)])
+        g = np.clip(chunk * pp + rank, 0, len(decoders) - 1)
+        return offsets[g], offsets[g] + np.asarray(decoders)[g]
     b = np.asarray(balanced, dtype=int)
     F, K, Lst = _shares(L, pp, v, n.get("first_stage_layers", 0), n.get("last_stage_layers", 0), b)
     size = np.where(rank == 0, F, np.where(rank == pp - 1, Lst, K)) // v
@@ -70,15 +76,26 @@ def _chunks(n: dict[str, Any]) -> int:
     return int(np.max(n["virtual_stages"]))
 
 
+def mtp_in_chunk(n: dict[str, Any], rank: Any, chunk: Any) -> Any:
+    """MTP layers (DeepSeek-V3 Sec. 2.2) of chunk ``chunk`` of rank ``rank``: where an explicit layout
+    string puts them (``layout_mtp``), else all ``mtp_layers`` in the last chunk of the last rank, with
+    the loss (Megatron-Core 0.16 builds them on the last pipeline stage)."""
+    placed = n.get("layout_mtp")
+    if placed is not None:
+        return np.asarray(placed)[np.clip(chunk * n["pp"] + rank, 0, len(placed) - 1)]
+    return (rank == n["pp"] - 1) * (chunk == n["virtual_stages"] - 1) * n.get("mtp_layers", 0)
+
+
 def rank_layers(n: dict[str, Any], rank: Any, balanced: Any = False) -> dict[str, Any]:
-    """Layers and MoE layers of pipeline rank ``rank``, over all its chunks."""
-    layers = moe = 0
+    """Layers, MoE layers and MTP layers of pipeline rank ``rank``, over all its chunks."""
+    layers = moe = mtp = 0
     for j in range(_chunks(n)):
         start, stop = chunk_layers(n, rank, j, balanced)
         here = j < n["virtual_stages"]
         layers = layers + here * (stop - start)
         moe = moe + here * _moe_between(n, start, stop)
-    return {"layers": layers, "moe_layers": moe}
+        mtp = mtp + here * mtp_in_chunk(n, rank, j)
+    return {"layers": layers, "moe_layers": moe, "mtp": mtp}
 
 
 def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = False,
@@ -117,15 +134,17 @@ def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = 
         start, stop = chunk_layers(nv, rank, j, balanced)
         held = (j < v) * in_chunk(j)
         full = full + held * np.minimum(recomputed, stop - start)
-        pairs = pairs + held * (stop - start)
-        moe = moe + held * _moe_between(n, start, stop)
+        # an MTP layer stores what a transformer layer of its kind stores
+        mtp = mtp_in_chunk(nv, rank, j)
+        pairs = pairs + held * (stop - start + mtp)
+        moe = moe + held * (_moe_between(n, start, stop) + mtp * n.get("mtp_moe", 0))
     return {"full": full, "rest": pairs - full, "moe_share": moe / np.maximum(pairs, 1),
             "embedding": np.where(rank == 0, in_chunk(0), 0), "output": np.where(rank == p - 1, in_chunk(v - 1), 0)}
 
 
 # the numbers a rank's layers and micro-batches depend on: a search's many layouts share few of them
 _STRUCTURE = ("layers", "pp", "virtual_stages", "num_microbatches", "first_stage_layers", "last_stage_layers",
-              "pipeline_layout", "experts", "dense_layers", "moe_layer_freq")
+              "pipeline_layout", "experts", "dense_layers", "moe_layer_freq", "mtp_layers", "mtp_moe")
 
 
 def on_structures(function: Callable[[dict[str, Any]], list[dict[str, Any]]], n: dict[str, Any]) -> list[dict[str, Any]]:
@@ -161,8 +180,11 @@ def candidate_ranks(n: dict[str, Any], balanced: Any = False) -> list[Any]:
     and the first middle rank past the dense-first layers and the one after it (with
     ``moe_layer_freq > 1`` the two phases of the MoE pattern). Middle ranks hold equal layer counts
     and, the further down the pipeline, fewer micro-batches, so among those with one mix the first
-    is the heaviest. Each entry is a rank per layout (arrays broadcast)."""
+    is the heaviest. Each entry is a rank per layout (arrays broadcast). With an explicit layout
+    string (``layout_decoders``: any rank may hold any layers) every rank is a candidate."""
     pp = np.asarray(n["pp"])
+    if n.get("layout_decoders") is not None:
+        return [r + 0 * pp for r in range(int(np.max(pp)))]
     F, K, _ = _shares(n["layers"], pp, n["virtual_stages"], n.get("first_stage_layers", 0),
                       n.get("last_stage_layers", 0), np.asarray(balanced, dtype=int))
     v, b = n["virtual_stages"], np.asarray(balanced, dtype=int)
@@ -199,6 +221,7 @@ def pipeline_stages(model: TransformerConfig, layout: Parallelism) -> list[Stage
     """Every pipeline rank of ``layout`` training ``model``, as Megatron-LM builds it (the split is
     checked by :data:`dtlib.analytic.layout.RULES` when the layout is made)."""
     n = layout.numbers(**model.numbers())
+    layout.check_model(model)
     balanced = layout.account_for_embedding_and_loss
     out = []
     for r in range(layout.pp):
@@ -213,6 +236,8 @@ def megatron_layout_string(model: TransformerConfig, layout: Parallelism) -> str
     virtual_stages chunks in Megatron's order (virtual stage by virtual stage, ranks in order,
     ``PipelineParallelLayerLayout``), ``|`` between chunks, ``E`` the embedding first, ``t`` a
     decoder layer, ``L`` the loss last (core_v0.16.1 ``pipeline_parallel_layer_layout.py``)."""
+    if isinstance(layout.pipeline_layout, str):  # given explicitly: Megatron reads it as it is
+        return layout.pipeline_layout
     stages = pipeline_stages(model, layout)
     chunks = []
     for j in range(layout.virtual_stages):

@@ -12,6 +12,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.activations import RECOMPUTE_MODULES
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.finetune import DEFAULT_LORA_TARGETS, FINETUNE, LORA_TARGETS, FineTuning
+from dtlib.analytic.pipeline_layout import PipelineLayout
 from dtlib.analytic.hardware import ACCELERATORS
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, broken_rules, check_layout
 from dtlib.analytic.memory import GiB, resolve_model
@@ -31,7 +32,8 @@ MODEL_FLAGS = {"moe_experts": "--experts", "moe_top_k": "--top-k", "moe_ffn": "-
                "kv_heads": "--kv-heads", "head_dim": "--head-dim", "q_lora_rank": "--q-lora-rank",
                "kv_lora_rank": "--kv-lora-rank", "qk_nope_head_dim": "--qk-nope-head-dim",
                "qk_rope_head_dim": "--qk-rope-head-dim", "v_head_dim": "--v-head-dim",
-               "sliding_window": "--sliding-window", "global_attention_every": "--global-attention-every"}
+               "sliding_window": "--sliding-window", "global_attention_every": "--global-attention-every",
+               "mtp_layers": "--mtp-layers"}
 # flags that describe a model's architecture or MoE routing: on a preset they replace its value
 _VARIANT_FLAGS = {field: flag for field, flag in MODEL_FLAGS.items() if field != "kv_heads"}
 
@@ -78,6 +80,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="keys each query attends to (0: the whole sequence)")
     m.add_argument("--global-attention-every", dest="global_attention_every", type=non_negative_int, metavar="K",
                    help="every K-th layer attends to the whole sequence (0: none; GPT-OSS 2)")
+    m.add_argument("--mtp-layers", dest="mtp_layers", type=non_negative_int, metavar="D",
+                   help="multi-token-prediction modules (DeepSeek-V3 Sec. 2.2: 1; HF num_nextn_predict_layers, "
+                        "Megatron --mtp-num-layers; default 0, also on the deepseek-v3 preset as validated)")
 
 
 def layout_args(p: argparse.ArgumentParser) -> None:
@@ -259,6 +264,12 @@ def layout_from_args(args: argparse.Namespace, shape: dict[str, Any] | None = No
     for name in ("tp", "pp", "cp", "ep"):
         validate.integer(name, getattr(args, name))
     etp = getattr(args, "etp", 1)
+    explicit = getattr(args, "pipeline_layout", False)
+    if isinstance(explicit, str):  # the layout string fixes the chunks per rank, and so the schedule
+        v = PipelineLayout(explicit).virtual_stages(args.pp)
+        if args.virtual_stages == 1 and v > 1:
+            args.virtual_stages = v
+            args.schedule = "interleaved" if args.schedule == "1f1b" else args.schedule
     model_parallel = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
@@ -339,9 +350,11 @@ def recompute_detail_args(g: Any) -> None:
                         "pipeline rank, the middle ranks sharing the rest evenly")
     g.add_argument("--last-stage-layers", type=positive_int, default=None, metavar="N",
                    help="Megatron --decoder-last-pipeline-num-layers N: N layers on the last pipeline rank")
-    g.add_argument("--pipeline-layout", action="store_true",
-                   help="Megatron --pipeline-model-parallel-layout: the layers spread as evenly as the pp x "
-                        "virtual-stages chunks allow (any split Megatron's even rule refuses)")
+    g.add_argument("--pipeline-layout", nargs="?", const=True, default=False, metavar="LAYOUT",
+                   help="Megatron --pipeline-model-parallel-layout: alone, the layers spread as evenly as the pp x "
+                        "virtual-stages chunks allow; with a string, that layout (e.g. 'Et*3|(tt|)*29m|L': E "
+                        "embedding, t layer, m MTP layer, L loss, | between chunks; needs --pp, virtual stages = "
+                        "chunks / pp)")
     g.add_argument("--activation-offload-layers", type=non_negative_int, default=None, metavar="N",
                    help="Megatron --cpu-offloading-num-layers N / DeepSpeed cpu_checkpointing: the activations "
                         "of N layers of each chunk kept in CPU memory")

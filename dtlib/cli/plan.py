@@ -235,7 +235,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                                            "last_stage_layers")
              if getattr(args, k) is not None}
     if args.pipeline_layout:
-        fixed["pipeline_layout"] = True
+        fixed["pipeline_layout"] = args.pipeline_layout  # True: spread evenly; a string: that layout
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
     finetune = finetune_from_args(args)
@@ -384,6 +384,8 @@ def split_label(c: dict[str, Any]) -> str:
     """A search row's pipeline split in Megatron-LM's terms (dtlib.analytic.layout.split_problem)."""
     if c["pp"] == 1:
         return "-"
+    if isinstance(c.get("pipeline_layout"), str):
+        return c["pipeline_layout"]
     if c.get("pipeline_layout"):
         return "layout string"
     ends = [f"{name} {c[key]}" for name, key in (("first", "first_stage_layers"), ("last", "last_stage_layers"))

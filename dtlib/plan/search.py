@@ -36,6 +36,7 @@ from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.analytic.finetune import FineTuning
+from dtlib.analytic.pipeline_layout import PipelineLayout, layout_numbers
 from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays, with_finetune
 
 __all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "SPLIT", "MICRO_BATCHES", "VIRTUAL_STAGES"]
@@ -146,7 +147,7 @@ def _with_split(a: dict[str, np.ndarray], layers: int, fixed: dict[str, Any], ba
 
 def _take(arrays: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
     """The rows ``keep`` of every array of ``arrays`` (None stays None)."""
-    return {k: None if v is None else v[keep] for k, v in arrays.items()}
+    return {k: v if v is None or isinstance(v, tuple) else v[keep] for k, v in arrays.items()}
 
 
 def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
@@ -155,8 +156,29 @@ def _product(options: dict[str, list[int]]) -> dict[str, np.ndarray]:
     return dict(zip(options, cols.T))
 
 
+def _explicit_layout(model: TransformerConfig, fixed: dict[str, Any]) -> PipelineLayout | None:
+    """A pinned layout string (``fixed["pipeline_layout"]``), checked against the model and ``fixed["pp"]``
+    (needed); it pins ``virtual_stages`` to chunks / pp and marks the split as given (2)."""
+    text = fixed.get("pipeline_layout")
+    if not isinstance(text, str):
+        return None
+    if fixed.get("pp") is None:
+        raise validate.InvalidArgument("pp", "given with a pipeline layout string (its chunks are pp x "
+                                             "virtual_stages; Megatron-LM reads it with --pipeline-model-parallel-size)", None)
+    explicit = PipelineLayout(text)
+    v = explicit.check(int(fixed["pp"]), model.layers, model.mtp_layers)
+    for name in ("first_stage_layers", "last_stage_layers", "account_for_embedding_and_loss"):
+        if fixed.get(name):
+            raise validate.InvalidArgument(name, "unset with a pipeline layout string (it places every layer, "
+                                                 "the embedding and the loss itself)", fixed[name])
+    if fixed.setdefault("virtual_stages", v) != v:
+        raise validate.InvalidArgument("virtual_stages", f"{v} (the pipeline layout's chunks / pp)", fixed["virtual_stages"])
+    fixed["pipeline_layout"] = 2
+    return explicit
+
+
 def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, stage: np.ndarray, i: int,
-         recompute: str, peak: float, given: dict[str, Any]) -> dict[str, Any]:
+         recompute: str, peak: float, given: dict[str, Any], explicit: PipelineLayout | None = None) -> dict[str, Any]:
     """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches);
     ``memory_stage``: the pipeline rank whose memory is ``memory_per_gpu_bytes`` (the heaviest)."""
     t = float(r["step_time"][i])
@@ -167,7 +189,7 @@ def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, st
             "zero": int(a["zero"][i]), "recompute": recompute, **given,
             "first_stage_layers": int(a["first_stage_layers"][i]) or None,
             "last_stage_layers": int(a["last_stage_layers"][i]) or None,
-            "pipeline_layout": bool(a["pipeline_layout"][i]),
+            "pipeline_layout": explicit.text if explicit is not None else bool(a["pipeline_layout"][i]),
             "sequence_parallel": bool(a["sequence_parallel"][i]), "step_time_s": t,
             "tokens_per_s": float(r["tokens"][i]) / t,
             "model_tflops_per_gpu": float(r["model_flops"][i]) / (t * gpus) / 1e12,
@@ -216,6 +238,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     if unknown:
         raise ValueError(f"cannot fix {sorted(unknown)}; fixable: {', '.join(FIXABLE)}")
     options, dropout = resolve(options, dropout)
+    explicit = _explicit_layout(model, fixed)
     given = {k: fixed.pop(k, v) for k, v in GIVEN_OPTIONS.items()}
     checked = Parallelism(zero=fixed.get("zero", 3), **given)  # checks the given options (ranges, types)
     given["recompute_modules"] = checked.recompute_modules
@@ -251,7 +274,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             continue
         # only valid layouts go on: the formulas are never evaluated on the placeholder rows
         n, grid = _take(n, valid), _take(grid, valid)
-        n = with_finetune(n, finetune, model)
+        n = dict(with_finetune(n, finetune, model), **layout_numbers(explicit))
         for recompute in recomputes:
             if recompute == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
                 continue  # partial and per-module recompute describe the other recompute settings
@@ -277,7 +300,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             # the same layout as the first of a top-5 one
             best = np.lexsort((mem_here, times))[:top]
             rows += [(float(times[i]), float(mem_here[i]),
-                      _row(here, t, mem_here, stage_here, int(i), recompute, peak, given))
+                      _row(here, t, mem_here, stage_here, int(i), recompute, peak, given, explicit))
                      for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]

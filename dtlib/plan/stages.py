@@ -29,6 +29,11 @@ def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = 
     table = on_structures(lambda s: [dict(rank_layers(s, r, balanced), rank=r, head=(r == s["pp"] - 1) * 1.0)
                                      for r in candidate_ranks(s, balanced)], n)
     for stage in table:
+        # MTP layers (DeepSeek-V3 Sec. 2.2): one more layer of their kind each and the shared head again
+        mtp = stage.pop("mtp", 0)
+        stage["layers"] = stage["layers"] + mtp
+        stage["moe_layers"] = stage["moe_layers"] + mtp * n.get("mtp_moe", 0)
+        stage["head"] = stage["head"] + mtp
         stage["gemm"] = ((stage["layers"] - stage["moe_layers"]) * per_layer["dense_layer"]
                          + stage["moe_layers"] * per_layer["moe_layer"] + stage["head"] * per_layer["head"])
         stage["attention"] = stage["layers"] * per_layer["attention_layer"]

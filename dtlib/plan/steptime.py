@@ -34,6 +34,7 @@ from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_m
 from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
+from dtlib.analytic.pipeline_layout import layout_numbers
 from dtlib.analytic.precision import Precision, get_precision
 from dtlib.analytic.presets import Training, activation_convention
 from dtlib.analytic.vectorised import layout_arrays
@@ -466,13 +467,15 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
     if layout.gpus != cluster.world_size:
         raise ValueError(f"the layout uses dp x tp x pp x cp = {layout.gpus} GPUs but the cluster has "
                          f"{cluster.world_size}; make them equal")
-    arrays = {k: np.asarray([v]) for k, v in layout.numbers().items()}
+    layout.check_model(model)
+    # an explicit layout string's per-chunk counts (tuples) join after the arrays are broadcast
+    arrays = {k: np.asarray([v]) for k, v in layout.numbers().items() if not isinstance(v, tuple)}
     arrays["gpus"] = np.asarray([cluster.world_size])
     if seq is not None:
         arrays["seq"] = np.asarray([seq])
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise",
                          balanced=layout.account_for_embedding_and_loss)
-    n = with_finetune(n, finetune, model)
+    n = dict(with_finetune(n, finetune, model), **layout_numbers(layout.explicit_layout))
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
                          recompute_modules=layout.recompute_modules,
