@@ -12,7 +12,7 @@ The grammar, as Megatron-Core core_v0.16.1 reads it (commit 55ac7082517c3878ae65
   ``g`` is rank ``g % pp`` of virtual stage ``g // pp``): their number must be a multiple of ``pp``,
   and ``virtual_stages`` = chunks / pp;
 * ``E`` once and first, ``L`` once and last, exactly ``layers`` ``t`` and ``mtp_layers`` ``m``, every
-  ``m`` after the last ``t``, all in the last virtual stage of one rank (not rank 0).
+  ``m`` after the last ``t``, all in one chunk of the last virtual stage.
 
 :class:`PipelineLayout` parses and checks a string; its ``decoders`` and ``mtp`` (per chunk) are what
 :mod:`dtlib.analytic.stages` places (``tests/test_pipeline_layout.py`` compares the parse with
@@ -134,9 +134,8 @@ class PipelineLayout:
         if "m" in flat and "t" in flat[flat.index("m"):]:
             raise _bad(self.text, "every MTP layer m after the last transformer layer t")
         holding = [g for g, c in enumerate(self.chunks) if "m" in c]
-        if holding and (len(holding) > 1 or holding[0] // pp != v - 1 or holding[0] % pp == 0 and v > 1):
-            raise _bad(self.text, "the MTP layers m together in one chunk of the last virtual stage, "
-                                  "not on rank 0 (Megatron-Core)")
+        if holding and (len(holding) > 1 or holding[0] // pp != v - 1):
+            raise _bad(self.text, "the MTP layers m together in one chunk of the last virtual stage (Megatron-Core)")
         return v
 
 

@@ -155,7 +155,8 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
     from megatron.core.transformer import multi_latent_attention
 
     if not isinstance(world_size, int) or world_size < 1:
@@ -196,6 +197,9 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
                                                 normalization=args["normalization"])
             if args["multi_latent_attention"]:
                 _mla_local_attention(spec)
+            # multi-token prediction (--mtp-num-layers): gpt_builders.py's MTP block spec, of the decoder's spec
+            mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
+                   if args.get("mtp_num_layers") else None)
             try:
                 chunks.append(GPTModel(
                     config, spec, vocab_size=vocab, max_sequence_length=args["max_position_embeddings"],
@@ -203,7 +207,8 @@ def build_meta_gpt(flags: list[str], world_size: int, rank: int = 0) -> Any:
                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
                     position_embedding_type=args["position_embedding_type"], rotary_percent=args["rotary_percent"],
-                    rotary_base=args["rotary_base"], rope_scaling=args["use_rope_scaling"], vp_stage=vp))
+                    rotary_base=args["rotary_base"], rope_scaling=args["use_rope_scaling"], vp_stage=vp,
+                    mtp_block_spec=mtp))
             except (AssertionError, ValueError) as exc:
                 raise ValueError(f"Megatron-Core's GPTModel refuses the flags: {str(exc).splitlines()[0]}") from None
     return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)

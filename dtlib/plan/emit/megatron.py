@@ -30,7 +30,7 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     # the split rule is Megatron-LM's own (dtlib.analytic.layout.split_problem): even, the first/last
     # stage counts, or a layout string; check_layout has refused any other before this point
     problem = split_problem(m.layers, p.pp, p.virtual_stages, p.first_stage_layers or 0, p.last_stage_layers or 0,
-                            int(p.pipeline_layout), p.account_for_embedding_and_loss) if p.pp > 1 else None
+                            p.numbers()["pipeline_layout"], p.account_for_embedding_and_loss) if p.pp > 1 else None
     if problem:
         out.append(problem)
     if p.cp > 1 and m.seq % (2 * p.cp):
@@ -227,7 +227,8 @@ def _megatron_variant_flags(m: TransformerConfig) -> list[str]:
     shared experts (``--moe-shared-expert-intermediate-size`` is their summed width), which layers
     are MoE (``--moe-layer-freq`` as a 0/1 list), the capacity factor, MLA's sizes, ``head_dim``
     (``--kv-channels``), the window (``--window-size W,0``: W keys back, none ahead) and its global
-    layers (``--window-attn-skip-freq K``: one full-attention layer after K - 1 windowed ones)."""
+    layers (``--window-attn-skip-freq K``: one full-attention layer after K - 1 windowed ones), the
+    multi-token-prediction modules (``--mtp-num-layers``)."""
     f = []
     if m.moe_experts:
         f += ["--num-experts", str(m.moe_experts), "--moe-router-topk", str(m.moe_top_k)]
@@ -252,6 +253,7 @@ def _megatron_variant_flags(m: TransformerConfig) -> list[str]:
     if m.sliding_window:
         f += ["--window-size", f"{m.sliding_window},0"]
         f += ["--window-attn-skip-freq", str(m.global_attention_every)] if m.global_attention_every else []
+    f += ["--mtp-num-layers", str(m.mtp_layers)] if m.mtp_layers else []  # DeepSeek-V3 Sec. 2.2
     return f
 
 
