@@ -408,6 +408,7 @@ FIELD_CHANGES = {
     "qk_norm": (DENSE, dict(qk_norm=True)), "router_score": (MOE8, dict(router_score="sigmoid")),
     "router_expert_bias": (MOE8, dict(router_expert_bias=True)), "routed_scaling": (MOE8, dict(routed_scaling=2.5)),
     "attention_sinks": (DENSE, dict(attention_sinks=True)), "router_bias": (MOE8, dict(router_bias=True)), "activation_clamp": (DENSE, dict(activation_clamp=7.0)),
+    "mtp_layers": (DENSE, dict(mtp_layers=1)),
 }
 FIELD_LAYOUTS = {"megatron": Parallelism(dp=8, zero=1), "deepspeed": Parallelism(dp=8, zero=1),
                  "torchtitan": Parallelism(dp=8, zero=3), "jax": Parallelism(dp=8, zero=3)}

@@ -114,7 +114,7 @@ def variants(m: TransformerConfig) -> list[str]:
         ("moe_ffn", m.moe_ffn not in (None, m.ffn)), ("moe_shared_experts", m.moe_shared_experts),
         ("moe_dense_layers", m.moe_dense_layers), ("moe_layer_freq", m.moe_layer_freq != 1),
         ("kv_lora_rank (MLA)", m.kv_lora_rank), ("head_dim", m.head_dim != m.hidden // m.heads),
-        ("sliding_window", m.sliding_window)) if used]
+        ("sliding_window", m.sliding_window), ("mtp_layers (MTP)", m.mtp_layers)) if used]
 
 
 # the fields that change the model but not its shape (TransformerConfig's docstring)
