@@ -109,7 +109,10 @@ def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
     ends = ends + mtp_dense + (mtp > 0) * (rank != 0) * blocks["vocab_table"]
     # LoRA adapters of the rank's layers (dtlib.analytic.finetune; none without lora_rank)
     split = dict(tp=n.get("tp", 1), ep=n.get("ep", 1), etp=n.get("etp", 1))
-    dense_adapters, moe_adapters = adapter_layer_params(n, False, **split), adapter_layer_params(n, True, **split)
+    none = {"dense": 0, "expert": 0}
+    lora = np.any(np.asarray(n.get("lora_rank", 0)) > 0)  # the search's pre-training rows skip the arithmetic
+    dense_adapters, moe_adapters = ((adapter_layer_params(n, False, **split), adapter_layer_params(n, True, **split))
+                                    if lora else (none, none))
     return {"dense": ends + dense_layers * blocks["dense_layer"] + moe * blocks["moe_dense"],
             "expert": (moe + mtp * mtp_moe) * blocks["expert_layer"], "unit": blocks["unit"] + 0 * ends,
             "adapter": dense_layers * dense_adapters["dense"] + moe * moe_adapters["dense"],
