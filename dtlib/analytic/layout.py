@@ -65,7 +65,10 @@ class Parallelism:
     :func:`dtlib.analytic.stages.megatron_layout_string`): the layers (and, when
     ``account_for_embedding_and_loss``, the embedding and the loss) spread over the pp x
     virtual_stages chunks as evenly as they go, the earlier chunks taking the remainder; any number
-    of chunks up to the layers. :func:`megatron_split` picks the first/last counts,
+    of chunks up to the layers; or the string itself (``"Et*3|(tt|)*29m|L"``,
+    :mod:`dtlib.analytic.pipeline_layout`): every chunk as it names it, ``virtual_stages`` = its chunks /
+    pp, checked against the model's layers and MTP layers by :meth:`check_model`.
+    :func:`megatron_split` picks the first/last counts,
     :func:`split_problem` says which splits Megatron accepts.
     ``recompute_modules`` (Megatron-Core ``--recompute-granularity selective --recompute-modules``,
     :data:`~dtlib.analytic.activations.RECOMPUTE_MODULES`): the submodules whose stored tensors the
