@@ -34,6 +34,7 @@ from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
+from dtlib.plan.uncertainty import band, band_fields, percent_band, regime_of
 
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
 
@@ -242,6 +243,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
+    if frameworks and "retimed" in r.configs[0]:  # the band of the re-timed step
+        best = r.configs[0]
+        best["band"] = band_fields(band(regime_of(model, cl, args.global_batch, options)), best["step_time_s"],
+                                   best["tokens_per_s"])
     training = None
     if r.configs and args.tokens:
         best = r.configs[0]
@@ -344,8 +349,9 @@ def _text(d: dict[str, Any]) -> str:
         lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2}{etp_cells(c)} "
                      f"{c['virtual_stages']:>2} {c['micro_batch']:>2} {c['microbatches']:>4} {c['zero']:>4} "
                      f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
-                     f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
+                     f"{sig3(c['step_time_s']):>8} {sig3(c['tokens_per_s']):>11} {100 * c['mfu']:>5.1f}% "
                      f"{c['memory_per_gpu_bytes'] / GiB:>8.1f} {c['memory_stage']:>5}  {split_label(c)}")
+    lines.append(band_line(d["configs"][0]))
     again = d["configs"][0].get("retimed")
     if again:
         lines.append(f"#1 is the run the {again['framework']} config makes, re-timed (timed "
@@ -371,6 +377,25 @@ def _text(d: dict[str, Any]) -> str:
         lines += _megatron_meta_lines(d["megatron_meta"])
     lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
+
+
+def sig3(x: float) -> str:
+    """``x`` to 3 significant figures, without an exponent: 0.0123, 1.23, 1,230,000 (the model is not
+    more precise than that: docs/validation.md)."""
+    return f"{float(f'{x:.3g}'):,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def band_line(c: dict[str, Any]) -> str:
+    """The error band of a search row (:mod:`dtlib.plan.uncertainty`): ``error band: step 1.23 s (-8% .. +12%,
+    14 runs: megatron, hopper, dense, ...), tokens/s 1,230,000 (1,100,000 .. 1,300,000)``, or why there is none."""
+    step, tokens = c["band"]["step_time_s"], c["band"]["tokens_per_s"]
+    if not step["covered"]:
+        return (f"error band of #1: step {sig3(c['step_time_s'])} s, {percent_band(step, c['step_time_s'])}; "
+                f"the validation does not cover this plan (docs/validation.md, 'The error band')")
+    return (f"error band of #1 (leave-one-source-out residuals of comparable published runs, {step['method']}): "
+            f"step {sig3(c['step_time_s'])} s ({percent_band(step, c['step_time_s'])}; {sig3(step['low'])} .. "
+            f"{sig3(step['high'])} s), tokens/s {sig3(c['tokens_per_s'])} ({sig3(tokens['low'])} .. "
+            f"{sig3(tokens['high'])}); the same relative band for every layout of this job")
 
 
 def split_label(c: dict[str, Any]) -> str:
