@@ -363,8 +363,11 @@ def _text(d: dict[str, Any]) -> str:
         lines.append(f"{i:>2} " + " ".join(f"{c['breakdown'][k]:>11.4f}" for k in TERMS))
     t = d["training"]
     if t:
+        band, step_s = d["configs"][0]["band"]["step_time_s"], d["configs"][0]["step_time_s"]
+        days = (f"; {t['days'] * band['low'] / step_s:.3g} .. {t['days'] * band['high'] / step_s:.3g} days at the "
+                f"error band" if band["covered"] else "")
         lines.append(f"training {t['tokens']:.3g} tokens with #1: {t['days']:.1f} days ({t['compute_days']:.1f} of "
-                     f"compute / goodput {100 * t['goodput']:.1f}%), {t['gpu_hours']:,.0f} GPU-hours, "
+                     f"compute / goodput {100 * t['goodput']:.1f}%{days}), {t['gpu_hours']:,.0f} GPU-hours, "
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
