@@ -7,16 +7,24 @@ import pytest
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.presets import get_preset
 from dtlib.plan.published import PUBLISHED
-from dtlib.plan.residuals import differences, residual_rows
+from dtlib.plan.residuals import band_coverage, differences, main, markdown
 from dtlib.plan.search import search
 from dtlib.plan.steptime import StepOptions
 from dtlib.plan.uncertainty import (Band, Regime, band, band_fields, gpu_family, load_residuals, percent_band,
                                     regime_of, work_per_gpu)
 
 
-def test_the_stored_table_is_what_the_model_computes_now():
-    """After a change to the step-time model: python -m dtlib.plan.residuals --write."""
-    assert differences(load_residuals(), residual_rows()) == []
+def test_the_stored_table_is_what_the_model_computes_now(capsys):
+    """After a change to the step-time model: python -m dtlib.plan.residuals --write (the differences
+    are printed on stderr)."""
+    assert main(["--check"]) == 0 and "up to date" in capsys.readouterr().out
+
+
+def test_differences_name_the_run_and_the_field():
+    row = {"name": "a", "residual": 0.1, "family": "hopper"}
+    assert differences([row], [row | {"residual": 0.1 + 1e-12}]) == []
+    assert differences([row], [row | {"residual": 0.2}]) == ["a: residual stored 0.1, now 0.2"]
+    assert differences([row], [row | {"name": "b"}]) == ["a: only in the stored table", "b: only in the model now"]
 
 
 def test_every_published_run_has_one_held_out_residual():
@@ -148,3 +156,22 @@ def test_a_calibrated_plan_passes_its_own_band():
 
     c = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=1, band_of=mine).configs[0]
     assert seen[0].family == "hopper" and c["band"]["step_time_s"]["regime"] == "this machine's calibration"
+
+
+def test_band_coverage_holds_each_source_out():
+    """Two sources of identical rows: each run's band comes from the other source's rows only."""
+    rows = [r | {"source": "s1"} for r in ROWS[:11]] + [r | {"source": "s2", "name": r["name"] + "'"} for r in ROWS[:11]]
+    c = band_coverage(rows, method="range")
+    assert c == {"inside": 22, "covered": 22, "uncovered": 0}
+    quantile = band_coverage(rows)  # the 10th-90th percentiles leave out the two extremes of each side
+    assert quantile == {"inside": 18, "covered": 22, "uncovered": 0}
+    alone = band_coverage([r | {"source": "s1"} for r in ROWS[:11]])
+    assert alone == {"inside": 0, "covered": 0, "uncovered": 11}
+
+
+def test_the_stored_band_holds_about_what_it_says():
+    """Held out by source, the 10th-90th percentile band holds at least 70% of the runs it covers
+    (docs/validation.md, 'The error band'): a model change that leaves it far below is miscalibrated."""
+    c = band_coverage(load_residuals())
+    assert c["covered"] >= 60 and c["inside"] / c["covered"] >= 0.7
+    assert "| megatron, hopper, dense |" in markdown(load_residuals())
