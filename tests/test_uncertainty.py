@@ -175,3 +175,9 @@ def test_the_stored_band_holds_about_what_it_says():
     c = band_coverage(load_residuals())
     assert c["covered"] >= 60 and c["inside"] / c["covered"] >= 0.7
     assert "| megatron, hopper, dense |" in markdown(load_residuals())
+
+
+def test_without_a_residual_table_no_band_and_how_to_make_one(tmp_path):
+    assert load_residuals(tmp_path / "none.json") == ()
+    b = band(Regime("megatron", "hopper", False, 3e15), ())
+    assert not b.covered and "python -m dtlib.plan.residuals --write" in b.reason

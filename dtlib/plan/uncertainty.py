@@ -99,8 +99,8 @@ class Regime:
 @dataclass(frozen=True)
 class Band:
     """The band of a prediction as factors on the step time: the real step is ``low`` to ``high`` x the
-    predicted one (None when not ``covered``, with the ``reason``); ``count`` comparable runs, the
-    ``regime`` they share (words) and the ``method``."""
+    predicted one (None when not ``covered``, with the ``reason``); ``count`` comparable runs (their
+    names: ``runs``), the ``regime`` they share (words) and the ``method``."""
     covered: bool
     low: float | None
     high: float | None
@@ -136,9 +136,10 @@ def regime_of(model: TransformerConfig, cluster: Cluster, global_batch: int, opt
 
 @functools.lru_cache(maxsize=4)
 def load_residuals(path: str | Path = RESIDUALS_PATH) -> tuple[dict[str, Any], ...]:
-    """The stored residual table (:mod:`dtlib.plan.residuals` writes it): one dict per published run."""
-    with open(path) as f:
-        return tuple(json.load(f)["rows"])
+    """The stored residual table (:mod:`dtlib.plan.residuals` writes it): one dict per published run;
+    empty when there is none yet (the table is computed by searches that call :func:`band`)."""
+    path = Path(path)
+    return tuple(json.loads(path.read_text())["rows"]) if path.exists() else ()
 
 
 def _words(regime: Regime, keys: Sequence[str]) -> str:
@@ -168,6 +169,8 @@ def band(regime: Regime, rows: Sequence[dict[str, Any]] | None = None, *, min_ru
     def uncovered(reason: str, count: int = 0) -> Band:
         return Band(False, None, None, count, _words(regime, LEVELS[0]), name, reason)
 
+    if not rows:
+        return uncovered(f"no residual table ({RESIDUALS_PATH.name}): run python -m dtlib.plan.residuals --write")
     if regime.unvalidated:
         return uncovered("not validated: " + "; ".join(regime.unvalidated))
     family = [r for r in rows if r["family"] == regime.family]
