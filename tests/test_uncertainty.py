@@ -11,7 +11,7 @@ from dtlib.plan.residuals import band_coverage, differences, main, markdown
 from dtlib.plan.search import search
 from dtlib.plan.steptime import StepOptions
 from dtlib.plan.uncertainty import (Band, Regime, band, band_fields, gpu_family, load_residuals, percent_band,
-                                    regime_of, work_per_gpu)
+                                    regime_of, rescale, work_per_gpu)
 
 
 def test_the_stored_table_is_what_the_model_computes_now(capsys):
@@ -181,3 +181,12 @@ def test_without_a_residual_table_no_band_and_how_to_make_one(tmp_path):
     assert load_residuals(tmp_path / "none.json") == ()
     b = band(Regime("megatron", "hopper", False, 3e15), ())
     assert not b.covered and "python -m dtlib.plan.residuals --write" in b.reason
+
+
+def test_a_retimed_row_keeps_its_band_factors():
+    fields = band_fields(Band(True, 0.9, 1.2, 12, "megatron, hopper, dense", "m"), 2.0, 1000.0)
+    moved = rescale(fields, 2.0, 3.0, 600.0)
+    assert (moved["step_time_s"]["low"], moved["step_time_s"]["high"]) == pytest.approx((2.7, 3.6))
+    assert moved["tokens_per_s"]["high"] == pytest.approx(600 / 0.9) and moved["step_time_s"]["count"] == 12
+    off = band_fields(Band(False, None, None, 0, "x", "m", "why"), 2.0, 1000.0)
+    assert rescale(off, 2.0, 3.0, 600.0) == off

@@ -34,7 +34,7 @@ from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
-from dtlib.plan.uncertainty import band, band_fields, percent_band, regime_of
+from dtlib.plan.uncertainty import percent_band, rescale
 
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
 
@@ -183,6 +183,7 @@ def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best:
     if first["retimed"] and first["timing"]:
         best.update(first["timing"], retimed={"framework": args.emit[0], "why": first["retimed"],
                                               "timed": timing})
+        best["band"] = rescale(best["band"], timing["step_time_s"], best["step_time_s"], best["tokens_per_s"])
     if not args.rehearse:
         return {"emitted": emitted}
     from dtlib.frameworks.fullsize import rehearse_full_size  # torch: the course extra
@@ -243,10 +244,6 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
-    if frameworks and "retimed" in r.configs[0]:  # the band of the re-timed step
-        best = r.configs[0]
-        best["band"] = band_fields(band(regime_of(model, cl, args.global_batch, options)), best["step_time_s"],
-                                   best["tokens_per_s"])
     training = None
     if r.configs and args.tokens:
         best = r.configs[0]

@@ -114,6 +114,7 @@ def system_report(model: TransformerConfig, gpus: int, global_batch: int, tokens
     return {"tiers": tree.tiers, "switches": tree.switches, "links": tree.links,
             "bisection_tbps": tree.bisection_bandwidth * 8 / 1e12, "layout": _short(best),
             "step_time_s": best["step_time_s"], "mfu": best["mfu"], "tokens_per_s": best["tokens_per_s"],
-            "band": best["band"], "days": plan.days, "days_band": days_band, "gpu_hours": plan.gpu_hours, "cost_usd": plan.cost_usd,
+            "band": best["band"], "days": plan.days, "days_band": days_band, "gpu_hours": plan.gpu_hours,
+            "cost_usd": plan.cost_usd,
             "energy_mwh": plan.energy_mwh, "failures_per_day": 24 / plan.job_mtbf_hours,
             "checkpoint_interval_min": plan.checkpoint_interval_s / 60, "goodput": plan.goodput}

@@ -52,7 +52,7 @@ from dtlib.analytic.hardware import Cluster
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 
 __all__ = ["Regime", "Band", "GPU_FAMILIES", "LEVELS", "METHODS", "RESIDUALS_PATH", "gpu_family", "work_per_gpu",
-           "regime_of", "band", "BandOf", "load_residuals", "band_fields", "percent_band"]
+           "regime_of", "band", "BandOf", "load_residuals", "band_fields", "rescale", "percent_band"]
 
 RESIDUALS_PATH = Path(__file__).with_name("data") / "residuals.json"
 # GPU name prefix -> family; a name that matches none is its own family (no validated run: not covered)
@@ -207,6 +207,17 @@ def band_fields(b: Band, step_time_s: float, tokens_per_s: float) -> dict[str, d
         return {k: {"low": None, "high": None} | common for k in ("step_time_s", "tokens_per_s")}
     return {"step_time_s": {"low": step_time_s * b.low, "high": step_time_s * b.high} | common,
             "tokens_per_s": {"low": tokens_per_s / b.high, "high": tokens_per_s / b.low} | common}
+
+
+def rescale(fields: dict[str, dict[str, Any]], timed_step_s: float, step_time_s: float,
+            tokens_per_s: float) -> dict[str, dict[str, Any]]:
+    """A search row's ``band`` (:func:`band_fields`, of a step timed ``timed_step_s``) moved to the same
+    row re-timed (``step_time_s``, ``tokens_per_s``): the same factors, whatever gave them."""
+    s = fields["step_time_s"]
+    if not s["covered"]:
+        return fields
+    b = Band(True, s["low"] / timed_step_s, s["high"] / timed_step_s, s["count"], s["regime"], s["method"])
+    return band_fields(b, step_time_s, tokens_per_s)
 
 
 def percent_band(band_of_quantity: dict[str, Any], value: float) -> str:
