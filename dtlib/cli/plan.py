@@ -2,7 +2,8 @@
 days, dollars, energy and failures (:mod:`dtlib.plan`).
 
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
-prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
+prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``, each config with its
+error ``band`` (:mod:`dtlib.plan.uncertainty`: step time and throughput, or why none); nothing fitting
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
 including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 """
