@@ -239,3 +239,18 @@ def test_a_plan_the_validation_does_not_cover_says_so(capsys):
                        "--gpu", "mi355x", "--json")
     band = json.loads(out)["configs"][0]["band"]["step_time_s"]
     assert code == 0 and not band["covered"] and band["low"] is None and "no published run on amd GPUs" in band["reason"]
+
+
+def test_the_band_method_and_coverage_are_options(capsys):
+    argv = ("plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1", "--json")
+    bands = {}
+    for extra in ((), ("--band-method", "range"), ("--band-coverage", "0.5")):
+        code, out, _ = run(capsys, *argv, *extra)
+        bands[extra] = json.loads(out)["configs"][0]["band"]["step_time_s"]
+    default, widest, narrow = bands.values()
+    assert default["method"] == "10th-90th percentiles" and widest["method"] == "min-max"
+    assert widest["low"] <= default["low"] <= narrow["low"] and narrow["high"] <= default["high"] <= widest["high"]
+    assert narrow["high"] - narrow["low"] < default["high"] - default["low"]
+    for flag, value in (("--band-coverage", "0"), ("--band-coverage", "1.5"), ("--band-method", "normal")):
+        code, out, err = run(capsys, *argv, flag, value)
+        assert code == 2 and out == "" and flag in err and len(err.strip().splitlines()) == 1

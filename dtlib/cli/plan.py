@@ -10,6 +10,7 @@ including pinned flags that no valid layout has: one line on stderr, exit 2 (:fu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from typing import Any
 
@@ -35,7 +36,7 @@ from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
-from dtlib.plan.uncertainty import percent_band, rescale
+from dtlib.plan.uncertainty import METHODS, band, percent_band, rescale
 
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
 
@@ -115,6 +116,12 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
                    help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
+    m.add_argument("--band-method", choices=METHODS, default="quantile",
+                   help="error band from the comparable runs' held-out residuals: their central --band-coverage "
+                        "quantiles, or their min-max (docs/validation.md, 'The error band')")
+    m.add_argument("--band-coverage", type=_fraction, default=0.8,
+                   help="with --band-method quantile: the central fraction of residuals the band spans (0.8: "
+                        "10th-90th percentiles)")
     t = p.add_argument_group("training plan")
     t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
     t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
@@ -240,8 +247,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         fixed["pipeline_layout"] = True
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
+    band_of = functools.partial(band, method=args.band_method, coverage=args.band_coverage)
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
-               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
+               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top,
+               band_of=band_of)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
