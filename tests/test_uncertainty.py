@@ -124,6 +124,11 @@ def test_regime_of_a_plan():
     assert (r.stack, r.family, r.moe, r.dtype, r.unvalidated) == ("megatron", "blackwell-rack", False, "fp8", ())
     flat = regime_of(m, cl, 128, StepOptions(efficiency=0.5, gemm_efficiency=0.7))
     assert len(flat.unvalidated) == 2 and "flat compute model" in flat.unvalidated[0]
+    # the validation's own options (the fitted efficiencies, attention scaled by the stack's kernel) are validated
+    from dtlib.plan.validation import _options
+
+    assert all(regime_of(run.model, run.cluster, run.global_batch, _options(run)).unvalidated == () for run in PUBLISHED)
+    assert regime_of(m, cl, 128, StepOptions(attention_efficiency=0.3)).unvalidated[0].startswith("attention efficiency 0.3")
 
 
 def test_band_fields_for_step_time_and_throughput():

@@ -49,6 +49,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import step_flops
 from dtlib.analytic.hardware import Cluster
+from dtlib.analytic.stacks import get_stack
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 
 __all__ = ["Regime", "Band", "GPU_FAMILIES", "LEVELS", "METHODS", "RESIDUALS_PATH", "gpu_family", "work_per_gpu",
@@ -123,9 +124,10 @@ def regime_of(model: TransformerConfig, cluster: Cluster, global_batch: int, opt
         unvalidated.append(f"the flat compute model (efficiency {options.efficiency:g}) replaces the fitted one")
     if options.gemm_efficiency not in (None, GEMM_EFFICIENCY):
         unvalidated.append(f"GEMM efficiency {options.gemm_efficiency:g} instead of the fitted {GEMM_EFFICIENCY:g}")
-    if options.attention_efficiency not in (None, ATTENTION_EFFICIENCY):
+    fitted = ATTENTION_EFFICIENCY * get_stack(options.stack).attention_scale(cluster.gpu)  # as the validation runs
+    if options.attention_efficiency is not None and not math.isclose(options.attention_efficiency, fitted):
         unvalidated.append(f"attention efficiency {options.attention_efficiency:g} instead of the fitted "
-                           f"{ATTENTION_EFFICIENCY:g}")
+                           f"{fitted:.3g}")
     finetune = getattr(options, "finetune", None)  # fine-tuning (LoRA): no published run validates it
     if finetune not in (None, "none", "full"):
         unvalidated.append(f"{finetune} fine-tuning")
