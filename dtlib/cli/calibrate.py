@@ -55,6 +55,9 @@ def add_calibrate_command(sub: Any) -> None:
     m.add_argument("--max-bytes", type=positive_int, default=16 * 2 ** 20, help="largest message (default 16 MiB)")
     m.add_argument("--factor", type=positive_int, default=4, help="message size step (default 4)")
     m.add_argument("--repeats", type=positive_int, default=7, help="timed calls per figure, median (default 7, >= 3)")
+    m.add_argument("--clock", choices=("cpu", "wall"),
+                   help="cpu: the ranks' CPU time, all threads (default on CPU: robust to other jobs' load); "
+                        "wall: elapsed time (default on GPUs)")
     m.add_argument("--timeout", type=positive_int, default=600, help="seconds before the ranks are stopped")
     p.add_argument("--output", "-o", metavar="FILE", required=True, help="where to write the profile (JSON)")
     p.add_argument("--json", action="store_true", help="also print the profile")
@@ -79,7 +82,7 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
     m = profile["machine"]
     rates = [r["flops_per_s"] for r in profile["gemm"]]
     lines = [f"{m['hostname']}: {m['gpu'] or m['cpu']}, {m['ranks']} {profile['backend']} ranks on {m['nodes']} "
-             f"node(s); torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
+             f"node(s), {profile['clock']} clock; torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
              f"GEMMs ({profile['dtype']}, {len(rates)} shapes of {profile['model']['name']}): "
              f"{min(rates) / 1e9:,.1f} - {max(rates) / 1e9:,.1f} GFLOP/s",
              f"attention (causal, {profile['attention']['seq']} tokens): {1e3 * profile['attention']['seconds']:.3f} ms "
@@ -119,7 +122,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
     profile = calibrate(model, args.nproc, tp=args.tp, micro_batch=args.micro_batch, dtype=args.dtype,
                         min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
-                        repeats=args.repeats, timeout=args.timeout)
+                        repeats=args.repeats, clock=args.clock, timeout=args.timeout)
     if not profile:  # a torchrun rank other than 0
         return 0
     with open(args.output, "w") as f:

@@ -13,17 +13,27 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
 * **elementwise bandwidth**: ``torch.add(a, b, out=c)`` on one micro-batch's activation tensor
   (bytes read + written over time, STREAM's "Add" count, McCalpin 1995), at that size, so the
   per-kernel cost of small tensors is in it;
+* **memory-bound work of a step** (CPU ranks): one step of the model as ``dtlib train`` builds it
+  (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on one process with a rank's threads,
+  less the planner's time of its GEMMs (from the GEMMs just measured): what the elementwise
+  operators, the optimizer and eager PyTorch's per-operator costs take. Over the bytes the planner
+  counts for them it gives the bandwidth the plan uses for its memory-bound terms
+  (:func:`dtlib.plan.measured.memory_bound_bandwidth`; the ``add`` figure where it cannot be told);
 * **collectives**: all-reduce, reduce-scatter, all-gather, all-to-all, broadcast and p2p per
   message size, nccl-tests' way (``doc/PERFORMANCE.md``: time = the slowest rank's, algbw = S / t,
   busbw = algbw x the collective's factor), within a node and, with several nodes, across them
   (one rank per node).
 
-Every time is the median of ``repeats`` calls after a warm-up (robust to a loaded CPU), the
-slowest rank's. The profile (JSON, :data:`FORMAT`) carries the machine, the versions, the date and
+Every time is the median of ``repeats`` calls after a warm-up, the slowest rank's, on one of
+:data:`CLOCKS`: ``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or
+``cpu``, the process's CPU time over all its threads (``time.process_time``; default on CPU ranks):
+on a machine that other jobs load, wall time measures them too, while CPU time counts only the
+work of the call itself (gloo's threads included), what it costs on a core of its own. The profile (JSON, :data:`FORMAT`) carries the machine, the versions, the date and
 every figure with its unit; :mod:`dtlib.plan.measured` reads it for ``dtlib plan --calibration``.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -45,12 +55,13 @@ from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.measured import BUS_FACTORS, MeasuredAccelerator
 from dtlib.parallel.collectives import all_gather_into, reduce_scatter_into
-from dtlib.plan.measured import FORMAT
+from dtlib.plan.measured import FORMAT, memory_bound_bandwidth
 from dtlib.plan.steptime import StepOptions, step_time
 
-__all__ = ["planned_gemm_shapes", "calibrate", "message_sizes", "DTYPES"]
+__all__ = ["planned_gemm_shapes", "calibrate", "message_sizes", "DTYPES", "CLOCKS"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 class _Recorder(MeasuredAccelerator):
@@ -100,39 +111,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(fn: Callable[[], Any], repeats: int, device: torch.device, group: Any = None) -> float:
-    """Median over ``repeats`` calls (after one warm-up) of the slowest rank's time."""
+def _median(fn: Callable[[], Any], repeats: int, device: torch.device, clock: str = "wall") -> float:
+    """Median over ``repeats`` calls (after one warm-up) of the slowest rank's time on ``clock``."""
+    now = CLOCKS[clock]
     fn()
     _sync(device)
     times = torch.zeros(repeats, dtype=torch.float64)
     for i in range(repeats):
         if dist.is_initialized():
-            dist.barrier(group=group)
-        start = time.perf_counter()
+            dist.barrier()
+        start = now()
         fn()
         _sync(device)
-        times[i] = time.perf_counter() - start
+        times[i] = max(now() - start, 1e-9)
     if dist.is_initialized():
         times = times.to(device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # a step waits for its slowest rank
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
     return statistics.median(times.cpu().tolist())
 
 
 def _gemms(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, repeats: int,
-           device: torch.device) -> list[dict[str, Any]]:
+           device: torch.device, clock: str) -> list[dict[str, Any]]:
     rows = []
     for m, n, k, batch in shapes:
         a = torch.randn(batch, m, k, dtype=dtype, device=device)
         b = torch.randn(batch, k, n, dtype=dtype, device=device)
         a, b = (a[0], b[0]) if batch == 1 else (a, b)
-        seconds = _median(lambda: torch.matmul(a, b), repeats, device)
+        seconds = _median(lambda: torch.matmul(a, b), repeats, device, clock)
         rows.append({"m": m, "n": n, "k": k, "batch": batch, "seconds": seconds,
                      "flops_per_s": 2 * m * n * k * batch / seconds})
     return rows
 
 
 def _attention(model: TransformerConfig, micro_batch: int, dtype: torch.dtype, repeats: int,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device, clock: str) -> dict[str, Any]:
     head_dim = model.hidden // model.heads
     q, k, v = (torch.randn(micro_batch, model.heads, model.seq, head_dim, dtype=dtype, device=device,
                            requires_grad=True) for _ in range(3))
@@ -141,14 +153,41 @@ def _attention(model: TransformerConfig, micro_batch: int, dtype: torch.dtype, r
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     return {"micro_batch_size": micro_batch, "heads": model.heads, "seq": model.seq, "head_dim": head_dim,
-            "causal": True, "seconds": _median(forward_backward, repeats, device)}
+            "causal": True, "seconds": _median(forward_backward, repeats, device, clock)}
 
 
-def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.device) -> dict[str, Any]:
+def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.device,
+                 clock: str) -> dict[str, Any]:
     a, b, c = (torch.randn(elements, dtype=dtype, device=device) for _ in range(3))
-    seconds = _median(lambda: torch.add(a, b, out=c), repeats, device)
+    seconds = _median(lambda: torch.add(a, b, out=c), repeats, device, clock)
     moved = 3 * elements * a.element_size()  # two read, one written
     return {"bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds}
+
+
+def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str,
+                   threads: int) -> dict[str, Any]:
+    """Seconds of one training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as
+    ``dtlib train``) on ``micro_batch`` sequences in this process, on ``threads`` threads."""
+    from dtlib.models import TinyGPT
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        net = TinyGPT(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        tokens = torch.randint(0, model.vocab, (micro_batch, model.seq + 1))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+
+        seconds = _median(step, repeats, torch.device("cpu"), clock)
+    finally:
+        torch.set_num_threads(before)
+    return {"micro_batch_size": micro_batch, "threads": threads, "seconds": seconds}
 
 
 def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torch.device) -> Callable[[], Any]:
@@ -179,7 +218,7 @@ def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torc
 
 
 def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], repeats: int,
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, clock: str) -> dict[str, Any]:
     """Each collective per size in the group of this rank, all groups at once."""
     me = dist.get_rank()
     mine = next(i for i, g in enumerate(groups) if me in g)
@@ -191,7 +230,7 @@ def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], 
         for nbytes in sizes:
             fn = _collective(op, nbytes, ranks, group, device)
             numel = max(nbytes // 4 // len(ranks) * len(ranks), len(ranks))
-            seconds = _median(fn, repeats, device)  # barriers over the world: every group alike
+            seconds = _median(fn, repeats, device, clock)  # barriers over the world: every group alike
             size = numel * 4
             factor = float(BUS_FACTORS[op](len(ranks)))
             rows.append({"op": op, "bytes": size, "seconds": seconds, "algbw_bytes_per_s": size / seconds,
@@ -218,7 +257,8 @@ def _machine(world_size: int, nodes: int, device: torch.device) -> dict[str, Any
 
 
 def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[tuple[int, int, int, int]],
-            micro_batch: int, dtype: str, sizes: list[int], repeats: int, per_node: int) -> dict[str, Any]:
+            micro_batch: int, dtype: str, sizes: list[int], repeats: int, per_node: int,
+            clock: str) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(rank)
     nodes = world_size // per_node
@@ -228,24 +268,26 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
     intra_handles = [dist.new_group(g) for g in intra]
     inter_handles = [dist.new_group(g) for g in inter] if nodes > 1 else []
     torch_dtype = DTYPES[dtype]
-    out = {"gemm": _gemms(shapes, torch_dtype, repeats, device),
-           "attention": _attention(model, micro_batch, torch_dtype, repeats, device),
-           "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device),
-           "intra": _collectives(sizes, intra, intra_handles, repeats, device),
-           "inter": _collectives(sizes, inter, inter_handles, repeats, device) if nodes > 1 else None}
+    out = {"gemm": _gemms(shapes, torch_dtype, repeats, device, clock),
+           "attention": _attention(model, micro_batch, torch_dtype, repeats, device, clock),
+           "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device, clock),
+           "intra": _collectives(sizes, intra, intra_handles, repeats, device, clock),
+           "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None}
     return out if rank == 0 else {}
 
 
 def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | None = None,
               micro_batch: Sequence[int] = (1, 2, 4), dtype: str | None = None, min_bytes: int = 1024,
               max_bytes: int = 16 * 2 ** 20, factor: int = 4, repeats: int = 7,
-              options: StepOptions = StepOptions(flash_attention=False), timeout: float = 600.0) -> dict[str, Any]:
+              options: StepOptions = StepOptions(flash_attention=False), clock: str | None = None,
+              timeout: float = 600.0) -> dict[str, Any]:
     """Measure this machine on ``nproc`` ranks (or, under torchrun, on torchrun's ranks) for
     ``model``, and return the profile (:data:`FORMAT`; see the module docstring). ``tp`` (default:
     1 and every divisor of ``nproc`` that divides the heads) and ``micro_batch`` choose the GEMM
     shapes; ``options`` the planner's conventions they are recorded under (default explicit
     attention, as ``dtlib train``'s TinyGPT); ``dtype`` (default fp32 on CPU, bf16 on CUDA) the
-    precision they run in; ``min_bytes`` .. ``max_bytes`` by ``factor`` the message sizes."""
+    precision they run in; ``min_bytes`` .. ``max_bytes`` by ``factor`` the message sizes;
+    ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs)."""
     from dtlib.launcher import run_from_env, under_torchrun
 
     validate.integer("nproc", nproc, minimum=1)
@@ -258,16 +300,28 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     gpu = torchrun and torch.cuda.is_available()
     dtype = dtype or ("bf16" if gpu else "fp32")
     validate.one_of("dtype", dtype, DTYPES)
+    clock = clock or ("wall" if gpu else "cpu")
+    validate.one_of("clock", clock, CLOCKS)
+    if gpu and clock == "cpu":
+        raise ValueError("clock 'cpu' times the host, not the GPU's kernels: use clock 'wall' on GPUs")
     tp = tuple(tp) if tp else tuple(t for t in range(1, per_node + 1) if per_node % t == 0 and model.heads % t == 0)
     shapes = planned_gemm_shapes(model, tp, micro_batch, options)
     sizes = message_sizes(min_bytes, max_bytes, factor)
-    args = (model, shapes, max(micro_batch), dtype, sizes, repeats, per_node)
+    args = (model, shapes, max(micro_batch), dtype, sizes, repeats, per_node, clock)
     if torchrun:
         found = run_from_env(_worker, *args, timeout=timeout)
     else:
         found = dtlib.launch(_worker, nproc, args=args, timeout=timeout, output="none")[0]
     if not found:  # a torchrun rank other than 0
         return {}
+    step = None
+    if not gpu:  # the ranks' threads: dtlib.launch forks ranks of one thread (dtlib.launcher._worker)
+        # the middle micro-batch: per-operator costs do not scale with bytes, so one bandwidth fits
+        # the micro-batches around the one it was measured at best
+        middle = sorted(micro_batch)[len(micro_batch) // 2]
+        step = _one_rank_step(model, middle, repeats, clock, threads=1)
+        step.update(memory_bound_bandwidth(model, options, step["micro_batch_size"], step["seconds"],
+                                           found["gemm"]))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     machine = _machine(world, world // per_node, device)
     if not torchrun:  # dtlib.launch's ranks run torch.set_num_threads(cores // ranks) or 1 (fork)
@@ -275,10 +329,11 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     return {"format": FORMAT, "machine": machine,
             "versions": {"torch": torch.__version__, "dtlib": dtlib.__version__, "python": platform.python_version()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": "nccl" if gpu else "gloo", "dtype": dtype,
+            "backend": "nccl" if gpu else "gloo", "dtype": dtype, "clock": clock,
             "model": {"name": model.name, **{k: getattr(model, k) for k in ("layers", "hidden", "heads", "seq", "vocab")}},
             "tp": list(tp), "micro_batch": list(micro_batch), "repeats": repeats,
-            "units": {"seconds": "s, median of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
+            "model_config": dataclasses.asdict(model), "options": dataclasses.asdict(options), "step": step,
+            "units": {"seconds": f"s ({clock} clock), median of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
                       "flops_per_s": "FLOP/s (2 M N K batch / seconds)", "bytes_per_s": "B/s",
                       "busbw_bytes_per_s": "B/s, nccl-tests bus bandwidth", "algbw_bytes_per_s": "B/s, S / seconds"},
             **found}

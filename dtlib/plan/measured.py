@@ -16,11 +16,15 @@ from typing import Any
 
 from dtlib.analytic import validate
 from dtlib.analytic.flops import attention_flops_per_token
-from dtlib.analytic.hardware import Cluster
+from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.hardware import Cluster, Link
+from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.measured import MeasuredAccelerator, MeasuredLink
 from dtlib.plan.gemm import FLASH_BACKWARD
+from dtlib.plan.steptime import StepOptions, step_time
 
-__all__ = ["FORMAT", "load_profile", "calibrated_cluster", "attention_efficiency", "profile_sources"]
+__all__ = ["FORMAT", "load_profile", "calibrated_cluster", "attention_efficiency", "profile_sources",
+           "memory_bound_bandwidth"]
 
 FORMAT = "dtlib-calibration/1"
 _SECTIONS = ("machine", "versions", "date", "dtype", "gemm", "attention", "elementwise", "intra")
@@ -51,6 +55,25 @@ def load_profile(path: str) -> dict[str, Any]:
     return profile
 
 
+def _gemm_rows(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
+    return tuple((r["m"], r["n"], r["k"], r["batch"], r["seconds"]) for r in rows)
+
+
+def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, micro_batch: int, seconds: float,
+                           gemm: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bandwidth at which the planner's memory-bound terms (``elementwise`` and ``optimizer``)
+    take what a measured one-rank step of ``micro_batch`` sequences (``seconds``) leaves after the
+    planner's GEMMs, timed from ``gemm`` (the profile's rows): ``{"planned_gemm_seconds",
+    "planned_memory_bytes", "bytes_per_s"}``; ``bytes_per_s`` None where the GEMMs take the whole step."""
+    probe = MeasuredAccelerator("probe", {"bf16": 1.0}, 2 ** 62, 1.0, "1 B/s: the terms in bytes", gemms=_gemm_rows(gemm))
+    link = Link("none", 1.0, 0.0, "one rank: no collective")
+    t = step_time(model, Parallelism(micro_batch_size=micro_batch), Cluster(probe, 1, 1, link, link), options=options)
+    planned_bytes = t.breakdown["elementwise"] + t.breakdown["optimizer"]  # seconds at 1 B/s
+    left = seconds - t.breakdown["compute"]
+    return {"planned_gemm_seconds": t.breakdown["compute"], "planned_memory_bytes": planned_bytes,
+            "bytes_per_s": planned_bytes / left if left > 0 else None}
+
+
 def _link(section: dict[str, Any], where: str, host: str) -> MeasuredLink:
     rows = tuple((r["op"], float(r["bytes"]), float(r["busbw_bytes_per_s"])) for r in section["rows"])
     largest = max(rows, key=lambda r: r[1])[2]
@@ -78,16 +101,20 @@ def calibrated_cluster(profile: dict[str, Any], nodes: int | None = None,
                          f"no figures across nodes; plan at most {per_node} ranks or calibrate on several nodes")
     host = m["hostname"]
     dtype = profile["dtype"]
-    gemms = tuple((r["m"], r["n"], r["k"], r["batch"], r["seconds"]) for r in profile["gemm"])
+    gemms = _gemm_rows(profile["gemm"])
     best = max(r["flops_per_s"] for r in profile["gemm"])
     e = profile["elementwise"]
+    step = profile.get("step") or {}
+    bandwidth = step.get("bytes_per_s") or e["bytes_per_s"]
+    memory_bound = (f"memory-bound terms at {bandwidth / 1e9:.3g} GB/s (a measured one-rank step less its GEMMs)"
+                    if step.get("bytes_per_s") else f"elementwise {bandwidth / 1e9:.3g} GB/s")
     device = m["gpu"] or "cpu"
     name = "cpu" if m["device"] == "cpu" else f"{device} (calibrated)"
     source = (f"measured by dtlib calibrate on {host} ({device}, {m['ranks']} ranks at once, {profile['date']}, "
-              f"torch {profile['versions']['torch']}): GEMMs in {dtype} by shape, elementwise "
-              f"{e['bytes_per_s'] / 1e9:.3g} GB/s; the {dtype} peak stands for every matmul precision")
+              f"torch {profile['versions']['torch']}, {profile.get('clock', 'wall')} clock): GEMMs in {dtype} by "
+              f"shape, {memory_bound}; the {dtype} peak stands for every matmul precision")
     peaks = {"fp32": None, "tf32": None, "bf16": best, "fp16": None, "fp8": None, "fp4": None, dtype: best}
-    acc = MeasuredAccelerator(name, peaks, int(m["memory_bytes_per_rank"]), e["bytes_per_s"], source, gemms=gemms, measured_dtype=dtype)
+    acc = MeasuredAccelerator(name, peaks, int(m["memory_bytes_per_rank"]), bandwidth, source, gemms=gemms, measured_dtype=dtype)
     intra = _link(profile["intra"], "within a node", host)
     inter = _link(profile["inter"], "across nodes", host) if profile.get("inter") else intra
     return Cluster(acc, nodes, per_node, intra, inter, per_node)
@@ -114,7 +141,7 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
                     f"{len(profile['gemm'])} shapes: {where}",
             "attention": f"FlashAttention efficiency {attention_efficiency(profile):.3f} from the measured "
                          f"causal attention: {where}",
-            "elementwise": f"elementwise bandwidth {profile['elementwise']['bytes_per_s'] / 1e9:.3g} GB/s: {where}",
+            "elementwise": f"memory-bound terms (elementwise, optimizer) at {calibrated_cluster(profile).gpu.memory_bandwidth / 1e9:.3g} GB/s: {where}",
             "collectives": f"{ops}: busbw per message size within a node"
                            + (" and across nodes" if profile.get("inter") else "") + f": {where}",
             "not measured": "the step-time model's structure (dtlib.plan.steptime.TERMS), overlaps and "
