@@ -250,14 +250,15 @@ def _measured_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: Measured
     nodes = np.maximum(np.ceil(n / g), 1)
     calls = np.maximum(np.asarray(calls, dtype=float), 1)
     per_call = np.asarray(nbytes, dtype=float) / calls
-    across = 0 * per_call
-    if op in ("all_reduce", "reduce_scatter"):
-        across = across + collective_time("reduce_scatter", per_call, g.astype(int), intra)
-    if op in ("all_reduce", "all_gather"):
-        across = across + collective_time("all_gather", per_call, g.astype(int), intra)
-    across = across + collective_time(op, per_call / g, nodes.astype(int), inter)
-    within = collective_time(op, per_call, n.astype(int), intra)
-    t = calls * np.where(nodes > 1, across, within)
+    t = collective_time(op, per_call, n.astype(int), intra)
+    if np.any(nodes > 1):  # (a profile of one node has no other phases measured)
+        across = collective_time(op, per_call / g, nodes.astype(int), inter)
+        if op in ("all_reduce", "reduce_scatter"):
+            across = across + collective_time("reduce_scatter", per_call, g.astype(int), intra)
+        if op in ("all_reduce", "all_gather"):
+            across = across + collective_time("all_gather", per_call, g.astype(int), intra)
+        t = np.where(nodes > 1, across, t)
+    t = calls * t
     return {k: (float(t) if np.ndim(t) == 0 else t) for k in ("ring", "tree", "best")}
 
 

@@ -14,7 +14,7 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
   (bytes read + written over time, STREAM's "Add" count, McCalpin 1995), at that size, so the
   per-kernel cost of small tensors is in it;
 * **memory-bound work of a step** (CPU ranks): one step of the model as ``dtlib train`` builds it
-  (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on one process with a rank's threads,
+  (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on every rank at once, each alone,
   less the planner's time of its GEMMs (from the GEMMs just measured): what the elementwise
   operators, the optimizer and eager PyTorch's per-operator costs take. Over the bytes the planner
   counts for them it gives the bandwidth the plan uses for its memory-bound terms
@@ -164,30 +164,24 @@ def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.
     return {"bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds}
 
 
-def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str,
-                   threads: int) -> dict[str, Any]:
+def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str) -> dict[str, Any]:
     """Seconds of one training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as
-    ``dtlib train``) on ``micro_batch`` sequences in this process, on ``threads`` threads."""
+    ``dtlib train``) on ``micro_batch`` sequences, on this rank alone (no collective)."""
     from dtlib.models import TinyGPT
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(0)
-        net = TinyGPT(model)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        tokens = torch.randint(0, model.vocab, (micro_batch, model.seq + 1))
-        x, y = tokens[:, :-1], tokens[:, 1:]
+    torch.manual_seed(0)
+    net = TinyGPT(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    tokens = torch.randint(0, model.vocab, (micro_batch, model.seq + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
-            opt.step()
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
 
-        seconds = _median(step, repeats, torch.device("cpu"), clock)
-    finally:
-        torch.set_num_threads(before)
-    return {"micro_batch_size": micro_batch, "threads": threads, "seconds": seconds}
+    return {"micro_batch_size": micro_batch, "threads": torch.get_num_threads(),
+            "seconds": _median(step, repeats, torch.device("cpu"), clock)}
 
 
 def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torch.device) -> Callable[[], Any]:
@@ -257,7 +251,7 @@ def _machine(world_size: int, nodes: int, device: torch.device) -> dict[str, Any
 
 
 def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[tuple[int, int, int, int]],
-            micro_batch: int, dtype: str, sizes: list[int], repeats: int, per_node: int,
+            micro_batch: int, middle: int, dtype: str, sizes: list[int], repeats: int, per_node: int,
             clock: str) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(rank)
@@ -272,7 +266,8 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
            "attention": _attention(model, micro_batch, torch_dtype, repeats, device, clock),
            "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device, clock),
            "intra": _collectives(sizes, intra, intra_handles, repeats, device, clock),
-           "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None}
+           "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
+           "step": _one_rank_step(model, middle, repeats, clock) if device.type == "cpu" else None}
     return out if rank == 0 else {}
 
 
@@ -307,21 +302,19 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     tp = tuple(tp) if tp else tuple(t for t in range(1, per_node + 1) if per_node % t == 0 and model.heads % t == 0)
     shapes = planned_gemm_shapes(model, tp, micro_batch, options)
     sizes = message_sizes(min_bytes, max_bytes, factor)
-    args = (model, shapes, max(micro_batch), dtype, sizes, repeats, per_node, clock)
+    # the middle micro-batch for the step: per-operator costs do not scale with bytes, so one
+    # bandwidth fits the micro-batches around the one it was measured at best
+    middle = sorted(micro_batch)[len(micro_batch) // 2]
+    args = (model, shapes, max(micro_batch), middle, dtype, sizes, repeats, per_node, clock)
     if torchrun:
         found = run_from_env(_worker, *args, timeout=timeout)
     else:
         found = dtlib.launch(_worker, nproc, args=args, timeout=timeout, output="none")[0]
     if not found:  # a torchrun rank other than 0
         return {}
-    step = None
-    if not gpu:  # the ranks' threads: dtlib.launch forks ranks of one thread (dtlib.launcher._worker)
-        # the middle micro-batch: per-operator costs do not scale with bytes, so one bandwidth fits
-        # the micro-batches around the one it was measured at best
-        middle = sorted(micro_batch)[len(micro_batch) // 2]
-        step = _one_rank_step(model, middle, repeats, clock, threads=1)
-        step.update(memory_bound_bandwidth(model, options, step["micro_batch_size"], step["seconds"],
-                                           found["gemm"]))
+    if found["step"]:
+        found["step"].update(memory_bound_bandwidth(model, options, found["step"]["micro_batch_size"],
+                                                    found["step"]["seconds"], found["gemm"]))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     machine = _machine(world, world // per_node, device)
     if not torchrun:  # dtlib.launch's ranks run torch.set_num_threads(cores // ranks) or 1 (fork)
@@ -332,7 +325,7 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
             "backend": "nccl" if gpu else "gloo", "dtype": dtype, "clock": clock,
             "model": {"name": model.name, **{k: getattr(model, k) for k in ("layers", "hidden", "heads", "seq", "vocab")}},
             "tp": list(tp), "micro_batch": list(micro_batch), "repeats": repeats,
-            "model_config": dataclasses.asdict(model), "options": dataclasses.asdict(options), "step": step,
+            "model_config": dataclasses.asdict(model), "options": dataclasses.asdict(options),
             "units": {"seconds": f"s ({clock} clock), median of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
                       "flops_per_s": "FLOP/s (2 M N K batch / seconds)", "bytes_per_s": "B/s",
                       "busbw_bytes_per_s": "B/s, nccl-tests bus bandwidth", "algbw_bytes_per_s": "B/s, S / seconds"},
