@@ -4,9 +4,10 @@
 GEMMs on the model's own shapes (the planner's list for each --tp and --micro-batch), attention,
 elementwise bandwidth and every collective's busbw per message size, on --nproc gloo ranks of this
 CPU, or under torchrun on its GPUs (NCCL) and nodes:
-  dtlib calibrate --nproc 2 --output calibration.json                  # dtlib train's TinyGPT
-  dtlib calibrate --model llama3-8b --output h200.json                 # under torchrun on GPUs
-  torchrun --nproc-per-node 8 -m dtlib calibrate --model llama3-8b --output h200.json
+  dtlib calibrate --nproc 2 --output calibration.json         # dtlib train's TinyGPT, 2 gloo ranks
+  torchrun --nproc-per-node 8 -m dtlib calibrate --model llama3-8b --output h200.json     # 8 GPUs
+The profile holds the machine, the versions, the date and every figure with its unit; --clock cpu
+(the default on CPU ranks) times the ranks' CPU time, robust to other jobs' load.
 """
 from __future__ import annotations
 

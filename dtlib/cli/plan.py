@@ -303,7 +303,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
          "caveats": [MOE_CAVEAT] if model.moe_experts else [],
-         "calibration": {"file": args.calibration, "sources": sources} if profile else None}
+         "calibration": {"file": args.calibration, "dtype": profile["dtype"], "sources": sources} if profile else None}
     d.update(frameworks)
     return d
 
@@ -354,9 +354,12 @@ def _text(d: dict[str, Any]) -> str:
         moe_options += f"FP8 recipe {a['fp8_recipe']}, "
     etp_head, etp_cells = (f" {'etp':>3}", lambda c: f" {c['etp']:>3}") if moe else ("", lambda c: "")
     system = f" ({d['system']})" if d.get("system") else ""
+    calibrated = d.get("calibration")
+    domain = "node (calibrated)" if calibrated else "NVLink domain"
+    matmuls = f"{d['precision']} (timed as measured in {calibrated['dtype']})" if calibrated else d["precision"]
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
-             f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
-             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls, stack "
+             f"{d['gpus_per_node']} per {domain} ({d['intra_link']}; {d['inter_link']} across), global batch "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {matmuls} matmuls, stack "
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
