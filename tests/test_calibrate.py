@@ -90,6 +90,8 @@ def test_the_planner_asks_for_the_shapes_calibrate_times():
     assert (tokens, 3 * h, h, 1) in shapes and (tokens, 3 * h // 2, h, 1) in shapes  # QKV, whole and split
     assert (tokens, vocab, h, 1) in shapes and (h, vocab, tokens, 1) in shapes  # the head and its dW
     assert (32, 32, 16, 2 * 4) in shapes  # explicit attention's scores: one s x s GEMM per head
+    # with FlashAttention-style attention (a preset's plan) attention is no GEMM the planner asks for
+    assert all(b == 1 for *_, b in planned_gemm_shapes(MODEL, (1,), (2,), StepOptions(flash_attention=True)))
     # timed on the profile's figures, the plan's compute is the GEMMs' FLOPs at that rate
     cl = calibrated_cluster(_profile(gflops=10.0))
     t = step_time(MODEL, Parallelism(dp=2, micro_batch_size=2), cl, options=OPTIONS)

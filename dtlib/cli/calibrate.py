@@ -17,6 +17,7 @@ from typing import Any
 
 from dtlib.analytic.presets import PRESETS, get_preset
 from dtlib.cli.args import positive_int
+from dtlib.plan.steptime import StepOptions
 
 __all__ = ["add_calibrate_command", "run_calibrate", "calibration_text"]
 
@@ -121,7 +122,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
             pass
     except OSError as exc:
         raise ValueError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
+    # the shapes the plan will ask for: dtlib train's TinyGPT computes attention explicitly (its
+    # batched GEMMs), a preset is planned with FlashAttention-style attention (the plan's default)
+    options = StepOptions(flash_attention=bool(args.model))
     profile = calibrate(model, args.nproc, tp=args.tp, micro_batch=args.micro_batch, dtype=args.dtype,
+                        options=options,
                         min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
                         repeats=args.repeats, clock=args.clock, timeout=args.timeout)
     if not profile:  # a torchrun rank other than 0

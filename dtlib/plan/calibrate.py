@@ -184,10 +184,15 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
             "seconds": _median(step, repeats, torch.device("cpu"), clock)}
 
 
+def _numel(nbytes: int, n: int) -> int:
+    """float32 elements of a buffer of about ``nbytes`` that splits into ``n`` equal shards."""
+    return max(nbytes // 4 // n * n, n)
+
+
 def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torch.device) -> Callable[[], Any]:
     """One call of ``op`` on ``nbytes`` (nccl-tests' S) in ``group`` of ``ranks``."""
     n, me = len(ranks), dist.get_rank()
-    numel = max(nbytes // 4 // n * n, n)
+    numel = _numel(nbytes, n)
     full = torch.randn(numel, device=device)
     shard = torch.randn(numel // n, device=device)
     if op == "all_reduce":
@@ -223,9 +228,8 @@ def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], 
             continue
         for nbytes in sizes:
             fn = _collective(op, nbytes, ranks, group, device)
-            numel = max(nbytes // 4 // len(ranks) * len(ranks), len(ranks))
             seconds = _median(fn, repeats, device, clock)  # barriers over the world: every group alike
-            size = numel * 4
+            size = _numel(nbytes, len(ranks)) * 4
             factor = float(BUS_FACTORS[op](len(ranks)))
             rows.append({"op": op, "bytes": size, "seconds": seconds, "algbw_bytes_per_s": size / seconds,
                          "busbw_bytes_per_s": size / seconds * factor})
