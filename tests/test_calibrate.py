@@ -140,6 +140,20 @@ def test_plan_with_a_calibration_uses_it_and_says_so(tmp_path, capsys):
     assert slow["dp_comm"] == pytest.approx(10 * fast["dp_comm"], rel=1e-6)  # a tenth of the busbw
 
 
+def test_plan_times_dtlib_trains_model_as_the_api_does(tmp_path, capsys):
+    # the plan's --layers/--hidden/--heads/--vocab/--seq shape is dtlib train's TinyGPT exactly
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    pins = ["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2", "--zero", "1",
+            "--recompute", "none", "--no-sequence-parallel"]
+    assert main(PLAN + ["--calibration", str(path), "--json"] + pins) == 0
+    c = json.loads(capsys.readouterr().out)["configs"]
+    assert len(c) == 1 and c[0]["microbatches"] == 2
+    api = step_time(MODEL, Parallelism(dp=2, zero=1, micro_batch_size=2, num_microbatches=2),
+                    calibrated_cluster(load_profile(str(path))), options=OPTIONS)
+    assert c[0]["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--gpu", "h100-sxm"], "--gpu contradicts --calibration"),
     (["--gemm-efficiency", "0.5"], "--gemm-efficiency contradicts --calibration"),
