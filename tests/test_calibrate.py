@@ -211,3 +211,28 @@ def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
         assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / r["seconds"]) and r["seconds"] > 0
     assert all(np.isfinite(r["flops_per_s"]) and r["flops_per_s"] > 0 for r in profile["gemm"])
     assert profile["step"]["seconds"] > 0 and profile["step"]["planned_memory_bytes"] > 0
+
+
+def test_calibrate_measures_across_nodes_when_there_are_several():
+    # 4 gloo ranks as 2 nodes of 2: the collectives within each node and across them (one rank per node)
+    from dtlib.plan.calibrate import calibrate
+
+    profile = calibrate(MODEL, 4, tp=(1,), micro_batch=(1,), max_bytes=4096, repeats=3, ranks_per_node=2)
+    assert profile["machine"]["nodes"] == 2 and profile["intra"]["ranks"] == 2 and profile["inter"]["ranks"] == 2
+    assert {r["op"] for r in profile["inter"]["rows"]} == set(OPS)
+    cl = calibrated_cluster(profile)
+    assert cl.nodes == 2 and cl.gpus_per_node == 2 and isinstance(cl.inter, MeasuredLink)
+    t = step_time(MODEL, Parallelism(dp=4, micro_batch_size=1, num_microbatches=2), cl, options=OPTIONS)
+    assert 0 < t.breakdown["dp_comm"] < t.step_time and np.isfinite(t.step_time)
+
+
+def test_one_rank_per_node_plans_one_rank():
+    # one GPU: nothing to measure between ranks, and a one-rank plan needs nothing
+    profile = _profile()
+    profile["machine"].update(ranks=1, ranks_per_node=1)
+    profile["intra"] = {"ranks": 1, "groups": 1, "rows": []}
+    cl = calibrated_cluster(profile)
+    t = step_time(MODEL, Parallelism(micro_batch_size=2), cl, options=OPTIONS)
+    assert t.breakdown["dp_comm"] == 0 and t.step_time > 0 and cl.intra.seconds("p2p", 1024, 2) == 0
+    with pytest.raises(ValueError, match="no figures across nodes"):
+        calibrated_cluster(profile, nodes=2, gpus_per_node=1)

@@ -89,6 +89,10 @@ class MeasuredLink(Link):
     def seconds(self, op: str, nbytes: Any, ranks: Any) -> Any:
         """Seconds of one ``op`` call on ``nbytes`` (nccl-tests' S) over ``ranks`` (0 for one rank)."""
         rows = sorted((s, bw) for o, s, bw in self.busbw if o == op)
+        S, n = np.asarray(nbytes, dtype=float), np.asarray(ranks, dtype=float)
+        # one rank, or a node of one rank (nothing measured: the link joins no two ranks), takes no time
+        if not self.busbw or (op != "p2p" and np.all(n <= 1)):
+            return 0.0 if np.ndim(S * n) == 0 else np.zeros(np.broadcast(S, n).shape)
         if not rows:
             raise ValueError(f"the calibration profile's link {self.name!r} has no {op} measured; "
                              f"measured: {', '.join(self.ops)}")
@@ -97,7 +101,6 @@ class MeasuredLink(Link):
         # (drops the upward spikes a loaded machine adds to single sizes)
         times = np.minimum.accumulate((sizes / bws)[::-1])[::-1]
         sizes, bws = np.log(sizes), np.log(sizes / times)
-        S, n = np.asarray(nbytes, dtype=float), np.asarray(ranks, dtype=float)
         logs = np.log(np.maximum(S, 1.0))
         bw = np.exp(np.interp(logs, sizes, bws))
         # below the smallest size: its time (busbw proportional to S)

@@ -269,7 +269,9 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
     out = {"gemm": _gemms(shapes, torch_dtype, repeats, device, clock),
            "attention": _attention(model, micro_batch, torch_dtype, repeats, device, clock),
            "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device, clock),
-           "intra": _collectives(sizes, intra, intra_handles, repeats, device, clock),
+           # one rank per node (one GPU): no collective inside it to measure
+           "intra": (_collectives(sizes, intra, intra_handles, repeats, device, clock) if per_node > 1
+                     else {"ranks": 1, "groups": nodes, "rows": []}),
            "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
            "step": _one_rank_step(model, middle, repeats, clock) if device.type == "cpu" else None}
     return out if rank == 0 else {}
@@ -279,14 +281,17 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
               micro_batch: Sequence[int] = (1, 2, 4), dtype: str | None = None, min_bytes: int = 1024,
               max_bytes: int = 16 * 2 ** 20, factor: int = 4, repeats: int = 7,
               options: StepOptions = StepOptions(flash_attention=False), clock: str | None = None,
-              timeout: float = 600.0) -> dict[str, Any]:
+              ranks_per_node: int | None = None, timeout: float = 600.0) -> dict[str, Any]:
     """Measure this machine on ``nproc`` ranks (or, under torchrun, on torchrun's ranks) for
     ``model``, and return the profile (:data:`FORMAT`; see the module docstring). ``tp`` (default:
     1 and every divisor of ``nproc`` that divides the heads) and ``micro_batch`` choose the GEMM
     shapes; ``options`` the planner's conventions they are recorded under (default explicit
     attention, as ``dtlib train``'s TinyGPT); ``dtype`` (default fp32 on CPU, bf16 on CUDA) the
     precision they run in; ``min_bytes`` .. ``max_bytes`` by ``factor`` the message sizes;
-    ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs)."""
+    ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs);
+    ``ranks_per_node``: the ranks of ``nproc`` taken as one node (default all; fewer groups them
+    into nodes on this machine, to exercise the measurement across nodes), under torchrun its
+    ``LOCAL_WORLD_SIZE``."""
     from dtlib.launcher import run_from_env, under_torchrun
 
     validate.integer("nproc", nproc, minimum=1)
@@ -295,7 +300,8 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
         validate.integer("micro_batch", b)
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else nproc
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else (ranks_per_node or nproc)
+    validate.divisor("ranks_per_node", per_node, world, "ranks")
     gpu = torchrun and torch.cuda.is_available()
     dtype = dtype or ("bf16" if gpu else "fp32")
     validate.one_of("dtype", dtype, DTYPES)

@@ -76,7 +76,8 @@ def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, micro
 
 def _link(section: dict[str, Any], where: str, host: str) -> MeasuredLink:
     rows = tuple((r["op"], float(r["bytes"]), float(r["busbw_bytes_per_s"])) for r in section["rows"])
-    largest = max(rows, key=lambda r: r[1])[2]
+    # one rank per node: no collective measured; the planner then times none (one rank takes no time)
+    largest = max(rows, key=lambda r: r[1])[2] if rows else float("inf")
     smallest = min((r for r in rows if r[0] == "all_reduce"), key=lambda r: r[1], default=None)
     n = section["ranks"]
     latency = 0.0
@@ -136,7 +137,7 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
     """Which of a plan's figures came from the profile in ``path``, in words."""
     m = profile["machine"]
     where = f"{path} ({m['hostname']}, {m['ranks']} ranks, {profile['date']})"
-    ops = ", ".join(dict.fromkeys(r["op"] for r in profile["intra"]["rows"]))
+    ops = ", ".join(dict.fromkeys(r["op"] for r in profile["intra"]["rows"])) or "no collective (one rank per node)"
     return {"gemm": f"GEMM seconds by shape measured in {profile['dtype']}, interpolated between "
                     f"{len(profile['gemm'])} shapes: {where}",
             "attention": f"FlashAttention efficiency {attention_efficiency(profile):.3f} from the measured "
