@@ -85,7 +85,7 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
     rates = [r["flops_per_s"] for r in profile["gemm"]]
     lines = [f"{m['hostname']}: {m['gpu'] or m['cpu']}, {m['ranks']} {profile['backend']} ranks on {m['nodes']} "
              f"node(s), {profile['clock']} clock; torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
-             f"GEMMs ({profile['dtype']}, {len(rates)} shapes of {profile['model']['name']}): "
+             f"GEMMs ({profile['dtype']}, {len(rates)} shapes of {profile['model_config']['name']}): "
              f"{min(rates) / 1e9:,.1f} - {max(rates) / 1e9:,.1f} GFLOP/s",
              f"attention (causal, {profile['attention']['seq']} tokens): {1e3 * profile['attention']['seconds']:.3f} ms "
              f"forward + backward",
@@ -126,7 +126,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     # batched GEMMs), a preset is planned with FlashAttention-style attention (the plan's default)
     options = StepOptions(flash_attention=bool(args.model))
     profile = calibrate(model, args.nproc, tp=args.tp, micro_batch=args.micro_batch, dtype=args.dtype,
-                        options=options,
+                        options=options, measure_step=not args.model,
                         min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
                         repeats=args.repeats, clock=args.clock, timeout=args.timeout)
     if not profile:  # a torchrun rank other than 0

@@ -251,12 +251,12 @@ def _machine(world_size: int, nodes: int, device: torch.device) -> dict[str, Any
     return {"hostname": socket.gethostname(), "cpu": cpu, "cpu_cores": os.cpu_count(),
             "gpu": gpu, "gpu_count": torch.cuda.device_count() if gpu else 0, "device": device.type,
             "ranks": world_size, "nodes": nodes, "ranks_per_node": world_size // nodes,
-            "threads_per_rank": torch.get_num_threads(), "memory_bytes_per_rank": memory}
+            "memory_bytes_per_rank": memory}
 
 
 def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[tuple[int, int, int, int]],
             micro_batch: int, middle: int, dtype: str, sizes: list[int], repeats: int, per_node: int,
-            clock: str) -> dict[str, Any]:
+            clock: str, measure_step: bool) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(rank)
     nodes = world_size // per_node
@@ -273,7 +273,8 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
            "intra": (_collectives(sizes, intra, intra_handles, repeats, device, clock) if per_node > 1
                      else {"ranks": 1, "groups": nodes, "rows": []}),
            "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
-           "step": _one_rank_step(model, middle, repeats, clock) if device.type == "cpu" else None}
+           "step": _one_rank_step(model, middle, repeats, clock) if measure_step else None,
+           "threads_per_rank": torch.get_num_threads()}
     return out if rank == 0 else {}
 
 
@@ -281,7 +282,8 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
               micro_batch: Sequence[int] = (1, 2, 4), dtype: str | None = None, min_bytes: int = 1024,
               max_bytes: int = 16 * 2 ** 20, factor: int = 4, repeats: int = 7,
               options: StepOptions = StepOptions(flash_attention=False), clock: str | None = None,
-              ranks_per_node: int | None = None, timeout: float = 600.0) -> dict[str, Any]:
+              ranks_per_node: int | None = None, measure_step: bool = True,
+              timeout: float = 600.0) -> dict[str, Any]:
     """Measure this machine on ``nproc`` ranks (or, under torchrun, on torchrun's ranks) for
     ``model``, and return the profile (:data:`FORMAT`; see the module docstring). ``tp`` (default:
     1 and every divisor of ``nproc`` that divides the heads) and ``micro_batch`` choose the GEMM
@@ -291,7 +293,8 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs);
     ``ranks_per_node``: the ranks of ``nproc`` taken as one node (default all; fewer groups them
     into nodes on this machine, to exercise the measurement across nodes), under torchrun its
-    ``LOCAL_WORLD_SIZE``."""
+    ``LOCAL_WORLD_SIZE``; ``measure_step``: time one-rank steps of ``model`` as TinyGPT for the
+    memory-bound bandwidth (CPU ranks only; a preset's full model may not fit a CPU rank)."""
     from dtlib.launcher import run_from_env, under_torchrun
 
     validate.integer("nproc", nproc, minimum=1)
@@ -315,7 +318,7 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     # the middle micro-batch for the step: per-operator costs do not scale with bytes, so one
     # bandwidth fits the micro-batches around the one it was measured at best
     middle = sorted(micro_batch)[len(micro_batch) // 2]
-    args = (model, shapes, max(micro_batch), middle, dtype, sizes, repeats, per_node, clock)
+    args = (model, shapes, max(micro_batch), middle, dtype, sizes, repeats, per_node, clock, measure_step and not gpu)
     if torchrun:
         found = run_from_env(_worker, *args, timeout=timeout)
     else:
@@ -327,13 +330,11 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
                                                     found["step"]["seconds"], found["gemm"]))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     machine = _machine(world, world // per_node, device)
-    if not torchrun:  # dtlib.launch's ranks run torch.set_num_threads(cores // ranks) or 1 (fork)
-        machine["threads_per_rank"] = None
+    machine["threads_per_rank"] = found.pop("threads_per_rank")  # a rank's, as dtlib.launch set it
     return {"format": FORMAT, "machine": machine,
             "versions": {"torch": torch.__version__, "dtlib": dtlib.__version__, "python": platform.python_version()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "backend": "nccl" if gpu else "gloo", "dtype": dtype, "clock": clock,
-            "model": {"name": model.name, **{k: getattr(model, k) for k in ("layers", "hidden", "heads", "seq", "vocab")}},
             "tp": list(tp), "micro_batch": list(micro_batch), "repeats": repeats,
             "model_config": dataclasses.asdict(model), "options": dataclasses.asdict(options),
             "units": {"seconds": f"s ({clock} clock), median of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
