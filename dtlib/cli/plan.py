@@ -31,6 +31,7 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
+from dtlib.plan.measured import attention_efficiency, calibrated_cluster, load_profile, profile_sources
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
@@ -122,6 +123,12 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--band-coverage", type=_fraction, default=0.8,
                    help="with --band-method quantile: the central fraction of residuals the band spans (0.8: "
                         "10th-90th percentiles)")
+    k = p.add_argument_group("calibration (dtlib calibrate)")
+    k.add_argument("--calibration", metavar="FILE",
+                   help="a profile written by dtlib calibrate: the measured machine replaces --gpu/--system "
+                        "(its ranks per node, GEMM seconds by shape, attention, elementwise bandwidth and "
+                        "collectives' busbw per message size replace the catalogue's peaks and the fitted "
+                        "efficiencies); the plan says which figures came from it")
     t = p.add_argument_group("training plan")
     t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
     t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
@@ -208,6 +215,21 @@ def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best:
                   "rehearsals": rehearse_all(emitted, layout, args.precision, model=model)}
 
 
+def _calibration(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--calibration``'s profile (:func:`dtlib.plan.measured.load_profile`), or None; the flags
+    that describe another machine or replace the measured figures are refused with it."""
+    if args.calibration is None:
+        return None
+    clash = [flag for flag, key in (("--gpu", "gpu"), ("--system", "system"), ("--gpus-per-node", "gpus_per_node"),
+                                    ("--inter-link", "inter_link"), ("--efficiency", "efficiency"),
+                                    ("--gemm-efficiency", "gemm_efficiency"), ("--power-limit", "power_limit"))
+             if getattr(args, key) is not None]
+    if clash:
+        raise ValueError(f"{clash[0]} contradicts --calibration: the profile is the machine and its measured "
+                         f"figures; drop {clash[0]} (or --calibration)")
+    return load_profile(args.calibration)
+
+
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
 
@@ -217,7 +239,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:
         model = model.with_(seq=args.seq)
-    g = cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node
+    profile = _calibration(args)
+    g = (calibrated_cluster(profile).gpus_per_node if profile else
+         cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node)
     if args.gpus > g and args.gpus % g:
         segment = 1 << (g.bit_length() - 1)  # e.g. 64 of an NVL72 rack's 72, as SLURM block scheduling uses
         hint = (f"; or --gpus-per-node {segment}: a {segment}-GPU segment of each NVLink domain"
@@ -225,7 +249,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {g}; "
                          f"valid: multiples of {g} (or at most {g}){hint}")
     nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
-    cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system)
+    cl = (calibrated_cluster(profile, nodes, per_node) if profile else
+          cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system))
+    if profile and args.attention_efficiency is None:
+        args.attention_efficiency = attention_efficiency(profile)
     _check_moe_flags(args, model)
     activation, named_precision = conventions_from_args(args)
     moe = {k: getattr(args, k) for k in ("ep_overlap", "moe_imbalance") if getattr(args, k) is not None}
@@ -262,7 +289,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                                  gpu=cl.gpu.name, price_per_gpu_hour=args.price_per_gpu_hour,
                                  pue=args.pue).to_dict()
     clock = clock_scale(cl.gpu, args.power_limit)  # a GPU without a TDP in the catalogue says so here
-    if args.efficiency is not None:
+    if profile:
+        sources = profile_sources(profile, args.calibration)
+        source = "calibrated: " + "; ".join(f"{k}: {v}" for k, v in sources.items())
+    elif args.efficiency is not None:
         source = (f"--efficiency {args.efficiency:g}: hardware FLOPs / (peak x {args.efficiency:g}), "
                   f"Narayanan et al. 2021 eq. 3")
     else:
@@ -284,7 +314,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
-         "caveats": [MOE_CAVEAT] if model.moe_experts else []}
+         "caveats": [MOE_CAVEAT] if model.moe_experts else [],
+         "calibration": {"file": args.calibration, "dtype": profile["dtype"], "sources": sources} if profile else None}
     d.update(frameworks)
     return d
 
@@ -335,9 +366,12 @@ def _text(d: dict[str, Any]) -> str:
         moe_options += f"FP8 recipe {a['fp8_recipe']}, "
     etp_head, etp_cells = (f" {'etp':>3}", lambda c: f" {c['etp']:>3}") if moe else ("", lambda c: "")
     system = f" ({d['system']})" if d.get("system") else ""
+    calibrated = d.get("calibration")
+    domain = "node (calibrated)" if calibrated else "NVLink domain"
+    matmuls = f"{d['precision']} (timed as measured in {calibrated['dtype']})" if calibrated else d["precision"]
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
-             f"{d['gpus_per_node']} per NVLink domain ({d['intra_link']}; {d['inter_link']} across), global batch "
-             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls, stack "
+             f"{d['gpus_per_node']} per {domain} ({d['intra_link']}; {d['inter_link']} across), global batch "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {matmuls} matmuls, stack "
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
