@@ -171,3 +171,13 @@ def test_cli_plan_memory_flops_accept_lora(capsys):
     code, out, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "1",
                        "--tp", "1", "--pp", "1", "--micro-batch", "1", "--zero", "1", "--recompute", "none", *lora)
     assert code == 0 and "training: LoRA rank 16 on q_proj, v_proj" in out
+
+
+def test_a_lora_plan_says_the_validation_does_not_cover_it(capsys):
+    """No published run is a LoRA run: the band says so instead of a narrow range."""
+    import json
+
+    code, out, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "1", "--json",
+                       "--finetune", "lora", "--lora-rank", "8")
+    band = json.loads(out)["configs"][0]["band"]["step_time_s"]
+    assert code == 0 and band["covered"] is False and band["reason"] == "not validated: lora fine-tuning"

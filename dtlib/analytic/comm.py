@@ -36,6 +36,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism, check_pipeline
+from dtlib.analytic.measured import MeasuredLink
 from dtlib.analytic.precision import Precision, get_precision
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "collective_time", "bytes_sent_per_rank", "bus_factor",
@@ -67,9 +68,12 @@ def _link(link: "Link | str") -> Link:
 def collective_time(op: str, nbytes: Any, ranks: Any, link: "Link | str",
                     algorithm: str = "ring") -> Any:
     """Alpha-beta time (s) of ``op`` on ``nbytes`` over ``ranks`` (see the module table).
-    One rank takes no time; arrays broadcast."""
+    One rank takes no time; arrays broadcast. A calibrated link
+    (:class:`~dtlib.analytic.measured.MeasuredLink`) gives its measured time instead."""
     _check(op, algorithm, nbytes=nbytes, ranks=ranks)
     lk = _link(link)
+    if isinstance(lk, MeasuredLink):
+        return lk.seconds(op, nbytes, ranks)
     a, B, n, S = lk.latency, lk.bandwidth, np.asarray(ranks), np.asarray(nbytes, dtype=float)
     lg = np.ceil(np.log2(np.maximum(n, 1)))
     frac = (n - 1) / n
@@ -209,9 +213,13 @@ def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str",
     reduce-scatter, inter-node ``op`` of S/local on ``inter``, intra-node all-gather; the tree's
     network phase at 0.92 of the ring's bandwidth); NCCL runs the faster of ring and tree per call.
     ``inter`` is one GPU's share of the network (NICs shared, oversubscription applied by the caller).
-    Returns ``ring``, ``tree`` (inf where NCCL has no tree) and ``best``; arrays broadcast."""
+    Returns ``ring``, ``tree`` (inf where NCCL has no tree) and ``best``; arrays broadcast.
+    On a calibrated link (:class:`~dtlib.analytic.measured.MeasuredLink`) each call is the
+    measured collective of the whole group (its latency measured with it), not NCCL's model."""
     _check(op, nbytes=nbytes, ranks=ranks, local=local, calls=calls)
     lin, lnet = _link(intra), _link(inter)
+    if isinstance(lin, MeasuredLink):
+        return _measured_time(op, nbytes, ranks, local, lin, lnet, calls)
     free_in, free_net = Link(lin.name, lin.bandwidth, 0.0, lin.source), Link(lnet.name, lnet.bandwidth, 0.0, lnet.source)
     n, g = np.asarray(ranks, dtype=float), np.maximum(np.asarray(local, dtype=float), 1)
     nodes = np.maximum(np.ceil(n / g), 1)
@@ -231,6 +239,27 @@ def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str",
         tree = np.full_like(ring, np.inf)
     out = {"ring": ring, "tree": tree, "best": np.minimum(ring, tree)}
     return {k: (float(v) if np.ndim(v) == 0 else v) for k, v in out.items()}
+
+
+def _measured_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: MeasuredLink, inter: Link,
+                   calls: Any) -> dict[str, Any]:
+    """:func:`nccl_time` on a calibrated machine: per call, the measured collective over the group
+    inside a node; across nodes the same two levels as :func:`hierarchical_time` (intra-node
+    reduce-scatter, ``op`` of S/local across nodes, intra-node all-gather), each phase measured."""
+    n, g = np.asarray(ranks, dtype=float), np.maximum(np.asarray(local, dtype=float), 1)
+    nodes = np.maximum(np.ceil(n / g), 1)
+    calls = np.maximum(np.asarray(calls, dtype=float), 1)
+    per_call = np.asarray(nbytes, dtype=float) / calls
+    t = collective_time(op, per_call, n.astype(int), intra)
+    if np.any(nodes > 1):  # (a profile of one node has no other phases measured)
+        across = collective_time(op, per_call / g, nodes.astype(int), inter)
+        if op in ("all_reduce", "reduce_scatter"):
+            across = across + collective_time("reduce_scatter", per_call, g.astype(int), intra)
+        if op in ("all_reduce", "all_gather"):
+            across = across + collective_time("all_gather", per_call, g.astype(int), intra)
+        t = np.where(nodes > 1, across, t)
+    t = calls * t
+    return {k: (float(t) if np.ndim(t) == 0 else t) for k in ("ring", "tree", "best")}
 
 
 def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:

@@ -1,4 +1,4 @@
-"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|train|checkpoint|profile|shards|course|grade ...`` (``--json`` for machines).
+"""The ``dtlib`` command: ``dtlib memory|flops|comm|plan|calibrate|train|checkpoint|profile|shards|course|grade ...`` (``--json`` for machines).
 
 One module per subcommand, each a small ``add_*_command(subparsers)`` that registers its options
 and a ``run(args) -> int``; :mod:`dtlib.cli.args` holds what they share. :data:`COMMANDS` lists
@@ -16,6 +16,7 @@ import dtlib
 from dtlib import extras
 from dtlib.analytic import validate
 from dtlib.cli.args import Parser, flag_of, join_negative_values, parse_count, parse_size
+from dtlib.cli.calibrate import add_calibrate_command
 from dtlib.cli.checkpoint import add_checkpoint_command
 from dtlib.cli.comm import add_comm_command
 from dtlib.cli.course import add_course_command
@@ -33,6 +34,7 @@ __all__ = ["main", "build_parser", "COMMANDS", "DESCRIPTION", "parse_size", "par
 DESCRIPTION = """Distributed training, planned, run and inspected:
   train       train TinyGPT on dp x tp x pp x cp ranks (torchrun), with checkpoints and drills
   plan        search the layouts of a model on a cluster: step time, MFU, memory, days, cost
+  calibrate   measure this machine (GEMMs, attention, memory, collectives) for plan --calibration
   profile     re-read a run's per-rank traces: step breakdown, MFU/HFU, bottlenecks
   memory      memory per GPU of a model and layout
   flops       FLOPs per step, MFU and HFU
@@ -44,7 +46,7 @@ DESCRIPTION = """Distributed training, planned, run and inspected:
 Each takes --help; most take --json."""
 
 COMMANDS: list[Callable[[Any], None]] = [add_memory_command, add_flops_command, add_comm_command,
-                                          add_plan_command, add_train_command, add_checkpoint_command,
+                                          add_plan_command, add_calibrate_command, add_train_command, add_checkpoint_command,
                                           add_profile_command, add_shards_command, add_course_command,
                                           add_grade_command]
 

@@ -48,6 +48,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.finetune import target_on, target_shapes
 from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.hardware import Accelerator
+from dtlib.analytic.measured import MeasuredAccelerator
 from dtlib.plan.moe import expert_load, expert_rows, grouped_gemm_overhead, moe_numbers
 
 __all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
@@ -83,11 +84,15 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
               tiles: tuple[tuple[int, int], ...] = TILES) -> Any:
     """Seconds of ``batch`` GEMMs of ``M x K`` by ``K x N`` on ``gpu`` (see the module docstring):
     the larger of the quantized math time (fastest tile of ``tiles``) / ``efficiency`` and the HBM
-    time of the operands. A GPU without an SM count in the catalogue gets the plain roofline."""
+    time of the operands. A GPU without an SM count in the catalogue gets the plain roofline; a
+    calibrated device (:class:`~dtlib.analytic.measured.MeasuredAccelerator`) its measured times,
+    which already hold the kernels' efficiency, clock and memory traffic."""
     validate.array("efficiency", efficiency, maximum=1)  # a fraction, or one per GEMM
     validate.number("clock", clock, maximum=1)
     for name, x in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         validate.array(name, x, minimum=0, exclusive=False)
+    if isinstance(gpu, MeasuredAccelerator):
+        return gpu.gemm_seconds(m, n, k, batch)
     m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
     peak = gpu.peak(dtype) * clock * efficiency
     if gpu.sms is None:  # no SM count: no quantization, FLOPs / peak

@@ -1,0 +1,238 @@
+"""``dtlib calibrate`` and ``dtlib plan --calibration``: the measured device and link, the profile,
+the planner answering from it, and bad input (one line on stderr, exit 2)."""
+import json
+
+import numpy as np
+import pytest
+
+from dtlib.analytic.comm import collective_time, nccl_time
+from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.measured import MeasuredAccelerator, MeasuredLink
+from dtlib.cli import main
+from dtlib.plan.gemm import gemm_time
+from dtlib.plan.measured import FORMAT, attention_efficiency, calibrated_cluster, load_profile
+from dtlib.plan.steptime import StepOptions, step_time
+from dtlib.trainer import TrainConfig
+
+MODEL = TrainConfig(layers=2, hidden=64, heads=4, seq=32).model_config()
+OPTIONS = StepOptions(precision="fp32", flash_attention=False, fused_elementwise=False, dp_overlap=0.0,
+                      tp_overlap=0.0)
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p")
+
+
+def _accelerator(rows=((64, 64, 64, 1, 1e-4), (128, 128, 128, 1, 4e-4))):
+    return MeasuredAccelerator("cpu", {"bf16": 1e10, "fp32": 1e10}, 2 ** 30, 1e9, "test", gemms=rows)
+
+
+def _profile(gflops=10.0, busbw=1e9):
+    """A profile as dtlib calibrate writes it, with chosen figures: every GEMM at ``gflops``, every
+    collective at ``busbw`` (time = S x factor / busbw: the latency left out)."""
+    from dtlib.plan.calibrate import planned_gemm_shapes
+
+    gemm = [{"m": m, "n": n, "k": k, "batch": b, "seconds": 2 * m * n * k * b / (gflops * 1e9),
+             "flops_per_s": gflops * 1e9} for m, n, k, b in planned_gemm_shapes(MODEL, (1, 2), (1, 2, 4), OPTIONS)]
+    rows = [{"op": op, "bytes": s, "seconds": 1.0, "algbw_bytes_per_s": 1.0, "busbw_bytes_per_s": busbw}
+            for op in OPS for s in (1024, 2 ** 20)]
+    return {"format": FORMAT, "date": "2026-11-29T10:00:00+00:00", "dtype": "fp32", "clock": "cpu",
+            "versions": {"torch": "2.13", "dtlib": "0.1.0", "python": "3.11"},
+            "machine": {"hostname": "box", "cpu": "test CPU", "cpu_cores": 2, "gpu": None, "gpu_count": 0,
+                        "device": "cpu", "ranks": 2, "nodes": 1, "ranks_per_node": 2, "threads_per_rank": 1,
+                        "memory_bytes_per_rank": 2 ** 32},
+            "gemm": gemm, "attention": {"micro_batch_size": 2, "heads": 4, "seq": 32, "head_dim": 16,
+                                        "causal": True, "seconds": 1e-3},
+            "elementwise": {"bytes": 3 * 2 ** 20, "seconds": 1e-3, "bytes_per_s": 3 * 2 ** 20 / 1e-3},
+            "intra": {"ranks": 2, "groups": 1, "rows": rows}, "inter": None, "step": None}
+
+
+def test_measured_gemms_are_exact_where_measured_and_interpolated_between():
+    acc = _accelerator()
+    assert acc.gemm_seconds(64, 64, 64) == pytest.approx(1e-4)
+    assert acc.gemm_seconds(128, 128, 128) == pytest.approx(4e-4)
+    # the two shapes run at 5.2 and 10.5 GFLOP/s: a shape between them runs between them
+    rate = 2 * 96 ** 3 / acc.gemm_seconds(96, 96, 96)
+    assert 2 * 64 ** 3 / 1e-4 < rate < 2 * 128 ** 3 / 4e-4
+    assert acc.gemm_seconds(0, 64, 64) == 0.0
+    # gemm_time answers from the measurement on a measured device, batched GEMMs included
+    assert gemm_time(np.array([64, 128]), 64, 64, acc, batch=3) == pytest.approx(acc.gemm_seconds([64, 128], 64, 64, 3))
+    with pytest.raises(ValueError, match="at least one timed GEMM"):
+        MeasuredAccelerator("cpu", {"bf16": 1.0}, 1, 1.0, "test")
+
+
+def test_measured_link_times_from_busbw_with_the_collectives_factor():
+    link = MeasuredLink("m", 1e9, 1e-5, "test", busbw=(("all_reduce", 1024, 1e7), ("all_reduce", 2 ** 20, 1e9),
+                                                          ("p2p", 1024, 1e8), ("p2p", 2 ** 20, 2e9)))
+    # at a measured size: S x 2(n-1)/n / busbw; another rank count keeps the busbw, not the time
+    assert link.seconds("all_reduce", 2 ** 20, 2) == pytest.approx(2 ** 20 * 1.0 / 1e9)
+    assert link.seconds("all_reduce", 2 ** 20, 4) == pytest.approx(2 ** 20 * 1.5 / 1e9)
+    assert link.seconds("all_reduce", 2 ** 20, 1) == 0.0 and link.seconds("p2p", 1024, 2) == pytest.approx(1024 / 1e8)
+    # below the smallest size: the smallest size's time (the latency floor)
+    assert link.seconds("all_reduce", 16, 2) == pytest.approx(link.seconds("all_reduce", 1024, 2))
+    sizes = np.array([2 ** 12, 2 ** 14, 2 ** 16, 2 ** 18])
+    assert np.all(np.diff(link.seconds("all_reduce", sizes, 2)) > 0)
+    assert collective_time("all_reduce", 2 ** 20, 2, link) == link.seconds("all_reduce", 2 ** 20, 2)
+    nccl = nccl_time("all_reduce", 2 ** 21, 2, 2, link, link, calls=2)
+    assert nccl["best"] == pytest.approx(2 * link.seconds("all_reduce", 2 ** 20, 2))
+    with pytest.raises(ValueError, match="no broadcast measured"):
+        link.seconds("broadcast", 1024, 2)
+
+
+def test_a_smaller_message_never_takes_longer_than_a_larger_one():
+    # a spike at 4 KiB (a loaded machine): capped at the 16 KiB time
+    link = MeasuredLink("m", 1e9, 0.0, "test", busbw=(("all_gather", 4096, 1e5), ("all_gather", 16384, 1e8)))
+    assert link.seconds("all_gather", 4096, 2) == pytest.approx(link.seconds("all_gather", 16384, 2))
+
+
+def test_the_planner_asks_for_the_shapes_calibrate_times():
+    from dtlib.plan.calibrate import planned_gemm_shapes
+
+    shapes = planned_gemm_shapes(MODEL, (1, 2), (2,), OPTIONS)
+    tokens, h, vocab = 2 * 32, 64, MODEL.vocab
+    assert (tokens, 3 * h, h, 1) in shapes and (tokens, 3 * h // 2, h, 1) in shapes  # QKV, whole and split
+    assert (tokens, vocab, h, 1) in shapes and (h, vocab, tokens, 1) in shapes  # the head and its dW
+    assert (32, 32, 16, 2 * 4) in shapes  # explicit attention's scores: one s x s GEMM per head
+    # with FlashAttention-style attention (a preset's plan) attention is no GEMM the planner asks for
+    assert all(b == 1 for *_, b in planned_gemm_shapes(MODEL, (1,), (2,), StepOptions(flash_attention=True)))
+    # timed on the profile's figures, the plan's compute is the GEMMs' FLOPs at that rate
+    cl = calibrated_cluster(_profile(gflops=10.0))
+    t = step_time(MODEL, Parallelism(dp=2, micro_batch_size=2), cl, options=OPTIONS)
+    assert t.breakdown["compute"] == pytest.approx(t.hardware_flops / 2 / 10e9, rel=0.05)
+
+
+def test_the_profile_is_the_cluster_and_says_where_it_came_from(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    profile = load_profile(str(path))
+    cl = calibrated_cluster(profile)
+    assert cl.gpu.name == "cpu" and cl.gpus_per_node == 2 and cl.nodes == 1 and "box" in cl.gpu.source
+    assert 0 < attention_efficiency(profile) <= 1
+    with pytest.raises(ValueError, match="no figures across nodes"):
+        calibrated_cluster(profile, nodes=2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not json", "not JSON"), ('{"format": "other"}', "not a dtlib-calibration/1 profile"),
+    ('{"format": "dtlib-calibration/1", "machine": {"x": 1}}', "no 'versions' section")])
+def test_a_bad_profile_is_one_line(tmp_path, text, message):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_profile(str(path))
+
+
+PLAN = ["plan", "--gpus", "2", "--global-batch", "8", "--layers", "2", "--hidden", "64", "--heads", "4",
+        "--vocab", "256", "--seq", "32", "--convention", "fp32", "--no-flash-attention", "--no-fused-elementwise",
+        "--dp-overlap", "0", "--tp-overlap", "0"]
+
+
+def test_plan_with_a_calibration_uses_it_and_says_so(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(gflops=10.0, busbw=1e9)))
+    assert main(PLAN + ["--calibration", str(path), "--dp", "2", "--micro-batch", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gpu"] == "cpu" and d["calibration"]["file"] == str(path)
+    assert set(d["calibration"]["sources"]) >= {"gemm", "attention", "elementwise", "collectives"}
+    slower = tmp_path / "slow.json"
+    slower.write_text(json.dumps(_profile(gflops=5.0, busbw=1e8)))
+    assert main(PLAN + ["--calibration", str(slower), "--dp", "2", "--micro-batch", "2", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    fast, slow = d["configs"][0]["breakdown"], s["configs"][0]["breakdown"]
+    assert slow["compute"] == pytest.approx(2 * fast["compute"], rel=1e-6)  # half the GEMM rate
+    assert slow["dp_comm"] == pytest.approx(10 * fast["dp_comm"], rel=1e-6)  # a tenth of the busbw
+
+
+def test_plan_times_dtlib_trains_model_as_the_api_does(tmp_path, capsys):
+    # the plan's --layers/--hidden/--heads/--vocab/--seq shape is dtlib train's TinyGPT exactly
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    pins = ["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2", "--zero", "1",
+            "--recompute", "none", "--no-sequence-parallel"]
+    assert main(PLAN + ["--calibration", str(path), "--json"] + pins) == 0
+    c = json.loads(capsys.readouterr().out)["configs"]
+    assert len(c) == 1 and c[0]["microbatches"] == 2
+    api = step_time(MODEL, Parallelism(dp=2, zero=1, micro_batch_size=2, num_microbatches=2),
+                    calibrated_cluster(load_profile(str(path))), options=OPTIONS)
+    assert c[0]["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpu", "h100-sxm"], "--gpu contradicts --calibration"),
+    (["--gemm-efficiency", "0.5"], "--gemm-efficiency contradicts --calibration"),
+    (["--gpus", "4"], "no figures across nodes")])
+def test_plan_refuses_what_contradicts_the_profile(tmp_path, capsys, extra, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile()))
+    assert main(PLAN + ["--calibration", str(path)] + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_plan_names_a_missing_profile(capsys):
+    assert main(PLAN + ["--calibration", "/nonexistent/p.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration /nonexistent/p.json: cannot read it" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 heads"),
+    (["--repeats", "2"], "--repeats must be an integer >= 3"),
+    (["--model", "llama3-8b", "--layers", "2"], "drop --layers"),
+    (["--micro-batch", "0"], "--micro-batch must be an integer >= 1"),
+    (["--clock", "sundial"], "--clock: invalid choice"),
+    (["--factor", "1"], "--factor must be an integer >= 2")])
+def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
+    assert main(["calibrate", "-o", str(tmp_path / "p.json")] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_calibrate_refuses_an_output_it_cannot_write(capsys):
+    assert main(["calibrate", "-o", "/nonexistent/dir/p.json"]) == 2
+    assert "--output /nonexistent/dir/p.json: cannot write it" in capsys.readouterr().err
+
+
+def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    code = main(["calibrate", "--nproc", "2", "--micro-batch", "1", "--max-bytes", "4096", "--repeats", "3",
+                 "-o", str(path)])
+    assert code == 0 and "profile written to" in capsys.readouterr().out
+    profile = load_profile(str(path))
+    m = profile["machine"]
+    assert m["ranks"] == 2 and m["nodes"] == 1 and m["cpu_cores"] >= 1 and profile["clock"] == "cpu"
+    assert profile["versions"]["torch"] and profile["date"].endswith("+00:00")
+    # the shapes timed are the planner's own, every figure positive and finite
+    from dtlib.plan.calibrate import planned_gemm_shapes
+    assert [(r["m"], r["n"], r["k"], r["batch"]) for r in profile["gemm"]] == planned_gemm_shapes(
+        TrainConfig().model_config(), (1, 2), (1,), StepOptions(flash_attention=False))
+    rows = profile["intra"]["rows"]
+    assert {r["op"] for r in rows} == set(OPS)
+    for r in rows:  # nccl-tests: busbw = algbw x the collective's factor
+        factor = {"all_reduce": 1.0, "broadcast": 1.0, "p2p": 1.0}.get(r["op"], 0.5)
+        assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
+        assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / r["seconds"]) and r["seconds"] > 0
+    assert all(np.isfinite(r["flops_per_s"]) and r["flops_per_s"] > 0 for r in profile["gemm"])
+    assert profile["step"]["seconds"] > 0 and profile["step"]["planned_memory_bytes"] > 0
+
+
+def test_calibrate_measures_across_nodes_when_there_are_several():
+    # 4 gloo ranks as 2 nodes of 2: the collectives within each node and across them (one rank per node)
+    from dtlib.plan.calibrate import calibrate
+
+    profile = calibrate(MODEL, 4, tp=(1,), micro_batch=(1,), max_bytes=4096, repeats=3, ranks_per_node=2)
+    assert profile["machine"]["nodes"] == 2 and profile["intra"]["ranks"] == 2 and profile["inter"]["ranks"] == 2
+    assert {r["op"] for r in profile["inter"]["rows"]} == set(OPS)
+    cl = calibrated_cluster(profile)
+    assert cl.nodes == 2 and cl.gpus_per_node == 2 and isinstance(cl.inter, MeasuredLink)
+    t = step_time(MODEL, Parallelism(dp=4, micro_batch_size=1, num_microbatches=2), cl, options=OPTIONS)
+    assert 0 < t.breakdown["dp_comm"] < t.step_time and np.isfinite(t.step_time)
+
+
+def test_one_rank_per_node_plans_one_rank():
+    # one GPU: nothing to measure between ranks, and a one-rank plan needs nothing
+    profile = _profile()
+    profile["machine"].update(ranks=1, ranks_per_node=1)
+    profile["intra"] = {"ranks": 1, "groups": 1, "rows": []}
+    cl = calibrated_cluster(profile)
+    t = step_time(MODEL, Parallelism(micro_batch_size=2), cl, options=OPTIONS)
+    assert t.breakdown["dp_comm"] == 0 and t.step_time > 0 and cl.intra.seconds("p2p", 1024, 2) == 0
+    with pytest.raises(ValueError, match="no figures across nodes"):
+        calibrated_cluster(profile, nodes=2, gpus_per_node=1)

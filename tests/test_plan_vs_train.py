@@ -1,0 +1,54 @@
+"""``benchmarks/bench_plan_vs_train.py --quick``: calibrate, plan and train every layout on this
+machine, and end with the one summary line (its format and finite numbers; the error goal is the
+full run's, recorded in docs/plan.md, and not a property of a loaded test machine)."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "bench_plan_vs_train.py")
+LINE = re.compile(r"^plan vs train: (\d+) layouts, median error ([\d.]+)%, worst ([\d.]+)%, "
+                  r"rank correlation (-?[\d.]+|nan)$")
+ROW = re.compile(r"^(.+?)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)%$")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_plan_vs_train", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spearman_is_scipys():
+    stats = pytest.importorskip("scipy.stats")
+    spearman = _bench().spearman
+    x, y = [3.0, 1.0, 2.0, 2.0, 5.0], [30.0, 12.0, 25.0, 19.0, 40.0]
+    assert spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_quick_run_ends_with_the_summary_line():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, BENCH, "--quick"], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    match = LINE.match(lines[-1])
+    assert match, lines[-1]
+    n, median, worst, r = match.groups()
+    layouts = _bench().LAYOUTS
+    assert int(n) == len(layouts) >= 6
+    assert 0 <= float(median) <= float(worst) and r != "nan" and -1 <= float(r) <= 1
+    # one row per layout before it: plan and train both positive, the error their own
+    rows = [ROW.match(line) for line in lines[-1 - len(layouts):-1]]
+    assert all(rows) and [row.group(1) for row in rows] == [name for name, _ in layouts]
+    for row in rows:
+        plan, train, error = (float(row.group(i)) for i in (2, 3, 4))
+        assert plan > 0 and train > 0
+        assert error == pytest.approx(100 * (plan - train) / train, abs=0.2 + 100 * 0.06 / train)
+    errors = sorted(abs(float(row.group(4))) for row in rows)
+    assert float(worst) == pytest.approx(errors[-1], abs=0.2)
