@@ -181,3 +181,10 @@ def test_a_lora_plan_says_the_validation_does_not_cover_it(capsys):
                        "--finetune", "lora", "--lora-rank", "8")
     band = json.loads(out)["configs"][0]["band"]["step_time_s"]
     assert code == 0 and band["covered"] is False and band["reason"] == "not validated: lora fine-tuning"
+
+
+def test_lora_needs_a_shape(capsys):
+    with pytest.raises(ValueError, match="finetune must be 'full' for a bare parameter count"):
+        memory_per_gpu(7e9, finetune=LORA)
+    code, _, err = run(capsys, "flops", "--params", "7e9", "--seq", "1024", "--finetune", "lora", "--lora-rank", "2")
+    assert code == 2 and "--finetune must be 'full' for a bare parameter count" in err

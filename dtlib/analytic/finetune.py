@@ -43,7 +43,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 
-__all__ = ["FineTuning", "FINETUNE", "LORA_TARGETS", "DEFAULT_LORA_TARGETS", "target_mask", "target_on", "target_shapes",
+__all__ = ["FineTuning", "FINETUNE", "resolve_finetune", "LORA_TARGETS", "DEFAULT_LORA_TARGETS", "target_mask", "target_on", "target_shapes",
            "adapter_params", "adapter_layer_params", "check_targets"]
 
 FINETUNE = ("full", "lora")
@@ -91,6 +91,17 @@ class FineTuning:
         if not self.lora:
             return "full fine-tuning (every weight trained: as pre-training)"
         return f"LoRA rank {self.rank} on {', '.join(self.targets)} (Hu et al. 2021; base weights frozen)"
+
+
+def resolve_finetune(finetune: "FineTuning | None", shaped: bool = True) -> FineTuning:
+    """``finetune`` checked (None: full fine-tuning); LoRA needs a model shape (``shaped``)."""
+    finetune = FineTuning() if finetune is None else finetune
+    if not isinstance(finetune, FineTuning):
+        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
+    if finetune.lora and not shaped:
+        raise validate.InvalidArgument("finetune", "'full' for a bare parameter count (LoRA's targets are "
+                                                   "matrices of the layers: give a model shape)", finetune.method)
+    return finetune
 
 
 def target_mask(targets: tuple[str, ...]) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params
-from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets
+from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
 
 __all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token",
            "attention_flops_per_token", "step_flops", "recompute_flops_per_token", "megatron_flops_per_step",
@@ -207,9 +207,7 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
     6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing).
     ``finetune``: LoRA counts its adapters and no weight gradients of the frozen weights
     (:func:`step_flops`; a model shape only)."""
-    finetune = finetune or FineTuning()
-    if not isinstance(finetune, FineTuning):
-        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
+    finetune = resolve_finetune(finetune, isinstance(model, TransformerConfig))
     validate.integer("batch", batch)
     validate.integer("gpus", gpus)
     if seq is not None:
@@ -226,9 +224,6 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         if finetune.lora:
             counts["trainable_parameters"] = float(adapter_params(shape))
     else:
-        if finetune.lora:
-            raise ValueError("LoRA needs a model shape (its targets are matrices of the layers); "
-                             "a bare parameter count has none")
         model = validate.number("params", model)
         if seq is None:
             raise ValueError("a bare parameter count needs seq (tokens per sequence) to count FLOPs per step")

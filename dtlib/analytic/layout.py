@@ -16,7 +16,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.activations import check_recompute_modules
 from dtlib.analytic.config import SHAPE_RULES
-from dtlib.analytic.pipeline_layout import PipelineLayout, layout_numbers
+from dtlib.analytic.pipeline_layout import PipelineLayout, check_alone, layout_numbers
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
            "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
@@ -134,10 +134,8 @@ class Parallelism:
         if self.virtual_stages != v:
             raise validate.InvalidArgument(
                 "virtual_stages", f"{v} (the pipeline layout's {v * self.pp} chunks / pp {self.pp})", self.virtual_stages)
-        for name in ("first_stage_layers", "last_stage_layers", "account_for_embedding_and_loss"):
-            if getattr(self, name):
-                raise validate.InvalidArgument(name, "unset with a pipeline layout string (it places every "
-                                               "layer, the embedding and the loss itself)", getattr(self, name))
+        check_alone(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+                    account_for_embedding_and_loss=self.account_for_embedding_and_loss)
 
     @property
     def explicit_layout(self) -> "PipelineLayout | None":

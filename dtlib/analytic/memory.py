@@ -29,7 +29,7 @@ from dtlib.analytic.units import GB, GiB
 from dtlib.analytic.activations import activation_breakdown
 from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
-from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targets
+from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targets, resolve_finetune
 from dtlib.analytic.presets import Training, activation_convention, get_preset
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers, stored_on_rank
@@ -338,11 +338,10 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     (:func:`model_state_bytes`), and needs a model shape.
     """
     layout = layout or Parallelism()
-    finetune = finetune or FineTuning()
-    if not isinstance(finetune, FineTuning):
-        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
+
     prec = get_precision(precision)
     cfg = resolve_model(model)
+    finetune = resolve_finetune(finetune, isinstance(cfg, TransformerConfig))
     chosen_stack = get_stack(stack)
     validate.one_of("dtype", dtype, ("bf16", "fp8"))
     counted, assumed = activation_convention(convention, flash_attention, dropout)
@@ -363,9 +362,6 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
                            largest_layer=largest_layer_params)
         check_targets(finetune, n)
     else:
-        if finetune.lora:
-            raise ValueError("LoRA needs a model shape (its targets are matrices of the layers); "
-                             "a bare parameter count has none")
         if layout.ep > 1:
             raise ValueError("expert parallelism needs a model shape with moe_experts; "
                              "a bare parameter count cannot be split into experts")

@@ -25,7 +25,7 @@ from typing import Any
 
 from dtlib.analytic import validate
 
-__all__ = ["PipelineLayout", "LAYER_LETTERS", "expand", "layout_numbers"]
+__all__ = ["PipelineLayout", "LAYER_LETTERS", "expand", "check_alone", "layout_numbers"]
 
 LAYER_LETTERS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"}
 _GRAMMAR = "letters E t m L, '|' between chunks, x*N and (...)*N repeats (docs/plan.md)"
@@ -137,6 +137,15 @@ class PipelineLayout:
         if holding and (len(holding) > 1 or holding[0] // pp != v - 1):
             raise _bad(self.text, "the MTP layers m together in one chunk of the last virtual stage (Megatron-Core)")
         return v
+
+
+def check_alone(**split_flags: Any) -> None:
+    """No other split flag beside a layout string (``first_stage_layers``, ``last_stage_layers``,
+    ``account_for_embedding_and_loss``: Megatron-Core ``TransformerConfig.__post_init__``)."""
+    for name, value in split_flags.items():
+        if value:
+            raise validate.InvalidArgument(name, "unset with a pipeline layout string (it places every layer, "
+                                                 "the embedding and the loss itself)", value)
 
 
 def layout_numbers(layout: "PipelineLayout | None") -> dict[str, Any]:

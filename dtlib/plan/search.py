@@ -36,7 +36,7 @@ from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.analytic.finetune import FineTuning
-from dtlib.analytic.pipeline_layout import PipelineLayout, layout_numbers
+from dtlib.analytic.pipeline_layout import PipelineLayout, check_alone, layout_numbers
 from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays, with_finetune
 from dtlib.plan.uncertainty import BandOf, band, band_fields, regime_of
 
@@ -168,10 +168,7 @@ def _explicit_layout(model: TransformerConfig, fixed: dict[str, Any]) -> Pipelin
                                              "virtual_stages; Megatron-LM reads it with --pipeline-model-parallel-size)", None)
     explicit = PipelineLayout(text)
     v = explicit.check(int(fixed["pp"]), model.layers, model.mtp_layers)
-    for name in ("first_stage_layers", "last_stage_layers", "account_for_embedding_and_loss"):
-        if fixed.get(name):
-            raise validate.InvalidArgument(name, "unset with a pipeline layout string (it places every layer, "
-                                                 "the embedding and the loss itself)", fixed[name])
+    check_alone(**{k: fixed.get(k) for k in ("first_stage_layers", "last_stage_layers", "account_for_embedding_and_loss")})
     if fixed.setdefault("virtual_stages", v) != v:
         raise validate.InvalidArgument("virtual_stages", f"{v} (the pipeline layout's chunks / pp)", fixed["virtual_stages"])
     fixed["pipeline_layout"] = 2

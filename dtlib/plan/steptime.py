@@ -28,7 +28,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets
+from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import Cluster, Link
@@ -151,9 +151,7 @@ def memory_kwargs(options: StepOptions, dropout: bool) -> dict[str, bool]:
 def with_finetune(n: dict[str, Any], finetune: FineTuning | None, model: TransformerConfig) -> dict[str, Any]:
     """The layouts ``n`` with ``finetune``'s numbers (:meth:`~dtlib.analytic.finetune.FineTuning.numbers`)
     as arrays of their length, its targets checked against ``model``."""
-    finetune = finetune or FineTuning()
-    if not isinstance(finetune, FineTuning):
-        raise validate.InvalidArgument("finetune", "a FineTuning (dtlib.analytic.finetune)", finetune)
+    finetune = resolve_finetune(finetune)
     check_targets(finetune, model.numbers())
     rows = np.shape(n["dp"])
     return dict(n, **{k: np.full(rows, v) for k, v in finetune.numbers().items()})
