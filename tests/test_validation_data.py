@@ -12,7 +12,7 @@ from dtlib.analytic import hardware, presets
 from dtlib.plan import published as data
 from dtlib.plan.published import (INCLUDE_DEEPSEEK_V3, INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED,
                                   SOURCES, STACKS, deepseek_v3_runs, pending_runs)
-from dtlib.plan.steptime import resolve
+from dtlib.plan.steptime import DTYPES, resolve
 from dtlib.plan.validation import _options, _prediction, error_grid, ignored, predict
 
 
@@ -22,7 +22,7 @@ def test_every_row_has_a_link_a_source_a_metric_and_a_unit():
         assert run.source in SOURCES and run.source, run.name
         assert run.metric in METRIC_UNITS and run.unit == METRIC_UNITS[run.metric] and run.published > 0, run.name
         assert run.stack in STACKS and set(run.layout) <= set(LAYOUT_KEYS), run.name
-        assert run.dtype in ("bf16", "fp8") and (run.fp8_recipe == "" or run.dtype == "fp8"), run.name
+        assert run.dtype in DTYPES and (run.fp8_recipe == "" or run.dtype == "fp8"), run.name
         if {"dp", "tp", "pp", "cp"} <= set(run.layout):  # a full layout multiplies to the GPU count
             lay = run.layout
             assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == run.cluster.world_size, run.name
