@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
-__all__ = ["Accelerator", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
-           "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name", "replace_nodes"]
+__all__ = ["Accelerator", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
+           "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
+           "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 T = TFLOPS
@@ -166,8 +167,8 @@ LINKS: dict[str, Link] = {l.name: l for l in [
     Link("nvlink-h800", 200e9, 3.4e-6, "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional (secondary sources; "
          "NVIDIA's datasheet not read here); " + _NCCL_LAT),
     Link("infinity-fabric-4", 76.8e9, 3.4e-6,
-         "AMD MI355X / MI350X data sheets (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per peer of 8 -> "
-         "76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
+         "AMD MI355X / MI350X data sheets (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per "
+         "peer of 8 -> 76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
     Link("infinity-fabric", 64e9, 3.4e-6,
          "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; NCCL NVLink latency as proxy"),
     Link("pcie4", 32e9, 5.7e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b ~ 31.5 GB/s per direction; " + _NCCL_LAT),
