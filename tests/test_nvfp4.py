@@ -150,9 +150,34 @@ def test_cli_plan_memory_flops_in_nvfp4(capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--precision", "nvfp4", "--bf16-layers", "40"], "--bf16-layers must be at most the model's 32 layers"),
     (["--bf16-layers", "2"], "--bf16-layers keeps layers in BF16 under --precision fp8 or nvfp4"),
-    (["--precision", "nvfp4", "--emit", "megatron"], "--precision nvfp4 plans are not emitted yet"),
+    (["--precision", "nvfp4", "--emit", "megatron", "--rehearse"], "CPU ranks, which have no NVFP4 kernels"),
 ])
 def test_cli_plan_bad_nvfp4_flags(capsys, extra, message):
     code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "b200", "--gpus", "8", "--global-batch",
                          "64", *extra)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+def test_emitted_nvfp4_plans(capsys):
+    """Megatron-LM runs NVIDIA's recipe (--fp4-format e2m1 --fp4-recipe nvfp4, its flag table and
+    validate_args rules), with the BF16 layers as --first-last-layers-bf16; the other frameworks'
+    configs have no NVFP4 and say so by name."""
+    from dtlib.frameworks.megatron_args import parse_args, validate as megatron_validate
+    from dtlib.plan.emit import TimedPlan, megatron_flags, unsupported
+    layout = Parallelism(dp=8, pp=2, num_microbatches=4)
+    plan = TimedPlan(layout, get_preset("llama3-8b"), layout.global_batch, StepOptions(dtype="nvfp4", bf16_layers=2),
+                     "nvfp4", cluster("b200", 2, 8))
+    args = parse_args(megatron_flags(plan))
+    megatron_validate(args, layout.gpus)
+    assert (args["fp4"], args["fp4_recipe"], args["fp8"], args["bf16"]) == ("e2m1", "nvfp4", None, True)
+    assert (args["first_last_layers_bf16"], args["num_layers_at_start_in_bf16"], args["num_layers_at_end_in_bf16"]) \
+        == (True, 0, 2)
+    for framework, why in (("deepspeed", "bf16 and fp16 only"), ("torchtitan", "not NVIDIA's NVFP4 recipe"),
+                           ("jax", "Transformer Engine's, not a mesh's dtype")):
+        assert any(why in reason for reason in unsupported(framework, plan)), framework
+    with pytest.raises(ValueError, match="fp8 and nvfp4 matmuls are both or neither"):
+        TimedPlan(layout, get_preset("llama3-8b"), layout.global_batch, StepOptions(dtype="fp8"), "nvfp4")
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "b200", "--gpus", "16", "--global-batch",
+                       "64", "--precision", "nvfp4", "--top", "1", "--emit", "megatron", "--json")
+    d = json.loads(out)
+    assert code == 0 and "--fp4-format" in d["emitted"]["megatron"]["text"]

@@ -206,9 +206,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
 
     check_emit_options(args.emit, args.emit_dir, args.rehearse)
-    if args.emit and args.precision == "nvfp4":  # the emitters write bf16, fp16 and fp8 configs only
-        raise ValueError("--emit writes bf16, fp16 or fp8 configs; --precision nvfp4 plans are not emitted yet "
-                         "(Megatron-LM: add --fp4-format e2m1 --fp4-recipe nvfp4 to the fp8 plan's flags by hand)")
+    if args.rehearse and args.precision == "nvfp4":  # the CPU rehearsal has no NVFP4 kernels
+        raise ValueError("--rehearse runs the emitted layout on CPU ranks, which have no NVFP4 kernels; "
+                         "rehearse the --precision bf16 plan of the same layout")
     if args.bf16_layers and args.precision not in ("fp8", "nvfp4"):
         raise ValueError(f"--bf16-layers keeps layers in BF16 under --precision fp8 or nvfp4; with "
                          f"--precision {args.precision} every layer is already {args.precision}")

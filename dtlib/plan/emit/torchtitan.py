@@ -56,6 +56,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
                    "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
     if precision == "fp16":
         out.append("precision fp16: torchtitan's mixed_precision_param is bfloat16 or float32")
+    if precision == "nvfp4":
+        out.append("precision nvfp4: torchtitan v0.2.2's quantize converters are float8 and MX, not NVIDIA's "
+                   "NVFP4 recipe")
     if m.seq % (2 * p.tp * p.cp):
         out.append(f"seq {m.seq}: torchtitan needs seq_len divisible by 2 x tp x cp = {2 * p.tp * p.cp} "
                    f"(ParallelDims.seq_len_divisor)")
