@@ -16,7 +16,7 @@ KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "m
         "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
         "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split", "recompute_layers",
         "account_for_embedding_and_loss", "activation_offload_layers", "offload", "recompute_modules",
-        "first_stage_layers", "last_stage_layers", "pipeline_layout", "memory_stage"}
+        "first_stage_layers", "last_stage_layers", "pipeline_layout", "memory_stage", "band"}
 
 
 def run(capsys, *argv):
@@ -66,8 +66,10 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert lines[3].startswith("where the numbers come from:")
     assert lines[4].startswith("columns: ") and lines[5].split()[:3] == ["#", "dp", "tp"]
     assert "etp" not in lines[4] and "etp" not in lines[5].split()  # a dense model: no expert columns
-    assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[8]
-    assert lines[9].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[9]
+    # a toy model does far less work per GPU than any published run: no band, and why
+    assert lines[8].startswith("error band of #1: step ") and "not covered: work per GPU 8.3e+12 FLOP" in lines[8]
+    assert lines[10].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -209,3 +211,46 @@ def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     assert "etp: expert tensor parallel size" in lines[4]
     header, row = lines[5].split(), lines[6].split()
     assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]
+
+
+def test_every_plan_prints_its_band_and_the_json_carries_it(capsys):
+    """Step time and throughput with the held-out band of comparable published runs, 3 significant figures."""
+    argv = ("plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2")
+    code, out, _ = run(capsys, *argv, "--json")
+    best = json.loads(out)["configs"][0]
+    step, tokens = best["band"]["step_time_s"], best["band"]["tokens_per_s"]
+    assert code == 0 and set(best["band"]) == {"step_time_s", "tokens_per_s"}
+    for b in (step, tokens):
+        assert set(b) == {"low", "high", "count", "regime", "covered", "reason", "method"}
+        assert b["covered"] and b["count"] >= 8 and b["regime"].startswith("megatron, hopper, dense")
+    assert step["low"] <= best["step_time_s"] <= step["high"] and tokens["low"] <= best["tokens_per_s"] <= tokens["high"]
+    assert tokens["low"] == pytest.approx(best["tokens_per_s"] * best["step_time_s"] / step["high"], rel=1e-12)
+    code, out, _ = run(capsys, *argv)
+    line = next(x for x in out.splitlines() if x.startswith("error band of #1"))
+    percent = f"{100 * (step['low'] / best['step_time_s'] - 1):+.0f}% .. {100 * (step['high'] / best['step_time_s'] - 1):+.0f}%"
+    assert f"step {best['step_time_s']:.3g} s ({percent}, {step['count']} runs: {step['regime']};" in line
+    row = out.splitlines()[6].split()
+    rounded = float(f"{best['tokens_per_s']:.3g}")  # 3 significant figures, written out with separators
+    assert row[12] == f"{best['step_time_s']:.3g}" and row[13] == f"{rounded:,.0f}"
+
+
+def test_a_plan_the_validation_does_not_cover_says_so(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1",
+                       "--gpu", "mi355x", "--json")
+    band = json.loads(out)["configs"][0]["band"]["step_time_s"]
+    assert code == 0 and not band["covered"] and band["low"] is None and "no published run on amd GPUs" in band["reason"]
+
+
+def test_the_band_method_and_coverage_are_options(capsys):
+    argv = ("plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1", "--json")
+    bands = {}
+    for extra in ((), ("--band-method", "range"), ("--band-coverage", "0.5")):
+        code, out, _ = run(capsys, *argv, *extra)
+        bands[extra] = json.loads(out)["configs"][0]["band"]["step_time_s"]
+    default, widest, narrow = bands.values()
+    assert default["method"] == "10th-90th percentiles" and widest["method"] == "min-max"
+    assert widest["low"] <= default["low"] <= narrow["low"] and narrow["high"] <= default["high"] <= widest["high"]
+    assert narrow["high"] - narrow["low"] < default["high"] - default["low"]
+    for flag, value in (("--band-coverage", "0"), ("--band-coverage", "1.5"), ("--band-method", "normal")):
+        code, out, err = run(capsys, *argv, flag, value)
+        assert code == 2 and out == "" and flag in err and len(err.strip().splitlines()) == 1

@@ -265,3 +265,5 @@ def test_cli_prints_the_emitted_run_retimed_where_the_config_runs_otherwise():
     assert "--tp-comm-overlap" not in e["data"] and e["retimed"][0].startswith("tp_overlap:")
     assert best["retimed"]["framework"] == "megatron" and best["step_time_s"] == e["timing"]["step_time_s"]
     assert best["step_time_s"] > best["retimed"]["timed"]["step_time_s"] and best["breakdown"]["tp_comm"] > 0
+    band = best["band"]["step_time_s"]  # the error band is the re-timed step's
+    assert band["covered"] and band["low"] <= best["step_time_s"] <= band["high"]

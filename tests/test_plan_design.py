@@ -55,6 +55,10 @@ def test_system_report_is_consistent():
     r = system_report(TEN_B, 1024, 1024, 1e12)
     assert r["switches"] == fat_tree(1024, 64).switches
     assert r["gpu_hours"] == pytest.approx(r["days"] * 24 * 1024)
+    band = r["band"]["step_time_s"]  # the days span the step time's error band
+    assert band["covered"] and r["days_band"] == pytest.approx((r["days"] * band["low"] / r["step_time_s"],
+                                                                 r["days"] * band["high"] / r["step_time_s"]))
+    assert r["days_band"][0] <= r["days"] <= r["days_band"][1]
     assert r["cost_usd"] == pytest.approx(r["gpu_hours"] * 2.5)
     assert r["failures_per_day"] == pytest.approx(24 * 1024 / LLAMA3_GPU_MTBF_HOURS)
     mtbf_s = LLAMA3_GPU_MTBF_HOURS / 1024 * 3600

@@ -27,6 +27,20 @@ def test_bars_are_the_breakdown_and_the_memory():
     assert mem_ax.lines[0].get_xdata()[0] == pytest.approx(r.capacity / GiB)
 
 
+def test_the_error_band_is_drawn_on_each_total():
+    """Each layout's error bar spans its band (dtlib.plan.uncertainty); uncovered plans say so instead."""
+    r = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=3)
+    time_ax = plot_plan(r.configs, r.capacity).axes[0]
+    bars = [c for c in time_ax.collections if c.get_segments()]
+    spans = [(s[0][0], s[1][0]) for c in bars for s in c.get_segments() if s[0][1] == s[1][1]]  # horizontal
+    expected = [(c["band"]["step_time_s"]["low"], c["band"]["step_time_s"]["high"]) for c in r.configs][::-1]
+    assert len(spans) == 3 and [x for s in spans for x in s] == pytest.approx([x for e in expected for x in e])
+    assert all(low <= c["step_time_s"] <= high for c, (low, high) in zip(r.configs[::-1], spans))
+    amd = search(get_preset("llama3-8b"), cluster("mi355x", 2, 8), 64, top=1)
+    time_ax = plot_plan(amd.configs, amd.capacity).axes[0]
+    assert not time_ax.collections and "band: not covered" in time_ax.texts[0].get_text()
+
+
 def test_nothing_fits_draws_why():
     fig = plot_plan([], 72 * GiB, why="nothing fits: the smallest memory per GPU found is 857.6 GiB")
     assert "857.6 GiB" in fig.axes[0].texts[0].get_text()

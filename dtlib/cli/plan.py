@@ -2,13 +2,15 @@
 days, dollars, energy and failures (:mod:`dtlib.plan`).
 
 Layout flags pin a knob of the search; giving all of them evaluates one configuration. ``--json``
-prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``; nothing fitting
+prints ``{"configs": [...], "searched", "search_seconds", "training", "why"}``, each config with its
+error ``band`` (:mod:`dtlib.plan.uncertainty`: step time and throughput, or why none); nothing fitting
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
 including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from typing import Any
 
@@ -34,6 +36,7 @@ from dtlib.plan.search import search, to_layout
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
+from dtlib.plan.uncertainty import METHODS, band, percent_band, rescale
 
 __all__ = ["add_plan_command", "run_plan", "plan_report"]
 
@@ -117,6 +120,12 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
                    help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
+    m.add_argument("--band-method", choices=METHODS, default="quantile",
+                   help="error band from the comparable runs' held-out residuals: their central --band-coverage "
+                        "quantiles, or their min-max (docs/validation.md, 'The error band')")
+    m.add_argument("--band-coverage", type=_fraction, default=0.8,
+                   help="with --band-method quantile: the central fraction of residuals the band spans (0.8: "
+                        "10th-90th percentiles)")
     t = p.add_argument_group("training plan")
     t.add_argument("--tokens", type=parse_count, help="token budget, e.g. 1T or 2e12")
     t.add_argument("--price-per-gpu-hour", type=_price, default=DEFAULT_PRICE_PER_GPU_HOUR,
@@ -186,6 +195,7 @@ def _framework_configs(args: argparse.Namespace, model: TransformerConfig, best:
     if first["retimed"] and first["timing"]:
         best.update(first["timing"], retimed={"framework": args.emit[0], "why": first["retimed"],
                                               "timed": timing})
+        best["band"] = rescale(best["band"], timing["step_time_s"], best["step_time_s"], best["tokens_per_s"])
     if not args.rehearse:
         return {"emitted": emitted}
     from dtlib.frameworks.fullsize import rehearse_full_size  # torch: the course extra
@@ -247,8 +257,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         fixed["pipeline_layout"] = True
     if args.account_for_embedding_and_loss:
         fixed["account_for_embedding_and_loss"] = True
+    band_of = functools.partial(band, method=args.band_method, coverage=args.band_coverage)
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
-               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top)
+               tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top,
+               band_of=band_of)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
@@ -356,8 +368,9 @@ def _text(d: dict[str, Any]) -> str:
         lines.append(f"{i:>2} {c['dp']:>5} {c['tp']:>2} {c['pp']:>3} {c['cp']:>2} {c['ep']:>2}{etp_cells(c)} "
                      f"{c['virtual_stages']:>2} {c['micro_batch']:>2} {c['microbatches']:>4} {c['zero']:>4} "
                      f"{c['recompute']:>9} {'yes' if c['sequence_parallel'] else 'no':>3} "
-                     f"{c['step_time_s']:>8.3f} {c['tokens_per_s']:>11,.0f} {100 * c['mfu']:>5.1f}% "
+                     f"{sig3(c['step_time_s']):>8} {sig3(c['tokens_per_s']):>11} {100 * c['mfu']:>5.1f}% "
                      f"{c['memory_per_gpu_bytes'] / GiB:>8.1f} {c['memory_stage']:>5}  {split_label(c)}")
+    lines.append(band_line(d["configs"][0]))
     again = d["configs"][0].get("retimed")
     if again:
         lines.append(f"#1 is the run the {again['framework']} config makes, re-timed (timed "
@@ -369,8 +382,11 @@ def _text(d: dict[str, Any]) -> str:
         lines.append(f"{i:>2} " + " ".join(f"{c['breakdown'][k]:>11.4f}" for k in TERMS))
     t = d["training"]
     if t:
+        band, step_s = d["configs"][0]["band"]["step_time_s"], d["configs"][0]["step_time_s"]
+        days = (f"; {t['days'] * band['low'] / step_s:.3g} .. {t['days'] * band['high'] / step_s:.3g} days at the "
+                f"error band" if band["covered"] else "")
         lines.append(f"training {t['tokens']:.3g} tokens with #1: {t['days']:.1f} days ({t['compute_days']:.1f} of "
-                     f"compute / goodput {100 * t['goodput']:.1f}%), {t['gpu_hours']:,.0f} GPU-hours, "
+                     f"compute / goodput {100 * t['goodput']:.1f}%{days}), {t['gpu_hours']:,.0f} GPU-hours, "
                      f"${t['cost_usd']:,.0f} at ${t['price_per_gpu_hour']:g}/GPU-hour, {t['energy_mwh']:,.0f} MWh "
                      f"(PUE {t['pue']:g}), {t['expected_failures']:.1f} failures expected (job MTBF "
                      f"{t['job_mtbf_hours']:.1f} h), checkpoint every {t['checkpoint_interval_s'] / 60:.0f} min")
@@ -383,6 +399,25 @@ def _text(d: dict[str, Any]) -> str:
         lines += _megatron_meta_lines(d["megatron_meta"])
     lines += rehearsal_lines(d.get("rehearsals", {})) + d["caveats"]
     return "\n".join(lines)
+
+
+def sig3(x: float) -> str:
+    """``x`` to 3 significant figures, without an exponent: 0.0123, 1.23, 1,230,000 (the model is not
+    more precise than that: docs/validation.md)."""
+    return f"{float(f'{x:.3g}'):,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def band_line(c: dict[str, Any]) -> str:
+    """The error band of a search row (:mod:`dtlib.plan.uncertainty`): ``error band: step 1.23 s (-8% .. +12%,
+    14 runs: megatron, hopper, dense, ...), tokens/s 1,230,000 (1,100,000 .. 1,300,000)``, or why there is none."""
+    step, tokens = c["band"]["step_time_s"], c["band"]["tokens_per_s"]
+    if not step["covered"]:
+        return (f"error band of #1: step {sig3(c['step_time_s'])} s, {percent_band(step, c['step_time_s'])}; "
+                f"the validation does not cover this plan (docs/validation.md, 'The error band')")
+    return (f"error band of #1 (leave-one-source-out residuals of comparable published runs, {step['method']}): "
+            f"step {sig3(c['step_time_s'])} s ({percent_band(step, c['step_time_s'])}; {sig3(step['low'])} .. "
+            f"{sig3(step['high'])} s), tokens/s {sig3(c['tokens_per_s'])} ({sig3(tokens['low'])} .. "
+            f"{sig3(tokens['high'])}); the same relative band for every layout of this job")
 
 
 def split_label(c: dict[str, Any]) -> str:

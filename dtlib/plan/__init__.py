@@ -9,5 +9,7 @@ search over layouts, a training plan and a cluster topology. Pure arithmetic on 
 * :mod:`~dtlib.plan.training` - days, GPU-hours, cost, energy, failures, checkpoints, goodput;
 * :mod:`~dtlib.plan.topology` - fat-tree and rail-optimised fabrics, oversubscription;
 * :mod:`~dtlib.plan.published` - the published runs (data: model, cluster, layout, stack, metric, source and link);
-* :mod:`~dtlib.plan.validation` - those runs against the planner's predictions, the fit, leave-one-source-out.
+* :mod:`~dtlib.plan.validation` - those runs against the planner's predictions, the fit, leave-one-source-out;
+* :mod:`~dtlib.plan.uncertainty` - every prediction's error band from the held-out residuals of comparable runs;
+* :mod:`~dtlib.plan.residuals` - those residuals, stored (``data/residuals.json``) and checked against the model.
 """

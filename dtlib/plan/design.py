@@ -96,8 +96,9 @@ def system_report(model: TransformerConfig, gpus: int, global_batch: int, tokens
                   oversubscription: float = 1.0, price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR,
                   checkpoint_cost_s: float = 60.0) -> dict[str, Any]:
     """The numbers of a design report for ``model`` on ``gpus`` GPUs: the fabric (one NIC per GPU),
-    the planner's best layout and its MFU, and the run's days, GPU-hours, cost, energy, failures
-    per day, checkpoint interval and goodput."""
+    the planner's best layout and its MFU, its error ``band`` (the search row's) and the days it spans
+    (``days_band``, None where the validation does not cover the plan), and the run's days, GPU-hours,
+    cost, energy, failures per day, checkpoint interval and goodput."""
     cl = cluster(gpu, gpus // gpus_per_node, gpus_per_node, inter=inter)
     tree = fat_tree(gpus, radix, cl.inter.bandwidth, oversubscription)
     r = search(model, cl, global_batch, options=StepOptions(oversubscription=oversubscription), top=1)
@@ -107,9 +108,13 @@ def system_report(model: TransformerConfig, gpus: int, global_batch: int, tokens
     plan = training_plan(tokens=tokens, tokens_per_step=global_batch * model.seq, step_time=best["step_time_s"],
                          gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, price_per_gpu_hour=price_per_gpu_hour,
                          checkpoint_cost_s=checkpoint_cost_s)
+    band = best["band"]["step_time_s"]  # days scale with the step time: the same band (dtlib.plan.uncertainty)
+    days_band = (plan.days * band["low"] / best["step_time_s"], plan.days * band["high"] / best["step_time_s"]) \
+        if band["covered"] else None
     return {"tiers": tree.tiers, "switches": tree.switches, "links": tree.links,
             "bisection_tbps": tree.bisection_bandwidth * 8 / 1e12, "layout": _short(best),
             "step_time_s": best["step_time_s"], "mfu": best["mfu"], "tokens_per_s": best["tokens_per_s"],
-            "days": plan.days, "gpu_hours": plan.gpu_hours, "cost_usd": plan.cost_usd,
+            "band": best["band"], "days": plan.days, "days_band": days_band, "gpu_hours": plan.gpu_hours,
+            "cost_usd": plan.cost_usd,
             "energy_mwh": plan.energy_mwh, "failures_per_day": 24 / plan.job_mtbf_hours,
             "checkpoint_interval_min": plan.checkpoint_interval_s / 60, "goodput": plan.goodput}

@@ -36,6 +36,7 @@ from dtlib.analytic.precision import get_precision
 from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays
+from dtlib.plan.uncertainty import BandOf, band, band_fields, regime_of
 
 __all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "SPLIT", "MICRO_BATCHES", "VIRTUAL_STAGES"]
 
@@ -194,7 +195,7 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
            options: StepOptions = StepOptions(), fixed: dict[str, Any] | None = None,
            headroom: float = 0.9, tp_within_node: bool = True, dropout: bool | None = None,
-           top: int = 5) -> SearchResult:
+           top: int = 5, band_of: BandOf = band) -> SearchResult:
     """Rank every valid, fitting layout of ``model`` on ``cluster`` at ``global_batch`` sequences.
 
     ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
@@ -202,6 +203,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     buffers, fragmentation). ``options`` are filled from their stack and ``dropout`` from the
     activation convention (:func:`dtlib.plan.steptime.resolve`); memory is counted with the same
     conventions as :func:`dtlib.analytic.memory.memory_per_gpu` (:func:`dtlib.plan.steptime.memory_kwargs`).
+    Each row's ``band`` is its step time's and throughput's error band (:mod:`dtlib.plan.uncertainty`)
+    from ``band_of`` of the job's regime (default: the held-out residuals of comparable published runs).
     """
     start = time.perf_counter()
     if not isinstance(model, TransformerConfig):
@@ -278,6 +281,10 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
                      for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]
+    if configs:  # the regime is the job's (stack, GPUs, model, work per GPU): one band for every layout
+        error = band_of(regime_of(model, cluster, global_batch, options))
+        for c in configs:
+            c["band"] = band_fields(error, c["step_time_s"], c["tokens_per_s"])
     why = None if configs else _why_not(model, cluster, global_batch, fixed, smallest, capacity, headroom,
                                         broken)
     return SearchResult(configs=configs, searched=searched, fitting=fitting,

@@ -1,4 +1,4 @@
-"""Plots of the planner: the ranked layouts' step-time breakdown next to their memory per GPU.
+"""Plots of the planner: the ranked layouts' step-time breakdown and error band next to their memory per GPU.
 
 Functions take the rows of :attr:`dtlib.plan.search.SearchResult.configs` (plain dicts) and return a
 ``matplotlib`` Figure built with ``Figure()``.
@@ -27,8 +27,9 @@ def layout_label(config: dict[str, Any]) -> str:
 
 def plot_plan(configs: Sequence[dict[str, Any]], capacity: float, title: str = "",
               why: str | None = None) -> Figure:
-    """Left: each layout's step time stacked by term (fastest on top). Right: its memory per GPU
-    against ``capacity`` bytes. With no layout, ``why`` is written in the figure instead."""
+    """Left: each layout's step time stacked by term (fastest on top), with its error band
+    (:mod:`dtlib.plan.uncertainty`) as an error bar where the validation covers it. Right: its memory
+    per GPU against ``capacity`` bytes. With no layout, ``why`` is written in the figure instead."""
     fig = Figure(figsize=(10, 0.45 * max(len(configs), 3) + 2.0))
     if not configs:
         ax = fig.add_subplot()
@@ -47,9 +48,18 @@ def plot_plan(configs: Sequence[dict[str, Any]], capacity: float, title: str = "
         if any(widths):
             time_ax.barh(names, widths, left=left, color=colour(i), label=term)
             left = [a + b for a, b in zip(left, widths)]
+    ends = list(left)
     for y, (total, c) in enumerate(zip(left, rows)):
-        time_ax.text(total, y, f" {total:.3g} s, MFU {100 * c['mfu']:.0f}%", va="center", fontsize=SMALL_FONT)
-    time_ax.set_xlim(0, 1.3 * max(left))
+        band = c.get("band", {}).get("step_time_s")
+        if band and band["covered"]:  # the held-out error band (dtlib.plan.uncertainty) as an error bar
+            time_ax.errorbar(total, y, xerr=[[total - band["low"]], [band["high"] - total]], fmt="none",
+                             ecolor="black", elinewidth=1, capsize=3)
+            ends[y] = band["high"]
+            note = f", {100 * (band['low'] / total - 1):+.0f}%..{100 * (band['high'] / total - 1):+.0f}%"
+        else:
+            note = ", band: not covered" if band else ""
+        time_ax.text(ends[y], y, f" {total:.3g} s{note}, MFU {100 * c['mfu']:.0f}%", va="center", fontsize=SMALL_FONT)
+    time_ax.set_xlim(0, 1.45 * max(ends))
     time_ax.set_xlabel("seconds per step", fontsize=FONT)
     time_ax.tick_params(labelsize=SMALL_FONT)
     time_ax.legend(fontsize=SMALL_FONT, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / len(rows)),

@@ -1,0 +1,197 @@
+"""The error band of a prediction (dtlib.plan.uncertainty) and its stored residual table (dtlib.plan.residuals)."""
+import math
+
+import numpy as np
+import pytest
+
+from dtlib.analytic.hardware import cluster
+from dtlib.analytic.presets import get_preset
+from dtlib.plan.published import PUBLISHED
+from dtlib.plan.residuals import band_coverage, differences, main, markdown
+from dtlib.plan.search import search
+from dtlib.plan.steptime import StepOptions
+from dtlib.plan.uncertainty import (Band, Regime, band, band_fields, gpu_family, load_residuals, percent_band,
+                                    regime_of, rescale, work_per_gpu)
+
+
+def test_the_stored_table_is_what_the_model_computes_now(capsys):
+    """After a change to the step-time model: python -m dtlib.plan.residuals --write (the differences
+    are printed on stderr)."""
+    assert main(["--check"]) == 0 and "up to date" in capsys.readouterr().out
+
+
+def test_differences_name_the_run_and_the_field():
+    row = {"name": "a", "residual": 0.1, "family": "hopper"}
+    assert differences([row], [row | {"residual": 0.1 + 1e-12}]) == []
+    assert differences([row], [row | {"residual": 0.2}]) == ["a: residual stored 0.1, now 0.2"]
+    assert differences([row], [row | {"name": "b"}]) == ["a: only in the stored table", "b: only in the model now"]
+
+
+def test_every_published_run_has_one_held_out_residual():
+    rows = load_residuals()
+    assert [r["name"] for r in rows] == [run.name for run in PUBLISHED]
+    assert all(math.isfinite(r["residual"]) and r["work"] > 0 for r in rows)
+    # a residual is the held-out one: Trainy's fold refits (attention 0.45), the others keep the full fit
+    trainy = {(r["gemm"], r["attention"]) for r in rows if r["source"] == "Trainy H200"}
+    assert trainy == {(0.60, 0.45)}
+
+
+def test_residual_sign_is_the_step_time_ratio():
+    """Korthikanti's rows publish seconds per step, the others a throughput: the residual is
+    log(published step / predicted step) for both (> 0: the run was slower than predicted)."""
+    from dtlib.plan.validation import predict
+
+    rows = {r["name"]: r for r in load_residuals()}
+    for run in (next(r for r in PUBLISHED if r.metric == "step_time_s"),
+                next(r for r in PUBLISHED if r.metric == "tokens_per_gpu_s" and r.source != "Trainy H200")):
+        p = predict(run, rank=False)
+        step_ratio = run.published / p["predicted"] if run.metric == "step_time_s" else p["predicted"] / run.published
+        assert rows[run.name]["residual"] == pytest.approx(math.log(step_ratio), abs=1e-9)
+
+
+def test_work_per_gpu_is_model_flops_per_gpu_per_step():
+    """Llama 3 8B: 6 x 8.03B x tokens + attention (12 l h s per token, full) over the GPUs."""
+    m = get_preset("llama3-8b")
+    tokens = 128 * m.seq
+    by_hand = (6 * (m.num_parameters() - m.vocab * m.hidden) + 12 * m.layers * m.hidden * m.seq) * tokens / 64
+    assert work_per_gpu(m, 128, 64) == pytest.approx(by_hand, rel=1e-3)
+    with pytest.raises(ValueError, match="gpus"):
+        work_per_gpu(m, 128, 0)
+
+
+def test_gpu_families():
+    assert [gpu_family(g) for g in ("a100-80gb", "h100-sxm", "h100-96gb", "h800", "b200", "gb200", "gb300", "mi355x")] \
+        == ["ampere", "hopper", "hopper", "hopper", "blackwell", "blackwell-rack", "blackwell-rack", "amd"]
+    assert gpu_family("mi350x") == "amd" and gpu_family("tpu-v5p") == "tpu-v5p"
+
+
+ROWS = [{"name": f"r{i}", "stack": "megatron", "family": "hopper", "moe": False, "dtype": "bf16",
+         "work": 2e15, "residual": x} for i, x in enumerate(np.linspace(-0.1, 0.3, 11))]
+ROWS += [{"name": f"m{i}", "stack": "megatron", "family": "hopper", "moe": True, "dtype": "fp8",
+          "work": 5e15, "residual": x} for i, x in enumerate(np.linspace(0.1, 0.6, 3))]
+
+
+def test_band_is_the_quantiles_of_the_comparable_rows():
+    b = band(Regime("megatron", "hopper", False, 3e15), ROWS)
+    lo, hi = np.quantile(np.linspace(-0.1, 0.3, 11), [0.1, 0.9])
+    assert b.covered and b.count == 11 and (b.low, b.high) == pytest.approx((math.exp(lo), math.exp(hi)))
+    assert b.regime == "megatron, hopper, dense, 1e15-1e16 FLOP/GPU"
+    r = band(Regime("megatron", "hopper", False, 3e15), ROWS, method="range")
+    assert (r.low, r.high) == pytest.approx((math.exp(-0.1), math.exp(0.3))) and r.low < b.low < b.high < r.high
+
+
+def test_band_falls_back_to_coarser_regimes_and_contains_the_point():
+    """Three MoE rows, all slower than predicted: fewer than min_runs at every level, so no band (dense
+    rows never stand in for MoE ones); with min_runs 3 the narrowest level, widened to contain 0."""
+    moe = Regime("megatron", "hopper", True, 5e15, "fp8")
+    few = band(moe, ROWS)
+    assert not few.covered and "fewer than 8 comparable runs" in few.reason and few.low is None
+    b = band(moe, ROWS, min_runs=3)
+    assert b.covered and b.count == 3 and b.regime == "megatron, hopper, MoE, 1e15-1e16 FLOP/GPU"
+    assert b.low == 1.0 and b.high > 1.5  # widened to the prediction itself: every residual is > 0
+    assert band(moe, ROWS, min_runs=3, include_point=False).low > 1.0
+
+
+@pytest.mark.parametrize("regime, reason", [
+    (Regime("megatron", "amd", False, 3e15), "no published run on amd GPUs"),
+    (Regime("megatron", "hopper", False, 3e15, "nvfp4"), "no published run with nvfp4 matmuls"),
+    (Regime("megatron", "hopper", False, 1e13), "work per GPU 1e+13 FLOP per step is outside"),
+    (Regime("megatron", "hopper", False, 3e15, unvalidated=("lora fine-tuning",)), "not validated: lora"),
+])
+def test_uncovered_regimes_say_why(regime, reason):
+    b = band(regime, ROWS)
+    assert not b.covered and reason in b.reason and b.low is None and b.high is None
+
+
+def test_bad_band_options_name_the_argument():
+    for kwargs, name in (({"min_runs": 0}, "min_runs"), ({"coverage": 1.5}, "coverage"), ({"method": "x"}, "method")):
+        with pytest.raises(ValueError, match=name):
+            band(Regime("megatron", "hopper", False, 3e15), ROWS, **kwargs)
+
+
+def test_stored_bands_are_wider_where_the_model_misses_more():
+    """Held out, MoE runs were missed by far more than dense Megatron runs on Hopper."""
+    dense = band(Regime("megatron", "hopper", False, 3e15, "bf16"))
+    moe = band(Regime("megatron", "hopper", True, 3e15, "fp8"))
+    assert dense.covered and moe.covered and dense.count >= 8 and moe.count >= 8
+    assert moe.high - moe.low > 2 * (dense.high - dense.low)
+    assert moe.regime == "MoE, any GPU family"
+
+
+def test_regime_of_a_plan():
+    m, cl = get_preset("llama3-8b"), cluster("gb200", 1, 72)
+    r = regime_of(m, cl, 128, StepOptions(dtype="fp8"))
+    assert (r.stack, r.family, r.moe, r.dtype, r.unvalidated) == ("megatron", "blackwell-rack", False, "fp8", ())
+    flat = regime_of(m, cl, 128, StepOptions(efficiency=0.5, gemm_efficiency=0.7))
+    assert len(flat.unvalidated) == 2 and "flat compute model" in flat.unvalidated[0]
+    # the validation's own options (the fitted efficiencies, attention scaled by the stack's kernel) are validated
+    from dtlib.plan.validation import _options
+
+    assert all(regime_of(run.model, run.cluster, run.global_batch, _options(run)).unvalidated == () for run in PUBLISHED)
+    assert regime_of(m, cl, 128, StepOptions(attention_efficiency=0.3)).unvalidated[0].startswith("attention efficiency 0.3")
+
+
+def test_band_fields_for_step_time_and_throughput():
+    b = Band(True, 0.9, 1.2, 12, "megatron, hopper, dense", "10th-90th percentiles")
+    f = band_fields(b, 2.0, 1000.0)
+    assert f["step_time_s"]["low"] == pytest.approx(1.8) and f["step_time_s"]["high"] == pytest.approx(2.4)
+    assert f["tokens_per_s"]["low"] == pytest.approx(1000 / 1.2) and f["tokens_per_s"]["high"] == pytest.approx(1000 / 0.9)
+    assert set(f["step_time_s"]) == {"low", "high", "count", "regime", "covered", "reason", "method"}
+    assert percent_band(f["step_time_s"], 2.0) == "-10% .. +20%, 12 runs: megatron, hopper, dense"
+    off = band_fields(Band(False, None, None, 0, "x", "m", "no published run on amd GPUs"), 2.0, 1000.0)
+    assert off["tokens_per_s"]["low"] is None and percent_band(off["step_time_s"], 2.0).startswith("not covered: no")
+
+
+def test_search_rows_carry_the_band_and_it_contains_the_prediction():
+    r = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=3)
+    for c in r.configs:
+        step, tokens = c["band"]["step_time_s"], c["band"]["tokens_per_s"]
+        assert step["covered"] and step["low"] <= c["step_time_s"] <= step["high"]
+        assert tokens["low"] <= c["tokens_per_s"] <= tokens["high"]
+    amd = search(get_preset("llama3-8b"), cluster("mi355x", 2, 8), 64, top=1).configs[0]["band"]["step_time_s"]
+    assert not amd["covered"] and "amd" in amd["reason"]
+
+
+def test_a_calibrated_plan_passes_its_own_band():
+    seen = []
+
+    def mine(regime):
+        seen.append(regime)
+        return Band(True, 0.95, 1.05, 3, "this machine's calibration", "calibration fit")
+
+    c = search(get_preset("llama3-8b"), cluster("h100-sxm", 2, 8), 64, top=1, band_of=mine).configs[0]
+    assert seen[0].family == "hopper" and c["band"]["step_time_s"]["regime"] == "this machine's calibration"
+
+
+def test_band_coverage_holds_each_source_out():
+    """Two sources of identical rows: each run's band comes from the other source's rows only."""
+    rows = [r | {"source": "s1"} for r in ROWS[:11]] + [r | {"source": "s2", "name": r["name"] + "'"} for r in ROWS[:11]]
+    c = band_coverage(rows, method="range")
+    assert c == {"inside": 22, "covered": 22, "uncovered": 0}
+    quantile = band_coverage(rows)  # the 10th-90th percentiles leave out the two extremes of each side
+    assert quantile == {"inside": 18, "covered": 22, "uncovered": 0}
+    alone = band_coverage([r | {"source": "s1"} for r in ROWS[:11]])
+    assert alone == {"inside": 0, "covered": 0, "uncovered": 11}
+
+
+def test_the_stored_band_holds_about_what_it_says():
+    """Held out by source, the 10th-90th percentile band holds at least 70% of the runs it covers
+    (docs/validation.md, 'The error band'): a model change that leaves it far below is miscalibrated."""
+    c = band_coverage(load_residuals())
+    assert c["covered"] >= 60 and c["inside"] / c["covered"] >= 0.7
+    assert "| megatron, hopper, dense |" in markdown(load_residuals())
+
+
+def test_without_a_residual_table_no_band_and_how_to_make_one(tmp_path):
+    assert load_residuals(tmp_path / "none.json") == ()
+    b = band(Regime("megatron", "hopper", False, 3e15), ())
+    assert not b.covered and "python -m dtlib.plan.residuals --write" in b.reason
+
+
+def test_a_retimed_row_keeps_its_band_factors():
+    fields = band_fields(Band(True, 0.9, 1.2, 12, "megatron, hopper, dense", "m"), 2.0, 1000.0)
+    moved = rescale(fields, 2.0, 3.0, 600.0)
+    assert (moved["step_time_s"]["low"], moved["step_time_s"]["high"]) == pytest.approx((2.7, 3.6))
+    assert moved["tokens_per_s"]["high"] == pytest.approx(600 / 0.9) and moved["step_time_s"]["count"] == 12
+    off = band_fields(Band(False, None, None, 0, "x", "m", "why"), 2.0, 1000.0)
+    assert rescale(off, 2.0, 3.0, 600.0) == off
