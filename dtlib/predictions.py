@@ -113,7 +113,7 @@ def reveal(slug: str, measured: Value, *, explain: str, unit: str = "") -> None:
         verdict = f"off by {_show(result.difference, unit)}"
     else:
         verdict = f"off by {_show(result.difference, unit, sign=True)} ({result.ratio:.3g}x your prediction)"
-    print(f"you predicted {_show(result.predicted, unit)}, measured {_show(result.measured, unit)}: {verdict}")
+    print(f"you predicted {_show(result.predicted, unit)}; this run: {_show(result.measured, unit)}, {verdict}")
     print(f"why: {explain.strip()}")
 
 

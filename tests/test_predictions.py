@@ -33,7 +33,7 @@ def test_reveal_shows_the_prediction_beside_the_measurement_and_the_gap(capsys):
     assert capsys.readouterr().out.startswith("recorded your prediction for 'ring-bytes': 2 MiB;")
     reveal("ring-bytes", 1.5, unit="MiB", explain="each rank sends 2(N-1)/N of the buffer")
     first, why = capsys.readouterr().out.splitlines()
-    assert first == "you predicted 2 MiB, measured 1.5 MiB: off by -0.5 MiB (0.75x your prediction)"
+    assert first == "you predicted 2 MiB; this run: 1.5 MiB, off by -0.5 MiB (0.75x your prediction)"
     assert why == "why: each rank sends 2(N-1)/N of the buffer"
     predict("ring-bytes", 1.5, unit="MiB")  # a second guess replaces the first
     assert prediction("ring-bytes") == 1.5
