@@ -110,7 +110,7 @@ def reveal(slug: str, measured: Value, *, explain: str, unit: str = "") -> None:
     if isinstance(result.predicted, str):
         verdict = "✓ as you predicted" if result.matched else "✗ not what you predicted"
     elif result.ratio is None:
-        verdict = f"off by {_show(result.difference, unit)}"
+        verdict = f"off by {_show(result.difference, unit, sign=True)}"
     else:
         verdict = f"off by {_show(result.difference, unit, sign=True)} ({result.ratio:.3g}x your prediction)"
     print(f"you predicted {_show(result.predicted, unit)}; this run: {_show(result.measured, unit)}, {verdict}")
@@ -119,4 +119,4 @@ def reveal(slug: str, measured: Value, *, explain: str, unit: str = "") -> None:
 
 def _show(value: Value, unit: str, sign: bool = False) -> str:
     text = value if isinstance(value, str) else format(value, "+.4g" if sign else ".4g")
-    return f"{text} {unit}".rstrip()
+    return f"{text}%" if unit == "%" else f"{text} {unit}".rstrip()

@@ -37,6 +37,10 @@ def test_reveal_shows_the_prediction_beside_the_measurement_and_the_gap(capsys):
     assert why == "why: each rank sends 2(N-1)/N of the buffer"
     predict("ring-bytes", 1.5, unit="MiB")  # a second guess replaces the first
     assert prediction("ring-bytes") == 1.5
+    capsys.readouterr()
+    predict("ring-bytes", 0, unit="%")
+    reveal("ring-bytes", 18.8, unit="%", explain="x")
+    assert capsys.readouterr().out.splitlines()[1] == "you predicted 0%; this run: 18.8%, off by +18.8%"
 
 
 def test_gap_of_numbers_and_of_choices():
