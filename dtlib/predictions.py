@@ -86,7 +86,7 @@ def predict(slug: str, value: Value, *, unit: str = "") -> None:
     """Record the learner's prediction for ``slug`` in this kernel (a new one replaces the old)."""
     _PREDICTIONS[_check_slug(slug)] = _check_value("your prediction", value)
     print(f"recorded your prediction for {slug!r}: {_show(_PREDICTIONS[slug], unit)}; "
-          "the cells below measure it")
+          "the cells below compute or measure it")
 
 
 def prediction(slug: str) -> Value:
