@@ -88,6 +88,8 @@ def annotate_lesson(nb: nbformat.NotebookNode, exercise: str | None) -> nbformat
     link = f"[exercise {exercise}](../exercises/{exercise}.ipynb)" if exercise else "none"
     cells = []
     for cell in nb.cells:
+        if cell.cell_type == "markdown":  # the last lesson's link to the course map: the README is the home page here
+            cell.source = cell.source.replace("](../README.md)", "](../index.md)")
         cells.append(cell)
         if cell.cell_type == "code" and any(WIDGET_MIME in out.get("data", {}) for out in cell.get("outputs", [])):
             cells.append(nbformat.v4.new_markdown_cell(WIDGET_NOTE))

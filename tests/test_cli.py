@@ -368,7 +368,7 @@ def test_one_precision_vocabulary_old_spellings_still_accepted(capsys, old, new)
     assert main(base + ["--precision", new]) == 0
     assert capsys.readouterr().out == with_old
     assert main(["memory", "--help"]) == 0
-    assert "{bf16,fp16,fp32,fp8}" in capsys.readouterr().out
+    assert "{bf16,fp16,fp32,fp8,nvfp4}" in capsys.readouterr().out
 
 
 def test_precision_outside_a_subcommand_s_range_names_it(capsys):

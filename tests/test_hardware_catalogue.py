@@ -1,4 +1,4 @@
-"""Today's parts and systems: GB200/GB300 (NVL72), B300, H800, H20, MI355X with their datasheet
+"""Today's parts and systems: GB200/GB300 (NVL72), B300, H800, H20, MI355X, MI350X with their datasheet
 figures, the system presets (``cluster(system=...)``, ``dtlib plan --system``), an NVL72 rack as
 one NVLink domain, and the CLI's names and errors."""
 import json
@@ -16,7 +16,7 @@ from dtlib.plan.gemm import FLASH_BACKWARD, transformer_compute
 from dtlib.plan.moe import expert_grid
 from dtlib.plan.steptime import StepOptions, step_time
 
-NEW = ("gb200", "gb300", "b300", "h800", "h20", "mi355x")
+NEW = ("gb200", "gb300", "b300", "h800", "h20", "mi355x", "mi350x")
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -53,6 +53,30 @@ def test_datasheet_figures_and_their_derivations():
     assert mi.memory_bytes == 288 * GiB and cluster("mi355x").intra.name == "infinity-fabric-4"
     with pytest.raises(ValueError, match="mi355x has no tf32 peak; supported: fp32, bf16, fp16, fp8, fp4"):
         mi.peak("tf32")
+
+
+def test_mi350x_against_its_cited_figures():
+    """MI350X: the MI355X die at 2.2 GHz and 1,000 W (Hot Chips 2025) against 2.4 GHz and 1,400 W; the
+    8-GPU platform's 18.5 / 37 / 74 PFLOPS FP16 / FP8 / FP4 (dense) / 8 agree with its peaks."""
+    mi350, mi355 = get_gpu("mi350x"), get_gpu("mi355x")
+    for dtype, platform in (("bf16", 18.5e15), ("fp16", 18.5e15), ("fp8", 37e15), ("fp4", 74e15)):
+        assert 8 * mi350.peak(dtype) == pytest.approx(platform, rel=3e-3), dtype
+        assert mi350.peak(dtype) / mi355.peak(dtype) == pytest.approx(2.2 / 2.4, rel=1e-12)
+    assert mi350.peak("bf16") == pytest.approx(2306.9e12, abs=0.05e12)  # 2,516.6 x 2.2 / 2.4
+    assert mi350.peak("fp32") == pytest.approx(144.2e12, abs=0.05e12) and mi350.peaks["tf32"] is None
+    assert (mi350.memory_bytes, mi350.memory_bandwidth, mi350.tdp_w, mi350.sms) == (288 * GiB, 8e12, 1000, 256)
+    assert cluster("mi350x").intra.name == "infinity-fabric-4" and catalogue_name("AMD Instinct MI350X") == "mi350x"
+
+
+def test_cli_accepts_mi350x(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "mi350x", "--gpus", "8", "--global-batch",
+                       "64", "--precision", "fp8", "--top", "1", "--json")
+    assert code == 0 and json.loads(out)["gpu"] == "mi350x" and json.loads(out)["configs"]
+    code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpu", "mi350x", "--dp", "8", "--json")
+    assert code == 0 and json.loads(out)["gpu"] == {"name": "mi350x", "memory": 288 * GiB, "fits": True}
+    code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--gpu", "mi350x", "--batch", "8", "--dtype", "fp4",
+                       "--json")
+    assert code == 0 and json.loads(out)["peak_flops_per_gpu"] == pytest.approx(74e15 / 8, rel=3e-3)
 
 
 def test_fp4_is_a_compute_dtype_only_where_the_part_has_it():

@@ -86,7 +86,8 @@ def test_lesson0_prediction_ships_unanswered_and_is_checked(capsys):
 _COMPARISON = re.compile(
     r"\b(beats?|faster than|slower than|fewer than|(?<!no )more than|several times|x fewer|x faster|"
     r"(?:under|below|above|at most|within) \d+(?:\.\d+)?%|the same bubble|same numbers|bit for bit|identical)\b", re.I)
-_UNCHECKED_SECTIONS = ("Learning goals", "Explore", "Exercise", "What the real frameworks do")
+_UNCHECKED_SECTIONS = ("Learning goals", "Explore", "Exercise", "What the real frameworks do",
+                       "What this lesson established")  # a summary of what the sections above checked
 
 
 def _sections(path: Path) -> list[dict]:

@@ -329,11 +329,12 @@ from dtlib.plan.steptime import StepOptions  # noqa: E402
 # setting: no config can carry them (the test below checks that the rest is each a config knob)
 NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_limit_w", "oversubscription",
               "moe_imbalance", "convention", "attention"}
-# each config knob: two values whose step times differ on the layouts below (dtype and fp8_recipe
-# with fp8 matmuls)
+# each config knob: two values whose step times differ on the layouts below (dtype; fp8_recipe and
+# bf16_layers with fp8 matmuls)
 KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),
                "dp_overlap": (0.0, 1.0), "tp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "ep_overlap": (0.0, 1.0),
-               "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8")}
+               "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8"),
+               "bf16_layers": (0, 4)}
 KNOB_MOE = TransformerConfig(name="moe", layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, moe_experts=16,
                              moe_top_k=2, bias=False)
 KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expresses > 1
@@ -345,6 +346,7 @@ KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expr
 # a knob that changes neither step time nor memory on a framework's layout, and why
 KNOB_IDLE = {("deepspeed", "cp_overlap"): "DeepSpeed refuses cp > 1 (no ring attention)",
              ("deepspeed", "fp8_recipe"): "DeepSpeed refuses fp8 matmuls, so the recipe never applies",
+             ("deepspeed", "bf16_layers"): "DeepSpeed refuses fp8 matmuls: no layer to keep in BF16",
              ("torchtitan", "fp8_recipe"): "torchtitan's grouped experts are one kernel whatever the recipe "
                                            "(stack expert_loop False): the recipe's launches never count"}
 
@@ -364,7 +366,7 @@ def test_a_timed_option_is_emitted_or_retimed(framework, knob):
     layout = KNOB_LAYOUTS[framework]
     cl = cluster("h100-sxm", layout.gpus // 8, 8)
     base = StepOptions(stack={"megatron": "megatron"}.get(framework, framework),
-                       dtype="fp8" if knob == "fp8_recipe" and framework != "deepspeed" else "bf16")
+                       dtype="fp8" if knob in ("fp8_recipe", "bf16_layers") and framework != "deepspeed" else "bf16")
     a, b = (replace(base, **{knob: v}) for v in KNOB_VALUES[knob])
     precision = lambda o: o.dtype  # noqa: E731  (fp8 matmuls: the precision flag too)
     model = get_preset("qwen3-30b-a3b") if framework == "torchtitan" else KNOB_MOE  # a torchtitan MoE flavor
@@ -475,3 +477,26 @@ def test_torchtitan_expert_tensor_parallelism_as_planned():
     layout = Parallelism(dp=4, tp=2, ep=4, etp=2, zero=3, sequence_parallel=True)
     assert _toml(layout, qwen)["parallelism"]["expert_tensor_parallel_degree"] == 2
     assert "ETP=TP or ETP=1" in unsupported("torchtitan", layout.with_(dp=8, tp=4, etp=2, ep=8), qwen, 8)[0]
+
+
+@pytest.mark.parametrize("kept, start, end, retimed", [(3, 0, 3, None), (6, 2, 4, None), (10, 4, 4, 8)])
+def test_bf16_layers_become_megatrons_first_last_layers_flags(kept, start, end, retimed):
+    """``bf16_layers`` (fp8) is Megatron's --first-last-layers-bf16: the end first, at most layers / pp
+    at each end (Megatron-Core's TransformerConfig checks; more is re-timed at the most it takes), and
+    none with delayed scaling, which Megatron-Core refuses with it."""
+    from dtlib.frameworks.megatron_args import parse_args, validate
+    layout = Parallelism(dp=2, pp=2, num_microbatches=4)
+    plan = TimedPlan(layout, KNOB_MOE, layout.global_batch, StepOptions(dtype="fp8", fp8_recipe="current",
+                                                                           bf16_layers=kept), "fp8",
+                     cluster("h100-sxm", 1, 4))
+    e, flags = emit("megatron", plan), megatron_flags(plan)
+    args = parse_args(flags)  # Megatron-LM's own flag table
+    validate(args, layout.gpus)
+    assert (args["first_last_layers_bf16"], args["num_layers_at_start_in_bf16"],
+            args["num_layers_at_end_in_bf16"]) == (True, start, end)
+    named = [r for r in e.retimed if r.startswith("bf16_layers:")]
+    assert bool(named) == (retimed is not None) and (retimed is None or f"re-timed with {retimed}" in named[0])
+    delayed = emit("megatron", replace(plan, options=replace(plan.options, fp8_recipe="delayed")))
+    assert "--first-last-layers-bf16" not in megatron_flags(replace(plan, options=replace(plan.options,
+                                                                                         fp8_recipe="delayed")))
+    assert any(r.startswith("bf16_layers: Megatron-Core refuses") for r in delayed.retimed)

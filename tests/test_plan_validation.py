@@ -105,6 +105,10 @@ EXPECTED = {
     'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0230, False, 1),
     'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0428, True, 1),
     'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1677, True, 6),
+    'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0589, True, 4),
+    'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1848, True, 9),
+    'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (0.0333, True, 12),
+    'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.1470, True, 16),
     'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.0974, True, 43),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0505, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0124, True, 2),
@@ -145,7 +149,8 @@ LOSO = {
     'MosaicML llm-foundry': (0.60, 0.50, 0.1102, 0.1102),
     'Trainy H200': (0.60, 0.45, 0.0765, 0.0314),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1334, 0.1334),
-    'Llama 3 2024': (0.60, 0.50, 0.0779, 0.0779),
+    'Llama 3 2024': (0.60, 0.45, 0.0881, 0.0779),
+    'Megatron-Bridge NVFP4': (0.60, 0.50, 0.1060, 0.1060),
     'DeepSeek-V3 2024': (0.60, 0.50, 0.0974, 0.0974),
 }
 
@@ -184,7 +189,7 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1196, abs=5e-4)
+    assert mae == pytest.approx(0.1192, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -199,8 +204,8 @@ def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
     assert kinds["dense"]["mean_absolute_error"] < 0.10 < kinds["moe"]["mean_absolute_error"]
 
 
-def test_twelve_sources_and_seven_gpu_families():
-    assert len(SOURCES) == 12 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
+def test_thirteen_sources_and_seven_gpu_families():
+    assert len(SOURCES) == 13 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
                                                                    "gb300"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
@@ -217,7 +222,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0964, abs=5e-4)
+    assert held_out == pytest.approx(0.0979, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -243,11 +248,12 @@ def test_published_numbers_are_the_sources():
     assert [by_name[n].published for n in EXPECTED if "(torchtitan T" in n] == [5762, 6667, 8532, 5605, 6514, 8380, 829]
     assert [by_name[n].published for n in EXPECTED if "asyncTP" in n] == [597.3, 652.4, 809.8, 942.4,
                                                                              4378, 4809.4, 5078.1, 5570.1]
-    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge" in n] == [
+    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge 25.11" in n] == [
         14451, 1602, 292, 30624, 29521, 661, 624,
         # the 25.11 table's GB300, GB200, B200 and H100 rows of MoE models and racks (tokens/s/GPU)
         37556, 36108, 4520, 999, 3848, 4357, 18347, 28934, 6131, 31508, 29789, 4312, 813, 3139, 4018, 15876, 23766,
         4916, 2139, 8213, 9299, 3269, 5630, 5275, 1575]
+    assert [by_name[n].published for n in EXPECTED if "Megatron-Bridge 26.04.01" in n] == [7296, 4864, 1440, 1184]
     assert [by_name[n].published for n in EXPECTED if "(NeMo 25.0" in n] == [1600, 26006, 3062, 625, 15457, 2232,
                                                                               1804, 33099, 4035, 665, 19275, 2731]
     # Table 1's model sizes follow from the shapes (the paper rounds: 1.65B is printed as 1.7)

@@ -12,7 +12,7 @@ from dtlib.analytic import hardware, presets
 from dtlib.plan import published as data
 from dtlib.plan.published import (INCLUDE_DEEPSEEK_V3, INCLUDE_PENDING, LAYOUT_KEYS, METRIC_UNITS, PUBLISHED,
                                   SOURCES, STACKS, deepseek_v3_runs, pending_runs)
-from dtlib.plan.steptime import resolve
+from dtlib.plan.steptime import DTYPES, resolve
 from dtlib.plan.validation import _options, _prediction, error_grid, ignored, predict
 
 
@@ -22,7 +22,7 @@ def test_every_row_has_a_link_a_source_a_metric_and_a_unit():
         assert run.source in SOURCES and run.source, run.name
         assert run.metric in METRIC_UNITS and run.unit == METRIC_UNITS[run.metric] and run.published > 0, run.name
         assert run.stack in STACKS and set(run.layout) <= set(LAYOUT_KEYS), run.name
-        assert run.dtype in ("bf16", "fp8") and (run.fp8_recipe == "" or run.dtype == "fp8"), run.name
+        assert run.dtype in DTYPES and (run.fp8_recipe == "" or run.dtype == "fp8"), run.name
         if {"dp", "tp", "pp", "cp"} <= set(run.layout):  # a full layout multiplies to the GPU count
             lay = run.layout
             assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == run.cluster.world_size, run.name
@@ -45,16 +45,16 @@ def test_no_row_is_there_twice():
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs across A100, H100, H200, B200 and GB200 (and GB300),
     BF16 and FP8, dense and MoE, the four stacks."""
-    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 119 and len(SOURCES) == 12
+    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 123 and len(SOURCES) == 13
     assert Counter(r.source for r in PUBLISHED) == {
         "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
         "Megatron-Bridge": 32, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
-        "BLOOM 2022": 1, "DeepSeek-V3 2024": 1}
-    assert Counter(r.family for r in PUBLISHED) == {"h100": 55, "a100": 23, "b200": 14, "gb200": 15, "gb300": 9,
+        "BLOOM 2022": 1, "DeepSeek-V3 2024": 1, "Megatron-Bridge NVFP4": 4}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 55, "a100": 23, "b200": 14, "gb200": 17, "gb300": 11,
                                                     "h200": 2, "h800": 1}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 66}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 77, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
-    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 89, "hardware_tflops_per_gpu": 14,
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 66, "nvfp4": 4}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 81, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 93, "hardware_tflops_per_gpu": 14,
                                                     "step_time_s": 4, "model_tflops_per_gpu": 12}
     assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {
         "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 6, "gpt-oss-120b": 4, "qwen3-30b-a3b": 4,
@@ -73,6 +73,8 @@ def test_published_numbers_are_the_new_sources():
     assert [r.published for r in by_source["MosaicML llm-foundry"]] == [
         1007, 1058, 2199, 5080, 10475, 23422, 44123, 4792, 6935, 12025, 27965, 30586, 32010, 410, 916, 2262, 4641,
         20513]
+    assert [r.published for r in by_source["Megatron-Bridge NVFP4"]] == [7296, 4864, 1440, 1184]
+    assert {r.dtype for r in by_source["Megatron-Bridge NVFP4"]} == {"nvfp4"}
     mx = [r.published for r in by_source["Megatron-Bridge"] if r.fp8_recipe == "mxfp8"]
     assert mx == [29521, 624, 36108, 4357, 28934, 29789, 4018, 23766, 2139, 9299, 3269]
 

@@ -142,3 +142,21 @@ def test_checkpoint_widget_opens_on_the_lessons_mtbf():
     from dtlib.widgets.resilience import checkpoint_interval_explorer
 
     assert checkpoint_interval_explorer().controls["gpu_mtbf_hours"].value == LLAMA3_GPU_MTBF_HOURS
+
+
+def test_memory_calculator_offers_only_valid_tensor_parallel_sizes():
+    """Lesson 3's TP dropdown offered 16, invalid for every model listed (8 KV heads): each offered
+    size is valid for some model, and 16 is invalid for all of them."""
+    from dtlib.widgets.memory import calculator_compute, memory_calculator
+
+    explorer = memory_calculator()
+    settings = dict(explorer.values())
+    valid = {}
+    for tp in (*explorer.controls["tp"].options, 16):
+        for model in explorer.controls["model"].options:
+            try:
+                calculator_compute(**dict(settings, tp=tp, model=model, dp=1))
+                valid[tp] = True
+            except ValueError:
+                valid.setdefault(tp, False)
+    assert valid == {1: True, 2: True, 4: True, 8: True, 16: False}

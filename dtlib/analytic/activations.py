@@ -30,6 +30,12 @@ def _where(cond: Any, a: Any, b: Any) -> Any:
     return np.where(cond, a, b) if isinstance(cond, np.ndarray) else (a if cond else b)
 
 
+def _cached_input(fp8_inputs: Any, act: Any) -> Any:
+    """Bytes per element of a GEMM input as Transformer Engine caches it for backward: ``fp8_inputs``
+    True (FP8, 1 byte) or a number (the bytes of the quantized copy: NVFP4's 9/16); False/0: ``act``."""
+    return _where(fp8_inputs, 1.0 * fp8_inputs, act)
+
+
 def layer_bytes(seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any, ffn: Any,
                 tp: Any = 1, cp: Any = 1, sequence_parallel: Any = False, recompute: str = "none",
                 swiglu: Any = False, dropout: Any = True, act_bytes: Any = 2, mask_bytes: Any = 1,
@@ -236,7 +242,7 @@ def recompute_module_bytes(module: str, *, recompute: str = "none", flash_attent
     sb = s * b
     sbh = sb * h
     sp = _where(shape.get("sequence_parallel", False), tp, 1)
-    low = _where(fp8_inputs, 1, act)           # a GEMM input as Transformer Engine caches it
+    low = _cached_input(fp8_inputs, act)       # a GEMM input as Transformer Engine caches it
     experts, heads = shape.get("experts", 0), shape["heads"]
     moe = experts > 0
     mla = shape.get("kv_lora_rank", 0) > 0
@@ -282,7 +288,9 @@ def stored_layer_bytes(recompute: str, *, flash_attention: Any = True, fused_swi
     PyTorch's gate, silu(gate), up and their product (4). ``fp8_inputs``: Transformer Engine's FP8
     linears save their input quantized (``module/linear.py``, ``_Linear.forward``: "Cached input
     tensor", only the column-wise FP8 data kept for the weight-gradient GEMM), so the inputs of
-    the QKV, projection, FC1 and FC2 GEMMs take 1 byte per element instead of ``act_bytes``.
+    the QKV, projection, FC1 and FC2 GEMMs take 1 byte per element instead of ``act_bytes``; a number
+    instead of True is the bytes per element of the cached copy (NVFP4: the same ``_Linear`` caches the
+    column-wise NVFP4 data, 9/16 byte, :data:`dtlib.analytic.precision.NVFP4_BYTES`).
     Shared experts (``SharedExpertMLP``, the same fused SwiGLU and TE linears) count as routed
     copies do for both, except their FC1 input, which is the norm output counted once.
     ``recompute_modules``: Megatron-Core's selective-recompute submodules, whose tensors the layer
@@ -316,7 +324,7 @@ def _kept(recompute: str, *, flash_attention: Any, fused_swiglu: Any, fp8_inputs
     ffn_tensor = mlps * act * s * b * ffn / tp
     kept = kept - _where(fused_swiglu & np.asarray(shape.get("swiglu", False), bool), ffn_tensor, 0)
     gemm_inputs = s * b * h / sp + s * b * h / tp + routed * s * b * h / sp + mlps * s * b * ffn / tp
-    return kept - _where(fp8_inputs, (act - 1) * gemm_inputs, 0)
+    return kept - _where(fp8_inputs, (act - _cached_input(fp8_inputs, act)) * gemm_inputs, 0)
 
 
 def activation_breakdown(*, seq: Any, micro_batch_size: Any, hidden: Any, heads: Any, kv_heads: Any,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
-from dtlib.analytic.hardware import Accelerator, get_gpu
+from dtlib.analytic.hardware import Accelerator, get_gpu, matmul_peak
 from dtlib.analytic.config import TransformerConfig, attention_params
 from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
 
@@ -183,13 +183,14 @@ def six_n_flops_per_token(params: float) -> float:
 def utilization(flops_per_step: Any, step_time: Any, gpus: Any, gpu: "str | Accelerator",
                 dtype: str = "bf16") -> Any:
     """``flops / (step_time * gpus * peak)``: MFU with model FLOPs, HFU with hardware FLOPs
-    (Chowdhery et al. 2022, App. B). The peak is the catalogue's dense ``dtype`` peak.
+    (Chowdhery et al. 2022, App. B). The peak is the catalogue's dense ``dtype`` peak
+    (:func:`dtlib.analytic.hardware.matmul_peak`: ``nvfp4`` is the FP4 peak of a Blackwell GPU).
     Scalars or arrays; FLOPs must be finite and >= 0, ``step_time`` > 0, ``gpus`` integers >= 1."""
     validate.array("flops_per_step", flops_per_step, integer=False, minimum=0)
     validate.array("step_time", step_time, integer=False, minimum=0, exclusive=True)
     validate.array("gpus", gpus, integer=True, minimum=1, exclusive=False)
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    return flops_per_step / (step_time * gpus * acc.peak(dtype))
+    return flops_per_step / (step_time * gpus * matmul_peak(acc, dtype))
 
 
 def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
@@ -234,7 +235,7 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         name = f"{model:.4g} parameters"
         counts = {"parameters": model, "active_parameters": model}
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    peak = acc.peak(dtype)
+    peak = matmul_peak(acc, dtype)  # a COMPUTE_DTYPES name, or nvfp4: the FP4 peak of an NVFP4 GPU
     out = {"model": name, **counts, "tokens_per_step": tokens,
            "flops_per_token": 3 * f["forward_per_token"] - f.get("frozen_per_token", 0),
            "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],

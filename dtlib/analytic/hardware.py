@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
-__all__ = ["Accelerator", "FLOPS_PER_EXP", "Link", "Cluster", "System", "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES",
-           "get_gpu", "get_link", "get_system", "add_accelerator", "cluster", "catalogue_name", "replace_nodes"]
+__all__ = ["Accelerator", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
+           "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
+           "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 T = TFLOPS
@@ -121,6 +122,17 @@ _MI355X = ("AMD Instinct MI355X data sheet (2025), dense matrix: FP16/BF16 2,516
            "(the 'up to 10 PFLOPS FP4 / 20.1 with sparsity' of The Register and Tom's Hardware, 2025), FP32 "
            "157.3 TFLOPS vector; 288 GB HBM3E at 8 TB/s, 1,400 W; 256 CUs = 8 XCDs x 32 (AMD at ISSCC 2026); no "
            "TF32 peak listed for CDNA 4 (None); the exact TFLOPS digits were not confirmed from a text read here")
+# MI350X: the MI355X die (CDNA 4, 256 CUs, 288 GB HBM3E at 8 TB/s), air-cooled at 1,000 W with a 2.2 GHz peak
+# engine clock against the MI355X's 1,400 W and 2.4 GHz (AMD at Hot Chips 2025, as reported by Wccftech, "AMD's
+# Instinct MI350 ... Hot Chips 2025", 2025-08-26). Same CUs doing the same operations per clock: its dense peaks
+# are the MI355X's x 2.2 / 2.4 (FP16/BF16 2,306.9, FP8 4,613.8, FP4 9,227.4, FP32 vector 144.2 TFLOPS), which the
+# 8-GPU MI350X platform's 18.5 / 37 / 74 PFLOPS FP16 / FP8 / FP4 (kontronn.com, "AMD unveils new Instinct MI350",
+# 2025) / 8 confirm to 0.3%, as does "4.61 PFLOPS FP16 with sparsity" in gangliao.me's table ("AMD GPU
+# architecture deep dive", 2026: MI350X 256 CUs, 288 GB, 8 TB/s, 1000 W). AMD's data sheet itself not read here.
+MI350X_CLOCK_RATIO = 2.2 / 2.4
+_MI350X = ("AMD Instinct MI350X (2025): the MI355X's dense peaks x 2.2 / 2.4 GHz (Hot Chips 2025), agreeing with "
+           "the 8-GPU platform's 18.5 / 37 / 74 PFLOPS FP16 / FP8 / FP4 / 8 to 0.3%; 288 GB HBM3E at 8 TB/s, 1,000 W "
+           "TBP, 256 CUs; AMD's data sheet itself not read here (docs/hardware.md)")
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400, arch="ampere"),
     _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400, arch="ampere"),
@@ -143,6 +155,8 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     # probably are not, so Hopper's ratio does not hold, and no figure of its own was found
     _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
     _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
+    _acc("mi350x", *(x and x * MI350X_CLOCK_RATIO for x in (157.3, None, 2516.6, 2516.6, 5033.2)), 288, 8.0, _MI350X,
+         256, 1000, fp4=10066.3 * MI350X_CLOCK_RATIO),
 ]}
 
 _NCCL_LAT = "latency: NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol"
@@ -153,8 +167,8 @@ LINKS: dict[str, Link] = {l.name: l for l in [
     Link("nvlink-h800", 200e9, 3.4e-6, "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional (secondary sources; "
          "NVIDIA's datasheet not read here); " + _NCCL_LAT),
     Link("infinity-fabric-4", 76.8e9, 3.4e-6,
-         "AMD MI355X data sheet (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per peer of 8 -> "
-         "76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
+         "AMD MI355X / MI350X data sheets (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per "
+         "peer of 8 -> 76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
     Link("infinity-fabric", 64e9, 3.4e-6,
          "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; NCCL NVLink latency as proxy"),
     Link("pcie4", 32e9, 5.7e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b ~ 31.5 GB/s per direction; " + _NCCL_LAT),
@@ -164,6 +178,28 @@ LINKS: dict[str, Link] = {l.name: l for l in [
     Link("ib-xdr", 100e9, 14e-6, "NVIDIA ConnectX-8 XDR InfiniBand: 800 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
     Link("roce-400g", 50e9, 14e-6, "400 GbE RoCEv2 NIC (e.g. ConnectX-7 Ethernet): 400 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
 ]}
+
+
+# NVFP4 (E2M1 elements, an E4M3 scale per 16, an FP32 scale per tensor) is NVIDIA's format: Blackwell's tensor
+# cores run it at the FP4 rate (NVIDIA 2025, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149,
+# Table 1; Transformer Engine's NVFP4BlockScaling recipe: "Blackwell and later (SM 10.0+)"). CDNA 4's FP4
+# (MI355X, MI350X) is OCP MXFP4 (32-element blocks, E8M0 scales), which TE's NVFP4 recipe does not run.
+NVFP4_GPUS = ("b200", "gb200", "b300", "gb300")
+# the matmul precisions of training (dtlib.plan.steptime.DTYPES) -> the catalogue peak their GEMMs run at
+MATMUL_DTYPES = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "fp4"}
+
+
+def matmul_peak(gpu: Accelerator, dtype: str) -> float:
+    """Dense peak FLOP/s of ``gpu``'s GEMMs in ``dtype``: a :data:`COMPUTE_DTYPES` name, or ``nvfp4``
+    (the FP4 peak, on the :data:`NVFP4_GPUS` only: else an error naming ``--precision``)."""
+    if dtype != "nvfp4":
+        return gpu.peak(dtype)
+    if gpu.name not in NVFP4_GPUS or not gpu.peaks.get("fp4"):
+        fp4 = " (its FP4 is MXFP4, not NVFP4)" if gpu.peaks.get("fp4") else ""
+        raise validate.InvalidArgument(
+            "precision", f"bf16{' or fp8' if gpu.peaks.get('fp8') else ''} on {gpu.name}{fp4}: nvfp4 needs "
+                         f"NVIDIA Blackwell FP4 tensor cores ({', '.join(NVFP4_GPUS)})", dtype)
+    return gpu.peak("fp4")
 
 
 def _lookup(kind: str, table: dict, name: str):
@@ -184,7 +220,7 @@ def get_gpu(name: str) -> Accelerator:
 _DEVICE_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h800", "h800"),
                  ("h20", "h20"), ("gb200", "gb200"), ("gb300", "gb300"), ("b200", "b200"), ("b300", "b300"),
                  ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
-                 ("mi300x", "mi300x"), ("mi355x", "mi355x"))
+                 ("mi300x", "mi300x"), ("mi355x", "mi355x"), ("mi350x", "mi350x"))
 
 
 def catalogue_name(device_name: str) -> str | None:
@@ -238,7 +274,8 @@ class Cluster:
 # the usual scale-up link of each part
 _DEFAULT_INTRA = {"a100-40gb": "nvlink3", "a100-80gb": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4", "h800": "nvlink-h800",
                   "h20": "nvlink4", "gb200": "nvlink5", "gb300": "nvlink5", "b200": "nvlink5", "b300": "nvlink5",
-                  "mi300x": "infinity-fabric", "mi355x": "infinity-fabric-4", "h100-pcie": "pcie5"}
+                  "mi300x": "infinity-fabric", "mi355x": "infinity-fabric-4", "mi350x": "infinity-fabric-4",
+                  "h100-pcie": "pcie5"}
 
 
 @dataclass(frozen=True)

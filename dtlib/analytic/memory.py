@@ -33,7 +33,7 @@ from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targ
 from dtlib.analytic.presets import Training, activation_convention, get_preset
 from dtlib.analytic.layout import Parallelism, check_layout
 from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers, stored_on_rank
-from dtlib.analytic.precision import Precision, get_precision
+from dtlib.analytic.precision import NVFP4_BYTES, OPERAND_BYTES, Precision, get_precision
 from dtlib.analytic.stacks import Stack, get_stack
 
 # the model keys activation_breakdown averages its layers over (TransformerConfig.numbers)
@@ -188,11 +188,12 @@ def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size,
 
 def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none",
                   schedule: str = "1f1b", offload: str = "none", dropout: bool = False,
-                  flash_attention: bool = True, fused_swiglu: bool = False, fp8_inputs: bool = False,
+                  flash_attention: bool = True, fused_swiglu: bool = False, fp8_inputs: Any = False,
                   recompute_layers: int | None = None, account_for_embedding_and_loss: bool = False,
                   activation_offload_layers: int | None = None, recompute_modules: tuple[str, ...] = (),
                   mask_bytes: float = 1, logits_bytes: float = 4, norm_saved: float = 1,
-                  overhead_bytes: Any = 0.0, ranks: list[int] | None = None) -> dict[str, Any]:
+                  overhead_bytes: Any = 0.0, ranks: list[int] | None = None,
+                  weight_copy_bytes: Any = 0.0) -> dict[str, Any]:
     """The shared core (scalars or arrays): bytes on the most loaded GPU, by component, and its
     pipeline ``stage``; ``ranks``: the pipeline ranks to evaluate (default: those that can be the
     most loaded, :func:`dtlib.analytic.stages.candidate_ranks`).
@@ -204,7 +205,9 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
     ``account_for_embedding_and_loss``, ``activation_offload_layers``, ``recompute_modules``) are
     :class:`~dtlib.analytic.layout.Parallelism`'s; the
     activation conventions (``dropout``, ``flash_attention``, ``fused_swiglu``, ``fp8_inputs``)
-    are :func:`dtlib.analytic.activations.stored_layer_bytes`'s.
+    are :func:`dtlib.analytic.activations.stored_layer_bytes`'s. ``weight_copy_bytes``: bytes per
+    transformer-layer parameter of the quantized weight copies the linear layers keep through the step
+    (:func:`memory_options`), counted in ``temporary``.
     """
     shaped = n.get("hidden") is not None
     balanced = account_for_embedding_and_loss
@@ -234,10 +237,13 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                                                                   "moe_layers": t["held.moe_layers"],
                                                                   "mtp": t["held.mtp"]})
                   for t in table]
+        for p, t in zip(params, table):  # the transformer layers' weights: what NVFP4 keeps quantized copies of
+            p["layers"] = ((t["held.layers"] - t["held.moe_layers"]) * blocks["dense_layer"]
+                           + t["held.moe_layers"] * (blocks["moe_dense"] + blocks["expert_layer"]))
     else:
         ranks = [0 * n["pp"]]
         dense = n["params"] / (n["tp"] * n["pp"])
-        params = [{"dense": dense, "expert": 0 * dense, "unit": 0 * dense}]
+        params = [{"dense": dense, "expert": 0 * dense, "unit": 0 * dense, "layers": dense}]
     if n.get("largest_layer") is not None:  # a whole layer; each TP rank gathers its 1/tp of it
         for p in params:
             p["unit"] = n["largest_layer"] / n["tp"] + 0 * p["dense"]
@@ -248,6 +254,8 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                                adapter=p.get("adapter", 0), expert_adapter=p.get("expert_adapter", 0),
                                frozen=np.asarray(n.get("lora_rank", 0)) > 0)
         st["activations"] = act[i]["total"] if shaped else None
+        # quantized weight copies kept through the step: of the rank's layers, of one gathered unit with ZeRO-3
+        st["temporary"] = st["temporary"] + weight_copy_bytes * np.where(n["zero"] == 3, p["unit"], p["layers"])
         if shaped:
             st["cpu"] = st["cpu"] + act[i].pop("cpu")
         st["overhead"] = overhead_bytes + 0 * st["parameters"]
@@ -343,7 +351,7 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
     cfg = resolve_model(model)
     finetune = resolve_finetune(finetune, isinstance(cfg, TransformerConfig))
     chosen_stack = get_stack(stack)
-    validate.one_of("dtype", dtype, ("bf16", "fp8"))
+    validate.one_of("dtype", dtype, tuple(OPERAND_BYTES))
     counted, assumed = activation_convention(convention, flash_attention, dropout)
     if seq is not None:
         validate.integer("seq", seq)
@@ -392,11 +400,21 @@ def memory_per_gpu(model: "TransformerConfig | str | float", layout: Parallelism
         cpu=float(r["cpu"]), stage=int(r["stage"]), activation_detail=detail, gpu=acc, notes=notes)
 
 
-def memory_options(counted: Training, stack: "Stack", dtype: str = "bf16") -> dict[str, bool]:
+def memory_options(counted: Training, stack: "Stack", dtype: str = "bf16") -> dict[str, Any]:
     """:func:`per_gpu_bytes`'s activation conventions for an activation convention, a stack and
-    the matmul dtype (what ``dtlib memory`` and ``dtlib plan`` both pass)."""
+    the matmul dtype (what ``dtlib memory`` and ``dtlib plan`` both pass).
+
+    NVFP4 (Transformer Engine, the stacks that save quantized inputs): the linear layers cache their
+    inputs as column-wise NVFP4 (:data:`~dtlib.analytic.precision.NVFP4_BYTES` per element) and their
+    weights quantized once per step for every micro-batch, row-wise and column-wise (2 x 9/16 byte per
+    parameter, 2D 16 x 16 blocks; NVIDIA 2025, arXiv:2509.25149, Sec. 4.3), beside the BF16 working
+    weights. All transformer layers are counted, also ones kept in BF16 (``bf16_layers``: an upper
+    bound). FP8's weight copies are not counted (its model predates this one)."""
+    nvfp4 = dtype == "nvfp4" and stack.fp8_saves_inputs
+    cached = NVFP4_BYTES if nvfp4 else dtype == "fp8" and stack.fp8_saves_inputs
     return {"dropout": counted.dropout, "flash_attention": counted.flash_attention,
-            "fused_swiglu": stack.fused_swiglu, "fp8_inputs": dtype == "fp8" and stack.fp8_saves_inputs}
+            "fused_swiglu": stack.fused_swiglu, "fp8_inputs": cached,
+            "weight_copy_bytes": 2 * NVFP4_BYTES if nvfp4 else 0.0}
 
 
 def stack_storage(stack: "Stack", dtype: str = "bf16") -> str:
@@ -404,4 +422,7 @@ def stack_storage(stack: "Stack", dtype: str = "bf16") -> str:
     kept = ["fused SwiGLU keeps its input only" if stack.fused_swiglu else "SwiGLU tensors as eager PyTorch"]
     if dtype == "fp8":
         kept.append("FP8 copies of GEMM inputs" if stack.fp8_saves_inputs else "BF16 GEMM inputs under FP8")
+    if dtype == "nvfp4":
+        kept.append("NVFP4 copies of GEMM inputs and of the layers' weights (2 x 9/16 byte/param, in temporary)"
+                    if stack.fp8_saves_inputs else "BF16 GEMM inputs under NVFP4")
     return ", ".join(kept)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from dtlib.analytic import validate
 
-__all__ = ["Precision", "precision", "get_precision", "CONVENTIONS", "PRECISIONS", "OPTIMIZERS"]
+__all__ = ["Precision", "precision", "get_precision", "CONVENTIONS", "PRECISIONS", "OPTIMIZERS", "NVFP4_BLOCK",
+           "NVFP4_BYTES", "OPERAND_BYTES"]
 
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit")
@@ -30,6 +31,16 @@ _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # bytes of optimizer state per parameter: Adam keeps m and v in fp32 (Kingma & Ba 2015);
 # 8-bit Adam keeps both in one byte (Dettmers et al. 2022; per-block absmax ignored, < 0.2%).
 _STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adam-8bit": 2}
+
+
+# NVFP4 (NVIDIA 2025, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, Sec. 2; Transformer
+# Engine docs, "NVFP4"): 4-bit E2M1 elements packed two per byte, one E4M3 scale per block of 16 consecutive
+# elements (2D 16 x 16 blocks for weights, their scale replicated per 1 x 16 block as the tensor cores read it,
+# Sec. 4.3), one FP32 scale per tensor (4 bytes: not counted)
+NVFP4_BLOCK = 16
+NVFP4_BYTES = 0.5 + 1 / NVFP4_BLOCK
+# bytes of one GEMM operand element as the tensor cores read it, per matmul precision (dtlib.plan.steptime.DTYPES)
+OPERAND_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": NVFP4_BYTES}
 
 
 @dataclass(frozen=True)

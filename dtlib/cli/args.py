@@ -152,7 +152,7 @@ def finetune_from_args(args: argparse.Namespace) -> FineTuning:
 # One precision vocabulary for every subcommand (memory, comm, plan): the training precision,
 # mixed for 16 bits (16-bit weights and activations, fp32 master weights), as PyTorch Lightning's
 # "bf16-mixed" means. The long spellings memory used to take stay accepted.
-PRECISION_NAMES = ("bf16", "fp16", "fp32", "fp8")
+PRECISION_NAMES = ("bf16", "fp16", "fp32", "fp8", "nvfp4")
 PRECISION_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 PRECISION_HELP = "bf16 and fp16 are mixed precision with fp32 master weights; bf16-mixed, fp16-mixed: old spellings"
 
@@ -181,10 +181,11 @@ def precision_args(p: argparse.ArgumentParser, activations: bool = False) -> Non
     else:
         g.add_argument("--convention", choices=tuple(CONVENTIONS), action="append", metavar="NAME",
                        help=f"a precision convention (overrides the above): {', '.join(CONVENTIONS)}")
-    names = ("bf16", "fp16", "fp32", "fp8") if activations else ("bf16", "fp16", "fp32")
+    names = ("bf16", "fp16", "fp32", "fp8", "nvfp4") if activations else ("bf16", "fp16", "fp32")
     g.add_argument("--precision", type=precision_choice(names), default=None, metavar="{" + ",".join(names) + "}",
-                   help=PRECISION_HELP + ("; fp8: bf16 mixed precision with FP8 matmuls (what the stack "
-                                          "then stores); default: the --stack's precision convention"
+                   help=PRECISION_HELP + ("; fp8 / nvfp4: bf16 mixed precision with FP8 / NVFP4 matmuls (what "
+                                          "the stack then stores; nvfp4 needs a Blackwell --gpu); default: the "
+                                          "--stack's precision convention"
                                           if activations else "; default bf16"))
     g.add_argument("--grad-dtype", choices=("bf16", "fp16", "fp32"))
     g.add_argument("--optimizer", choices=OPTIMIZERS)
@@ -396,17 +397,18 @@ def conventions_from_args(args: argparse.Namespace) -> tuple[str | None, str | N
 
 def precision_from_args(args: argparse.Namespace):
     """The precision convention of ``--convention``, or of ``--precision``/``--grad-dtype``/
-    ``--optimizer``/``--fp32-grad-copy``; bf16 (or fp8) and none of the others: the ``--stack``'s
+    ``--optimizer``/``--fp32-grad-copy``; bf16 (or fp8, nvfp4) and none of the others: the ``--stack``'s
     (as ``dtlib plan``; ``dtlib comm`` has no stack: bf16 mixed precision with bf16 gradients)."""
     named = conventions_from_args(args)[1]
     if named:
         return get_precision(named)
     # bf16 (or fp8 matmuls) on this stack: the stack's convention, as dtlib plan counts it
-    if args.precision in (None, "bf16", "fp8") and args.grad_dtype is None and args.optimizer is None \
+    if args.precision in (None, "bf16", "fp8", "nvfp4") and args.grad_dtype is None and args.optimizer is None \
             and not args.fp32_grad_copy:
         # dtlib memory has --stack; dtlib comm keeps bf16 mixed precision
         return get_precision(STACKS[args.stack].precision if hasattr(args, "stack") else "bf16-mixed")
-    dtype = "bf16" if args.precision in (None, "fp8") else args.precision  # fp8 matmuls: bf16 mixed weights
+    # fp8 / nvfp4 matmuls: bf16 mixed weights
+    dtype = "bf16" if args.precision in (None, "fp8", "nvfp4") else args.precision
     recipe = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "fp32": "fp32"}[dtype]  # PRECISIONS' spelling
     return precision(recipe, args.grad_dtype, args.optimizer or "adam", args.fp32_grad_copy)
 

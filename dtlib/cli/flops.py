@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from dtlib.analytic.flops import ATTENTION, flops_report
+from dtlib.analytic.hardware import COMPUTE_DTYPES
 from dtlib.cli.args import (checked_layout, emit, finetune_args, finetune_from_args, layout_args, model_args,
                             model_from_args, positive_int, seconds, table, training_defaults)
 
@@ -19,7 +20,8 @@ def add_flops_command(sub: Any) -> None:
     p.add_argument("--step-time", type=seconds, help="measured seconds per step (gives MFU/HFU)")
     p.add_argument("--attention-flops", choices=ATTENTION, default="full")
     p.add_argument("--no-logits", action="store_true", help="leave out the vocabulary projection")
-    p.add_argument("--dtype", default="bf16", help="peak to compare with: fp32, tf32, bf16, fp16, fp8")
+    p.add_argument("--dtype", "--precision", dest="dtype", choices=COMPUTE_DTYPES + ("nvfp4",), default="bf16",
+                   help="peak to compare with (nvfp4: the FP4 peak of a Blackwell GPU, NVIDIA's NVFP4 recipe)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_flops)
 

@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.hardware import get_gpu, matmul_peak
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.cli.args import (checked_layout, conventions_from_args, emit, finetune_args, finetune_from_args,
                             format_gib, layout_args, model_args, model_from_args, parse_count, parse_size, precision_args, precision_from_args,
@@ -22,7 +23,8 @@ for every model: FlashAttention-style attention, which never stores the s x s sc
 footprint of their selective recompute), and no dropout. --convention korthikanti-2022 restores
 the paper's GPT counting (explicit attention storing the scores, dropout masks everywhere);
 --no-flash-attention and --dropout change one of the two. --stack says what the framework's
-kernels store (dtlib.analytic.stacks: fused SwiGLU, FP8 copies of GEMM inputs with --precision fp8)
+kernels store (dtlib.analytic.stacks: fused SwiGLU, FP8 copies of GEMM inputs with --precision fp8;
+NVFP4 copies of GEMM inputs and of the layers' weights with --precision nvfp4)
 and, unless --precision/--convention say otherwise, its bytes per parameter: the same counting as
 dtlib plan. The output says what was assumed.
 """
@@ -43,11 +45,14 @@ def add_memory_command(sub: Any) -> None:
 
 def run_memory(args: argparse.Namespace) -> int:
     model = model_from_args(args)
+    matmuls = args.precision if args.precision in ("fp8", "nvfp4") else "bf16"
+    if matmuls == "nvfp4":
+        matmul_peak(get_gpu(args.gpu), matmuls)  # a GPU without NVFP4 tensor cores says so here
     layout = checked_layout(args, model)
     m = memory_per_gpu(model, layout, precision=precision_from_args(args), gpu=args.gpu,
                        gpus=args.gpus, seq=args.seq, dropout=args.dropout, flash_attention=args.flash_attention,
                        convention=conventions_from_args(args)[0], stack=args.stack,
-                       dtype="fp8" if args.precision == "fp8" else "bf16",
+                       dtype=matmuls,
                        largest_layer_params=args.largest_layer, overhead_bytes=args.overhead,
                        finetune=finetune_from_args(args))
     if layout.zero == 3 and not isinstance(model, TransformerConfig) and args.largest_layer is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import ATTENTION
-from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link
+from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link, matmul_peak
 from dtlib.analytic.layout import RECOMPUTE_OPTIONS
 from dtlib.analytic.memory import stack_storage
 from dtlib.analytic.precision import get_precision
@@ -24,7 +24,8 @@ from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.stacks import FP8_RECIPES
 from dtlib.analytic.units import GiB
 from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, finetune_args,
-                            finetune_from_args, gpu_name, model_args, model_from_args, parse_count, positive_int, precision_choice,
+                            finetune_from_args, gpu_name, model_args, model_from_args, non_negative_int, parse_count,
+                            positive_int, precision_choice,
                             recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
 from dtlib.plan.gemm import clock_scale
@@ -79,7 +80,11 @@ def add_plan_command(sub: Any) -> None:
     b.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
     b.add_argument("--precision", type=precision_choice(DTYPES), default="bf16",
                    metavar="{" + ",".join(DTYPES) + "}",
-                   help="matmul precision; with fp8 attention and the LM head stay in bf16; " + PRECISION_HELP)
+                   help="matmul precision of the linear layers; attention and the LM head stay in bf16; nvfp4: "
+                        "NVIDIA's NVFP4 recipe at the FP4 peak (Blackwell GPUs); " + PRECISION_HELP)
+    b.add_argument("--bf16-layers", type=non_negative_int, default=0, metavar="N",
+                   help="with fp8 or nvfp4: transformer layers kept in BF16 (Megatron --first-last-layers-bf16, "
+                        "start + end layers; default 0 as Megatron's)")
     b.add_argument("--attention-flops", choices=ATTENTION, default="full")
     g = p.add_argument_group("layout (each pins the search; all of them = one configuration)")
     for name in ("tp", "pp", "dp", "cp", "ep", "virtual-stages"):
@@ -235,6 +240,12 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON document of ``dtlib plan`` (see the module docstring)."""
 
     check_emit_options(args.emit, args.emit_dir, args.rehearse)
+    if args.rehearse and args.precision == "nvfp4":  # the CPU rehearsal has no NVFP4 kernels
+        raise ValueError("--rehearse runs the emitted layout on CPU ranks, which have no NVFP4 kernels; "
+                         "rehearse the --precision bf16 plan of the same layout")
+    if args.bf16_layers and args.precision not in ("fp8", "nvfp4"):
+        raise ValueError(f"--bf16-layers keeps layers in BF16 under --precision fp8 or nvfp4; with "
+                         f"--precision {args.precision} every layer is already {args.precision}")
     model = model_from_args(args)
     if not isinstance(model, TransformerConfig):
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
@@ -264,8 +275,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
-                          fp8_recipe=args.fp8_recipe, **moe)
-    cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
+                          fp8_recipe=args.fp8_recipe, bf16_layers=args.bf16_layers, **moe)
+    matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
                                            "activation_offload_layers", "recompute_modules", "first_stage_layers",
@@ -345,6 +356,7 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
     return {"stack": stack.name, "tp_overlap": filled.tp_overlap, "cp_overlap": filled.cp_overlap,
             "ep_overlap": filled.ep_overlap, "moe_imbalance": filled.moe_imbalance,
             "fp8_recipe": filled.fp8_recipe if filled.dtype == "fp8" else None,
+            "bf16_layers": filled.bf16_layers if filled.dtype != "bf16" else None,
             "dp_overlap": filled.dp_overlap if filled.dp_overlap is not None
             else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
             "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
@@ -377,7 +389,8 @@ def _text(d: dict[str, Any]) -> str:
     matmuls = f"{d['precision']} (timed as measured in {calibrated['dtype']})" if calibrated else d["precision"]
     lines = [f"{d['model']} ({d['parameters'] / 1e9:.2f}B) on {d['gpus']} x {d['gpu']}{system}, "
              f"{d['gpus_per_node']} per {domain} ({d['intra_link']}; {d['inter_link']} across), global batch "
-             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {matmuls} matmuls, stack "
+             f"{d['global_batch']} sequences of {d['seq']:,} tokens, {matmuls} matmuls"
+             f"{f' ({bf16} layers in bf16)' if (bf16 := a['bf16_layers']) else ''}, stack "
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "

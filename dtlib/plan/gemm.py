@@ -32,6 +32,19 @@ take only K-major operands; Transformer Engine FP8 documentation, "FP8 on Hopper
 :data:`FP8_CAST_BYTES` = 2 + 2 + 1 + 1 bytes per element of each activation, weight and output
 gradient, memory-bound at the HBM bandwidth.
 
+NVFP4 (NVIDIA's recipe, NVIDIA 2025, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149,
+Sec. 4, Fig. 5; Transformer Engine's ``NVFP4BlockScaling``): the fprop, dgrad and wgrad GEMMs of every
+linear layer read NVFP4 operands (:data:`dtlib.analytic.precision.NVFP4_BYTES` per element) at the FP4
+peak (:func:`dtlib.analytic.hardware.matmul_peak`); attention's batched GEMMs, the embedding and the
+output layer stay BF16, and so do the ``bf16_layers`` transformer layers Megatron keeps in BF16
+(``--first-last-layers-bf16``; default none, as Megatron-LM and Megatron-Bridge's performance recipes).
+Each operand is quantized like an FP8 one, with the global amax first (the per-tensor FP32 scale),
+then one pass writing the row-wise and the column-wise (transposed, for the backward GEMMs) NVFP4
+copies: :data:`NVFP4_CAST_BYTES` = 2 + 2 + 2 x 9/16 bytes per element. The random Hadamard transform
+of the wgrad inputs (16 x 16, Sec. 4.2) is fused into the column-wise cast (TE's Hadamard-cast
+kernel) and its 32 FLOPs per element are not counted; stochastic rounding of the gradients (Sec. 4.4)
+is a hardware rounding mode of the conversion, no extra pass.
+
 A power limit lowers the clock: dynamic power is ``C V^2 f`` and in the DVFS range the voltage
 follows the frequency, so power goes as ``f^3`` and the clock as ``(limit / TDP)^(1/3)``
 (:func:`clock_scale`; the exponent is an option). Memory bandwidth does not depend on the SM clock.
@@ -47,11 +60,13 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.finetune import target_on, target_shapes
 from dtlib.analytic.flops import attention_flops_per_token
-from dtlib.analytic.hardware import Accelerator
+from dtlib.analytic.hardware import Accelerator, matmul_peak
 from dtlib.analytic.measured import MeasuredAccelerator
+from dtlib.analytic.precision import NVFP4_BYTES, OPERAND_BYTES
 from dtlib.plan.moe import expert_load, expert_rows, grouped_gemm_overhead, moe_numbers
 
-__all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "gemm_time", "clock_scale", "transformer_compute"]
+__all__ = ["TILES", "FLASH_BACKWARD", "FP8_CAST_BYTES", "NVFP4_CAST_BYTES", "CAST_BYTES", "gemm_time", "clock_scale",
+           "transformer_compute"]
 
 # (tile_m, tile_n) of C: the guide's "Tile Quantization" section lists 256x128 / 128x256 as the most
 # efficient cuBLAS tiles and 128x128 among the smaller ones chosen for small matrices.
@@ -63,6 +78,10 @@ FLASH_BACKWARD = 2.5
 
 # bytes moved per element cast to FP8: amax read (2), cast read (2) + write (1), transposed copy (1)
 FP8_CAST_BYTES = 6.0
+# per element cast to NVFP4 (module docstring): amax read (2), cast read (2), row-wise and column-wise writes
+NVFP4_CAST_BYTES = 2 + 2 + 2 * NVFP4_BYTES
+# what each matmul precision casts per element (bf16 casts nothing)
+CAST_BYTES = {"bf16": 0.0, "fp8": FP8_CAST_BYTES, "nvfp4": NVFP4_CAST_BYTES}
 
 
 def clock_scale(gpu: Accelerator, power_limit_w: float | None = None, exponent: float = 3.0) -> float:
@@ -94,7 +113,7 @@ def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", 
     if isinstance(gpu, MeasuredAccelerator):
         return gpu.gemm_seconds(m, n, k, batch)
     m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
-    peak = gpu.peak(dtype) * clock * efficiency
+    peak = matmul_peak(gpu, dtype) * clock * efficiency
     if gpu.sms is None:  # no SM count: no quantization, FLOPs / peak
         math = 2 * m * n * k * batch / peak
     else:
@@ -194,20 +213,23 @@ def attention_projections(n: dict[str, Any], tokens: Any, **weights_kw: Any) -> 
 def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, dtype: str,
                         flash_attention: bool, gemm_efficiency: float, attention_efficiency: float,
                         clock: float = 1.0, moe_imbalance: float = 1.0, fp8_recipe: str = "current",
-                        expert_loop: bool = True, stage: dict[str, Any] | None = None) -> dict[str, Any]:
+                        expert_loop: bool = True, stage: dict[str, Any] | None = None,
+                        bf16_layers: Any = 0) -> dict[str, Any]:
     """Seconds per step on one GPU of the weight GEMMs (``gemm``) and of attention
     (``attention``) for the layouts ``n`` (:func:`dtlib.analytic.vectorised.layout_arrays`).
 
     Per micro-batch, each GPU runs ``layers / pp`` layers (stages balanced) and ``1 / pp`` of the
     LM head (spread as Narayanan et al. 2021 eq. 3 counts it); full recompute repeats the layers'
     forward, selective recompute the attention core (Korthikanti et al. 2022, Sec. 5). Weight GEMMs
-    run in ``dtype`` (fp8 at the FP8 peak); attention and the LM head stay in bf16 (Transformer
-    Engine keeps dot-product attention and, by default, the output layer in BF16). In an MoE layer
+    run in ``dtype`` (fp8 at the FP8 peak, nvfp4 at the FP4 peak: module docstring), except in
+    ``bf16_layers`` of the layers (Megatron's ``--first-last-layers-bf16``: their share of every
+    layer); attention and the LM head stay in bf16 (Transformer Engine keeps dot-product attention
+    and, by default, the output layer in BF16). In an MoE layer
     the MLP is the local experts' grouped GEMM, ``experts / ep`` GEMMs of the rows each receives
     (:func:`dtlib.plan.moe.expert_rows` / local experts: small per-expert M pays tile quantization),
     FFN width ``moe_ffn / etp``, x ``moe_imbalance`` on the busiest rank when dropless, plus the
     per-expert cost of the kernels launched for each expert when the stack loops over them
-    (``expert_loop``; their number depends on ``fp8_recipe`` when ``dtype`` is fp8:
+    (``expert_loop``; their number depends on ``fp8_recipe`` when ``dtype`` is fp8, and on nvfp4:
     :func:`dtlib.plan.moe.grouped_gemm_overhead`); plus the shared experts and the router. A
     fraction ``moe_layers / layers`` of the layers is MoE. ``stage``: one pipeline rank's ``layers``
     and ``moe_layers`` and its share of the LM ``head`` (0 or 1) instead of the balanced share
@@ -221,48 +243,53 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     heads, ffn, vocab = n["heads"], n["ffn"], n["vocab"]
     experts = n["experts"]
     tokens = b * s / cp  # rows of every GEMM on a rank (SP gathers the sequence before them)
-    weights_kw = dict(gpu=gpu, dtype=dtype, efficiency=gemm_efficiency, clock=clock,
-                      bytes_per_element=1.0 if dtype == "fp8" else 2.0)
     bf16_kw = dict(gpu=gpu, dtype="bf16", efficiency=gemm_efficiency, clock=clock)
-    # LoRA: the weight GEMMs' weights are frozen (no dW), the adapters' are not (adapter_gemms)
-    lora = np.any(np.asarray(n.get("lora_rank", 0)) > 0)
-    frozen = (np.asarray(n.get("lora_rank", 0)) > 0) * 1.0
-    adapter_kw = dict(weights_kw)
-    if lora:
-        weights_kw = dict(weights_kw, frozen=frozen)
-    weight_bf16_kw = dict(bf16_kw, frozen=frozen) if lora else bf16_kw
-
-    # ---- weight GEMMs of one layer, one micro-batch (Shoeybi et al. 2019, Sec. 3) --------------
-    attn = attention_projections(n, tokens, **weights_kw)
-    dense_mlp = _mlp(tokens, ffn / tp, h, n["mlp_matrices"], 1, weights_kw)
-    # MoE layers (dtlib.plan.moe): a grouped GEMM of the local experts, the always-active shared
-    # experts (a dense MLP split over tp, Megatron-Core SharedExpertMLP) and the router
     moe = moe_numbers(n)
     local_experts = np.where(moe["moe"], experts / ep, 1)
     rows = expert_rows(tokens, tp, moe, expert_load(moe, moe_imbalance)) / local_experts
-    grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, weights_kw)
-    # plus what a per-expert loop spends per expert and launch (dtlib.plan.moe.grouped_gemm_overhead)
-    overhead = grouped_gemm_overhead(local_experts, moe, fp8_recipe if dtype == "fp8" else "bf16", expert_loop)
-    grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
-    shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
-                  (moe["shared_experts"] > 0) * 1.0, weights_kw)
-    router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **weight_bf16_kw)
-    head = _fwd_bwd(tokens, vocab / tp, h, 1, **weight_bf16_kw)
-    adapters = adapter_gemms(n, tokens, rows, local_experts, adapter_kw) if lora else {False: (0, 0), True: (0, 0)}
+    # LoRA: the weight GEMMs' weights are frozen (no dW), the adapters' (BF16) are not (adapter_gemms)
+    lora = np.any(np.asarray(n.get("lora_rank", 0)) > 0)
+    frozen = {"frozen": (np.asarray(n.get("lora_rank", 0)) > 0) * 1.0} if lora else {}
+    router = _fwd_bwd(tokens / tp, np.maximum(experts, 1), h, moe["moe"] * 1.0, **bf16_kw, **frozen)
+    head = _fwd_bwd(tokens, vocab / tp, h, 1, **bf16_kw, **frozen)
+    adapters = (adapter_gemms(n, tokens, rows, local_experts, dict(bf16_kw, bytes_per_element=OPERAND_BYTES["bf16"]))
+                if lora else {False: (0, 0), True: (0, 0)})
     full, selective = recompute == "full", recompute == "selective"
 
-    def layer(share: Any) -> Any:
-        """Weight GEMMs of one layer, one micro-batch: a share ``share`` of it an MoE layer."""
-        forward = (attn["forward"] + (1 - share) * (dense_mlp[0] + adapters[False][0])
-                   + share * (grouped[0] + shared[0] + router[0] + adapters[True][0]))
-        backward = (attn["backward"] + (1 - share) * (dense_mlp[1] + adapters[False][1])
-                    + share * (grouped[1] + shared[1] + router[1] + adapters[True][1]))
-        cast = 0.0
-        if dtype == "fp8":  # cast inputs, weights and output gradients of every weight GEMM (see above)
+    def linear_layers(precision: str) -> dict[str, Any]:
+        """Weight GEMMs of one dense and one MoE layer, one micro-batch, in ``precision`` (Shoeybi et
+        al. 2019, Sec. 3), with the casts of their inputs, weights and output gradients (see above)."""
+        kw = dict(gpu=gpu, dtype=precision, efficiency=gemm_efficiency, clock=clock,
+                  bytes_per_element=OPERAND_BYTES[precision], **frozen)
+        attn = attention_projections(n, tokens, **kw)
+        dense_mlp = _mlp(tokens, ffn / tp, h, n["mlp_matrices"], 1, kw)
+        # MoE layers (dtlib.plan.moe): a grouped GEMM of the local experts, the always-active shared
+        # experts (a dense MLP split over tp, Megatron-Core SharedExpertMLP) and the router (BF16)
+        grouped = _mlp(rows, moe["moe_ffn"] / moe["etp"], h, n["mlp_matrices"], local_experts, kw)
+        # plus what a per-expert loop spends per expert and launch (dtlib.plan.moe.grouped_gemm_overhead)
+        launches = {"fp8": fp8_recipe, "nvfp4": "nvfp4"}.get(precision, "bf16")
+        overhead = grouped_gemm_overhead(local_experts, moe, launches, expert_loop)
+        grouped = (grouped[0] + overhead[0], grouped[1] + overhead[1], grouped[2])
+        shared = _mlp(tokens, moe["shared_experts"] * moe["moe_ffn"] / tp, h, n["mlp_matrices"],
+                      (moe["shared_experts"] > 0) * 1.0, kw)
+        cast = CAST_BYTES[precision] / gpu.memory_bandwidth
+        out = {}
+        for key, share in (("dense", 0), ("moe", 1)):
+            forward = (attn["forward"] + (1 - share) * dense_mlp[0] + share * (grouped[0] + shared[0] + router[0])
+                       + adapters[bool(share)][0])
+            backward = (attn["backward"] + (1 - share) * dense_mlp[1] + share * (grouped[1] + shared[1] + router[1])
+                        + adapters[bool(share)][1])
             elements = (attn["inputs"] + attn["outputs"] + attn["weights"] + (1 - share) * dense_mlp[2]
                         + share * (grouped[2] + shared[2]))
-            cast = FP8_CAST_BYTES * elements / gpu.memory_bandwidth
-        return (1 + full) * forward + backward + cast
+            out[key] = (1 + full) * forward + backward + cast * elements
+        return out
+
+    # the bf16_layers Megatron keeps in BF16, spread over the stages as a share of every layer (exact at pp 1)
+    linear = linear_layers(dtype)
+    bf16_share = np.minimum(np.asarray(bf16_layers) / n["layers"], 1) * (dtype != "bf16")
+    if np.any(bf16_share > 0):
+        kept = linear_layers("bf16")
+        linear = {k: (1 - bf16_share) * linear[k] + bf16_share * kept[k] for k in linear}
 
     # ---- attention core of one layer, one micro-batch ---------------------------------------------
     qk_dim = n.get("head_dim", h // heads)
@@ -289,7 +316,7 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
         context = _fwd_bwd(s / cp, v_dim, s, per_head, **bf16_kw)
         attn_fwd, attn_bwd = scores[0] + context[0], scores[1] + context[1]
 
-    per_layer = {"dense_layer": m * layer(0), "moe_layer": m * layer(1), "head": m * (head[0] + head[1]),
+    per_layer = {"dense_layer": m * linear["dense"], "moe_layer": m * linear["moe"], "head": m * (head[0] + head[1]),
                  "attention_layer": m * ((1 + full + selective) * attn_fwd + attn_bwd)}
     per_layer = {k: np.asarray(v, float) for k, v in per_layer.items()}
     if stage is None:  # balanced: layers / pp of the model's mix, 1 / pp of the head

@@ -69,6 +69,13 @@ _BRIDGE = ("NVIDIA Megatron-Bridge performance summary, 25.11 NeMo container, se
            "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/067f987df03b8355b03192d88d70f1709fedf51a/"
            "docs/performance-summary-archive.md; recipes scripts/performance/configs/*/workload_base_configs.py "
            "at 166d498a51d6d84ea93e98875b0ed4f7bd096a7e (the 25.11 summary commit)")
+_BRIDGE_FP4 = ("NVIDIA Megatron-Bridge performance summary, 26.04.01 NeMo container, seq 8192, "
+               "docs/performance-summary-archive.md '26.04.01 NeMo Container', Pre-Training Performance, tables "
+               "'Model: LLAMA3_70B' and 'Model: LLAMA3.1_405B', NVFP4 rows https://github.com/NVIDIA-NeMo/"
+               "Megatron-Bridge/blob/067f987df03b8355b03192d88d70f1709fedf51a/docs/performance-summary-archive.md; "
+               "recipes src/megatron/bridge/perf_recipes/llama/{gb300,gb200}/{llama3,llama31}.py "
+               "(*_nvfp4_config: layout, tp_comm_overlap False) and scripts/performance/utils/precision.py "
+               "(bf16_with_nvfp4_mixed: fp4 e2m1, fp4_recipe nvfp4, first_last_layers_bf16 left False) at that commit")
 _NEMO = ("NVIDIA NeMo performance summary, NeMo 24.07 container, DGX-H100, FP8, "
          "docs/source/performance/performance_summary.md 'Pretraining' table "
          "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/docs/source/performance/"
@@ -337,6 +344,42 @@ def _bridge() -> list[PublishedRun]:
         if (gpu, preset) in _BRIDGE_MX:
             rows.append(_bridge_run(gpu, get_preset(preset), gpus, batch, layout, _BRIDGE_MX[gpu, preset], "fp8",
                                     "FP8-MX", system))
+    return rows
+
+
+# (system, model preset, label, GPUs, GBS, TP, PP, VP, tokens/s/GPU) -- the NVFP4 rows of the 26.04.01 tables
+# (FSDP 0, CP 1, MBS 1, seq 8192 in all four)
+_BRIDGE_FP4_ROWS = [("DGX-GB300", "llama3-70b", "LLAMA3_70B", 64, 256, 1, 4, 5, 7296),
+                    ("DGX-GB200", "llama3-70b", "LLAMA3_70B", 64, 256, 2, 4, 5, 4864),
+                    ("DGX-GB300", "llama3-405b", "LLAMA3.1_405B", 256, 1536, 4, 8, 4, 1440),
+                    ("DGX-GB200", "llama3-405b", "LLAMA3.1_405B", 256, 1536, 4, 16, 8, 1184)]
+
+
+def _bridge_nvfp4() -> list[PublishedRun]:
+    """Megatron-Bridge 26.04.01's NVFP4 pre-training rows: every transformer layer's linear layers in
+    NVFP4 (the performance recipes leave ``first_last_layers_bf16`` False), no TP communication overlap
+    (the recipes set ``tp_comm_overlap = False``), BF16 gradient reduction (``grad_reduce_in_fp32 =
+    False``, as every Bridge performance recipe). NVL72 racks as the 25.11 rows (:func:`pending_runs`)."""
+    rows = []
+    for system, preset, label, gpus, batch, tp, pp, vp, tps in _BRIDGE_FP4_ROWS:
+        gpu = _SYSTEMS[system]
+        domain = min(gpus, 64)
+        cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-xdr" if gpu == "gb300" else "ib-ndr")
+        layout = dict(tp=tp, pp=pp, cp=1, dp=gpus // (tp * pp), zero=1, virtual_stages=vp, micro_batch_size=1,
+                      recompute="none", sequence_parallel=int(tp > 1))
+        big = preset == "llama3-405b"
+        if big:  # as the 25.11 405B rows (_BRIDGE_MEMORY): the recipe balances the pipeline
+            layout["account_for_embedding_and_loss"] = True
+        rows.append(PublishedRun(
+            name=f"{label} NVFP4, {gpus} x {gpu.upper()} (Megatron-Bridge 26.04.01)", model=get_preset(preset),
+            cluster=cl, global_batch=batch, layout=layout, metric="tokens_per_gpu_s", published=tps, family=gpu,
+            source="Megatron-Bridge NVFP4", reference=_BRIDGE_FP4 + f" ({system} row, {label}, NVFP4)",
+            stack="megatron", dtype="nvfp4", precision=_BRIDGE_PRECISION, tp_overlap=0.0,
+            note="all transformer layers NVFP4 (bf16_layers 0); distributed optimizer (ZeRO-1, FSDP 0); "
+                 "recompute none, as the 25.11 rows of the same tables; NVFP4 parameter all-gather "
+                 "(fp4_param_gather) and CUDA graphs not modelled; NVL72 racks as 64-GPU segments"
+                 + ("; overlap_param_gather False in the GB200 405B recipe, not modelled (DP overlap one "
+                    "fraction)" if big and gpu == "gb200" else "")))
     return rows
 
 
@@ -612,7 +655,7 @@ def published(include_pending: bool = INCLUDE_PENDING,
     ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
     rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
             + _trainy() + _deepspeed() + _llama3())
-    rows += deepseek_v3_runs() if include_deepseek_v3 else []
+    rows += _bridge_nvfp4() + (deepseek_v3_runs() if include_deepseek_v3 else [])
     return rows + pending_runs() if include_pending else rows
 
 

@@ -31,7 +31,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
-from dtlib.analytic.hardware import Cluster, Link
+from dtlib.analytic.hardware import MATMUL_DTYPES, Cluster, Link, matmul_peak
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
 from dtlib.analytic.pipeline_layout import layout_numbers
@@ -51,7 +51,7 @@ from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
            "memory_kwargs", "with_finetune"]
 
-DTYPES = ("bf16", "fp8")
+DTYPES = tuple(MATMUL_DTYPES)  # bf16, fp8, nvfp4
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,11 @@ class StepOptions:
     own is taken as current scaling) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
     x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
 
-    ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency``: the
+    ``dtype``: compute precision of the linear layers' matmuls (``bf16``, ``fp8`` or ``nvfp4``: NVIDIA's
+    NVFP4 recipe at the FP4 peak, :mod:`dtlib.plan.gemm`); ``bf16_layers``: transformer layers kept in BF16
+    with fp8 or nvfp4 (Megatron-LM ``--first-last-layers-bf16`` with ``--num-layers-at-start-in-bf16`` +
+    ``--num-layers-at-end-in-bf16``; default 0, Megatron's and Megatron-Bridge's performance recipes'; the
+    NVFP4 paper keeps about 15%, Sec. 4.1); ``gemm_efficiency``: the
     GEMM kernel efficiency (None: fitted); ``power_limit_w``: the GPUs' power cap (None: their
     TDP; :func:`dtlib.plan.gemm.clock_scale`); ``efficiency``: if set, compute is the flat hardware
     FLOPs / (peak x efficiency) instead of the shape-aware model; ``oversubscription``: the
@@ -101,10 +105,12 @@ class StepOptions:
     fp8_recipe: str | None = None
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
+    bf16_layers: int = 0
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
         validate.one_of("dtype", self.dtype, DTYPES)
+        validate.integer("bf16_layers", self.bf16_layers, minimum=0)
         validate.one_of("attention", self.attention, ATTENTION)
         for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) is not None:  # a fraction of peak (kernel ones: or an array of them,
@@ -206,6 +212,9 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     (Megatron-Core's per-module recompute) repeat their modules' forward
     (:func:`dtlib.plan.recompute.recompute_module_work`) in every layer ``recompute_layers`` leaves stored."""
     options, _ = resolve(options)
+    if np.any(options.bf16_layers > np.asarray(n["layers"])):
+        raise validate.InvalidArgument("bf16_layers", f"at most the model's {int(np.min(n['layers']))} layers",
+                                       options.bf16_layers)
     balanced = account_for_embedding_and_loss
     if recompute == "op":
         h, kv_dim, f = n["hidden"], n["kv_heads"] * (n["hidden"] // n["heads"]), n["ffn"]
@@ -238,7 +247,8 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
     v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * n["pp"]
     per_step = kept * plain["stage_layers"] * n["num_microbatches"]
     efficiency = GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency
-    flops_time = work["flops"] / (gpu.peak(options.dtype) * clock_scale(gpu, options.power_limit_w) * efficiency)
+    peak = matmul_peak(gpu, options.dtype) * clock_scale(gpu, options.power_limit_w)
+    flops_time = work["flops"] / (peak * efficiency)
     extra = per_step * (flops_time + work["bytes"] / gpu.memory_bandwidth)
     # core_attn with explicit attention: the attention core again, as selective recompute repeats it
     attention = 0 * extra
@@ -294,8 +304,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     extra = recompute_flops_per_token(recompute, weights + adapters + attn, attn)
     weight_hw = tokens * ((3 - lora) * weights + 3 * adapters + extra - (recompute != "none") * attn)
     if options.efficiency is not None:  # the flat convention: one fraction of peak for everything
-        peak_bf16, peak_weights = gpu.peak("bf16"), gpu.peak(options.dtype)
-        compute = (weight_hw / peak_weights + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
+        peak_bf16, peak_weights = gpu.peak("bf16"), matmul_peak(gpu, options.dtype)
+        kept = np.minimum(options.bf16_layers / n["layers"], 1) * (options.dtype != "bf16")  # BF16 layers
+        weight_time = weight_hw * ((1 - kept) / peak_weights + kept / peak_bf16)
+        compute = (weight_time + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
         parts = {"gemm": compute, "attention": 0 * compute}
         # the per-layer terms below: the rank with the most layers
         stage = slowest_stage(n, {"dense_layer": 1, "moe_layer": 1, "head": 0, "attention_layer": 0}, balanced)
@@ -307,7 +319,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
             attention_efficiency=(ATTENTION_EFFICIENCY * stack.attention_scale(gpu)
                                   if options.attention_efficiency is None else options.attention_efficiency),
             clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance,
-            fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop), balanced)
+            fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop,
+            bf16_layers=options.bf16_layers), balanced)
         parts = {"gemm": stage["gemm"], "attention": stage["attention"]}
         compute = parts["gemm"] + parts["attention"]
 

@@ -105,7 +105,8 @@ def memory_calculator() -> Explorer:
     controls = {
         "model": W.Dropdown(options=MODELS, value="llama3-8b", description="model"),
         "gpu": W.Dropdown(options=list(ACCELERATORS), value="h100-sxm", description="GPU"),
-        "dp": ints(powers, 8, "DP"), "tp": ints(powers[:5], 1, "TP"), "pp": ints(powers[:6], 1, "PP"),
+        # TP up to 8: every listed Llama-3 has 8 KV heads, which TP must divide (Megatron-LM's check).
+        "dp": ints(powers, 8, "DP"), "tp": ints(powers[:4], 1, "TP"), "pp": ints(powers[:6], 1, "PP"),
         "cp": ints(powers[:5], 1, "CP"),
         "zero": ints([0, 1, 2, 3], 1, "ZeRO"),
         "recompute": W.Dropdown(options=RECOMPUTE, value="selective", description="recompute"),

@@ -18,7 +18,7 @@ from dtlib.analytic.layout import Parallelism, check_layout
 FRAMEWORKS = ("megatron", "deepspeed", "torchtitan", "jax")
 FILENAMES = {"megatron": "megatron_flags.txt", "deepspeed": "ds_config.json", "torchtitan": "torchtitan.toml",
              "jax": "jax_mesh.json"}
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp8", "nvfp4")
 # the optimizer block of the DeepSpeed JSON: AdamW as GPT-3 and Llama trained (Brown et al. 2020,
 # App. B: beta2 0.95, weight decay 0.1; Touvron et al. 2023, Sec. 2.2); lr is the user's choice.
 ADAMW = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}

@@ -24,9 +24,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     if p.pp > 1 and p.zero >= 2:
         out.append(f"ZeRO-{p.zero} with pp={p.pp}: DeepSpeed refuses it (pipe/engine.py: \"ZeRO-2 and ZeRO-3 "
                    f"are incompatible with pipeline parallelism\")")
-    if precision == "fp8":
-        out.append("precision fp8: DeepSpeed's config has bf16 and fp16 only; FP8 matmuls come from "
-                   "Transformer Engine layers in the model's code")
+    if precision in ("fp8", "nvfp4"):
+        out.append(f"precision {precision}: DeepSpeed's config has bf16 and fp16 only; {precision.upper()} matmuls "
+                   f"come from Transformer Engine layers in the model's code")
     if p.shard_size is not None:
         out.append(f"shard_size {p.shard_size}: hybrid sharding (DeepSpeed MiCS) is not emitted")
     return out

@@ -25,6 +25,8 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
         out.append(f"{', '.join(extra + variants(m))}: the weight roles are a dense Llama/GPT block's")
     if p.offload != "none":
         out.append(f"offload {p.offload}: a mesh places arrays on devices only")
+    if precision == "nvfp4":
+        out.append("precision nvfp4: NVIDIA's NVFP4 recipe is Transformer Engine's, not a mesh's dtype")
     sizes = dict(zip(JAX_AXES, _jax_sizes(p)))
     specs = _jax_specs(*sizes.values())
     for role, shape in _jax_shapes(m).items():

@@ -85,6 +85,15 @@ def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     if plan.precision == "fp8" and (o.fp8_recipe or "current") not in _FP8_RECIPES:
         out["fp8_recipe"] = ("current", f"{o.fp8_recipe}: Megatron-LM's --fp8-recipe has no such recipe; "
                                         f"emitted tensorwise (current scaling) and re-timed")
+    if plan.precision in ("fp8", "nvfp4") and o.bf16_layers:  # Megatron-Core TransformerConfig's checks
+        per_stage = plan.model.layers // p.pp
+        recipe = out["fp8_recipe"][0] if "fp8_recipe" in out else o.fp8_recipe or "current"
+        if plan.precision == "fp8" and recipe == "delayed":
+            out["bf16_layers"] = (0, "Megatron-Core refuses --first-last-layers-bf16 with delayed scaling: "
+                                     "re-timed with every layer in fp8")
+        elif o.bf16_layers > 2 * per_stage:
+            out["bf16_layers"] = (2 * per_stage, f"Megatron-Core keeps at most layers / pp = {per_stage} layers "
+                                                 f"at each end in BF16: re-timed with {2 * per_stage}")
     # --bf16 (and fp8) keeps fp32 main gradients (arguments.py: accumulate_allreduce_grads_in_fp32
     # = True); --fp16 adds an fp32 gradient copy: dtlib's megatron-bf16 / megatron-fp16 conventions
     runs = "megatron-fp16" if plan.precision == "fp16" else "megatron-bf16"
@@ -147,7 +156,14 @@ def megatron_flags(plan: TimedPlan | Parallelism, model: TransformerConfig | Non
     f += [] if m.tied_embeddings else ["--untie-embeddings-and-output-weights"]
     f += [] if m.bias else ["--disable-bias-linear"]
     f += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16", "--fp8-format", "hybrid",
-                                                         "--fp8-recipe", _FP8_RECIPES[o.fp8_recipe or "current"]]}[precision]
+                                                         "--fp8-recipe", _FP8_RECIPES[o.fp8_recipe or "current"]],
+          # Transformer Engine's NVFP4BlockScaling (megatron/core/fp4_utils.py); fp4 honours the BF16 layers too
+          "nvfp4": ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]}[precision]
+    if precision in ("fp8", "nvfp4") and o.bf16_layers:  # the plan times their share of every layer: the end first, where
+        # the NVFP4 paper keeps them (NVIDIA 2025, Sec. 4.1), at most layers / pp each (realize)
+        end = min(o.bf16_layers, plan.model.layers // plan.layout.pp)
+        f += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(o.bf16_layers - end),
+              "--num-layers-at-end-in-bf16", str(end)]
     return f
 
 
@@ -269,6 +285,8 @@ def notes(p: Parallelism, m: TransformerConfig, precision: str) -> list[str]:
                      f"fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS != 1")
     if precision == "fp8":
         notes.append("--fp8-format needs Transformer Engine (--transformer-impl transformer_engine, the default)")
+    if precision == "nvfp4":
+        notes.append("--fp4-format needs Transformer Engine >= 2.7 (validate_args) and a Blackwell GPU")
     if p.offload == "optimizer":
         notes.append("--use-precision-aware-optimizer needs Transformer Engine >= 2.1 (Megatron-Core OptimizerConfig)")
     if m.kv_lora_rank and m.rope_scaling == "yarn":

@@ -55,10 +55,10 @@ class TimedPlan:
             raise ValueError(f"options must be a dtlib.plan.steptime.StepOptions, got {self.options!r}")
         validate.integer("global_batch", self.global_batch)
         validate.one_of("precision", self.precision, PRECISIONS)
-        # fp8 matmuls are StepOptions.dtype fp8; bf16 and fp16 both time as 16-bit matmuls
-        if (self.precision == "fp8") != (self.options.dtype == "fp8"):
-            raise ValueError(f"precision={self.precision!r} but options.dtype={self.options.dtype!r}: fp8 "
-                             f"matmuls are both or neither")
+        # fp8 / nvfp4 matmuls are StepOptions.dtype fp8 / nvfp4; bf16 and fp16 both time as 16-bit matmuls
+        if _matmuls(self.precision) != self.options.dtype:
+            raise ValueError(f"precision={self.precision!r} but options.dtype={self.options.dtype!r}: fp8 and "
+                             f"nvfp4 matmuls are both or neither")
 
     @property
     def resolved(self) -> StepOptions:
@@ -78,8 +78,12 @@ def as_plan(plan: "TimedPlan | Parallelism", model: TransformerConfig | None, gl
         raise ValueError("a layout needs model and global_batch (or give a TimedPlan)")
     validate.one_of("precision", precision, PRECISIONS)
     stack = FRAMEWORK_STACKS.get(framework) or DEFAULT_STACK
-    return TimedPlan(plan, model, global_batch, StepOptions(stack=stack, dtype="fp8" if precision == "fp8" else "bf16"),
-                     precision)
+    return TimedPlan(plan, model, global_batch, StepOptions(stack=stack, dtype=_matmuls(precision)), precision)
+
+
+def _matmuls(precision: str) -> str:
+    """The step-time matmul dtype of a config precision (bf16 and fp16 time as 16-bit matmuls)."""
+    return precision if precision in ("fp8", "nvfp4") else "bf16"
 
 
 def dp_overlap(options: StepOptions, layout: Parallelism) -> float:

@@ -56,6 +56,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
                    "and optimizer state together (FSDP2 CPUOffloadPolicy); optimizer alone has no key")
     if precision == "fp16":
         out.append("precision fp16: torchtitan's mixed_precision_param is bfloat16 or float32")
+    if precision == "nvfp4":
+        out.append("precision nvfp4: torchtitan v0.2.2's quantize converters are float8 and MX, not NVIDIA's "
+                   "NVFP4 recipe")
     if m.seq % (2 * p.tp * p.cp):
         out.append(f"seq {m.seq}: torchtitan needs seq_len divisible by 2 x tp x cp = {2 * p.tp * p.cp} "
                    f"(ParallelDims.seq_len_divisor)")
@@ -116,6 +119,9 @@ def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     if plan.precision == "fp8" and (o.fp8_recipe or "current") not in _FP8_RECIPES:
         out["fp8_recipe"] = ("tensorwise", f"{o.fp8_recipe}: torchtitan's float8 recipe_name has tensorwise and "
                                            f"rowwise only: emitted tensorwise and re-timed")
+    if plan.precision == "fp8" and o.bf16_layers:
+        out["bf16_layers"] = (0, "float8 converts every linear layer but the filter_fqns it names (module names, "
+                                 "not first/last layers; none emitted): re-timed with every layer in fp8")
     if precision_bytes(o.precision) != precision_bytes("fsdp-mixed"):
         out["precision"] = ("fsdp-mixed", "FSDP2 mixed precision keeps fp32 parameter and gradient shards "
                                           "(mixed_precision_param bfloat16): re-timed with those bytes")
