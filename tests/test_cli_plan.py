@@ -62,12 +62,15 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert code == 0
     lines = out.splitlines()
     assert "searched in" in lines[0] and "stack megatron" in lines[0]
-    assert lines[1].startswith("stack megatron: TP overlap 1") and lines[2].startswith("activations counted as")
-    assert lines[3].startswith("where the numbers come from:")
-    assert lines[4].startswith("columns: ") and lines[5].split()[:3] == ["#", "dp", "tp"]
-    assert "etp" not in lines[4] and "etp" not in lines[5].split()  # a dense model: no expert columns
-    assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[8]
-    assert lines[9].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert lines[1].startswith("stack megatron: TP overlap 1")
+    assert lines[2] == ("assumed: grad reduce bf16 (Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = "
+                        "False), TP overlap 1 (CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
+                        "recipes); --grad-reduce-dtype, --tp-overlap change them")
+    assert lines[3].startswith("activations counted as") and lines[4].startswith("where the numbers come from:")
+    assert lines[5].startswith("columns: ") and lines[6].split()[:3] == ["#", "dp", "tp"]
+    assert "etp" not in lines[5] and "etp" not in lines[6].split()  # a dense model: no expert columns
+    assert lines[7].startswith(" 1") and lines[8].startswith(" 2") and "breakdown" in lines[9]
+    assert lines[10].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -134,7 +137,7 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     flat = json.loads(run(capsys, *base, "--efficiency", "0.5")[1])
     assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
     code, out, _ = run(capsys, *base[:-1])
-    assert code == 0 and out.splitlines()[3].startswith("where the numbers come from: compute from GEMM shapes")
+    assert code == 0 and out.splitlines()[4].startswith("where the numbers come from: compute from GEMM shapes")
 
 
 def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
@@ -206,6 +209,28 @@ def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--moe-imbalance", "2")
     lines = out.splitlines()
     assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[1]
-    assert "etp: expert tensor parallel size" in lines[4]
-    header, row = lines[5].split(), lines[6].split()
+    assert "etp: expert tensor parallel size" in lines[5]
+    header, row = lines[6].split(), lines[7].split()
     assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]
+
+
+def test_gradient_reduction_and_tp_overlap_are_stated_choices(capsys):
+    """Issue 37: the plan says in which dtype it reduced gradients and how much TP communication it
+    hid, and where each default comes from; --grad-reduce-dtype fp32 (Megatron-LM's script, NeMo)
+    doubles the gradient bytes: more memory and a longer exposed DP reduce."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--dp", "8", "--tp", "2",
+            "--pp", "1", "--micro-batch", "1", "--zero", "1", "--recompute", "none", "--dp-overlap", "0", "--json"]
+    bf16, fp32 = (json.loads(run(capsys, *base, *extra)[1]) for extra in ([], ["--grad-reduce-dtype", "fp32"]))
+    assert bf16["assumed"]["grad_reduce_dtype"] == "bf16" and "grad_reduce_in_fp32 = False" in bf16["assumed"]["grad_reduce_source"]
+    assert fp32["assumed"]["grad_reduce_dtype"] == "fp32" and fp32["assumed"]["grad_reduce_source"] == "--grad-reduce-dtype"
+    a, b = bf16["configs"][0], fp32["configs"][0]
+    # ZeRO 1: the reduce-scatter of the gradients doubles, the all-gather of the bf16 parameters does not
+    assert 1.3 < b["breakdown"]["dp_comm"] / a["breakdown"]["dp_comm"] < 1.5
+    # the gradient buffer: 2 more bytes per parameter on the GPU (8B / tp 2)
+    assert b["memory_per_gpu_bytes"] - a["memory_per_gpu_bytes"] == pytest.approx(2 * 8.03e9 / 2, rel=0.02)
+    off = json.loads(run(capsys, *base, "--tp-overlap", "0")[1])
+    assert off["assumed"]["tp_overlap"] == 0 and off["assumed"]["tp_overlap_source"] == "--tp-overlap"
+    assert off["configs"][0]["breakdown"]["tp_comm"] > a["breakdown"]["tp_comm"]
+    code, _, err = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                       "--grad-reduce-dtype", "fp16")
+    assert code == 2 and "--grad-reduce-dtype" in err and "fp32" in err

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
-from dtlib.plan.validation import (PUBLISHED, SOURCES, error_grid, errors_by_kind, fit, leave_one_source_out,
-                                   mean_absolute_error, validation_table)
+from dtlib.plan.validation import (GOALS, PUBLISHED, SOURCES, error_grid, errors_by_family, errors_by_kind, fit,
+                                   held_out_errors, leave_one_source_out, mean_absolute_error, validation_table)
 
 # name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts)
 EXPECTED = {
@@ -148,6 +148,20 @@ LOSO = {
     'Llama 3 2024': (0.60, 0.50, 0.0779, 0.0779),
     'DeepSeek-V3 2024': (0.60, 0.50, 0.0974, 0.0974),
 }
+
+
+# GPU family: (runs, in-sample error, held-out error of each run's own fold)
+FAMILIES = {
+    'a100': (23, 0.0845, 0.0845),
+    'h100': (55, 0.1192, 0.1192),
+    'b200': (14, 0.1975, 0.1975),
+    'gb200': (15, 0.1208, 0.1208),
+    'h200': (2, 0.0314, 0.0765),
+    'h800': (1, 0.0974, 0.0974),
+    'gb300': (9, 0.1112, 0.1112),
+}
+# issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
+MISSED = {"mean_over_sources", "source", "family"}
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +305,32 @@ def test_pins_print_what_this_file_pins(table, errors):
 
     from dtlib.plan.validation import _pins
 
-    text = _pins(list(table.values()), leave_one_source_out(errors))
+    text = _pins(list(table.values()), leave_one_source_out(errors), errors_by_family(errors))
     expected = ast.literal_eval(text[text.index("{"):text.index("}") + 1])
-    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.rindex("}") + 1])
-    assert expected == EXPECTED and loso == LOSO
+    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.index("}", text.index("LOSO")) + 1])
+    families = ast.literal_eval(text[text.index("{", text.index("FAMILIES")):text.rindex("}") + 1])
+    assert expected == EXPECTED and loso == LOSO and families == FAMILIES
+
+
+def test_families_are_pinned_from_each_runs_held_out_fold(errors):
+    families = errors_by_family(errors)
+    assert list(families) == list(FAMILIES)
+    for family, (runs, in_sample, held_out) in FAMILIES.items():
+        d = families[family]
+        assert d["runs"] == runs == sum(r.family == family for r in PUBLISHED), family
+        assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), family
+        assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), family
+    # the per-run held-out errors are the folds leave_one_source_out scores
+    held, loso = held_out_errors(errors), leave_one_source_out(errors)
+    for source, d in loso.items():
+        mine = [abs(e) for e, r in zip(held, PUBLISHED) if r.source == source]
+        assert np.mean(mine) == pytest.approx(d["loso_error"], rel=1e-12), source
+
+
+def test_the_goals_on_the_pinned_numbers():
+    """Issue 37's goals: mean held out over sources <= 8%, no source above 15%, no GPU family above
+    12%. Asserted on the pins: the goals met stay met; those missed are named (MISSED)."""
+    measured = {"mean_over_sources": np.mean([v[2] for v in LOSO.values()]),
+                "source": max(v[2] for v in LOSO.values()),
+                "family": max(v[2] for v in FAMILIES.values())}
+    assert {goal for goal, limit in GOALS.items() if measured[goal] > limit} == MISSED

@@ -17,7 +17,7 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link
 from dtlib.analytic.layout import RECOMPUTE_OPTIONS
 from dtlib.analytic.memory import stack_storage
-from dtlib.analytic.precision import get_precision
+from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, get_precision, grad_reduce_dtype
 from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.stacks import FP8_RECIPES
 from dtlib.analytic.units import GiB
@@ -99,7 +99,13 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
                    help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
     m.add_argument("--dp-overlap", type=_overlap, help="DP communication hidden by compute")
-    m.add_argument("--tp-overlap", type=_overlap, help="TP communication hidden by compute")
+    m.add_argument("--tp-overlap", type=_overlap,
+                   help="TP communication hidden by the GEMMs (never more than their time); megatron's 1 is "
+                        "Megatron-Bridge's recipes (tp_comm_overlap=True), Megatron-Core's own default is 0")
+    m.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES,
+                   help="dtype the DP gradients are kept and reduced in (default: the --stack's: megatron bf16, "
+                        "Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32=False; Megatron-LM's "
+                        "script and NeMo reduce in fp32)")
     m.add_argument("--cp-overlap", type=_overlap, help="CP communication hidden by compute")
     m.add_argument("--ep-overlap", type=_overlap, metavar="FRACTION",
                    help="MoE: EP all-to-all hidden by compute (DualPipe, Megatron "
@@ -226,7 +232,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
-                          fp8_recipe=args.fp8_recipe, **moe)
+                          fp8_recipe=args.fp8_recipe, grad_reduce_dtype=args.grad_reduce_dtype, **moe)
     cl.gpu.peak(args.precision)  # a GPU without FP8 says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
@@ -300,6 +306,12 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
             else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
             "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
             "precision": get_precision(filled.precision).name, "flash_attention": filled.flash_attention,
+            "grad_reduce_dtype": grad_reduce_dtype(filled.precision),
+            "grad_reduce_source": ("--grad-reduce-dtype" if options.grad_reduce_dtype else
+                                   "the precision convention given" if options.precision is not None else
+                                   stack.sources.get("grad_reduce", f"stack {stack.name}'s precision")),
+            "tp_overlap_source": ("--tp-overlap" if options.tp_overlap is not None else
+                                  stack.sources.get("tp_overlap", f"stack {stack.name}")),
             "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype)}
 
 
@@ -313,6 +325,11 @@ def _megatron_meta_lines(m: dict[str, Any]) -> list[str]:
     return [f"Megatron-Core (meta device, the emitted flags): rank {m['rank']} holds {m['parameters_megatron']:,} "
             f"parameters, dtlib {m['parameters_dtlib']:,} ({same}); at {m['precision']} that is weights "
             f"{b['parameters'] / GiB:.2f} GiB, gradients {b['gradients'] / GiB:.2f} GiB, optimizer {optimizer}"]
+
+
+def _clause(source: str) -> str:
+    """A source's first clause, without the value it starts with ("bf16: X (where)" -> "X")."""
+    return source.split(": ", 1)[-1].split(" (")[0].split(";")[0] if ": " in source[:6] else source.split(" (")[0]
 
 
 def _text(d: dict[str, Any]) -> str:
@@ -331,7 +348,10 @@ def _text(d: dict[str, Any]) -> str:
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
              f"{a['cp_overlap']:g}, {moe_options}attention {a['attention_kernel']}, "
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
-             f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
+             f"(dtlib.analytic.stacks, docs/stacks.md)",
+             f"assumed: grad reduce {a['grad_reduce_dtype']} ({_clause(a['grad_reduce_source'])}), TP overlap "
+             f"{a['tp_overlap']:g} ({_clause(a['tp_overlap_source'])}); --grad-reduce-dtype, --tp-overlap change "
+             f"them", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"]
     if d["why"]:

@@ -33,7 +33,7 @@ from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_m
 from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
-from dtlib.analytic.precision import Precision, get_precision
+from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, Precision, get_precision, with_grad_reduce
 from dtlib.analytic.presets import Training, activation_convention
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
@@ -64,7 +64,9 @@ class StepOptions:
     :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
     traffic), ``fp8_recipe`` (:data:`dtlib.analytic.stacks.FP8_RECIPES`: the kernels launched per
     local expert with FP8, :data:`dtlib.plan.moe.EXPERT_LAUNCHES`; a stack without a recipe of its
-    own is taken as current scaling) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
+    own is taken as current scaling), ``grad_reduce_dtype`` (:data:`~dtlib.analytic.precision.GRAD_REDUCE_DTYPES`:
+    the dtype the data-parallel gradients are kept and reduced in, which sets ``precision``'s gradient
+    bytes; None: the precision's own, the stack's by default) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
     x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
 
     ``dtype``: compute precision of the matmuls (``bf16`` or ``fp8``); ``gemm_efficiency``: the
@@ -99,6 +101,7 @@ class StepOptions:
     fp8_recipe: str | None = None
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
@@ -119,6 +122,8 @@ class StepOptions:
         validate.number("moe_imbalance", self.moe_imbalance, minimum=1, exclusive=False)
         if self.precision is not None:
             get_precision(self.precision)
+        if self.grad_reduce_dtype is not None:
+            validate.one_of("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         if self.fp8_recipe is not None:
             validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         activation_convention(self.convention, self.flash_attention)
@@ -136,6 +141,8 @@ def resolve(options: StepOptions, dropout: bool | None = None) -> tuple[StepOpti
               "fused_elementwise": stack.fused_elementwise, "flash_attention": counted.flash_attention,
               "dp_overlap": stack.dp_overlap if same_dp else None}
     options = replace(options, **{k: v for k, v in filled.items() if getattr(options, k) is None})
+    if options.grad_reduce_dtype is not None:  # the gradient buffer's dtype is the reduce dtype (Megatron-Core DDP)
+        options = replace(options, precision=with_grad_reduce(options.precision, options.grad_reduce_dtype))
     return options, counted.dropout
 
 
@@ -307,7 +314,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # tokens through the EP dispatcher instead (ep_comm); shared experts gather over tp as a dense
     # MLP does (Megatron-Core SharedExpertMLP)
     tp_calls = (2 + full) * (2 * layers_here - moe_here * (moe["shared_experts"] == 0)) * m
-    tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    tp_raw = tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    # overlap (TE userbuffers, async TP) runs each collective beside a GEMM of the same layer: it
+    # hides at most the weight GEMMs' time, as ep_overlap below
+    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw, parts["gemm"])
     # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)
