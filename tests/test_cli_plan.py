@@ -62,15 +62,16 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert code == 0
     lines = out.splitlines()
     assert "searched in" in lines[0] and "stack megatron" in lines[0]
-    assert lines[1].startswith("stack megatron: TP overlap 1")
-    assert lines[2] == ("assumed: grad reduce bf16 (Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = "
+    assert lines[1] == "placement: 1 x 8-GPU NVLink domain, 8 of the job's GPUs in each; groups within 8 consecutive ranks stay on NVLink"
+    assert lines[2].startswith("stack megatron: TP overlap 1")
+    assert lines[3] == ("assumed: grad reduce bf16 (Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = "
                         "False), TP overlap 1 (CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
                         "recipes); --grad-reduce-dtype, --tp-overlap change them")
-    assert lines[3].startswith("activations counted as") and lines[4].startswith("where the numbers come from:")
-    assert lines[5].startswith("columns: ") and lines[6].split()[:3] == ["#", "dp", "tp"]
-    assert "etp" not in lines[5] and "etp" not in lines[6].split()  # a dense model: no expert columns
-    assert lines[7].startswith(" 1") and lines[8].startswith(" 2") and "breakdown" in lines[9]
-    assert lines[10].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert lines[4].startswith("activations counted as") and lines[5].startswith("where the numbers come from:")
+    assert lines[6].startswith("columns: ") and lines[7].split()[:3] == ["#", "dp", "tp"]
+    assert "etp" not in lines[6] and "etp" not in lines[7].split()  # a dense model: no expert columns
+    assert lines[8].startswith(" 1") and lines[9].startswith(" 2") and "breakdown" in lines[10]
+    assert lines[11].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -86,7 +87,7 @@ def test_nothing_fits_explains_and_exits_1(capsys):
     (["--model", "llama3-8b", "--global-batch", "8"], "the following arguments are required: --gpus"),
     (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "--gpus must be an integer >= 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch must be an integer >= 1"),
-    (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of nodes"),
+    (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of allocation units of --gpus-per-node 8"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
      "a100-80gb has no fp8 peak"),
@@ -137,7 +138,7 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     flat = json.loads(run(capsys, *base, "--efficiency", "0.5")[1])
     assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
     code, out, _ = run(capsys, *base[:-1])
-    assert code == 0 and out.splitlines()[4].startswith("where the numbers come from: compute from GEMM shapes")
+    assert code == 0 and out.splitlines()[5].startswith("where the numbers come from: compute from GEMM shapes")
 
 
 def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
@@ -208,9 +209,9 @@ def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     assert default["breakdown"]["ep_comm"] < balanced.breakdown["ep_comm"]  # imbalance 1 sends less
     code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--moe-imbalance", "2")
     lines = out.splitlines()
-    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[1]
-    assert "etp: expert tensor parallel size" in lines[5]
-    header, row = lines[6].split(), lines[7].split()
+    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[2]
+    assert "etp: expert tensor parallel size" in lines[6]
+    header, row = lines[7].split(), lines[8].split()
     assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]
 
 

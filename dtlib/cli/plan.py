@@ -31,6 +31,7 @@ from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan,
                              emitted_lines)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
+from dtlib.plan.segments import segments
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
@@ -213,14 +214,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("plan needs a model shape (--model PRESET or --layers/--hidden/--heads), not --params")
     if args.seq is not None:
         model = model.with_(seq=args.seq)
-    g = cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node
-    if args.gpus > g and args.gpus % g:
-        segment = 1 << (g.bit_length() - 1)  # e.g. 64 of an NVL72 rack's 72, as SLURM block scheduling uses
-        hint = (f"; or --gpus-per-node {segment}: a {segment}-GPU segment of each NVLink domain"
-                if args.gpus % segment == 0 else "")
-        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {g}; "
-                         f"valid: multiples of {g} (or at most {g}){hint}")
-    nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
+    placed = segments(args.gpus, cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node)
+    nodes, per_node = placed.domains, placed.gpus_per_domain
     cl = cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system)
     _check_moe_flags(args, model)
     activation, named_precision = conventions_from_args(args)
@@ -278,6 +273,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
+         "placement": {"domains": placed.domains, "gpus_per_domain": placed.gpus_per_domain,
+                       "domain_size": placed.domain_size, "text": placed.describe()},
          "caveats": [MOE_CAVEAT] if model.moe_experts else []}
     d.update(frameworks)
     return d
@@ -345,6 +342,7 @@ def _text(d: dict[str, Any]) -> str:
              f"{d['global_batch']} sequences of {d['seq']:,} tokens, {d['precision']} matmuls, stack "
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
+             d["placement"]["text"],
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
              f"{a['cp_overlap']:g}, {moe_options}attention {a['attention_kernel']}, "
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
