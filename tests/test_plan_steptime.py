@@ -70,7 +70,7 @@ def test_pipeline_bubble_is_the_closed_form_of_the_pipelined_work():
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         layout = Parallelism(dp=1, tp=2, pp=4, num_microbatches=8, schedule=schedule, virtual_stages=v)
         b = step_time(GPT, layout, c, options=NO_OVERLAP).breakdown
-        pipelined = b["compute"] + b["elementwise"] + b["tp_comm"] + b["cp_comm"] + b["ep_comm"]
+        pipelined = b["compute"] + b["elementwise"] + b["launch"] + b["tp_comm"] + b["cp_comm"] + b["ep_comm"]
         assert b["pp_bubble"] == pytest.approx((4 - 1) / (v * 8) * pipelined, rel=1e-12)
 
 

@@ -99,8 +99,8 @@ def test_plan_shows_the_stack_and_takes_overrides(capsys):
             "--cp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none", "--sequence-parallel"]
     assert main(base + ["--stack", "torchtitan"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "stack torchtitan" in out[0] and out[1].startswith("stack torchtitan: TP overlap 0, DP overlap 1.0")
-    assert "attention fa2, eager elementwise, precision fsdp-mixed" in out[1]
+    assert "stack torchtitan" in out[0] and out[2].startswith("stack torchtitan: TP overlap 0, DP overlap 1.0")
+    assert "attention fa2, eager elementwise, precision fsdp-mixed" in out[2]
     assert main(base + ["--stack", "torchtitan", "--tp-overlap", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["assumed"]["stack"] == "torchtitan" and d["assumed"]["tp_overlap"] == 1.0

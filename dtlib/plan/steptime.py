@@ -39,6 +39,7 @@ from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
+from dtlib.plan.launches import launch_time
 from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.terms import TERMS
 from dtlib.plan.stages import slowest_stage
@@ -257,7 +258,7 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
 def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_share: Any) -> dict[str, Any]:
     """``base`` with ``share`` of the way to ``full`` (the attention compute: ``attention_share``)."""
     out = dict(base)
-    for k in ("elementwise", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
+    for k in ("elementwise", "launch", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
               "hardware_flops", "dp_comm_unhidden", "compute_gemm"):
         out[k] = base[k] + share * (full[k] - base[k])
     out["compute_attention"] = base["compute_attention"] + attention_share * (
@@ -351,7 +352,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
                                  act_bytes=prec.activation)
     elementwise = elementwise + (1 + full / 2) * permuted * moe_here * m / gpu.memory_bandwidth
 
-    pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
+    # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
+    launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute)
+
+    pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
     boundary = act / tp
     pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
@@ -392,7 +396,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
 
-    out = {"compute": compute, "elementwise": elementwise, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
+    out = {"compute": compute, "elementwise": elementwise, "launch": launch, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
            "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
     out = {k: np.asarray(val, dtype=float) * np.ones_like(compute, dtype=float) for k, val in out.items()}
     out["step_time"] = sum(out[k] for k in TERMS)
