@@ -157,8 +157,8 @@ def memory_kwargs(options: StepOptions, dropout: bool) -> dict[str, bool]:
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
     """One GPU's share of the node's NICs, divided by the fabric's oversubscription."""
     inter = cluster.inter
-    return Link(inter.name, cluster.inter_bandwidth_per_gpu / oversubscription, inter.latency,
-                inter.source + f"; shared by the node's GPUs; / oversubscription {oversubscription:g}")
+    return replace(inter, bandwidth=cluster.inter_bandwidth_per_gpu / oversubscription,
+                   source=inter.source + f"; shared by the node's GPUs; / oversubscription {oversubscription:g}")
 
 
 def _on(inside: Any, op: str, nbytes: Any, ranks: Any, intra: Link, inter: Link) -> Any:
