@@ -140,8 +140,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
               "grad_reduce": "bf16: Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = False "
                              "(megatron/core/distributed/distributed_data_parallel_config.py at NVIDIA/Megatron-LM "
                              "001199898c4badd01eaf0785c212d8ed7ce83042), as Megatron-Bridge 25.11's performance "
-                             "scripts run it (docs/validation.md); NeMo 2.x's MegatronMixedPrecision "
-                             "defaults to grad_reduce_in_fp32=True: --grad-reduce-dtype fp32",
+                             "scripts run it (the stack's other settings are those scripts' too; docs/validation.md); "
+                             "Megatron-Bridge's library pretrain recipes (src/megatron/bridge/recipes/llama/llama3.py "
+                             "at 0d5f5558c16fc7b3eec45698768522e74f1a87a2: cfg.ddp.grad_reduce_in_fp32 = True) and "
+                             "NeMo 2.x's MegatronMixedPrecision reduce in fp32: --grad-reduce-dtype fp32",
           }),
     Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
