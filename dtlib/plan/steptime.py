@@ -26,7 +26,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_latency, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
                                   recompute_flops_per_token, step_flops)
@@ -395,6 +395,12 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     owned = dense / np.where(zero >= 1, dp * cp, 1) + expert / np.where(zero >= 1, grid["edp"], 1)
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
+    # two scalar all-reduces over every GPU each step, pure latency: the gradient norm for clipping
+    # (Megatron-Core optimizer/clip_grads.py get_grad_norm_fp32; torchtitan clip_grad_norm_) and the
+    # loss averaged for the step's report; NCCL's faster of ring and tree
+    nodes = np.maximum(np.ceil(gpus / g), 1)
+    optimizer = optimizer + 2 * np.minimum(nccl_latency("all_reduce", "ring", gpus, nodes, intra, inter),
+                                           nccl_latency("all_reduce", "tree", gpus, nodes, intra, inter))
 
     out = {"compute": compute, "elementwise": elementwise, "launch": launch, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
            "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}

@@ -71,5 +71,7 @@ TERMS: dict[str, str] = {
                "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
                  "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
-                 "(roofline, Williams et al. 2009)",
+                 "(roofline, Williams et al. 2009); plus two scalar all-reduces over every GPU, NCCL's latency "
+                 "only (the gradient norm for clipping, Megatron-Core get_grad_norm_fp32 / torchtitan "
+                 "clip_grad_norm_, and the loss average)",
 }
