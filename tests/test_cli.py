@@ -35,7 +35,7 @@ def test_memory_table_and_json(capsys):
     code, out, _ = run(capsys, "memory", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--json")
     per_gpu = json.loads(out)["per_gpu"]
     # the API with the CLI's defaults: today's convention, the megatron stack and its precision
-    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3), precision="megatron-bf16")
+    expected = memory_per_gpu("llama3-8b", Parallelism(dp=8, zero=3), precision="bf16-mixed")
     assert per_gpu["total"] == expected.total and per_gpu["activations"] == expected.activations
     assert per_gpu["parameters"] + per_gpu["gradients"] + per_gpu["optimizer"] == expected.model_states
 

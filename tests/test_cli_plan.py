@@ -62,14 +62,18 @@ def test_table_lists_the_top_layouts_with_their_breakdown(capsys):
     assert code == 0
     lines = out.splitlines()
     assert "searched in" in lines[0] and "stack megatron" in lines[0]
-    assert lines[1].startswith("stack megatron: TP overlap 1") and lines[2].startswith("activations counted as")
-    assert lines[3].startswith("where the numbers come from:")
-    assert lines[4].startswith("columns: ") and lines[5].split()[:3] == ["#", "dp", "tp"]
-    assert "etp" not in lines[4] and "etp" not in lines[5].split()  # a dense model: no expert columns
-    assert lines[6].startswith(" 1") and lines[7].startswith(" 2") and "breakdown" in lines[9]
+    assert lines[1] == "placement: 1 x 8-GPU NVLink domain, 8 of the job's GPUs in each; groups within 8 consecutive ranks stay on NVLink"
+    assert lines[2].startswith("stack megatron: TP overlap 1")
+    assert lines[3] == ("assumed: grad reduce bf16 (Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = "
+                        "False), TP overlap 1 (CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
+                        "recipes); --grad-reduce-dtype, --tp-overlap change them")
+    assert lines[4].startswith("activations counted as") and lines[5].startswith("where the numbers come from:")
+    assert lines[6].startswith("columns: ") and lines[7].split()[:3] == ["#", "dp", "tp"]
+    assert "etp" not in lines[6] and "etp" not in lines[7].split()  # a dense model: no expert columns
+    assert lines[8].startswith(" 1") and lines[9].startswith(" 2") and "breakdown" in lines[11]
     # a toy model does far less work per GPU than any published run: no band, and why
-    assert lines[8].startswith("error band of #1: step ") and "not covered: work per GPU 8.3e+12 FLOP" in lines[8]
-    assert lines[10].split() == list(TERMS) and "training 1e+10 tokens" in out
+    assert lines[10].startswith("error band of #1: step ") and "not covered: work per GPU 8.3e+12 FLOP" in lines[10]
+    assert lines[12].split() == list(TERMS) and "training 1e+10 tokens" in out
 
 
 def test_nothing_fits_explains_and_exits_1(capsys):
@@ -85,7 +89,7 @@ def test_nothing_fits_explains_and_exits_1(capsys):
     (["--model", "llama3-8b", "--global-batch", "8"], "the following arguments are required: --gpus"),
     (["--model", "llama3-8b", "--gpus", "0", "--global-batch", "8"], "--gpus must be an integer >= 1"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch must be an integer >= 1"),
-    (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of nodes"),
+    (["--model", "llama3-8b", "--gpus", "12", "--global-batch", "8"], "--gpus 12 is not a whole number of allocation units of --gpus-per-node 8"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "v100"], "unknown GPU 'v100'"),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
      "a100-80gb has no fp8 peak"),
@@ -136,7 +140,7 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     flat = json.loads(run(capsys, *base, "--efficiency", "0.5")[1])
     assert flat["efficiency"] == 0.5 and "--efficiency 0.5" in flat["efficiency_source"]
     code, out, _ = run(capsys, *base[:-1])
-    assert code == 0 and out.splitlines()[3].startswith("where the numbers come from: compute from GEMM shapes")
+    assert code == 0 and out.splitlines()[5].startswith("where the numbers come from: compute from GEMM shapes")
 
 
 def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
@@ -207,9 +211,9 @@ def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     assert default["breakdown"]["ep_comm"] < balanced.breakdown["ep_comm"]  # imbalance 1 sends less
     code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--moe-imbalance", "2")
     lines = out.splitlines()
-    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[1]
-    assert "etp: expert tensor parallel size" in lines[4]
-    header, row = lines[5].split(), lines[6].split()
+    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[2]
+    assert "etp: expert tensor parallel size" in lines[6]
+    header, row = lines[7].split(), lines[8].split()
     assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]
 
 
@@ -229,7 +233,7 @@ def test_every_plan_prints_its_band_and_the_json_carries_it(capsys):
     line = next(x for x in out.splitlines() if x.startswith("error band of #1"))
     percent = f"{100 * (step['low'] / best['step_time_s'] - 1):+.0f}% .. {100 * (step['high'] / best['step_time_s'] - 1):+.0f}%"
     assert f"step {best['step_time_s']:.3g} s ({percent}, {step['count']} runs: {step['regime']};" in line
-    row = out.splitlines()[6].split()
+    row = out.splitlines()[8].split()
     rounded = float(f"{best['tokens_per_s']:.3g}")  # 3 significant figures, written out with separators
     assert row[12] == f"{best['step_time_s']:.3g}" and row[13] == f"{rounded:,.0f}"
 
@@ -254,3 +258,25 @@ def test_the_band_method_and_coverage_are_options(capsys):
     for flag, value in (("--band-coverage", "0"), ("--band-coverage", "1.5"), ("--band-method", "normal")):
         code, out, err = run(capsys, *argv, flag, value)
         assert code == 2 and out == "" and flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_gradient_reduction_and_tp_overlap_are_stated_choices(capsys):
+    """Issue 37: the plan says in which dtype it reduced gradients and how much TP communication it
+    hid, and where each default comes from; --grad-reduce-dtype fp32 (Megatron-LM's script, NeMo)
+    doubles the gradient bytes: more memory and a longer exposed DP reduce."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--dp", "8", "--tp", "2",
+            "--pp", "1", "--micro-batch", "1", "--zero", "1", "--recompute", "none", "--dp-overlap", "0", "--json"]
+    bf16, fp32 = (json.loads(run(capsys, *base, *extra)[1]) for extra in ([], ["--grad-reduce-dtype", "fp32"]))
+    assert bf16["assumed"]["grad_reduce_dtype"] == "bf16" and "grad_reduce_in_fp32 = False" in bf16["assumed"]["grad_reduce_source"]
+    assert fp32["assumed"]["grad_reduce_dtype"] == "fp32" and fp32["assumed"]["grad_reduce_source"] == "--grad-reduce-dtype"
+    a, b = bf16["configs"][0], fp32["configs"][0]
+    # ZeRO 1: the reduce-scatter of the gradients doubles, the all-gather of the bf16 parameters does not
+    assert 1.3 < b["breakdown"]["dp_comm"] / a["breakdown"]["dp_comm"] < 1.5
+    # the gradient buffer: 2 more bytes per parameter on the GPU (8B / tp 2)
+    assert b["memory_per_gpu_bytes"] - a["memory_per_gpu_bytes"] == pytest.approx(2 * 8.03e9 / 2, rel=0.02)
+    off = json.loads(run(capsys, *base, "--tp-overlap", "0")[1])
+    assert off["assumed"]["tp_overlap"] == 0 and off["assumed"]["tp_overlap_source"] == "--tp-overlap"
+    assert off["configs"][0]["breakdown"]["tp_comm"] > a["breakdown"]["tp_comm"]
+    code, _, err = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                       "--grad-reduce-dtype", "fp16")
+    assert code == 2 and "--grad-reduce-dtype" in err and "fp32" in err

@@ -161,9 +161,9 @@ def test_cli_plan_system_and_memory_gpu(capsys):
      "argument --system: unknown system 'nvl72'; valid: dgx-a100"),
     (["plan", "--model", "llama3-8b", "--inter-link", "ib-qdr", "--gpus", "8", "--global-batch", "8"],
      "argument --inter-link: unknown link 'ib-qdr'; valid: nvlink3"),
-    (["plan", "--model", "llama3-8b", "--system", "gb200-nvl72", "--gpus", "256", "--global-batch", "8"],
-     "--gpus 256 is not a whole number of nodes of --gpus-per-node 72; valid: multiples of 72 (or at most 72); "
-     "or --gpus-per-node 64"),
+    (["plan", "--model", "llama3-8b", "--system", "gb200-nvl72", "--gpus", "258", "--global-batch", "8"],
+     "--gpus 258 is not a whole number of allocation units of --gpus-per-node 72; valid: multiples of 4 (the NVL72 "
+     "rack's compute tray), placed in equal segments of at most 72 (or at most 72)"),
     (["memory", "--model", "llama3-8b", "--gpu", "gb2"], "argument --gpu: unknown GPU 'gb2'"),
 ])
 def test_bad_names_name_the_flag(capsys, argv, message):

@@ -51,7 +51,8 @@ def test_memory_plan_and_the_api_agree_byte_for_byte(capsys, name):
     mem = _json(capsys, "memory", *LLAMA3_FLAGS, *both, *memory_only, "--json")
     plan = _json(capsys, "plan", *LLAMA3_FLAGS, *both, *plan_only, "--headroom", "1", "--json")
     planned = plan["configs"][0]["memory_per_gpu_bytes"] if plan["configs"] else None
-    api = memory_per_gpu(LLAMA405, layout, precision="megatron-bf16", seq=8192, **kwargs).total
+    # the megatron stack's bytes: BF16 gradients (Megatron-Core's grad_reduce_in_fp32=False)
+    api = memory_per_gpu(LLAMA405, layout, precision="bf16-mixed", seq=8192, **kwargs).total
     if planned is None:  # nothing fits: plan says the smallest memory it found, in GiB to 1 decimal
         assert f"{api / GiB:.1f} GiB" in plan["why"]
     else:
@@ -84,7 +85,7 @@ def test_more_layouts_agree(capsys):
                                   kv_heads=8 if "--kv-heads" in flags else None,
                                   activation="swiglu" if "swiglu" in flags else "gelu", vocab=50257,
                                   seq=int(flags[flags.index("--seq") + 1]))
-        precision = "fsdp-mixed" if kwargs.get("stack") == "torchtitan" else "megatron-bf16"
+        precision = "fsdp-mixed" if kwargs.get("stack") == "torchtitan" else "bf16-mixed"
         api = memory_per_gpu(model, layout, precision=precision, **kwargs).total
         assert config["memory_per_gpu_bytes"] == api == mem["per_gpu"]["total"], flags
 
@@ -93,7 +94,7 @@ def test_both_commands_say_what_they_assumed(capsys):
     mem = _json(capsys, "memory", "--model", "llama3-8b", "--json")
     notes = " ".join(mem["notes"])
     assert "convention 'today': FlashAttention-style attention" in notes and "no dropout" in notes
-    assert "stack: megatron (fused SwiGLU keeps its input only)" in notes and "18 bytes/param" in notes
+    assert "stack: megatron (fused SwiGLU keeps its input only)" in notes and "16 bytes/param" in notes
     plan = _json(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "1",
                  "--convention", "korthikanti-2022", "--json")
     a = plan["assumed"]

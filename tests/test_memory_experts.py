@@ -63,5 +63,5 @@ def test_memory_plan_and_the_api_agree_on_an_moe_layout(capsys):
     plan = json.loads(capsys.readouterr().out)
     layout = Parallelism(dp=16, tp=2, pp=8, ep=8, zero=1, recompute="full", sequence_parallel=True,
                          num_microbatches=4, first_stage_layers=7, last_stage_layers=6)
-    api = memory_per_gpu(DSV3, layout, precision="megatron-bf16").total
+    api = memory_per_gpu(DSV3, layout, precision="bf16-mixed").total
     assert plan["configs"][0]["memory_per_gpu_bytes"] == api == mem["per_gpu"]["total"]

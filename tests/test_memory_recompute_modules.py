@@ -95,9 +95,9 @@ def test_memory_and_plan_agree_with_modules(capsys):
     (config,) = json.loads(capsys.readouterr().out)["configs"]
     layout = Parallelism(dp=8, ep=8, zero=1, recompute_modules=("moe_act", "layernorm"))
     assert config["memory_per_gpu_bytes"] == mem == memory_per_gpu("qwen3-30b-a3b", layout, seq=4096,
-                                                                   precision="megatron-bf16").total
+                                                                   precision="bf16-mixed").total
     assert mem < memory_per_gpu("qwen3-30b-a3b", layout.with_(recompute_modules=()), seq=4096,
-                                precision="megatron-bf16").total
+                                precision="bf16-mixed").total
 
 
 def _published_memory(run, **changes) -> float:

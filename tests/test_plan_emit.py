@@ -49,7 +49,10 @@ MEGATRON_FLAGS = {
     "--norm-epsilon", "--make-vocab-size-divisible-by", "--rotary-base", "--rope-type", "--rotary-scaling-factor",
     "--qk-layernorm", "--moe-router-score-function", "--moe-router-enable-expert-bias",
     "--moe-router-topk-scaling-factor", "--softmax-type", "--activation-func-clamp-value", "--hidden-dropout",
-    "--attention-dropout"}
+    "--attention-dropout",
+    # the plan's BF16 gradient reduction: validate_args of Megatron-LM's arguments.py, 'if
+    # args.grad_reduce_in_bf16: args.accumulate_allreduce_grads_in_fp32 = False'
+    "--grad-reduce-in-bf16"}
 
 
 def _parse(flags):
@@ -334,7 +337,7 @@ NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_li
 KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),
                "dp_overlap": (0.0, 1.0), "tp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "ep_overlap": (0.0, 1.0),
                "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8"),
-               "bf16_layers": (0, 4)}
+               "bf16_layers": (0, 4), "grad_reduce_dtype": ("fp32", "bf16")}
 KNOB_MOE = TransformerConfig(name="moe", layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, moe_experts=16,
                              moe_top_k=2, bias=False)
 KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expresses > 1
@@ -377,7 +380,10 @@ def test_a_timed_option_is_emitted_or_retimed(framework, knob):
     ta, tb = (retime(p, p.resolved) for p in plans)
     assert (ta["step_time_s"], ta["memory_per_gpu_bytes"]) != (tb["step_time_s"], tb["memory_per_gpu_bytes"])
     ea, eb = (emit(framework, p) for p in plans)
-    named = [r for e in (ea, eb) for r in e.retimed if r.startswith(f"{knob}:") or knob == "dtype"]
+    # grad_reduce_dtype sets the precision's gradient bytes: a config that keeps its own is re-timed as "precision"
+    aliases = {"grad_reduce_dtype": "precision"}
+    named = [r for e in (ea, eb) for r in e.retimed
+             if r.startswith((f"{knob}:", f"{aliases.get(knob, knob)}:")) or knob == "dtype"]
     assert ea.text != eb.text or named, (knob, ea.retimed, eb.retimed)
     for e, p in zip((ea, eb), plans):  # a config that runs otherwise carries the step it makes
         assert (e.timing is not None) == bool(e.retimed)

@@ -28,8 +28,8 @@ def test_every_result_is_valid_fits_and_keeps_the_global_batch():
         assert x["dp"] * x["micro_batch"] * x["microbatches"] == 256
         assert x["tp"] <= 8
         layout = to_layout(x)  # Parallelism re-checks every rule
-        # the search counts memory as memory_per_gpu does (default stack and convention)
-        m = memory_per_gpu(get_preset("capstone-10b"), layout, precision="megatron-bf16")
+        # the search counts memory as memory_per_gpu does (default stack and convention: bf16 gradients)
+        m = memory_per_gpu(get_preset("capstone-10b"), layout, precision="bf16-mixed")
         assert m.total == pytest.approx(x["memory_per_gpu_bytes"], rel=1e-9)
         assert m.total <= 0.9 * c.gpu.memory_bytes
         assert x["step_time_s"] == pytest.approx(sum(x["breakdown"].values()), rel=1e-12)

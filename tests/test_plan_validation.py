@@ -7,152 +7,166 @@ import numpy as np
 import pytest
 
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
-from dtlib.plan.validation import (PUBLISHED, SOURCES, error_grid, errors_by_kind, fit, leave_one_source_out,
-                                   mean_absolute_error, validation_table)
+from dtlib.plan.validation import (GOALS, PUBLISHED, SOURCES, error_grid, errors_by_family, errors_by_kind, fit,
+                                   held_out_errors, leave_one_source_out, mean_absolute_error, validation_table)
 
 # name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts)
 EXPECTED = {
-    'GPT 1.7B (Narayanan T1)': (0.0970, True, 1),
-    'GPT 3.6B (Narayanan T1)': (0.0787, True, 4),
-    'GPT 7.5B (Narayanan T1)': (0.0397, True, 20),
-    'GPT 18.4B (Narayanan T1)': (0.0583, True, 38),
-    'GPT 39.1B (Narayanan T1)': (0.0650, True, 22),
-    'GPT 76.1B (Narayanan T1)': (0.0393, True, 7),
-    'GPT 145.6B (Narayanan T1)': (0.0074, True, 4),
-    'GPT 310.1B (Narayanan T1)': (-0.0305, True, 4),
-    'GPT 529.6B (Narayanan T1)': (-0.0662, True, 4),
-    'GPT 1008B (Narayanan T1)': (-0.0789, True, 1),
-    'GPT 22B, SP + selective (Korthikanti T5)': (-0.0387, True, 1),
-    'GPT 175B, SP + selective (Korthikanti T5)': (0.0681, True, 1),
-    'GPT 530B, SP + selective (Korthikanti T5)': (0.1532, True, 1),
-    'GPT 1T, SP + selective (Korthikanti T5)': (0.1803, True, 1),
-    'BLOOM 176B (BigScience)': (-0.0093, True, 9),
-    'Llama 3.1 8B, FSDP 8, eager (torchtitan T1)': (0.0084, True, 1),
-    'Llama 3.1 8B, FSDP 8, compile (torchtitan T1)': (-0.0101, True, 1),
-    'Llama 3.1 8B, FSDP 8, compile + Float8 (torchtitan T1)': (0.0367, True, 1),
-    'Llama 3.1 8B, FSDP 128, eager (torchtitan T3)': (0.0385, True, 1),
-    'Llama 3.1 8B, FSDP 128, compile (torchtitan T3)': (0.0153, True, 1),
-    'Llama 3.1 8B, FSDP 128, compile + Float8 (torchtitan T3)': (0.0585, True, 1),
-    'Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)': (-0.0040, True, 79),
-    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.0102, True, 59),
-    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.0862, True, 3),
-    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.0196, True, 79),
-    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.0996, True, 7),
-    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.1915, True, 20),
-    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.3631, True, 4),
-    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.2247, True, 26),
-    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.4761, True, 4),
-    'llama3-8b FP8-CS, 8 x H100 (Megatron-Bridge 25.11)': (-0.0707, True, 11),
-    'llama3-70b FP8-CS, 64 x H100 (Megatron-Bridge 25.11)': (-0.0416, True, 36),
-    'llama3-405b FP8-CS, 1024 x H100 (Megatron-Bridge 25.11)': (0.1077, True, 5),
-    'llama3-8b FP8-CS, 8 x B200 (Megatron-Bridge 25.11)': (0.0021, True, 2),
-    'llama3-8b FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.0396, True, 2),
-    'llama3-405b FP8-CS, 128 x B200 (Megatron-Bridge 25.11)': (0.0860, True, 7),
-    'llama3-405b FP8-MX, 128 x B200 (Megatron-Bridge 25.11)': (0.1504, True, 7),
-    'GPT3-5B FP8, 64 x H100 (NeMo 24.07)': (0.1323, True, 4),
-    'GPT3-20B FP8, 64 x H100 (NeMo 24.07)': (0.0282, True, 303),
-    'GPT3-175B FP8, 128 x H100 (NeMo 24.07)': (0.0343, True, 137),
-    'GPT3-175B FP8, 512 x H100 (NeMo 24.07)': (-0.0402, True, 92),
-    'LLAMA2-7B FP8, 8 x H100 (NeMo 24.07)': (0.0614, True, 17),
-    'LLAMA2-13B FP8, 16 x H100 (NeMo 24.07)': (-0.0733, True, 1333),
-    'LLAMA2-70B FP8, 64 x H100 (NeMo 24.07)': (0.0298, True, 405),
-    'LLAMA3-8B FP8, 8 x H100 (NeMo 24.07)': (0.1071, True, 16),
-    'LLAMA3-70B FP8, 64 x H100 (NeMo 24.07)': (0.0829, True, 133),
-    'LLAMA2-7B FP8 seq 4K, 4 x H100, CP 1 (NeMo long context)': (0.1102, True, 1),
-    'LLAMA2-7B FP8 seq 8K, 8 x H100, CP 1 (NeMo long context)': (0.1075, True, 13),
-    'LLAMA2-7B FP8 seq 16K, 16 x H100, CP 1 (NeMo long context)': (0.1921, True, 3),
-    'LLAMA2-7B FP8 seq 32K, 32 x H100, CP 2 (NeMo long context)': (0.2001, True, 3),
-    'LLAMA2-7B FP8 seq 64K, 64 x H100, CP 2 (NeMo long context)': (0.2137, True, 6),
-    'LLAMA2-7B FP8 seq 128K, 128 x H100, CP 4 (NeMo long context)': (0.0497, True, 51),
-    'LLAMA2-7B FP8 seq 256K, 256 x H100, CP 8 (NeMo long context)': (0.0055, True, 6),
-    'LLAMA2-7B FP8 seq 512K, 512 x H100, CP 16 (NeMo long context)': (-0.0267, True, 8),
-    'LLAMA2-7B FP8 seq 1024K, 1024 x H100, CP 32 (NeMo long context)': (-0.0183, True, 1),
-    'GPT3-175B FP8, 512 x B200 (NeMo 25.02)': (0.0168, True, 54),
-    'LLAMA3-8B FP8, 8 x B200 (NeMo 25.02)': (0.1800, True, 1),
-    'LLAMA3-70B FP8, 64 x B200 (NeMo 25.02)': (0.1574, True, 40),
-    'LLAMA3-405B FP8, 128 x B200 (NeMo 25.02)': (0.1195, True, 11),
-    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0270, True, 43),
-    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0036, True, 39),
-    'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0807, True, 59),
-    'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (0.0162, True, 2),
-    'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.1566, True, 1),
-    'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.2084, True, 20),
-    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.2114, True, 2),
-    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0497, True, 127),
-    'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (0.0095, True, 1),
-    'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0390, True, 1),
-    'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0122, True, 1),
-    'MPT-13B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0414, True, 1),
-    'MPT-7B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1276, True, 1),
-    'MPT-3B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1303, True, 1),
-    'MPT-1B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1645, True, 1),
-    'MPT-13B seq 2048, 8 x H100, bf16 (llm-foundry)': (0.2988, True, 1),
-    'MPT-7B seq 8192, 8 x H100, bf16 (llm-foundry)': (-0.0514, True, 1),
-    'MPT-1B seq 32768, 8 x H100, bf16 (llm-foundry)': (0.0645, True, 1),
-    'MPT-3B seq 512, 8 x H100, bf16 (llm-foundry)': (0.1003, True, 1),
-    'MPT-3B seq 2048, 8 x H100, fp8 (llm-foundry)': (0.2252, True, 1),
-    'MPT-1B seq 8192, 8 x H100, fp8 (llm-foundry)': (0.1855, True, 2),
-    'MPT-70B seq 2048, 64 x A100, bf16 (llm-foundry)': (-0.1631, True, 1),
-    'MPT-30B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.1966, True, 1),
-    'MPT-13B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0233, True, 1),
-    'MPT-7B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0936, True, 2),
-    'MPT-1B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0568, True, 2),
-    'Llama 3.1 8B, FSDP 32, compile + Float8, H200 (Trainy)': (-0.0396, True, 1),
-    'Llama 3.1 8B, FSDP 64, compile + Float8, H200 (Trainy)': (-0.0232, True, 1),
-    'GPT 175B ZeRO-3, 256 x A100 (DeepSpeed Azure 2022)': (-0.1022, True, 1),
-    'GPT 1T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1150, True, 1),
-    'GPT 2T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1829, True, 1),
-    'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0230, False, 1),
-    'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0428, True, 1),
-    'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1677, True, 6),
-    'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0589, True, 4),
-    'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1848, True, 9),
-    'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (0.0333, True, 12),
-    'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.1470, True, 16),
-    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.0974, True, 43),
-    'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0505, True, 2),
-    'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0124, True, 2),
-    'LLAMA3_70B FP8-CS, 64 x GB300 (Megatron-Bridge 25.11)': (0.0929, True, 1),
-    'LLAMA3.1_405B FP8-CS, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1042, True, 60),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0274, True, 5),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (0.0186, True, 14),
-    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4985, True, 2),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0920, True, 2),
-    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1047, True, 15),
-    'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0676, True, 2),
-    'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.1292, True, 2),
-    'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.1003, True, 1),
-    'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (0.0429, True, 38),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0965, True, 4),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0376, True, 12),
-    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.5228, True, 3),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0693, True, 1),
-    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0230, True, 18),
-    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1607, True, 7),
-    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (1.0879, True, 11),
-    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3729, True, 3),
-    'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3609, True, 12),
-    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3499, True, 18),
-    'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8304, True, 9),
-    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.3148, True, 8),
+    'GPT 1.7B (Narayanan T1)': (0.0947, True, 1),
+    'GPT 3.6B (Narayanan T1)': (0.0761, True, 3),
+    'GPT 7.5B (Narayanan T1)': (0.0368, True, 19),
+    'GPT 18.4B (Narayanan T1)': (0.0558, True, 36),
+    'GPT 39.1B (Narayanan T1)': (0.0635, True, 20),
+    'GPT 76.1B (Narayanan T1)': (0.0355, True, 7),
+    'GPT 145.6B (Narayanan T1)': (0.0060, True, 3),
+    'GPT 310.1B (Narayanan T1)': (-0.0334, True, 4),
+    'GPT 529.6B (Narayanan T1)': (-0.0681, True, 4),
+    'GPT 1008B (Narayanan T1)': (-0.0801, True, 1),
+    'GPT 22B, SP + selective (Korthikanti T5)': (-0.0343, True, 1),
+    'GPT 175B, SP + selective (Korthikanti T5)': (0.0709, True, 1),
+    'GPT 530B, SP + selective (Korthikanti T5)': (0.1555, True, 1),
+    'GPT 1T, SP + selective (Korthikanti T5)': (0.1818, True, 1),
+    'BLOOM 176B (BigScience)': (-0.0102, True, 9),
+    'Llama 3.1 8B, FSDP 8, eager (torchtitan T1)': (0.0046, True, 1),
+    'Llama 3.1 8B, FSDP 8, compile (torchtitan T1)': (-0.0115, True, 1),
+    'Llama 3.1 8B, FSDP 8, compile + Float8 (torchtitan T1)': (0.0342, True, 1),
+    'Llama 3.1 8B, FSDP 128, eager (torchtitan T3)': (0.0345, True, 1),
+    'Llama 3.1 8B, FSDP 128, compile (torchtitan T3)': (0.0137, True, 1),
+    'Llama 3.1 8B, FSDP 128, compile + Float8 (torchtitan T3)': (0.0558, True, 1),
+    'Llama 3.1 70B, FSDP 32 x TP 8, compile + Float8 (torchtitan T4)': (-0.0046, True, 79),
+    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.0098, True, 58),
+    'Llama 3.1 70B, FSDP 32 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.0857, True, 3),
+    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.0190, True, 79),
+    'Llama 3.1 70B, FSDP 32 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.0987, True, 7),
+    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, vanilla TP (torchtitan asyncTP)': (0.1895, True, 18),
+    'Llama 3.1 8B, FSDP 8 x TP 8, bfloat16, async TP (torchtitan asyncTP)': (0.3603, True, 3),
+    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, vanilla TP (torchtitan asyncTP)': (0.2219, True, 26),
+    'Llama 3.1 8B, FSDP 8 x TP 8, float8 tensorwise, async TP (torchtitan asyncTP)': (0.4716, True, 4),
+    'llama3-8b FP8-CS, 8 x H100 (Megatron-Bridge 25.11)': (-0.0769, True, 11),
+    'llama3-70b FP8-CS, 64 x H100 (Megatron-Bridge 25.11)': (-0.0488, True, 36),
+    'llama3-405b FP8-CS, 1024 x H100 (Megatron-Bridge 25.11)': (0.0973, True, 6),
+    'llama3-8b FP8-CS, 8 x B200 (Megatron-Bridge 25.11)': (-0.0052, True, 2),
+    'llama3-8b FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.0319, True, 2),
+    'llama3-405b FP8-CS, 128 x B200 (Megatron-Bridge 25.11)': (0.0745, True, 7),
+    'llama3-405b FP8-MX, 128 x B200 (Megatron-Bridge 25.11)': (0.1382, True, 7),
+    'GPT3-5B FP8, 64 x H100 (NeMo 24.07)': (0.1215, True, 4),
+    'GPT3-20B FP8, 64 x H100 (NeMo 24.07)': (0.0119, True, 312),
+    'GPT3-175B FP8, 128 x H100 (NeMo 24.07)': (0.0166, True, 150),
+    'GPT3-175B FP8, 512 x H100 (NeMo 24.07)': (-0.0491, True, 92),
+    'LLAMA2-7B FP8, 8 x H100 (NeMo 24.07)': (0.0434, True, 20),
+    'LLAMA2-13B FP8, 16 x H100 (NeMo 24.07)': (-0.0823, True, 1235),
+    'LLAMA2-70B FP8, 64 x H100 (NeMo 24.07)': (0.0124, True, 417),
+    'LLAMA3-8B FP8, 8 x H100 (NeMo 24.07)': (0.0928, True, 16),
+    'LLAMA3-70B FP8, 64 x H100 (NeMo 24.07)': (0.0658, True, 143),
+    'LLAMA2-7B FP8 seq 4K, 4 x H100, CP 1 (NeMo long context)': (0.1004, True, 1),
+    'LLAMA2-7B FP8 seq 8K, 8 x H100, CP 1 (NeMo long context)': (0.1034, True, 10),
+    'LLAMA2-7B FP8 seq 16K, 16 x H100, CP 1 (NeMo long context)': (0.1886, True, 3),
+    'LLAMA2-7B FP8 seq 32K, 32 x H100, CP 2 (NeMo long context)': (0.1978, True, 3),
+    'LLAMA2-7B FP8 seq 64K, 64 x H100, CP 2 (NeMo long context)': (0.2122, True, 6),
+    'LLAMA2-7B FP8 seq 128K, 128 x H100, CP 4 (NeMo long context)': (0.0491, True, 51),
+    'LLAMA2-7B FP8 seq 256K, 256 x H100, CP 8 (NeMo long context)': (0.0052, True, 6),
+    'LLAMA2-7B FP8 seq 512K, 512 x H100, CP 16 (NeMo long context)': (-0.0270, True, 8),
+    'LLAMA2-7B FP8 seq 1024K, 1024 x H100, CP 32 (NeMo long context)': (-0.0186, True, 1),
+    'GPT3-175B FP8, 512 x B200 (NeMo 25.02)': (-0.0023, True, 56),
+    'LLAMA3-8B FP8, 8 x B200 (NeMo 25.02)': (0.1713, True, 1),
+    'LLAMA3-70B FP8, 64 x B200 (NeMo 25.02)': (0.1376, True, 41),
+    'LLAMA3-405B FP8, 128 x B200 (NeMo 25.02)': (0.1079, True, 10),
+    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0342, True, 42),
+    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0074, True, 39),
+    'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0561, True, 51),
+    'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (0.0080, True, 2),
+    'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.1498, True, 1),
+    'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.1930, True, 17),
+    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1965, True, 2),
+    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0444, True, 125),
+    'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (0.0075, True, 1),
+    'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0410, True, 1),
+    'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0147, True, 1),
+    'MPT-13B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0437, True, 1),
+    'MPT-7B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1170, True, 1),
+    'MPT-3B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1126, True, 1),
+    'MPT-1B seq 2048, 128 x H100, bf16 (llm-foundry)': (0.1466, True, 1),
+    'MPT-13B seq 2048, 8 x H100, bf16 (llm-foundry)': (0.2756, True, 1),
+    'MPT-7B seq 8192, 8 x H100, bf16 (llm-foundry)': (-0.0526, True, 1),
+    'MPT-1B seq 32768, 8 x H100, bf16 (llm-foundry)': (0.0615, True, 1),
+    'MPT-3B seq 512, 8 x H100, bf16 (llm-foundry)': (0.0847, True, 1),
+    'MPT-3B seq 2048, 8 x H100, fp8 (llm-foundry)': (0.2026, True, 1),
+    'MPT-1B seq 8192, 8 x H100, fp8 (llm-foundry)': (0.1647, True, 2),
+    'MPT-70B seq 2048, 64 x A100, bf16 (llm-foundry)': (-0.1637, True, 1),
+    'MPT-30B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.1984, True, 1),
+    'MPT-13B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0295, True, 1),
+    'MPT-7B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0966, True, 2),
+    'MPT-1B seq 2048, 8 x A100, bf16 (llm-foundry)': (-0.0613, True, 2),
+    'Llama 3.1 8B, FSDP 32, compile + Float8, H200 (Trainy)': (-0.0424, True, 1),
+    'Llama 3.1 8B, FSDP 64, compile + Float8, H200 (Trainy)': (-0.0261, True, 1),
+    'GPT 175B ZeRO-3, 256 x A100 (DeepSpeed Azure 2022)': (-0.1023, True, 1),
+    'GPT 1T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1149, True, 1),
+    'GPT 2T ZeRO-3, 1024 x A100 (DeepSpeed Azure 2022)': (0.1828, True, 1),
+    'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0207, False, 1),
+    'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0404, True, 1),
+    'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1684, True, 6),
+    'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0505, True, 4),
+    'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1713, True, 9),
+    'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (0.0243, True, 12),
+    'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.1516, True, 15),
+    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.1002, True, 39),
+    'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
+    'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0208, True, 2),
+    'LLAMA3_70B FP8-CS, 64 x GB300 (Megatron-Bridge 25.11)': (0.0895, True, 1),
+    'LLAMA3.1_405B FP8-CS, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1100, True, 49),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0328, True, 5),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (0.0104, True, 15),
+    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4894, True, 2),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1005, True, 2),
+    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1102, True, 15),
+    'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0590, True, 2),
+    'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.1201, True, 2),
+    'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.0971, True, 1),
+    'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (0.0369, True, 37),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0909, True, 4),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0440, True, 12),
+    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.5068, True, 3),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0596, True, 1),
+    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0121, True, 18),
+    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1545, True, 7),
+    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (1.0798, True, 11),
+    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3481, True, 3),
+    'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3446, True, 12),
+    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3401, True, 18),
+    'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8177, True, 9),
+    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.3003, True, 8),
 }
 
 # held-out source: (GEMM, attention efficiency fitted without it, held-out error, in-sample error)
 LOSO = {
-    'Narayanan 2021': (0.60, 0.50, 0.0561, 0.0561),
-    'Korthikanti 2022': (0.60, 0.50, 0.1101, 0.1101),
-    'BLOOM 2022': (0.60, 0.50, 0.0093, 0.0093),
-    'torchtitan': (0.60, 0.50, 0.1095, 0.1095),
-    'Megatron-Bridge': (0.60, 0.50, 0.1896, 0.1896),
-    'NeMo 2024': (0.60, 0.50, 0.0841, 0.0841),
-    'NeMo 2025': (0.60, 0.50, 0.1023, 0.1023),
-    'MosaicML llm-foundry': (0.60, 0.50, 0.1102, 0.1102),
-    'Trainy H200': (0.60, 0.45, 0.0765, 0.0314),
+    'Narayanan 2021': (0.60, 0.50, 0.0550, 0.0550),
+    'Korthikanti 2022': (0.60, 0.50, 0.1106, 0.1106),
+    'BLOOM 2022': (0.60, 0.50, 0.0102, 0.0102),
+    'torchtitan': (0.60, 0.50, 0.1077, 0.1077),
+    'Megatron-Bridge': (0.60, 0.50, 0.1846, 0.1846),
+    'NeMo 2024': (0.60, 0.50, 0.0777, 0.0777),
+    'NeMo 2025': (0.60, 0.50, 0.0924, 0.0924),
+    'MosaicML llm-foundry': (0.60, 0.50, 0.1041, 0.1041),
+    'Trainy H200': (0.60, 0.45, 0.0791, 0.0343),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1334, 0.1334),
-    'Llama 3 2024': (0.60, 0.45, 0.0881, 0.0779),
-    'Megatron-Bridge NVFP4': (0.60, 0.50, 0.1060, 0.1060),
-    'DeepSeek-V3 2024': (0.60, 0.50, 0.0974, 0.0974),
+    'Llama 3 2024': (0.60, 0.45, 0.0867, 0.0765),
+    'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0995, 0.0995),
+    'DeepSeek-V3 2024': (0.60, 0.50, 0.1002, 0.1002),
 }
+
+
+# GPU family: (runs, in-sample error, held-out error of each run's own fold)
+FAMILIES = {
+    'a100': (23, 0.0849, 0.0849),
+    'h100': (55, 0.1136, 0.1142),
+    'b200': (14, 0.1884, 0.1884),
+    'gb200': (17, 0.1175, 0.1175),
+    'h200': (2, 0.0343, 0.0791),
+    'gb300': (11, 0.0997, 0.0997),
+    'h800': (1, 0.1002, 0.1002),
+}
+# issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
+MISSED = {"mean_over_sources", "source", "family"}
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +203,7 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1192, abs=5e-4)
+    assert mae == pytest.approx(0.1147, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -222,7 +236,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0979, abs=5e-4)
+    assert held_out == pytest.approx(0.0955, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -297,7 +311,32 @@ def test_pins_print_what_this_file_pins(table, errors):
 
     from dtlib.plan.validation import _pins
 
-    text = _pins(list(table.values()), leave_one_source_out(errors))
+    text = _pins(list(table.values()), leave_one_source_out(errors), errors_by_family(errors))
     expected = ast.literal_eval(text[text.index("{"):text.index("}") + 1])
-    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.rindex("}") + 1])
-    assert expected == EXPECTED and loso == LOSO
+    loso = ast.literal_eval(text[text.index("{", text.index("LOSO")):text.index("}", text.index("LOSO")) + 1])
+    families = ast.literal_eval(text[text.index("{", text.index("FAMILIES")):text.rindex("}") + 1])
+    assert expected == EXPECTED and loso == LOSO and families == FAMILIES
+
+
+def test_families_are_pinned_from_each_runs_held_out_fold(errors):
+    families = errors_by_family(errors)
+    assert list(families) == list(FAMILIES)
+    for family, (runs, in_sample, held_out) in FAMILIES.items():
+        d = families[family]
+        assert d["runs"] == runs == sum(r.family == family for r in PUBLISHED), family
+        assert d["in_sample_error"] == pytest.approx(in_sample, abs=5e-4), family
+        assert d["loso_error"] == pytest.approx(held_out, abs=5e-4), family
+    # the per-run held-out errors are the folds leave_one_source_out scores
+    held, loso = held_out_errors(errors), leave_one_source_out(errors)
+    for source, d in loso.items():
+        mine = [abs(e) for e, r in zip(held, PUBLISHED) if r.source == source]
+        assert np.mean(mine) == pytest.approx(d["loso_error"], rel=1e-12), source
+
+
+def test_the_goals_on_the_pinned_numbers():
+    """Issue 37's goals: mean held out over sources <= 8%, no source above 15%, no GPU family above
+    12%. Asserted on the pins: the goals met stay met; those missed are named (MISSED)."""
+    measured = {"mean_over_sources": np.mean([v[2] for v in LOSO.values()]),
+                "source": max(v[2] for v in LOSO.values()),
+                "family": max(v[2] for v in FAMILIES.values())}
+    assert {goal for goal, limit in GOALS.items() if measured[goal] > limit} == MISSED

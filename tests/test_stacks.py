@@ -18,7 +18,7 @@ MODEL = get_preset("llama3-8b")
 C = cluster("h100-sxm", 2, 8)
 TP_LAYOUT = Parallelism(dp=4, tp=4, num_microbatches=4, sequence_parallel=True, zero=1)
 SETTINGS = ("tp_overlap", "dp_overlap", "cp_overlap", "attention_kernel", "fused_elementwise", "fused_swiglu",
-            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision")
+            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision", "grad_reduce")
 
 
 def test_every_default_names_its_setting():
@@ -29,6 +29,8 @@ def test_every_default_names_its_setting():
     # the settings quoted are the frameworks' own names
     assert "tp_comm_overlap" in STACKS["megatron"].sources["tp_overlap"]
     assert "overlap_grad_reduce" in STACKS["megatron"].sources["dp_overlap"]
+    assert "grad_reduce_in_fp32 = False" in STACKS["megatron"].sources["grad_reduce"]
+    assert "mixed_precision_reduce = 'float32'" in STACKS["torchtitan"].sources["grad_reduce"]
     assert "selective" not in STACKS["torchtitan"].sources["tp_overlap"]
     assert "enable_async_tensor_parallel" in STACKS["torchtitan"].sources["tp_overlap"]
     assert "overlap_comm" in STACKS["deepspeed"].sources["dp_overlap"]
@@ -97,8 +99,8 @@ def test_plan_shows_the_stack_and_takes_overrides(capsys):
             "--cp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none", "--sequence-parallel"]
     assert main(base + ["--stack", "torchtitan"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "stack torchtitan" in out[0] and out[1].startswith("stack torchtitan: TP overlap 0, DP overlap 1.0")
-    assert "attention fa2, eager elementwise, precision fsdp-mixed" in out[1]
+    assert "stack torchtitan" in out[0] and out[2].startswith("stack torchtitan: TP overlap 0, DP overlap 1.0")
+    assert "attention fa2, eager elementwise, precision fsdp-mixed" in out[2]
     assert main(base + ["--stack", "torchtitan", "--tp-overlap", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["assumed"]["stack"] == "torchtitan" and d["assumed"]["tp_overlap"] == 1.0

@@ -213,8 +213,9 @@ def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str",
     reduce-scatter, inter-node ``op`` of S/local on ``inter``, intra-node all-gather; the tree's
     network phase at 0.92 of the ring's bandwidth); NCCL runs the faster of ring and tree per call.
     ``inter`` is one GPU's share of the network (NICs shared, oversubscription applied by the caller).
-    Returns ``ring``, ``tree`` (inf where NCCL has no tree) and ``best``; arrays broadcast.
-    On a calibrated link (:class:`~dtlib.analytic.measured.MeasuredLink`) each call is the
+    With ``inter.in_network_reduction`` (SHARP) an all-reduce across nodes may also run as NCCL's CollNet.
+    Returns ``ring``, ``tree`` (inf where NCCL has no tree), ``collnet`` (inf without SHARP) and ``best``;
+    arrays broadcast. On a calibrated link (:class:`~dtlib.analytic.measured.MeasuredLink`) each call is the
     measured collective of the whole group (its latency measured with it), not NCCL's model."""
     _check(op, nbytes=nbytes, ranks=ranks, local=local, calls=calls)
     lin, lnet = _link(intra), _link(inter)
@@ -237,7 +238,15 @@ def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str",
                         + net_bw / NCCL_TUNING["tree_bandwidth"])
     else:
         tree = np.full_like(ring, np.inf)
-    out = {"ring": ring, "tree": tree, "best": np.minimum(ring, tree)}
+    collnet = np.full_like(ring, np.inf)
+    if op == "all_reduce" and lnet.in_network_reduction:
+        # SHARP (Graham et al. 2016, "Scalable Hierarchical Aggregation Protocol"): each GPU's S/local share
+        # goes up the switches' aggregation tree once and the sum comes down once, instead of the ring's
+        # 2(N-1)/N; latency: NCCL's base, the intra-node ring hops, one network hop up and one down
+        latency = np.where(n <= 1, 0.0, NCCL_TUNING["base_latency"] + 2 * (n / nodes - 1) * lin.latency
+                           + 2 * lnet.latency)
+        collnet = np.where(nodes > 1, calls * (latency + intra_bw + per_call / g / lnet.bandwidth), np.inf)
+    out = {"ring": ring, "tree": tree, "collnet": collnet, "best": np.minimum(np.minimum(ring, tree), collnet)}
     return {k: (float(v) if np.ndim(v) == 0 else v) for k, v in out.items()}
 
 

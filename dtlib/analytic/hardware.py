@@ -64,11 +64,14 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class Link:
-    """An interconnect: bandwidth per GPU per direction (B/s) and per-hop latency (s)."""
+    """An interconnect: bandwidth per GPU per direction (B/s) and per-hop latency (s);
+    ``in_network_reduction``: its switches reduce (InfiniBand SHARP, NCCL's CollNet), so an
+    all-reduce sends each byte up once and receives the sum once (:func:`dtlib.analytic.comm.nccl_time`)."""
     name: str
     bandwidth: float
     latency: float
     source: str
+    in_network_reduction: bool = False
 
 
 # Dense BF16 tensor-core FLOPs per SM and clock over exponentials (MUFU.EX2) per SM and clock: 16
@@ -176,6 +179,12 @@ LINKS: dict[str, Link] = {l.name: l for l in [
     Link("ib-hdr", 25e9, 14e-6, "NVIDIA ConnectX-6 HDR InfiniBand: 200 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
     Link("ib-ndr", 50e9, 14e-6, "NVIDIA ConnectX-7 NDR InfiniBand: 400 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
     Link("ib-xdr", 100e9, 14e-6, "NVIDIA ConnectX-8 XDR InfiniBand: 800 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
+    # a fabric option: the same NICs on switches with in-network reduction (NVIDIA Quantum-2 / Quantum-X800
+    # SHARPv3, used by NCCL's CollNet through the SHARP plugin, NCCL_COLLNET_ENABLE=1)
+    Link("ib-ndr-sharp", 50e9, 14e-6, "NVIDIA ConnectX-7 NDR 400 Gb/s on Quantum-2 switches with SHARPv3 in-network "
+         "reduction (NCCL CollNet, NCCL_COLLNET_ENABLE=1); " + _NCCL_LAT.replace("Ring", "Net Ring"), True),
+    Link("ib-xdr-sharp", 100e9, 14e-6, "NVIDIA ConnectX-8 XDR 800 Gb/s on Quantum-X800 switches with SHARPv4 in-network "
+         "reduction (NCCL CollNet); " + _NCCL_LAT.replace("Ring", "Net Ring"), True),
     Link("roce-400g", 50e9, 14e-6, "400 GbE RoCEv2 NIC (e.g. ConnectX-7 Ethernet): 400 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),
 ]}
 

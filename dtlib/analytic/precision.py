@@ -18,15 +18,19 @@ convention              param  grad   optimizer                     total  sourc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from dtlib.analytic import validate
 
-__all__ = ["Precision", "precision", "get_precision", "CONVENTIONS", "PRECISIONS", "OPTIMIZERS", "NVFP4_BLOCK",
-           "NVFP4_BYTES", "OPERAND_BYTES"]
+__all__ = ["Precision", "precision", "get_precision", "with_grad_reduce", "grad_reduce_dtype", "CONVENTIONS",
+           "PRECISIONS", "OPTIMIZERS", "GRAD_REDUCE_DTYPES", "NVFP4_BLOCK", "NVFP4_BYTES", "OPERAND_BYTES"]
 
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "adam-8bit")
+# the dtype the data-parallel gradient buffer is kept and reduced in (Megatron-Core
+# DistributedDataParallelConfig.grad_reduce_in_fp32; FSDP2 MixedPrecisionPolicy.reduce_dtype)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # bytes of optimizer state per parameter: Adam keeps m and v in fp32 (Kingma & Ba 2015);
 # 8-bit Adam keeps both in one byte (Dettmers et al. 2022; per-block absmax ignored, < 0.2%).
@@ -119,3 +123,31 @@ def get_precision(spec: "Precision | str") -> Precision:
     if spec in PRECISIONS:
         return precision(spec)
     raise ValueError(f"unknown precision {spec!r}; valid: {', '.join(CONVENTIONS)} or {', '.join(PRECISIONS)}")
+
+
+def with_grad_reduce(spec: "Precision | str", dtype: str) -> Precision:
+    """``spec`` with its gradients kept and reduced in ``dtype`` (one of :data:`GRAD_REDUCE_DTYPES`).
+
+    Megatron-Core's DDP allocates its gradient buffer in FP32 when ``grad_reduce_in_fp32`` is set and
+    in the parameters' dtype otherwise, and reduces that buffer (``param_and_grad_buffer.py``), so
+    the choice sets both the memory and the bytes on the wire: one number, ``grad``."""
+    validate.one_of("grad_reduce_dtype", dtype, GRAD_REDUCE_DTYPES)
+    prec = get_precision(spec)
+    if dtype != "fp32" and prec.activation == 4:  # pure fp32 training: no 16-bit gradient to reduce
+        raise ValueError(f"grad_reduce_dtype {dtype} needs 16-bit training; precision {prec.name!r} trains "
+                         f"in fp32 (give grad_reduce_dtype fp32)")
+    if _BYTES[dtype] == prec.grad:
+        return prec
+    # "bf16-mixed/fp32 grads/adam" -> "bf16-mixed/bf16 grads/adam"; names without a grads part say it after
+    named = re.sub(r"/(bf16|fp16|fp32) grads", f"/{dtype} grads", prec.name)
+    return replace(prec, name=named if named != prec.name else f"{prec.name}, {dtype} grad reduce", grad=_BYTES[dtype],
+                   source=prec.source + f"; gradients kept and reduced in {dtype}")
+
+
+def grad_reduce_dtype(spec: "Precision | str") -> str:
+    """The dtype ``spec``'s gradients are reduced in: ``fp32`` for 4 bytes, else ``bf16``
+    (``fp16`` for an fp16 convention)."""
+    prec = get_precision(spec)
+    if prec.grad >= 4:
+        return "fp32"
+    return "fp16" if "fp16" in prec.name else "bf16"

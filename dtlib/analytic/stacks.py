@@ -101,11 +101,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                       "(Megatron-Bridge / NeMo performance configs)",
           tp_overlap=1.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa3",
           fused_elementwise=True, fused_swiglu=True, fp8_saves_inputs=True, fp8_recipe="delayed",
-          expert_loop=True, precision="megatron-bf16",
+          expert_loop=True, precision="bf16-mixed",
           sources={
-              "tp_overlap": "CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
+              "tp_overlap": "1: CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
                             "recipes (Megatron-Core ModelParallelConfig.tp_comm_overlap, default False: "
-                            "TE userbuffers overlap the TP all-gather/reduce-scatter with the GEMMs)",
+                            "TE userbuffers overlap the TP all-gather/reduce-scatter with the GEMMs; "
+                            "--tp-overlap 0 for a run without it)",
               "dp_overlap": "cfg.ddp.overlap_grad_reduce = True, cfg.ddp.overlap_param_gather = True in the "
                             "same recipes (Megatron-LM --overlap-grad-reduce / --overlap-param-gather, "
                             "default False)",
@@ -131,8 +132,18 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                              "multi_stream_cublas_gemm: 'for (int i = 0; i < num_gemms; i++) { ... "
                              "nvte_cublas_gemm_v2(...) }' on 4 streams; its CUTLASS grouped GEMM only on Hopper "
                              "with NVTE_USE_CUTLASS_GROUPED_GEMM (default off)",
-              "precision": "Megatron-LM arguments.py: with --bf16 'accumulate_allreduce_grads_in_fp32 = True' "
-                           "(fp32 main gradients): 2 + 4 + 12 bytes/param (distrib_optimizer.md)",
+              "precision": "BF16 weights, BF16 gradient buffer, fp32 master weights and Adam states: 2 + 2 + 12 "
+                           "bytes/param (the gradient buffer in the reduce dtype, grad_reduce below); Megatron-LM's "
+                           "own training script differs: arguments.py with --bf16 sets "
+                           "'accumulate_allreduce_grads_in_fp32 = True' unless --grad-reduce-in-bf16 "
+                           "(megatron-bf16, 2 + 4 + 12)",
+              "grad_reduce": "bf16: Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32 = False "
+                             "(megatron/core/distributed/distributed_data_parallel_config.py at NVIDIA/Megatron-LM "
+                             "001199898c4badd01eaf0785c212d8ed7ce83042), as Megatron-Bridge 25.11's performance "
+                             "scripts run it (the stack's other settings are those scripts' too; docs/validation.md); "
+                             "Megatron-Bridge's library pretrain recipes (src/megatron/bridge/recipes/llama/llama3.py "
+                             "at 0d5f5558c16fc7b3eec45698768522e74f1a87a2: cfg.ddp.grad_reduce_in_fp32 = True) and "
+                             "NeMo 2.x's MegatronMixedPrecision reduce in fp32: --grad-reduce-dtype fp32",
           }),
     Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
@@ -158,6 +169,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                             "(tensorwise dynamic scaling); 'rowwise' is the other recipe",
               "expert_loop": "torchtitan models/moe/moe.py GroupedExperts: use_grouped_mm = True -> "
                              "torch._grouped_mm, one kernel for all local experts",
+              "grad_reduce": "fp32: " + _TITAN + "training.mixed_precision_reduce = 'float32'",
               "precision": _TITAN + "training.mixed_precision_param = 'bfloat16', "
                            "mixed_precision_reduce = 'float32': FSDP2 keeps fp32 sharded parameters "
                            "and gradients, Adam states fp32: 4 + 4 + 8 bytes/param, BF16 compute copies",
@@ -182,6 +194,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
               "fp8_recipe": "none of its own (FP8 only through a model built on Transformer Engine)",
               "expert_loop": "deepspeed/moe/experts.py Experts.forward: 'for chunk, expert in zip(chunks, "
                              "self.deepspeed_experts)': each local expert's MLP in turn",
+              "grad_reduce": "the model's 16-bit dtype: DeepSpeed config communication_data_type, default "
+                             "None = the gradients' dtype",
               "precision": "ZeRO paper (Rajbhandari et al. 2020) Sec. 3.1: 2 + 2 + 12 bytes/param; DeepSpeed's "
                            "estimate_zero2_model_states_mem_needs counts the same",
           }),
@@ -205,6 +219,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
               "fp8_recipe": "none in llm-foundry's FSDP yamls (precision: amp_bf16)",
               "expert_loop": "llm-foundry's MoE FFN is MegaBlocks dMoE: grouped_gemm's gmm, one CUTLASS grouped "
                              "kernel for all local experts",
+              "grad_reduce": "fp32, as fsdp-mixed counts the gradient shards; llm-foundry's mixed_precision PURE "
+                             "reduces in bf16 (--grad-reduce-dtype bf16)",
               "precision": "llm-foundry fsdp_config mixed_precision: PURE / DEFAULT: FSDP keeps the fp32 "
                            "flat parameter shards (the master weights) and fp32 gradient shards, Adam "
                            "states fp32: 4 + 4 + 8 bytes/param",

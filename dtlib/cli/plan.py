@@ -19,7 +19,7 @@ from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link, matmul_peak
 from dtlib.analytic.layout import RECOMPUTE_OPTIONS
 from dtlib.analytic.memory import stack_storage
-from dtlib.analytic.precision import get_precision
+from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, get_precision, grad_reduce_dtype
 from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.stacks import FP8_RECIPES
 from dtlib.analytic.units import GiB
@@ -35,6 +35,7 @@ from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan,
 from dtlib.plan.measured import attention_efficiency, calibrated_cluster, load_profile, profile_sources
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
+from dtlib.plan.segments import segments
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
@@ -109,7 +110,13 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--power-limit", type=_watts, default=None, metavar="WATTS",
                    help="GPU power cap; below the TDP the clock scales as (cap/TDP)^(1/3)")
     m.add_argument("--dp-overlap", type=_overlap, help="DP communication hidden by compute")
-    m.add_argument("--tp-overlap", type=_overlap, help="TP communication hidden by compute")
+    m.add_argument("--tp-overlap", type=_overlap,
+                   help="TP communication hidden by the GEMMs (never more than their time); megatron's 1 is "
+                        "Megatron-Bridge's recipes (tp_comm_overlap=True), Megatron-Core's own default is 0")
+    m.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES,
+                   help="dtype the DP gradients are kept and reduced in (default: the --stack's: megatron bf16, "
+                        "Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32=False; Megatron-LM's "
+                        "script and NeMo reduce in fp32)")
     m.add_argument("--cp-overlap", type=_overlap, help="CP communication hidden by compute")
     m.add_argument("--ep-overlap", type=_overlap, metavar="FRACTION",
                    help="MoE: EP all-to-all hidden by compute (DualPipe, Megatron "
@@ -254,13 +261,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     profile = _calibration(args)
     g = (calibrated_cluster(profile).gpus_per_node if profile else
          cluster(args.gpu, 1, args.gpus_per_node, system=args.system).gpus_per_node)
-    if args.gpus > g and args.gpus % g:
-        segment = 1 << (g.bit_length() - 1)  # e.g. 64 of an NVL72 rack's 72, as SLURM block scheduling uses
-        hint = (f"; or --gpus-per-node {segment}: a {segment}-GPU segment of each NVLink domain"
-                if args.gpus % segment == 0 else "")
-        raise ValueError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {g}; "
-                         f"valid: multiples of {g} (or at most {g}){hint}")
-    nodes, per_node = (args.gpus // g, g) if args.gpus >= g else (1, args.gpus)
+    placed = segments(args.gpus, g)
+    nodes, per_node = placed.domains, placed.gpus_per_domain
     cl = (calibrated_cluster(profile, nodes, per_node) if profile else
           cluster(args.gpu, nodes, per_node, inter=args.inter_link, system=args.system))
     if profile and args.attention_efficiency is None:
@@ -275,7 +277,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
-                          fp8_recipe=args.fp8_recipe, bf16_layers=args.bf16_layers, **moe)
+                          fp8_recipe=args.fp8_recipe, bf16_layers=args.bf16_layers,
+                          grad_reduce_dtype=args.grad_reduce_dtype, **moe)
     matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",
@@ -328,6 +331,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
          "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
          "finetune": finetune.describe(), "lora": finetune.lora,
+         "placement": {"domains": placed.domains, "gpus_per_domain": placed.gpus_per_domain,
+                       "domain_size": placed.domain_size, "text": placed.describe()},
          "caveats": ([MOE_CAVEAT] if model.moe_experts else [])
          + ([LORA_EMIT_CAVEAT] if finetune.lora and args.emit else []),
          "calibration": {"file": args.calibration, "dtype": profile["dtype"], "sources": sources} if profile else None}
@@ -361,6 +366,12 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
             else {"zero<3": stack.dp_overlap, "zero3": stack.dp_overlap_zero3},
             "fused_elementwise": filled.fused_elementwise, "attention_kernel": stack.attention_kernel,
             "precision": get_precision(filled.precision).name, "flash_attention": filled.flash_attention,
+            "grad_reduce_dtype": grad_reduce_dtype(filled.precision),
+            "grad_reduce_source": ("--grad-reduce-dtype" if options.grad_reduce_dtype else
+                                   "the precision convention given" if options.precision is not None else
+                                   stack.sources.get("grad_reduce", f"stack {stack.name}'s precision")),
+            "tp_overlap_source": ("--tp-overlap" if options.tp_overlap is not None else
+                                  stack.sources.get("tp_overlap", f"stack {stack.name}")),
             "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype)}
 
 
@@ -374,6 +385,11 @@ def _megatron_meta_lines(m: dict[str, Any]) -> list[str]:
     return [f"Megatron-Core (meta device, the emitted flags): rank {m['rank']} holds {m['parameters_megatron']:,} "
             f"parameters, dtlib {m['parameters_dtlib']:,} ({same}); at {m['precision']} that is weights "
             f"{b['parameters'] / GiB:.2f} GiB, gradients {b['gradients'] / GiB:.2f} GiB, optimizer {optimizer}"]
+
+
+def _clause(source: str) -> str:
+    """A source's first clause, without the value it starts with ("bf16: X (where)" -> "X")."""
+    return source.split(": ", 1)[-1].split(" (")[0].split(";")[0] if ": " in source[:6] else source.split(" (")[0]
 
 
 def _text(d: dict[str, Any]) -> str:
@@ -393,10 +409,14 @@ def _text(d: dict[str, Any]) -> str:
              f"{f' ({bf16} layers in bf16)' if (bf16 := a['bf16_layers']) else ''}, stack "
              f"{a['stack']}: {d['searched']:,} valid layouts, {d['fitting']:,} fit, searched in "
              f"{d['search_seconds']:.2f} s",
+             d["placement"]["text"],
              f"stack {a['stack']}: TP overlap {a['tp_overlap']:g}, DP overlap {a['dp_overlap']}, CP overlap "
              f"{a['cp_overlap']:g}, {moe_options}attention {a['attention_kernel']}, "
              f"{'fused' if a['fused_elementwise'] else 'eager'} elementwise, precision {a['precision']} "
-             f"(dtlib.analytic.stacks, docs/stacks.md)", a["activations"],
+             f"(dtlib.analytic.stacks, docs/stacks.md)",
+             f"assumed: grad reduce {a['grad_reduce_dtype']} ({_clause(a['grad_reduce_source'])}), TP overlap "
+             f"{a['tp_overlap']:g} ({_clause(a['tp_overlap_source'])}); --grad-reduce-dtype, --tp-overlap change "
+             f"them", a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"] + [f"training: {d['finetune']}"] * d["lora"]
     if d["why"]:

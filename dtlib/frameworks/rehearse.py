@@ -217,7 +217,7 @@ def _megatron_for_cpu(flags: list[str]) -> tuple[list[str], list[str]]:
         elif flag == "--make-vocab-size-divisible-by":
             dropped.append(f"{flag} {value} left out: the runner's vocabulary stays unpadded, as its "
                            f"one-process reference's")
-        elif flag in ("--bf16", "--fp16"):
+        elif flag in ("--bf16", "--fp16", "--grad-reduce-in-bf16"):  # the run compares in float32
             continue
         elif flag in VALUE_FLAGS or flag in SWITCH_FLAGS:
             data += [flag] + values

@@ -198,8 +198,13 @@ _TABLE5 = [("22B", 64, 6144, 48, 1, 8, 4, 1.10), ("175B", 96, 12288, 96, 8, 64, 
            ("530B", 128, 20480, 105, 35, 280, 280, 37.83), ("1T", 160, 25600, 128, 64, 512, 512, 71.49)]
 
 
+# fp32 main gradients, reduced in fp32, where the run's software did so (the megatron stack's default is
+# Megatron-Core's bf16): Megatron-LM's own script (arguments.py with --bf16:
+# accumulate_allreduce_grads_in_fp32 = True), NeMo (MegatronMixedPrecision / DtypeConfig
+# grad_reduce_in_fp32 = True by default, overriding Megatron-Core's DistributedDataParallelConfig)
+_FP32_GRADS = "megatron-bf16"
 # Megatron-LM of 2021-22: fused softmax storing the scores, dropout 0.1, no TP communication overlap
-_MEGATRON_2021 = dict(convention="korthikanti-2022", tp_overlap=0.0)
+_MEGATRON_2021 = dict(convention="korthikanti-2022", tp_overlap=0.0, precision=_FP32_GRADS)
 
 
 def _papers_2021_2022() -> list[PublishedRun]:
@@ -416,7 +421,7 @@ def _nemo() -> list[PublishedRun]:
                                             micro_batch_size=mbs),
             metric="tokens_per_gpu_s", published=tps, family="h100", source="NeMo 2024",
             reference=_NEMO + f", row {label}, {gpus} GPUs", stack="megatron", dropout=gpt,
-            dtype="fp8",
+            dtype="fp8", precision=_FP32_GRADS,
             note="recompute, distributed optimizer and sequence parallelism not stated (planner's choice); "
                  "FP8 recipe not stated; GPT3 rows keep Megatron's default dropout 0.1, Llama rows none"))
     return rows
@@ -437,7 +442,7 @@ def _nemo_long_context() -> list[PublishedRun]:
             model=replace(get_preset("llama2-7b"), seq=1024 * k), cluster=_dgx("h100-sxm", gpus),
             global_batch=batch, layout=dict(tp=tp, pp=pp, dp=dp, cp=cp), metric="model_tflops_per_gpu",
             published=tflops, family="h100", source="NeMo 2024", reference=_NEMO_LONG + f", row SeqLen {k}K",
-            stack="megatron", dtype="fp8",
+            stack="megatron", dtype="fp8", precision=_FP32_GRADS,
             note="micro-batch, recompute, distributed optimizer, SP and interleaving not stated (planner's "
                  "choice); TFLOPS/GPU read as model FLOPs (NeMo's llama2 formula: attention not halved for "
                  "causality, as dtlib's 'full' count)"))
@@ -508,7 +513,7 @@ def _nemo_2025() -> list[PublishedRun]:
             reference=_NEMO_2025 + f", table 'Container: NeMo {container}, System: {system}', row {label} "
                                    f"({gpus} GPUs, GBS {batch}, MBS {mbs}, seq {seq}, FSDP {fsdp}, TP {tp}, PP {pp}, "
                                    f"CP {cp}, VP {vp}, EP {ep})",
-            stack="megatron", dropout=False, dtype="fp8", fp8_recipe=recipe, note=note))
+            stack="megatron", dropout=False, dtype="fp8", fp8_recipe=recipe, precision=_FP32_GRADS, note=note))
     return rows
 
 
@@ -639,6 +644,7 @@ def deepseek_v3_runs() -> list[PublishedRun]:
         metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
         reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
         dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0,
+        precision=_FP32_GRADS,  # Sec. 3.3.1: "master weights ... and gradients ... are still retained in FP32"
         note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
              "ramp included; timed at the final 15,360 sequences); DualPipe as ep_overlap 1.0 (Sec. 3.2.1; its "
              "bidirectional schedule's smaller bubble is not modelled: timed as 1F1B, interleaving left to the "

@@ -26,7 +26,7 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.activations import mean_layer_bytes
-from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_time
+from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_latency, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
 from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
@@ -35,12 +35,13 @@ from dtlib.analytic.hardware import MATMUL_DTYPES, Cluster, Link, matmul_peak
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
 from dtlib.analytic.pipeline_layout import layout_numbers
-from dtlib.analytic.precision import Precision, get_precision
+from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, Precision, get_precision, with_grad_reduce
 from dtlib.analytic.presets import Training, activation_convention
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.eager import PASSES, eager_forward_bytes
 from dtlib.plan.gemm import clock_scale, transformer_compute
+from dtlib.plan.launches import launch_time
 from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.terms import TERMS
 from dtlib.plan.stages import slowest_stage
@@ -66,7 +67,9 @@ class StepOptions:
     :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
     traffic), ``fp8_recipe`` (:data:`dtlib.analytic.stacks.FP8_RECIPES`: the kernels launched per
     local expert with FP8, :data:`dtlib.plan.moe.EXPERT_LAUNCHES`; a stack without a recipe of its
-    own is taken as current scaling) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
+    own is taken as current scaling), ``grad_reduce_dtype`` (:data:`~dtlib.analytic.precision.GRAD_REDUCE_DTYPES`:
+    the dtype the data-parallel gradients are kept and reduced in, which sets ``precision``'s gradient
+    bytes; None: the precision's own, the stack's by default) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
     x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
 
     ``dtype``: compute precision of the linear layers' matmuls (``bf16``, ``fp8`` or ``nvfp4``: NVIDIA's
@@ -106,6 +109,7 @@ class StepOptions:
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
     bf16_layers: int = 0
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
@@ -127,6 +131,8 @@ class StepOptions:
         validate.number("moe_imbalance", self.moe_imbalance, minimum=1, exclusive=False)
         if self.precision is not None:
             get_precision(self.precision)
+        if self.grad_reduce_dtype is not None:
+            validate.one_of("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         if self.fp8_recipe is not None:
             validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         activation_convention(self.convention, self.flash_attention)
@@ -144,6 +150,8 @@ def resolve(options: StepOptions, dropout: bool | None = None) -> tuple[StepOpti
               "fused_elementwise": stack.fused_elementwise, "flash_attention": counted.flash_attention,
               "dp_overlap": stack.dp_overlap if same_dp else None}
     options = replace(options, **{k: v for k, v in filled.items() if getattr(options, k) is None})
+    if options.grad_reduce_dtype is not None:  # the gradient buffer's dtype is the reduce dtype (Megatron-Core DDP)
+        options = replace(options, precision=with_grad_reduce(options.precision, options.grad_reduce_dtype))
     return options, counted.dropout
 
 
@@ -166,8 +174,8 @@ def with_finetune(n: dict[str, Any], finetune: FineTuning | None, model: Transfo
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
     """One GPU's share of the node's NICs, divided by the fabric's oversubscription."""
     inter = cluster.inter
-    return Link(inter.name, cluster.inter_bandwidth_per_gpu / oversubscription, inter.latency,
-                inter.source + f"; shared by the node's GPUs; / oversubscription {oversubscription:g}")
+    return replace(inter, bandwidth=cluster.inter_bandwidth_per_gpu / oversubscription,
+                   source=inter.source + f"; shared by the node's GPUs; / oversubscription {oversubscription:g}")
 
 
 def _on(inside: Any, op: str, nbytes: Any, ranks: Any, intra: Link, inter: Link) -> Any:
@@ -271,7 +279,7 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
 def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_share: Any) -> dict[str, Any]:
     """``base`` with ``share`` of the way to ``full`` (the attention compute: ``attention_share``)."""
     out = dict(base)
-    for k in ("elementwise", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
+    for k in ("elementwise", "launch", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
               "hardware_flops", "dp_comm_unhidden", "compute_gemm"):
         out[k] = base[k] + share * (full[k] - base[k])
     out["compute_attention"] = base["compute_attention"] + attention_share * (
@@ -333,7 +341,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # tokens through the EP dispatcher instead (ep_comm); shared experts gather over tp as a dense
     # MLP does (Megatron-Core SharedExpertMLP)
     tp_calls = (2 + full) * (2 * layers_here - moe_here * (moe["shared_experts"] == 0)) * m
-    tp_comm = (1 - options.tp_overlap) * tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    tp_raw = tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    # overlap (TE userbuffers, async TP) runs each collective beside a GEMM of the same layer: it
+    # hides at most the weight GEMMs' time, as ep_overlap below
+    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw, parts["gemm"])
     # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)
@@ -367,7 +378,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
                                  act_bytes=prec.activation)
     elementwise = elementwise + (1 + full / 2) * permuted * moe_here * m / gpu.memory_bandwidth
 
-    pipelined = compute + elementwise + tp_comm + cp_comm + ep_comm
+    # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
+    launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute)
+
+    pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
     boundary = act / tp
     pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
@@ -413,8 +427,14 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     owned = dense_trained / np.where(zero >= 1, dp * cp, 1) + expert_trained / np.where(zero >= 1, grid["edp"], 1)
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
     optimizer = owned * touched / gpu.memory_bandwidth
+    # two scalar all-reduces over every GPU each step, pure latency: the gradient norm for clipping
+    # (Megatron-Core optimizer/clip_grads.py get_grad_norm_fp32; torchtitan clip_grad_norm_) and the
+    # loss averaged for the step's report; NCCL's faster of ring and tree
+    nodes = np.maximum(np.ceil(gpus / g), 1)
+    optimizer = optimizer + 2 * np.minimum(nccl_latency("all_reduce", "ring", gpus, nodes, intra, inter),
+                                           nccl_latency("all_reduce", "tree", gpus, nodes, intra, inter))
 
-    out = {"compute": compute, "elementwise": elementwise, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
+    out = {"compute": compute, "elementwise": elementwise, "launch": launch, "pp_bubble": pp_bubble, "tp_comm": tp_comm,
            "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
     out = {k: np.asarray(val, dtype=float) * np.ones_like(compute, dtype=float) for k, val in out.items()}
     out["step_time"] = sum(out[k] for k in TERMS)

@@ -28,9 +28,14 @@ TERMS: dict[str, str] = {
                    "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager); MoE layers add the "
                    "dispatcher's token permutations (permute, sort by local expert, their inverses, forward "
                    "and backward: Megatron-Core MoEAlltoAllTokenDispatcher; dtlib.plan.moe.permutation_bytes)",
+    "launch": "the fixed cost of every kernel a layer launches, beside its work: 3 us each (the launch "
+              "overhead of null kernels, NVIDIA developer forums 2022), x the kernels per layer and micro-batch "
+              "(11 forward fused, Megatron-Core/Transformer Engine or torch.compile; 33 eager, dtlib.plan.eager's "
+              "operators; backward twice the forward, full recompute once more, FP8 + 8 casts) "
+              "(dtlib.plan.launches): what dominates when a GPU holds a few hundred tokens",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
-                 "TP/CP/EP communication",
+                 "elementwise, kernel launches and TP/CP/EP communication",
     "tp_comm": "per layer and micro-batch, 2 all-reduces of b s h forward and 2 backward (+2 with full "
                "recompute; half of them in MoE layers without shared experts, whose tokens the EP "
                "dispatcher moves) (Shoeybi et al. 2019, Sec. 3; with sequence parallelism the same "
@@ -66,5 +71,7 @@ TERMS: dict[str, str] = {
                "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
                  "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
-                 "(roofline, Williams et al. 2009)",
+                 "(roofline, Williams et al. 2009); plus two scalar all-reduces over every GPU, NCCL's latency "
+                 "only (the gradient norm for clipping, Megatron-Core get_grad_norm_fp32 / torchtitan "
+                 "clip_grad_norm_, and the loss average)",
 }

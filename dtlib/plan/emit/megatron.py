@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.precision import get_precision
 from dtlib.analytic.layout import Parallelism, split_problem
 from dtlib.analytic.stages import megatron_layout_string
 from dtlib.plan.emit.common import refuse
@@ -95,11 +96,12 @@ def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
             out["bf16_layers"] = (2 * per_stage, f"Megatron-Core keeps at most layers / pp = {per_stage} layers "
                                                  f"at each end in BF16: re-timed with {2 * per_stage}")
     # --bf16 (and fp8) keeps fp32 main gradients (arguments.py: accumulate_allreduce_grads_in_fp32
-    # = True); --fp16 adds an fp32 gradient copy: dtlib's megatron-bf16 / megatron-fp16 conventions
-    runs = "megatron-fp16" if plan.precision == "fp16" else "megatron-bf16"
+    # = True) unless --grad-reduce-in-bf16 (bf16-mixed); --fp16 adds an fp32 gradient copy:
+    # dtlib's megatron-bf16 / bf16-mixed / megatron-fp16 conventions
+    runs = "megatron-fp16" if plan.precision == "fp16" else "bf16-mixed" if _bf16_grads(o) else "megatron-bf16"
     if precision_bytes(o.precision) != precision_bytes(runs):
         out["precision"] = (runs, f"Megatron-LM's --{'fp16' if plan.precision == 'fp16' else 'bf16'} keeps "
-                                  f"{runs}'s bytes per parameter (fp32 main gradients): re-timed with them")
+                                  f"{runs}'s bytes per parameter: re-timed with them")
     return out
 
 
@@ -164,7 +166,13 @@ def megatron_flags(plan: TimedPlan | Parallelism, model: TransformerConfig | Non
         end = min(o.bf16_layers, plan.model.layers // plan.layout.pp)
         f += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(o.bf16_layers - end),
               "--num-layers-at-end-in-bf16", str(end)]
+    f += ["--grad-reduce-in-bf16"] if precision != "fp16" and _bf16_grads(o) else []
     return f
+
+
+def _bf16_grads(o: StepOptions) -> bool:
+    """The plan keeps and reduces 2-byte gradients (Megatron-LM ``--grad-reduce-in-bf16``)."""
+    return get_precision(resolve(o)[0].precision).grad == 2
 
 
 def _megatron_run_flags(plan: TimedPlan, o: StepOptions) -> list[str]:
