@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 import dtlib.grading.checks
 import dtlib.measure
@@ -29,8 +30,8 @@ from dtlib.grading.checks import (communication, data_parallel, fault_tolerance,
                                   pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
 from tests.test_checks_communication import Summed
-from tests.test_checks_tensor_parallel import F_
-from tests.test_checks_zero_fsdp import FullOnEveryRank
+from tests.test_checks_tensor_parallel import F_, G_
+from tests.test_checks_zero_fsdp import FullOnEveryRank, ZeRO1
 
 _LAUNCHERS = {"launch", "launch_checked"}
 
@@ -209,6 +210,55 @@ def restore_forges_the_reference(state, model, optimizer):
             t.copy_(p.detach())
         torch.set_rng_state(rng)
     return fault_tolerance.KILL_STEP
+
+
+# ---- forged measures: what a rank says about its own run, made to fit --------------------------------
+class AveragesInForwardUnseen(F_):
+    """f's forward all-reduces (averaging, so a replicated input comes back unchanged) with the
+    collective hidden from the rank's dispatch-mode counter (``CollectiveCounter``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with _disable_current_modes():
+            out = x.clone()
+            dist.all_reduce(out)
+        return out / dist.get_world_size()
+
+
+class UnshardedForgesItsState(ZeRO1):
+    """AdamW over every parameter on every rank (no communication needed), hidden from the check;
+    the inner optimizer it shows holds this rank's shard's state only, as ZeRO-1's would."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.01):
+        super().__init__(params, lr, weight_decay)
+        self._unsharded = [torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)]
+
+    @torch.no_grad()
+    def step(self):
+        full = self._unsharded[0]
+        full.step()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.optimizer.state[p] = full.state[p]
+
+
+# check -> (how the forgery is graded, what the check must say); each got full marks when the
+# check read the measure from the rank (a replicated input to f, the gradients of every parameter)
+FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
+    "tensor_parallel.check_f_and_g": (
+        lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
+        "f's forward all-reduced its input"),
+    "zero_fsdp.check_zero1": (lambda: zero_fsdp.check_zero1(UnshardedForgesItsState, steps=2),
+                              "differs from unsharded AdamW"),
+}
+
+
+@pytest.mark.parametrize("check", sorted(FORGED_MEASURES))
+def test_a_forged_measure_scores_zero(check):
+    grade, verdict = FORGED_MEASURES[check]
+    with pytest.raises(AssertionError) as failed:
+        grade()
+    assert verdict in str(failed.value).splitlines()[0]
 
 
 @pytest.fixture(scope="module")

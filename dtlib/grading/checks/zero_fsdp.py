@@ -5,8 +5,10 @@
   ``torch.distributed.optim.ZeroRedundancyOptimizer``), the same on every rank.
 * :func:`check_zero1` - on real ranks, the learner's ``ZeRO1`` optimizer (AdamW on this rank's
   shard, then the updated parameters shared) gives exactly the unsharded AdamW's parameters over
-  several steps, and each rank holds about 1/N of Adam's state (Rajbhandari et al. 2020, Sec. 5.1,
-  P_os).
+  several steps, with noise for gradients outside each rank's shard (so only a step that reads its
+  own shard alone stays exact), and each rank's inner optimizer holds about 1/N of Adam's state
+  (Rajbhandari et al. 2020, Sec. 5.1, P_os): state tensors the rank returns, which its code could
+  forge (docs/grading.md, "Not protected").
 """
 from __future__ import annotations
 
@@ -99,9 +101,19 @@ def _zero1_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
     """Runs only the learner's optimizer and returns data: its parameters and its inner
     optimizers' state tensors, copied (the reference AdamW and every byte count are the check's,
-    in its own process: issue 39)."""
+    in its own process: issue 39).
+
+    Each rank's gradients of the parameters its inner optimizers do not hold are replaced with
+    noise (different on every rank) before the step: a ZeRO-1 step reads only its own shard's
+    gradients and takes the other parameters from their owners, so its parameters stay exact,
+    while a step over every parameter (averaged or not) ends wrong, whatever the rank reports
+    about itself. Which collectives the step called is counted in the rank, where the learner's
+    code runs, so it only chooses the words of a failure the values already show."""
     model = zero1_model()
     opt = cls(model.parameters(), **_ADAMW)
+    inner = _inner_optimizers(opt)
+    held = {id(p) for o in inner for group in o.param_groups for p in group["params"]}
+    noise = torch.Generator().manual_seed(100 + rank)
     all_reduces = 0
     for x, y in _zero1_batches(steps):
         xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
@@ -111,10 +123,11 @@ def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
         for p in model.parameters():  # what DDP does before the step: average the gradients
             dist.all_reduce(p.grad)
             p.grad /= world_size
-        with CollectiveCounter() as counter:
+            if id(p) not in held:  # not this rank's shard: a ZeRO-1 step never reads this gradient
+                p.grad.copy_(torch.randn(p.shape, generator=noise))
+        with CollectiveCounter() as counter:  # names the mistake only: the grade is the values
             opt.step()
         all_reduces += counter.counts["all_reduce"]
-    inner = _inner_optimizers(opt)
     return {"params": [p.detach().clone() for p in model.parameters()],
             "names": [n for n, _ in model.named_parameters()], "n_inner": len(inner),
             # (shape of the parameter, its state tensors) per parameter of each inner optimizer
@@ -155,7 +168,8 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
 
     On ``world_size`` ranks, with gradients already averaged (as DDP leaves them): after ``steps``
     steps every rank's parameters equal the unsharded ``torch.optim.AdamW`` (same gradients,
-    float tolerance), and each rank's inner optimizer holds about 1/N of Adam's state.
+    float tolerance) although each rank's gradients outside its shard are noise, and each rank's
+    inner optimizer holds about 1/N of Adam's state.
     """
     try:
         ranks = launch(_zero1_worker, world_size, args=(cls, steps), timeout=timeout, output="none")
