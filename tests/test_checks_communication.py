@@ -6,6 +6,7 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from dtlib.grading.checks import communication as checks
+from dtlib.grading.checks.ring_witness import witness_ring
 from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 from dtlib.parallel import assign_buckets, ring_all_reduce
@@ -87,6 +88,28 @@ def test_ring_check_accepts_dtlib_and_the_solution():
 def test_ring_check_rejects_classic_mistakes(fn, message):
     with pytest.raises(AssertionError, match=message):
         checks.check_ring_all_reduce(fn)
+
+
+def ring_one_chunk_later(tensor):
+    """The same ring, each step one chunk later than the lesson's schedule (also correct)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        for req in [dist.isend(chunks[(r - s) % n], right), dist.irecv(incoming, left)]:
+            req.wait()
+        chunks[(r - s - 1) % n].add_(incoming)
+    for s in range(n - 1):
+        for req in [dist.isend(chunks[(r - s + 1) % n], right), dist.irecv(chunks[(r - s) % n], left)]:
+            req.wait()
+    return tensor
+
+
+def test_the_checks_own_rank_in_the_ring_takes_any_offset_of_the_schedule():
+    for n in (2, 3):
+        assert witness_ring(ring_one_chunk_later, n, checks._rank_input) is None
+    assert "more than one chunk" in witness_ring(to_everyone, 3, checks._rank_input)
 
 
 def test_ring_check_reports_a_deadlock():

@@ -242,20 +242,49 @@ class UnshardedForgesItsState(ZeRO1):
                 self.optimizer.state[p] = full.state[p]
 
 
-# check -> (how the forgery is graded, what the check must say); each got full marks when the
-# check read the measure from the rank (a replicated input to f, the gradients of every parameter)
+def all_reduce_unseen(tensor):
+    """The built-in collective, hidden from the rank's counter: a correct sum, no ring."""
+    with _disable_current_modes():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def whole_tensors_unseen(tensor):
+    """A ring of whole tensors (n-1 x the tensor from every rank, not 2(n-1)/n), unseen."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    total, passing = tensor.clone(), tensor.clone()
+    with _disable_current_modes():
+        for _ in range(n - 1):
+            incoming = torch.empty_like(tensor)
+            for req in [dist.isend(passing, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+                req.wait()
+            total += incoming
+            passing = incoming
+    return tensor.copy_(total)
+
+
+# what is forged -> (how it is graded, what the check must say); each got full marks when the
+# check read the measure from the rank (its counter of collectives and bytes, a replicated input
+# to f, the gradients of every parameter)
 FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
-    "tensor_parallel.check_f_and_g": (
+    "ring: a built-in collective": (
+        lambda: communication.check_ring_all_reduce(all_reduce_unseen, world_sizes=(2,), shapes=((12,),),
+                                                    timeout=5),
+        "waited for reduce-scatter step 0's chunk from rank 0, which never came"),
+    "ring: bytes sent": (
+        lambda: communication.check_ring_all_reduce(whole_tensors_unseen, world_sizes=(3,), shapes=((12,),)),
+        "sent the check's rank 2 more than one chunk"),
+    "f and g: a collective in f's forward": (
         lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
         "f's forward all-reduced its input"),
-    "zero_fsdp.check_zero1": (lambda: zero_fsdp.check_zero1(UnshardedForgesItsState, steps=2),
+    "ZeRO-1: the optimizer's state": (lambda: zero_fsdp.check_zero1(UnshardedForgesItsState, steps=2),
                               "differs from unsharded AdamW"),
 }
 
 
-@pytest.mark.parametrize("check", sorted(FORGED_MEASURES))
-def test_a_forged_measure_scores_zero(check):
-    grade, verdict = FORGED_MEASURES[check]
+@pytest.mark.parametrize("forged", sorted(FORGED_MEASURES))
+def test_a_forged_measure_scores_zero(forged):
+    grade, verdict = FORGED_MEASURES[forged]
     with pytest.raises(AssertionError) as failed:
         grade()
     assert verdict in str(failed.value).splitlines()[0]

@@ -1,9 +1,12 @@
 """Checks for the communication exercise: ring all-reduce from send/recv, and bucketed DDP.
 
 * :func:`check_ring_all_reduce` runs the learner's ring on 2, 3 and 4 real ranks, on sizes that
-  do and do not divide by the world size, against ``dist.all_reduce``; it also counts the bytes
-  each rank sends (a ring sends at most 2(n-1)/n of the buffer, Patarasuk & Yuan 2009) and
-  refuses built-in collectives.
+  do and do not divide by the world size, against the sum the check computes; it also counts the
+  bytes each rank sends (a ring sends at most 2(n-1)/n of the buffer, Patarasuk & Yuan 2009) and
+  refuses built-in collectives. Those counts are taken in the rank, where the learner's code
+  could forge them, so they only word the feedback: the grade's word on the behaviour is a run
+  with the check's own rank in the ring (:mod:`~dtlib.grading.checks.ring_witness`), which sees
+  every message its neighbour sends it.
 * :func:`check_make_buckets` compares the learner's bucket assignment with
   :func:`dtlib.parallel.assign_buckets` (PyTorch's rule) on the parameters in reverse order.
 * :func:`check_bucketed_ddp` trains with the learner's small bucketed DDP on 2 ranks: one
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.grading.checks.ring_witness import witness_ring
 from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
@@ -155,6 +159,10 @@ def check_ring_all_reduce(fn: Callable, world_sizes: tuple[int, ...] = (2, 3, 4)
                 f"shapes {[tuple(s) for s in shapes]}: flatten with tensor.view(-1) and split with "
                 "tensor_split (sizes need not divide by the world size)") from None
         problem = _ring_diagnosis(n, tuple(shapes), results)
+        if problem:
+            raise AssertionError(problem)
+    for n in world_sizes:  # the same ring with the check's own rank in it: behaviour seen outside
+        problem = witness_ring(fn, n, _rank_input, timeout=timeout)
         if problem:
             raise AssertionError(problem)
 
