@@ -6,6 +6,7 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from dtlib.grading.checks import communication as checks
+from dtlib.grading.checks.ddp_witness import witness_ddp
 from dtlib.grading.checks.ring_witness import witness_ring
 from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
@@ -203,6 +204,30 @@ class MiniDDP:
                 _, offset = self.where[p]
                 p.grad.copy_(self.flat[b][offset:offset + p.numel()].view_as(p))
         self.reset()
+
+
+class OtherOrderInside(MiniDDP):
+    """The order inside a bucket is free: the same buckets, each laid out first parameter first."""
+
+    def __init__(self, model, bucket_cap_mb=25.0):
+        super().__init__(model, bucket_cap_mb)
+        self.buckets = [params[::-1] for params in self.buckets]
+        self.where = {p: (b, sum(q.numel() for q in params[:k]))
+                      for b, params in enumerate(self.buckets) for k, p in enumerate(params)}
+
+
+def test_the_checks_own_rank_beside_ddp_takes_any_order_inside_a_bucket():
+    for cap_mb in (64 / 1024, 25.0):
+        assert witness_ddp(OtherOrderInside, cap_mb, checks.ddp_model, checks._ddp_batches(2, 16, 128)) is None
+    assert "not its gradients divided" in witness_ddp(
+        NoDivide, 25.0, checks.ddp_model, checks._ddp_batches(2, 16, 128))
+
+
+class NoDivide(MiniDDP):  # its gradients added as they are: neither the mean nor the sum's half
+    def _grad_ready(self, p):
+        b = self._copy_in(p, 0.5 / self.world_size)
+        if self.missing[b] == 0:
+            self.works[b] = dist.all_reduce(self.flat[b], async_op=True)
 
 
 class Blocking(MiniDDP):

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import _disable_current_modes
 
 import dtlib.grading.checks
@@ -29,7 +30,7 @@ from dtlib.data import load_mnist
 from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd,
                                   pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
-from tests.test_checks_communication import Summed
+from tests.test_checks_communication import MiniDDP, Summed
 from tests.test_checks_tensor_parallel import F_, G_
 from tests.test_checks_zero_fsdp import FullOnEveryRank, ZeRO1
 
@@ -263,6 +264,27 @@ def whole_tensors_unseen(tensor):
     return tensor.copy_(total)
 
 
+class PerParameterCountedPerBucket(MiniDDP):
+    """One all-reduce per parameter, through ``distributed_c10d`` where the check's spy on
+    ``dist.all_reduce`` does not look; the spy is shown one empty all-reduce per bucket."""
+
+    def _grad_ready(self, p):
+        self.hidden.append(distributed_c10d.all_reduce(p.grad.div_(self.world_size), async_op=True))
+        b, _ = self.where[p]
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self.works[b] = dist.all_reduce(torch.zeros(0), async_op=True)
+
+    def finish(self):
+        for work in self.hidden + self.works:
+            work.wait()
+        self.reset()
+
+    def reset(self):
+        super().reset()
+        self.hidden = []
+
+
 # what is forged -> (how it is graded, what the check must say); each got full marks when the
 # check read the measure from the rank (its counter of collectives and bytes, a replicated input
 # to f, the gradients of every parameter)
@@ -274,6 +296,9 @@ FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
     "ring: bytes sent": (
         lambda: communication.check_ring_all_reduce(whole_tensors_unseen, world_sizes=(3,), shapes=((12,),)),
         "sent the check's rank 2 more than one chunk"),
+    "DDP: all-reduces per bucket": (
+        lambda: communication.check_bucketed_ddp(PerParameterCountedPerBucket, steps=2, timeout=10),
+        "rank 1 waited in the all-reduce of bucket 0"),
     "f and g: a collective in f's forward": (
         lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
         "f's forward all-reduced its input"),

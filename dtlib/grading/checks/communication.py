@@ -11,7 +11,9 @@
   :func:`dtlib.parallel.assign_buckets` (PyTorch's rule) on the parameters in reverse order.
 * :func:`check_bucketed_ddp` trains with the learner's small bucketed DDP on 2 ranks: one
   asynchronous all-reduce per bucket, issued while ``backward()`` still runs, and parameters equal
-  to single-process training on the full batch. :func:`record_timeline` returns the learner's
+  to single-process training on the full batch. The calls and their times are spied on in the
+  rank (feedback only, forgeable there); the number, sizes and contents of the all-reduces are
+  judged by a run beside the check's own rank (:mod:`~dtlib.grading.checks.ddp_witness`). :func:`record_timeline` returns the learner's
   run as a :class:`~dtlib.parallel.SyncRecord`, so the lesson's timeline plot can draw it.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.grading.checks.ddp_witness import witness_ddp
 from dtlib.grading.checks.ring_witness import witness_ring
 from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
@@ -437,5 +440,9 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                     "wait(), copy each bucket's averaged values back into every p.grad (in place, "
                     "p.grad.copy_(...)) before the optimizer step")
         problem = _weights_diagnosis(setting, ref["params"], world_size, steps)
+        if problem:
+            raise AssertionError(problem)
+    for cap_mb in (64 / 1024, 25.0):  # the same training beside the check's own rank: its word
+        problem = witness_ddp(cls, cap_mb, ddp_model, _ddp_batches(steps, _DDP_BATCH, 128), timeout)
         if problem:
             raise AssertionError(problem)

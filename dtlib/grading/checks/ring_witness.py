@@ -1,44 +1,30 @@
-"""A rank of the check's own inside the learner's ring: the ring's behaviour seen from outside.
+"""The check's own rank in the learner's ring all-reduce (:mod:`~dtlib.grading.checks.witness`).
 
-What a rank measures about its own run (bytes sent, collectives called) is read in the process
-where the learner's code runs, so that code can forge it (issue 39). Here the last rank of the
-ring runs no learner code: it plays the ring all-reduce of the lesson (Patarasuk & Yuan 2009;
-the schedule of ``exercises/02_communication.ipynb``, Q1) with the learner's ranks and checks
-every message it receives from its left neighbour: exactly ``2(n-1)`` point-to-point messages of
-one chunk (``1/n`` of the tensor) each, holding the partial sums of reduce-scatter, then the
-finished sums of all-gather. A built-in collective leaves it waiting (gloo matches a collective
-only with the same collective), a whole tensor where a chunk belongs is seen, and so is a wrong
-partial sum. Which chunk the left neighbour starts with is read from its first message, so any
-offset of the schedule passes.
-
-What it cannot see: messages between two of the learner's own ranks (on 2 ranks there are none:
-the witness is the only peer) and channels other than the process group (shared memory, files).
-Its findings reach the check through a pipe only it holds (the learner's ranks close their ends
-before any of their code runs), as JSON lines: the last one says where it stopped and why.
+The last rank of the ring runs no learner code: it plays the ring all-reduce of the lesson
+(Patarasuk & Yuan 2009; the schedule of ``exercises/02_communication.ipynb``, Q1) with the
+learner's ranks and checks every message it receives from its left neighbour: exactly ``2(n-1)``
+point-to-point messages of one chunk (``1/n`` of the tensor) each, holding the partial sums of
+reduce-scatter, then the finished sums of all-gather. A built-in collective leaves it waiting, a
+whole tensor where a chunk belongs is seen, and so is a wrong partial sum. Which chunk the left
+neighbour starts with is read from its first message, so any offset of the schedule passes. On
+2 ranks the witness is the learner's only peer: every message is seen.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dtlib.launcher import LaunchError, launch
+from dtlib.grading.checks.witness import Witnessed, run_with_witness, say
 
 __all__ = ["witness_ring", "WITNESS_SHAPE"]
 
 WITNESS_SHAPE: tuple[int, ...] = (12,)  # divides by 2, 3 and 4: every chunk has the same size
-_REPORT_LIMIT = 1 << 16
 
 
-def _say(fd: int, **record: object) -> None:
-    os.write(fd, (json.dumps(record) + "\n").encode())
-
-
-def _witness(rank: int, n: int, make_input: Callable, shape: tuple, fd: int) -> None:
+def _witness(rank: int, n: int, fd: int, fn: Callable, make_input: Callable, shape: tuple) -> None:
     """The last rank of the ring: the lesson's schedule, every received message checked."""
     left, right = (rank - 1) % n, (rank + 1) % n
     numel = math.prod(shape)
@@ -49,20 +35,20 @@ def _witness(rank: int, n: int, make_input: Callable, shape: tuple, fd: int) -> 
     mine = [c.clone() for c in chunk[rank]]
 
     def receive(phase: str, step: int) -> torch.Tensor:
-        _say(fd, waiting=f"{phase} step {step}")
+        say(fd, waiting=f"{phase} step {step}")
         buf = torch.full((numel,), float("nan"))  # larger than a chunk: a whole tensor is seen
         dist.recv(buf, left)
         if not buf[m:].isnan().all():
-            _say(fd, problem=f"rank {left} sent the check's rank {rank} more than one chunk in "
+            say(fd, problem=f"rank {left} sent the check's rank {rank} more than one chunk in "
                              f"{phase} step {step} (a whole tensor of {numel} elements?); a ring "
                              f"sends its right neighbour one chunk of {m} elements (1/{n} of the "
                              "tensor) per step")
-            raise AssertionError("message too long")
+            raise Witnessed("message too long")
         return buf[:m]
 
     def wrong(what: str) -> None:
-        _say(fd, problem=what)
-        raise AssertionError(what)
+        say(fd, problem=what)
+        raise Witnessed(what)
 
     got = receive("reduce-scatter", 0)
     starts = [c for c in range(n) if torch.equal(got, chunk[left][c])]
@@ -95,32 +81,11 @@ def _witness(rank: int, n: int, make_input: Callable, shape: tuple, fd: int) -> 
                   f"that is not the finished sum of chunk {c}: all-gather passes the finished "
                   "chunks on, copied (not added)")
         mine[c] = got.clone()
-    _say(fd, done=True)
+    say(fd, done=True)
 
 
-def _ring_with_witness(rank: int, n: int, fn: Callable, make_input: Callable, shape: tuple,
-                       read_fd: int, write_fd: int) -> None:
-    os.close(read_fd)
-    if rank == n - 1:
-        try:
-            _witness(rank, n, make_input, shape, write_fd)
-        finally:
-            os.close(write_fd)
-        return None
-    os.close(write_fd)  # before any learner code: only the witness can write the report
+def _learner(rank: int, n: int, fn: Callable, make_input: Callable, shape: tuple) -> None:
     fn(make_input(shape, rank))  # no barrier first: the witness calls no collective at all
-    return None
-
-
-def _last_record(read_fd: int) -> dict:
-    data = b""
-    while len(data) < _REPORT_LIMIT:
-        part = os.read(read_fd, _REPORT_LIMIT)
-        if not part:
-            break
-        data += part
-    records = [json.loads(line) for line in data.decode(errors="replace").splitlines() if line]
-    return records[-1] if records else {}
 
 
 def witness_ring(fn: Callable, world_size: int, make_input: Callable,
@@ -130,20 +95,8 @@ def witness_ring(fn: Callable, world_size: int, make_input: Callable,
     witness saw wrong, in words, or None if it took part in a correct ring."""
     if math.prod(shape) % world_size:
         raise ValueError(f"shape {shape} must divide by world_size={world_size}")
-    read_fd, write_fd = os.pipe()
-    failure = None
-    try:
-        launch(_ring_with_witness, world_size,
-               args=(fn, make_input, tuple(shape), read_fd, write_fd), timeout=timeout,
-               output="none")
-    except LaunchError as e:
-        failure = e
-    finally:
-        os.close(write_fd)  # every rank has ended (launch kills them): the pipe reads to its end
-    try:
-        record = _last_record(read_fd)
-    finally:
-        os.close(read_fd)
+    record, failure = run_with_witness(_learner, _witness, world_size,
+                                       (fn, make_input, tuple(shape)), timeout)
     witness = world_size - 1
     if record.get("done") and failure is None:
         return None
