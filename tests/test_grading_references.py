@@ -14,6 +14,7 @@ import gc
 import importlib
 import pkgutil
 import sys
+import time
 import types
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from dtlib.data import load_mnist
 from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd,
                                   pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
-from tests.test_checks_communication import MiniDDP, Summed
+from tests.test_checks_communication import AllAtTheEnd, MiniDDP, Summed
 from tests.test_checks_tensor_parallel import F_, G_
 from tests.test_checks_zero_fsdp import FullOnEveryRank, ZeRO1
 
@@ -285,6 +286,21 @@ class PerParameterCountedPerBucket(MiniDDP):
         self.hidden = []
 
 
+class AllAtTheEndBackdated(AllAtTheEnd):
+    """Every all-reduce issued in finish(), after backward, with the clock the check's spy reads
+    set back while they are issued."""
+
+    def finish(self):
+        real = time.perf_counter
+        time.perf_counter = lambda: 0.0
+        try:
+            for b in range(len(self.buckets)):
+                self.works[b] = dist.all_reduce(self.flat[b], async_op=True)
+        finally:
+            time.perf_counter = real
+        MiniDDP.finish(self)
+
+
 # what is forged -> (how it is graded, what the check must say); each got full marks when the
 # check read the measure from the rank (its counter of collectives and bytes, a replicated input
 # to f, the gradients of every parameter)
@@ -298,7 +314,10 @@ FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
         "sent the check's rank 2 more than one chunk"),
     "DDP: all-reduces per bucket": (
         lambda: communication.check_bucketed_ddp(PerParameterCountedPerBucket, steps=2, timeout=10),
-        "rank 1 waited in the all-reduce of bucket 0"),
+        "rank 1 waited for the all-reduce of bucket 0"),
+    "DDP: the overlap with backward": (
+        lambda: communication.check_bucketed_ddp(AllAtTheEndBackdated, steps=2, timeout=10),
+        "rank 1 waited for the all-reduce of bucket 0"),
     "f and g: a collective in f's forward": (
         lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
         "f's forward all-reduced its input"),

@@ -12,8 +12,9 @@
 * :func:`check_bucketed_ddp` trains with the learner's small bucketed DDP on 2 ranks: one
   asynchronous all-reduce per bucket, issued while ``backward()`` still runs, and parameters equal
   to single-process training on the full batch. The calls and their times are spied on in the
-  rank (feedback only, forgeable there); the number, sizes and contents of the all-reduces are
-  judged by a run beside the check's own rank (:mod:`~dtlib.grading.checks.ddp_witness`). :func:`record_timeline` returns the learner's
+  rank (feedback only, forgeable there); the number, sizes, contents and overlap of the
+  all-reduces are judged by a run beside the check's own rank
+  (:mod:`~dtlib.grading.checks.ddp_witness`). :func:`record_timeline` returns the learner's
   run as a :class:`~dtlib.parallel.SyncRecord`, so the lesson's timeline plot can draw it.
 """
 from __future__ import annotations
