@@ -113,6 +113,24 @@ def test_the_checks_own_rank_in_the_ring_takes_any_offset_of_the_schedule():
     assert "more than one chunk" in witness_ring(to_everyone, 3, checks._rank_input)
 
 
+def test_the_witnesses_words_follow_the_hint_policy(monkeypatch):
+    """Every kind of record a witness leaves, at the longest (4 ranks, the smaller bucket cap)."""
+    from dtlib import grading
+    from dtlib.grading import hint_policy
+    from dtlib.grading.checks import ddp_witness, ring_witness
+
+    master = hint_policy.master_of("communication", grading.masters())
+    waits = [{"waiting": "reduce-scatter step 2"}, {"waiting": "all-gather step 2"}, {}]
+    ddp_waits = [{"waiting": "bucket 3's all-reduce (16512 elements) in step 2", "hint": hint}
+                 for hint in (ddp_witness.HINT_ONE_PER_BUCKET, ddp_witness.HINT_DO_NOT_BLOCK)]
+    for module, records, judge in (
+            (ring_witness, waits, lambda: witness_ring(None, 4, None)),
+            (ddp_witness, [*ddp_waits, {}], lambda: witness_ddp(None, 64 / 1024, checks.ddp_model, []))):
+        for record in records:
+            monkeypatch.setattr(module, "run_with_witness", lambda *a, record=record: (record, RuntimeError()))
+            assert hint_policy.violations(judge(), "communication", master) == []
+
+
 def test_ring_check_reports_a_deadlock():
     with pytest.raises(AssertionError, match="deadlock.*non-blocking"):
         checks.check_ring_all_reduce(blocking_sends, world_sizes=(3,), shapes=((12,),), timeout=5)

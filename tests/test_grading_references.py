@@ -308,16 +308,16 @@ FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
     "ring: a built-in collective": (
         lambda: communication.check_ring_all_reduce(all_reduce_unseen, world_sizes=(2,), shapes=((12,),),
                                                     timeout=5),
-        "waited for reduce-scatter step 0's chunk from rank 0, which never came"),
+        "waited in vain for reduce-scatter step 0's chunk from rank 0"),
     "ring: bytes sent": (
         lambda: communication.check_ring_all_reduce(whole_tensors_unseen, world_sizes=(3,), shapes=((12,),)),
         "sent the check's rank 2 more than one chunk"),
     "DDP: all-reduces per bucket": (
         lambda: communication.check_bucketed_ddp(PerParameterCountedPerBucket, steps=2, timeout=10),
-        "rank 1 waited for the all-reduce of bucket 0"),
+        "rank 1 waited in vain for bucket 0's all-reduce"),
     "DDP: the overlap with backward": (
         lambda: communication.check_bucketed_ddp(AllAtTheEndBackdated, steps=2, timeout=10),
-        "rank 1 waited for the all-reduce of bucket 0"),
+        "rank 1 waited in vain for bucket 0's all-reduce"),
     "f and g: a collective in f's forward": (
         lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
         "f's forward all-reduced its input"),

@@ -34,10 +34,15 @@ from torch import nn
 from dtlib.grading.checks.witness import Witnessed, run_with_witness, say
 from dtlib.parallel.buckets import assign_buckets
 
-__all__ = ["witness_ddp"]
+__all__ = ["witness_ddp", "HINT_DO_NOT_BLOCK", "HINT_ONE_PER_BUCKET"]
 
 _LR, _MOMENTUM = 0.1, 0.9  # the check's optimizer, SGD with momentum, on both ranks
 _WITNESS = 1
+# what the learner reads when the witness waited in vain (with where it waited)
+HINT_DO_NOT_BLOCK = ("issue each bucket's all-reduce with async_op=True in _grad_ready and wait() "
+                     "only in finish(): a blocking all-reduce, or a wait() in the hook, stops backward")
+HINT_ONE_PER_BUCKET = ("one all-reduce per bucket, of its size, issued when its last gradient arrives, "
+                       "in the order the buckets fill (not one per parameter, nor all in finish())")
 
 
 class _SignalsProgress(torch.autograd.Function):
@@ -153,18 +158,14 @@ def _witness(rank: int, n: int, fd: int, cls: type, cap_mb: float, model_fn: Cal
         opt.zero_grad()
         nn.functional.mse_loss(run(xs[rank]), ys[rank]).backward()
         if gated:
-            say(fd, waiting=f"rank 0's backward to get past its last layer in step {step}",
-                hint="issue each bucket's all-reduce with async_op=True from _grad_ready and wait() "
-                     "for it only in finish(): a blocking all-reduce, or a wait() in the hook, "
-                     "stops backward until the communication is over")
+            say(fd, waiting=f"your backward to pass the last layer in step {step}",
+                hint=HINT_DO_NOT_BLOCK)
             dist.recv(torch.empty(1), 0)
         for b, bucket in enumerate(buckets):
             own = torch.cat([params[i].grad.reshape(-1) / n for i in bucket])
             flat = own.clone()
-            say(fd, waiting=f"the all-reduce of bucket {b} ({flat.numel()} elements) in step {step}",
-                hint="all-reduce one flat buffer per bucket, the bucket's size, as soon as its last "
-                     "gradient arrives, in the order the buckets fill (one per parameter, one for "
-                     "the whole model, or all of them only in finish() does not match)")
+            say(fd, waiting=f"bucket {b}'s all-reduce ({flat.numel()} elements) in step {step}",
+                hint=HINT_ONE_PER_BUCKET)
             dist.all_reduce(flat)
             if gated and b == 0:  # only now may rank 0's backward go below its second to last layer
                 dist.send(torch.tensor([factor]), 0)
@@ -195,9 +196,9 @@ def witness_ddp(cls: type, cap_mb: float, model_fn: Callable, batches: list,
                                        timeout)
     if record.get("done") and failure is None:
         return None
-    setting = f"with bucket_cap_mb={cap_mb:g} and the check's own rank 1 beside your rank 0"
+    setting = f"with bucket_cap_mb={cap_mb:g} beside the check's own rank 1"
     if "problem" in record:
         return f"{setting}: {record['problem']}"
     if "waiting" in record:
-        return f"{setting}, rank 1 waited for {record['waiting']}, which never came: {record['hint']}"
+        return f"{setting}, rank 1 waited in vain for {record['waiting']}: {record['hint']}"
     return f"{setting}, rank 1 ended without a word (was it killed?)"

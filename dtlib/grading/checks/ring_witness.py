@@ -103,10 +103,9 @@ def witness_ring(fn: Callable, world_size: int, make_input: Callable,
     if "problem" in record:
         return f"on {world_size} ranks with the check's own rank {witness} in your ring: {record['problem']}"
     if "waiting" in record:
-        return (f"on {world_size} ranks the check's own rank {witness} took part in your ring and "
-                f"waited for {record['waiting']}'s chunk from rank {witness - 1}, which never "
-                "came: a ring passes one chunk per step to the right neighbour with point-to-point "
-                "messages; a built-in collective (dist.all_reduce, ...) or a message to another "
-                "rank leaves the ring waiting")
+        return (f"on {world_size} ranks the check's own rank {witness}, in your ring, waited in vain "
+                f"for {record['waiting']}'s chunk from rank {witness - 1}: pass one chunk per step "
+                "to the right neighbour by point-to-point messages; a built-in collective or a "
+                "message to another rank leaves the ring waiting")
     return (f"on {world_size} ranks the check's own rank {witness} in your ring ended without a "
             "word (a message longer than the tensor, or the rank was killed)")
