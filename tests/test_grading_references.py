@@ -244,6 +244,22 @@ class UnshardedForgesItsState(ZeRO1):
                 self.optimizer.state[p] = full.state[p]
 
 
+class UnshardedShowsAShardAtTheEnd(FullOnEveryRank):
+    """AdamW over every parameter on every rank (so no gradient is noise), its inner optimizer
+    swapped at the last step for one over this rank's shard holding that shard's state."""
+
+    @torch.no_grad()
+    def step(self):
+        self._full = getattr(self, "_full", [self.optimizer])  # in a list: not an attribute the check reads
+        full = self._full[0]
+        full.step()
+        mine = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
+        shown = torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1)
+        for p in mine:
+            shown.state[p] = full.state[p]
+        self.optimizer = shown
+
+
 def all_reduce_unseen(tensor):
     """The built-in collective, hidden from the rank's counter: a correct sum, no ring."""
     with _disable_current_modes():
@@ -321,6 +337,8 @@ FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
     "f and g: a collective in f's forward": (
         lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
         "f's forward all-reduced its input"),
+    "ZeRO-1: the shard it claims": (lambda: zero_fsdp.check_zero1(UnshardedShowsAShardAtTheEnd, steps=2),
+                                    "held other parameters during the steps"),
     "ZeRO-1: the optimizer's state": (lambda: zero_fsdp.check_zero1(UnshardedForgesItsState, steps=2),
                               "differs from unsharded AdamW"),
 }
