@@ -111,7 +111,7 @@ def _learner(rank: int, n: int, cls: type, cap_mb: float, model_fn: Callable, ba
     params = list(model.parameters())
     ddp = cls(model, cap_mb)
     # where each parameter lies in the buckets' flat buffers: the given constructor's layout. A
-    # false answer only mixes rank 0's gradients with the witness's, which rank 0's weights show
+    # false answer only misaligns rank 0's buffers with the witness's, which the witness then sees
     index = {id(p): i for i, p in enumerate(params)}
     layout = [index.get(id(p), -1) for bucket in getattr(ddp, "buckets", []) for p in bucket]
     dist.send(torch.tensor((layout + [-1] * len(params))[:len(params)]), n - 1)
@@ -130,7 +130,7 @@ def _buckets(params: list[torch.Tensor], cap_mb: float, layout: list[int]) -> li
     a bucket, the parameters in rank 0's order when it named a permutation of them."""
     last = len(params) - 1
     buckets = [[last - i for i in b]
-               for b in assign_buckets(list(reversed(params)), int(cap_mb * 2 ** 20))]
+               for b in assign_buckets(list(reversed(params)), int(cap_mb * 2 ** 20))]  # the exercise's MB
     place = {i: k for k, i in enumerate(layout)}
     if sorted(layout) == list(range(len(params))):
         buckets = [sorted(b, key=place.__getitem__) for b in buckets]
