@@ -6,8 +6,8 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from dtlib.grading.checks import communication as checks
-from dtlib.grading.checks.ddp_witness import witness_ddp
-from dtlib.grading.checks.ring_witness import witness_ring
+from dtlib.grading.ddp_witness import witness_ddp
+from dtlib.grading.ring_witness import witness_ring
 from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 from dtlib.parallel import assign_buckets, ring_all_reduce
@@ -117,7 +117,7 @@ def test_the_witnesses_words_follow_the_hint_policy(monkeypatch):
     """Every kind of record a witness leaves, at the longest (4 ranks, the smaller bucket cap)."""
     from dtlib import grading
     from dtlib.grading import hint_policy
-    from dtlib.grading.checks import ddp_witness, ring_witness
+    from dtlib.grading import ddp_witness, ring_witness
 
     master = hint_policy.master_of("communication", grading.masters())
     waits = [{"waiting": "reduce-scatter step 2"}, {"waiting": "all-gather step 2"}, {}]

@@ -5,7 +5,7 @@
   bytes each rank sends (a ring sends at most 2(n-1)/n of the buffer, Patarasuk & Yuan 2009) and
   refuses built-in collectives. Those counts are taken in the rank, where the learner's code
   could forge them, so they only word the feedback: the grade's word on the behaviour is a run
-  with the check's own rank in the ring (:mod:`~dtlib.grading.checks.ring_witness`), which sees
+  with the check's own rank in the ring (:mod:`~dtlib.grading.ring_witness`), which sees
   every message its neighbour sends it.
 * :func:`check_make_buckets` compares the learner's bucket assignment with
   :func:`dtlib.parallel.assign_buckets` (PyTorch's rule) on the parameters in reverse order.
@@ -14,7 +14,7 @@
   to single-process training on the full batch. The calls and their times are spied on in the
   rank (feedback only, forgeable there); the number, sizes, contents and overlap of the
   all-reduces are judged by a run beside the check's own rank
-  (:mod:`~dtlib.grading.checks.ddp_witness`). :func:`record_timeline` returns the learner's
+  (:mod:`~dtlib.grading.ddp_witness`). :func:`record_timeline` returns the learner's
   run as a :class:`~dtlib.parallel.SyncRecord`, so the lesson's timeline plot can draw it.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib.grading.checks.ddp_witness import witness_ddp
-from dtlib.grading.checks.ring_witness import witness_ring
+from dtlib.grading.ddp_witness import witness_ddp
+from dtlib.grading.ring_witness import witness_ring
 from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch

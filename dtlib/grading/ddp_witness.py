@@ -1,4 +1,4 @@
-"""The check's own rank beside the learner's bucketed DDP (:mod:`~dtlib.grading.checks.witness`).
+"""The check's own rank beside the learner's bucketed DDP (:mod:`~dtlib.grading.witness`).
 
 Rank 0 trains with the learner's ``cls(model, bucket_cap_mb)`` as in the lesson (the given
 constructor broadcasts rank 0's weights; ``finish()`` after ``backward()``); rank 1 runs no
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtlib.grading.checks.witness import Witnessed, run_with_witness, say
+from dtlib.grading.witness import Witnessed, run_with_witness, say
 from dtlib.parallel.buckets import assign_buckets
 
 __all__ = ["witness_ddp", "HINT_DO_NOT_BLOCK", "HINT_ONE_PER_BUCKET"]

@@ -1,4 +1,4 @@
-"""The check's own rank in the learner's ring all-reduce (:mod:`~dtlib.grading.checks.witness`).
+"""The check's own rank in the learner's ring all-reduce (:mod:`~dtlib.grading.witness`).
 
 The last rank of the ring runs no learner code: it plays the ring all-reduce of the lesson
 (Patarasuk & Yuan 2009; the schedule of ``exercises/02_communication.ipynb``, Q1) with the
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtlib.grading.checks.witness import Witnessed, run_with_witness, say
+from dtlib.grading.witness import Witnessed, run_with_witness, say
 
 __all__ = ["witness_ring", "WITNESS_SHAPE"]
 
