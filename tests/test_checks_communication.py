@@ -6,6 +6,8 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from dtlib.grading.checks import communication as checks
+from dtlib.grading.ddp_witness import witness_ddp
+from dtlib.grading.ring_witness import witness_ring
 from dtlib.analytic.comm import collective_time
 from dtlib.analytic.hardware import Link
 from dtlib.parallel import assign_buckets, ring_all_reduce
@@ -87,6 +89,46 @@ def test_ring_check_accepts_dtlib_and_the_solution():
 def test_ring_check_rejects_classic_mistakes(fn, message):
     with pytest.raises(AssertionError, match=message):
         checks.check_ring_all_reduce(fn)
+
+
+def ring_one_chunk_later(tensor):
+    """The same ring, each step one chunk later than the lesson's schedule (also correct)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(n)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(r - s - 1) % n])
+        for req in [dist.isend(chunks[(r - s) % n], right), dist.irecv(incoming, left)]:
+            req.wait()
+        chunks[(r - s - 1) % n].add_(incoming)
+    for s in range(n - 1):
+        for req in [dist.isend(chunks[(r - s + 1) % n], right), dist.irecv(chunks[(r - s) % n], left)]:
+            req.wait()
+    return tensor
+
+
+def test_the_checks_own_rank_in_the_ring_takes_any_offset_of_the_schedule():
+    for n in (2, 3):
+        assert witness_ring(ring_one_chunk_later, n, checks._rank_input) is None
+    assert "more than one chunk" in witness_ring(to_everyone, 3, checks._rank_input)
+
+
+def test_the_witnesses_words_follow_the_hint_policy(monkeypatch):
+    """Every kind of record a witness leaves, at the longest (4 ranks, the smaller bucket cap)."""
+    from dtlib import grading
+    from dtlib.grading import hint_policy
+    from dtlib.grading import ddp_witness, ring_witness
+
+    master = hint_policy.master_of("communication", grading.masters())
+    waits = [{"waiting": "reduce-scatter step 2"}, {"waiting": "all-gather step 2"}, {}]
+    ddp_waits = [{"waiting": "bucket 3's all-reduce (16512 elements) in step 2", "hint": hint}
+                 for hint in (ddp_witness.HINT_ONE_PER_BUCKET, ddp_witness.HINT_DO_NOT_BLOCK)]
+    for module, records, judge in (
+            (ring_witness, waits, lambda: witness_ring(None, 4, None)),
+            (ddp_witness, [*ddp_waits, {}], lambda: witness_ddp(None, 64 / 1024, checks.ddp_model, []))):
+        for record in records:
+            monkeypatch.setattr(module, "run_with_witness", lambda *a, record=record: (record, RuntimeError()))
+            assert hint_policy.violations(judge(), "communication", master) == []
 
 
 def test_ring_check_reports_a_deadlock():
@@ -180,6 +222,30 @@ class MiniDDP:
                 _, offset = self.where[p]
                 p.grad.copy_(self.flat[b][offset:offset + p.numel()].view_as(p))
         self.reset()
+
+
+class OtherOrderInside(MiniDDP):
+    """The order inside a bucket is free: the same buckets, each laid out first parameter first."""
+
+    def __init__(self, model, bucket_cap_mb=25.0):
+        super().__init__(model, bucket_cap_mb)
+        self.buckets = [params[::-1] for params in self.buckets]
+        self.where = {p: (b, sum(q.numel() for q in params[:k]))
+                      for b, params in enumerate(self.buckets) for k, p in enumerate(params)}
+
+
+def test_the_checks_own_rank_beside_ddp_takes_any_order_inside_a_bucket():
+    for cap_mb in (64 / 1024, 25.0):
+        assert witness_ddp(OtherOrderInside, cap_mb, checks.ddp_model, checks._ddp_batches(2, 16, 128)) is None
+    assert "not its gradients divided" in witness_ddp(
+        NoDivide, 25.0, checks.ddp_model, checks._ddp_batches(2, 16, 128))
+
+
+class NoDivide(MiniDDP):  # its gradients added as they are: neither the mean nor the sum's half
+    def _grad_ready(self, p):
+        b = self._copy_in(p, 0.5 / self.world_size)
+        if self.missing[b] == 0:
+            self.works[b] = dist.all_reduce(self.flat[b], async_op=True)
 
 
 class Blocking(MiniDDP):

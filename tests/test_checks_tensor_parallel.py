@@ -78,7 +78,7 @@ def test_f_and_g_accepts_the_conjugate_pair(world_size):
 @pytest.mark.parametrize("f, g, match", [
     (FNoReduce, G_, "the backward of f must all-reduce the input gradient"),
     (FAverage, G_, "f's backward averaged the gradients: sum them"),
-    (FReduceForward, G_, "f changed its input in forward"),
+    (FReduceForward, G_, "f's forward all-reduced its input"),
     (F_, GIdentity, "g returned its input unchanged: g must all-reduce"),
     (F_, GReduceBackward, "g's backward is not the identity"),
     (F_, int, "g must be a subclass of torch.autograd.Function"),

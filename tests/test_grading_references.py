@@ -14,12 +14,15 @@ import gc
 import importlib
 import pkgutil
 import sys
+import time
 import types
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.utils._python_dispatch import _disable_current_modes
 
 import dtlib.grading.checks
 import dtlib.measure
@@ -28,9 +31,9 @@ from dtlib.data import load_mnist
 from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd,
                                   pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
-from tests.test_checks_communication import Summed
-from tests.test_checks_tensor_parallel import F_
-from tests.test_checks_zero_fsdp import FullOnEveryRank
+from tests.test_checks_communication import AllAtTheEnd, MiniDDP, Summed
+from tests.test_checks_tensor_parallel import F_, G_
+from tests.test_checks_zero_fsdp import FullOnEveryRank, ZeRO1
 
 _LAUNCHERS = {"launch", "launch_checked"}
 
@@ -209,6 +212,144 @@ def restore_forges_the_reference(state, model, optimizer):
             t.copy_(p.detach())
         torch.set_rng_state(rng)
     return fault_tolerance.KILL_STEP
+
+
+# ---- forged measures: what a rank says about its own run, made to fit --------------------------------
+class AveragesInForwardUnseen(F_):
+    """f's forward all-reduces (averaging, so a replicated input comes back unchanged) with the
+    collective hidden from the rank's dispatch-mode counter (``CollectiveCounter``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with _disable_current_modes():
+            out = x.clone()
+            dist.all_reduce(out)
+        return out / dist.get_world_size()
+
+
+class UnshardedForgesItsState(ZeRO1):
+    """AdamW over every parameter on every rank (no communication needed), hidden from the check;
+    the inner optimizer it shows holds this rank's shard's state only, as ZeRO-1's would."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.01):
+        super().__init__(params, lr, weight_decay)
+        self._unsharded = [torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)]
+
+    @torch.no_grad()
+    def step(self):
+        full = self._unsharded[0]
+        full.step()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.optimizer.state[p] = full.state[p]
+
+
+class UnshardedShowsAShardAtTheEnd(FullOnEveryRank):
+    """AdamW over every parameter on every rank (so no gradient is noise), its inner optimizer
+    swapped at the last step for one over this rank's shard holding that shard's state."""
+
+    @torch.no_grad()
+    def step(self):
+        self._full = getattr(self, "_full", [self.optimizer])  # in a list: not an attribute the check reads
+        full = self._full[0]
+        full.step()
+        mine = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
+        shown = torch.optim.AdamW(mine, lr=1e-2, weight_decay=0.1)
+        for p in mine:
+            shown.state[p] = full.state[p]
+        self.optimizer = shown
+
+
+def all_reduce_unseen(tensor):
+    """The built-in collective, hidden from the rank's counter: a correct sum, no ring."""
+    with _disable_current_modes():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def whole_tensors_unseen(tensor):
+    """A ring of whole tensors (n-1 x the tensor from every rank, not 2(n-1)/n), unseen."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    total, passing = tensor.clone(), tensor.clone()
+    with _disable_current_modes():
+        for _ in range(n - 1):
+            incoming = torch.empty_like(tensor)
+            for req in [dist.isend(passing, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+                req.wait()
+            total += incoming
+            passing = incoming
+    return tensor.copy_(total)
+
+
+class PerParameterCountedPerBucket(MiniDDP):
+    """One all-reduce per parameter, through ``distributed_c10d`` where the check's spy on
+    ``dist.all_reduce`` does not look; the spy is shown one empty all-reduce per bucket."""
+
+    def _grad_ready(self, p):
+        self.hidden.append(distributed_c10d.all_reduce(p.grad.div_(self.world_size), async_op=True))
+        b, _ = self.where[p]
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self.works[b] = dist.all_reduce(torch.zeros(0), async_op=True)
+
+    def finish(self):
+        for work in self.hidden + self.works:
+            work.wait()
+        self.reset()
+
+    def reset(self):
+        super().reset()
+        self.hidden = []
+
+
+class AllAtTheEndBackdated(AllAtTheEnd):
+    """Every all-reduce issued in finish(), after backward, with the clock the check's spy reads
+    set back while they are issued."""
+
+    def finish(self):
+        real = time.perf_counter
+        time.perf_counter = lambda: 0.0
+        try:
+            for b in range(len(self.buckets)):
+                self.works[b] = dist.all_reduce(self.flat[b], async_op=True)
+        finally:
+            time.perf_counter = real
+        MiniDDP.finish(self)
+
+
+# what is forged -> (how it is graded, what the check must say); each got full marks when the
+# check read the measure from the rank (its counter of collectives and bytes, a replicated input
+# to f, the gradients of every parameter)
+FORGED_MEASURES: dict[str, tuple[Callable, str]] = {
+    "ring: a built-in collective": (
+        lambda: communication.check_ring_all_reduce(all_reduce_unseen, world_sizes=(2,), shapes=((12,),),
+                                                    timeout=5),
+        "waited in vain for reduce-scatter step 0's chunk from rank 0"),
+    "ring: bytes sent": (
+        lambda: communication.check_ring_all_reduce(whole_tensors_unseen, world_sizes=(3,), shapes=((12,),)),
+        "sent the check's rank 2 more than one chunk"),
+    "DDP: all-reduces per bucket": (
+        lambda: communication.check_bucketed_ddp(PerParameterCountedPerBucket, steps=2, timeout=10),
+        "rank 1 waited in vain for bucket 0's all-reduce"),
+    "DDP: the overlap with backward": (
+        lambda: communication.check_bucketed_ddp(AllAtTheEndBackdated, steps=2, timeout=10),
+        "rank 1 waited in vain for bucket 0's all-reduce"),
+    "f and g: a collective in f's forward": (
+        lambda: tensor_parallel.check_f_and_g(AveragesInForwardUnseen, G_),
+        "f's forward all-reduced its input"),
+    "ZeRO-1: the shard it claims": (lambda: zero_fsdp.check_zero1(UnshardedShowsAShardAtTheEnd, steps=2),
+                                    "held other parameters during the steps"),
+    "ZeRO-1: the optimizer's state": (lambda: zero_fsdp.check_zero1(UnshardedForgesItsState, steps=2),
+                              "differs from unsharded AdamW"),
+}
+
+
+@pytest.mark.parametrize("forged", sorted(FORGED_MEASURES))
+def test_a_forged_measure_scores_zero(forged):
+    grade, verdict = FORGED_MEASURES[forged]
+    with pytest.raises(AssertionError) as failed:
+        grade()
+    assert verdict in str(failed.value).splitlines()[0]
 
 
 @pytest.fixture(scope="module")

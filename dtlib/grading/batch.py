@@ -111,7 +111,7 @@ def _disagreement(in_notebook: dict[str, float], isolated: dict[str, float], fai
 
 
 def _grade_one(path: Path, autograder_zip: Path, master_name: str, points: dict[str, float],
-               timeout: float, cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None,
+               timeout: float, cpu_time: float, runner: prefork.Forker, forker: prefork.Starting | None,
                setup: list[str],
                index: int = 0, mounts: sandbox.Mounts = sandbox.Mounts()) -> dict:
     row: dict = {"submission": path.name, "status": "graded", "error": ""}
@@ -233,19 +233,25 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
             os.chmod(logs, 0o711)
             cwd = Path(logs) / "cwd"
             cwd.mkdir(mode=0o755)
-        # both parents import at once: otter's grader for the executions, torch and the checks for the verdicts
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            starting = (pool.submit(prefork.Forker, None, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT),
-                        pool.submit(prefork.Forker, setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT)
-                        if master else None)
-        parents = [f.result() for f in starting if f and not f.exception()]
+        # both parents import at once: otter's grader for the executions, torch and the checks for the
+        # verdicts. The rows start when the executions' parent is ready; each row's verdict waits for
+        # its own parent (seconds more: torch, the checks, the master's setup) while its execution runs.
+        pool = ThreadPoolExecutor(max_workers=2)
+        starting = (pool.submit(prefork.Forker, None, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT),
+                    pool.submit(prefork.Forker, setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT)
+                    if master else None)
+        pool.shutdown(wait=False)
         try:
-            runner, forker = (f.result() if f else None for f in starting)  # raises why one could not start
+            runner = starting[0].result()  # raises why it could not start
+            forker = prefork.Starting(starting[1]) if master else None
             rows = _grade_all(files, autograder_zip, master_name, points, timeout, cpu_time, runner, forker, setup,
                               jobs, mounts, progress)
+            if master:
+                starting[1].result()  # a master whose setup fails is the batch's error, not its rows'
         finally:
-            for parent in parents:
-                parent.close()
+            for future in starting:
+                if future and not future.exception():
+                    future.result().close()
     finally:
         rowfiles.remove_tree(logs)
     cgroups.sweep_groups(f"dtlib-grade-{os.getpid()}-")
@@ -254,7 +260,7 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
 
 
 def _grade_all(files: list[Path], autograder_zip: Path, master_name: str, points: dict[str, float], timeout: float,
-               cpu_time: float, runner: prefork.Forker, forker: prefork.Forker | None, setup: list[str],
+               cpu_time: float, runner: prefork.Forker, forker: prefork.Starting | None, setup: list[str],
                jobs: int, mounts: sandbox.Mounts, progress: Callable[[str], None]) -> list[dict]:
     order = itertools.count(1)
 

@@ -123,7 +123,7 @@ def _read_to_end(stdout: int, budget: _Budget) -> tuple[bytes | None, str]:
     return b"".join(chunks), ""
 
 
-def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None, limits: sandbox.Limits,
+def _run_verdict(forker: prefork.Starting, job: bytes, home: Path, uid: int | None, limits: sandbox.Limits,
                  mounts: sandbox.Mounts, timeout: float, cpu_time: float | None) -> tuple[dict | None, str]:
     """Fork a verdict process for ``job`` from ``forker``; its report, or ``None`` and why."""
     groups = _groups(home, limits)
@@ -154,12 +154,13 @@ def _run_verdict(forker: prefork.Forker, job: bytes, home: Path, uid: int | None
     return None, "the verdict process ended without a report" + (f" ({first_line(lines[-1])})" if lines else "")
 
 
-def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, forker: prefork.Forker | None,
+def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, forker: prefork.Starting | None,
                  cells: dict, timeout: float, cpu_time: float | None, workdir: Path,
                  uids: tuple[int | None, int | None],
                  mounts: sandbox.Mounts = sandbox.Mounts()) -> tuple[dict | None, str, str, dict | None, str]:
     """Execute ``notebook`` with otter (forked from ``runner``, the batch's execution parent) and,
-    at the same time, compute its isolated verdict (forked from ``forker``).
+    at the same time, compute its isolated verdict (forked from ``forker`` once that parent is
+    ready).
 
     Returns otter's report (or ``None``), a status and why, then the verdict (or ``None``) and
     why it failed. Each child has its own user (``uids``) and folder, a session of its own (a

@@ -28,12 +28,13 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
 from dtlib.grading import rowfiles, sandbox
 
-__all__ = ["Forker", "serve"]
+__all__ = ["Forker", "Starting", "serve"]
 
 _MAX_REQUEST = 1 << 20
 # What an execution parent imports once (otter.api imports some of it only when it first grades).
@@ -97,6 +98,24 @@ class Forker:
         self._sock.close()
         self._proc.kill()
         self._proc.wait()
+
+
+class Starting:
+    """A :class:`Forker` still starting in another thread: :meth:`start` waits until it is ready
+    (or raises why it could not start). The batch's rows begin as soon as the executions' parent
+    is ready; the verdicts' parent (torch, the checks, the master's setup: seconds more) finishes
+    starting while the first rows' executions run."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    @property
+    def cwd(self) -> Path:
+        return self._future.result().cwd
+
+    def start(self, *args, **kwargs) -> int:
+        """:meth:`Forker.start`, once the parent is ready."""
+        return self._future.result().start(*args, **kwargs)
 
 
 def _child(request: dict, fds: list[int]) -> None:

@@ -1,14 +1,20 @@
 """Checks for the communication exercise: ring all-reduce from send/recv, and bucketed DDP.
 
 * :func:`check_ring_all_reduce` runs the learner's ring on 2, 3 and 4 real ranks, on sizes that
-  do and do not divide by the world size, against ``dist.all_reduce``; it also counts the bytes
-  each rank sends (a ring sends at most 2(n-1)/n of the buffer, Patarasuk & Yuan 2009) and
-  refuses built-in collectives.
+  do and do not divide by the world size, against the sum the check computes; it also counts the
+  bytes each rank sends (a ring sends at most 2(n-1)/n of the buffer, Patarasuk & Yuan 2009) and
+  refuses built-in collectives. Those counts are taken in the rank, where the learner's code
+  could forge them, so they only word the feedback: the grade's word on the behaviour is a run
+  with the check's own rank in the ring (:mod:`~dtlib.grading.ring_witness`), which sees
+  every message its neighbour sends it.
 * :func:`check_make_buckets` compares the learner's bucket assignment with
   :func:`dtlib.parallel.assign_buckets` (PyTorch's rule) on the parameters in reverse order.
 * :func:`check_bucketed_ddp` trains with the learner's small bucketed DDP on 2 ranks: one
   asynchronous all-reduce per bucket, issued while ``backward()`` still runs, and parameters equal
-  to single-process training on the full batch. :func:`record_timeline` returns the learner's
+  to single-process training on the full batch. The calls and their times are spied on in the
+  rank (feedback only, forgeable there); the number, sizes, contents and overlap of the
+  all-reduces are judged by a run beside the check's own rank
+  (:mod:`~dtlib.grading.ddp_witness`). :func:`record_timeline` returns the learner's
   run as a :class:`~dtlib.parallel.SyncRecord`, so the lesson's timeline plot can draw it.
 """
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlib.grading.ddp_witness import witness_ddp
+from dtlib.grading.ring_witness import witness_ring
 from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
@@ -155,6 +163,10 @@ def check_ring_all_reduce(fn: Callable, world_sizes: tuple[int, ...] = (2, 3, 4)
                 f"shapes {[tuple(s) for s in shapes]}: flatten with tensor.view(-1) and split with "
                 "tensor_split (sizes need not divide by the world size)") from None
         problem = _ring_diagnosis(n, tuple(shapes), results)
+        if problem:
+            raise AssertionError(problem)
+    for n in world_sizes:  # the same ring with the check's own rank in it: behaviour seen outside
+        problem = witness_ring(fn, n, _rank_input, timeout=timeout)
         if problem:
             raise AssertionError(problem)
 
@@ -429,5 +441,9 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                     "wait(), copy each bucket's averaged values back into every p.grad (in place, "
                     "p.grad.copy_(...)) before the optimizer step")
         problem = _weights_diagnosis(setting, ref["params"], world_size, steps)
+        if problem:
+            raise AssertionError(problem)
+    for cap_mb in (64 / 1024, 25.0):  # the same training beside the check's own rank: its word
+        problem = witness_ddp(cls, cap_mb, ddp_model, _ddp_batches(steps, _DDP_BATCH, 128), timeout)
         if problem:
             raise AssertionError(problem)

@@ -3,7 +3,8 @@ parallel MLP (Shoeybi et al. 2019, Sec. 3, Fig. 3a).
 
 * :func:`check_f_and_g` - on real ranks: ``f`` is the identity forward and sums the input's
   gradient over the ranks in backward; ``g`` sums its input over the ranks in forward and passes
-  the gradient through unchanged; ``f``'s forward and ``g``'s backward issue no collective.
+  the gradient through unchanged. Every rank gets a different input and upstream gradient, so
+  an all-reduce in the wrong direction shows in the values (none is counted inside a rank).
 * :func:`check_parallel_mlp` - on real ranks, the learner's MLP from this rank's slices of
   ``up`` (columns) and ``down`` (rows) gives the output and the input gradient of the full MLP,
   and each rank's weight gradients are its slices of the full ones.
@@ -18,7 +19,6 @@ from torch import nn
 
 from dtlib.grading.feedback import first_line
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
-from dtlib.measure import CollectiveCounter
 
 __all__ = ["check_f_and_g", "check_parallel_mlp", "mlp_layers"]
 
@@ -37,75 +37,83 @@ def _run(worker: Callable, world_size: int, args: tuple, timeout: float, what: s
 
 
 # ---- q1: f and g -------------------------------------------------------------------------------------
-def _f_g_input() -> torch.Tensor:
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+def _f_g_input(rank: int) -> torch.Tensor:
+    """A different input on every rank: the identity returns its own, an all-reduce (sum or mean)
+    does not, so which direction communicates is read from the values alone (issue 39: nothing
+    measured inside the rank, where the learner's code runs, decides a grade)."""
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) + 10.0 * rank
 
 
 def _f_g_worker(rank: int, world_size: int, f: type, g: type) -> dict:
     """Runs only the learner's f and g and returns their outputs and gradients (what they are
     compared with is made by the check, in its own process: issue 39)."""
-    x = _f_g_input().requires_grad_()                   # the same on every rank (replicated)
-    upstream = torch.full((3, 4), float(rank + 1))       # a different gradient on every rank
-    with CollectiveCounter() as f_fwd:
-        y = f.apply(x)
-    with CollectiveCounter() as f_bwd:
-        y.backward(upstream)
-    partial = torch.full((3, 4), float(rank + 1), requires_grad=True)  # a different partial per rank
-    with CollectiveCounter() as g_fwd:
-        z = g.apply(partial)
-    with CollectiveCounter() as g_bwd:
-        z.backward(torch.ones(3, 4))
-    return {"f_out": y.detach(), "f_grad": x.grad, "g_out": z.detach(), "g_grad": partial.grad,
-            "calls": {"f forward": len(f_fwd.calls), "f backward": len(f_bwd.calls),
-                      "g forward": len(g_fwd.calls), "g backward": len(g_bwd.calls)}}
+    x = _f_g_input(rank).requires_grad_()
+    y = f.apply(x)
+    y.backward(torch.full((3, 4), float(rank + 1)))      # a different gradient on every rank
+    partial = _f_g_input(rank).requires_grad_()          # a different partial per rank
+    z = g.apply(partial)
+    z.backward(torch.full((3, 4), float(rank + 1)))
+    return {"f_out": y.detach(), "f_grad": x.grad, "g_out": z.detach(), "g_grad": partial.grad}
+
+
+def _f_g_diagnosis(ranks: list[dict]) -> str | None:
+    """What is wrong with f and g, in words, from the values the ranks returned (None if right).
+
+    Per rank: f's output must be its own input, g's its input summed over ranks; f's input
+    gradient the upstream gradients summed over ranks, g's its own upstream gradient."""
+    n = len(ranks)
+    setting = f"on {n} ranks"
+    inputs = [_f_g_input(rank) for rank in range(n)]
+    total_in = torch.stack(inputs).sum(0)
+    total = sum(range(1, n + 1))  # the upstream gradients: rank + 1 on each rank
+    for rank, r in enumerate(ranks):
+        own, upstream = inputs[rank], torch.full((3, 4), float(rank + 1))
+        if r["f_grad"] is None or r["g_grad"] is None:
+            return (f"{setting}, no gradient reached the input: backward must return a tensor "
+                    "(the input's gradient), not None")
+        if not torch.allclose(r["f_out"], own, **TOL):
+            if torch.allclose(r["f_out"], total_in, **TOL) or torch.allclose(r["f_out"], total_in / n, **TOL):
+                return (f"{setting}, f's forward all-reduced its input: f is the identity forward, "
+                        "the all-reduce belongs in its backward")
+            return (f"{setting}, f changed its input in forward: f is the identity forward "
+                    "(return x, e.g. x.view_as(x))")
+        if torch.allclose(r["f_grad"], upstream, **TOL):
+            return (f"{setting}, rank {rank}'s input gradient is only its own: the backward of f "
+                    "must all-reduce the input gradient (each rank holds the contribution of its "
+                    "own slice of the layer)")
+        if torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total / n), **TOL):
+            return (f"{setting}, f's backward averaged the gradients: sum them (dist.all_reduce "
+                    "with the default SUM), do not divide")
+        if not torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total), **TOL):
+            return (f"{setting}, f's backward returned {r['f_grad'].flatten()[0]:g} where the sum "
+                    f"over ranks is {total}: all-reduce (sum) the incoming gradient and return it")
+        if torch.allclose(r["g_out"], own, **TOL):
+            return (f"{setting}, g returned its input unchanged: g must all-reduce (sum) the "
+                    "partial outputs in forward")
+        if not torch.allclose(r["g_out"], total_in, **TOL):
+            i = int((r["g_out"] - total_in).abs().nan_to_num(float("inf")).argmax())
+            return (f"{setting}, g's forward gave {r['g_out'].flatten()[i]:g} at index {i} where the "
+                    f"sum of the partials is {total_in.flatten()[i]:g}: sum, do not average, and do "
+                    "not change the input in place (clone it first)")
+        if not torch.allclose(r["g_grad"], upstream, **TOL):
+            return (f"{setting}, g's backward is not the identity (gradient "
+                    f"{r['g_grad'].flatten()[0]:g}, expected this rank's {rank + 1}): every partial "
+                    "sum gets the full gradient; all-reducing it again sums it over the ranks")
+    return None
 
 
 def check_f_and_g(f: type, g: type, world_size: int = 2, timeout: float = 30.0) -> None:
-    """``f`` and ``g`` are ``torch.autograd.Function`` classes applied as ``f.apply(x)``."""
+    """``f`` and ``g`` are ``torch.autograd.Function`` classes applied as ``f.apply(x)``.
+
+    Judged from the values alone, with a different input and upstream gradient on every rank:
+    which direction all-reduces shows in them, so no collective is counted inside a rank."""
     for name, cls in (("f", f), ("g", g)):
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
             raise AssertionError(f"{name} must be a subclass of torch.autograd.Function with static "
                                  "forward(ctx, x) and backward(ctx, grad) methods")
-    ranks = _run(_f_g_worker, world_size, (f, g), timeout, "f or g")
-    n = world_size
-    total = sum(range(1, n + 1))  # sum over ranks of (rank + 1)
-    setting = f"on {n} ranks"
-    x = _f_g_input()
-    for rank, r in enumerate(ranks):
-        upstream = torch.full((3, 4), float(rank + 1))  # _f_g_worker's gradient on this rank
-        if r["f_grad"] is None or r["g_grad"] is None:
-            raise AssertionError(f"{setting}, no gradient reached the input: backward must return "
-                                 "a tensor (the input's gradient), not None")
-        if not torch.allclose(r["f_out"], x, **TOL):
-            raise AssertionError(f"{setting}, f changed its input in forward: f is the identity "
-                                 "forward (return x, e.g. x.view_as(x)); the input is already "
-                                 "the same on every rank")
-        if r["calls"]["f forward"]:
-            raise AssertionError(f"{setting}, f issued a collective in forward: its forward is "
-                                 "the identity, the all-reduce belongs in its backward")
-        if torch.allclose(r["f_grad"], upstream, **TOL) and n > 1:
-            raise AssertionError(f"{setting}, rank {rank}'s input gradient is only its own: the "
-                                 "backward of f must all-reduce the input gradient (each rank "
-                                 "holds the contribution of its own slice of the layer)")
-        if torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total / n), **TOL):
-            raise AssertionError(f"{setting}, f's backward averaged the gradients: sum them "
-                                 "(dist.all_reduce with the default SUM), do not divide")
-        if not torch.allclose(r["f_grad"], torch.full_like(r["f_grad"], total), **TOL):
-            raise AssertionError(f"{setting}, f's backward returned {r['f_grad'].flatten()[0]:g} "
-                                 f"where the sum over ranks is {total}: all-reduce (sum) the "
-                                 "incoming gradient and return it")
-        if torch.allclose(r["g_out"], torch.full_like(r["g_out"], rank + 1.0), **TOL) and n > 1:
-            raise AssertionError(f"{setting}, g returned its input unchanged: g must all-reduce "
-                                 "(sum) the partial outputs in forward")
-        if not torch.allclose(r["g_out"], torch.full_like(r["g_out"], float(total)), **TOL):
-            raise AssertionError(f"{setting}, g's forward gave {r['g_out'].flatten()[0]:g} where "
-                                 f"the sum of the partials is {total}: sum, do not average, and "
-                                 "do not change the input in place (clone it first)")
-        if r["calls"]["g backward"] or not torch.allclose(r["g_grad"], torch.ones(3, 4), **TOL):
-            raise AssertionError(f"{setting}, g's backward is not the identity (gradient "
-                                 f"{r['g_grad'].flatten()[0]:g}, expected 1): every partial sum "
-                                 "gets the full gradient; all-reducing it again multiplies it "
-                                 "by world_size")
+    problem = _f_g_diagnosis(_run(_f_g_worker, world_size, (f, g), timeout, "f or g"))
+    if problem:
+        raise AssertionError(problem)
 
 
 # ---- q2: the parallel MLP ------------------------------------------------------------------------------

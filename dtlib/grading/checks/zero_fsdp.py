@@ -5,8 +5,10 @@
   ``torch.distributed.optim.ZeroRedundancyOptimizer``), the same on every rank.
 * :func:`check_zero1` - on real ranks, the learner's ``ZeRO1`` optimizer (AdamW on this rank's
   shard, then the updated parameters shared) gives exactly the unsharded AdamW's parameters over
-  several steps, and each rank holds about 1/N of Adam's state (Rajbhandari et al. 2020, Sec. 5.1,
-  P_os).
+  several steps, with noise for gradients outside each rank's shard (so only a step that reads its
+  own shard alone stays exact), and each rank's inner optimizer holds about 1/N of Adam's state
+  (Rajbhandari et al. 2020, Sec. 5.1, P_os): state tensors the rank returns, which its code could
+  forge (docs/grading.md, "Not protected").
 """
 from __future__ import annotations
 
@@ -99,19 +101,34 @@ def _zero1_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
     """Runs only the learner's optimizer and returns data: its parameters and its inner
     optimizers' state tensors, copied (the reference AdamW and every byte count are the check's,
-    in its own process: issue 39)."""
+    in its own process: issue 39).
+
+    Each rank's gradients of the parameters its inner optimizers do not hold are replaced with
+    noise (different on every rank) before the step: a ZeRO-1 step reads only its own shard's
+    gradients and takes the other parameters from their owners, so its parameters stay exact,
+    while a step over every parameter (averaged or not) ends wrong, whatever the rank reports
+    about itself. Which collectives the step called is counted in the rank, where the learner's
+    code runs, so it only chooses the words of a failure the values already show."""
     model = zero1_model()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
     opt = cls(model.parameters(), **_ADAMW)
-    all_reduces = 0
+    noise = torch.Generator().manual_seed(100 + rank)
+    all_reduces, held_per_step = 0, []
     for x, y in _zero1_batches(steps):
         xs, ys = x.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+        # read before every step (one made in the first step() is no shard yet); the check
+        # requires the same shard at every read and in the state at the end
+        held = {id(p) for o in _inner_optimizers(opt) for group in o.param_groups for p in group["params"]}
+        held_per_step.append(sorted(index.get(h, -1) for h in held))
         for p in model.parameters():
             p.grad = None
         nn.functional.cross_entropy(model(xs), ys).backward()
         for p in model.parameters():  # what DDP does before the step: average the gradients
             dist.all_reduce(p.grad)
             p.grad /= world_size
-        with CollectiveCounter() as counter:
+            if held and id(p) not in held:  # not this rank's shard: a ZeRO-1 step never reads it
+                p.grad.copy_(torch.randn(p.shape, generator=noise))
+        with CollectiveCounter() as counter:  # names the mistake only: the grade is the values
             opt.step()
         all_reduces += counter.counts["all_reduce"]
     inner = _inner_optimizers(opt)
@@ -120,7 +137,9 @@ def _zero1_worker(rank: int, world_size: int, cls: type, steps: int) -> dict:
             # (shape of the parameter, its state tensors) per parameter of each inner optimizer
             "state": [(tuple(p.shape), {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)})
                       for o in inner for p, state in o.state.items()],
-            "all_reduce_in_step": all_reduces > 0}
+            "all_reduce_in_step": all_reduces > 0, "held_per_step": held_per_step,
+            "held_at_end": sorted(index.get(id(p), -1) for o in inner for g in o.param_groups for p in g["params"]),
+            "state_of": sorted(index.get(id(p), -1) for o in inner for p in o.state)}
 
 
 def _state_bytes(state: list[tuple[tuple[int, ...], dict]]) -> int:
@@ -155,7 +174,8 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
 
     On ``world_size`` ranks, with gradients already averaged (as DDP leaves them): after ``steps``
     steps every rank's parameters equal the unsharded ``torch.optim.AdamW`` (same gradients,
-    float tolerance), and each rank's inner optimizer holds about 1/N of Adam's state.
+    float tolerance) although each rank's gradients outside its shard are noise, and each rank's
+    inner optimizer holds about 1/N of Adam's state.
     """
     try:
         ranks = launch(_zero1_worker, world_size, args=(cls, steps), timeout=timeout, output="none")
@@ -177,6 +197,14 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
             raise AssertionError(
                 f"{setting}, rank {rank}'s optimizer has no inner torch optimizer attribute: keep "
                 "this rank's torch.optim.AdamW (over its own parameters only) in self.optimizer")
+    for rank, out in enumerate(ranks):
+        shard = out["held_at_end"]
+        if any(h != shard for h in out["held_per_step"][1:]) or out["held_per_step"][0] not in ([], shard) \
+                or out["state_of"] != shard:
+            raise AssertionError(
+                f"{setting}, rank {rank}'s inner optimizer held other parameters during the steps, or "
+                "kept state for other parameters, than at the end: keep one torch.optim.AdamW over "
+                "this rank's own parameters in self.optimizer, made in the constructor")
     for rank, out in enumerate(ranks):
         wrong = [(name, p, r, p0) for name, p, r, p0 in zip(out["names"], out["params"], ref_params, start)
                  if not torch.allclose(p, r, atol=1e-6, rtol=1e-5)]  # NaN is never close
