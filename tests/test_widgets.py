@@ -142,3 +142,14 @@ def test_checkpoint_widget_opens_on_the_lessons_mtbf():
     from dtlib.widgets.resilience import checkpoint_interval_explorer
 
     assert checkpoint_interval_explorer().controls["gpu_mtbf_hours"].value == LLAMA3_GPU_MTBF_HOURS
+
+
+def test_alpha_beta_widget_names_the_log_step_algorithm_for_what_it_is():
+    """collective_time's latency-optimal all-reduce is Rabenseifner's halving-doubling, not a tree
+    (issue 38): the widget's legend and title say so."""
+    from dtlib.widgets.communication import _alpha_beta_plot, _alpha_beta_result
+
+    fig = _alpha_beta_plot(_alpha_beta_result(8, "nvlink4", 2 ** 20))
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert "halving-doubling, 8 ranks" in labels and not any("tree" in label for label in labels)
+    assert "(halving-doubling)" in fig.axes[0].get_title() + "".join(t.get_text() for t in fig.texts)
