@@ -8,12 +8,18 @@ reading. The run fails, with a table, when a notebook's CPU seconds go over the 
 busy machine it grows with the other processes' load, CPU time does not (tests/test_cpu_time.py
 runs a notebook beside a CPU hog). Measurements behind the budget: docs/site.md.
 
+A cell that shows noise fails (issue 38: a learner reads every line): anything on stderr (Jupyter's
+red box) or a warning on stdout (a ``[WARNING]`` log line, a Python ``...Warning:``), unless
+:data:`ALLOWED_NOISE` lists it. Framework notices are silenced at their source or folded
+(``dtlib.experiments.framework_notices``), so nothing is listed today.
+
 With ``--executed-dir=DIR`` each notebook is also written to DIR (same relative path) with the
 outputs nbval received, as soon as its last cell has run, so the website (``book/build.py``)
 publishes the run of ``make test`` without executing every lesson a second time.
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +30,24 @@ NOTEBOOK_CPU_BUDGET_S = 120.0
 _wall: dict[str, float] = defaultdict(float)
 _cpu: dict[str, float] = {}
 _CPU_PROPERTY = "notebook_cpu_s"
+# a warning printed to stdout: a logger's "[WARNING]" line, Python's "...Warning: message" line
+_STDOUT_WARNING = re.compile(r"\[WARNING\]|^\s*(?:\S+:\d+: )?\w*Warning: |warnings\.warn\(")
+# regular expressions of the noise lines a notebook may show (each with the reason it is allowed)
+ALLOWED_NOISE: tuple[re.Pattern, ...] = ()
+
+
+def noise(outputs: list) -> list[str]:
+    """The lines of a cell's ``outputs`` (nbformat output dicts) a learner should not see: every
+    non-empty stderr line and every stdout warning line that :data:`ALLOWED_NOISE` does not list."""
+    lines = []
+    for out in outputs:
+        if out.get("output_type") != "stream":
+            continue
+        text = out["text"] if isinstance(out["text"], str) else "".join(out["text"])
+        for line in text.splitlines():
+            if line.strip() and (out["name"] == "stderr" or _STDOUT_WARNING.search(line)):
+                lines.append(line)
+    return [line for line in lines if not any(allowed.search(line) for allowed in ALLOWED_NOISE)]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,10 +79,15 @@ def _kernel_pid(item: pytest.Item) -> int | None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    yield
+    outcome = yield
     path = _notebook(item)
     if path is None:
         return
+    shown = noise(getattr(item, "test_outputs", None) or [])
+    if shown and outcome.exception is None:
+        outcome.force_exception(AssertionError(
+            f"the cell shows {len(shown)} line(s) of noise (stderr or a warning; conftest.ALLOWED_NOISE lists "
+            "what is allowed):\n" + "\n".join(shown[:10])))
     from dtlib.cpu_time import tree_cpu_seconds  # psutil: only where notebooks are run
 
     pid = _kernel_pid(item)

@@ -127,3 +127,45 @@ def test_the_claims_check_finds_an_unchecked_comparison(tmp_path):
     (tmp_path / "x.ipynb").write_text(json.dumps(nb))
     assert _sections(tmp_path / "x.ipynb") == [{"title": "1. Speed", "sentences": ["Ours beats theirs by 2x."],
                                                 "claimed": False}]
+
+
+def _root_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_noise_is_stderr_and_stdout_warnings_outside_the_allow_list():
+    noise = _root_conftest().noise
+    stream = lambda name, text: {"output_type": "stream", "name": name, "text": text}  # noqa: E731
+    assert noise([stream("stdout", "✓ a claim (rank_0 +0.9%)\nloss 3.1\n"),
+                  {"output_type": "display_data", "data": {"text/html": "<details>3 notices</details>"}}]) == []
+    assert noise([stream("stderr", "/usr/bin/ld: cannot find -laio\n\n"),
+                  stream("stdout", ["ok\n", "[2026-11-29 09:21:50,513] [WARNING] [engine.py:2304] untested\n"]),
+                  stream("stdout", "x.py:3: UserWarning: something\n")]) == [
+        "/usr/bin/ld: cannot find -laio", "[2026-11-29 09:21:50,513] [WARNING] [engine.py:2304] untested",
+        "x.py:3: UserWarning: something"]
+
+
+def test_a_notebook_cell_that_prints_noise_fails_under_nbval(tmp_path):
+    """The root conftest's check, run as nbval runs a lesson: the clean cell passes, the cell that
+    writes to stderr fails and names the line."""
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('loss 3.1')"),
+                                         nbformat.v4.new_code_cell("import sys\nprint('collect2: error', file=sys.stderr)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "noisy.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "noisy.ipynb", "-q",
+                          "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout[-2000:]
+    assert "line(s) of noise" in run.stdout and "collect2: error" in run.stdout
