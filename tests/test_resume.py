@@ -193,3 +193,29 @@ def test_dtlib_train_hung_rank_is_named_and_the_run_resumes(tmp_path, capsys):
     assert f"resumed at step 2 from {tmp_path / 'ck'}" in err, err[-4000:]
     summary = json.loads(out)  # --json: stdout is the one JSON object, drills and resume lines on stderr
     assert summary["losses"] == straight["losses"][2:] and summary["params_sha256"] == straight["params_sha256"]
+
+
+def test_kill_and_resume_prints_nothing_and_reports_the_failure_whole(tmp_path, capfd):
+    """Lesson 8's drill: its ranks print nothing of their own (the lesson prints each run's log in
+    order: the kill, then the resume), and the failure line keeps the launcher's whole first line
+    with gloo's source path cut to its file, never a path cut mid-word."""
+    from dtlib.experiments.resilience import kill_and_resume
+
+    drill = kill_and_resume(str(tmp_path / "drill"), steps=4, kill_step=2)
+    out, err = capfd.readouterr()
+    assert "resumed at step" not in out + err
+    assert drill["resumed"]["log"][0].startswith("resumed at step 2")
+    assert drill["failure"].startswith("rank 1 SIGKILLed at step 2; the launcher reports: rank ")
+    assert "/__w/" not in drill["failure"] and not drill["failure"].endswith("...")
+    assert drill["straight"]["params_sha256"] == drill["resumed"]["params_sha256"]
+
+
+def test_failure_line_shortens_gloo_source_paths_only():
+    from dtlib.experiments.resilience import failure_line
+    from dtlib.launcher import RankFailedError
+
+    error = RankFailedError("rank 0 of 2 failed: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+                            "transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234\ntraceback",
+                            rank=0, rank_traceback="")
+    assert failure_line(error) == ("rank 0 of 2 failed: RuntimeError: [pair.cc:534] Connection closed by peer "
+                                   "[127.0.0.1]:41234")
