@@ -150,22 +150,28 @@ def test_noise_is_stderr_and_stdout_warnings_outside_the_allow_list():
         "x.py:3: UserWarning: something"]
 
 
-def test_a_notebook_cell_that_prints_noise_fails_under_nbval(tmp_path):
-    """The root conftest's check, run as nbval runs a lesson: the clean cell passes, the cell that
-    writes to stderr fails and names the line."""
+def test_nbval_fails_a_cell_that_shows_noise_and_a_notebook_that_leaves_temp_files(tmp_path):
+    """The root conftest's checks, run as nbval runs the lessons: a clean cell passes, a cell that
+    writes to stderr fails naming the line; a notebook whose kernel leaves a folder in its temp
+    directory fails, one that uses TemporaryDirectory (removed when the kernel shuts down) does not."""
     import os
     import subprocess
     import sys
 
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('loss 3.1')"),
-                                         nbformat.v4.new_code_cell("import sys\nprint('collect2: error', file=sys.stderr)")])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, tmp_path / "noisy.ipynb")
+    cells = {"noisy": ["print('loss 3.1')", "import sys\nprint('collect2: error', file=sys.stderr)"],
+             "leaky": ["import tempfile\nkept = tempfile.mkdtemp(prefix='lesson-')"],
+             "tidy": ["import tempfile\nscratch = tempfile.TemporaryDirectory(prefix='lesson-')"]}
+    for name, sources in cells.items():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in sources])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "noisy.ipynb", "-q",
-                          "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", *(f"{n}.ipynb" for n in cells),
+                          "-p", "no:cacheprovider", "-p", "no:xdist", "-rA", "--rootdir", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert "1 failed, 1 passed" in run.stdout, run.stdout[-2000:]
-    assert "line(s) of noise" in run.stdout and "collect2: error" in run.stdout
+    summary = run.stdout[run.stdout.rindex("short test summary"):]
+    assert "FAILED noisy.ipynb::Cell 1" in summary and "line(s) of noise" in run.stdout and "collect2: error" in run.stdout
+    assert "ERROR leaky.ipynb::Cell 0" in summary and "left 1 entry in its temporary directory" in run.stdout
+    assert "PASSED tidy.ipynb::Cell 0" in summary and "ERROR tidy" not in summary, run.stdout[-3000:]

@@ -206,7 +206,7 @@ def test_kill_and_resume_prints_nothing_and_reports_the_failure_whole(tmp_path, 
     assert "resumed at step" not in out + err
     assert drill["resumed"]["log"][0].startswith("resumed at step 2")
     assert drill["failure"].startswith("rank 1 SIGKILLed at step 2; the launcher reports: rank ")
-    assert "/__w/" not in drill["failure"] and not drill["failure"].endswith("...")
+    assert "/__w/" not in drill["failure"] and not drill["failure"].endswith("...")  # cut mid-word once
     assert drill["straight"]["params_sha256"] == drill["resumed"]["params_sha256"]
 
 
@@ -215,7 +215,10 @@ def test_failure_line_shortens_gloo_source_paths_only():
     from dtlib.launcher import RankFailedError
 
     error = RankFailedError("rank 0 of 2 failed: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
-                            "transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234\ntraceback",
+                            "transport/tcp/pair.cc:537] Read error [127.0.0.1]:32680: Connection reset by peer. "
+                            "This is typically caused by a remote worker hanging. GLHF!\ntraceback",
                             rank=0, rank_traceback="")
-    assert failure_line(error) == ("rank 0 of 2 failed: RuntimeError: [pair.cc:534] Connection closed by peer "
-                                   "[127.0.0.1]:41234")
+    assert failure_line(error) == ("rank 0 of 2 failed: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:32680: "
+                                   "Connection reset by peer. …")
+    error = RankFailedError("rank 1 of 2 failed: ValueError: bad step 3\ntraceback", rank=1, rank_traceback="")
+    assert failure_line(error) == "rank 1 of 2 failed: ValueError: bad step 3"

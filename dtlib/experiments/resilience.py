@@ -128,9 +128,12 @@ def kill_and_resume(directory: str, steps: int = 6, kill_step: int = 3, world_si
 
 
 def failure_line(error: RankFailedError) -> str:
-    """The launcher's first line, whole, with the source paths gloo puts in its messages shortened
-    to the file (``[/__w/pytorch/.../gloo/transport/tcp/pair.cc:534]`` -> ``[pair.cc:534]``)."""
-    return re.sub(r"\[/\S*/([^/\s\]]+:\d+)\]", r"[\1]", str(error).splitlines()[0])
+    """The first sentence of the launcher's first line, whole words only, with the source paths
+    gloo puts in its messages shortened to the file (``[/__w/pytorch/.../tcp/pair.cc:534]`` ->
+    ``[pair.cc:534]``); " …" when more followed (gloo's advice to check the remote worker)."""
+    line = re.sub(r"\[/\S*/([^/\s\]]+:\d+)\]", r"[\1]", str(error).splitlines()[0])
+    first, dot, rest = line.partition(". ")
+    return f"{first}. …" if dot and rest.strip() else line
 
 
 def _resume(rank: int, world_size: int, outdir: str, steps: int) -> dict[str, Any] | None:
