@@ -153,3 +153,13 @@ def test_alpha_beta_widget_names_the_log_step_algorithm_for_what_it_is():
     labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
     assert "halving-doubling, 8 ranks" in labels and not any("tree" in label for label in labels)
     assert "(halving-doubling)" in fig.axes[0].get_title() + "".join(t.get_text() for t in fig.texts)
+
+
+def test_compression_widget_keeps_its_accuracy_axis_whatever_the_run():
+    """Issue 38: the axis rescaled with every change, so a 1-point difference filled the plot."""
+    from dtlib.widgets.compression import _compression_plot
+
+    rows = [{"method": "none (fp32 all-reduce)", "bytes_per_step": 4e5, "accuracy": 0.885},
+            {"method": "PowerSGD rank 2", "bytes_per_step": 2e4, "accuracy": 0.879}]
+    limits = {_compression_plot({"rows": rows[:n], "steps": 40, "fewer_bytes": {}}).axes[0].get_ylim() for n in (1, 2)}
+    assert limits == {(0.0, 100.0)}

@@ -19,7 +19,7 @@ __all__ = ["bucket_overlap_explorer", "alpha_beta_explorer"]
 
 def _overlap_result(bucket_mb: float, ranks: int) -> dict:
     name = f"BucketedDDP, {bucket_mb:g} MiB buckets, {ranks} ranks"
-    run = overlap_records({name: bucket_mb}, world_size=ranks, iters=2)[name]
+    run = overlap_records({name: bucket_mb}, world_size=ranks, warmup=1, repeats=1)[name]
     rec = run["record"]
     return {"name": name, "record": rec, "n_buckets": len(run["buckets"]),
             "bucket_mib": [round(b["bytes"] / MiB, 3) for b in run["buckets"]],
