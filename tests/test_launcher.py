@@ -216,7 +216,7 @@ def _free_port() -> int:
 def test_same_worker_under_torchrun_two_nodes_of_two(tmp_path):
     port = _free_port()
     script = os.path.join(HERE, "_torchrun_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchrun's log folders: not in /tmp
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
          f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",

@@ -6,6 +6,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -25,19 +26,23 @@ def _agents(cmd, n=1, cwd=None, timeout=120):
     (returncode, stdout, stderr) per agent."""
     env = torchrun_env()
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    agents = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True) for _ in range(n)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=timeout))
-    finally:
-        for a in agents:
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            a.wait()
+    # torchrun's agent writes its workers' logs to a new torchelastic_* folder in the temp
+    # directory and never removes it: here that directory is the test's own, removed after it
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        env["TMPDIR"] = scratch
+        agents = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True) for _ in range(n)]
+        outs = []
+        try:
+            for a in agents:
+                outs.append(a.communicate(timeout=timeout))
+        finally:
+            for a in agents:
+                try:
+                    os.killpg(a.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                a.wait()
     return [(a.returncode, out, err) for a, (out, err) in zip(agents, outs)]
 
 
