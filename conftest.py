@@ -16,7 +16,8 @@ red box) or a warning on stdout (a ``[WARNING]`` log line, a Python ``...Warning
 Each notebook's kernel gets a temporary directory of its own (``TMPDIR``); after its last cell the
 kernel is shut down as JupyterLab shuts one down (a shutdown request, so ``atexit`` and
 ``TemporaryDirectory`` clean up), and the notebook fails when anything is left in that directory:
-a lesson leaves nothing in the system temp directory. The directory is then removed.
+a lesson leaves nothing in the system temp directory. The directory is then removed. PyTorch's
+compiler cache, which would go there, goes to ``~/.cache/dtlib/torchinductor``.
 
 With ``--executed-dir=DIR`` each notebook is also written to DIR (same relative path) with the
 outputs nbval received, as soon as its last cell has run, so the website (``book/build.py``)
@@ -89,16 +90,21 @@ def _kernel_pid(item: pytest.Item) -> int | None:
 def pytest_runtest_setup(item: pytest.Item):
     """Before a notebook's kernel starts (its first cell's setup): a fresh TMPDIR for that kernel."""
     first = _notebook(item) is not None and getattr(item.parent, "kernel", None) is None
-    saved = os.environ.get("TMPDIR")
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
     if first:
         item.parent.dtlib_tmpdir = tempfile.mkdtemp(prefix="dtlib-notebook-tmp-")
         os.environ["TMPDIR"] = item.parent.dtlib_tmpdir  # read by the kernel, and by what it starts
+        # PyTorch's compiler cache (inductor: DeepSpeed and DCP import it) defaults to
+        # $TMPDIR/torchinductor_<user> (torch/_inductor/runtime/cache_dir_utils.py): a cache, kept
+        # between runs, in the user's cache directory rather than in the temp directory
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "dtlib" / "torchinductor"))
     yield
     if first:  # this process keeps its own
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _last_cell(item: pytest.Item, nextitem: pytest.Item | None) -> bool:

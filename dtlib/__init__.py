@@ -4,15 +4,7 @@ Start here: ``dtlib.launch`` (N ranks from a notebook cell), ``dtlib.data``, ``d
 ``dtlib.analytic`` (memory, FLOPs, communication: the arithmetic, no processes) and
 ``dtlib.parallel`` (toy but correct DDP, ZeRO and FSDP, written from scratch).
 """
-import os
 from typing import Any
-
-# PyTorch's compiler (inductor, imported by DeepSpeed, DCP and torch.compile) keeps its cache in the
-# system temp directory unless told otherwise (torch/_inductor/runtime/cache_dir_utils.py,
-# default_cache_dir), where it outlives the lesson that made it: a cache belongs in the user's
-# cache directory (XDG), reused by the next run. A directory the user set is kept.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dtlib", "torchinductor"))
 
 __all__ = ["launch", "LaunchError", "RankFailedError", "LaunchTimeoutError"]
 __version__ = "0.1.0"
