@@ -266,7 +266,10 @@ def test_ranks_die_with_a_killed_launching_process(tmp_path):
             "def f(r, w, d):\n"
             "    open(os.path.join(d, f'pid{r}'), 'w').write(str(os.getpid())); time.sleep(300)\n"
             f"dtlib.launch(f, 2, args=({str(tmp_path)!r},), timeout=120)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code])
+    # a SIGKILLed launcher cannot remove its working folder: it goes in the test's own TMPDIR
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(scratch)))
     try:
         deadline = time.monotonic() + 60
         while len(_read_pids(tmp_path)) < 2:
