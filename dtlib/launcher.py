@@ -27,11 +27,13 @@ from dtlib.extras import require
 
 require("course", "torch", "cloudpickle", feature=__name__)
 
+import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -77,11 +79,13 @@ class RankFailedError(LaunchError):
 
 
 class LaunchTimeoutError(LaunchError):
-    """Some ranks did not finish in time; ``unfinished`` lists them."""
+    """Some ranks did not finish in time; ``unfinished`` lists them, ``slow`` those of them that
+    were still computing at the end (their CPU time grew: slow, not stuck)."""
 
-    def __init__(self, message: str, unfinished: list[int]):
+    def __init__(self, message: str, unfinished: list[int], slow: list[int] | None = None):
         super().__init__(message)
         self.unfinished = unfinished
+        self.slow = list(slow or [])
 
 
 def _gpu_count() -> int:
@@ -185,6 +189,16 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+_WHERE_SIGNAL = signal.SIGUSR1  # "write your stacks": faulthandler in each rank
+
+# A launch whose ranks are still computing at its deadline is slow, not stuck (a busy machine runs
+# the same work in more seconds): its deadline moves on while their CPU time grows, up to this many
+# times the timeout. Ranks that wait (a collective a peer never calls) use no CPU and stop at the
+# first deadline.
+SLOW_GRACE = 3.0
+_PROGRESS_WINDOW_S = 1.0  # CPU time must grow within this window to count as progress
+
+
 def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: float,
             workdir: str, payload: Any, parent_pid: int) -> None:
     """Body of one rank: redirect output, join the process group, run ``fn``, report back."""
@@ -194,9 +208,10 @@ def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: f
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    # If this rank is still running just before the parent's deadline, write where it is stuck
-    # (every thread's Python stack) into its output, which the timeout error then shows.
-    faulthandler.dump_traceback_later(0.9 * timeout, file=log)
+    # When the parent gives up on this rank it asks (SIGUSR1) where the rank is: every thread's
+    # Python stack goes into its output, which the timeout error then shows.
+    faulthandler.register(_WHERE_SIGNAL, file=log, all_threads=True)
+    timeout = SLOW_GRACE * timeout  # collectives and the store may wait as long as the parent does
     code = 1
     try:
         fn, args = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
@@ -242,7 +257,7 @@ def _worker(rank: int, world_size: int, backend: str, port_conn: Any, timeout: f
             report = (time.time(), traceback.format_exc(), exc_blob)
             _atomic_write(os.path.join(workdir, f"error{rank}.pkl"), pickle.dumps(report))
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(_WHERE_SIGNAL)
         if dist.is_initialized():
             dist.destroy_process_group()
         log.flush()
@@ -303,8 +318,7 @@ def _kill(procs: Sequence[mp.process.BaseProcess]) -> None:
             p.join(5)
 
 
-# The longest launch a timeout may ask for. faulthandler's watchdog (armed at 0.9 x timeout in each
-# rank) overflows the platform's time_t near 1e10 s; no lesson or test needs more than a week.
+# The longest launch a timeout may ask for: no lesson or test needs more than a week.
 MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
@@ -329,14 +343,18 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
         world_size: number of ranks (processes).
         args: extra arguments, sent to every rank (they must be picklable by cloudpickle).
         backend: ``"auto"`` (NCCL if there is a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
-        timeout: seconds the whole launch may take; also the collective timeout inside the ranks.
+        timeout: seconds the whole launch may take while its ranks wait; ranks still computing
+            at the deadline (their CPU time growing) are slow, not stuck, and get up to
+            ``SLOW_GRACE`` x ``timeout`` (also the collective timeout inside the ranks).
         output: ``"rank0"`` shows rank 0's prints live; ``"all"`` also shows the other ranks'
             output afterwards, each line prefixed with ``[rank k]``; ``"none"`` shows nothing.
         start_method: ``"fork"`` or ``"spawn"``; default: fork on Linux with gloo, else spawn.
 
     Raises:
         RankFailedError: a rank raised (the message names it and carries its traceback).
-        LaunchTimeoutError: ranks still running after ``timeout`` seconds (named in the message).
+        LaunchTimeoutError: ranks still running after ``timeout`` seconds, stuck (no CPU used in
+            the last second), or still computing after ``SLOW_GRACE`` x ``timeout``: the message
+            says which ("stuck" or "slow") and where each rank was.
         KeyboardInterrupt: re-raised after every rank has been stopped.
     """
     _validate(fn, world_size, args, timeout, output)
@@ -404,9 +422,22 @@ def _read_result(workdir: str, rank: int, exitcode: int | None) -> Any:
             "os._exit() (or exit the process another way) before returning?", rank, "") from None
 
 
+def _cpu_ticks(pid: int | None) -> int | None:
+    """User + system CPU time of process ``pid`` and its threads, in clock ticks (``/proc/<pid>/stat``
+    fields 14 and 15, proc(5)); None where /proc cannot say (another OS, a process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _wait(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float,
           pump: _OutputPump | None) -> None:
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, last_chance = start + timeout, start + SLOW_GRACE * timeout
+    sample = (start, [_cpu_ticks(p.pid) for p in procs])
     while True:
         if pump:
             pump.pump()
@@ -417,24 +448,46 @@ def _wait(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float,
         if failed:
             time.sleep(0.2)  # let peers that failed because of this rank report too
             _raise_first_failure(procs, workdir, pump)
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - sample[0] >= _PROGRESS_WINDOW_S or now > deadline:
+            ticks = [_cpu_ticks(p.pid) for p in procs]
             unfinished = [r for r, c in enumerate(codes) if c is None]
-            done = [r for r, c in enumerate(codes) if c == 0]
-            where = "".join(f"\n--- where rank {r} was ---\n{_stuck_at(workdir, r)}" for r in unfinished)
-            raise LaunchTimeoutError(
-                f"ranks {unfinished} did not finish within {timeout:g} s (finished: {done}). "
-                "A rank that skips a collective, or calls them in a different order, waits "
-                "forever for its peers; raise `timeout` if the work is simply long.\n" + where,
-                unfinished,
-            )
+            slow = [r for r in unfinished if None not in (ticks[r], sample[1][r]) and ticks[r] > sample[1][r]]
+            if now > deadline:
+                if slow and now < last_chance:
+                    deadline = min(last_chance, now + _PROGRESS_WINDOW_S)
+                else:
+                    raise _timeout_error(procs, workdir, timeout, now - start, codes, slow)
+            sample = (now, ticks)
         time.sleep(0.01)
 
 
+def _timeout_error(procs: Sequence[mp.process.BaseProcess], workdir: str, timeout: float, elapsed: float,
+                   codes: list[int | None], slow: list[int]) -> LaunchTimeoutError:
+    unfinished = [r for r, c in enumerate(codes) if c is None]
+    for r in unfinished:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(procs[r].pid, _WHERE_SIGNAL)
+    time.sleep(0.3)  # faulthandler writes from its signal handler, at once
+    done = [r for r, c in enumerate(codes) if c == 0]
+    where = "".join(f"\n--- where rank {r} was ---\n{_stuck_at(workdir, r)}" for r in unfinished)
+    if slow:
+        verdict = (f"ranks {unfinished} did not finish within {timeout:g} s (finished: {done}), and ranks {slow} "
+                   f"were still computing after {elapsed:.0f} s (their CPU time kept growing): slow, not stuck. "
+                   "A busy machine runs the same work in more seconds; raise `timeout` if it is simply long.\n")
+    else:
+        verdict = (f"ranks {unfinished} did not finish within {timeout:g} s (finished: {done}) and used no CPU "
+                   f"in their last {_PROGRESS_WINDOW_S:g} s: stuck, waiting. A rank that skips a collective, or "
+                   "calls them in a different order, waits forever for its peers.\n")
+    return LaunchTimeoutError(verdict + where, unfinished, slow)
+
+
 def _stuck_at(workdir: str, rank: int, limit: int = 1500) -> str:
-    """The Python stacks faulthandler wrote for a rank near the deadline, innermost frames first."""
+    """The Python stacks faulthandler wrote for a rank when the launch gave up on it, innermost
+    frames first."""
     out = _read_output(workdir, rank)
-    start = out.rfind("Timeout (")
-    return (out[start:start + limit] if start >= 0 else out[-limit:]) or "(no output)\n"
+    dump = re.search(r"^(?:Current thread|Thread) 0x", out, re.M)
+    return (out[dump.start():dump.start() + limit] if dump else out[-limit:]) or "(no output)\n"
 
 
 def _lost_peer(error_line: str) -> bool:

@@ -368,23 +368,39 @@ def test_time_all_reduce_rows_follow_nccl_tests():
         experiments.time_all_reduce([])
 
 
-def test_overlap_records_count_buckets():
+def test_overlap_records_count_buckets_and_time_each_all_reduce_to_its_completion():
     runs = experiments.overlap_records({"naive": None, "one": 25.0, "small": 1.0}, layers=3, batch=16,
-                                       iters=2)
+                                       warmup=1, repeats=3)
     assert [len(runs[k]["buckets"]) for k in ("naive", "one", "small")] == [6, 1, 3]
+    for run in runs.values():
+        assert len(run["records"]) == len(run["left_after_backward"]) == 3
+        assert sorted(run["left_after_backward"])[1] == run["record"].left_after_backward  # the median repeat
+        for rec in run["records"]:
+            # completed after issued, and at the latest when the code had waited for it
+            assert all(i <= c <= d for i, c, d in zip(rec.bucket_issued, rec.bucket_completed, rec.bucket_done))
+    assert all(left >= 0 for run in runs.values() for left in run["left_after_backward"])
+    with pytest.raises(ValueError, match="repeats"):
+        experiments.overlap_records({"one": 25.0}, repeats=0)
 
 
 def test_compression_runs_report_bytes_and_accuracy():
     from dtlib.data import load_mnist
     train, test = load_mnist("train", verbose=False).subset(128), load_mnist("test", verbose=False).subset(64)
     rows = experiments.compression_runs(["none (fp32 all-reduce)", "fp16 cast", "PowerSGD rank 1"], steps=12,
-                                        train=train, test=test)
+                                        train=train, test=test, seeds=2)
     wire = {r["method"]: r["bytes_per_step"] for r in rows}
     assert wire["fp16 cast"] == pytest.approx(wire["none (fp32 all-reduce)"] / 2)
     assert wire["PowerSGD rank 1"] < wire["none (fp32 all-reduce)"] / 10
     assert all(0 <= r["accuracy"] <= 1 and len(r["losses"]) == 12 for r in rows)
+    for r in rows:  # two seeds: their mean and sample spread
+        a, b = r["accuracies"]
+        assert r["accuracy"] == pytest.approx((a + b) / 2) and r["accuracy_std"] == pytest.approx(abs(a - b) / 2 ** 0.5)
+    one = experiments.compression_runs(["none (fp32 all-reduce)"], steps=12, train=train, test=test, seed=1)[0]
+    assert one["accuracies"] == [rows[0]["accuracies"][1]] and one["accuracy_std"] == 0.0  # seeds 0, 1: the second is seed 1
     with pytest.raises(ValueError, match="unknown methods"):
         experiments.compression_runs(["gzip"])
+    with pytest.raises(ValueError, match="seeds"):
+        experiments.compression_runs(["fp16 cast"], seeds=0)
 
 
 def test_plots_build():

@@ -97,8 +97,11 @@ def test_lr_and_efficiency_checks():
     with pytest.raises(AssertionError):
         checks.check_lr_schedule(lambda s, lr, b0, b, w: lr * b / b0)  # no warm-up
     checks.check_scaling_efficiency(scaling_efficiency)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as info:
         checks.check_scaling_efficiency(lambda t: {n: v / t[1] for n, v in t.items()})
+    # a mistake the check cannot name: its first line (all the learner sees at first) gives the case too
+    assert str(info.value).splitlines()[0].startswith("efficiency at N=2 should be ")
+    assert "for the throughputs N=1: " in str(info.value).splitlines()[0]
 
 
 def test_train_follows_the_scaled_schedule_with_warm_up():

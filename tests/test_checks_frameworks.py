@@ -19,8 +19,8 @@ def _fails(check, answer, pattern: str) -> str:
 
 
 # ---- q1: DeepSpeed ------------------------------------------------------------------------------
-DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
-      "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+      "zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
       "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
 
 
@@ -41,16 +41,16 @@ def test_deepspeed_answer_passes_and_trains_equal_to_one_process():
 
 
 DS_MISTAKES = [
-    (dict(gradient_accumulation_steps=1), "batch", r"do not multiply out"),
-    (dict(train_batch_size=4, gradient_accumulation_steps=2), "batch", r"trains 4 sequences per optimizer step"),
-    (dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1), "batch", r"one forward pass of one rank runs 4"),
+    (dict(gradient_accumulation_steps=2), "batch", r"do not multiply out"),
+    (dict(train_batch_size=4, train_micro_batch_size_per_gpu=2), "batch", r"trains 4 sequences per optimizer step"),
+    (dict(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4), "batch", r"one forward pass of one rank runs 1"),
     (dict(gradient_accumulation_steps=None), "batch", r"gradient_accumulation_steps missing"),
     (dict(train_batch_size=0), "batch", r"train_batch_size must be a positive integer"),
     (dict(zero_optimization=None), "memory", r"zero_optimization is missing"),
-    (dict(zero_optimization={"stage": 1}), "memory", r"stage 1 shards only the optimizer states"),
-    (dict(zero_optimization={"stage": 3}), "memory", r"stage 3 also shards the parameters"),
+    (dict(zero_optimization={"stage": 2}), "memory", r"stage 2 also shards the gradients"),
+    (dict(zero_optimization={"stage": 3}), "memory", r"stage 3 also shards the gradients and the parameters"),
     (dict(zero_optimization={"stage": 0}), "memory", r"stage 0 shards nothing"),
-    (dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), "memory", r"offload_optimizer moves"),
+    (dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}), "memory", r"offload_optimizer moves"),
     (dict(gradient_clipping=None), "run", r"gradient_clipping is 1.0 \(DeepSpeed default\)"),
     (dict(gradient_clipping=1.0), "run", r"gradient_clipping is 1.0: DeepSpeed rescales"),
     (dict(optimizer=None), "run", r"optimizer is missing"),
@@ -247,7 +247,7 @@ def test_an_answer_that_raises_is_reported():
 
 
 # What the solutions write; a hint that contains one gives the answer away.
-GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 2", '"stage": 2', "stage 2", "gradient_accumulation_steps: 4", "= 1 x 4 x 2",
+GIVEAWAYS = ["--sequence-parallel'", "--global-batch-size 4", "--optimizer sgd", "'stage': 1", '"stage": 1', "stage 1", "gradient_accumulation_steps: 1", "= 4 x 1 x 2",
              "'gradient_clipping': 0", "gradient_clipping to 0", "None, 'model'", "'model', None",
              "qkv': ['fsdp', 'model']", "up': ['fsdp', 'model']", "out': ['model', 'fsdp']",
              "down': ['model', 'fsdp']", "('fsdp', 'model')", "dim 1", "dim 0"]

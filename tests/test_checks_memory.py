@@ -88,6 +88,15 @@ def test_model_state_check_names_the_classic_mistakes(mistake, message):
     _fails_naming(message, lambda: checks.check_model_state_bytes(fn))
 
 
+def test_an_unnamed_mistake_shows_its_case_on_the_first_line():
+    """Only the first line shows before the details: numbers there need the configuration beside them."""
+    with pytest.raises(AssertionError) as info:
+        checks.check_model_state_bytes(lambda *a: {k: 1.37 * v for k, v in states(*a).items()})
+    first = str(info.value).splitlines()[0]
+    assert re.search(r"should be [\d,]+ bytes, yours is [\d,]+ for params=[\d,]+, precision .*dp=\d+", first), first
+    assert first.endswith("re-read the question's description of this term") and len(first) <= 300
+
+
 def test_megatron_grad_copy_and_fp32_gradients_are_checked():
     _fails_naming("zero=1, dp=64.*fp32 copy per parameter is missing", lambda: checks.check_model_state_bytes(lambda *a: states(*a, optimizer=lambda p: p.master + p.states)))
     _fails_naming("gradients .*prec.grad = 4", lambda: checks.check_model_state_bytes(

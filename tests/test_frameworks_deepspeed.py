@@ -8,6 +8,7 @@ the CPU Adam op compiles once per machine (~40-60 s on 2 idle cores, cached in
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -243,3 +244,25 @@ def test_runs_refuse_before_starting():
         run_deepspeed(config(2), WORLD, steps=0, timeout=5)
     with pytest.raises(ValueError, match="optimizer.type must be one of SGD"):
         reference_run(config(2, optimizer={"type": "Lamb"}))
+
+
+def test_deepspeed_on_cpu_prints_nothing_of_what_it_lacks():
+    """Issue 38: validating a config (DeepSpeed's first import) once logged "[WARNING] Setting
+    accelerator to CPU" and probed every op, the async-io one printing "ld: cannot find -laio" and
+    "collect2: error". In a fresh interpreter: silent, and no op probed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from dtlib.frameworks.deepspeed_zero import validate_deepspeed_config\n"
+            "validate_deepspeed_config({'train_batch_size': 4, 'train_micro_batch_size_per_gpu': 2,"
+            " 'gradient_accumulation_steps': 1, 'zero_optimization': {'stage': 1},"
+            " 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}, 'zero_allow_untested_optimizer': True}, 2)\n"
+            "import deepspeed.ops\n"
+            "print(sorted(vars(deepspeed.ops)['__compatible_ops__']))\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "['deepspeed_shm_comm']" and run.stderr.strip() == "", (run.stdout, run.stderr)

@@ -1,5 +1,6 @@
 """dtlib.launch: results, errors, hangs, interrupts, output, bad arguments, torchrun."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,6 +121,7 @@ def test_hanging_rank_times_out_and_nothing_is_left(tmp_path):
         launch(_hang_on_rank1, 2, args=(tmp_path,), timeout=3)
     assert time.monotonic() - t0 < 60  # stopped at the deadline, not left waiting (a bound, not a speed)
     assert 1 in info.value.unfinished and "did not finish within 3 s" in str(info.value)
+    assert info.value.slow == [] and "stuck, waiting" in str(info.value)  # sleeping and waiting use no CPU
     # and it says where each stuck rank was: rank 1 sleeping, rank 0 in the barrier
     assert "where rank 1 was" in str(info.value) and "_hang_on_rank1" in str(info.value)
     assert "barrier" in str(info.value)
@@ -214,7 +216,7 @@ def _free_port() -> int:
 def test_same_worker_under_torchrun_two_nodes_of_two(tmp_path):
     port = _free_port()
     script = os.path.join(HERE, "_torchrun_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchrun's log folders: not in /tmp
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
          f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
@@ -264,7 +266,10 @@ def test_ranks_die_with_a_killed_launching_process(tmp_path):
             "def f(r, w, d):\n"
             "    open(os.path.join(d, f'pid{r}'), 'w').write(str(os.getpid())); time.sleep(300)\n"
             f"dtlib.launch(f, 2, args=({str(tmp_path)!r},), timeout=120)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code])
+    # a SIGKILLed launcher cannot remove its working folder: it goes in the test's own TMPDIR
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(scratch)))
     try:
         deadline = time.monotonic() + 60
         while len(_read_pids(tmp_path)) < 2:
@@ -360,3 +365,23 @@ def test_fork_mode_does_not_pickle_the_payload(monkeypatch):
     # spawned ranks do need the bytes
     assert launch(fn, 1, timeout=60, start_method="spawn")[0]["sum"] == 1.0
     assert len(pickled) == 1
+
+
+def _busy(rank, world_size, seconds):
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:  # computing: its CPU time grows
+        pass
+    return rank
+
+
+def test_ranks_still_computing_at_the_deadline_are_slow_not_stuck():
+    """A loaded machine runs the same work in more seconds: ranks whose CPU time grows past the
+    deadline get up to SLOW_GRACE x timeout, and a timeout then says "slow", not "stuck"."""
+    from dtlib.launcher import SLOW_GRACE
+
+    assert launch(_busy, 2, args=(2.0,), timeout=1.0, output="none") == [0, 1]  # 2 s of work, 1 s asked
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch(_busy, 2, args=(60.0,), timeout=1.0, output="none")
+    assert info.value.slow == [0, 1] and "slow, not stuck" in str(info.value)
+    elapsed = float(re.search(r"still computing after (\d+) s", str(info.value)).group(1))
+    assert SLOW_GRACE <= elapsed + 1 and "_busy" in str(info.value)  # given its grace; where each rank was

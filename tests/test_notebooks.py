@@ -128,3 +128,51 @@ def test_the_claims_check_finds_an_unchecked_comparison(tmp_path):
     (tmp_path / "x.ipynb").write_text(json.dumps(nb))
     assert _sections(tmp_path / "x.ipynb") == [{"title": "1. Speed", "sentences": ["Ours beats theirs by 2x."],
                                                 "claimed": False}]
+
+
+def _root_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_noise_is_stderr_and_stdout_warnings_outside_the_allow_list():
+    noise = _root_conftest().noise
+    stream = lambda name, text: {"output_type": "stream", "name": name, "text": text}  # noqa: E731
+    assert noise([stream("stdout", "✓ a claim (rank_0 +0.9%)\nloss 3.1\n"),
+                  {"output_type": "display_data", "data": {"text/html": "<details>3 notices</details>"}}]) == []
+    assert noise([stream("stderr", "/usr/bin/ld: cannot find -laio\n\n"),
+                  stream("stdout", ["ok\n", "[2026-11-29 09:21:50,513] [WARNING] [engine.py:2304] untested\n"]),
+                  stream("stdout", "x.py:3: UserWarning: something\n")]) == [
+        "/usr/bin/ld: cannot find -laio", "[2026-11-29 09:21:50,513] [WARNING] [engine.py:2304] untested",
+        "x.py:3: UserWarning: something"]
+
+
+def test_nbval_fails_a_cell_that_shows_noise_and_a_notebook_that_leaves_temp_files(tmp_path):
+    """The root conftest's checks, run as nbval runs the lessons: a clean cell passes, a cell that
+    writes to stderr fails naming the line; a notebook whose kernel leaves a folder in its temp
+    directory fails, one that uses TemporaryDirectory (removed when the kernel shuts down) does not."""
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+
+    cells = {"noisy": ["print('loss 3.1')", "import sys\nprint('collect2: error', file=sys.stderr)"],
+             "leaky": ["import tempfile\nkept = tempfile.mkdtemp(prefix='lesson-')"],
+             "tidy": ["import tempfile\nscratch = tempfile.TemporaryDirectory(prefix='lesson-')"]}
+    for name, sources in cells.items():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in sources])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", *(f"{n}.ipynb" for n in cells),
+                          "-p", "no:cacheprovider", "-p", "no:xdist", "-rA", "--rootdir", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    summary = run.stdout[run.stdout.rindex("short test summary"):]
+    assert "FAILED noisy.ipynb::Cell 1" in summary and "line(s) of noise" in run.stdout and "collect2: error" in run.stdout
+    assert "ERROR leaky.ipynb::Cell 0" in summary and "left 1 entry in its temporary directory" in run.stdout
+    assert "PASSED tidy.ipynb::Cell 0" in summary and "ERROR tidy" not in summary, run.stdout[-3000:]

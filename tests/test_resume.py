@@ -6,6 +6,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -25,19 +26,23 @@ def _agents(cmd, n=1, cwd=None, timeout=120):
     (returncode, stdout, stderr) per agent."""
     env = torchrun_env()
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    agents = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True) for _ in range(n)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=timeout))
-    finally:
-        for a in agents:
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            a.wait()
+    # torchrun's agent writes its workers' logs to a new torchelastic_* folder in the temp
+    # directory and never removes it: here that directory is the test's own, removed after it
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        env["TMPDIR"] = scratch
+        agents = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True) for _ in range(n)]
+        outs = []
+        try:
+            for a in agents:
+                outs.append(a.communicate(timeout=timeout))
+        finally:
+            for a in agents:
+                try:
+                    os.killpg(a.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                a.wait()
     return [(a.returncode, out, err) for a, (out, err) in zip(agents, outs)]
 
 
@@ -193,3 +198,32 @@ def test_dtlib_train_hung_rank_is_named_and_the_run_resumes(tmp_path, capsys):
     assert f"resumed at step 2 from {tmp_path / 'ck'}" in err, err[-4000:]
     summary = json.loads(out)  # --json: stdout is the one JSON object, drills and resume lines on stderr
     assert summary["losses"] == straight["losses"][2:] and summary["params_sha256"] == straight["params_sha256"]
+
+
+def test_kill_and_resume_prints_nothing_and_reports_the_failure_whole(tmp_path, capfd):
+    """Lesson 8's drill: its ranks print nothing of their own (the lesson prints each run's log in
+    order: the kill, then the resume), and the failure line keeps the launcher's whole first line
+    with gloo's source path cut to its file, never a path cut mid-word."""
+    from dtlib.experiments.resilience import kill_and_resume
+
+    drill = kill_and_resume(str(tmp_path / "drill"), steps=4, kill_step=2)
+    out, err = capfd.readouterr()
+    assert "resumed at step" not in out + err
+    assert drill["resumed"]["log"][0].startswith("resumed at step 2")
+    assert drill["failure"].startswith("rank 1 SIGKILLed at step 2; the launcher reports: rank ")
+    assert "/__w/" not in drill["failure"] and not drill["failure"].endswith("...")  # cut mid-word once
+    assert drill["straight"]["params_sha256"] == drill["resumed"]["params_sha256"]
+
+
+def test_failure_line_shortens_gloo_source_paths_only():
+    from dtlib.experiments.resilience import failure_line
+    from dtlib.launcher import RankFailedError
+
+    error = RankFailedError("rank 0 of 2 failed: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+                            "transport/tcp/pair.cc:537] Read error [127.0.0.1]:32680: Connection reset by peer. "
+                            "This is typically caused by a remote worker hanging. GLHF!\ntraceback",
+                            rank=0, rank_traceback="")
+    assert failure_line(error) == ("rank 0 of 2 failed: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:32680: "
+                                   "Connection reset by peer. …")
+    error = RankFailedError("rank 1 of 2 failed: ValueError: bad step 3\ntraceback", rank=1, rank_traceback="")
+    assert failure_line(error) == "rank 1 of 2 failed: ValueError: bad step 3"

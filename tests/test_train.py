@@ -202,7 +202,9 @@ def test_global_batch_size_sets_the_accumulation(capsys):
 
 def test_torchrun_two_agents(tmp_path):
     # two torchrun agents of 4 processes each on localhost (two "nodes"), the same code: dp2 x tp2 x pp2
-    env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's agents would leave their torchelastic_* log folders in the system temp directory
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "dtlib-train-test"]
     port_probe = subprocess.run([sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('',0)); "

@@ -105,7 +105,8 @@ FIGURES = {
         [1, 2, 4, 8], {"fits": [10, 20, 40, 78], "does not": [20, 40, 80, 160]}, "x", "GiB",
         logx=True, reference=(80, "h100-sxm: 80 GiB")),
     "plot_grouped_bars": lambda: charts.plot_grouped_bars(
-        {"parameters": {"dtlib": 2.0, "torch": 2.1}, "peak": {"dtlib": 5.0, "torch": 4.8}}, "MiB"),
+        {"parameters": {"dtlib": 2.0, "torch": 2.1}, "peak": {"dtlib": 5.0, "torch": 4.8}}, "MiB",
+        errors={"peak": {"dtlib": (4.0, 6.5)}}),
     "plot_collective": lambda: collectives.plot_collective(_collective()),
     "plot_alpha_beta": lambda: comm.plot_alpha_beta(
         SIZES, {"ring": [1e-5 + s / 1e9 for s in SIZES]}, 4,
@@ -372,3 +373,22 @@ def test_one_block_is_not_plural():
          "balanced": {"counts": [2, 1, 3, 2], "stage_seconds": [0.009, 0.012, 0.012, 0.009], "step_time": 0.12}})
     labels = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "1 block" in labels and "1 blocks" not in labels
+
+
+def test_grouped_bars_draw_the_spread_they_are_given():
+    fig = charts.plot_grouped_bars({"left": {"a": 2.0, "b": 5.0}}, "ms", errors={"left": {"b": (4.0, 9.0)}})
+    ax = fig.axes[0]
+    caps = [line for c in ax.containers if hasattr(c, "lines") and c.lines[2] for line in c.lines[2]]
+    (segment,) = [seg for lc in caps for seg in lc.get_segments()]
+    assert segment[0][1] == 4.0 and segment[1][1] == 9.0  # b's bar: from its low to its high
+    assert ax.get_ylim()[1] > 9.0  # the spread stays inside the axes
+    with pytest.raises(ValueError, match="must enclose the value"):
+        charts.plot_grouped_bars({"left": {"a": 2.0}}, "ms", errors={"left": {"a": (3.0, 4.0)}})
+
+
+def test_stage_costs_legend_names_only_the_parts_drawn():
+    """Exercise 04 draws only Adam's state: its legend once listed parameters and gradients too."""
+    fig = zero.plot_stage_costs({"unsharded AdamW": [{"optimizer": 8.0}] * 2, "yours": [{"optimizer": 4.0}] * 2})
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["optimizer"]
+    full = zero.plot_stage_costs({"DDP": [{"parameters": 4.0, "gradients": 4.0, "optimizer": 8.0}]})
+    assert [t.get_text() for t in full.axes[0].get_legend().get_texts()] == ["parameters", "gradients", "optimizer"]

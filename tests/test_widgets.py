@@ -160,3 +160,24 @@ def test_memory_calculator_offers_only_valid_tensor_parallel_sizes():
             except ValueError:
                 valid.setdefault(tp, False)
     assert valid == {1: True, 2: True, 4: True, 8: True, 16: False}
+
+
+def test_alpha_beta_widget_names_the_log_step_algorithm_for_what_it_is():
+    """collective_time's latency-optimal all-reduce is Rabenseifner's halving-doubling, not a tree
+    (issue 38): the widget's legend and title say so."""
+    from dtlib.widgets.communication import _alpha_beta_plot, _alpha_beta_result
+
+    fig = _alpha_beta_plot(_alpha_beta_result(8, "nvlink4", 2 ** 20))
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert "halving-doubling, 8 ranks" in labels and not any("tree" in label for label in labels)
+    assert "(halving-doubling)" in fig.axes[0].get_title() + "".join(t.get_text() for t in fig.texts)
+
+
+def test_compression_widget_keeps_its_accuracy_axis_whatever_the_run():
+    """Issue 38: the axis rescaled with every change, so a 1-point difference filled the plot."""
+    from dtlib.widgets.compression import _compression_plot
+
+    rows = [{"method": "none (fp32 all-reduce)", "bytes_per_step": 4e5, "accuracy": 0.885},
+            {"method": "PowerSGD rank 2", "bytes_per_step": 2e4, "accuracy": 0.879}]
+    limits = {_compression_plot({"rows": rows[:n], "steps": 40, "fewer_bytes": {}}).axes[0].get_ylim() for n in (1, 2)}
+    assert limits == {(0.0, 100.0)}

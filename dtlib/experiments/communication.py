@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.analytic import validate
 from dtlib.analytic.comm import algbw, busbw, collective_time
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
 from dtlib.analytic.hardware import Link
@@ -114,27 +115,41 @@ def overlap_model(layers: int = 6, width: int = 512, seed: int = 0) -> nn.Sequen
 
 
 def _overlap_worker(rank: int, world_size: int, configs: Mapping[str, float | None], layers: int,
-                    width: int, batch: int, iters: int) -> dict[str, dict]:
+                    width: int, batch: int, warmup: int, repeats: int) -> dict[str, dict]:
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
-    out = {}
-    for name, bucket_mb in configs.items():
-        model = overlap_model(layers, width)
-        ddp = NaiveDDP(model) if bucket_mb is None else BucketedDDP(model, bucket_size_mb=bucket_mb)
-        for _ in range(iters):  # the first iteration also rebuilds the buckets in ready order
+    ddps = {name: NaiveDDP(overlap_model(layers, width)) if bucket_mb is None
+            else BucketedDDP(overlap_model(layers, width), bucket_size_mb=bucket_mb)
+            for name, bucket_mb in configs.items()}
+    # the configurations take turns, iteration by iteration, so a burst of load on a shared
+    # machine falls on all of them alike; the first iteration also rebuilds the buckets
+    for _ in range(warmup + repeats):
+        for ddp in ddps.values():
             ddp(x).square().mean().backward()
             ddp.finish_gradient_synchronization()
-        out[name] = {"record": ddp.last_record, "buckets": ddp.bucket_summary()}
+    out = {name: {"records": list(ddp.records)[-repeats:], "buckets": ddp.bucket_summary()}
+           for name, ddp in ddps.items()}
+    for ddp in ddps.values():
         ddp.remove_hooks()
     return out
 
 
 def overlap_records(configs: Mapping[str, float | None], world_size: int = 2, layers: int = 6,
-                    width: int = 512, batch: int = 128, iters: int = 3) -> dict[str, dict]:
+                    width: int = 512, batch: int = 128, warmup: int = 2, repeats: int = 9) -> dict[str, dict]:
     """Train :func:`overlap_model` with each DDP of ``configs`` (``{name: bucket MiB, or None for
-    NaiveDDP}``); return rank 0's ``{name: {"record": SyncRecord, "buckets": bucket_summary()}}``
-    of the last iteration (times from :attr:`BucketedDDP.records`)."""
-    return launch(_overlap_worker, world_size, args=(dict(configs), layers, width, batch, iters),
+    NaiveDDP}``), taking turns: ``warmup`` iterations, then ``repeats`` measured ones. Returns rank 0's
+    ``{name: {"records": [SyncRecord per measured iteration], "record": the one whose
+    communication left after backward is the median, "left_after_backward": [seconds per
+    iteration], "buckets": bucket_summary()}}`` (times from :attr:`BucketedDDP.records`; each
+    all-reduce's end is when it completed, :attr:`SyncRecord.bucket_completed`)."""
+    validate.integer("repeats", repeats)
+    validate.integer("warmup", warmup, minimum=0)
+    runs = launch(_overlap_worker, world_size, args=(dict(configs), layers, width, batch, warmup, repeats),
                   timeout=120, output="none")[0]
+    for run in runs.values():
+        run["left_after_backward"] = [r.left_after_backward for r in run["records"]]
+        order = sorted(range(repeats), key=run["left_after_backward"].__getitem__)
+        run["record"] = run["records"][order[repeats // 2]]
+    return runs
 
 
 # ---- gradient compression ------------------------------------------------------------------------
@@ -179,49 +194,57 @@ def compression_method(name: str) -> tuple[Callable[[], Any] | None, Callable | 
 
 
 def _compression_worker(rank: int, world_size: int, methods: Sequence[str], steps: int, batch: int,
-                        lr: float, seed: int, train: Digits, test: Digits) -> list[dict]:
-    order = [b for epoch in range(steps * batch // len(train) + 1)
-             for b in global_batches(len(train), batch, epoch=epoch, seed=seed)][:steps]
+                        lr: float, seeds: Sequence[int], train: Digits, test: Digits) -> list[dict]:
     rows = []
     for name in methods:
         make_state, hook = compression_method(name)
-        torch.manual_seed(seed)
-        model = MnistCNN()
-        ddp = BucketedDDP(model)
-        if hook is not None:
-            ddp.register_comm_hook(make_state(), hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-        losses = []
-        for idx in order:
-            idx = shard_batch(idx, rank, world_size)
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(train.images[idx]), train.labels[idx])
-            loss.backward()
-            ddp.finish_gradient_synchronization()
-            opt.step()
-            losses.append(loss.item())
-        with torch.no_grad():
-            accuracy = (model(test.images).argmax(1) == test.labels).float().mean().item()
-        rec = ddp.last_record  # the steady state (PowerSGD compresses after start_iter steps)
-        rows.append({"method": name, "payload_bytes": rec.payload_bytes,
-                     "bytes_per_step": rec.wire_bytes, "accuracy": accuracy, "losses": losses})
+        accuracies, first = [], None
+        for seed in seeds:  # another seed: other initial weights and another data order
+            order = [b for epoch in range(steps * batch // len(train) + 1)
+                     for b in global_batches(len(train), batch, epoch=epoch, seed=seed)][:steps]
+            torch.manual_seed(seed)
+            model = MnistCNN()
+            ddp = BucketedDDP(model)
+            if hook is not None:
+                ddp.register_comm_hook(make_state(), hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+            losses = []
+            for idx in order:
+                idx = shard_batch(idx, rank, world_size)
+                opt.zero_grad()
+                loss = F.cross_entropy(ddp(train.images[idx]), train.labels[idx])
+                loss.backward()
+                ddp.finish_gradient_synchronization()
+                opt.step()
+                losses.append(loss.item())
+            with torch.no_grad():
+                accuracies.append((model(test.images).argmax(1) == test.labels).float().mean().item())
+            rec = ddp.last_record  # the steady state (PowerSGD compresses after start_iter steps)
+            first = first or {"payload_bytes": rec.payload_bytes, "bytes_per_step": rec.wire_bytes, "losses": losses}
+        rows.append({"method": name, **first, "accuracy": statistics.mean(accuracies),
+                     "accuracy_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                     "accuracies": accuracies})
     return rows
 
 
 def compression_runs(methods: Sequence[str] = tuple(COMPRESSION_METHODS), steps: int = 80,
                      world_size: int = 2, batch: int = 32, lr: float = 0.02, seed: int = 0,
-                     train: Digits | None = None, test: Digits | None = None) -> list[dict]:
+                     train: Digits | None = None, test: Digits | None = None, seeds: int = 1) -> list[dict]:
     """Train the MNIST CNN with :class:`BucketedDDP` and each hook of ``methods`` (keys of
     :data:`COMPRESSION_METHODS`, or names :func:`compression_method` understands, e.g.
-    ``"PowerSGD rank 8"``), same data order and initial weights; per method return
-    ``method``, ``bytes_per_step`` (what a rank sends per step if the collectives run as rings,
-    :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracy`` and rank 0's ``losses``.
-    ``train`` may be a subset (e.g. ``load_mnist("train").subset(256)``) for a quick run."""
+    ``"PowerSGD rank 8"``), once per seed ``seed, seed + 1, ...`` (``seeds`` of them: initial
+    weights and data order), the same seeds for every method. Per method return ``method``,
+    ``bytes_per_step`` (what a rank sends per step if the collectives run as rings,
+    :attr:`SyncRecord.wire_bytes`), ``payload_bytes``, test ``accuracies`` (one per seed), their mean
+    ``accuracy`` and sample standard deviation ``accuracy_std`` (0 for one seed: a single run says
+    nothing about its noise), and rank 0's ``losses`` (first seed). ``train`` may be a subset (e.g.
+    ``load_mnist("train").subset(256)``) for a quick run."""
     unknown = [m for m in methods if _method_spec(m) is None]  # checked before any rank starts
     if unknown:
         raise ValueError(f"unknown methods {unknown}; {_VALID}")
+    validate.integer("seeds", seeds)
     train = train if train is not None else load_mnist("train", verbose=False)
     test = test if test is not None else load_mnist("test", verbose=False)
     return launch(_compression_worker, world_size,
-                  args=(list(methods), steps, batch, lr, seed, train, test),
+                  args=(list(methods), steps, batch, lr, [seed + k for k in range(seeds)], train, test),
                   timeout=300, output="none")[0]

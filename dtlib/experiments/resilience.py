@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import statistics
 import tempfile
@@ -26,7 +27,7 @@ from dtlib.resilience.checkpoint import Checkpointer, to_torch
 from dtlib.resilience.elastic import describe_restart, num_microbatches_for, restart_count
 from dtlib.resilience.heartbeat import EXIT_CODE, Heartbeat
 
-__all__ = ["GLOBAL_BATCH", "MICRO_BATCH_SIZE", "drill_batch", "train_drill", "kill_and_resume",
+__all__ = ["GLOBAL_BATCH", "MICRO_BATCH_SIZE", "drill_batch", "train_drill", "kill_and_resume", "failure_line",
            "reshard", "checkpoint_blocking", "hang_detection", "main"]
 
 GLOBAL_BATCH, MICRO_BATCH_SIZE = 8, 2
@@ -112,15 +113,27 @@ def train_drill(rank: int, world_size: int, outdir: str, steps: int, kill_rank: 
 def kill_and_resume(directory: str, steps: int = 6, kill_step: int = 3, world_size: int = 2) -> dict[str, Any]:
     """The drill with ``dtlib.launch``: an uninterrupted run; a run whose rank 1 is SIGKILLed at
     ``kill_step``; the same job launched again, which resumes from the last checkpoint."""
-    straight = launch(train_drill, world_size, args=(os.path.join(directory, "straight"), steps), timeout=120)[0]
+    # the ranks print nothing (output="none"): each run's log comes back, in the order it happened
+    straight = launch(train_drill, world_size, args=(os.path.join(directory, "straight"), steps), timeout=120,
+                      output="none")[0]
     killed_dir = os.path.join(directory, "killed")
     try:
-        launch(train_drill, world_size, args=(killed_dir, steps, 1, kill_step), timeout=120)
+        launch(train_drill, world_size, args=(killed_dir, steps, 1, kill_step), timeout=120, output="none")
         failure = "no failure"
     except RankFailedError as e:  # the first error reported: the killed rank, or a peer it left behind
-        failure = f"rank 1 SIGKILLed at step {kill_step}; the launcher reports: {str(e).splitlines()[0][:90]}..."
-    resumed = launch(_resume, world_size, args=(killed_dir, steps), timeout=120)  # "torchrun restarts it"
+        failure = f"rank 1 SIGKILLed at step {kill_step}; the launcher reports: {failure_line(e)}"
+    resumed = launch(_resume, world_size, args=(killed_dir, steps), timeout=120,  # "torchrun restarts it"
+                     output="none")
     return {"straight": straight, "failure": failure, "resumed": resumed[0]}
+
+
+def failure_line(error: RankFailedError) -> str:
+    """The first sentence of the launcher's first line, whole words only, with the source paths
+    gloo puts in its messages shortened to the file (``[/__w/pytorch/.../tcp/pair.cc:534]`` ->
+    ``[pair.cc:534]``); " …" when more followed (gloo's advice to check the remote worker)."""
+    line = re.sub(r"\[/\S*/([^/\s\]]+:\d+)\]", r"[\1]", str(error).splitlines()[0])
+    first, dot, rest = line.partition(". ")
+    return f"{first}. …" if dot and rest.strip() else line
 
 
 def _resume(rank: int, world_size: int, outdir: str, steps: int) -> dict[str, Any] | None:

@@ -12,11 +12,12 @@ import contextlib
 import copy
 import difflib
 import io
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "CPU_OPTIMIZERS", "DEFAULT_GRADIENT_CLIPPING", "validate_deepspeed_config",
+__all__ = ["use_cpu_accelerator", "OPTIMIZERS", "CPU_OPTIMIZERS", "DEFAULT_GRADIENT_CLIPPING", "validate_deepspeed_config",
            "config_section", "batch_sizes", "check_runnable", "is_offloaded", "zero_stage", "torch_optimizer"]
 
 # the optimizers whose single-process equivalent reference_run can build (DeepSpeed's names)
@@ -25,6 +26,28 @@ OPTIMIZERS = ("SGD", "Adam", "AdamW")
 CPU_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
 # DeepSpeed 0.19's default gradient_clipping (1.0: clip the global norm): changes the numbers
 DEFAULT_GRADIENT_CLIPPING = 1.0
+
+
+def use_cpu_accelerator() -> bool:
+    """Where no GPU is visible, tell DeepSpeed so before it is first imported; True when it did.
+
+    Two settings, both read from DeepSpeed 0.19.8's own code: ``DS_ACCELERATOR=cpu`` (an override
+    of its accelerator detection, which otherwise logs ``[WARNING] Setting accelerator to CPU``;
+    ``deepspeed/accelerator/real_accelerator.py``); and its table of buildable ops given before it
+    probes for it (``deepspeed.ops.__compatible_ops__``, computed on first access by compiling a
+    test program for every op: the async-io op's is what prints ``ld: cannot find -laio`` and
+    ``collect2: error`` on a machine without libaio). The only reader of that table,
+    ``deepspeed/comm/torch.py: build_shm_op``, asks for the shared-memory all-reduce, which only
+    inference uses and which takes ~60 s to compile: marked unavailable, nothing is probed."""
+    if torch.cuda.is_available():
+        return False
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    if "__compatible_ops__" not in vars(deepspeed.ops):  # not probed yet: never probe
+        deepspeed.ops.__compatible_ops__ = {}
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True
 
 
 class _Recording(dict):
@@ -56,6 +79,7 @@ def _keys_deepspeed_reads(ds_config: dict, world_size: int) -> set:
     ranks (raising what it raises); return the top-level keys it read. It takes the world size
     from an initialised process group (1 without one): the subclass gives it the run's instead,
     just before its batch-size rule."""
+    use_cpu_accelerator()  # before DeepSpeed's first import picks an accelerator
     from deepspeed.runtime.config import DeepSpeedConfig
 
     class _PlannedConfig(DeepSpeedConfig):

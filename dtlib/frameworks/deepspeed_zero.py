@@ -15,10 +15,11 @@ The model is :data:`dtlib.trainer.shrink.TINY`'s TinyGPT, the data
 :func:`~dtlib.frameworks.common.token_batches` (global batch ``train_batch_size``; rank ``r`` takes
 the ``r``-th contiguous block, cut into ``gradient_accumulation_steps`` micro-batches).
 
-CPU shims (only where no GPU is visible): ``DS_ACCELERATOR=cpu``, with which DeepSpeed falls back to
-gloo by itself, and the shared-memory all-reduce op marked unavailable
-(``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``): DeepSpeed compiles it
-(~60 s) when its comm backend starts, but only inference's all-reduce uses it, never training.
+CPU shims (only where no GPU is visible; :func:`~dtlib.frameworks.deepspeed_config.use_cpu_accelerator`):
+``DS_ACCELERATOR=cpu``, with which DeepSpeed falls back to gloo by itself, and the shared-memory
+all-reduce op marked unavailable before DeepSpeed probes which ops it can build (its probe compiles
+a test program per op: the async-io one prints linker errors where libaio is missing): DeepSpeed
+compiles that op (~60 s) when its comm backend starts, but only inference's all-reduce uses it.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ require("frameworks", "deepspeed", feature=__name__)
 
 import contextlib
 import copy
-import os
+import logging
 from typing import Any
 
 import torch
@@ -41,8 +42,8 @@ from dtlib.analytic.precision import precision
 from dtlib.trainer.shrink import TINY
 from dtlib.frameworks.common import FrameworkRun, token_batches
 from dtlib.frameworks.deepspeed_config import (DEFAULT_GRADIENT_CLIPPING, batch_sizes, check_runnable,
-                                               is_offloaded, torch_optimizer, validate_deepspeed_config,
-                                               zero_stage)
+                                               is_offloaded, torch_optimizer, use_cpu_accelerator,
+                                               validate_deepspeed_config, zero_stage)
 from dtlib.launcher import get_device, launch
 from dtlib.measure import CollectiveCounter, optimizer_state_bytes
 from dtlib.models.gpt import Block, TinyGPT
@@ -74,12 +75,8 @@ def _global_mean(value: float) -> float:
 
 def _cpu_shims() -> list[str]:
     """The settings DeepSpeed needs on a machine without GPUs (none with GPUs), one line each."""
-    if torch.cuda.is_available():
+    if not use_cpu_accelerator():
         return []
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed picks its accelerator
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return ["DS_ACCELERATOR=cpu: DeepSpeed's CPU accelerator, which falls back to gloo without oneCCL",
             "deepspeed_shm_comm marked unavailable: its ~60 s compile serves only inference's all-reduce"]
 
@@ -158,9 +155,21 @@ def _gradient_bytes(engine: Any) -> dict[str, int]:
             "gradient_buffers": _distinct_bytes(buffers)}
 
 
+class _AllowedInTheConfig(logging.Filter):
+    """Drops DeepSpeed's warning that an untested optimizer runs under ZeRO (``engine.py``,
+    ``_do_optimizer_sanity_check``, 0.19.8), given only when the config's
+    ``zero_allow_untested_optimizer`` asked for exactly that: it repeats the config."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
 def _deepspeed_rank(rank: int, world_size: int, ds_config: dict, steps: int, seed: int) -> dict[str, Any]:
     import deepspeed
+    from deepspeed.utils import logger
 
+    if ds_config.get("zero_allow_untested_optimizer"):
+        logger.addFilter(_AllowedInTheConfig())  # this rank's logger: the caller's is untouched
     torch.manual_seed(seed)
     model = TinyGPT(MODEL)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

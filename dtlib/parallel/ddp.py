@@ -113,7 +113,10 @@ class SyncRecord:
     """Timeline of one synchronised iteration (``time.perf_counter()`` seconds) and its traffic.
 
     ``bucket_*`` lists are indexed by bucket; ``comm`` lists ``(bucket, collective, numel,
-    element_size)`` for every collective the buckets issued.
+    element_size)`` for every collective the buckets issued. ``bucket_done`` is when
+    ``finish_gradient_synchronization`` had the bucket's result (when the code waited);
+    ``bucket_completed`` when its all-reduce itself finished (the work's future, marked complete by
+    the backend's communication thread), None where a communication hook's result has no future.
     """
     world_size: int
     forward_start: float
@@ -126,6 +129,25 @@ class SyncRecord:
     bucket_issued: list[float | None] = field(default_factory=list)
     bucket_done: list[float | None] = field(default_factory=list)
     comm: list[tuple[int, str, int, int]] = field(default_factory=list)
+    bucket_completed: list[float | None] = field(default_factory=list)
+
+    @property
+    def communication_end(self) -> float | None:
+        """When the last bucket's collective finished: its completion where recorded, else when
+        it was waited for."""
+        ends = [c if c is not None else d for c, d in zip(self.bucket_completed or self.bucket_done,
+                                                           self.bucket_done)]
+        ends = [t for t in ends if t is not None]
+        return max(ends) if ends else None
+
+    @property
+    def left_after_backward(self) -> float | None:
+        """Seconds of communication still running when backward ended (0 when it all finished
+        before): what overlap did not hide (Li et al. 2020, Sec. 3.2.3)."""
+        end = self.communication_end
+        if end is None or self.backward_end is None:
+            return None
+        return max(0.0, end - self.backward_end)
 
     @property
     def payload_bytes(self) -> int:
@@ -294,7 +316,7 @@ class _DataParallel(nn.Module):
         self._record = SyncRecord(self.world_size, start, time.perf_counter(),
                                   bucket_bytes=[b.buffer().nbytes for b in self.buckets],
                                   bucket_ready=[None] * n, bucket_issued=[None] * n,
-                                  bucket_done=[None] * n)
+                                  bucket_done=[None] * n, bucket_completed=[None] * n)
         if self.find_unused_parameters:
             reached = _parameters_reached(out)
             for i, p in enumerate(self._params):
@@ -343,10 +365,15 @@ class _DataParallel(nn.Module):
         self._record.bucket_issued[bucket.index()] = time.perf_counter()
         if self._hook is not None:
             bucket.work = self._hook(self._hook_state, bucket)
+            future = bucket.work if isinstance(bucket.work, torch.futures.Future) else None
         else:
             buf = bucket.buffer()  # already divided by the world size (no fp16 overflow in the sum)
             bucket.log("all_reduce", buf)
-            bucket.work = _Pending(dist.all_reduce(buf, group=self.process_group, async_op=True), buf)
+            work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+            bucket.work, future = _Pending(work, buf), work.get_future()
+        if future is not None:  # the callback runs when the collective completes, not when waited for
+            completed, index = self._record.bucket_completed, bucket.index()
+            future.add_done_callback(lambda _: completed.__setitem__(index, time.perf_counter()))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the averaged gradients into ``.grad``.

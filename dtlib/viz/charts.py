@@ -51,12 +51,20 @@ def plot_curves(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabe
 
 def plot_grouped_bars(values: Mapping[str, Mapping[str, float]], ylabel: str, title: str = "",
                       scale: float = 1.0, labels: Mapping[str, str] | None = None,
-                      fmt: str = "{:.2f}") -> Figure:
+                      fmt: str = "{:.2f}",
+                      errors: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> Figure:
     """One group per key of ``values``, one bar per series inside it, divided by ``scale``
     (e.g. ``{"sharded parameters": {"dtlib FSDP": b, "fully_shard": b}}``). Each bar carries its
-    value, or ``labels[group]`` above the group's tallest bar when given."""
+    value, or ``labels[group]`` above the group's tallest bar when given. ``errors`` (same keys)
+    gives a bar's spread as ``(low, high)`` values, drawn as an error bar (e.g. the quartiles of
+    repeated runs around their median)."""
     if not values:
         raise ValueError("nothing to plot: values is empty")
+    for group, spreads in (errors or {}).items():
+        for name, (low, high) in spreads.items():
+            if not low <= values[group][name] <= high:
+                raise ValueError(f"errors[{group!r}][{name!r}] = ({low}, {high}) must enclose the value "
+                                 f"{values[group][name]}")
     series = list(dict.fromkeys(k for v in values.values() for k in v))
     fig = Figure(figsize=(max(6.5, 1.6 * len(values) + 2.5), 3.6))
     ax = fig.add_subplot()
@@ -67,9 +75,16 @@ def plot_grouped_bars(values: Mapping[str, Mapping[str, float]], ylabel: str, ti
         ys = [v.get(name, 0) / scale for v in values.values()]
         tallest = max([tallest] + ys)
         ax.bar(xs, ys, width=width, color=colour(j), label=name)
+        spread = [errors.get(g, {}).get(name) if errors else None for g in values]
+        tops = ys[:]
+        for i, (x, y, lh) in enumerate(zip(xs, ys, spread)):
+            if lh is not None:
+                ax.errorbar(x, y, yerr=[[y - lh[0] / scale], [lh[1] / scale - y]], color="black", capsize=3, lw=1)
+                tops[i] = lh[1] / scale
+        tallest = max([tallest] + tops)
         if labels is None:
-            for x, y in zip(xs, ys):
-                ax.text(x, y, fmt.format(y), ha="center", va="bottom", fontsize=SMALL_FONT)
+            for x, y, top in zip(xs, ys, tops):
+                ax.text(x, top, fmt.format(y), ha="center", va="bottom", fontsize=SMALL_FONT)
     for i, group in enumerate(values):
         if labels and group in labels:
             top = max(values[group].values()) / scale

@@ -101,11 +101,13 @@ def plot_bandwidth(rows: Sequence[Mapping], metric: str = "busbw") -> Figure:
     return fig
 
 
-def plot_compression_tradeoff(rows: Sequence[Mapping]) -> Figure:
+def plot_compression_tradeoff(rows: Sequence[Mapping], accuracy_range: tuple[float, float] | None = None) -> Figure:
     """Final accuracy against bytes sent per rank per step (log scale), one point per method.
 
     ``rows``: dicts with ``method``, ``bytes_per_step`` and ``accuracy`` (0-1), optionally
-    ``accuracy_std`` (drawn as an error bar), e.g. from ``benchmarks/bench_compression.py``.
+    ``accuracy_std`` (drawn as an error bar), e.g. from ``compression_runs(seeds=...)`` or
+    ``benchmarks/bench_compression.py``. ``accuracy_range``: the accuracy axis in percent, fixed
+    (a widget that rescales its axis on every change makes a 1-point difference look like 50).
     """
     if not rows:
         raise ValueError("nothing to plot: rows is empty")
@@ -120,6 +122,8 @@ def plot_compression_tradeoff(rows: Sequence[Mapping]) -> Figure:
     ax.set(xlabel="bytes sent per rank per step (ring model)", ylabel="final accuracy (%)",
            title="gradient compression: bytes saved vs accuracy")
     ax.grid(True, which="both", alpha=0.3)
+    if accuracy_range is not None:
+        ax.set_ylim(*accuracy_range)
     # outside the axes: the uncompressed baseline (top right) and every error bar stay visible
     ax.legend(fontsize=SMALL_FONT, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -1,5 +1,5 @@
-"""Timelines of a real run: when each gradient bucket was issued and waited for, against the
-end of backward (data parallelism's overlap).
+"""Timelines of a real run: when each gradient bucket's all-reduce was issued and completed,
+against the end of backward (data parallelism's overlap).
 
 Each function takes recorded data and returns a ``matplotlib`` Figure built with ``Figure()``.
 """
@@ -16,12 +16,14 @@ __all__ = ["plot_overlap_timeline"]
 
 
 def plot_overlap_timeline(records: "SyncRecord | Mapping[str, SyncRecord]") -> Figure:
-    """When each bucket's all-reduce was issued and waited for, against the end of backward.
+    """When each bucket's all-reduce was issued and completed, against the end of backward.
 
     One panel per record (e.g. ``{"NaiveDDP": r1, "BucketedDDP 1 MB": r2}``). Times in ms from
     the start of forward; grey = forward, light blue = loss + backward; a bar per bucket from
-    issue to the end of its wait in ``finish_gradient_synchronization``; a dot where its last
-    gradient arrived. Bars that start left of the dashed line overlap backward.
+    issue to the completion of its all-reduce (``SyncRecord.bucket_completed``; where a hook gave
+    no completion time, to the end of its wait in ``finish_gradient_synchronization``); a dot
+    where its last gradient arrived. Bars that start left of the dashed line overlap backward;
+    what ends right of it is communication backward did not hide.
     """
     if isinstance(records, SyncRecord):
         records = {"": records}
@@ -43,9 +45,10 @@ def plot_overlap_timeline(records: "SyncRecord | Mapping[str, SyncRecord]") -> F
             ax.axvline(ms(rec.backward_end), color="black", ls="--", lw=1)
         for b in range(nb):
             issued, done = rec.bucket_issued[b], rec.bucket_done[b]
+            completed = rec.bucket_completed[b] if rec.bucket_completed else None
             if issued is None:
                 continue
-            end = done if done is not None else issued
+            end = next((t for t in (completed, done) if t is not None), issued)
             ax.barh(nb - 1 - b, max(ms(end) - ms(issued), 1e-3), left=ms(issued), height=0.6,
                     color=colour(b))
             if rec.bucket_ready[b] is not None:

@@ -57,8 +57,10 @@ def plot_stage_costs(per_rank: Mapping[str, Sequence[Mapping[str, float]]],
         ticks.append(((start + x - 1) / 2, strategy if len(ranks) == 1 else
                       f"{strategy}\n(ranks 0-{len(ranks) - 1})"))
         x += 1
-    handles = [Rectangle((0, 0), 1, 1, color=c) for _, c in _PARTS]
-    labels = [p for p, _ in _PARTS]
+    # only the parts some bar draws: a legend entry for nothing drawn misleads (issue 38)
+    drawn = [(p, c) for p, c in _PARTS if any(d.get(p, 0) for ranks in per_rank.values() for d in ranks)]
+    handles = [Rectangle((0, 0), 1, 1, color=c) for _, c in drawn]
+    labels = [p for p, _ in drawn]
     if predicted:
         handles.append(ax.plot([], [], "k--", lw=1.2)[0])
         labels.append("predicted")

@@ -19,7 +19,7 @@ __all__ = ["bucket_overlap_explorer", "alpha_beta_explorer"]
 
 def _overlap_result(bucket_mb: float, ranks: int) -> dict:
     name = f"BucketedDDP, {bucket_mb:g} MiB buckets, {ranks} ranks"
-    run = overlap_records({name: bucket_mb}, world_size=ranks, iters=2)[name]
+    run = overlap_records({name: bucket_mb}, world_size=ranks, warmup=1, repeats=1)[name]
     rec = run["record"]
     return {"name": name, "record": rec, "n_buckets": len(run["buckets"]),
             "bucket_mib": [round(b["bytes"] / MiB, 3) for b in run["buckets"]],
@@ -42,8 +42,10 @@ def bucket_overlap_explorer() -> Explorer:
 def _alpha_beta_result(ranks: int, link: str, message: int) -> dict:
     lk = get_link(link)
     sizes = np.logspace(10, 32, 45, base=2)  # 1 KiB .. 4 GiB
-    model = {f"{alg}, {ranks} ranks": collective_time("all_reduce", sizes, ranks, lk, alg)
-             for alg in ("ring", "tree")}
+    # collective_time's "tree" all-reduce is Rabenseifner's halving-doubling (no tree is built):
+    # named for what it is, not for NCCL's double binary tree
+    model = {f"{name}, {ranks} ranks": collective_time("all_reduce", sizes, ranks, lk, alg)
+             for alg, name in (("ring", "ring"), ("tree", "halving-doubling"))}
     ring = collective_time("all_reduce", message, ranks, lk, "ring")
     tree = collective_time("all_reduce", message, ranks, lk, "tree")
     return {"ranks": ranks, "link": lk.name, "message_bytes": message, "sizes": sizes,
@@ -57,14 +59,14 @@ def _alpha_beta_plot(r: dict):
     return plot_alpha_beta(
         r["sizes"], r["model"], r["ranks"], mark=r["message_bytes"],
         title=f"all-reduce over {r['link']}: {format_bytes(r['message_bytes'])} takes "
-              f"{1e3 * r['ring_seconds']:.3g} ms (ring) / {1e3 * r['tree_seconds']:.3g} ms (tree); "
+              f"{1e3 * r['ring_seconds']:.3g} ms (ring) / {1e3 * r['tree_seconds']:.3g} ms (halving-doubling); "
               f"the ring is latency-bound below ~{format_bytes(r['latency_bound_below_bytes'])}")
 
 
 @register("alpha_beta")
 def alpha_beta_explorer() -> Explorer:
-    """Ranks, link and message size -> the alpha-beta time and bus bandwidth of ring and tree
-    all-reduce (:func:`dtlib.analytic.comm.collective_time`)."""
+    """Ranks, link and message size -> the alpha-beta time and bus bandwidth of the ring and the
+    halving-doubling all-reduce (:func:`dtlib.analytic.comm.collective_time`)."""
     sizes = [2 ** k for k in range(10, 33, 2)]
     return Explorer(
         {"ranks": W.SelectionSlider(options=[2, 4, 8, 16, 64, 256, 1024], value=8,

@@ -22,9 +22,11 @@ def _compression_result(powersgd_rank: int, topk_percent: float, steps: int) -> 
 
 
 def _compression_plot(r: dict):
-    fig = plot_compression_tradeoff(r["rows"])
+    # one axis for every setting, so moving a slider moves the points, not the scale
+    fig = plot_compression_tradeoff(r["rows"], accuracy_range=(0, 100))
     fewer = ", ".join(f"{m.split(' +')[0]}: {x:.0f}x" for m, x in r["fewer_bytes"].items() if x > 1)
-    fig.axes[0].set_title(f"{r['steps']} steps on 2 ranks; fewer bytes than fp32 - {fewer}", fontsize=FONT)
+    fig.axes[0].set_title(f"{r['steps']} steps on 2 ranks, one seed (a few points are noise); "
+                          f"fewer bytes than fp32 - {fewer}", fontsize=FONT)
     return fig
 
 

@@ -62,7 +62,8 @@ def check_matches_single_process(fn: Callable, data: Digits, world_size: int = 2
     for k, v in ranks[0]["state"].items():
         assert torch.allclose(v, single["state"][k], atol=1e-5), (
             f"{k} differs from single-process training on the full batch by "
-            f"{(v - single['state'][k]).abs().max().item():.2e}")
+            f"{(v - single['state'][k]).abs().max().item():.2e} after {steps} steps of a global batch of "
+            f"{global_batch} on {world_size} ranks (tolerance 1e-05)")
 
 
 def check_lr_schedule(fn: Callable, trials: int = 50) -> None:
@@ -90,4 +91,5 @@ def check_scaling_efficiency(fn: Callable) -> None:
             f"return a dict keyed by world size {sorted(want)}, got {got!r}")
         for n in want:
             assert math.isclose(got[n], want[n], rel_tol=1e-9), (
-                f"efficiency at N={n} should be {want[n]:.4f}, got {got[n]}")
+                f"efficiency at N={n} should be {want[n]:.4f}, got {got[n]}, for the throughputs "
+                + ", ".join(f"N={k}: {v:.1f}" for k, v in throughput.items()) + " (samples/s)")

@@ -42,8 +42,7 @@ STEPS = 3
 TOLERANCE = 1e-5
 
 # The layouts the questions ask for (the learner reads them in the exercise's markdown).
-DEEPSPEED_TASK = {"world_size": 2, "global_batch": 8, "micro_batch_size": 1,
-                  "sharded": ("optimizer", "gradients")}
+DEEPSPEED_TASK = {"world_size": 2, "global_batch": 8, "micro_batch_size": 4, "sharded": ("optimizer",)}
 MEGATRON_TASK = {"world_size": 4, "tp": 2, "pp": 2, "sequence_parallel": True, "micro_batch_size": 1,
                  "global_batch": 4}
 JAX_TASK = {"mesh": {"fsdp": 4, "model": 2}}
@@ -104,9 +103,9 @@ def check_deepspeed_batch(deepspeed_config: Callable) -> None:
 
 
 _STAGE_HINTS = {
-    0: "stage 0 shards nothing: every rank would hold all optimizer states and all gradients",
-    1: "stage 1 shards only the optimizer states: the layout asks for the gradients sharded too",
-    3: "stage 3 also shards the parameters: the layout keeps every parameter whole on each rank "
+    0: "stage 0 shards nothing: every rank would hold all the optimizer states, where the layout asks for half",
+    2: "stage 2 also shards the gradients: the layout keeps every gradient whole on each rank",
+    3: "stage 3 also shards the gradients and the parameters: the layout keeps both whole on each rank "
        "(stage 3 pays an all_gather of the weights in every forward and backward)",
 }
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any, Callable, Iterator
 
 from dtlib.analytic.activations import layer_bytes
 from dtlib.analytic.memory import GB, memory_per_gpu
 from dtlib.analytic.layout import Parallelism, in_flight, stage_layers
 from dtlib.analytic.precision import CONVENTIONS, Precision
+from dtlib.grading.hint_policy import MAX_FIRST_LINE
 
 __all__ = ["reference_model_state_bytes", "reference_layer_activation_bytes",
            "reference_first_stage_activations", "check_zero_paper", "check_model_state_bytes",
@@ -94,7 +96,10 @@ def _fail(where: str, term: str, want: float, got: float, hint: str) -> Assertio
     numbers = f"{term} should be {want:,.0f} bytes, yours is {shown}"
     if hint:
         return AssertionError(f"{term}: {hint}\n{where}: {numbers}")
-    return AssertionError(f"{numbers}: re-read the question's description of this term\n{where}")
+    # a mistake the checks cannot name: the first line (all the learner sees at first) carries the
+    # case with the numbers, its precision breakdown dropped if the line would be too long
+    case = where if len(where) + len(numbers) <= MAX_FIRST_LINE - 70 else re.sub(r" \([^)]*\)", "", where)
+    return AssertionError(f"{numbers} for {case}: re-read the question's description of this term\n{where}")
 
 
 # ---- q1: model states ------------------------------------------------------------------------
