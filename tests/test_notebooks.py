@@ -176,3 +176,15 @@ def test_nbval_fails_a_cell_that_shows_noise_and_a_notebook_that_leaves_temp_fil
     assert "FAILED noisy.ipynb::Cell 1" in summary and "line(s) of noise" in run.stdout and "collect2: error" in run.stdout
     assert "ERROR leaky.ipynb::Cell 0" in summary and "left 1 entry in its temporary directory" in run.stdout
     assert "PASSED tidy.ipynb::Cell 0" in summary and "ERROR tidy" not in summary, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_labels_counting_ranks_agree_in_number(path):
+    """Issue 38: lesson 01's legend read "1 ranks" (the label was f"{n} ranks" for n in (1, 2, 4));
+    a label that counts ranks with a variable must choose rank or ranks by the count."""
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"])
+            counts_from_one = re.search(r"[\[(]1, \d", source)  # e.g. for n in (1, 2, 4)
+            assert not (counts_from_one and re.search(r"\{\w+\} ranks\b", source)), \
+                f"{path.name}: '{{n}} ranks' reads '1 ranks' for n = 1"
