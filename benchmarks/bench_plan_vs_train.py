@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per layout (median)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out before timing")
     p.add_argument("--calibration", metavar="FILE", help="use this profile instead of calibrating")
     p.add_argument("--save-calibration", metavar="FILE", help="write the profile measured here")
@@ -145,7 +145,7 @@ def main() -> None:
             json.dump(profile, f, indent=1)
     cluster = calibrated_cluster(profile, 1, RANKS)
     # the kernels TinyGPT's layers launch, as calibrate counted them on the model
-    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile))
+    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model))
     clock = profile.get("clock", "wall")
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "

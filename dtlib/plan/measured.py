@@ -12,6 +12,7 @@ No torch: ``dtlib plan --calibration`` runs where the profile was copied to.
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -82,10 +83,22 @@ def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, step:
             "optimizer_bytes_per_s": t["optimizer"] / step["optimizer_seconds"]}
 
 
-def counted_forward_kernels(profile: dict[str, Any]) -> int | None:
+# what an operator count does not depend on: the sizes, not the kinds of operators
+_SIZES = ("name", "source", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq")
+
+
+def counted_forward_kernels(profile: dict[str, Any], model: TransformerConfig | None = None) -> int | None:
     """The kernels one layer of the profile's model launches forward, as ``dtlib calibrate`` counted
-    them on ``dtlib train``'s TinyGPT (None: not measured, a ``--model`` preset or a GPU profile)."""
-    return (profile.get("step") or {}).get("layer_forward_kernels")
+    them on ``dtlib train``'s TinyGPT; None where not measured (a ``--model`` preset, a GPU profile)
+    or where ``model`` is another architecture (other norm, activation, positions, GQA or biases)."""
+    count = (profile.get("step") or {}).get("layer_forward_kernels")
+    if count is None or model is None:
+        return count
+    measured, planned = profile["model_config"], dataclasses.asdict(model)
+    kind = {k: v for k, v in measured.items() if k not in _SIZES}
+    same = kind == {k: v for k, v in planned.items() if k in kind}
+    same = same and (measured["kv_heads"] < measured["heads"]) == (model.kv_heads < model.heads)
+    return count if same else None
 
 
 def _link(section: dict[str, Any], where: str, host: str) -> MeasuredLink:
@@ -165,10 +178,10 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
                          f"causal attention: {where}",
             "elementwise": f"memory-bound terms: elementwise at {gpu.memory_bandwidth / 1e9:.3g} GB/s, optimizer at "
                            f"{gpu.optimizer_bandwidth / 1e9:.3g} GB/s: {where}",
-            "launch": (f"kernel launch: measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
+            "launch": (f"measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
                        + (f", {kernels} kernels per layer forward counted on the model" if kernels else "")
                        + f": {where}" if profile.get("kernel") else
-                       f"kernel launch: the catalogue's {1e6 * KERNEL_LAUNCH_S:.3g} us (not in this profile)"),
+                       f"the catalogue's {1e6 * KERNEL_LAUNCH_S:.3g} us per kernel (not in this profile)"),
             "collectives": f"{ops}: busbw per message size within a node"
                            + (" and across nodes" if profile.get("inter") else "") + f": {where}",
             "not measured": "the step-time model's structure (dtlib.plan.steptime.TERMS), overlaps and "

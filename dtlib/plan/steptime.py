@@ -392,7 +392,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
         per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"], rmsnorm=n["rmsnorm"],
                                         swiglu=n["swiglu"], rope=n["rope"],
-                                        kv_repeat=n["kv_heads"] < n["heads"]) / tp
+                                        kv_repeat=n["kv_heads"] < n["heads"], tp=tp,
+                                        sequence_parallel=n["sequence_parallel"])
         elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
     # MoE layers: the dispatcher's token permutations (dtlib.plan.moe.permutation_bytes), their forward
     # half repeated by full recompute
