@@ -84,7 +84,7 @@ def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, step:
 
 
 # what an operator count does not depend on: the sizes, not the kinds of operators
-_SIZES = ("name", "source", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq")
+_SIZES = ("name", "source", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "seq")
 
 
 def counted_forward_kernels(profile: dict[str, Any], model: TransformerConfig | None = None) -> int | None:
@@ -178,7 +178,7 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
                          f"causal attention: {where}",
             "elementwise": f"memory-bound terms: elementwise at {gpu.memory_bandwidth / 1e9:.3g} GB/s, optimizer at "
                            f"{gpu.optimizer_bandwidth / 1e9:.3g} GB/s: {where}",
-            "launch": (f"measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
+            "kernel launch": (f"measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
                        + (f", {kernels} kernels per layer forward counted on the model" if kernels else "")
                        + f": {where}" if profile.get("kernel") else
                        f"the catalogue's {1e6 * KERNEL_LAUNCH_S:.3g} us per kernel (not in this profile)"),
