@@ -216,7 +216,9 @@ def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
     path = tmp_path / "p.json"
     code = main(["calibrate", "--nproc", "2", "--micro-batch", "1", "--max-bytes", "4096", "--repeats", "3",
                  "-o", str(path)])
-    assert code == 0 and "profile written to" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "profile written to" in out
+    assert "kernel cost: " in out and " operators per layer forward" in out
     profile = load_profile(str(path))
     m = profile["machine"]
     assert m["ranks"] == 2 and m["nodes"] == 1 and m["cpu_cores"] >= 1 and profile["clock"] == "cpu"
