@@ -13,7 +13,7 @@ tokens per GPU (an 8B model with one eighth of a sequence per GPU) a layer's ker
 tens of microseconds and the floor is a tenth of the step. The figure is the device's
 (:attr:`dtlib.analytic.hardware.Accelerator.kernel_launch_s`): the catalogue's GPUs have NVIDIA's,
 a calibrated machine its own, measured by ``dtlib calibrate`` (on CPU ranks, eager PyTorch's
-per-operator dispatch and autograd cost, :func:`dtlib.plan.calibrate` ``_kernel_cost``).
+per-operator dispatch and autograd cost, :mod:`dtlib.plan.calibrate`).
 
 Kernels per layer, forward (:data:`FORWARD_KERNELS`, or the count of the model's own, the
 ``forward`` argument: ``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's operators), for a Llama
