@@ -4,7 +4,8 @@
    the GEMMs of the model's own shapes, elementwise bandwidth, collectives per message size;
 2. the planner times each layout of :data:`LAYOUTS` on that profile
    (:func:`dtlib.plan.measured.calibrated_cluster`, :func:`dtlib.plan.steptime.step_time`) with
-   the options of :data:`TRAINER_OPTIONS`, what ``dtlib train`` does;
+   the options of :data:`TRAINER_OPTIONS`, what ``dtlib train`` does, and the kernels per layer
+   the profile counted on the model;
 3. each layout runs on ``dtlib train``'s own trainer (:func:`dtlib.trainer.train` on 2 ranks of
    :func:`dtlib.launch`, as ``dtlib train`` starts it), with a hook that times every step on the
    profile's clock; its step time is the median, after ``--warmup`` steps, of the slowest rank's.
@@ -26,6 +27,7 @@ correlation R`` (error = |plan - train| / train; R: Spearman's, of the step time
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import dtlib
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.calibrate import CLOCKS, calibrate
-from dtlib.plan.measured import calibrated_cluster
+from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels
 from dtlib.plan.steptime import StepOptions, step_time
 from dtlib.trainer import TrainConfig, train
 from dtlib.trainer.hooks import Hook
@@ -58,9 +60,12 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
 # what dtlib.trainer does: fp32 weights, gradients, Adam (dtlib.analytic.precision "fp32"); TinyGPT's
 # explicit attention (dtlib.models.gpt: the s x s scores stored); eager PyTorch, one kernel per
 # operator; gradients reduced after the backward (dtlib.trainer.rank.synchronise_gradients) and
-# tensor-parallel all-reduces on the critical path: nothing overlapped
+# tensor-parallel all-reduces on the critical path: nothing overlapped; eager PyTorch's gradients:
+# accumulated by autograd, reduced from a flat copy (dtlib.parallel.collectives.all_reduce_coalesced),
+# and under ZeRO-3 reduce-scattered after every micro-batch's backward (dtlib.parallel.FSDP)
 TRAINER_OPTIONS = StepOptions(precision="fp32", flash_attention=False, fused_elementwise=False,
-                              dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0)
+                              dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0, grad_accumulation_fusion=False,
+                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True)
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -119,7 +124,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per layout (median)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out before timing")
     p.add_argument("--calibration", metavar="FILE", help="use this profile instead of calibrating")
     p.add_argument("--save-calibration", metavar="FILE", help="write the profile measured here")
@@ -134,11 +139,13 @@ def main() -> None:
     else:
         micro = sorted({layout["micro_batch_size"] for _, layout in LAYOUTS})
         profile = calibrate(model, RANKS, tp=(1, 2), micro_batch=micro, options=TRAINER_OPTIONS,
-                            max_bytes=4 * 2 ** 20, repeats=5 if a.quick else 9)
+                            max_bytes=16 * 2 ** 20, repeats=5 if a.quick else 9)
     if a.save_calibration:
         with open(a.save_calibration, "w") as f:
             json.dump(profile, f, indent=1)
     cluster = calibrated_cluster(profile, 1, RANKS)
+    # the kernels TinyGPT's layers launch, as calibrate counted them on the model
+    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model))
     clock = profile.get("clock", "wall")
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "
@@ -146,7 +153,7 @@ def main() -> None:
     print(f"{'layout':<14}{'plan ms':>9}{'train ms':>10}{'error':>8}")
     planned, measured = [], []
     for name, layout in LAYOUTS:
-        timed = step_time(model, Parallelism(**layout), cluster, options=TRAINER_OPTIONS)
+        timed = step_time(model, Parallelism(**layout), cluster, options=options)
         # CPU time counts no idle time: the plan's step without its bubble (see the docstring)
         plan = timed.step_time - (clock == "cpu") * timed.breakdown["pp_bubble"]
         train = train_step_seconds(shape, layout, a.steps, a.warmup, clock)

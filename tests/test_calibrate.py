@@ -1,5 +1,6 @@
 """``dtlib calibrate`` and ``dtlib plan --calibration``: the measured device and link, the profile,
 the planner answering from it, and bad input (one line on stderr, exit 2)."""
+import dataclasses
 import json
 
 import numpy as np
@@ -10,7 +11,9 @@ from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.measured import MeasuredAccelerator, MeasuredLink
 from dtlib.cli import main
 from dtlib.plan.gemm import gemm_time
-from dtlib.plan.measured import FORMAT, attention_efficiency, calibrated_cluster, load_profile
+from dtlib.analytic.hardware import KERNEL_LAUNCH_S
+from dtlib.plan.measured import (FORMAT, attention_efficiency, calibrated_cluster, counted_forward_kernels, load_profile,
+                                 memory_bound_bandwidth, profile_sources)
 from dtlib.plan.steptime import StepOptions, step_time
 from dtlib.trainer import TrainConfig
 
@@ -154,6 +157,25 @@ def test_plan_times_dtlib_trains_model_as_the_api_does(tmp_path, capsys):
     assert c[0]["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
 
 
+def test_plan_uses_the_measured_kernel_cost_and_count_and_the_trainers_gradients(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_with_step(_profile(), per_kernel=2e-5)))
+    pins = ["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "1", "--zero", "3",
+            "--recompute", "none", "--no-sequence-parallel", "--calibration", str(path)]
+    trainer = ["--no-grad-accumulation-fusion", "--grad-bucket-copy", "--zero3-reduce-per-microbatch"]
+    assert main(PLAN + pins + trainer) == 0
+    assert "kernel launch: measured 20 us per kernel, 56 kernels per layer forward counted on the model" in \
+        capsys.readouterr().out
+    assert main(PLAN + pins + trainer + ["--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["configs"][0]
+    options = dataclasses.replace(OPTIONS, forward_kernels=56, grad_accumulation_fusion=False, grad_bucket_copy=True,
+                                  zero3_reduce_per_microbatch=True)
+    api = step_time(MODEL, Parallelism(dp=2, zero=3, micro_batch_size=1, num_microbatches=4),
+                    calibrated_cluster(load_profile(str(path))), options=options)
+    assert c["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
+    assert c["breakdown"]["launch"] == pytest.approx(MODEL.layers * 4 * 3 * 56 * 2e-5, rel=1e-9)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--gpu", "h100-sxm"], "--gpu contradicts --calibration"),
     (["--gemm-efficiency", "0.5"], "--gemm-efficiency contradicts --calibration"),
@@ -194,7 +216,9 @@ def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
     path = tmp_path / "p.json"
     code = main(["calibrate", "--nproc", "2", "--micro-batch", "1", "--max-bytes", "4096", "--repeats", "3",
                  "-o", str(path)])
-    assert code == 0 and "profile written to" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "profile written to" in out
+    assert "kernel cost: " in out and " operators per layer forward" in out
     profile = load_profile(str(path))
     m = profile["machine"]
     assert m["ranks"] == 2 and m["nodes"] == 1 and m["cpu_cores"] >= 1 and profile["clock"] == "cpu"
@@ -210,7 +234,15 @@ def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
         assert r["busbw_bytes_per_s"] == pytest.approx(r["algbw_bytes_per_s"] * factor)
         assert r["algbw_bytes_per_s"] == pytest.approx(r["bytes"] / r["seconds"]) and r["seconds"] > 0
     assert all(np.isfinite(r["flops_per_s"]) and r["flops_per_s"] > 0 for r in profile["gemm"])
-    assert profile["step"]["seconds"] > 0 and profile["step"]["planned_memory_bytes"] > 0
+    step = profile["step"]
+    assert step["seconds"] == pytest.approx(step["forward_backward_seconds"] + step["optimizer_seconds"])
+    assert step["planned_elementwise_bytes"] > 0 and step["planned_optimizer_bytes"] > 0
+    # the operators of one TinyGPT layer, counted: the planner's kernels per layer for this model
+    assert step["layer_forward_kernels"] > 0 and step["layer_backward_kernels"] > step["layer_forward_kernels"]
+    kernel = profile["kernel"]
+    assert kernel["seconds_per_kernel"] == pytest.approx(kernel["seconds"] / kernel["operators"])
+    assert kernel["seconds_per_kernel"] > 0
+    assert calibrated_cluster(profile).gpu.kernel_launch_s == kernel["seconds_per_kernel"]
 
 
 def test_calibrate_measures_across_nodes_when_there_are_several():
@@ -236,3 +268,59 @@ def test_one_rank_per_node_plans_one_rank():
     assert t.breakdown["dp_comm"] == 0 and t.step_time > 0 and cl.intra.seconds("p2p", 1024, 2) == 0
     with pytest.raises(ValueError, match="no figures across nodes"):
         calibrated_cluster(profile, nodes=2, gpus_per_node=1)
+
+
+def _with_step(profile, forward_backward=0.05, optimizer=0.01, per_kernel=1e-5, kernels=56):
+    """``profile`` with a measured one-rank step (at micro-batch 2) and kernel cost, as calibrate adds them."""
+    profile["model_config"] = dataclasses.asdict(MODEL)
+    profile["kernel"] = {"operators": 66, "seconds": 66 * per_kernel, "seconds_per_kernel": per_kernel}
+    step = {"micro_batch_size": 2, "forward_backward_seconds": forward_backward, "optimizer_seconds": optimizer,
+            "seconds": forward_backward + optimizer, "layer_forward_kernels": kernels, "layer_backward_kernels": 96}
+    step.update(memory_bound_bandwidth(MODEL, OPTIONS, step, profile["gemm"], per_kernel))
+    profile["step"] = step
+    return profile
+
+
+def test_the_measured_step_is_what_the_plan_of_that_step_gives_back():
+    # the bandwidths are the ones at which the planner's own one-rank step takes the measured times
+    profile = _with_step(_profile())
+    cl = calibrated_cluster(profile, 1, 1)
+    assert cl.gpu.memory_bandwidth == profile["step"]["bytes_per_s"]
+    assert cl.gpu.optimizer_bandwidth == profile["step"]["optimizer_bytes_per_s"] != cl.gpu.memory_bandwidth
+    options = dataclasses.replace(OPTIONS, forward_kernels=counted_forward_kernels(profile, MODEL))
+    t = step_time(MODEL, Parallelism(micro_batch_size=2), cl, options=options).breakdown
+    assert t["compute"] + t["elementwise"] + t["launch"] == pytest.approx(0.05, rel=1e-9)
+    assert t["optimizer"] == pytest.approx(0.01, rel=1e-9)
+    # the launch term: layers x micro-batches x (forward + 2 x forward backward) x the measured cost
+    assert t["launch"] == pytest.approx(MODEL.layers * 3 * 56 * 1e-5, rel=1e-12)
+    # GEMMs and kernel costs taking the whole forward + backward: no bandwidth to tell, the add figure
+    fast = _with_step(_profile(), forward_backward=1e-6)
+    assert fast["step"]["bytes_per_s"] is None
+    assert calibrated_cluster(fast).gpu.memory_bandwidth == fast["elementwise"]["bytes_per_s"]
+
+
+def test_a_profile_without_a_kernel_cost_keeps_the_catalogues():
+    cl = calibrated_cluster(_profile())
+    assert cl.gpu.kernel_launch_s == KERNEL_LAUNCH_S
+    assert "3 us per kernel (not in this profile)" in profile_sources(_profile(), "p.json")["kernel launch"]
+    measured = profile_sources(_with_step(_profile(), per_kernel=2.5e-5), "p.json")["kernel launch"]
+    assert measured.startswith("measured 25 us per kernel, 56 kernels per layer forward counted on the model")
+
+
+def test_counted_kernels_are_the_profiles_models_only():
+    profile = _with_step(_profile())
+    assert counted_forward_kernels(profile) == 56
+    assert counted_forward_kernels(profile, MODEL.with_(layers=8, hidden=128)) == 56  # sizes do not change the count
+    assert counted_forward_kernels(profile, MODEL.with_(norm="rmsnorm")) is None
+    assert counted_forward_kernels(profile, MODEL.with_(kv_heads=2)) is None
+    assert counted_forward_kernels(_profile(), MODEL) is None  # not measured
+
+
+def test_kernel_cost_counts_the_operators_it_times():
+    import torch
+
+    from dtlib.plan.calibrate import CHAIN, _kernel_cost
+    kernel = _kernel_cost(3, torch.device("cpu"), "cpu")
+    assert kernel["operators"] >= 2 * CHAIN  # each multiplication forward and its backward
+    assert kernel["seconds_per_kernel"] == pytest.approx(kernel["seconds"] / kernel["operators"])
+    assert kernel["seconds_per_kernel"] > 0

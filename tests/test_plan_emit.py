@@ -331,7 +331,10 @@ from dtlib.plan.steptime import StepOptions  # noqa: E402
 # the StepOptions fields that describe the hardware or the model of the step, not a framework's
 # setting: no config can carry them (the test below checks that the rest is each a config knob)
 NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_limit_w", "oversubscription",
-              "moe_imbalance", "convention", "attention"}
+              "moe_imbalance", "convention", "attention",
+              # the kernels the model launches per layer (counted by dtlib calibrate), and how eager PyTorch /
+              # dtlib train handle gradients: the emitted configs keep each framework's own behaviour
+              "forward_kernels", "grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch"}
 # each config knob: two values whose step times differ on the layouts below (dtype; fp8_recipe and
 # bf16_layers with fp8 matmuls)
 KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),

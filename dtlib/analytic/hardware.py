@@ -21,11 +21,16 @@ from dataclasses import dataclass, field, replace
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
-__all__ = ["Accelerator", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
+__all__ = ["Accelerator", "KERNEL_LAUNCH_S", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
            "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
            "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
+# A GPU kernel's floor beside its work: NVIDIA measured null kernels at about 3 us on recent hardware
+# and software (N. Juffa, NVIDIA developer forums, "Too much time for kernel launch latency", 2022:
+# https://forums.developer.nvidia.com/t/too-much-time-for-kernel-launch-latency/233645/3, "the launch
+# overhead of null kernels ... about 3 microseconds ... a new speed of light")
+KERNEL_LAUNCH_S = 3e-6
 T = TFLOPS
 
 
@@ -36,7 +41,9 @@ class Accelerator:
     on in waves (:mod:`dtlib.plan.gemm`); ``tdp_w``: board power at which the peaks hold (a lower
     power limit lowers the clock, :func:`dtlib.plan.gemm.clock_scale`); ``flops_per_exp``: dense
     BF16 tensor-core FLOPs an SM does in the time its special-function units do one exponential
-    (softmax's cost in attention, :data:`FLOPS_PER_EXP`). None where not published."""
+    (softmax's cost in attention, :data:`FLOPS_PER_EXP`). None where not published.
+    ``kernel_launch_s``: the fixed cost of one kernel beside its work (:mod:`dtlib.plan.launches`):
+    :data:`KERNEL_LAUNCH_S` for a GPU, measured on the machine by ``dtlib calibrate``."""
     name: str
     peaks: dict[str, float | None]
     memory_bytes: int
@@ -45,6 +52,15 @@ class Accelerator:
     sms: int | None = None
     tdp_w: float | None = None
     flops_per_exp: float | None = None
+    kernel_launch_s: float = KERNEL_LAUNCH_S
+
+    def __post_init__(self) -> None:
+        validate.number("kernel_launch_s", self.kernel_launch_s, minimum=0, exclusive=False)
+
+    @property
+    def optimizer_bandwidth(self) -> float:
+        """B/s of the optimizer's memory-bound update: the HBM bandwidth (a calibrated device measures its own)."""
+        return self.memory_bandwidth
 
     @property
     def exp_rate(self) -> float | None:

@@ -6,7 +6,9 @@ the seconds of the GEMMs measured on the machine (:mod:`dtlib.plan.calibrate`). 
 the tile/wave model and the fitted efficiency: a measured shape exactly, another one at the
 throughput interpolated between the measured shapes (inverse-distance weighting, Shepard 1968,
 of log throughput over the distance in log M, log N, log K, log batch), times its own FLOPs.
-Its ``memory_bandwidth`` is the measured elementwise bandwidth.
+Its ``memory_bandwidth`` is the measured elementwise bandwidth, ``optimizer_bytes_per_s`` (where
+measured) the bandwidth of the optimizer's update, timed on its own, and ``kernel_launch_s`` the
+measured fixed cost per kernel.
 
 :class:`MeasuredLink` is a :class:`~dtlib.analytic.hardware.Link` that holds each collective's bus
 bandwidth per message size as nccl-tests reports it (``doc/PERFORMANCE.md``: busbw = algbw x
@@ -44,11 +46,20 @@ BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda
 class MeasuredAccelerator(Accelerator):
     """An accelerator whose GEMMs were timed: ``gemms`` holds ``(m, n, k, batch, seconds)`` rows;
     ``measured_dtype`` is the precision they ran in (its rate also answers the planner's bf16
-    reference: the device computes every matmul in it)."""
+    reference: the device computes every matmul in it); ``optimizer_bytes_per_s``: the optimizer
+    step's measured bandwidth (None: ``memory_bandwidth``)."""
     gemms: tuple[tuple[float, float, float, float, float], ...] = ()
     measured_dtype: str = "fp32"
+    optimizer_bytes_per_s: float | None = None
+
+    @property
+    def optimizer_bandwidth(self) -> float:
+        return self.optimizer_bytes_per_s or self.memory_bandwidth
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.optimizer_bytes_per_s is not None:
+            validate.number("optimizer_bytes_per_s", self.optimizer_bytes_per_s)
         if not self.gemms:
             raise ValueError(f"{self.name}: a measured accelerator needs at least one timed GEMM")
         for row in self.gemms:

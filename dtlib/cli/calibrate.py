@@ -91,6 +91,18 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
              f"forward + backward",
              f"elementwise: {profile['elementwise']['bytes_per_s'] / 1e9:.2f} GB/s at "
              f"{profile['elementwise']['bytes']:,} bytes"]
+    if profile.get("kernel"):
+        k = profile["kernel"]
+        lines.append(f"kernel cost: {1e6 * k['seconds_per_kernel']:.3g} us per operator ({k['operators']} operators "
+                     f"forward + backward in {1e3 * k['seconds']:.3f} ms)")
+    step = profile.get("step")
+    if step:
+        rates = {key: f"{step[key] / 1e9:.3g} GB/s" if step.get(key) else "not told: the GEMMs take it all"
+                 for key in ("bytes_per_s", "optimizer_bytes_per_s")}
+        lines.append(f"one-rank step of {step['micro_batch_size']} sequences: forward + backward "
+                     f"{1e3 * step['forward_backward_seconds']:.1f} ms (elementwise {rates['bytes_per_s']}), optimizer "
+                     f"{1e3 * step['optimizer_seconds']:.1f} ms ({rates['optimizer_bytes_per_s']}); "
+                     f"{step['layer_forward_kernels']} operators per layer forward")
     for where in ("intra", "inter"):
         section = profile.get(where)
         if not section:

@@ -32,7 +32,8 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
-from dtlib.plan.measured import attention_efficiency, calibrated_cluster, load_profile, profile_sources
+from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels, load_profile,
+                                 profile_sources)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.segments import segments
@@ -129,6 +130,15 @@ def add_plan_command(sub: Any) -> None:
                         "for each expert (default: the --stack's)")
     m.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=None,
                    help="memory-bound operators fused (Megatron/TE, torch.compile) or eager")
+    m.add_argument("--grad-accumulation-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight-gradient GEMMs accumulate into the gradient buffer (Megatron; default) or, with "
+                        "--no-grad-accumulation-fusion, each micro-batch after the first adds into .grad (eager PyTorch)")
+    m.add_argument("--grad-bucket-copy", action="store_true",
+                   help="gradients copied into a flat bucket and back around the reduce (PyTorch DDP's default, "
+                        "dtlib train) instead of reduced in place (Megatron-Core's gradient buffer)")
+    m.add_argument("--zero3-reduce-per-microbatch", action="store_true",
+                   help="ZeRO-3 reduce-scatters after every micro-batch's backward (PyTorch FSDP without no_sync, "
+                        "dtlib train) instead of once per step")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
     m.add_argument("--band-method", choices=METHODS, default="quantile",
                    help="error band from the comparable runs' held-out residuals: their central --band-coverage "
@@ -278,7 +288,13 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
                           fp8_recipe=args.fp8_recipe, bf16_layers=args.bf16_layers,
-                          grad_reduce_dtype=args.grad_reduce_dtype, **moe)
+                          grad_reduce_dtype=args.grad_reduce_dtype,
+                          grad_accumulation_fusion=args.grad_accumulation_fusion,
+                          grad_bucket_copy=args.grad_bucket_copy,
+                          zero3_reduce_per_microbatch=args.zero3_reduce_per_microbatch,
+                          # eager: the kernels per layer the profile counted on dtlib train's model
+                          forward_kernels=(counted_forward_kernels(profile, model) if profile and args.fused_elementwise is False
+                                           else None), **moe)
     matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",

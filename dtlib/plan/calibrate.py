@@ -13,12 +13,18 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
 * **elementwise bandwidth**: ``torch.add(a, b, out=c)`` on one micro-batch's activation tensor
   (bytes read + written over time, STREAM's "Add" count, McCalpin 1995), at that size, so the
   per-kernel cost of small tensors is in it;
+* **the fixed cost per kernel**: forward + backward of a chain of operators on a one-element
+  tensor over the ATen operators counted in it (:func:`_kernel_cost`): on CPU ranks eager
+  PyTorch's dispatcher and autograd cost per operator, the planner's ``launch`` term per kernel;
 * **memory-bound work of a step** (CPU ranks): one step of the model as ``dtlib train`` builds it
-  (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on every rank at once, each alone,
-  less the planner's time of its GEMMs (from the GEMMs just measured): what the elementwise
-  operators, the optimizer and eager PyTorch's per-operator costs take. Over the bytes the planner
-  counts for them it gives the bandwidth the plan uses for its memory-bound terms
-  (:func:`dtlib.plan.measured.memory_bound_bandwidth`; the ``add`` figure where it cannot be told);
+  (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on every rank at once, each alone, its
+  forward + backward and its optimizer step timed apart (the first repeats per micro-batch, the
+  second once per step), and the operators one layer dispatches counted (the planner's kernels
+  per layer for this model). The forward + backward less the planner's GEMMs (from the GEMMs
+  just measured) and kernel costs, over the bytes the planner counts for its ``elementwise``
+  term, gives that term's bandwidth; the optimizer step over the ``optimizer`` term's bytes
+  gives the optimizer's (:func:`dtlib.plan.measured.memory_bound_bandwidth`; the ``add`` figure
+  where they cannot be told);
 * **collectives**: all-reduce, reduce-scatter, all-gather, all-to-all, broadcast and p2p per
   message size, nccl-tests' way (``doc/PERFORMANCE.md``: time = the slowest rank's, algbw = S / t,
   busbw = algbw x the collective's factor), within a node and, with several nodes, across them
@@ -46,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtlib
 from dtlib.analytic import validate
@@ -164,9 +171,53 @@ def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.
     return {"bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds}
 
 
+class _Operators(TorchDispatchMode):
+    """Counts the ATen operators dispatched inside it: in eager PyTorch each is a call through the
+    dispatcher, its fixed cost (and on a GPU a kernel launch at most) whatever its work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(fn: Callable[[], Any]) -> int:
+    with _Operators() as ops:
+        fn()
+    return ops.count
+
+
+# operators in the chain _kernel_cost times: enough that one call's own overhead is small beside them
+CHAIN = 32
+
+
+def _kernel_cost(repeats: int, device: torch.device, clock: str) -> dict[str, Any]:
+    """The fixed cost of one operator: forward + backward of :data:`CHAIN` multiplications of a
+    one-element tensor (the "overhead" regime, where an operator's time does not depend on its
+    work: H. He, "Making Deep Learning Go Brrrr From First Principles", 2022, "Overhead"), over the
+    ATen operators counted in it (forward, the autograd engine's backward), as the planner counts
+    kernels (each forward kernel's backward two more, :data:`dtlib.plan.eager.PASSES`)."""
+    w = torch.ones(1, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = w
+        for _ in range(CHAIN):
+            y = y * 1.0001
+        y.backward()
+
+    seconds = _median(chain, repeats, device, clock)
+    operators = _counted(chain)
+    return {"operators": operators, "seconds": seconds, "seconds_per_kernel": seconds / operators}
+
+
 def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str) -> dict[str, Any]:
-    """Seconds of one training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as
-    ``dtlib train``) on ``micro_batch`` sequences, on this rank alone (no collective)."""
+    """One training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as ``dtlib train``) on
+    ``micro_batch`` sequences, on this rank alone (no collective): the seconds of its forward +
+    backward and of its optimizer step, each timed on its own, and the ATen operators one
+    transformer layer dispatches forward and backward (counted, :class:`_Operators`)."""
     from dtlib.models import TinyGPT
 
     torch.manual_seed(0)
@@ -175,13 +226,21 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
     tokens = torch.randint(0, model.vocab, (micro_batch, model.seq + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    def step() -> None:
+    def forward_backward() -> None:
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
-        opt.step()
 
+    cpu = torch.device("cpu")
+    seconds = _median(forward_backward, repeats, cpu, clock)
+    optimizer = _median(opt.step, repeats, cpu, clock)  # the gradients of the last backward, kept
+    hidden = torch.randn(micro_batch, model.seq, model.hidden, requires_grad=True)
+    block = net.blocks[0]
+    out: list[torch.Tensor] = []
+    forward = _counted(lambda: out.append(block(hidden)))
+    backward = _counted(lambda: out[0].sum().backward())
     return {"micro_batch_size": micro_batch, "threads": torch.get_num_threads(),
-            "seconds": _median(step, repeats, torch.device("cpu"), clock)}
+            "forward_backward_seconds": seconds, "optimizer_seconds": optimizer, "seconds": seconds + optimizer,
+            "layer_forward_kernels": forward, "layer_backward_kernels": backward}
 
 
 def _numel(nbytes: int, n: int) -> int:
@@ -274,6 +333,7 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
                      else {"ranks": 1, "groups": nodes, "rows": []}),
            "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
            "step": _one_rank_step(model, middle, repeats, clock) if measure_step else None,
+           "kernel": _kernel_cost(repeats, device, clock),
            "threads_per_rank": torch.get_num_threads()}
     return out if rank == 0 else {}
 
@@ -326,8 +386,8 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     if not found:  # a torchrun rank other than 0
         return {}
     if found["step"]:
-        found["step"].update(memory_bound_bandwidth(model, options, found["step"]["micro_batch_size"],
-                                                    found["step"]["seconds"], found["gemm"]))
+        found["step"].update(memory_bound_bandwidth(model, options, found["step"], found["gemm"],
+                                                    found["kernel"]["seconds_per_kernel"]))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     machine = _machine(world, world // per_node, device)
     machine["threads_per_rank"] = found.pop("threads_per_rank")  # a rank's, as dtlib.launch set it

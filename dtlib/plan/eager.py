@@ -45,18 +45,23 @@ PASSES = 3  # forward + backward (twice the forward's traffic)
 
 
 def eager_forward_bytes(hidden: Any, kv_dim: Any, ffn: Any, *, rmsnorm: Any = True, swiglu: Any = True,
-                        rope: Any = True, kv_repeat: Any = True) -> Any:
+                        rope: Any = True, kv_repeat: Any = True, tp: Any = 1, sequence_parallel: Any = True) -> Any:
     """Bytes one token moves through HBM in one layer's memory-bound operators, forward, eager
-    (the table of the module docstring; ``kv_dim`` = kv_heads x head_dim). The defaults are
-    torchtitan's Llama block; ``rmsnorm``/``swiglu``/``rope``/``kv_repeat`` False (or 0 in an
-    array) describe a LayerNorm, GELU, RoPE-free or multi-head-attention block."""
+    (the table of the module docstring; ``kv_dim`` = kv_heads x head_dim), on one of ``tp``
+    tensor-parallel ranks. The defaults are torchtitan's Llama block; ``rmsnorm``/``swiglu``/
+    ``rope``/``kv_repeat`` False (or 0 in an array) describe a LayerNorm, GELU, RoPE-free or
+    multi-head-attention block. The operators inside the attention and MLP split over ``tp`` with
+    their heads and columns; the norms and residual adds outside them split only with
+    ``sequence_parallel``, and are otherwise run whole on every rank (Korthikanti et al. 2022,
+    Sec. 4.2.2: "replicated across the tensor parallel group")."""
     norms = 2 * np.where(rmsnorm, 36, 4) * hidden
     rotary = np.where(rope, 20 * (hidden + kv_dim), 0)
     activation = np.where(swiglu, 10, 4) * ffn
     residual = 2 * 6 * hidden
     repeat_kv = np.where(kv_repeat, 2 * 2 * (kv_dim + hidden), 0)
     attention_out = 4 * hidden
-    return norms + rotary + activation + residual + repeat_kv + attention_out
+    outside = (norms + residual) / np.where(sequence_parallel, tp, 1)
+    return outside + (rotary + activation + repeat_kv + attention_out) / tp
 
 
 def eager_bytes(hidden: Any, kv_dim: Any, ffn: Any, **block: Any) -> Any:

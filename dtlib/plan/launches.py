@@ -10,9 +10,14 @@ https://forums.developer.nvidia.com/t/too-much-time-for-kernel-launch-latency/23
 overhead of null kernels ... about 3 microseconds ... a new speed of light"). At 8K tokens per
 micro-batch a layer's GEMMs take milliseconds and 3 us per kernel is noise; at a few hundred
 tokens per GPU (an 8B model with one eighth of a sequence per GPU) a layer's kernels each run for
-tens of microseconds and the floor is a tenth of the step.
+tens of microseconds and the floor is a tenth of the step. The figure is the device's
+(:attr:`dtlib.analytic.hardware.Accelerator.kernel_launch_s`): the catalogue's GPUs have NVIDIA's,
+a calibrated machine its own, measured by ``dtlib calibrate`` (on CPU ranks, eager PyTorch's
+per-operator dispatch and autograd cost, :mod:`dtlib.plan.calibrate`).
 
-Kernels per layer, forward (:data:`FORWARD_KERNELS`), for a Llama block as the stacks launch it:
+Kernels per layer, forward (:data:`FORWARD_KERNELS`, or the count of the model's own, the
+``forward`` argument: ``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's operators), for a Llama
+block as the stacks launch it:
 
 * ``fused`` (Megatron-Core + Transformer Engine, or ``torch.compile``): LayerNormLinear's norm and
   QKV GEMM, fused RoPE, attention, the output projection, bias-dropout-add, LayerNormMLP's norm,
@@ -37,23 +42,25 @@ from typing import Any
 
 import numpy as np
 
+from dtlib.analytic.hardware import KERNEL_LAUNCH_S
 from dtlib.plan.eager import PASSES
 
 __all__ = ["KERNEL_LAUNCH_S", "FORWARD_KERNELS", "FP8_CASTS", "layer_kernels", "launch_time"]
 
-KERNEL_LAUNCH_S = 3e-6
 FORWARD_KERNELS = {"fused": 11, "eager": 33}
 FP8_CASTS = 4 * 2  # forward input and backward output-gradient casts of the 4 weight GEMMs
 
 
-def layer_kernels(fused: Any, dtype: str, recompute: str) -> Any:
-    """Kernels one layer launches per micro-batch, forward and backward (see the module docstring)."""
-    forward = np.where(fused, FORWARD_KERNELS["fused"], FORWARD_KERNELS["eager"])
+def layer_kernels(fused: Any, dtype: str, recompute: str, forward: int | None = None) -> Any:
+    """Kernels one layer launches per micro-batch, forward and backward (see the module docstring);
+    ``forward``: the layer's forward kernels if counted (default :data:`FORWARD_KERNELS` by ``fused``)."""
+    if forward is None:
+        forward = np.where(fused, FORWARD_KERNELS["fused"], FORWARD_KERNELS["eager"])
     repeated = {"none": 0, "selective": 0, "full": 1}.get(recompute, 0)
     return (PASSES + repeated) * forward + (FP8_CASTS if dtype == "fp8" else 0)
 
 
 def launch_time(layers: Any, num_microbatches: Any, fused: Any, dtype: str, recompute: str,
-                seconds_per_kernel: float = KERNEL_LAUNCH_S) -> Any:
+                seconds_per_kernel: float = KERNEL_LAUNCH_S, forward: int | None = None) -> Any:
     """Seconds the kernels of ``layers`` layers cost beyond their work, over ``num_microbatches``."""
-    return layers * num_microbatches * layer_kernels(fused, dtype, recompute) * seconds_per_kernel
+    return layers * num_microbatches * layer_kernels(fused, dtype, recompute, forward) * seconds_per_kernel

@@ -12,19 +12,21 @@ No torch: ``dtlib plan --calibration`` runs where the profile was copied to.
 from __future__ import annotations
 
 import json
+import dataclasses
+from dataclasses import replace
 from typing import Any
 
 from dtlib.analytic import validate
 from dtlib.analytic.flops import attention_flops_per_token
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.hardware import Cluster, Link
+from dtlib.analytic.hardware import KERNEL_LAUNCH_S, Cluster, Link
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.measured import MeasuredAccelerator, MeasuredLink
 from dtlib.plan.gemm import FLASH_BACKWARD
 from dtlib.plan.steptime import StepOptions, step_time
 
 __all__ = ["FORMAT", "load_profile", "calibrated_cluster", "attention_efficiency", "profile_sources",
-           "memory_bound_bandwidth"]
+           "memory_bound_bandwidth", "counted_forward_kernels"]
 
 FORMAT = "dtlib-calibration/1"
 _SECTIONS = ("machine", "versions", "date", "dtype", "gemm", "attention", "elementwise", "intra")
@@ -59,19 +61,44 @@ def _gemm_rows(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, f
     return tuple((r["m"], r["n"], r["k"], r["batch"], r["seconds"]) for r in rows)
 
 
-def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, micro_batch: int, seconds: float,
-                           gemm: list[dict[str, Any]]) -> dict[str, Any]:
-    """The bandwidth at which the planner's memory-bound terms (``elementwise`` and ``optimizer``)
-    take what a measured one-rank step of ``micro_batch`` sequences (``seconds``) leaves after the
-    planner's GEMMs, timed from ``gemm`` (the profile's rows): ``{"planned_gemm_seconds",
-    "planned_memory_bytes", "bytes_per_s"}``; ``bytes_per_s`` None where the GEMMs take the whole step."""
-    probe = MeasuredAccelerator("probe", {"bf16": 1.0}, 2 ** 62, 1.0, "1 B/s: the terms in bytes", gemms=_gemm_rows(gemm))
+def memory_bound_bandwidth(model: TransformerConfig, options: StepOptions, step: dict[str, Any],
+                           gemm: list[dict[str, Any]], seconds_per_kernel: float) -> dict[str, Any]:
+    """The bandwidths at which the planner's memory-bound terms take what a measured one-rank step
+    (``step``: :func:`dtlib.plan.calibrate` ``_one_rank_step``'s figures) spends on them: ``elementwise``
+    what its forward + backward leaves after the planner's GEMMs (timed from ``gemm``, the profile's
+    rows) and kernel costs (``seconds_per_kernel`` x the layer's counted kernels); ``optimizer`` its
+    optimizer step. Returns ``{"planned_gemm_seconds", "planned_launch_seconds",
+    "planned_elementwise_bytes", "planned_optimizer_bytes", "bytes_per_s", "optimizer_bytes_per_s"}``;
+    a bandwidth is None where the planner's other terms take the whole time."""
+    probe = MeasuredAccelerator("probe", {"bf16": 1.0}, 2 ** 62, 1.0, "1 B/s: the terms in bytes",
+                                kernel_launch_s=seconds_per_kernel, gemms=_gemm_rows(gemm))
     link = Link("none", 1.0, 0.0, "one rank: no collective")
-    t = step_time(model, Parallelism(micro_batch_size=micro_batch), Cluster(probe, 1, 1, link, link), options=options)
-    planned_bytes = t.breakdown["elementwise"] + t.breakdown["optimizer"]  # seconds at 1 B/s
-    left = seconds - t.breakdown["compute"]
-    return {"planned_gemm_seconds": t.breakdown["compute"], "planned_memory_bytes": planned_bytes,
-            "bytes_per_s": planned_bytes / left if left > 0 else None}
+    options = replace(options, forward_kernels=step.get("layer_forward_kernels"))
+    t = step_time(model, Parallelism(micro_batch_size=step["micro_batch_size"]), Cluster(probe, 1, 1, link, link),
+                  options=options).breakdown
+    left = step["forward_backward_seconds"] - t["compute"] - t["launch"]
+    return {"planned_gemm_seconds": t["compute"], "planned_launch_seconds": t["launch"],
+            "planned_elementwise_bytes": t["elementwise"], "planned_optimizer_bytes": t["optimizer"],  # seconds at 1 B/s
+            "bytes_per_s": t["elementwise"] / left if left > 0 else None,
+            "optimizer_bytes_per_s": t["optimizer"] / step["optimizer_seconds"]}
+
+
+# what an operator count does not depend on: the sizes, not the kinds of operators
+_SIZES = ("name", "source", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "seq")
+
+
+def counted_forward_kernels(profile: dict[str, Any], model: TransformerConfig | None = None) -> int | None:
+    """The kernels one layer of the profile's model launches forward, as ``dtlib calibrate`` counted
+    them on ``dtlib train``'s TinyGPT; None where not measured (a ``--model`` preset, a GPU profile)
+    or where ``model`` is another architecture (other norm, activation, positions, GQA or biases)."""
+    count = (profile.get("step") or {}).get("layer_forward_kernels")
+    if count is None or model is None:
+        return count
+    measured, planned = profile["model_config"], dataclasses.asdict(model)
+    kind = {k: v for k, v in measured.items() if k not in _SIZES}
+    same = kind == {k: v for k, v in planned.items() if k in kind}
+    same = same and (measured["kv_heads"] < measured["heads"]) == (model.kv_heads < model.heads)
+    return count if same else None
 
 
 def _link(section: dict[str, Any], where: str, host: str) -> MeasuredLink:
@@ -107,15 +134,21 @@ def calibrated_cluster(profile: dict[str, Any], nodes: int | None = None,
     e = profile["elementwise"]
     step = profile.get("step") or {}
     bandwidth = step.get("bytes_per_s") or e["bytes_per_s"]
-    memory_bound = (f"memory-bound terms at {bandwidth / 1e9:.3g} GB/s (a measured one-rank step less its GEMMs)"
-                    if step.get("bytes_per_s") else f"elementwise {bandwidth / 1e9:.3g} GB/s")
+    optimizer = step.get("optimizer_bytes_per_s")
+    memory_bound = (f"elementwise terms at {bandwidth / 1e9:.3g} GB/s (a measured one-rank forward + backward less "
+                    f"its GEMMs and kernel costs)" if step.get("bytes_per_s") else f"elementwise {bandwidth / 1e9:.3g} GB/s")
+    if optimizer:
+        memory_bound += f", the optimizer at {optimizer / 1e9:.3g} GB/s (its step measured)"
+    # a profile written before the kernel cost was measured: the catalogue's (a GPU's) figure
+    launch = profile["kernel"]["seconds_per_kernel"] if profile.get("kernel") else KERNEL_LAUNCH_S
     device = m["gpu"] or "cpu"
     name = "cpu" if m["device"] == "cpu" else f"{device} (calibrated)"
     source = (f"measured by dtlib calibrate on {host} ({device}, {m['ranks']} ranks at once, {profile['date']}, "
               f"torch {profile['versions']['torch']}, {profile.get('clock', 'wall')} clock): GEMMs in {dtype} by "
-              f"shape, {memory_bound}; the {dtype} peak stands for every matmul precision")
+              f"shape, {memory_bound}, {1e6 * launch:.3g} us per kernel; the {dtype} peak stands for every matmul precision")
     peaks = {"fp32": None, "tf32": None, "bf16": best, "fp16": None, "fp8": None, "fp4": None, dtype: best}
-    acc = MeasuredAccelerator(name, peaks, int(m["memory_bytes_per_rank"]), bandwidth, source, gemms=gemms, measured_dtype=dtype)
+    acc = MeasuredAccelerator(name, peaks, int(m["memory_bytes_per_rank"]), bandwidth, source, kernel_launch_s=launch,
+                              gemms=gemms, measured_dtype=dtype, optimizer_bytes_per_s=optimizer)
     intra = _link(profile["intra"], "within a node", host)
     inter = _link(profile["inter"], "across nodes", host) if profile.get("inter") else intra
     return Cluster(acc, nodes, per_node, intra, inter, per_node)
@@ -138,11 +171,17 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
     m = profile["machine"]
     where = f"{path} ({m['hostname']}, {m['ranks']} ranks, {profile['date']})"
     ops = ", ".join(dict.fromkeys(r["op"] for r in profile["intra"]["rows"])) or "no collective (one rank per node)"
+    gpu, kernels = calibrated_cluster(profile).gpu, counted_forward_kernels(profile)
     return {"gemm": f"GEMM seconds by shape measured in {profile['dtype']}, interpolated between "
                     f"{len(profile['gemm'])} shapes: {where}",
             "attention": f"FlashAttention efficiency {attention_efficiency(profile):.3f} from the measured "
                          f"causal attention: {where}",
-            "elementwise": f"memory-bound terms (elementwise, optimizer) at {calibrated_cluster(profile).gpu.memory_bandwidth / 1e9:.3g} GB/s: {where}",
+            "elementwise": f"memory-bound terms: elementwise at {gpu.memory_bandwidth / 1e9:.3g} GB/s, optimizer at "
+                           f"{gpu.optimizer_bandwidth / 1e9:.3g} GB/s: {where}",
+            "kernel launch": (f"measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
+                       + (f", {kernels} kernels per layer forward counted on the model" if kernels else "")
+                       + f": {where}" if profile.get("kernel") else
+                       f"the catalogue's {1e6 * KERNEL_LAUNCH_S:.3g} us per kernel (not in this profile)"),
             "collectives": f"{ops}: busbw per message size within a node"
                            + (" and across nodes" if profile.get("inter") else "") + f": {where}",
             "not measured": "the step-time model's structure (dtlib.plan.steptime.TERMS), overlaps and "

@@ -88,7 +88,22 @@ class StepOptions:
     more than that compute (DeepSeek-V3's DualPipe, Megatron's ``--overlap-moe-expert-parallel-comm``;
     default 0: exposed, Megatron's default);
     ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
-    scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`).
+    scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`);
+    ``forward_kernels``: the kernels one layer launches forward, where counted on the model itself
+    (``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's; None: :data:`dtlib.plan.launches.FORWARD_KERNELS`).
+
+    How gradients are handled, where eager PyTorch differs from Megatron-Core (the defaults):
+    ``grad_accumulation_fusion`` (default True: the weight-gradient GEMMs accumulate into the
+    gradient buffer, Megatron-LM ``--gradient-accumulation-fusion``; False: every micro-batch after
+    the first adds its gradients to ``.grad`` in a pass of its own, autograd's ``AccumulateGrad``:
+    two read, one written); ``grad_bucket_copy`` (default False: reduced in place in the contiguous
+    gradient buffer, Megatron-Core's ``DistributedDataParallel``; True: copied into a flat bucket,
+    divided and copied back, PyTorch DDP's default ``gradient_as_bucket_view=False`` and ``dtlib
+    train``'s ``all_reduce_coalesced``: six passes over the gradients); ``zero3_reduce_per_microbatch``
+    (default False: ZeRO-3 reduce-scatters the accumulated gradients once per step; True: after every
+    micro-batch's backward, PyTorch FSDP without ``no_sync`` and ``dtlib.parallel.FSDP``). The passes
+    run at the device's :attr:`~dtlib.analytic.hardware.Accelerator.optimizer_bandwidth`, the rate of
+    plain passes over parameter-sized tensors.
     """
     stack: str = DEFAULT_STACK
     dtype: str = "bf16"
@@ -110,9 +125,17 @@ class StepOptions:
     moe_imbalance: float = 1.0
     bf16_layers: int = 0
     grad_reduce_dtype: str | None = None
+    forward_kernels: int | None = None
+    grad_accumulation_fusion: bool = True
+    grad_bucket_copy: bool = False
+    zero3_reduce_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
+        if self.forward_kernels is not None:
+            validate.integer("forward_kernels", self.forward_kernels)
+        for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch"):
+            validate.boolean(name, getattr(self, name))
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.integer("bf16_layers", self.bf16_layers, minimum=0)
         validate.one_of("attention", self.attention, ATTENTION)
@@ -369,7 +392,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     if not options.fused_elementwise:  # eager PyTorch: one kernel per operator (dtlib.plan.eager)
         per_token = eager_forward_bytes(h, n["kv_heads"] * (h // n["heads"]), n["ffn"], rmsnorm=n["rmsnorm"],
                                         swiglu=n["swiglu"], rope=n["rope"],
-                                        kv_repeat=n["kv_heads"] < n["heads"]) / tp
+                                        kv_repeat=n["kv_heads"] < n["heads"], tp=tp,
+                                        sequence_parallel=n["sequence_parallel"])
         elementwise = (PASSES + full) * per_token * b * (s / cp) * layers_here * m / gpu.memory_bandwidth
     # MoE layers: the dispatcher's token permutations (dtlib.plan.moe.permutation_bytes), their forward
     # half repeated by full recompute
@@ -377,16 +401,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     permuted = permutation_bytes(tokens=b * s / (cp * tp), h=h, moe=moe, load=load, local_experts=local_experts,
                                  act_bytes=prec.activation)
     elementwise = elementwise + (1 + full / 2) * permuted * moe_here * m / gpu.memory_bandwidth
-
-    # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
-    launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute)
-
-    pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
-    pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
-    boundary = act / tp
-    pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
-
-    # ---- data-parallel gradient reduce, hierarchical, minus what overlaps ------------------
+    # the parameters of the pipeline stage with the most
     stages = stage_parameters(**n)
     first, last = (stages[k]["dense"] + stages[k]["expert"] for k in ("first", "last"))
     use_last = last > first
@@ -394,6 +409,20 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         np.where(use_last, stages["last"][k], stages["first"][k]) for k in ("dense", "expert", "adapter", "expert_adapter"))
     # what is trained: every weight, or (LoRA) the adapters only; ZeRO-3 still gathers the frozen weights
     dense_trained, expert_trained = np.where(lora, dense_trained, dense), np.where(lora, expert_trained, expert)
+    if not options.grad_accumulation_fusion:  # AccumulateGrad: micro-batches 2..m add into .grad
+        accumulated = (m - 1) * 3 * (dense_trained + expert_trained) * prec.grad
+        elementwise = elementwise + accumulated / gpu.optimizer_bandwidth
+
+    # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
+    launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute,
+                         gpu.kernel_launch_s, options.forward_kernels)
+
+    pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
+    pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
+    boundary = act / tp
+    pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
+
+    # ---- data-parallel gradient reduce, hierarchical, minus what overlaps ------------------
     zero = n["zero"]
     dp_comm_raw = 0 * compute
     dp_edges = 0 * compute  # the last bucket's reduce and the first gather: nothing left to hide them
@@ -409,7 +438,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
         # LoRA without adapters in this group: nothing to reduce (ZeRO-3 still gathers the frozen weights)
         reduce, gather = np.where(trained > 0, reduce, 0), np.where((trained > 0) | (zero == 3), gather, 0)
-        t = reduce + np.where(zero == 3, 2 * m, 1) * gather
+        reduces = np.where((zero == 3) & options.zero3_reduce_per_microbatch, m, 1)
+        t = reduces * reduce + np.where(zero == 3, 2 * m, 1) * gather
         used = (ranks > 1) & (params > 0)  # dense models: no expert part
         dp_comm_raw = dp_comm_raw + np.where(used, t, 0)
         dp_edges = dp_edges + np.where(used, (reduce + gather) / calls, 0)
@@ -422,11 +452,15 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     dp_overlap = (np.where(zero == 3, stack.dp_overlap_zero3, stack.dp_overlap) if options.dp_overlap is None
                   else options.dp_overlap)
     dp_comm = np.maximum(dp_comm_raw - dp_overlap * budget, np.minimum(dp_edges, dp_comm_raw))
+    # the flat bucket's copies around the reduce (ZeRO-0/1/2; ZeRO-3 reduce-scatters from the gathered buffer)
+    gradients_here = (dense_trained + expert_trained) * prec.grad
+    copies = options.grad_bucket_copy * (zero < 3) * (dp * cp > 1) * 6 * gradients_here
+    dp_comm = dp_comm + copies / gpu.optimizer_bandwidth
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------
     owned = dense_trained / np.where(zero >= 1, dp * cp, 1) + expert_trained / np.where(zero >= 1, grid["edp"], 1)
     touched = 2 * (prec.master + prec.states) + prec.grad + prec.param * (1 + (prec.master == 0))
-    optimizer = owned * touched / gpu.memory_bandwidth
+    optimizer = owned * touched / gpu.optimizer_bandwidth
     # two scalar all-reduces over every GPU each step, pure latency: the gradient norm for clipping
     # (Megatron-Core optimizer/clip_grads.py get_grad_norm_fp32; torchtitan clip_grad_norm_) and the
     # loss averaged for the step's report; NCCL's faster of ring and tree

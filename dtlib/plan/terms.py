@@ -27,11 +27,16 @@ TERMS: dict[str, str] = {
                    "s x s scores never reach HBM (Dao et al. 2022); fused_elementwise=False (eager "
                    "PyTorch): every operator's kernel reads and writes HBM (dtlib.plan.eager); MoE layers add the "
                    "dispatcher's token permutations (permute, sort by local expert, their inverses, forward "
-                   "and backward: Megatron-Core MoEAlltoAllTokenDispatcher; dtlib.plan.moe.permutation_bytes)",
-    "launch": "the fixed cost of every kernel a layer launches, beside its work: 3 us each (the launch "
-              "overhead of null kernels, NVIDIA developer forums 2022), x the kernels per layer and micro-batch "
+                   "and backward: Megatron-Core MoEAlltoAllTokenDispatcher; dtlib.plan.moe.permutation_bytes); "
+                   "eager norms and residual adds run whole on every tensor rank without sequence parallelism "
+                   "(Korthikanti et al. 2022 Sec. 4.2.2); grad_accumulation_fusion=False: each micro-batch "
+                   "after the first adds its gradients to .grad in a pass of its own (autograd's AccumulateGrad)",
+    "launch": "the fixed cost of every kernel a layer launches, beside its work: the device's, 3 us on a GPU "
+              "(the launch overhead of null kernels, NVIDIA developer forums 2022) or measured by dtlib "
+              "calibrate, x the kernels per layer and micro-batch "
               "(11 forward fused, Megatron-Core/Transformer Engine or torch.compile; 33 eager, dtlib.plan.eager's "
-              "operators; backward twice the forward, full recompute once more, FP8 + 8 casts) "
+              "operators, or forward_kernels counted on the model; backward twice the forward, full recompute "
+              "once more, FP8 + 8 casts) "
               "(dtlib.plan.launches): what dominates when a GPU holds a few hundred tokens",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
@@ -68,9 +73,13 @@ TERMS: dict[str, str] = {
                "less than the last bucket's reduce and the first one's gather, which have nothing to "
                "overlap (PyTorch DDP buckets, Li et al. 2020, Sec. 3.2; Megatron --overlap-grad-reduce)"
                "; expert gradients over the expert-data-parallel group, tp x cp x dp / (etp x ep) "
-               "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe)",
+               "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe); zero3_reduce_per_microbatch: "
+               "a reduce-scatter after every micro-batch's backward (PyTorch FSDP without no_sync); "
+               "grad_bucket_copy: six passes over the gradients to copy them into a flat bucket, divide "
+               "and copy back (PyTorch DDP's gradient_as_bucket_view=False)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
                  "and states, reads its gradient and writes the working copy, at the HBM bandwidth "
+                 "(a calibrated device: its optimizer step's measured bandwidth) "
                  "(roofline, Williams et al. 2009); plus two scalar all-reduces over every GPU, NCCL's latency "
                  "only (the gradient norm for clipping, Megatron-Core get_grad_norm_fp32 / torchtitan "
                  "clip_grad_norm_, and the loss average)",
