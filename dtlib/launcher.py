@@ -17,7 +17,8 @@ does not have). Here:
 The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
 :func:`init_from_env`) from the script, as PyTorch's own examples do with ``env://``.
 
-About 540 lines, over the usual 400: starting, watching and tearing down the ranks share the
+About 600 lines, over the usual 400: starting, watching (a slow rank told from a stuck one by its
+CPU time) and tearing down the ranks share the
 workdir, the pipes and the result/error files (and their optional data-only codec, see
 :func:`set_result_codec`); split, each part would need the others' file formats.
 """

@@ -29,6 +29,10 @@ a copy wrapped again; the wrapper itself pickles (``torch.save``) with the defau
 PyTorch DDP. Every synchronised iteration leaves a
 :class:`SyncRecord` (when each bucket was ready, issued, finished; when backward ended; bytes
 moved) in ``.records``, so overlap can be tested and drawn (:mod:`dtlib.viz.timeline`).
+
+About 520 lines: the buckets, their hooks and the records of when each all-reduce was issued and
+finished are one mechanism (a record is written by the hook that launches the bucket); apart, the
+hooks would reach into another module's state.
 """
 from __future__ import annotations
 
