@@ -12,6 +12,7 @@ what the submission really did.
 import copy
 import gc
 import importlib
+import math
 import pkgutil
 import sys
 import time
@@ -28,7 +29,7 @@ import dtlib.grading.checks
 import dtlib.measure
 import dtlib.parallel.local_sgd
 from dtlib.data import load_mnist
-from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd,
+from dtlib.grading.checks import (communication, data_parallel, fault_tolerance, local_sgd, max_diff,
                                   pipeline_parallel, tensor_parallel, zero_fsdp)
 from dtlib.parallel.schedules import Action, schedule
 from tests.test_checks_communication import AllAtTheEnd, MiniDDP, Summed
@@ -420,7 +421,10 @@ def test_nan_never_passes():
     nan = [torch.full((2,), float("nan"))]
     weights = [torch.full_like(p, float("nan")) for p in communication.ddp_model().parameters()]
     assert communication._weights_diagnosis("setting", weights, 2, 1) is not None
-    assert communication._max_diff(nan, nan) == float("inf")
-    assert not local_sgd._max_diff(nan + [torch.zeros(2)], [torch.zeros(2)] * 2) < 1e-5
+    # a NaN anywhere, first or after a finite pair (Python's max keeps whichever comes first)
+    assert math.isnan(max_diff(nan, nan))
+    assert not max_diff(nan + [torch.zeros(2)], [torch.zeros(2)] * 2) < 1e-5
+    assert not max_diff([torch.zeros(2)] + nan, [torch.zeros(2)] * 2) <= 1e-5
+    assert max_diff([torch.zeros(2), torch.ones(2)], [torch.zeros(2), torch.zeros(2)]) == 1.0
     with pytest.raises(AssertionError, match="got nan"):
         communication.check_ring_all_reduce(lambda t: t.fill_(float("nan")), world_sizes=(2,), shapes=((12,),))

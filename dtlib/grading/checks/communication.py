@@ -29,6 +29,7 @@ from torch import nn
 
 from dtlib.grading.ddp_witness import witness_ddp
 from dtlib.grading.ring_witness import witness_ring
+from dtlib.grading.checks import max_diff
 from dtlib.grading.feedback import first_line
 from dtlib.measure import CollectiveCounter
 from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
@@ -350,22 +351,16 @@ def record_timeline(cls: type, bucket_cap_mb: float = 1.0, world_size: int = 2, 
     return out[0]["steps"][-1]["record"]
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """The largest difference, inf where either side is NaN or inf (a NaN never passes)."""
-    diffs = [(x - y).abs().max().item() for x, y in zip(a, b)]
-    return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
-
-
 def _weights_diagnosis(setting: str, params: list[torch.Tensor], world_size: int, steps: int) -> str | None:
     """Rank 0's weights against one process training on the full batch, computed here (called
     after the launch, so no rank process ever holds it: issue 39)."""
     data = _ddp_batches(steps, _DDP_BATCH, 128)  # _ddp_worker's batch, ddp_model's width (_train_single's model)
     with torch.random.fork_rng(devices=[]):  # ddp_model seeds: leave the caller's generator be
         mean, summed = _train_single(data, 0.1, 1.0), _train_single(data, 0.1, float(world_size))
-    diff = _max_diff(params, mean)
+    diff = max_diff(params, mean)
     if diff <= 1e-5:
         return None
-    if _max_diff(params, summed) < 1e-5:  # gradients summed over ranks, not averaged
+    if max_diff(params, summed) < 1e-5:  # gradients summed over ranks, not averaged
         return (f"{setting}, the gradients are summed over ranks, not averaged: divide by the "
                 "world size (before or after the all-reduce)")
     return (f"{setting}, after {steps} SGD steps the weights differ from one process training "
@@ -435,7 +430,7 @@ def check_bucketed_ddp(cls: type, world_size: int = 2, steps: int = 3,
                         "back, or the optimizer may read a buffer the all-reduce is still writing")
         ref = ranks[0]
         for rank, out in enumerate(ranks[1:], start=1):
-            if not _max_diff(out["params"], ref["params"]) <= 1e-6:
+            if not max_diff(out["params"], ref["params"]) <= 1e-6:
                 raise AssertionError(
                     f"{setting}, rank {rank} ended with different weights from rank 0: after "
                     "wait(), copy each bucket's averaged values back into every p.grad (in place, "

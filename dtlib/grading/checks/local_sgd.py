@@ -8,13 +8,13 @@ mean, one process on the whole batch) is computed in the check's own process aft
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlib.grading.checks import max_diff
 from dtlib.grading.checks.data_parallel import probe_model
 from dtlib.grading.feedback import launch_checked
 
@@ -64,12 +64,6 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """The largest difference, nan where either side holds a NaN (Python's max would drop it)."""
-    diffs = [(x - y).abs().max().item() for x, y in zip(a, b)]
-    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
-
-
 def check_outer_step(fn: Callable, world_size: int = 2) -> None:
     """``fn(params, global_params, momentum_buffers, lr, momentum)`` on ``world_size`` ranks does
     DiLoCo's outer step: average the pseudo-gradient, Nesterov update, everyone restarts there."""
@@ -98,7 +92,7 @@ def check_outer_step(fn: Callable, world_size: int = 2) -> None:
                                  "(g.sub_(lr * ...)), the caller keeps the same list")
         raise AssertionError(
             f"rank {rank}'s new global parameters are off by "
-            f"{_max_diff(got['global'], want['global']):.3g}: "
+            f"{max_diff(got['global'], want['global']):.3g}: "
             "follow steps 1-4 of the question in order (pseudo-gradient, average, momentum, step)")
 
 
@@ -177,7 +171,7 @@ def check_diloco_rounds(fn: Callable, world_size: int = 3, h: int = 3, rounds: i
         assert _close(r, want), (
             f"after {rounds} rounds your DiLoCo differs from torch's Nesterov SGD on the averaged "
             "pseudo-gradient by "
-            f"{_max_diff(r, want):.3g}, though one "
+            f"{max_diff(r, want):.3g}, though one "
             "outer step is right: the momentum buffers must carry over from round to round")
 
 
@@ -253,7 +247,7 @@ def check_uneven_batches_match_one_process(fn: Callable, sizes: tuple[int, ...] 
         F.mse_loss(ref(x), y).backward()
         opt.step()
     for rank, params in enumerate(out):
-        diff = _max_diff(params, [p.detach() for p in ref.parameters()])
+        diff = max_diff(params, [p.detach() for p in ref.parameters()])
         assert diff < 1e-5, (  # False for NaN
             f"with {list(sizes)} samples per rank, rank {rank} ends {diff:.2e} away from one "
             "process on the whole batch: weight each rank's gradient by its sample count")
