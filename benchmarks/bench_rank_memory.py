@@ -1,13 +1,15 @@
 """How much a ZeRO-1 rank's memory shows its Adam state, next to what an answer cell moves it by.
 
 Issue 39 asked whether lesson 04's check could grade the Adam state a rank *holds* by reading its
-memory from outside. This runs the check's model (:func:`~dtlib.grading.checks.zero_fsdp.zero1_model`)
-on forked ranks of dtlib's launcher, as the check does, with the lesson's ZeRO-1 or with AdamW
-over every parameter, after what an answer cell may do in the rank first (the verdict runs the
-learner's cells there at the first ``ZeRO1(...)``): nothing, ``gc.collect()``, ``import pandas``,
-``import sklearn.linear_model``. Per case it prints what rank 0's ``RssAnon`` (``/proc/PID/status``)
-and ``Private_Dirty`` (``smaps_rollup``) grew by, in kB, during the cell and during the
-optimizer's steps. docs/grading.md ("Forged data within a rank") records a run.
+memory from outside. This steps the parameters of the check's model
+(:func:`~dtlib.grading.checks.zero_fsdp.zero1_model`, random gradients) on 2 forked ranks of
+dtlib's launcher, as the check does: with the lesson's ZeRO-1 (AdamW over this rank's shard, then
+every parameter broadcast from its owner), or with AdamW over every parameter and the same
+broadcasts (the forgery the check passes). First the rank does what an answer cell may (the
+verdict runs the learner's cells there at the first ``ZeRO1(...)``): nothing, ``gc.collect()``,
+``import pandas``, ``import sklearn.linear_model``. Per case it prints what rank 0's ``RssAnon``
+(``/proc/PID/status``) and ``Private_Dirty`` (``smaps_rollup``) grew by, in kB, during the cell
+and during the steps. docs/grading.md ("Forged data within a rank") records a run.
 
     PYTHONPATH=$PWD python benchmarks/bench_rank_memory.py --quick
     PYTHONPATH=$PWD python benchmarks/bench_rank_memory.py --trials 2
@@ -19,11 +21,10 @@ import gc
 import importlib
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from dtlib.grading.checks import zero_fsdp
 from dtlib.launcher import launch
-from tests.test_checks_zero_fsdp import FullOnEveryRank, ZeRO1
 
 CELLS = {"nothing": None, "gc.collect()": gc.collect,
          "import pandas": lambda: importlib.import_module("pandas"),
@@ -39,20 +40,23 @@ def _kb() -> dict[str, int]:
     return out
 
 
-def _rank(rank: int, world_size: int, cls: type, cell: str, steps: int) -> dict[str, tuple[int, int]]:
+def _rank(rank: int, world_size: int, sharded: bool, cell: str, steps: int) -> dict[str, tuple[int, int]]:
     before = _kb()
     if CELLS[cell]:
         CELLS[cell]()
     after_cell = _kb()
-    model = zero_fsdp.zero1_model()
-    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
+    params = list(zero_fsdp.zero1_model().parameters())
+    owners = zero_fsdp.reference_shard_params(params, world_size)
+    stepped = [p for p, owner in zip(params, owners) if owner == rank] if sharded else params
+    opt = torch.optim.AdamW(stepped, lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        x, y = torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g)
-        for p in model.parameters():
-            p.grad = None
-        nn.functional.cross_entropy(model(x), y).backward()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
         opt.step()
+        with torch.no_grad():
+            for p, owner in zip(params, owners):
+                dist.broadcast(p, src=owner)
     end = _kb()
     return {k: (after_cell[k] - before[k], end[k] - after_cell[k]) for k in before}
 
@@ -70,10 +74,10 @@ def main() -> None:
     print(f"AdamW state of the whole model: 8 x {n_params} = {8 * n_params} bytes "
           "(two fp32 moments per parameter); kB grown by rank 0 of 2: (in the cell, in the steps)")
     for cell in cells:
-        for cls in (ZeRO1, FullOnEveryRank):
+        for sharded in (True, False):
             for _ in range(trials):
-                grown = launch(_rank, 2, args=(cls, cell, args.steps), output="none")[0]
-                print(f"{cell:28s} {cls.__name__:16s} "
+                grown = launch(_rank, 2, args=(sharded, cell, args.steps), output="none")[0]
+                print(f"{cell:28s} {'ZeRO-1' if sharded else 'AdamW over all':15s} "
                       + "  ".join(f"{k} {v[0]:>7d} {v[1]:>6d}" for k, v in grown.items()))
 
 
