@@ -5,10 +5,15 @@
   ``torch.distributed.optim.ZeroRedundancyOptimizer``), the same on every rank.
 * :func:`check_zero1` - on real ranks, the learner's ``ZeRO1`` optimizer (AdamW on this rank's
   shard, then the updated parameters shared) gives exactly the unsharded AdamW's parameters over
-  several steps, with noise for gradients outside each rank's shard (so only a step that reads its
-  own shard alone stays exact), and each rank's inner optimizer holds about 1/N of Adam's state
-  (Rajbhandari et al. 2020, Sec. 5.1, P_os): state tensors the rank returns, which its code could
-  forge (docs/grading.md, "Not protected").
+  several steps, with noise for gradients outside the shard each rank's inner optimizer holds (so
+  only a step that reads its own shard alone stays exact), and those shards hold about 1/N of
+  Adam's state each, every parameter's on one rank (Rajbhandari et al. 2020, Sec. 5.1, P_os).
+
+What is graded is the step and the shard each rank's inner optimizer shows, not the memory the
+rank holds: AdamW over every parameter, followed by the owners' broadcasts and a shard shown,
+ends with the same parameters and messages, its extra state never read. No affordable measure
+from outside the rank tells that state from memory an honest answer cell may hold (the
+measurements: docs/grading.md, "Forged data within a rank, what is left").
 """
 from __future__ import annotations
 
@@ -174,8 +179,9 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
 
     On ``world_size`` ranks, with gradients already averaged (as DDP leaves them): after ``steps``
     steps every rank's parameters equal the unsharded ``torch.optim.AdamW`` (same gradients,
-    float tolerance) although each rank's gradients outside its shard are noise, and each rank's
-    inner optimizer holds about 1/N of Adam's state.
+    float tolerance) although each rank's gradients outside its shard are noise, and the shards
+    its inner optimizers hold (read from the state tensors each rank returns: its word, see the
+    module's docstring) cover the model once, about 1/N of Adam's state each.
     """
     try:
         ranks = launch(_zero1_worker, world_size, args=(cls, steps), timeout=timeout, output="none")
@@ -232,24 +238,25 @@ def check_zero1(cls: type, world_size: int = 2, steps: int = 5, timeout: float =
     for rank, state in enumerate(held):
         if state >= unsharded:
             raise AssertionError(
-                f"{setting}, rank {rank} holds {state} bytes of Adam state, as much as "
-                f"unsharded AdamW ({unsharded}): every rank steps the full optimizer. Build "
+                f"{setting}, rank {rank}'s inner optimizer holds {state} bytes of Adam state, as "
+                f"much as unsharded AdamW ({unsharded}): every rank steps the full optimizer. Build "
                 "self.optimizer over this rank's own parameters only - that is the 1/N saving")
         bound = unsharded / world_size + largest
         if state > bound:
             raise AssertionError(
-                f"{setting}, rank {rank} holds {state} bytes of Adam state; 1/N of the "
+                f"{setting}, rank {rank}'s inner optimizer holds {state} bytes of Adam state; 1/N of the "
                 f"unsharded {unsharded} plus one parameter's is {bound:g}: balance the shards")
     if sum(held) != unsharded:
         raise AssertionError(
-            f"{setting}, the ranks hold {sum(held)} bytes of Adam state together but unsharded AdamW "
-            f"holds {unsharded}: each parameter's state must live on exactly one rank (its owner)")
+            f"{setting}, the ranks' inner optimizers hold {sum(held)} bytes of Adam state together but "
+            f"unsharded AdamW holds {unsharded}: each parameter's state must live on exactly one rank "
+            "(its owner)")
 
 
 def zero1_state_per_rank(cls: type, world_size: int = 4, steps: int = 2,
                          timeout: float = 30.0) -> dict[str, Any]:
-    """Run the learner's ``cls`` as in :func:`check_zero1`; return the Adam state bytes of each
-    rank (``per_rank``) and of unsharded AdamW (``unsharded``). Raises AssertionError, saying why,
+    """Run the learner's ``cls`` as in :func:`check_zero1`; return the Adam state bytes each rank's
+    inner optimizers hold (``per_rank``) and unsharded AdamW's (``unsharded``). Raises AssertionError, saying why,
     if the class does not run."""
     try:
         ranks = launch(_zero1_worker, world_size, args=(cls, steps), timeout=timeout, output="none")
