@@ -1,6 +1,7 @@
 """The TP collectives outside the transformer layers (dtlib.plan.vocab_parallel) against what
 dtlib.parallel.tensor makes on 2 gloo ranks, counted by dtlib.measure.CollectiveCounter; and where
 the step time puts them (the first stage's embedding, the last stage's output layer and loss)."""
+import json
 from collections import Counter
 
 import numpy as np
@@ -107,3 +108,17 @@ def test_step_time_counts_them_on_the_stages_that_hold_them():
     assert _tp_comm(Parallelism(dp=4, micro_batch_size=B, num_microbatches=m)) == 0
     assert np.isfinite(_tp_comm(Parallelism(dp=2, tp=2, sequence_parallel=True, micro_batch_size=B,
                                             num_microbatches=m)))
+
+
+def test_plan_cli_takes_the_loss_convention(capsys):
+    from dtlib.cli import main
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "8", "--pp", "1",
+            "--cp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none", "--tp-overlap", "0", "--json"]
+    times = []
+    for k in ("2", "3"):
+        assert main(base + ["--cross-entropy-all-reduces", k]) == 0
+        times.append(json.loads(capsys.readouterr().out)["configs"][0]["breakdown"]["tp_comm"])
+    assert times[0] < times[1]  # the same bytes in one message less
+    assert main(base + ["--cross-entropy-all-reduces", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cross-entropy-all-reduces" in err[0] and "2, 3" in err[0]
