@@ -50,7 +50,8 @@ TERMS: dict[str, str] = {
                "VocabParallelEmbedding, the output ColumnParallelLinear, vocab_parallel_cross_entropy): the "
                "embedding's all-reduce forward (SP: reduce-scatter, all-gather backward) on the first stage, "
                "the output layer's input-gradient all-reduce (SP: all-gather, reduce-scatter) and the loss's "
-               "2-3 all-reduces of b s fp32 statistics on the last; only the output layer's overlap",
+               "2-3 all-reduces of b s fp32 statistics on the last; tp_overlap hides the output layer's, never the "
+               "embedding's or the loss's (no GEMM beside them)",
     "cp_comm": "ring attention: K and V of the local sequence shard pass around the cp ranks once "
                "forward, their gradients once backward, per layer and micro-batch (Liu et al. 2023, "
                "Ring Attention; Megatron-LM context parallelism), exposed unless cp_overlap",
