@@ -41,7 +41,7 @@ STATS_BYTES = 4  # the loss's statistics are fp32: both implementations cast the
 
 def vocab_parallel_collectives(tokens: Any, hidden: Any, act_bytes: Any, sequence_parallel: Any,
                                embeddings: Any, heads: Any,
-                               cross_entropy_all_reduces: int = 3) -> list[tuple[str, Any, Any]]:
+                               cross_entropy_all_reduces: int = 3) -> list[tuple[str, str, Any, Any]]:
     """The collectives one TP rank makes outside the transformer layers per micro-batch, forward and
     backward, as ``(part, op, bytes, calls)``: ``part`` is ``embedding``, ``output_layer`` or
     ``cross_entropy``, ``bytes`` is the buffer nccl-tests sizes (the whole
@@ -56,6 +56,7 @@ def vocab_parallel_collectives(tokens: Any, hidden: Any, act_bytes: Any, sequenc
     act = np.asarray(tokens) * hidden * act_bytes
     stats = np.asarray(tokens) * STATS_BYTES
     sums = cross_entropy_all_reduces - 1  # the target logit and the sum of exp: 2 messages, or 1 of both
+    # (the loss's calls "+ 0 * sp": every entry broadcast to the layouts' shape)
     return [
         ("embedding", "all_reduce", act, embeddings * ~sp),          # forward
         ("embedding", "reduce_scatter", act, embeddings * sp),       # forward, SP
