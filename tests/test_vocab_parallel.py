@@ -1,124 +1,111 @@
-"""The TP collectives outside the transformer layers (dtlib.plan.vocab_parallel) against what
-dtlib.parallel.tensor makes on 2 gloo ranks, counted by dtlib.measure.CollectiveCounter; and where
-the step time puts them (the first stage's embedding, the last stage's output layer and loss)."""
-import json
-from collections import Counter
-
-import numpy as np
+"""The vocabulary-parallel loss and embedding behave as PyTorch's on what PyTorch users pass them:
+padded targets (ignore_index=-100), targets outside the vocabulary, an embedding's padding_idx;
+options they cannot honour are refused by name."""
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from dtlib.analytic.comm import collective_time
-from dtlib.analytic.hardware import cluster
-from dtlib.analytic.layout import Parallelism
-from dtlib.analytic.validate import InvalidArgument
 from dtlib.launcher import launch
-from dtlib.measure import CollectiveCounter
-from dtlib.models import TinyGPT, tiny_gpt_config
-from dtlib.parallel.tensor import tensor_parallel, vocab_parallel_cross_entropy
-from dtlib.plan.steptime import StepOptions, step_time
-from dtlib.plan.vocab_parallel import vocab_parallel_collectives
+from dtlib.parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 TIMEOUT = 60
-B, FP32 = 2, 4
-CFG = tiny_gpt_config(layers=2, hidden=32, heads=2, vocab=64, seq=8)
+VOCAB = 16
+# float32 softmax over a vocabulary split in two vs whole: rounding of ~1e-7
+TOL = 1e-6
 
 
-def _expected(parts: tuple[str, ...], sp: bool, cross_entropy_all_reduces: int = 2) -> Counter:
-    """(op, bytes) -> calls of the planner's count, for the ``parts`` named."""
-    out = Counter()
-    for part, op, nbytes, calls in vocab_parallel_collectives(B * CFG.seq, CFG.hidden, FP32, sp, 1, 1,
-                                                              cross_entropy_all_reduces):
-        if part in parts and int(calls):
-            out[(op, int(nbytes))] += int(calls)
+def _padded_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, VOCAB, generator=g)
+    targets = torch.randint(0, VOCAB, (3, 5), generator=g)
+    targets[0, 3:] = -100  # padding, PyTorch's ignore_index
+    targets[2, 1:] = -100
+    return logits, targets
+
+
+def _probe():
+    """A fixed output gradient (the pad row starts at zero, so a loss like sum(out ** 2) would give
+    it a zero gradient anyway and test nothing)."""
+    return torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _with_target(targets, value):
+    bad = targets.clone()
+    bad[1, 2] = value
+    return bad
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, IndexError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _on_rank(rank, world):
+    out = {}
+    logits, targets = _padded_batch()
+    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets)
+    loss.backward()
+    out["loss"], out["grad"] = loss.item(), local.grad
+    out["too_big"] = _error(lambda: vocab_parallel_cross_entropy(local, _with_target(targets, VOCAB)))
+    out["negative"] = _error(lambda: vocab_parallel_cross_entropy(local, _with_target(targets, -1)))
+    # the embedding: a pad row on each rank's half in turn
+    for pad in (3, 12):
+        torch.manual_seed(0)
+        ref = nn.Embedding(VOCAB, 4, padding_idx=pad)
+        emb = VocabParallelEmbedding(ref, None)
+        idx = torch.tensor([[pad, 1, 12, pad], [3, 9, 0, 15]])
+        (emb(idx) * _probe()).sum().backward()
+        out[f"pad{pad}"] = (emb(idx).detach(), emb.weight.grad, emb.vocab_start)
+    out["max_norm"] = _error(lambda: VocabParallelEmbedding(nn.Embedding(VOCAB, 4, max_norm=1.0)))
+    out["freq"] = _error(lambda: VocabParallelEmbedding(nn.Embedding(VOCAB, 4, scale_grad_by_freq=True)))
+    dist.barrier()  # every rank refused before any collective: nobody is stuck in one
     return out
 
 
-def _counted(rank: int, world_size: int, sp: bool) -> dict[str, Counter]:
-    torch.manual_seed(0)
-    model = tensor_parallel(TinyGPT(CFG), sequence_parallel=sp, sequence_parallel_grads="manual")
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CFG.vocab, (B, CFG.seq + 1), generator=g)
-    idx, targets = tokens[:, :-1], tokens[:, 1:]
-    out = {}
-    with CollectiveCounter() as embedding:
-        model.wte(idx).square().sum().backward()
-    out["embedding"] = embedding
-    x = torch.randn(B, CFG.seq // (2 if sp else 1), CFG.hidden, generator=g, requires_grad=True)
-    with CollectiveCounter() as head:
-        vocab_parallel_cross_entropy(model.lm_head(x), targets).backward()
-    out["head"] = head
-    with CollectiveCounter() as whole:  # one micro-batch as dtlib train runs it
-        vocab_parallel_cross_entropy(model(idx), targets).backward()
-    out["whole"] = whole
-    return {k: Counter(c.calls) for k, c in out.items()}
+@pytest.fixture(scope="module")
+def ranks():
+    return launch(_on_rank, 2, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_counted_collectives_are_dtlib_tensors(sp):
-    for counted in launch(_counted, 2, args=(sp,), timeout=TIMEOUT):
-        assert counted["embedding"] == _expected(("embedding",), sp)
-        # under SP the column-parallel output layer gathers its input again in backward (as Megatron's),
-        # which the planner, as for the layers' column-parallel GEMMs, does not count
-        regather = Counter({("all_gather", B * CFG.seq * CFG.hidden * FP32): int(sp)})
-        assert counted["head"] == _expected(("output_layer", "cross_entropy"), sp) + regather
-        if not sp:  # the layers' 4 all-reduces of b s h each (Shoeybi et al. 2019) and the rest: 12
-            layers = Counter({("all_reduce", B * CFG.seq * CFG.hidden * FP32): 4 * CFG.layers})
-            everything = _expected(("embedding", "output_layer", "cross_entropy"), sp)
-            assert counted["whole"] == layers + everything
-            assert sum(counted["whole"].values()) == 12
+def test_cross_entropy_ignores_padded_targets_like_pytorch(ranks):
+    logits, targets = _padded_batch()
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full.flatten(0, 1), targets.flatten())  # ignore_index=-100 by default
+    ref.backward()
+    for rank, got in enumerate(ranks):
+        assert got["loss"] == pytest.approx(ref.item(), abs=TOL)
+        assert (got["grad"] - full.grad.chunk(2, -1)[rank]).abs().max() < TOL
+    assert (full.grad[0, 3:] == 0).all()  # what "ignored" means: no gradient
 
 
-def test_megatron_cross_entropy_sends_the_same_bytes_in_three_messages():
-    fused, unfused = (_expected(("cross_entropy",), False, k) for k in (2, 3))
-    stats = B * CFG.seq * FP32
-    assert fused == Counter({("all_reduce", stats): 1, ("all_reduce", 2 * stats): 1})
-    assert unfused == Counter({("all_reduce", stats): 3})
-    with pytest.raises(InvalidArgument, match="cross_entropy_all_reduces"):
-        vocab_parallel_collectives(16, 32, 4, False, 1, 1, 4)
-    with pytest.raises(InvalidArgument, match="cross_entropy_all_reduces"):
-        StepOptions(cross_entropy_all_reduces=1)
+def test_cross_entropy_refuses_targets_outside_the_vocabulary(ranks):
+    logits, targets = _padded_batch()
+    with pytest.raises(IndexError):  # what PyTorch does with the same targets
+        F.cross_entropy(logits.flatten(0, 1), _with_target(targets, VOCAB).flatten())
+    for got in ranks:
+        assert "IndexError" in got["too_big"] and f"outside the vocabulary [0, {VOCAB})" in got["too_big"]
+        assert "targets hold -1" in got["negative"]
 
 
-def _tp_comm(layout: Parallelism, **options) -> float:
-    # fp32 activations and no overlap: the layers' all-reduces are the 4 x layers x m of Shoeybi et al.
-    opts = StepOptions(precision="fp32", tp_overlap=0.0, **options)
-    return step_time(CFG, layout, cluster("h100-sxm", nodes=1, gpus_per_node=4), options=opts).breakdown["tp_comm"]
+def test_embedding_keeps_padding_idx_like_nn_embedding(ranks):
+    for pad in (3, 12):
+        torch.manual_seed(0)
+        ref = nn.Embedding(VOCAB, 4, padding_idx=pad)
+        idx = torch.tensor([[pad, 1, 12, pad], [3, 9, 0, 15]])
+        (ref(idx) * _probe()).sum().backward()
+        for got in ranks:
+            out, grad, start = got[f"pad{pad}"]
+            assert torch.allclose(out, ref(idx), atol=TOL)
+            assert torch.allclose(grad, ref.weight.grad[start:start + VOCAB // 2], atol=TOL)
+        assert (ref.weight.grad[pad] == 0).all() and ref.weight.grad.abs().sum() > 0
 
 
-def test_step_time_counts_them_on_the_stages_that_hold_them():
-    link = cluster("h100-sxm", nodes=1, gpus_per_node=4).intra
-    m, tokens = 2, B * CFG.seq
-    act, stats = tokens * CFG.hidden * FP32, tokens * FP32
-
-    def ar(nbytes):
-        return collective_time("all_reduce", nbytes, 2, link)
-
-    layers = 4 * CFG.layers * m * ar(act)
-    tp2 = Parallelism(dp=2, tp=2, micro_batch_size=B, num_microbatches=m)
-    # one stage: the embedding's forward, the output layer's backward, the loss's max and sums
-    assert _tp_comm(tp2, cross_entropy_all_reduces=2) == pytest.approx(
-        layers + m * (2 * ar(act) + ar(stats) + ar(2 * stats)))
-    assert _tp_comm(tp2) == pytest.approx(layers + m * (2 * ar(act) + 3 * ar(stats)))
-    # two stages: the last is the slowest (the LM head), one layer, no embedding there
-    pp2 = Parallelism(tp=2, pp=2, micro_batch_size=B, num_microbatches=m)
-    assert _tp_comm(pp2, cross_entropy_all_reduces=2) == pytest.approx(
-        layers / 2 + m * (ar(act) + ar(stats) + ar(2 * stats)))
-    # without TP: nothing
-    assert _tp_comm(Parallelism(dp=4, micro_batch_size=B, num_microbatches=m)) == 0
-    assert np.isfinite(_tp_comm(Parallelism(dp=2, tp=2, sequence_parallel=True, micro_batch_size=B,
-                                            num_microbatches=m)))
-
-
-def test_plan_cli_takes_the_loss_convention(capsys):
-    from dtlib.cli import main
-    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--tp", "8", "--pp", "1",
-            "--cp", "1", "--zero", "1", "--micro-batch", "1", "--recompute", "none", "--tp-overlap", "0", "--json"]
-    times = []
-    for k in ("2", "3"):
-        assert main(base + ["--cross-entropy-all-reduces", k]) == 0
-        times.append(json.loads(capsys.readouterr().out)["configs"][0]["breakdown"]["tp_comm"])
-    assert times[0] < times[1]  # the same bytes in one message less
-    assert main(base + ["--cross-entropy-all-reduces", "4"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--cross-entropy-all-reduces" in err[0] and "2, 3" in err[0]
+def test_embedding_refuses_what_it_cannot_honour(ranks):
+    for got in ranks:
+        assert "max_norm" in got["max_norm"] and "scale_grad_by_freq" in got["freq"]
