@@ -46,14 +46,21 @@ from dtlib.trainer import TrainConfig, train
 from dtlib.trainer.hooks import Hook
 
 RANKS = 2
-# (name, dtlib train flags, the same layout for the planner); global batch dp x micro-batch x m = 8
+# (name, dtlib train flags, the same layout for the planner); global batch dp x micro-batch x m = 8.
+# Their costs differ by 2-3x (one micro-batch of 4 or 8 sequences up to ZeRO-3's gathers per
+# micro-batch and TP's all-reduces over 8 recomputed micro-batches), so that the rank correlation
+# measures the plan rather than a few percent of noise between layouts of nearly equal cost
 LAYOUTS: list[tuple[str, dict[str, Any]]] = [
+    ("dp2 m1", dict(dp=2, micro_batch_size=4, num_microbatches=1)),
     ("dp2", dict(dp=2, micro_batch_size=2, num_microbatches=2)),
     ("dp2 m4", dict(dp=2, micro_batch_size=1, num_microbatches=4)),
     ("dp2 zero1", dict(dp=2, micro_batch_size=2, num_microbatches=2, zero=1)),
     ("dp2 zero3", dict(dp=2, micro_batch_size=2, num_microbatches=2, zero=3)),
+    ("dp2 zero3 m4", dict(dp=2, micro_batch_size=1, num_microbatches=4, zero=3)),
     ("dp2 recompute", dict(dp=2, micro_batch_size=2, num_microbatches=2, recompute="full")),
     ("tp2", dict(tp=2, micro_batch_size=4, num_microbatches=2)),
+    ("tp2 m8 recompute", dict(tp=2, micro_batch_size=1, num_microbatches=8, recompute="full")),
+    ("pp2 m2", dict(pp=2, micro_batch_size=4, num_microbatches=2)),
     ("pp2 m4", dict(pp=2, micro_batch_size=2, num_microbatches=4)),
     ("pp2 m8", dict(pp=2, micro_batch_size=1, num_microbatches=8)),
 ]
@@ -62,10 +69,11 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
 # operator; gradients reduced after the backward (dtlib.trainer.rank.synchronise_gradients) and
 # tensor-parallel all-reduces on the critical path: nothing overlapped; eager PyTorch's gradients:
 # accumulated by autograd, reduced from a flat copy (dtlib.parallel.collectives.all_reduce_coalesced),
-# and under ZeRO-3 reduce-scattered after every micro-batch's backward (dtlib.parallel.FSDP)
+# and under ZeRO-3 reduce-scattered after every micro-batch's backward (dtlib.parallel.FSDP); the
+# vocabulary-parallel loss's two all-reduces (dtlib.parallel.tensor.vocab_parallel_cross_entropy)
 TRAINER_OPTIONS = StepOptions(precision="fp32", flash_attention=False, fused_elementwise=False,
                               dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0, grad_accumulation_fusion=False,
-                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True)
+                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True, cross_entropy_all_reduces=2)
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -150,7 +158,7 @@ def main() -> None:
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "
           f"{clock} clock; train: median of {a.steps} steps after {a.warmup}")
-    print(f"{'layout':<14}{'plan ms':>9}{'train ms':>10}{'error':>8}")
+    print(f"{'layout':<18}{'plan ms':>9}{'train ms':>10}{'error':>8}")
     planned, measured = [], []
     for name, layout in LAYOUTS:
         timed = step_time(model, Parallelism(**layout), cluster, options=options)
@@ -159,7 +167,7 @@ def main() -> None:
         train = train_step_seconds(shape, layout, a.steps, a.warmup, clock)
         planned.append(plan)
         measured.append(train)
-        print(f"{name:<14}{1e3 * plan:>9.1f}{1e3 * train:>10.1f}{100 * (plan - train) / train:>+7.1f}%", flush=True)
+        print(f"{name:<18}{1e3 * plan:>9.1f}{1e3 * train:>10.1f}{100 * (plan - train) / train:>+7.1f}%", flush=True)
     errors = [abs(p_ - t) / t for p_, t in zip(planned, measured)]
     print(f"plan vs train: {len(errors)} layouts, median error {100 * statistics.median(errors):.1f}%, "
           f"worst {100 * max(errors):.1f}%, rank correlation {spearman(planned, measured):.2f}")

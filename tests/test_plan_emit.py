@@ -334,7 +334,10 @@ NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_li
               "moe_imbalance", "convention", "attention",
               # the kernels the model launches per layer (counted by dtlib calibrate), and how eager PyTorch /
               # dtlib train handle gradients: the emitted configs keep each framework's own behaviour
-              "forward_kernels", "grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch"}
+              "forward_kernels", "grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch",
+              # the vocabulary-parallel loss's all-reduces (3: Megatron-Core's unfused loss, which the emitted
+              # Megatron flags keep; 2: dtlib train's): latency of small messages, not emitted
+              "cross_entropy_all_reduces"}
 # each config knob: two values whose step times differ on the layouts below (dtype; fp8_recipe and
 # bf16_layers with fp8 matmuls)
 KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),

@@ -31,6 +31,15 @@ def test_spearman_is_scipys():
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
 
 
+def test_layouts_keep_two_ranks_and_the_global_batch():
+    bench = _bench()
+    for name, layout in bench.LAYOUTS:
+        sizes = [layout.get(k, 1) for k in ("dp", "tp", "pp")]
+        assert sizes[0] * sizes[1] * sizes[2] == bench.RANKS, name
+        assert sizes[0] * layout["micro_batch_size"] * layout["num_microbatches"] == 8, name
+    assert len({name for name, _ in bench.LAYOUTS}) == len(bench.LAYOUTS)
+
+
 def test_quick_run_ends_with_the_summary_line():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, BENCH, "--quick"], capture_output=True, text=True, env=env,
@@ -52,3 +61,6 @@ def test_quick_run_ends_with_the_summary_line():
         assert error == pytest.approx(100 * (plan - train) / train, abs=0.2 + 100 * 0.06 / train)
     errors = sorted(abs(float(row.group(4))) for row in rows)
     assert float(worst) == pytest.approx(errors[-1], abs=0.2)
+    # the layouts' planned costs span well beyond a few percent of noise (the rank correlation's point)
+    planned = [float(row.group(2)) for row in rows]
+    assert max(planned) > 2 * min(planned)

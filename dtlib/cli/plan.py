@@ -42,6 +42,7 @@ from dtlib.plan.search import search, to_layout
 from dtlib.plan.segments import segments
 from dtlib.analytic.stacks import DEFAULT_STACK, get_stack
 from dtlib.plan.steptime import DTYPES, TERMS, StepOptions, resolve
+from dtlib.plan.vocab_parallel import CROSS_ENTROPY_ALL_REDUCES
 from dtlib.plan.training import DEFAULT_PRICE_PER_GPU_HOUR, DEFAULT_PUE, PRICE_RANGE, training_plan
 from dtlib.plan.uncertainty import METHODS, band, percent_band, rescale
 
@@ -142,6 +143,9 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--zero3-reduce-per-microbatch", action="store_true",
                    help="ZeRO-3 reduce-scatters after every micro-batch's backward (PyTorch FSDP without no_sync, "
                         "dtlib train) instead of once per step")
+    m.add_argument("--cross-entropy-all-reduces", type=int, choices=CROSS_ENTROPY_ALL_REDUCES, default=3,
+                   help="all-reduces of the vocabulary-parallel loss under TP: 3 (Megatron-Core's, the default) or 2 "
+                        "(its --cross-entropy-loss-fusion, dtlib train)")
     m.add_argument("--headroom", type=_fraction, default=0.9, help="fraction of GPU memory a layout may use")
     m.add_argument("--band-method", choices=METHODS, default="quantile",
                    help="error band from the comparable runs' held-out residuals: their central --band-coverage "
@@ -295,6 +299,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           grad_accumulation_fusion=args.grad_accumulation_fusion,
                           grad_bucket_copy=args.grad_bucket_copy,
                           zero3_reduce_per_microbatch=args.zero3_reduce_per_microbatch,
+                          cross_entropy_all_reduces=args.cross_entropy_all_reduces,
                           # eager: the kernels per layer the profile counted on dtlib train's model
                           forward_kernels=(counted_forward_kernels(profile, model) if profile and args.fused_elementwise is False
                                            else None), **moe)

@@ -19,8 +19,8 @@ __all__ = ["slowest_stage"]
 
 
 def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = False) -> dict[str, Any]:
-    """The slowest rank of every layout in ``n``: its ``rank``, ``layers``, ``moe_layers`` and
-    ``head`` (1 on the last rank), and its ``gemm`` and ``attention`` seconds per step, the sums of
+    """The slowest rank of every layout in ``n``: its ``rank``, ``layers``, ``moe_layers``,
+    ``head`` (1 on the last rank) and ``embedding`` (1 on the first; MTP layers add one of each), and its ``gemm`` and ``attention`` seconds per step, the sums of
     ``per_layer``'s (:func:`dtlib.plan.gemm.transformer_compute`: one ``dense_layer``'s and one
     ``moe_layer``'s weight GEMMs, the ``head``'s, one layer's ``attention_layer``) over the rank's
     layers and head."""
@@ -34,6 +34,7 @@ def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = 
         stage["layers"] = stage["layers"] + mtp
         stage["moe_layers"] = stage["moe_layers"] + mtp * n.get("mtp_moe", 0)
         stage["head"] = stage["head"] + mtp
+        stage["embedding"] = (stage["rank"] == 0) * 1.0 + mtp  # each MTP layer embeds its tokens again
         stage["gemm"] = ((stage["layers"] - stage["moe_layers"]) * per_layer["dense_layer"]
                          + stage["moe_layers"] * per_layer["moe_layer"] + stage["head"] * per_layer["head"])
         stage["attention"] = stage["layers"] * per_layer["attention_layer"]

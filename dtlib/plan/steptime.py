@@ -49,6 +49,7 @@ from dtlib.plan.gemm import clock_scale, transformer_compute
 from dtlib.plan.launches import launch_time
 from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.terms import TERMS
+from dtlib.plan.vocab_parallel import CROSS_ENTROPY_ALL_REDUCES, vocab_parallel_collectives
 from dtlib.plan.stages import slowest_stage
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
@@ -95,7 +96,10 @@ class StepOptions:
     ``moe_imbalance``: the busiest expert's tokens over the mean (>= 1; 1: balanced routing),
     scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`);
     ``forward_kernels``: the kernels one layer launches forward, where counted on the model itself
-    (``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's; None: :data:`dtlib.plan.launches.FORWARD_KERNELS`).
+    (``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's; None: :data:`dtlib.plan.launches.FORWARD_KERNELS`);
+    ``cross_entropy_all_reduces``: the vocabulary-parallel loss's all-reduces under TP (3: Megatron-Core's
+    ``vocab_parallel_cross_entropy``, the default; 2: its ``--cross-entropy-loss-fusion`` and
+    :func:`dtlib.parallel.tensor.vocab_parallel_cross_entropy`; :mod:`dtlib.plan.vocab_parallel`).
 
     How gradients are handled, where eager PyTorch differs from Megatron-Core (the defaults):
     ``grad_accumulation_fusion`` (default True: the weight-gradient GEMMs accumulate into the
@@ -134,6 +138,7 @@ class StepOptions:
     grad_accumulation_fusion: bool = True
     grad_bucket_copy: bool = False
     zero3_reduce_per_microbatch: bool = False
+    cross_entropy_all_reduces: int = 3
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
@@ -142,6 +147,7 @@ class StepOptions:
         for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("dtype", self.dtype, DTYPES)
+        validate.one_of("cross_entropy_all_reduces", self.cross_entropy_all_reduces, CROSS_ENTROPY_ALL_REDUCES)
         validate.integer("bf16_layers", self.bf16_layers, minimum=0)
         validate.one_of("attention", self.attention, ATTENTION)
         for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
@@ -370,9 +376,18 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # MLP does (Megatron-Core SharedExpertMLP)
     tp_calls = (2 + full) * (2 * layers_here - moe_here * (moe["shared_experts"] == 0)) * m
     tp_raw = tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    # outside the layers (dtlib.plan.vocab_parallel): the embedding's, the output layer's and the loss's,
+    # on the stages that hold them; the output layer's beside its own GEMMs, the others beside none
+    outside = vocab_parallel_collectives(b * s / cp, h, prec.activation, n["sequence_parallel"],
+                                         stage["embedding"], stage["head"], options.cross_entropy_all_reduces)
+    head_raw, unhidden = 0 * tp_raw, 0 * tp_raw
+    for part, op, nbytes, calls in outside:
+        t = m * calls * _on(tp <= g, op, nbytes, tp, intra, inter)
+        head_raw, unhidden = (head_raw + t, unhidden) if part == "output_layer" else (head_raw, unhidden + t)
+    tp_raw = tp_raw + head_raw
     # overlap (TE userbuffers, async TP) runs each collective beside a GEMM of the same layer: it
     # hides at most the weight GEMMs' time, as ep_overlap below
-    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw, parts["gemm"])
+    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw, parts["gemm"]) + unhidden
     # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)

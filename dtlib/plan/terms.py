@@ -45,7 +45,13 @@ TERMS: dict[str, str] = {
                "recompute; half of them in MoE layers without shared experts, whose tokens the EP "
                "dispatcher moves) (Shoeybi et al. 2019, Sec. 3; with sequence parallelism the same "
                "volume as all-gather + reduce-scatter, Korthikanti et al. 2022, Sec. 4.2.2), ring "
-               "alpha-beta on the intra-node link; exposed unless tp_overlap says otherwise",
+               "alpha-beta on the intra-node link; exposed unless tp_overlap says otherwise; outside the "
+               "layers, per micro-batch on the stages that hold them (dtlib.plan.vocab_parallel, Megatron-Core "
+               "VocabParallelEmbedding, the output ColumnParallelLinear, vocab_parallel_cross_entropy): the "
+               "embedding's all-reduce forward (SP: reduce-scatter, all-gather backward) on the first stage, "
+               "the output layer's input-gradient all-reduce (SP: all-gather, reduce-scatter) and the loss's "
+               "2-3 all-reduces of b s fp32 statistics on the last; tp_overlap hides the output layer's, never the "
+               "embedding's or the loss's (no GEMM beside them)",
     "cp_comm": "ring attention: K and V of the local sequence shard pass around the cp ranks once "
                "forward, their gradients once backward, per layer and micro-batch (Liu et al. 2023, "
                "Ring Attention; Megatron-LM context parallelism), exposed unless cp_overlap",
