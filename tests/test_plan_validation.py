@@ -109,6 +109,12 @@ EXPECTED = {
     'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1713, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (0.0243, True, 12),
     'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.1516, True, 15),
+    'LLAMA2-7B SFT FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (0.0399, True, 19),
+    'LLAMA2-13B SFT FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1227, True, 240),
+    'LLAMA2-70B SFT FP8, 16 x H100 (NeMo 24.07 fine-tuning)': (-0.2006, True, 221),
+    'LLAMA2-7B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1652, True, 25),
+    'LLAMA2-13B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1914, True, 17),
+    'LLAMA2-70B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.0485, True, 43),
     'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.1002, True, 39),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0208, True, 2),
@@ -149,8 +155,9 @@ LOSO = {
     'MosaicML llm-foundry': (0.60, 0.50, 0.1041, 0.1041),
     'Trainy H200': (0.60, 0.45, 0.0791, 0.0343),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1334, 0.1334),
-    'Llama 3 2024': (0.60, 0.45, 0.0867, 0.0765),
+    'Llama 3 2024': (0.60, 0.50, 0.0765, 0.0765),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0995, 0.0995),
+    'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1281, 0.1281),
     'DeepSeek-V3 2024': (0.60, 0.50, 0.1002, 0.1002),
 }
 
@@ -158,7 +165,7 @@ LOSO = {
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0849, 0.0849),
-    'h100': (55, 0.1136, 0.1142),
+    'h100': (61, 0.1150, 0.1150),
     'b200': (14, 0.1884, 0.1884),
     'gb200': (17, 0.1175, 0.1175),
     'h200': (2, 0.0343, 0.0791),
@@ -203,11 +210,11 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1147, abs=5e-4)
+    assert mae == pytest.approx(0.1153, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
-    """Lesson 10's claim: the 97 dense runs within 10% on average, the 22 MoE runs not."""
+    """Lesson 10's claim: the 107 dense runs within 10% on average, the 22 MoE runs not."""
     kinds = errors_by_kind(list(table.values()))
     moe = {r.name for r in PUBLISHED if r.model.moe_experts}
     assert set(kinds["moe"]["names"]) == moe and len(moe) == 22
@@ -218,8 +225,8 @@ def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
     assert kinds["dense"]["mean_absolute_error"] < 0.10 < kinds["moe"]["mean_absolute_error"]
 
 
-def test_thirteen_sources_and_seven_gpu_families():
-    assert len(SOURCES) == 13 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
+def test_fourteen_sources_and_seven_gpu_families():
+    assert len(SOURCES) == 14 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
                                                                    "gb300"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
@@ -236,7 +243,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0955, abs=5e-4)
+    assert held_out == pytest.approx(0.0971, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
