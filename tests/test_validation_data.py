@@ -168,8 +168,9 @@ def test_untimed_knobs_are_reported_not_dropped():
 
 def test_one_pass_grid_equals_one_search_per_point():
     """error_grid's one step-time pass per run gives :func:`_prediction`'s numbers (same layouts
-    enumerated, fastest picked) on two rows of every source and off-grid efficiencies."""
+    enumerated, fastest picked) on two rows of every source, and the LoRA ones, at off-grid efficiencies."""
     runs = [r for s in SOURCES for r in [x for x in PUBLISHED if x.source == s][:2]]
+    runs += [r for r in PUBLISHED if r.finetune == "lora"]
     gemm, attention = (0.45, 0.73), (0.22, 0.61)
     fast = error_grid(gemm, attention, runs=runs)
     for i, g in enumerate(gemm):
