@@ -179,14 +179,18 @@ def test_cli_plan_memory_flops_accept_lora(capsys):
     assert code == 0 and "training: LoRA rank 16 on q_proj, v_proj" in out
 
 
-def test_a_lora_plan_says_the_validation_does_not_cover_it(capsys):
-    """No published run is a LoRA run: the band says so instead of a narrow range."""
+def test_a_lora_plan_takes_the_band_of_the_validated_lora_runs_group(capsys):
+    """NeMo 24.07's three LoRA runs on H100 are in the validation: a LoRA plan on H100 gets the band of
+    the Megatron runs on Hopper, theirs among them, the same as full training of that job."""
     import json
 
-    code, out, _ = run(capsys, "plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "1", "--json",
-                       "--finetune", "lora", "--lora-rank", "8")
+    job = ("plan", "llama3-8b", "--gpus", "8", "--global-batch", "16", "--top", "1", "--json", "--gpu", "h100-sxm")
+    code, out, _ = run(capsys, *job, "--finetune", "lora", "--lora-rank", "8")
     band = json.loads(out)["configs"][0]["band"]["step_time_s"]
-    assert code == 0 and band["covered"] is False and band["reason"] == "not validated: lora fine-tuning"
+    assert code == 0 and band["covered"] is True and band["regime"].startswith("megatron, hopper, dense")
+    code, out, _ = run(capsys, *job)
+    full = json.loads(out)["configs"][0]["band"]["step_time_s"]
+    assert (band["count"], band["regime"]) == (full["count"], full["regime"])
 
 
 def test_lora_needs_a_shape(capsys):

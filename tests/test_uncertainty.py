@@ -65,9 +65,9 @@ def test_gpu_families():
     assert gpu_family("mi350x") == "amd" and gpu_family("tpu-v5p") == "tpu-v5p"
 
 
-ROWS = [{"name": f"r{i}", "stack": "megatron", "family": "hopper", "moe": False, "dtype": "bf16",
+ROWS = [{"name": f"r{i}", "stack": "megatron", "family": "hopper", "moe": False, "dtype": "bf16", "finetune": "full",
          "work": 2e15, "residual": x} for i, x in enumerate(np.linspace(-0.1, 0.3, 11))]
-ROWS += [{"name": f"m{i}", "stack": "megatron", "family": "hopper", "moe": True, "dtype": "fp8",
+ROWS += [{"name": f"m{i}", "stack": "megatron", "family": "hopper", "moe": True, "dtype": "fp8", "finetune": "full",
           "work": 5e15, "residual": x} for i, x in enumerate(np.linspace(0.1, 0.6, 3))]
 
 
@@ -96,7 +96,8 @@ def test_band_falls_back_to_coarser_regimes_and_contains_the_point():
     (Regime("megatron", "amd", False, 3e15), "no published run on amd GPUs"),
     (Regime("megatron", "hopper", False, 3e15, "nvfp4"), "no published run with nvfp4 matmuls"),
     (Regime("megatron", "hopper", False, 1e13), "work per GPU 1e+13 FLOP per step is outside"),
-    (Regime("megatron", "hopper", False, 3e15, unvalidated=("lora fine-tuning",)), "not validated: lora"),
+    (Regime("megatron", "hopper", False, 3e15, finetune="lora"), "no published lora fine-tuning run"),
+    (Regime("megatron", "hopper", False, 3e15, unvalidated=("the flat compute model",)), "not validated: the flat"),
 ])
 def test_uncovered_regimes_say_why(regime, reason):
     b = band(regime, ROWS)
@@ -116,6 +117,27 @@ def test_stored_bands_are_wider_where_the_model_misses_more():
     assert dense.covered and moe.covered and dense.count >= 8 and moe.count >= 8
     assert moe.high - moe.low > 2 * (dense.high - dense.low)
     assert moe.regime == "MoE, any GPU family"
+
+
+def test_a_lora_plan_takes_the_band_of_its_group_once_lora_runs_are_in_it():
+    """Fine-tuning is not a level of the groups (as the matmul precision is not): with one LoRA run in
+    the table a LoRA regime gets the same band as full training of the same stack, family and work,
+    from the same runs, the LoRA run among them; without one it is not covered (above)."""
+    rows = ROWS + [dict(ROWS[0], name="lora", finetune="lora", residual=-0.2)]
+    full = band(Regime("megatron", "hopper", False, 3e15), rows)
+    lora = band(Regime("megatron", "hopper", False, 3e15, finetune="lora"), rows)
+    assert lora.covered and (lora.low, lora.high, lora.runs) == (full.low, full.high, full.runs)
+    assert "lora" in lora.runs and lora.count == 12
+    assert band(Regime("megatron", "hopper", False, 3e15), ROWS).low > full.low  # its residual is in the band
+
+
+def test_the_stored_lora_runs_are_the_nemo_fine_tuning_table():
+    rows = load_residuals()
+    assert [r["name"] for r in rows if r["finetune"] == "lora"] == [
+        run.name for run in PUBLISHED if run.finetune == "lora"] and sum(r["finetune"] == "lora" for r in rows) == 3
+    b = band(regime_of(get_preset("llama3-8b"), cluster("h100-sxm", 1, 8), 16, StepOptions(dtype="fp8"), "lora"))
+    assert b.covered and b.regime.startswith("megatron, hopper, dense")
+    assert {r.name for r in PUBLISHED if r.finetune == "lora"} <= set(b.runs)
 
 
 def test_regime_of_a_plan():

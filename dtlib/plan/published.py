@@ -24,12 +24,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
+from dtlib.analytic.finetune import FineTuning
 from dtlib.analytic.hardware import Cluster, Link, cluster, get_gpu
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
-           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs"]
+           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs", "NEMO_FINETUNING"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = True
@@ -84,6 +85,15 @@ _NEMO_LONG = ("NVIDIA NeMo long-sequence performance, NeMo 24.03.01 container, D
               "docs/source/performance/performance_long_sequence.md, table 'LLAMA2-7B (FP8) - H100', 'With CP' "
               "columns (TP, PP, DP, CP, TFLOPS/GPU) https://github.com/NVIDIA/NeMo/blob/"
               "a2c4cc8ee64eb98d83684fc616dd0225c25bdfa1/docs/source/performance/performance_long_sequence.md")
+_NEMO_FT = ("NVIDIA NeMo performance summary, NeMo 24.07 container, DGX-H100, FP8, docs/source/performance/"
+            "performance_summary.md 'Finetuning' table (SQuAD v1.1 packed to 4096 tokens; SFT and LoRA) "
+            "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/docs/source/performance/"
+            "performance_summary.md; what the table leaves out from NeMo-Framework-Launcher 24.07 "
+            "launcher_scripts/conf/peft/llama/sft.yaml (peft_scheme null = SFT or lora; lora_tuning adapter_dim "
+            "32 without target_modules; recompute, SP, VP, ub_tp_comm_overlap, distributed_fused_adam) "
+            "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/8325688d8345a5513660f0f8390f0482a721c009/"
+            "launcher_scripts/conf/peft/llama/sft.yaml and NeMo's default LoRA target (get_target_modules, "
+            "default ('attention_qkv',)) nemo/collections/nlp/parts/peft_config.py at the table's commit")
 _NEMO_2025 = ("NVIDIA NeMo Framework performance summary of 2025 (NeMo 2.x on Megatron-Core, FP8), 'Pre-training' "
               "tables: NeMo 25.02, System DGX-B200, as stored at https://docs.nvidia.com/nemo-framework/user-guide/"
               "latest/performance/performance_summary.html while it showed 25.02; NeMo 25.04, System DGX-GB200, "
@@ -136,7 +146,10 @@ class PublishedRun:
     ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
     ``ep_overlap`` (1: the run overlapped its EP all-to-alls, Megatron's ``moe_a2a_overlap``),
     ``precision`` (bytes per parameter, :data:`dtlib.analytic.precision.CONVENTIONS` or a dtype name:
-    e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients)."""
+    e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients).
+    ``finetune`` what the run trained (:data:`dtlib.analytic.finetune.FINETUNE`: ``full``, every weight,
+    as pre-training; ``lora``: adapters of ``lora_rank`` on ``lora_targets``, HF PEFT's names, the rest
+    frozen), :attr:`fine_tuning` as the planner takes it."""
     name: str
     model: TransformerConfig
     cluster: Cluster
@@ -159,8 +172,15 @@ class PublishedRun:
     ep_overlap: float = 0.0
     note: str = field(default="")
     precision: str | None = None
+    finetune: str = "full"
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        try:
+            self.fine_tuning
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
         if self.metric not in METRIC_UNITS:
             raise ValueError(f"{self.name}: metric must be one of {sorted(METRIC_UNITS)}, got {self.metric!r}")
         if self.stack not in STACKS:
@@ -168,6 +188,11 @@ class PublishedRun:
         unknown = set(self.layout) - set(LAYOUT_KEYS)
         if unknown:
             raise ValueError(f"{self.name}: unknown layout keys {sorted(unknown)}; valid: {', '.join(LAYOUT_KEYS)}")
+
+    @property
+    def fine_tuning(self) -> FineTuning:
+        """What the run trained, as :func:`dtlib.plan.search.search` takes it."""
+        return FineTuning(self.finetune, self.lora_rank, self.lora_targets)
 
     @property
     def unit(self) -> str:
@@ -388,21 +413,26 @@ def _bridge_nvfp4() -> list[PublishedRun]:
     return rows
 
 
+def _llama2() -> dict[str, TransformerConfig]:
+    """Llama 2 7B (the preset), 13B and 70B as NeMo's Llama2Config13B / Llama2Config70B shape them."""
+    llama = get_preset("llama2-7b")
+    return {"LLAMA2-7B": llama,
+            "LLAMA2-13B": replace(llama, name="llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824,
+                                  source=_NEMO + " (Llama2Config13B)"),
+            "LLAMA2-70B": replace(llama, name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+                                  source=_NEMO + " (Llama2Config70B)")}
+
+
 def _nemo() -> list[PublishedRun]:
     """NeMo 24.07's DGX-H100 pre-training table: FP8, Megatron-Core + Transformer Engine of mid-2024.
     MBS, TP, PP, CP and VP as published; recompute, ZeRO and SP not stated (left to the planner)."""
-    llama, gpt3 = get_preset("llama2-7b"), get_preset("gpt3-175b")
+    gpt3 = get_preset("gpt3-175b")
     shapes = {
         "GPT3-5B": replace(gpt3, name="gpt3-5b", layers=24, hidden=4096, heads=32, kv_heads=32, ffn=16384,
                            source=_NEMO + " (GPTConfig5B; GPT-2 vocabulary of the gpt3-175b preset)"),
         "GPT3-20B": replace(gpt3, name="gpt3-20b", layers=44, hidden=6144, heads=48, kv_heads=48, ffn=24576,
                             source=_NEMO + " (GPTConfig20B; GPT-2 vocabulary of the gpt3-175b preset)"),
-        "GPT3-175B": get_preset("gpt3-175b"),
-        "LLAMA2-7B": llama,
-        "LLAMA2-13B": replace(llama, name="llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824,
-                              source=_NEMO + " (Llama2Config13B)"),
-        "LLAMA2-70B": replace(llama, name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-                              source=_NEMO + " (Llama2Config70B)"),
+        "GPT3-175B": get_preset("gpt3-175b"), **_llama2(),
         "LLAMA3-8B": get_preset("llama3-8b"), "LLAMA3-70B": get_preset("llama3-70b")}
     # (model, GPUs, GBS, MBS, seq, TP, PP, CP, VP, tokens/s/GPU) -- the table's rows, in order (Nemotron
     # rows left out: their vocabulary is not in the text read)
@@ -446,6 +476,47 @@ def _nemo_long_context() -> list[PublishedRun]:
             note="micro-batch, recompute, distributed optimizer, SP and interleaving not stated (planner's "
                  "choice); TFLOPS/GPU read as model FLOPs (NeMo's llama2 formula: attention not halved for "
                  "causality, as dtlib's 'full' count)"))
+    return rows
+
+
+# (model, task, GPUs, TP, PP, tokens/s/GPU, model TFLOP/s/GPU) -- the 24.07 'Finetuning' table's rows, in
+# order; every row GBS 32, MBS 1, packed sequence length 4096. The model TFLOP/s column is not timed: it
+# checks the FLOPs per token (tests/test_plan_validation.py: LoRA ~ 4N, SFT ~ 6N)
+NEMO_FINETUNING = [("LLAMA2-7B", "SFT", 8, 1, 1, 16891, 673), ("LLAMA2-13B", "SFT", 8, 1, 4, 10176, 787),
+                   ("LLAMA2-70B", "SFT", 16, 4, 4, 1816, 749), ("LLAMA2-7B", "LoRA", 8, 1, 1, 24824, 663),
+                   ("LLAMA2-13B", "LoRA", 8, 1, 1, 14629, 757), ("LLAMA2-70B", "LoRA", 8, 2, 4, 2621, 722)]
+# NeMo's one LoRA adapter on the fused QKV projection (linear_qkv), in HF PEFT's names (dtlib.analytic.finetune)
+NEMO_LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
+NEMO_LORA_RANK = 32
+
+
+def _nemo_finetuning() -> list[PublishedRun]:
+    """NeMo 24.07's DGX-H100 fine-tuning table: Llama 2 SFT (every weight) and LoRA (rank 32 on the
+    QKV projection: the launcher's ``lora_tuning`` sets ``adapter_dim`` 32 and no ``target_modules``,
+    so NeMo's default ``attention_qkv``), FP8, SQuAD v1.1 packed into 4,096-token sequences. A source
+    of its own ("NeMo 2024 fine-tuning"): leave-one-source-out then predicts the fine-tuning runs from
+    a fit that never saw one. The knobs the table leaves out are the launcher's ``sft.yaml``'s: no
+    recompute, no SP, no interleaving, no TP communication overlap, the distributed optimizer."""
+    shapes = _llama2()
+    rows = []
+    for label, task, gpus, tp, pp, tps, _ in NEMO_FINETUNING:
+        lora = task == "LoRA"
+        rows.append(PublishedRun(
+            name=f"{label} {task} FP8, {gpus} x H100 (NeMo 24.07 fine-tuning)", model=shapes[label],
+            cluster=_dgx("h100-sxm", gpus), global_batch=32,
+            layout=dict(tp=tp, pp=pp, cp=1, dp=gpus // (tp * pp), micro_batch_size=1),
+            metric="tokens_per_gpu_s", published=tps, family="h100", source="NeMo 2024 fine-tuning",
+            reference=_NEMO_FT + f", row {label} {task}, {gpus} GPUs, TP {tp} PP {pp}", stack="megatron",
+            dropout=False, dtype="fp8", finetune="lora" if lora else "full",
+            lora_rank=NEMO_LORA_RANK if lora else None, lora_targets=NEMO_LORA_TARGETS if lora else None,
+            note="sequences packed to 4,096 tokens of SQuAD samples, timed as 4,096-token sequences: attention "
+                 "runs within each sample (Transformer Engine's packed THD format), dtlib counts it over the "
+                 "whole 4,096 (too slow by the attention term); from the launcher's sft.yaml: recompute none, "
+                 "SP off, VP 1 (null), ub_tp_comm_overlap False, distributed_fused_adam (ZeRO 1 here) with "
+                 "grad_sync_dtype bf16 (BF16 reduction, the megatron stack's default)"
+                 + ("; NeMo's LoRA is one adapter on the fused QKV matrix (A: h x 32, B: 32 x (q + k + v)), "
+                    "counted as PEFT's three (q_proj, k_proj, v_proj: two more A's, 2 h r parameters per layer, "
+                    "under 0.2% of the FLOPs)" if lora else "; SFT trains every weight (finetune full)")))
     return rows
 
 
@@ -661,7 +732,7 @@ def published(include_pending: bool = INCLUDE_PENDING,
     ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
     rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
             + _trainy() + _deepspeed() + _llama3())
-    rows += _bridge_nvfp4() + (deepseek_v3_runs() if include_deepseek_v3 else [])
+    rows += _bridge_nvfp4() + _nemo_finetuning() + (deepseek_v3_runs() if include_deepseek_v3 else [])
     return rows + pending_runs() if include_pending else rows
 
 

@@ -4,7 +4,7 @@ For every published run (:data:`dtlib.plan.published.PUBLISHED`) the model is fi
 source (:func:`dtlib.plan.validation.fit` with ``leave_out``, on one :func:`~dtlib.plan.validation.error_grid`)
 and predicts the run; the residual is ``log(published step time / predicted step time)``: the grid's
 ``log(predicted / published)`` of a throughput metric, its negative for a metric in seconds per step.
-Each row carries the run's regime (stack, GPU family, dense/MoE, work per GPU, matmul dtype).
+Each row carries the run's regime (stack, GPU family, dense/MoE, work per GPU, matmul dtype, fine-tuning).
 
 ``python -m dtlib.plan.residuals --write`` regenerates ``dtlib/plan/data/residuals.json`` (a few seconds
 of CPU; rerun it after any change to the step-time model or to the published runs);
@@ -35,7 +35,7 @@ COMMAND = "python -m dtlib.plan.residuals --write"
 
 def residual_rows(errors: np.ndarray | None = None) -> list[dict[str, Any]]:
     """One dict per published run: ``name``, ``source``, ``stack``, ``gpu``, ``family``, ``moe``, ``dtype``,
-    ``work`` (:func:`~dtlib.plan.uncertainty.work_per_gpu`), the efficiencies fitted without its source
+    ``finetune``, ``work`` (:func:`~dtlib.plan.uncertainty.work_per_gpu`), the efficiencies fitted without its source
     (``gemm``, ``attention``) and the held-out ``residual``. ``errors``: :func:`error_grid` (computed if None)."""
     errors = error_grid() if errors is None else errors
     folds = {}
@@ -47,7 +47,8 @@ def residual_rows(errors: np.ndarray | None = None) -> list[dict[str, Any]]:
         error = float(errors[GEMM_GRID.index(g), ATTENTION_GRID.index(a), r])
         rows.append({"name": run.name, "source": run.source, "stack": run.stack, "gpu": run.cluster.gpu.name,
                      "family": gpu_family(run.cluster.gpu.name), "moe": run.model.moe_experts > 0,
-                     "dtype": run.dtype, "work": work_per_gpu(run.model, run.global_batch, run.cluster.world_size),
+                     "dtype": run.dtype, "finetune": run.finetune,
+                     "work": work_per_gpu(run.model, run.global_batch, run.cluster.world_size),
                      "gemm": g, "attention": a, "residual": -error if run.metric == "step_time_s" else error})
     return rows
 
@@ -84,7 +85,7 @@ def band_coverage(rows: Sequence[dict[str, Any]], **options: Any) -> dict[str, A
     the ``covered`` runs fall in it, ``uncovered`` get no band once their source is out."""
     inside = covered = 0
     for r in rows:
-        regime = Regime(r["stack"], r["family"], r["moe"], r["work"], r["dtype"])
+        regime = Regime(r["stack"], r["family"], r["moe"], r["work"], r["dtype"], r["finetune"])
         b = band(regime, [o for o in rows if o["source"] != r["source"]], **options)
         if b.covered:
             covered += 1

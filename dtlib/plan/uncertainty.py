@@ -28,11 +28,14 @@ exchangeable with the ``n`` comparable ones, it would fall inside their range wi
 is a *held-out residual range of comparable published runs*, not a probability guarantee.
 
 A prediction outside what the validation covers gets ``covered=False`` and the reason instead of a
-band: a GPU family without published runs (AMD, a new part), a matmul precision no run used,
-work per GPU outside the family's validated range, or a step model the fit did not produce
-(``--efficiency``, fitted efficiencies overridden, fine-tuning). ``Regime.unvalidated`` carries
-those reasons; a calibrated plan may replace :func:`band` by its own function of the regime
-(``search(..., band_of=...)``).
+band: a GPU family without published runs (AMD, a new part), a matmul precision or a fine-tuning method
+no run used, work per GPU outside the family's validated range, or a step model the fit did not
+produce (``--efficiency``, fitted efficiencies overridden); ``Regime.unvalidated`` carries those
+reasons; a calibrated plan may replace :func:`band` by its own function of the regime
+(``search(..., band_of=...)``). Like a matmul precision, the fine-tuning method is not a level of the
+groups: with published LoRA runs in the table (NeMo 24.07's, on H100), a LoRA plan takes the band of
+its stack, family, dense/MoE and work, as a full-training plan does (docs/validation.md, "The error
+band": the LoRA runs miss by as much as the SFT runs of the same table, not more).
 """
 from __future__ import annotations
 
@@ -83,13 +86,14 @@ def work_per_gpu(model: TransformerConfig, global_batch: int, gpus: int) -> floa
 @dataclass(frozen=True)
 class Regime:
     """What makes runs comparable: ``stack``, GPU ``family``, ``moe``, ``work`` (model FLOPs per GPU per
-    step), ``dtype`` (matmul precision) and ``unvalidated``: why the step model is not the validated one
-    (empty when it is)."""
+    step), ``dtype`` (matmul precision), ``finetune`` (:data:`dtlib.analytic.finetune.FINETUNE`) and
+    ``unvalidated``: why the step model is not the validated one (empty when it is)."""
     stack: str
     family: str
     moe: bool
     work: float
     dtype: str = "bf16"
+    finetune: str = "full"
     unvalidated: tuple[str, ...] = ()
 
     @property
@@ -120,8 +124,8 @@ def regime_of(model: TransformerConfig, cluster: Cluster, global_batch: int, opt
               finetune: str = "full") -> Regime:
     """The regime of a plan of ``model`` on ``cluster`` at ``global_batch`` with
     :class:`~dtlib.plan.steptime.StepOptions` ``options`` (its stack, dtype and efficiencies) and
-    ``finetune`` (:data:`dtlib.analytic.finetune.FINETUNE`: ``full`` trains every weight, as the
-    published runs; ``lora`` no published run validates)."""
+    ``finetune`` (:data:`dtlib.analytic.finetune.FINETUNE`: ``full`` trains every weight, as
+    pre-training; ``lora`` adapters on frozen weights, validated by the published LoRA runs)."""
     unvalidated = []
     if options.efficiency is not None:
         unvalidated.append(f"the flat compute model (efficiency {options.efficiency:g}) replaces the fitted one")
@@ -131,11 +135,9 @@ def regime_of(model: TransformerConfig, cluster: Cluster, global_batch: int, opt
     if options.attention_efficiency is not None and not math.isclose(options.attention_efficiency, fitted):
         unvalidated.append(f"attention efficiency {options.attention_efficiency:g} instead of the fitted "
                            f"{fitted:.3g}")
-    if finetune != "full":  # LoRA: no published run validates it
-        unvalidated.append(f"{finetune} fine-tuning")
     return Regime(stack=options.stack, family=gpu_family(cluster.gpu.name), moe=model.moe_experts > 0,
                   work=work_per_gpu(model, global_batch, cluster.world_size), dtype=options.dtype,
-                  unvalidated=tuple(unvalidated))
+                  finetune=finetune, unvalidated=tuple(unvalidated))
 
 
 @functools.lru_cache(maxsize=4)
@@ -182,6 +184,8 @@ def band(regime: Regime, rows: Sequence[dict[str, Any]] | None = None, *, min_ru
         return uncovered(f"no published run on {regime.family} GPUs in the validation set")
     if regime.dtype not in {r["dtype"] for r in rows}:
         return uncovered(f"no published run with {regime.dtype} matmuls in the validation set")
+    if regime.finetune not in {r["finetune"] for r in rows}:
+        return uncovered(f"no published {regime.finetune} fine-tuning run in the validation set")
     low, high = min(r["work"] for r in family), max(r["work"] for r in family)
     if not low <= regime.work <= high:
         return uncovered(f"work per GPU {regime.work:.2g} FLOP per step is outside the {low:.2g}..{high:.2g} of "
