@@ -135,6 +135,7 @@ class PublishedRun:
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,
     ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
     ``ep_overlap`` (1: the run overlapped its EP all-to-alls, Megatron's ``moe_a2a_overlap``),
+    ``moe_dispatcher`` (``flex``: a megatron run with the flex dispatcher, DeepEP / HybridEP),
     ``precision`` (bytes per parameter, :data:`dtlib.analytic.precision.CONVENTIONS` or a dtype name:
     e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients)."""
     name: str
@@ -157,6 +158,7 @@ class PublishedRun:
     fused_elementwise: bool | None = None
     tp_overlap: float | None = None
     ep_overlap: float = 0.0
+    moe_dispatcher: str | None = None
     note: str = field(default="")
     precision: str | None = None
 
@@ -643,14 +645,15 @@ def deepseek_v3_runs() -> list[PublishedRun]:
                     recompute_modules=("layernorm", "mla_up_proj")),
         metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
         reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
-        dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0,
+        dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0, moe_dispatcher="flex",
         precision=_FP32_GRADS,  # Sec. 3.3.1: "master weights ... and gradients ... are still retained in FP32"
         note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
              "ramp included; timed at the final 15,360 sequences); DualPipe as ep_overlap 1.0 (Sec. 3.2.1; its "
              "bidirectional schedule's smaller bubble is not modelled: timed as 1F1B, interleaving left to the "
              "planner); recompute of all RMSNorm and the MLA up-projections (Sec. 3.3.2) as recompute_modules "
              "layernorm and mla_up_proj; fine-grained FP8 (1 x 128 activation tiles, 128 x 128 weight blocks, "
-             "Sec. 3.3.2) as the blockwise recipe; the MTP module (depth 1), node-limited routing (4 nodes per "
+             "Sec. 3.3.2) as the blockwise recipe; its own dispatch kernels (Sec. 3.2.2; DeepEP, their open "
+             "release, dispatches topk_weights with x in one kernel) as moe_dispatcher flex; the MTP module (depth 1), node-limited routing (4 nodes per "
              "token), FP8 activation caching and the 20 SMs kept for communication not modelled; micro-batch "
              "not stated (planner's choice); inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
 
@@ -737,6 +740,11 @@ _BRIDGE_OVERLAP = {
     ("DGX-B200", "qwen3-235b-a22b"): dict(ep_overlap=1.0),
     ("DGX-H100", "qwen3-235b-a22b"): dict(ep_overlap=1.0, tp_overlap=0.0),
 }
+# the rows whose recipe ran the flex dispatcher with HybridEP (moe_token_dispatcher_type="flex",
+# moe_flex_dispatcher_backend="hybridep": the GB200/GB300 Qwen3 and DeepSeek-V3 configs of
+# workload_base_configs.py at 166d498, _BRIDGE_MOE_RECIPE's notes); the others ran the alltoall dispatcher
+_BRIDGE_FLEX = {(system, preset) for system in ("DGX-GB300", "DGX-GB200")
+                for preset in ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b")}
 # The pipeline splits (Megatron-LM accepts an uneven one only through a layout string or the
 # first/last-stage flags, dtlib.analytic.layout.split_problem): DeepSeek-V3's 61 layers are placed by
 # a --pipeline-model-parallel-layout string (set_deepseek_v3_pipeline_model_parallel_layout,
@@ -798,6 +806,8 @@ def pending_runs() -> list[PublishedRun]:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
+        if (system, preset) in _BRIDGE_FLEX:
+            run = replace(run, moe_dispatcher="flex")
         rows.append(replace(run, **_BRIDGE_OVERLAP.get((system, preset), {}),
                             name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows
