@@ -712,7 +712,7 @@ _BRIDGE_MOE_RECIPE = {
                                  "decoder layers per stage and 1 + MTP + loss on the last",
     ("DGX-GB300", "gpt-oss-120b"): "alltoall dispatcher, CUDA graphs attn/moe_router/moe_preprocess",
     ("DGX-GB200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
-    ("DGX-B200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act (recipe file: EP 64)",
+    ("DGX-B200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
     ("DGX-H100", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
     ("DGX-GB300", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
     ("DGX-GB200", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
@@ -763,12 +763,21 @@ _BRIDGE_MEMORY = {
     ("DGX-B200", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
     ("DGX-H100", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
 }
-# where a table row contradicts itself, the recipe file decides: the H100 GPT-OSS row's MBS 4 at PP 4
+# where a table row is contradicted by the table's own numbers, the recipe file at the summary's commit
+# decides, with the contradiction in the row's note. Its own columns: the H100 GPT-OSS row's MBS 4 at PP 4
 # (DP 16) gives 512 / (4 x 16) = 8 micro-batches, but its GA column says 2; the 25.11 recipe
-# (GPT_OSS_120B_H100_BF16_BASE_CONFIG, which keeps BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1)
-# runs MBS 1. Rows whose table numbers agree keep them, even where their recipe file differs.
+# (GPT_OSS_120B_H100_BF16_BASE_CONFIG, which keeps BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1) runs MBS 1.
+# The same summary's later releases, which measured both settings on the same system: the B200 GPT-OSS row
+# prints EP 8, its recipe (GPT_OSS_120B_B200_BF16_BASE_CONFIG) EP 64; the 26.02 container's table prints
+# this layout (64 DGX-B200, GBS 1280, MBS 4, seq 4096) at EP 64 at 8,047 tokens/s/GPU and from 26.02.01 on
+# at EP 8 at 13,045-13,722 (docs/performance-summary-archive.md at 067f987): the row's 8,213 is the EP-64
+# number, as its recipe has it. Rows whose numbers nothing contradicts keep them, even where their recipe
+# file differs.
 _BRIDGE_RECIPE_OVER_TABLE = {
-    ("DGX-H100", "gpt-oss-120b"): dict(micro_batch_size=1),
+    ("DGX-H100", "gpt-oss-120b"): (dict(micro_batch_size=1), "the table's MBS 4 contradicts its own GA column"),
+    ("DGX-B200", "gpt-oss-120b"): (dict(ep=64), "the table's EP 8 runs 13,045-13,722 tokens/s/GPU on the same "
+                                                "64 DGX-B200 from the 26.02.01 summary on, EP 64 8,047 (26.02): "
+                                                "this row's 8,213 is the recipe's EP 64"),
 }
 _SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
 
@@ -791,7 +800,7 @@ def pending_runs() -> list[PublishedRun]:
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
                       micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
                       **_BRIDGE_MEMORY.get((system, preset), {}), **_BRIDGE_SPLIT.get(preset, {}))
-        over_table = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), {})
+        over_table, contradiction = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), ({}, ""))
         layout.update(over_table)
         moe = ep > 1 or model.moe_experts > 0
         note = ("MoE: ETP 1 (recipes' BASE config), token-dropless with force-balanced routing (the table's "
@@ -800,8 +809,7 @@ def pending_runs() -> list[PublishedRun]:
         if (system, preset) in _BRIDGE_MOE_RECIPE:
             note += "; recipe: " + _BRIDGE_MOE_RECIPE[system, preset]
         if over_table:
-            note += (f"; the table's MBS {mbs} contradicts its own GA column, so the recipe file's "
-                     f"{over_table} is timed")
+            note += f"; {contradiction}, so the recipe file's {over_table} is timed"
         if "w/ MTP" in label:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
