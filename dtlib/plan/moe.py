@@ -36,14 +36,20 @@ group and the expert outputs reduce-scattered back (``gather_from_sequence_paral
 ``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
 
 **Beside the tokens**, the alltoall dispatcher (Megatron-Core 0.16 ``token_dispatcher.py``) sends the
-router probabilities in an all-to-all of their own after each dispatch (and their gradient back; the
+router probabilities in an all-to-all of their own after each dispatch (and their gradient back); the
 flex dispatcher's DeepEP / HybridEP kernels carry them with the tokens, and torchtitan or DeepSpeed-MoE
-never send them: ``dispatcher`` "flex"), and, dropless, every dispatcher starts every MoE layer's forward with two latency-bound steps: the per-expert token counts
-all-gathered over the ``etp x ep`` group (``dispatch_preprocess``), then copied to the host, which
-blocks on them (``_maybe_dtoh_and_synchronize`` at ``before_ep_alltoall``: the all-to-all's split sizes
-must be host lists). The block drains the GPU's queue, so the all-to-all launched after it pays a kernel
-launch on an idle GPU (:mod:`dtlib.plan.launches`' floor); the host's own wake-up is not counted (no
-measurement of it found). With padded buffers (a capacity factor) the sizes are static: neither step.
+never send them (``dispatcher`` "flex"). And dropless routing starts every MoE layer's forward with two
+latency-bound steps, whatever the dispatcher: the per-expert token counts are exchanged over the
+``etp x ep`` group and read by the host, which blocks on them because the all-to-all's split sizes (or
+the output buffers) must be host numbers. Megatron's alltoall dispatcher all-gathers them with NCCL
+(``dispatch_preprocess``, over ``tp_ep_group``) and blocks in ``_maybe_dtoh_and_synchronize`` at
+``before_ep_alltoall``; HybridEP and DeepEP exchange them in their own preprocessing kernel and sync on
+``num_permuted_tokens`` (Megatron's ``fused_a2a.py``: without it "causes a D2H synchronization");
+torchtitan all-to-alls them and calls ``.tolist()``. Each is timed as NCCL's ring all-gather latency over
+the group (:func:`dtlib.analytic.comm.nccl_latency`). The block drains the GPU's queue, so the kernel
+launched after it pays the launch floor on an idle GPU (:mod:`dtlib.plan.launches`); the host's own
+wake-up is not counted (no measurement of it found). With padded buffers (a capacity factor) the sizes
+are static: neither step.
 
 Pure numpy; every argument may be an array (one entry per layout of the search).
 """

@@ -653,7 +653,8 @@ def deepseek_v3_runs() -> list[PublishedRun]:
              "planner); recompute of all RMSNorm and the MLA up-projections (Sec. 3.3.2) as recompute_modules "
              "layernorm and mla_up_proj; fine-grained FP8 (1 x 128 activation tiles, 128 x 128 weight blocks, "
              "Sec. 3.3.2) as the blockwise recipe; its own dispatch kernels (Sec. 3.2.2; DeepEP, their open "
-             "release, dispatches topk_weights with x in one kernel) as moe_dispatcher flex; the MTP module (depth 1), node-limited routing (4 nodes per "
+             "release, dispatches topk_weights with x in one kernel) as moe_dispatcher flex; the MTP module "
+             "(depth 1), node-limited routing (4 nodes per "
              "token), FP8 activation caching and the 20 SMs kept for communication not modelled; micro-batch "
              "not stated (planner's choice); inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
 
