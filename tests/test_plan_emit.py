@@ -510,3 +510,21 @@ def test_bf16_layers_become_megatrons_first_last_layers_flags(kept, start, end, 
     assert "--first-last-layers-bf16" not in megatron_flags(replace(plan, options=replace(plan.options,
                                                                                          fp8_recipe="delayed")))
     assert any(r.startswith("bf16_layers: Megatron-Core refuses") for r in delayed.retimed)
+
+
+def test_the_flex_dispatcher_is_written_and_accepted_by_megatrons_own_checks():
+    """moe_dispatcher flex (HybridEP, as Megatron-Bridge 25.11's rack recipes ran it) is written as
+    Megatron-LM's flags and passes its parse_args and Megatron-Core's TransformerConfig checks."""
+    from dtlib.frameworks.configs import check_emitted
+
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    flags = {}
+    for dispatcher in ("alltoall", "flex"):
+        plan = TimedPlan(layout, KNOB_MOE, layout.global_batch, StepOptions(moe_dispatcher=dispatcher))
+        e = emit("megatron", plan)
+        flags[dispatcher] = e.data
+        assert "Megatron-Core's configs" in check_emitted(e, layout)
+    assert flags["flex"][flags["flex"].index("--moe-token-dispatcher-type") + 1] == "flex"
+    assert flags["flex"][flags["flex"].index("--moe-flex-dispatcher-backend") + 1] == "hybridep"
+    assert flags["alltoall"][flags["alltoall"].index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert "--moe-flex-dispatcher-backend" not in flags["alltoall"]
