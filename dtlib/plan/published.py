@@ -769,8 +769,9 @@ _BRIDGE_MEMORY = {
 # (DP 16) gives 512 / (4 x 16) = 8 micro-batches, but its GA column says 2; the 25.11 recipe
 # (GPT_OSS_120B_H100_BF16_BASE_CONFIG, which keeps BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1) runs MBS 1.
 # The same summary's later releases, which measured both settings on the same system: the B200 GPT-OSS row
-# prints EP 8, its recipe (GPT_OSS_120B_B200_BF16_BASE_CONFIG) EP 64; the 26.02 container's table prints
-# this layout (64 DGX-B200, GBS 1280, MBS 4, seq 4096) at EP 64 at 8,047 tokens/s/GPU and from 26.02.01 on
+# prints EP 8, its recipe (GPT_OSS_120B_B200_BF16_BASE_CONFIG) EP 64; the 26.02 container's table runs the
+# model on the same 64 DGX-B200 at MBS 4 and seq 4096 (GBS 1280 there, 512 here: with EP 64 no expert
+# gradients are reduced, so the batch hardly matters) at EP 64 at 8,047 tokens/s/GPU, and from 26.02.01 on
 # at EP 8 at 13,045-13,722 (docs/performance-summary-archive.md at 067f987): the row's 8,213 is the EP-64
 # number, as its recipe has it. Rows whose numbers nothing contradicts keep them, even where their recipe
 # file differs.
