@@ -114,6 +114,15 @@ def test_ep_comm_is_dispatch_and_combine_forward_and_backward_by_hand():
     assert padded.breakdown["ep_comm"] == pytest.approx(a2a, rel=1e-12)
 
 
+def test_an_unknown_dispatcher_is_refused_by_name():
+    with pytest.raises(InvalidArgument, match="moe_dispatcher"):
+        StepOptions(moe_dispatcher="allgather")
+    with pytest.raises(InvalidArgument, match="moe_dispatcher"):
+        ep_comm_time(b=1, s=MOE.seq, h=MOE.hidden, tp=1, cp=1, dp=8, ep=8, moe=moe_numbers(MOE.numbers()), load=1.0,
+                     act_bytes=2, calls=4, forwards=1, gpus_per_node=8, intra=cluster().intra, inter=cluster().inter,
+                     kernel_launch_s=3e-6, dispatcher="deepep")
+
+
 def test_the_metadata_all_gather_crosses_the_nodes_the_ep_group_spans():
     """ep 16 over 8-GPU nodes: NCCL's ring over 16 ranks on 2 nodes pays one network hop each way more
     than inside one 16-GPU domain."""

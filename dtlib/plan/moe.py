@@ -62,6 +62,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.comm import collective_time, nccl_latency
 from dtlib.analytic.hardware import Link
+from dtlib.analytic.stacks import MOE_DISPATCHERS
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
            "all_to_all_time", "ep_comm_time", "PROBS_BYTES", "COUNT_BYTES", "PERMUTE_PASSES", "SORT_PASSES",
@@ -198,6 +199,7 @@ def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, 
     recompute), the dispatcher's metadata all-gather and host synchronisation (module docstring,
     :data:`COUNT_BYTES`). Returns ``all_to_all``, ``etp``, ``probs`` and ``metadata`` (seconds) and
     ``bytes_per_call``."""
+    validate.one_of("moe_dispatcher", dispatcher, MOE_DISPATCHERS)
     etp = moe["etp"]
     grid = expert_grid(tp, cp, dp, ep, etp, gpus_per_node)
     tokens = b * s / (cp * tp)
