@@ -206,12 +206,21 @@ def test_moe_flags_set_the_step_options_and_the_table_shows_etp(capsys):
     assert c["breakdown"]["ep_comm"] == pytest.approx(expected.breakdown["ep_comm"], rel=1e-12)
     default = json.loads(run(capsys, "plan", *QWEN_LAYOUT, "--json")[1])["configs"][0]
     balanced = step_time(get_preset("qwen3-30b-a3b"), layout, hgx, options=StepOptions(moe_imbalance=2.0))
-    # half the all-to-all hidden: the exposed EP time is half the default's at the same imbalance
-    assert c["breakdown"]["ep_comm"] == pytest.approx(balanced.breakdown["ep_comm"] / 2, rel=1e-12)
+    # half the all-to-alls hidden: the exposed EP time is half the default's at the same imbalance, but for
+    # the dispatcher's metadata step before them, which nothing hides (all that --ep-overlap 1 leaves here)
+    before = step_time(get_preset("qwen3-30b-a3b"), layout, hgx,
+                       options=StepOptions(ep_overlap=1.0, moe_imbalance=2.0)).breakdown["ep_comm"]
+    assert 0 < before < balanced.breakdown["ep_comm"] / 10
+    assert c["breakdown"]["ep_comm"] == pytest.approx((balanced.breakdown["ep_comm"] - before) / 2 + before,
+                                                      rel=1e-12)
+    # --moe-dispatcher flex: the probabilities ride with the tokens, no all-to-all of their own
+    flex = json.loads(run(capsys, "plan", *QWEN_LAYOUT, "--moe-dispatcher", "flex", "--json")[1])
+    assert default["breakdown"]["ep_comm"] > flex["configs"][0]["breakdown"]["ep_comm"]
+    assert flex["assumed"]["moe_dispatcher"] == "flex" and d["assumed"]["moe_dispatcher"] == "alltoall"
     assert default["breakdown"]["ep_comm"] < balanced.breakdown["ep_comm"]  # imbalance 1 sends less
     code, out, _ = run(capsys, "plan", *QWEN_LAYOUT, "--moe-imbalance", "2")
     lines = out.splitlines()
-    assert code == 0 and "EP overlap 0, expert imbalance 2," in lines[2]
+    assert code == 0 and "EP overlap 0, expert imbalance 2, alltoall dispatcher," in lines[2]
     assert "etp: expert tensor parallel size" in lines[6]
     header, row = lines[7].split(), lines[8].split()
     assert header[:8] == ["#", "dp", "tp", "pp", "cp", "ep", "etp", "v"] and row[:8] == ["1", "16", "1", "1", "1", "8", "1", "1"]

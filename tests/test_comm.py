@@ -178,7 +178,8 @@ def test_ep_volumes_are_the_sequence_parallel_shard_of_the_moe_layers():
     c = cluster("h100-sxm", 16, 8)
     n = cfg.numbers() | layout.numbers()
     step = ep_comm_time(b=1, s=4096, h=7168, tp=2, cp=1, dp=8, ep=8, moe=moe_numbers(n), load=1.0,
-                        act_bytes=2, calls=1, gpus_per_node=8, intra=c.intra, inter=c.inter)
+                        act_bytes=2, calls=1, forwards=1, gpus_per_node=8, intra=c.intra, inter=c.inter,
+                        kernel_launch_s=c.gpu.kernel_launch_s, dispatcher="alltoall")
     assert float(step["bytes_per_call"]) == per_call
 
 

@@ -41,7 +41,8 @@ MEGATRON_FLAGS = {
     "--expert-tensor-parallel-size",
     # the step-time options (TransformerConfig fields made flags by ArgumentGroupFactory, and
     # _add_training_args / _add_distributed_args): parsed and validated by the same parse_args
-    "--tp-comm-overlap", "--cp-comm-type", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
+    "--tp-comm-overlap", "--cp-comm-type", "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend",
+    "--moe-grouped-gemm",
     "--moe-permute-fusion", "--overlap-moe-expert-parallel-comm", "--no-masked-softmax-fusion",
     "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion",
     "--attention-backend", "--fp8-recipe",
@@ -343,7 +344,7 @@ NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_li
 KNOB_VALUES = {"stack": ("megatron", "deepspeed"), "dtype": ("bf16", "fp8"), "precision": ("megatron-bf16", "zero"),
                "dp_overlap": (0.0, 1.0), "tp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "ep_overlap": (0.0, 1.0),
                "fused_elementwise": (False, True), "flash_attention": (True, False), "fp8_recipe": ("delayed", "mxfp8"),
-               "bf16_layers": (0, 4), "grad_reduce_dtype": ("fp32", "bf16")}
+               "bf16_layers": (0, 4), "grad_reduce_dtype": ("fp32", "bf16"), "moe_dispatcher": ("alltoall", "flex")}
 KNOB_MOE = TransformerConfig(name="moe", layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, moe_experts=16,
                              moe_top_k=2, bias=False)
 KNOB_LAYOUTS = {  # each framework's layout with every dimension its config expresses > 1
@@ -512,3 +513,21 @@ def test_bf16_layers_become_megatrons_first_last_layers_flags(kept, start, end, 
     assert "--first-last-layers-bf16" not in megatron_flags(replace(plan, options=replace(plan.options,
                                                                                          fp8_recipe="delayed")))
     assert any(r.startswith("bf16_layers: Megatron-Core refuses") for r in delayed.retimed)
+
+
+def test_the_flex_dispatcher_is_written_and_accepted_by_megatrons_own_checks():
+    """moe_dispatcher flex (HybridEP, as Megatron-Bridge 25.11's rack recipes ran it) is written as
+    Megatron-LM's flags and passes its parse_args and Megatron-Core's TransformerConfig checks."""
+    from dtlib.frameworks.configs import check_emitted
+
+    layout = Parallelism(dp=8, ep=8, num_microbatches=2)
+    flags = {}
+    for dispatcher in ("alltoall", "flex"):
+        plan = TimedPlan(layout, KNOB_MOE, layout.global_batch, StepOptions(moe_dispatcher=dispatcher))
+        e = emit("megatron", plan)
+        flags[dispatcher] = e.data
+        assert "Megatron-Core's configs" in check_emitted(e, layout)
+    assert flags["flex"][flags["flex"].index("--moe-token-dispatcher-type") + 1] == "flex"
+    assert flags["flex"][flags["flex"].index("--moe-flex-dispatcher-backend") + 1] == "hybridep"
+    assert flags["alltoall"][flags["alltoall"].index("--moe-token-dispatcher-type") + 1] == "alltoall"
+    assert "--moe-flex-dispatcher-backend" not in flags["alltoall"]

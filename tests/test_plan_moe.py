@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dtlib.analytic.comm import collective_time, nccl_time
+from dtlib.analytic.comm import collective_time, nccl_latency, nccl_time
 from dtlib.analytic.hardware import Link, cluster
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import stage_parameters
@@ -28,6 +28,9 @@ MOE = TransformerConfig(name="moe-small", layers=4, hidden=512, heads=8, vocab=4
                         moe_experts=24, moe_top_k=2, moe_ffn=256)
 DENSE = MOE.with_(name="dense-small", moe_experts=0, moe_top_k=0, moe_ffn=None)
 OPTIONS = StepOptions(flash_attention=True, dp_overlap=0.0)
+# the token all-to-alls alone: padded buffers of exactly the balanced load (no metadata step, the same
+# bytes) and the flex dispatcher (no probabilities all-to-all)
+TOKENS_ONLY, MOE_PADDED = replace(OPTIONS, moe_dispatcher="flex"), MOE.with_(moe_capacity_factor=1.0)
 
 
 def pairwise(nbytes, n, link):
@@ -45,6 +48,11 @@ def nic(c):
     return c.inter.latency, c.inter_bandwidth_per_gpu
 
 
+def _nic_link(c):
+    """The NIC share as a link (the step time's inter-node link)."""
+    return Link("nic", c.inter_bandwidth_per_gpu, c.inter.latency, "")
+
+
 def routed_bytes(layout, model=MOE):
     """Bytes one rank dispatches per all-to-all: its sequence-parallel shard of b s tokens, top_k
     copies of h values in bf16."""
@@ -59,24 +67,73 @@ def test_the_all_to_all_moves_exactly_the_routed_tokens(layout):
     step's micro-batch routed top_k times: nothing duplicated across TP or CP ranks, nothing lost."""
     n = MOE.numbers() | layout.numbers()
     r = ep_comm_time(b=layout.micro_batch_size, s=MOE.seq, h=MOE.hidden, tp=layout.tp, cp=layout.cp,
-                     dp=layout.dp, ep=layout.ep, moe=moe_numbers(n), load=1.0, act_bytes=2, calls=1,
-                     gpus_per_node=8, intra=cluster().intra, inter=cluster().inter)
+                     dp=layout.dp, ep=layout.ep, moe=moe_numbers(n), load=1.0, act_bytes=2, calls=1, forwards=1,
+                     gpus_per_node=8, intra=cluster().intra, inter=cluster().inter, kernel_launch_s=3e-6,
+                     dispatcher="alltoall")
     ranks = layout.dp * layout.tp * layout.cp
     tokens = layout.dp * layout.micro_batch_size * MOE.seq
     assert r["bytes_per_call"] * ranks == pytest.approx(tokens * MOE.moe_top_k * MOE.hidden * 2, rel=1e-12)
 
 
+def extras(layout, c, per, load=1.0, dropless=True):
+    """What the alltoall dispatcher adds to the tokens' all-to-alls over ``per`` MoE layers x
+    micro-batches inside one node: the probabilities' all-to-all beside each dispatch (2), and,
+    dropless, the metadata step before each forward (1)."""
+    probs = routed_bytes(layout) / (MOE.hidden * 2) * 4 * load
+    return 2 * per * pairwise(probs, layout.ep, c.intra) + dropless * per * metadata(layout, c)
+
+
+def metadata(layout, c):
+    """The alltoall dispatcher's step before each forward all-to-all: the int64 token counts per expert
+    all-gathered over the etp x ep group, at NCCL's ring latency (a few KB), then the host's block on
+    their copy, after which the all-to-all is launched on an idle GPU (one launch floor)."""
+    return nccl_latency("all_gather", "ring", layout.ep * layout.etp, 1, c.intra, c.inter) + c.gpu.kernel_launch_s
+
+
 def test_ep_comm_is_dispatch_and_combine_forward_and_backward_by_hand():
+    """Megatron-Core's alltoall dispatcher per MoE layer and micro-batch: the tokens' dispatch and
+    combine all-to-alls forward and backward (4), the probabilities' all-to-all beside each dispatch
+    (2: top_k fp32 values per token), and the metadata step before each forward (1)."""
     layout = Parallelism(dp=8, tp=2, ep=4, sequence_parallel=True, num_microbatches=3)
     c = cluster("h100-sxm", 2, 8)
     r = step_time(MOE, layout, c, options=OPTIONS)
-    calls = 4 * MOE.layers * 3  # 2 forward + 2 backward per MoE layer and micro-batch
-    assert r.breakdown["ep_comm"] == pytest.approx(calls * pairwise(routed_bytes(layout), 4, c.intra), rel=1e-12)
-    full = step_time(MOE, layout.with_(recompute="full"), c, options=OPTIONS)
-    assert full.breakdown["ep_comm"] == pytest.approx(1.5 * r.breakdown["ep_comm"], rel=1e-12)
+    per = MOE.layers * 3  # MoE layers x micro-batches
+    probs = routed_bytes(layout) / (MOE.hidden * 2) * 4
+    a2a = 4 * per * pairwise(routed_bytes(layout), 4, c.intra) + 2 * per * pairwise(probs, 4, c.intra)
+    assert r.breakdown["ep_comm"] == pytest.approx(a2a + per * metadata(layout, c), rel=1e-12)
+    full = step_time(MOE, layout.with_(recompute="full"), c, options=OPTIONS)  # every forward once more
+    assert full.breakdown["ep_comm"] == pytest.approx(1.5 * a2a + 2 * per * metadata(layout, c), rel=1e-12)
     hidden = step_time(MOE, layout, c, options=StepOptions(flash_attention=True, dp_overlap=0.0, ep_overlap=0.25))
     assert r.breakdown["ep_comm"] < r.breakdown["compute"]  # compute enough to hide what is asked
-    assert hidden.breakdown["ep_comm"] == pytest.approx(0.75 * r.breakdown["ep_comm"], rel=1e-12)
+    # the overlap hides the all-to-alls, not the metadata step before them
+    assert hidden.breakdown["ep_comm"] == pytest.approx(0.75 * a2a + per * metadata(layout, c), rel=1e-12)
+    # the flex dispatcher carries the probabilities in its dispatch kernel; padded buffers need no metadata
+    flex = step_time(MOE, layout, c, options=replace(OPTIONS, moe_dispatcher="flex"))
+    assert flex.breakdown["ep_comm"] == pytest.approx(4 * per * pairwise(routed_bytes(layout), 4, c.intra)
+                                                      + per * metadata(layout, c), rel=1e-12)
+    padded = step_time(MOE.with_(moe_capacity_factor=1.0), layout, c, options=OPTIONS)
+    assert padded.breakdown["ep_comm"] == pytest.approx(a2a, rel=1e-12)
+
+
+def test_an_unknown_dispatcher_is_refused_by_name():
+    with pytest.raises(InvalidArgument, match="moe_dispatcher"):
+        StepOptions(moe_dispatcher="allgather")
+    with pytest.raises(InvalidArgument, match="moe_dispatcher"):
+        ep_comm_time(b=1, s=MOE.seq, h=MOE.hidden, tp=1, cp=1, dp=8, ep=8, moe=moe_numbers(MOE.numbers()), load=1.0,
+                     act_bytes=2, calls=4, forwards=1, gpus_per_node=8, intra=cluster().intra, inter=cluster().inter,
+                     kernel_launch_s=3e-6, dispatcher="deepep")
+
+
+def test_the_metadata_all_gather_crosses_the_nodes_the_ep_group_spans():
+    """ep 16 over 8-GPU nodes: NCCL's ring over 16 ranks on 2 nodes pays one network hop each way more
+    than inside one 16-GPU domain."""
+    layout = Parallelism(dp=16, ep=16)
+    apart, together = cluster("h100-sxm", 2, 8), cluster("h100-sxm", 1, 16)
+    r = ep_comm_time(b=1, s=MOE.seq, h=MOE.hidden, tp=1, cp=1, dp=16, ep=16, moe=moe_numbers(MOE.numbers()),
+                     load=1.0, act_bytes=2, calls=0, forwards=1, gpus_per_node=8, intra=apart.intra,
+                     inter=apart.inter, kernel_launch_s=0.0, dispatcher="alltoall")
+    assert r["metadata"] == pytest.approx(nccl_latency("all_gather", "ring", 16, 2, apart.intra, apart.inter))
+    assert r["metadata"] > nccl_latency("all_gather", "ring", 16, 1, together.intra, together.inter) > 0
 
 
 def test_ep_overlap_hides_no_more_than_the_moe_layers_compute():
@@ -87,9 +144,11 @@ def test_ep_overlap_hides_no_more_than_the_moe_layers_compute():
     exposed = step_time(MOE, layout, slow, options=OPTIONS)
     overlapped = step_time(MOE, layout, slow, options=StepOptions(flash_attention=True, dp_overlap=0.0,
                                                                    ep_overlap=1.0))
-    raw, compute = exposed.breakdown["ep_comm"], exposed.breakdown["compute"]
+    per = MOE.layers * 2
+    before = per * (nccl_latency("all_gather", "ring", 8, 8, slow.intra, _nic_link(slow)) + slow.gpu.kernel_launch_s)
+    raw, compute = exposed.breakdown["ep_comm"] - before, exposed.breakdown["compute"]
     assert raw > compute > 0  # every layer of MOE is an MoE layer
-    assert overlapped.breakdown["ep_comm"] == pytest.approx(raw - compute, rel=1e-12)
+    assert overlapped.breakdown["ep_comm"] == pytest.approx(raw - compute + before, rel=1e-12)
 
 
 def test_placement_leaves_nvlink_when_tp_x_ep_crosses_the_node_and_not_in_an_nvl72_rack():
@@ -98,8 +157,8 @@ def test_placement_leaves_nvlink_when_tp_x_ep_crosses_the_node_and_not_in_an_nvl
     nbytes = routed_bytes(layout)
     calls = 4 * MOE.layers
     hgx, nvl72 = cluster("h100-sxm", 9, 8), cluster("h100-sxm", 1, 72)
-    across = step_time(MOE, layout, hgx, options=OPTIONS).breakdown["ep_comm"]
-    inside = step_time(MOE, layout, nvl72, options=OPTIONS).breakdown["ep_comm"]
+    across = step_time(MOE_PADDED, layout, hgx, options=TOKENS_ONLY).breakdown["ep_comm"]
+    inside = step_time(MOE_PADDED, layout, nvl72, options=TOKENS_ONLY).breakdown["ep_comm"]
     etp_phases = calls * ring_phase(2 * nbytes, 2, hgx.intra)  # the ETP all-gather/reduce-scatter, in a node
     # 8-GPU nodes: 4 of the 12 EP ranks share a node; 8/12 of the buffer leaves through the NIC share
     latency, bandwidth = nic(hgx)
@@ -156,6 +215,7 @@ def test_imbalance_scales_only_the_expert_terms():
     # the all-to-all's bandwidth part doubles, its latency does not
     calls = 4 * MOE.layers * 2
     bandwidth_part = calls * 7 / 8 * routed_bytes(layout) / c.intra.bandwidth
+    bandwidth_part += calls / 2 * 7 / 8 * routed_bytes(layout) / (MOE.hidden * 2) * 4 / c.intra.bandwidth  # probs
     assert skewed.breakdown["ep_comm"] - even.breakdown["ep_comm"] == pytest.approx(bandwidth_part, rel=1e-9)
     assert skewed.breakdown["compute"] > even.breakdown["compute"]  # the busiest rank's expert GEMMs
     # a dense model has no experts to unbalance, nor an all-to-all to overlap
@@ -172,7 +232,8 @@ def test_a_capacity_factor_pads_every_expert_to_capacity_whatever_the_imbalance(
              for x in (1.0, 4.0)]
     assert times[0] == times[1]
     calls = 4 * MOE.layers
-    assert times[0]["ep_comm"] == pytest.approx(calls * pairwise(1.25 * routed_bytes(layout), 8, c.intra), rel=1e-12)
+    assert times[0]["ep_comm"] == pytest.approx(calls * pairwise(1.25 * routed_bytes(layout), 8, c.intra)
+                                                + extras(layout, c, MOE.layers, 1.25, dropless=False), rel=1e-12)
 
 
 def test_dense_layers_of_an_moe_model_cost_what_a_dense_model_s_layers_cost():
@@ -209,14 +270,17 @@ def test_more_smaller_experts_at_equal_flops_are_never_faster():
 
 def test_expert_tensor_parallelism_adds_the_etp_gather_and_splits_the_expert_gemms():
     c = cluster("h100-sxm", 1, 8)
-    one = step_time(MOE, Parallelism(dp=4, tp=2, ep=4, etp=1, sequence_parallel=True), c, options=OPTIONS)
-    two = step_time(MOE, Parallelism(dp=4, tp=2, ep=4, etp=2, sequence_parallel=True), c, options=OPTIONS)
+    layouts = [Parallelism(dp=4, tp=2, ep=4, etp=etp, sequence_parallel=True) for etp in (1, 2)]
+    one, two = (step_time(MOE, layout, c, options=OPTIONS) for layout in layouts)
     calls = 4 * MOE.layers
     nbytes = routed_bytes(Parallelism(dp=4, tp=2, sequence_parallel=True))
     # etp 1: ep 4 spans 4 ranks; etp 2: 8 ranks, still one node; + all-gather / reduce-scatter over 2
-    assert one.breakdown["ep_comm"] == pytest.approx(calls * pairwise(nbytes, 4, c.intra), rel=1e-12)
+    # (the dispatcher's metadata step over the etp x ep group)
+    assert one.breakdown["ep_comm"] == pytest.approx(calls * pairwise(nbytes, 4, c.intra)
+                                                     + extras(layouts[0], c, MOE.layers), rel=1e-12)
     assert two.breakdown["ep_comm"] == pytest.approx(calls * (pairwise(nbytes, 4, c.intra)
-                                                              + ring_phase(2 * nbytes, 2, c.intra)), rel=1e-12)
+                                                              + ring_phase(2 * nbytes, 2, c.intra))
+                                                     + extras(layouts[1], c, MOE.layers), rel=1e-12)
     # expert gradients: edp = tp x dp / (ep x etp) = 2 with etp 1, 1 with etp 2 (none to reduce)
     params = stage_parameters(**(MOE.numbers() | Parallelism(dp=4, tp=2, ep=4, etp=2).numbers()))["first"]
     dense = params["dense"] * 2  # bf16 gradients (the megatron stack's), in Megatron's buckets of 40M parameters

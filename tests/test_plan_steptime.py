@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from dtlib.analytic.comm import nccl_latency
 from dtlib.analytic.flops import megatron_flops_per_step
 from dtlib.analytic.hardware import cluster
 from dtlib.analytic.layout import Parallelism
@@ -213,7 +214,11 @@ def test_moe_layers_pay_all_to_all_and_dense_layers_do_not():
     act = 1 * 1024 * 4096 * 2 * 2   # b s h x 2 bytes x top_k
     link = c.intra
     one = 3 * link.latency + 3 / 4 * act / link.bandwidth
-    assert r.breakdown["ep_comm"] == pytest.approx(4 * 4 * one, rel=1e-9)
+    probs = 3 * link.latency + 3 / 4 * act / (4096 * 2) * 4 / link.bandwidth  # top_k fp32 router probabilities
+    # per MoE layer: the tokens' 4 all-to-alls, the probabilities' 2 (alltoall dispatcher, dtlib.plan.moe),
+    # the token counts all-gathered over the 4 EP ranks and the host's block before the forward's
+    metadata = nccl_latency("all_gather", "ring", 4, 1, link, c.inter) + c.gpu.kernel_launch_s
+    assert r.breakdown["ep_comm"] == pytest.approx(4 * (4 * one + 2 * probs + metadata), rel=1e-9)
     dense = step_time(moe.with_(moe_experts=0, moe_top_k=0), Parallelism(dp=8), c, options=NO_OVERLAP)
     assert dense.breakdown["ep_comm"] == 0
     assert np.isfinite(r.step_time)

@@ -71,14 +71,14 @@ EXPECTED = {
     'LLAMA3-8B FP8, 8 x B200 (NeMo 25.02)': (0.1713, True, 1),
     'LLAMA3-70B FP8, 64 x B200 (NeMo 25.02)': (0.1374, True, 41),
     'LLAMA3-405B FP8, 128 x B200 (NeMo 25.02)': (0.1075, True, 9),
-    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0342, True, 42),
-    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0075, True, 39),
+    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0389, True, 41),
+    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0100, True, 40),
     'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0556, True, 49),
     'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (0.0080, True, 2),
     'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.1498, True, 1),
     'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.1912, True, 17),
-    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1965, True, 2),
-    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0444, True, 125),
+    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1876, True, 2),
+    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0409, True, 122),
     'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (0.0075, True, 1),
     'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0410, True, 1),
     'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0147, True, 1),
@@ -115,32 +115,32 @@ EXPECTED = {
     'LLAMA2-7B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1652, True, 25),
     'LLAMA2-13B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1914, True, 17),
     'LLAMA2-70B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.0486, True, 43),
-    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.1002, True, 39),
+    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.1067, True, 37),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0208, True, 2),
     'LLAMA3_70B FP8-CS, 64 x GB300 (Megatron-Bridge 25.11)': (0.0895, True, 1),
     'LLAMA3.1_405B FP8-CS, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1101, True, 45),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0328, True, 5),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (0.0104, True, 15),
-    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4894, True, 2),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1005, True, 2),
-    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1102, True, 15),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0389, True, 5),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (0.0028, True, 15),
+    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4331, True, 2),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1029, True, 2),
+    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1136, True, 15),
     'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0590, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.1201, True, 2),
     'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.0971, True, 1),
     'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (0.0365, True, 36),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0909, True, 4),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0440, True, 12),
-    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.5068, True, 3),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0596, True, 1),
-    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0121, True, 18),
-    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1545, True, 7),
-    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (1.0798, True, 11),
-    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3481, True, 3),
-    'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3446, True, 12),
-    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3401, True, 18),
-    'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8177, True, 9),
-    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.2992, True, 8),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0786, True, 4),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0499, True, 12),
+    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.4098, True, 3),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0568, True, 1),
+    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0005, True, 18),
+    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1504, True, 7),
+    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (0.1795, True, 2),
+    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3319, True, 3),
+    'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3400, True, 12),
+    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3320, True, 18),
+    'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8141, True, 9),
+    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.1911, True, 10),
 }
 
 # held-out source: (GEMM, attention efficiency fitted without it, held-out error, in-sample error)
@@ -149,31 +149,31 @@ LOSO = {
     'Korthikanti 2022': (0.60, 0.50, 0.1136, 0.1136),
     'BLOOM 2022': (0.60, 0.50, 0.0111, 0.0111),
     'torchtitan': (0.60, 0.50, 0.1067, 0.1067),
-    'Megatron-Bridge': (0.60, 0.50, 0.1845, 0.1845),
+    'Megatron-Bridge': (0.60, 0.50, 0.1465, 0.1465),
     'NeMo 2024': (0.60, 0.50, 0.0775, 0.0775),
-    'NeMo 2025': (0.60, 0.50, 0.0922, 0.0922),
+    'NeMo 2025': (0.60, 0.50, 0.0918, 0.0918),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1041, 0.1041),
     'Trainy H200': (0.60, 0.45, 0.0791, 0.0343),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1334, 0.1334),
     'Llama 3 2024': (0.60, 0.50, 0.0765, 0.0765),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0993, 0.0993),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1281, 0.1281),
-    'DeepSeek-V3 2024': (0.60, 0.50, 0.1002, 0.1002),
+    'DeepSeek-V3 2024': (0.60, 0.50, 0.1067, 0.1067),
 }
 
 
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0856, 0.0856),
-    'h100': (61, 0.1147, 0.1147),
-    'b200': (14, 0.1884, 0.1884),
-    'gb200': (17, 0.1174, 0.1174),
+    'h100': (61, 0.1128, 0.1128),
+    'b200': (14, 0.1228, 0.1228),
+    'gb200': (17, 0.1098, 0.1098),
     'h200': (2, 0.0343, 0.0791),
-    'gb300': (11, 0.0995, 0.0995),
-    'h800': (1, 0.1002, 0.1002),
+    'gb300': (11, 0.0947, 0.0947),
+    'h800': (1, 0.1067, 0.1067),
 }
 # issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
-MISSED = {"mean_over_sources", "source", "family"}
+MISSED = {"mean_over_sources", "family"}
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1152, abs=5e-4)
+    assert mae == pytest.approx(0.1058, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -243,7 +243,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0973, abs=5e-4)
+    assert held_out == pytest.approx(0.0950, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 

@@ -19,7 +19,7 @@ MODEL = get_preset("llama3-8b")
 C = cluster("h100-sxm", 2, 8)
 TP_LAYOUT = Parallelism(dp=4, tp=4, num_microbatches=4, sequence_parallel=True, zero=1)
 SETTINGS = ("tp_overlap", "dp_overlap", "cp_overlap", "attention_kernel", "fused_elementwise", "fused_swiglu",
-            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision", "grad_reduce")
+            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision", "grad_reduce", "moe_dispatcher")
 
 
 def test_every_default_names_its_setting():

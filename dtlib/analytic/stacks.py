@@ -43,6 +43,11 @@ ATTENTION_KERNELS = ("fa3", "fa2")
 # MXFP8BlockScaling / Float8BlockScaling); torchao's tensorwise and
 # rowwise dynamic scaling (torchtitan float8.recipe_name)
 FP8_RECIPES = ("delayed", "current", "mxfp8", "blockwise", "tensorwise", "rowwise")
+# MoE token dispatchers, by whether the router probabilities cross the EP group in an all-to-all of their
+# own: "alltoall", Megatron-Core's MoEAlltoAllTokenDispatcher (token_dispatch sends permuted_probs after
+# the tokens); "flex", they do not (Megatron's flex dispatcher: DeepEP / HybridEP carry them in the dispatch
+# kernel; torchtitan and DeepSpeed-MoE weight the outputs on the token's own rank) (dtlib.plan.moe)
+MOE_DISPATCHERS = ("alltoall", "flex")
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class Stack:
     :mod:`dtlib.plan.gemm`, but the kernels launched per local expert differ,
     :data:`dtlib.plan.moe.EXPERT_LAUNCHES`); ``expert_loop``: the local experts' GEMMs run as one
     kernel launch (or more) per expert, not as one grouped kernel, so each expert adds its launches'
-    cost (:func:`dtlib.plan.moe.grouped_gemm_overhead`); ``precision``: bytes per parameter
+    cost (:func:`dtlib.plan.moe.grouped_gemm_overhead`); ``moe_dispatcher``: one of
+    :data:`MOE_DISPATCHERS` (:func:`dtlib.plan.moe.ep_comm_time`); ``precision``: bytes per parameter
     (:data:`dtlib.analytic.precision.CONVENTIONS`)."""
     name: str
     description: str
@@ -75,6 +81,7 @@ class Stack:
     fp8_recipe: str | None
     expert_loop: bool
     precision: str
+    moe_dispatcher: str
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +90,7 @@ class Stack:
         validate.one_of("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.fp8_recipe is not None:
             validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        validate.one_of("moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)
 
     def attention_scale(self, gpu: Accelerator) -> float:
         """The attention kernel's throughput relative to the FlashAttention-3/cuDNN kernels that
@@ -101,8 +109,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                       "(Megatron-Bridge / NeMo performance configs)",
           tp_overlap=1.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa3",
           fused_elementwise=True, fused_swiglu=True, fp8_saves_inputs=True, fp8_recipe="delayed",
-          expert_loop=True, precision="bf16-mixed",
+          expert_loop=True, precision="bf16-mixed", moe_dispatcher="alltoall",
           sources={
+              "moe_dispatcher": "alltoall: moe_token_dispatcher_type='alltoall' in Megatron-Bridge's MoE providers "
+                                "(models/gpt_oss/gpt_oss_provider.py at 166d498; the --emit megatron config's "
+                                "--moe-token-dispatcher-type alltoall); its token_dispatch all-to-alls the "
+                                "permuted_probs after the tokens (" + _MCORE + "moe/token_dispatcher.py); "
+                                "--moe-dispatcher flex for the flex dispatcher (DeepEP / HybridEP)",
               "tp_overlap": "1: CommOverlapConfig(tp_comm_overlap=True) in Megatron-Bridge's performance "
                             "recipes (Megatron-Core ModelParallelConfig.tp_comm_overlap, default False: "
                             "TE userbuffers overlap the TP all-gather/reduce-scatter with the GEMMs; "
@@ -148,8 +161,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe="tensorwise",
-          expert_loop=False, precision="fsdp-mixed",
+          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex",
           sources={
+              "moe_dispatcher": "flex: torchtitan models/moe/moe.py MoE.forward weights the routed outputs by "
+                                "top_scores on the token's own rank (before the dispatch with "
+                                "score_before_experts, else after the combine): no probabilities all-to-all",
               "tp_overlap": _TITAN + "parallelism.enable_async_tensor_parallel = False (async TP needs "
                             "torch.compile)",
               "dp_overlap": "FSDP2 fully_shard issues each block's all-gather and reduce-scatter on "
@@ -177,8 +193,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("deepspeed", "DeepSpeed ZeRO with a Hugging Face / Megatron-DeepSpeed model",
           tp_overlap=0.0, dp_overlap=0.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          expert_loop=True, precision="zero",
+          expert_loop=True, precision="zero", moe_dispatcher="flex",
           sources={
+              "moe_dispatcher": "flex: deepspeed/moe/sharded_moe.py MOELayer.forward applies combine_weights on "
+                                "the token's own rank after the second all-to-all: no probabilities all-to-all",
               "tp_overlap": "DeepSpeed has no TP communication overlap (AutoTP all-reduces after the "
                             "row-parallel linear)",
               "dp_overlap": "DeepSpeed config docs, zero_optimization.overlap_comm 'Attempts to overlap "
@@ -202,8 +220,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("fsdp", "PyTorch FSDP1 as llm-foundry (MosaicML) runs it",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          expert_loop=False, precision="fsdp-mixed",
+          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex",
           sources={
+              "moe_dispatcher": "flex: MegaBlocks dMoE (llm-foundry's MoE FFN) scales the expert outputs by the "
+                                "router weights on the token's rank (its scatter): no probabilities all-to-all",
               "tp_overlap": "no tensor parallelism in llm-foundry's FSDP recipes",
               "dp_overlap": "llm-foundry yamls fsdp_config: sharding_strategy: FULL_SHARD, "
                             "limit_all_gathers: true, no backward_prefetch given, so FSDP's default "

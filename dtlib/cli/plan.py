@@ -24,7 +24,7 @@ from dtlib.analytic.layout import RECOMPUTE_OPTIONS
 from dtlib.analytic.memory import stack_storage
 from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, get_precision, grad_reduce_dtype
 from dtlib.analytic.presets import activation_convention
-from dtlib.analytic.stacks import FP8_RECIPES
+from dtlib.analytic.stacks import FP8_RECIPES, MOE_DISPATCHERS
 from dtlib.analytic.units import GiB
 from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, finetune_args,
                             finetune_from_args, gpu_name, model_args, model_from_args, non_negative_int, parse_count,
@@ -129,6 +129,10 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--moe-imbalance", type=_at_least_one, metavar="X",
                    help="MoE, dropless routing: the busiest expert's tokens over the mean, 1 (balanced, "
                         "the default) to experts / top_k")
+    m.add_argument("--moe-dispatcher", choices=MOE_DISPATCHERS, default=None,
+                   help="MoE: alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher, the router probabilities in an "
+                        "all-to-all of their own) or flex (DeepEP / HybridEP carry them with the tokens); default: "
+                        "the --stack's")
     m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="FP8 scaling recipe (with --precision fp8): the kernels a per-expert GEMM loop launches "
                         "for each expert (default: the --stack's)")
@@ -294,7 +298,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           flash_attention=args.flash_attention, convention=activation,
                           gemm_efficiency=args.gemm_efficiency,
                           attention_efficiency=args.attention_efficiency, power_limit_w=args.power_limit,
-                          fp8_recipe=args.fp8_recipe, bf16_layers=args.bf16_layers,
+                          fp8_recipe=args.fp8_recipe, moe_dispatcher=args.moe_dispatcher, bf16_layers=args.bf16_layers,
                           grad_reduce_dtype=args.grad_reduce_dtype,
                           grad_accumulation_fusion=args.grad_accumulation_fusion,
                           grad_bucket_copy=args.grad_bucket_copy,
@@ -384,6 +388,7 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
     _, note = activation_convention(options.convention, options.flash_attention, dropout)
     return {"stack": stack.name, "tp_overlap": filled.tp_overlap, "cp_overlap": filled.cp_overlap,
             "ep_overlap": filled.ep_overlap, "moe_imbalance": filled.moe_imbalance,
+            "moe_dispatcher": filled.moe_dispatcher,
             "fp8_recipe": filled.fp8_recipe if filled.dtype == "fp8" else None,
             "bf16_layers": filled.bf16_layers if filled.dtype != "bf16" else None,
             "dp_overlap": filled.dp_overlap if filled.dp_overlap is not None
@@ -419,7 +424,8 @@ def _clause(source: str) -> str:
 def _text(d: dict[str, Any]) -> str:
     a = d["assumed"]
     moe = d["experts"] > 0
-    moe_options = f"EP overlap {a['ep_overlap']:g}, expert imbalance {a['moe_imbalance']:g}, " if moe else ""
+    moe_options = (f"EP overlap {a['ep_overlap']:g}, expert imbalance {a['moe_imbalance']:g}, "
+                   f"{a['moe_dispatcher']} dispatcher, " if moe else "")
     if a["fp8_recipe"]:
         moe_options += f"FP8 recipe {a['fp8_recipe']}, "
     etp_head, etp_cells = (f" {'etp':>3}", lambda c: f" {c['etp']:>3}") if moe else ("", lambda c: "")

@@ -35,6 +35,22 @@ the inter-node link. With ``etp > 1`` the dispatched tokens are then all-gathere
 group and the expert outputs reduce-scattered back (``gather_from_sequence_parallel_region`` /
 ``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
 
+**Beside the tokens**, the alltoall dispatcher (Megatron-Core 0.16 ``token_dispatcher.py``) sends the
+router probabilities in an all-to-all of their own after each dispatch (and their gradient back); the
+flex dispatcher's DeepEP / HybridEP kernels carry them with the tokens, and torchtitan or DeepSpeed-MoE
+never send them (``dispatcher`` "flex"). And dropless routing starts every MoE layer's forward with two
+latency-bound steps, whatever the dispatcher: the per-expert token counts are exchanged over the
+``etp x ep`` group and read by the host, which blocks on them because the all-to-all's split sizes (or
+the output buffers) must be host numbers. Megatron's alltoall dispatcher all-gathers them with NCCL
+(``dispatch_preprocess``, over ``tp_ep_group``) and blocks in ``_maybe_dtoh_and_synchronize`` at
+``before_ep_alltoall``; HybridEP and DeepEP exchange them in their own preprocessing kernel and sync on
+``num_permuted_tokens`` (Megatron's ``fused_a2a.py``: without it "causes a D2H synchronization");
+torchtitan all-to-alls them and calls ``.tolist()``. Each is timed as NCCL's ring all-gather latency over
+the group (:func:`dtlib.analytic.comm.nccl_latency`). The block drains the GPU's queue, so the kernel
+launched after it pays the launch floor on an idle GPU (:mod:`dtlib.plan.launches`); the host's own
+wake-up is not counted (no measurement of it found). With padded buffers (a capacity factor) the sizes
+are static: neither step.
+
 Pure numpy; every argument may be an array (one entry per layout of the search).
 """
 from __future__ import annotations
@@ -44,11 +60,13 @@ from typing import Any
 import numpy as np
 
 from dtlib.analytic import validate
-from dtlib.analytic.comm import collective_time
+from dtlib.analytic.comm import collective_time, nccl_latency
 from dtlib.analytic.hardware import Link
+from dtlib.analytic.stacks import MOE_DISPATCHERS
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
-           "all_to_all_time", "ep_comm_time", "PERMUTE_PASSES", "SORT_PASSES", "STORED_PASSES",
+           "all_to_all_time", "ep_comm_time", "PROBS_BYTES", "COUNT_BYTES", "PERMUTE_PASSES", "SORT_PASSES",
+           "STORED_PASSES",
            "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "EXPERT_LAUNCHES", "grouped_gemm_overhead"]
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
@@ -69,6 +87,17 @@ SORT_PASSES = 8
 # routed copy per token and expert, dtlib.analytic.activations.layer_bytes) is written forward, read and
 # its gradient written backward (Korthikanti et al. 2022, Sec. 4.1's 3 passes per stored tensor)
 STORED_PASSES = 3
+
+# Router probabilities sent beside the dispatched tokens, bytes per routed copy: the alltoall dispatcher's
+# token_dispatch all-to-alls them in a call of their own after the tokens' (Megatron-Core 0.16
+# token_dispatcher.py, MoEAlltoAllTokenDispatcher.token_dispatch: all_to_all(..., permuted_probs, ...)), in the
+# router's dtype: FP32 with moe_router_dtype="fp32" (Megatron-Bridge's Qwen3 MoE providers), BF16 when unset
+# (2 bytes: a 1/(h x 2) share of the tokens' bytes either way; the call's latency is what counts)
+PROBS_BYTES = 4
+# Bytes per expert of the token counts the dispatcher all-gathers over the etp x ep group before each
+# forward all-to-all (dispatch_preprocess: routing_map.sum(dim=0).long(), gathered with
+# gather_from_sequence_parallel_region over tp_ep_group): int64
+COUNT_BYTES = 8
 
 # Seconds each expert adds to each kernel Transformer Engine launches for it (GroupedLinear ->
 # nvte_multi_tensor_gemm: one cuBLASLt GEMM per expert, issued round-robin on several CUDA streams,
@@ -158,22 +187,40 @@ def all_to_all_time(nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Lin
 
 
 def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, moe: dict[str, Any],
-                 load: Any, act_bytes: float, calls: Any, gpus_per_node: int, intra: Link,
-                 inter: Link) -> dict[str, Any]:
+                 load: Any, act_bytes: float, calls: Any, forwards: Any, gpus_per_node: int, intra: Link,
+                 inter: Link, kernel_launch_s: float, dispatcher: str) -> dict[str, Any]:
     """EP communication of one rank per step, before overlap: ``calls`` all-to-alls (4 per MoE
     layer and micro-batch, 6 with full recompute) of the dispatched tokens' bytes
     (``bytes_per_call``), plus as many ETP all-gathers / reduce-scatters of ``etp`` x that when
-    ``etp > 1``. Returns ``all_to_all``, ``etp`` (seconds) and ``bytes_per_call``."""
+    ``etp > 1``; with the ``alltoall`` ``dispatcher`` (:data:`dtlib.analytic.stacks.MOE_DISPATCHERS`) the
+    router probabilities' all-to-all beside each dispatch (``calls / 2``: the dispatch forward, its
+    gradient backward, the forward again with full recompute); and, with either, in each
+    of the ``forwards`` forward passes of an MoE layer (1 per layer and micro-batch, 2 with full
+    recompute), the dispatcher's metadata all-gather and host synchronisation (module docstring,
+    :data:`COUNT_BYTES`). Returns ``all_to_all``, ``etp``, ``probs`` and ``metadata`` (seconds) and
+    ``bytes_per_call``."""
+    validate.one_of("moe_dispatcher", dispatcher, MOE_DISPATCHERS)
     etp = moe["etp"]
     grid = expert_grid(tp, cp, dp, ep, etp, gpus_per_node)
     tokens = b * s / (cp * tp)
     nbytes = moe["moe"] * tokens * moe["top_k"] * h * act_bytes * load
     a2a = calls * all_to_all_time(nbytes, ep, grid["ep_local"], intra, inter)
+    copies = moe["moe"] * tokens * moe["top_k"] * load
+    probs = (dispatcher == "alltoall") * calls / 2 * all_to_all_time(copies * PROBS_BYTES, ep, grid["ep_local"],
+                                                                     intra, inter)
     gathered = nbytes * etp
     within = (etp <= gpus_per_node) & (gpus_per_node % etp == 0)
     etp_time = np.where(within, collective_time("all_gather", gathered, etp, intra),
                         collective_time("all_gather", gathered, etp, inter))
-    return {"all_to_all": a2a, "etp": calls * etp_time, "bytes_per_call": nbytes}
+    # dropless only: with padded buffers (a capacity factor) the sizes are known on the host; one EP rank
+    # exchanges nothing (its host still copies the counts for GroupedLinear: one launch floor, not counted)
+    dropless = moe["moe"] * (moe["capacity_factor"] <= 0) * (etp * ep > 1)
+    # a few KB (experts x COUNT_BYTES per rank): NCCL's ring latency over the group's nodes is its time
+    nodes = np.ceil(ep / np.maximum(grid["ep_local"], 1))
+    gather = nccl_latency("all_gather", "ring", etp * ep, nodes, intra, inter)
+    metadata = forwards * dropless * (gather + kernel_launch_s)
+    return {"all_to_all": a2a, "etp": calls * etp_time, "probs": probs, "metadata": metadata,
+            "bytes_per_call": nbytes}
 
 
 def permutation_bytes(*, tokens: Any, h: Any, moe: dict[str, Any], load: Any, local_experts: Any,

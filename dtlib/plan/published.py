@@ -145,6 +145,7 @@ class PublishedRun:
     Megatron-LM's stored scores and dropout), ``flash_attention``, ``dropout``,
     ``fused_elementwise`` (eager vs torch.compile runs), ``tp_overlap`` (async TP on or off),
     ``ep_overlap`` (1: the run overlapped its EP all-to-alls, Megatron's ``moe_a2a_overlap``),
+    ``moe_dispatcher`` (``flex``: a megatron run with the flex dispatcher, DeepEP / HybridEP),
     ``precision`` (bytes per parameter, :data:`dtlib.analytic.precision.CONVENTIONS` or a dtype name:
     e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients).
     ``finetune`` what the run trained (:data:`dtlib.analytic.finetune.FINETUNE`: ``full``, every weight,
@@ -170,6 +171,7 @@ class PublishedRun:
     fused_elementwise: bool | None = None
     tp_overlap: float | None = None
     ep_overlap: float = 0.0
+    moe_dispatcher: str | None = None
     note: str = field(default="")
     precision: str | None = None
     finetune: str = "full"
@@ -714,14 +716,16 @@ def deepseek_v3_runs() -> list[PublishedRun]:
                     recompute_modules=("layernorm", "mla_up_proj")),
         metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
         reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",
-        dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0,
+        dropout=False, dtype="fp8", fp8_recipe="blockwise", ep_overlap=1.0, moe_dispatcher="flex",
         precision=_FP32_GRADS,  # Sec. 3.3.1: "master weights ... and gradients ... are still retained in FP32"
         note="tokens/s/GPU = 1e12 / (180,000 x 3,600 s), an average over the whole pre-training (the batch "
              "ramp included; timed at the final 15,360 sequences); DualPipe as ep_overlap 1.0 (Sec. 3.2.1; its "
              "bidirectional schedule's smaller bubble is not modelled: timed as 1F1B, interleaving left to the "
              "planner); recompute of all RMSNorm and the MLA up-projections (Sec. 3.3.2) as recompute_modules "
              "layernorm and mla_up_proj; fine-grained FP8 (1 x 128 activation tiles, 128 x 128 weight blocks, "
-             "Sec. 3.3.2) as the blockwise recipe; the MTP module (depth 1), node-limited routing (4 nodes per "
+             "Sec. 3.3.2) as the blockwise recipe; its own dispatch kernels (Sec. 3.2.2; DeepEP, their open "
+             "release, dispatches topk_weights with x in one kernel) as moe_dispatcher flex; the MTP module "
+             "(depth 1), node-limited routing (4 nodes per "
              "token), FP8 activation caching and the 20 SMs kept for communication not modelled; micro-batch "
              "not stated (planner's choice); inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
 
@@ -780,7 +784,7 @@ _BRIDGE_MOE_RECIPE = {
                                  "decoder layers per stage and 1 + MTP + loss on the last",
     ("DGX-GB300", "gpt-oss-120b"): "alltoall dispatcher, CUDA graphs attn/moe_router/moe_preprocess",
     ("DGX-GB200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
-    ("DGX-B200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act (recipe file: EP 64)",
+    ("DGX-B200", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
     ("DGX-H100", "gpt-oss-120b"): "alltoall dispatcher, recompute_modules layernorm/moe_act",
     ("DGX-GB300", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
     ("DGX-GB200", "qwen3-30b-a3b"): "HybridEP flex dispatcher, CUDA graphs moe_router/moe_preprocess",
@@ -808,6 +812,11 @@ _BRIDGE_OVERLAP = {
     ("DGX-B200", "qwen3-235b-a22b"): dict(ep_overlap=1.0),
     ("DGX-H100", "qwen3-235b-a22b"): dict(ep_overlap=1.0, tp_overlap=0.0),
 }
+# the rows whose recipe ran the flex dispatcher with HybridEP (moe_token_dispatcher_type="flex",
+# moe_flex_dispatcher_backend="hybridep": the GB200/GB300 Qwen3 and DeepSeek-V3 configs of
+# workload_base_configs.py at 166d498, _BRIDGE_MOE_RECIPE's notes); the others ran the alltoall dispatcher
+_BRIDGE_FLEX = {(system, preset) for system in ("DGX-GB300", "DGX-GB200")
+                for preset in ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b")}
 # The pipeline splits (Megatron-LM accepts an uneven one only through a layout string or the
 # first/last-stage flags, dtlib.analytic.layout.split_problem): DeepSeek-V3's 61 layers are placed by
 # a --pipeline-model-parallel-layout string (set_deepseek_v3_pipeline_model_parallel_layout,
@@ -826,12 +835,22 @@ _BRIDGE_MEMORY = {
     ("DGX-B200", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
     ("DGX-H100", "gpt-oss-120b"): dict(recompute_modules=("layernorm", "moe_act")),
 }
-# where a table row contradicts itself, the recipe file decides: the H100 GPT-OSS row's MBS 4 at PP 4
+# where a table row is contradicted by the table's own numbers, the recipe file at the summary's commit
+# decides, with the contradiction in the row's note. Its own columns: the H100 GPT-OSS row's MBS 4 at PP 4
 # (DP 16) gives 512 / (4 x 16) = 8 micro-batches, but its GA column says 2; the 25.11 recipe
-# (GPT_OSS_120B_H100_BF16_BASE_CONFIG, which keeps BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1)
-# runs MBS 1. Rows whose table numbers agree keep them, even where their recipe file differs.
+# (GPT_OSS_120B_H100_BF16_BASE_CONFIG, which keeps BASE_GPT_OSS_120B_CONFIG's micro_batch_size=1) runs MBS 1.
+# The same summary's later releases, which measured both settings on the same system: the B200 GPT-OSS row
+# prints EP 8, its recipe (GPT_OSS_120B_B200_BF16_BASE_CONFIG) EP 64; the 26.02 container's table runs the
+# model on the same 64 DGX-B200 at MBS 4 and seq 4096 (GBS 1280 there, 512 here: with EP 64 no expert
+# gradients are reduced, so the batch hardly matters) at EP 64 at 8,047 tokens/s/GPU, and from 26.02.01 on
+# at EP 8 at 13,045-13,722 (docs/performance-summary-archive.md at 067f987): the row's 8,213 is the EP-64
+# number, as its recipe has it. Rows whose numbers nothing contradicts keep them, even where their recipe
+# file differs.
 _BRIDGE_RECIPE_OVER_TABLE = {
-    ("DGX-H100", "gpt-oss-120b"): dict(micro_batch_size=1),
+    ("DGX-H100", "gpt-oss-120b"): (dict(micro_batch_size=1), "the table's MBS 4 contradicts its own GA column"),
+    ("DGX-B200", "gpt-oss-120b"): (dict(ep=64), "the table's EP 8 runs 13,045-13,722 tokens/s/GPU on the same "
+                                                "64 DGX-B200 from the 26.02.01 summary on, EP 64 8,047 (26.02): "
+                                                "this row's 8,213 is the recipe's EP 64"),
 }
 _SYSTEMS = {"DGX-GB300": "gb300", "DGX-GB200": "gb200", "DGX-B200": "b200", "DGX-H100": "h100-sxm"}
 
@@ -854,7 +873,7 @@ def pending_runs() -> list[PublishedRun]:
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
                       micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
                       **_BRIDGE_MEMORY.get((system, preset), {}), **_BRIDGE_SPLIT.get(preset, {}))
-        over_table = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), {})
+        over_table, contradiction = _BRIDGE_RECIPE_OVER_TABLE.get((system, preset), ({}, ""))
         layout.update(over_table)
         moe = ep > 1 or model.moe_experts > 0
         note = ("MoE: ETP 1 (recipes' BASE config), token-dropless with force-balanced routing (the table's "
@@ -863,12 +882,13 @@ def pending_runs() -> list[PublishedRun]:
         if (system, preset) in _BRIDGE_MOE_RECIPE:
             note += "; recipe: " + _BRIDGE_MOE_RECIPE[system, preset]
         if over_table:
-            note += (f"; the table's MBS {mbs} contradicts its own GA column, so the recipe file's "
-                     f"{over_table} is timed")
+            note += f"; {contradiction}, so the recipe file's {over_table} is timed"
         if "w/ MTP" in label:
             note += "; with the multi-token-prediction layer, which dtlib does not model"
         run = _bridge_run(gpu, model, gpus, batch, layout, tps, "bf16" if recipe == "BF16" else "fp8", recipe,
                           system, cl=cl, note=note)
+        if (system, preset) in _BRIDGE_FLEX:
+            run = replace(run, moe_dispatcher="flex")
         rows.append(replace(run, **_BRIDGE_OVERLAP.get((system, preset), {}),
                             name=f"{label} {recipe}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 25.11)"))
     return rows

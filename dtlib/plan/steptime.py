@@ -53,7 +53,7 @@ from dtlib.plan.vocab_parallel import CROSS_ENTROPY_ALL_REDUCES, vocab_parallel_
 from dtlib.plan.stages import slowest_stage
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
-from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, get_stack
+from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, MOE_DISPATCHERS, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
            "memory_kwargs", "with_finetune"]
@@ -73,7 +73,10 @@ class StepOptions:
     :mod:`dtlib.plan.eager`), ``precision`` (bytes per parameter: memory, gradient and optimizer
     traffic), ``fp8_recipe`` (:data:`dtlib.analytic.stacks.FP8_RECIPES`: the kernels launched per
     local expert with FP8, :data:`dtlib.plan.moe.EXPERT_LAUNCHES`; a stack without a recipe of its
-    own is taken as current scaling), ``grad_reduce_dtype`` (:data:`~dtlib.analytic.precision.GRAD_REDUCE_DTYPES`:
+    own is taken as current scaling), ``moe_dispatcher`` (:data:`dtlib.analytic.stacks.MOE_DISPATCHERS`:
+    whether the router probabilities cross the EP group in an all-to-all of their own, Megatron-Core's
+    alltoall dispatcher, or not, its flex dispatcher and the other stacks; :func:`dtlib.plan.moe.ep_comm_time`),
+    ``grad_reduce_dtype`` (:data:`~dtlib.analytic.precision.GRAD_REDUCE_DTYPES`:
     the dtype the data-parallel gradients are kept and reduced in, which sets ``precision``'s gradient
     bytes; None: the precision's own, the stack's by default) and ``attention_efficiency`` (None: the fitted :data:`~dtlib.plan.calibration.ATTENTION_EFFICIENCY`
     x the stack's attention kernel relative to FlashAttention-3, :meth:`~dtlib.analytic.stacks.Stack.attention_scale`).
@@ -130,6 +133,7 @@ class StepOptions:
     power_limit_w: float | None = None
     fused_elementwise: bool | None = None
     fp8_recipe: str | None = None
+    moe_dispatcher: str | None = None
     ep_overlap: float = 0.0
     moe_imbalance: float = 1.0
     bf16_layers: int = 0
@@ -169,6 +173,8 @@ class StepOptions:
             validate.one_of("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         if self.fp8_recipe is not None:
             validate.one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.moe_dispatcher is not None:
+            validate.one_of("moe_dispatcher", self.moe_dispatcher, MOE_DISPATCHERS)
         activation_convention(self.convention, self.flash_attention)
 
 
@@ -180,7 +186,8 @@ def resolve(options: StepOptions, dropout: bool | None = None) -> tuple[StepOpti
     stack = get_stack(options.stack)
     counted, _ = activation_convention(options.convention, options.flash_attention, dropout)
     same_dp = stack.dp_overlap == stack.dp_overlap_zero3
-    filled = {"precision": stack.precision, "fp8_recipe": stack.fp8_recipe, "tp_overlap": stack.tp_overlap, "cp_overlap": stack.cp_overlap,
+    filled = {"precision": stack.precision, "fp8_recipe": stack.fp8_recipe, "moe_dispatcher": stack.moe_dispatcher,
+              "tp_overlap": stack.tp_overlap, "cp_overlap": stack.cp_overlap,
               "fused_elementwise": stack.fused_elementwise, "flash_attention": counted.flash_attention,
               "dp_overlap": stack.dp_overlap if same_dp else None}
     options = replace(options, **{k: v for k, v in filled.items() if getattr(options, k) is None})
@@ -396,12 +403,15 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     load = expert_load(moe, options.moe_imbalance)
     ep_calls = (4 + 2 * full) * moe_here * m
     ep_parts = ep_comm_time(b=b, s=s, h=h, tp=tp, cp=cp, dp=dp, ep=ep, moe=moe, load=load,
-                            act_bytes=prec.activation, calls=ep_calls, gpus_per_node=g,
-                            intra=intra, inter=inter)
+                            act_bytes=prec.activation, calls=ep_calls, forwards=(1 + full) * moe_here * m,
+                            gpus_per_node=g, intra=intra, inter=inter, kernel_launch_s=gpu.kernel_launch_s,
+                            dispatcher=options.moe_dispatcher)
     # overlap hides an all-to-all behind another micro-batch's compute of the same MoE layers (DeepSeek-V3's
-    # DualPipe, Sec. 3.2.1; Megatron's --overlap-moe-expert-parallel-comm): never more than that compute
-    ep_raw = ep_parts["all_to_all"] + ep_parts["etp"]
-    ep_comm = ep_raw - options.ep_overlap * np.minimum(ep_raw, moe_here / np.maximum(layers_here, 1) * compute)
+    # DualPipe, Sec. 3.2.1; Megatron's --overlap-moe-expert-parallel-comm): never more than that compute; the
+    # dispatcher's metadata step and host synchronisation come before the all-to-all it overlaps: exposed
+    ep_raw = ep_parts["all_to_all"] + ep_parts["etp"] + ep_parts["probs"]
+    ep_comm = (ep_raw - options.ep_overlap * np.minimum(ep_raw, moe_here / np.maximum(layers_here, 1) * compute)
+               + ep_parts["metadata"])
     # ---- memory-bound layers: the activation tensors' HBM traffic ---------------------------
     # averaged over the model's dense / MoE and sliding / global layers (dtlib.analytic.activations)
     per_layer = n | dict(dropout=dropout, act_bytes=prec.activation)

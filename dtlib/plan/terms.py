@@ -61,8 +61,11 @@ TERMS: dict[str, str] = {
                "Megatron-Core MoEAlltoAllTokenDispatcher), on NVLink when the EP group's etp x ep "
                "consecutive ranks fit a node (Megatron-Core's expert grid), else bounded by the NIC "
                "share per GPU (DeepSeek-V3 report, Sec. 3.2.2); with etp > 1 an all-gather and a "
-               "reduce-scatter over the ETP group; exposed but for ep_overlap x the MoE layers' compute, "
-               "the most another micro-batch's work can hide (dtlib.plan.moe)",
+               "reduce-scatter over the ETP group; with Megatron-Core's alltoall dispatcher the router "
+               "probabilities' own all-to-all beside each dispatch, and, dropless, the token counts "
+               "all-gathered over etp x ep and read by the blocking host before each forward all-to-all "
+               "(token_dispatcher.py); exposed but for ep_overlap x the MoE layers' compute, the most "
+               "another micro-batch's work can hide (dtlib.plan.moe)",
     "pp_p2p": "each stage boundary sends the micro-batch's activations forward and their gradients "
               "back (x v chunks interleaved), point to point on the link between stages (Narayanan "
               "et al. 2021, Sec. 4.1), each of the t tensor ranks sending 1/t of it (their "

@@ -58,7 +58,8 @@ def _options(run: PublishedRun, gemm: Any = None, attention: Any = None) -> Step
                        gemm_efficiency=GEMM_EFFICIENCY if gemm is None else gemm,
                        attention_efficiency=attention * scale, tp_overlap=run.tp_overlap,
                        fused_elementwise=run.fused_elementwise, precision=run.precision,
-                       ep_overlap=run.ep_overlap, fp8_recipe=run.fp8_recipe or None)
+                       ep_overlap=run.ep_overlap, fp8_recipe=run.fp8_recipe or None,
+                       moe_dispatcher=run.moe_dispatcher)
 
 
 def _fixed(run: PublishedRun) -> dict[str, Any]:

@@ -46,6 +46,10 @@ def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     if precision_bytes(o.precision) != precision_bytes("zero"):
         out["precision"] = ("zero", "DeepSpeed's bf16/fp16 ZeRO keeps 16-bit gradients and fp32 master weights "
                                     "and Adam states (2 + 2 + 12 bytes): re-timed with those bytes")
+    if p.ep > 1 and o.moe_dispatcher == "alltoall":
+        out["moe_dispatcher"] = ("flex", "DeepSpeed-MoE applies combine_weights on the token's own rank "
+                                             "(moe/sharded_moe.py): "
+                                             "no probabilities all-to-all; re-timed without it")
     return out
 
 

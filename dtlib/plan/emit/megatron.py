@@ -177,7 +177,7 @@ def _bf16_grads(o: StepOptions) -> bool:
 
 def _megatron_run_flags(plan: TimedPlan, o: StepOptions) -> list[str]:
     """The flags of the step-time options (``o``, as :func:`realize` leaves them): TP and EP
-    overlap, CP's p2p ring, the MoE dispatcher the planner times (all-to-all, Transformer Engine's
+    overlap, CP's p2p ring, the MoE dispatcher the planner times (all-to-all or flex, Transformer Engine's
     grouped experts, fused permutation; Megatron's defaults are allgather, a loop of experts and
     unfused), the elementwise fusions (on by default) and the attention kernel."""
     p, m, f = plan.layout, plan.model, []
@@ -186,7 +186,9 @@ def _megatron_run_flags(plan: TimedPlan, o: StepOptions) -> list[str]:
     if o.cp_overlap and p.cp > 1:  # TE's p2p ring sends the next K/V block during attention
         f += ["--cp-comm-type", "p2p"]
     if m.moe_experts:
-        f += ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+        # the flex dispatcher with HybridEP, as Megatron-Bridge 25.11's GB200/GB300 recipes run it
+        f += (["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+              if o.moe_dispatcher == "flex" else ["--moe-token-dispatcher-type", "alltoall"]) + ["--moe-grouped-gemm"]
         f += ["--moe-permute-fusion"] if o.fused_elementwise else []
         f += ["--overlap-moe-expert-parallel-comm"] if o.ep_overlap and p.ep > 1 else []
     if not o.fused_elementwise:

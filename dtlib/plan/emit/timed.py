@@ -137,7 +137,8 @@ def run_options(framework: str, plan: TimedPlan, realize: Realize) -> tuple[Step
 
 
 # the fields resolve() fills from the stack: a new stack fills them again
-_STACK_FILLED = ("precision", "fp8_recipe", "tp_overlap", "cp_overlap", "fused_elementwise", "dp_overlap")
+_STACK_FILLED = ("precision", "fp8_recipe", "moe_dispatcher", "tp_overlap", "cp_overlap", "fused_elementwise",
+                 "dp_overlap")
 
 
 def retime(plan: TimedPlan, options: StepOptions, headroom: float = 1.0) -> dict[str, Any] | None:

@@ -125,6 +125,10 @@ def realize(plan: TimedPlan, o: StepOptions) -> dict[str, tuple[Any, str]]:
     if precision_bytes(o.precision) != precision_bytes("fsdp-mixed"):
         out["precision"] = ("fsdp-mixed", "FSDP2 mixed precision keeps fp32 parameter and gradient shards "
                                           "(mixed_precision_param bfloat16): re-timed with those bytes")
+    if p.ep > 1 and o.moe_dispatcher == "alltoall":
+        out["moe_dispatcher"] = ("flex", "torchtitan weights the expert outputs by top_scores on the token's own "
+                                             "rank (models/moe/moe.py): "
+                                             "no probabilities all-to-all; re-timed without it")
     return out
 
 
