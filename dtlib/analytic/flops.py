@@ -13,6 +13,13 @@ Conventions (explicit options):
   formulas and FlopCounterMode do; ``"causal"`` halves it (only the unmasked half is useful work).
 * ``count_logits=True`` (default) counts the vocabulary projection (Megatron-LM formula);
   the input embedding is a lookup and never counts. ``False`` gives the "non-embedding" 6N.
+* ``packed_flops`` (:data:`PACKED_FLOPS`): with packed sequences (``packed_doc_length`` L > 0 in the
+  shape: documents of L tokens each, attending only within themselves; :func:`keys_per_query`) the
+  hardware FLOPs always count the documents' attention, what the variable-length kernels run; the
+  model FLOPs count it too with ``"documents"``, or over the whole sequence with ``"sequence"``
+  (default), as Megatron-LM's ``num_floating_point_operations`` (``args.seq_length``) and torchtitan's
+  ``get_num_flop_per_token`` (``seq_len``) do whatever the data's document mask, so that MFU compares
+  with the MFU those frameworks log.
 
 For GPT blocks the general count equals Narayanan et al. 2021 eq. (3) exactly (tests check it).
 MFU divides model FLOPs by ``step_time * gpus * peak`` with the peak from :mod:`dtlib.analytic.hardware`.
@@ -30,9 +37,17 @@ from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, r
 
 __all__ = ["matmul_params_per_layer", "layers_matmul_params", "keys_per_query", "forward_flops_per_token",
            "attention_flops_per_token", "step_flops", "recompute_flops_per_token", "megatron_flops_per_step",
-           "palm_flops_per_token", "six_n_flops_per_token", "utilization", "flops_report", "shape_of", "ATTENTION"]
+           "palm_flops_per_token", "six_n_flops_per_token", "utilization", "flops_report", "shape_of", "ATTENTION",
+           "PACKED_FLOPS", "check_packed"]
 
 ATTENTION = ("full", "causal")
+# what model FLOPs count of a packed sequence's attention (module docstring)
+PACKED_FLOPS = ("sequence", "documents")
+
+
+def check_packed(packed_doc_length: Any, seq: Any) -> int:
+    """``packed_doc_length`` as an int: tokens per packed document, 1..``seq``."""
+    return validate.integer("packed_doc_length", packed_doc_length, minimum=1, maximum=int(np.min(seq)))
 
 
 def _attention_factor(attention: str) -> float:
@@ -76,31 +91,42 @@ def layers_matmul_params(*, layers: Any, hidden: Any, heads: Any, kv_heads: Any,
     return (layers - moe_layers) * dense + moe_layers * moe
 
 
-def keys_per_query(seq: Any, window: Any = 0, attention: str = "full") -> Any:
+def keys_per_query(seq: Any, window: Any = 0, attention: str = "full", packed_doc_length: Any = 0) -> Any:
     """Keys each query is counted against: ``seq`` (or ``window`` when 0 < window < seq) under the
     ``"full"`` convention; under ``"causal"`` the mean over queries of min(window, position), taken
     continuously, w - w^2 / 2s (= s/2 without a window, Megatron-Core's causal halving). A
-    sliding-window kernel (FlashAttention's ``window_size``, Mistral 7B Sec. 2) does O(s w) work."""
+    sliding-window kernel (FlashAttention's ``window_size``, Mistral 7B Sec. 2) does O(s w) work.
+
+    Packed sequences (``packed_doc_length`` L, 0 < L <= seq): each query sees only its own document,
+    so L takes the place of ``seq`` (s/L documents of L^2 / 2 causal pairs each: s L / 2 per sequence
+    instead of s^2 / 2), as the variable-length kernels run them (FlashAttention-2's
+    ``flash_attn_varlen_func`` with ``cu_seqlens``, Megatron-Core's THD format / ``PackedSeqParams``;
+    NeMo's sequence packing docs: attention costs sum_i s_i^2, not (sum_i s_i)^2). Documents of equal
+    length L: with lengths l_i of mean E[l] the same work needs L = E[l^2] / E[l], which is larger
+    than the mean whenever the lengths vary."""
     factor = _attention_factor(attention)
-    span = seq + (window > 0) * (np.minimum(window, seq) - seq)
-    causal = span - span * span / (2 * seq)
+    doc = np.where(np.asarray(packed_doc_length) > 0, np.minimum(packed_doc_length, seq), seq)
+    span = doc + (window > 0) * (np.minimum(window, doc) - doc)
+    causal = span - span * span / (2 * doc)
     return (factor == 1.0) * span + (factor != 1.0) * causal
 
 
 def attention_flops_per_token(seq: Any, hidden: Any, layers: Any, attention: str = "full", *,
                               heads: Any = None, head_dim: Any = None, v_head_dim: Any = 0,
-                              sliding_window: Any = 0, sliding_layers: Any = 0, **_unused: Any) -> Any:
+                              sliding_window: Any = 0, sliding_layers: Any = 0, packed_doc_length: Any = 0,
+                              **_unused: Any) -> Any:
     """Forward FLOPs of ``QK^T`` and ``A V`` per token: ``2 * 2 * s * h`` per layer (Narayanan et al.
     2021, Sec. 5.1; ``h`` = heads x head_dim), halved for ``attention="causal"``.
 
     In general ``2 * heads * (head_dim + v_head_dim) * keys`` per layer: the query/key head size
     (MLA: nope + rope) for the scores, the value head size for ``A V`` (Megatron-Core's MLA count);
-    ``sliding_layers`` of the ``layers`` see :func:`keys_per_query` of ``sliding_window``."""
+    ``sliding_layers`` of the ``layers`` see :func:`keys_per_query` of ``sliding_window``; with
+    ``packed_doc_length`` every layer attends within documents of that length (:func:`keys_per_query`)."""
     width = hidden if heads is None else heads * (hidden // heads if head_dim is None else head_dim)
     v_width = width if heads is None else heads * (v_head_dim + (v_head_dim == 0) * width / heads)
     per_key = 2 * (width + v_width)
-    full = keys_per_query(seq, 0, attention)
-    windowed = keys_per_query(seq, sliding_window, attention)
+    full = keys_per_query(seq, 0, attention, packed_doc_length)
+    windowed = keys_per_query(seq, sliding_window, attention, packed_doc_length)
     return per_key * ((layers - sliding_layers) * full + sliding_layers * windowed)
 
 
@@ -138,14 +164,18 @@ def recompute_flops_per_token(recompute: str, layers_forward: Any, attention_for
 
 
 def step_flops(tokens: Any, *, recompute: str = "none", attention: str = "full",
-               count_logits: bool = True, **shape: Any) -> dict[str, Any]:
+               count_logits: bool = True, packed_flops: str = "sequence", **shape: Any) -> dict[str, Any]:
     """Model FLOPs (3 x forward) and hardware FLOPs (+ recomputation) of a step of ``tokens``.
 
     With ``lora_rank`` > 0 in ``shape`` (LoRA, :mod:`dtlib.analytic.finetune`) the forward adds the
     adapters' ``2 r (d_in + d_out)`` per targeted matrix and token, and the frozen weights (the
     layers' and the LM head's) skip their weight gradient: 2x their forward instead of 3x (Hu et
     al. 2021, Sec. 4.2; backward = dgrad + wgrad, each 1x forward, Narayanan et al. 2021, Sec. 5.1);
-    attention and the adapters keep 3x. ``frozen_per_token``: the forward FLOPs of the frozen weights."""
+    attention and the adapters keep 3x. ``frozen_per_token``: the forward FLOPs of the frozen weights.
+    ``packed_flops`` (:data:`PACKED_FLOPS`): with ``packed_doc_length`` > 0 in ``shape``, whether the
+    model FLOPs count the attention within the documents or over the whole sequence (the hardware
+    FLOPs count the documents' either way; module docstring)."""
+    validate.one_of("packed_flops", packed_flops, PACKED_FLOPS)
     adapters = 2 * adapter_params(shape, active=True)
     fwd = forward_flops_per_token(attention=attention, count_logits=count_logits, **shape) + adapters
     layers_fwd = fwd - count_logits * 2 * shape["hidden"] * shape["vocab"]
@@ -153,8 +183,12 @@ def step_flops(tokens: Any, *, recompute: str = "none", attention: str = "full",
     extra = recompute_flops_per_token(recompute, layers_fwd, attn_fwd)
     frozen = (np.asarray(shape.get("lora_rank", 0)) > 0) * (fwd - attn_fwd - adapters)
     train = 3 * fwd - frozen
-    return {"forward_per_token": fwd, "frozen_per_token": frozen, "model": train * tokens,
-            "hardware": (train + extra) * tokens}
+    model = train  # per token
+    if packed_flops == "sequence" and np.any(np.asarray(shape.get("packed_doc_length", 0)) > 0):
+        model = step_flops(tokens, attention=attention, count_logits=count_logits,
+                           **dict(shape, packed_doc_length=0))["model_per_token"]
+    return {"forward_per_token": fwd, "frozen_per_token": frozen, "model_per_token": model,
+            "model": model * tokens, "hardware": (train + extra) * tokens}
 
 
 def megatron_flops_per_step(batch: float, seq: float, layers: float, hidden: float, vocab: float,
@@ -201,13 +235,16 @@ def shape_of(cfg: TransformerConfig, seq: int | None = None) -> dict[str, Any]:
 def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | None = None,
                  step_time: float | None = None, gpus: int = 1, gpu: "str | Accelerator" = "h100-sxm",
                  dtype: str = "bf16", recompute: str = "none", attention: str = "full",
-                 count_logits: bool = True, finetune: FineTuning | None = None) -> dict[str, Any]:
+                 count_logits: bool = True, finetune: FineTuning | None = None, packed_doc_length: int | None = None,
+                 packed_flops: str = "sequence") -> dict[str, Any]:
     """FLOPs of a step of ``batch`` sequences; with ``step_time`` (s) also MFU and HFU.
 
     ``model`` is a config, or a bare parameter count (then ``seq`` is required and the count is
     6N per token without attention, Kaplan et al. 2020; selective recompute adds nothing).
     ``finetune``: LoRA counts its adapters and no weight gradients of the frozen weights
-    (:func:`step_flops`; a model shape only)."""
+    (:func:`step_flops`; a model shape only). ``packed_doc_length``: sequences packed from documents of
+    that many tokens (1..seq; a model shape only), attention within each (:func:`keys_per_query`), and
+    ``packed_flops`` what the model FLOPs count of it (:data:`PACKED_FLOPS`)."""
     finetune = resolve_finetune(finetune, isinstance(model, TransformerConfig))
     validate.integer("batch", batch)
     validate.integer("gpus", gpus)
@@ -215,11 +252,18 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         validate.integer("seq", seq)
     validate.one_of("recompute", recompute, ("none", "selective", "full"))
     validate.boolean("count_logits", count_logits)
+    validate.one_of("packed_flops", packed_flops, PACKED_FLOPS)
+    if packed_doc_length is not None and not isinstance(model, TransformerConfig):
+        raise validate.InvalidArgument("packed_doc_length", "unset with a bare parameter count (its 6N counts no "
+                                       "attention to pack; give a model shape)", packed_doc_length)
     if isinstance(model, TransformerConfig):
         shape = dict(shape_of(model, seq), **finetune.numbers())
+        if packed_doc_length is not None:
+            shape["packed_doc_length"] = check_packed(packed_doc_length, shape["seq"])
         check_targets(finetune, shape)
         tokens = batch * shape["seq"]
-        f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits, **shape)
+        f = step_flops(tokens, recompute=recompute, attention=attention, count_logits=count_logits,
+                       packed_flops=packed_flops, **shape)
         name = model.name
         counts = {"parameters": model.num_parameters(), "active_parameters": model.active_parameters()}
         if finetune.lora:
@@ -231,18 +275,20 @@ def flops_report(model: "TransformerConfig | float", batch: int, *, seq: int | N
         _attention_factor(attention)
         tokens, fwd = batch * seq, six_n_flops_per_token(model) / 3
         extra = recompute_flops_per_token(recompute, fwd, 0 * fwd)
-        f = {"forward_per_token": fwd, "model": 3 * fwd * tokens, "hardware": (3 * fwd + extra) * tokens}
+        f = {"forward_per_token": fwd, "model_per_token": 3 * fwd, "model": 3 * fwd * tokens,
+             "hardware": (3 * fwd + extra) * tokens}
         name = f"{model:.4g} parameters"
         counts = {"parameters": model, "active_parameters": model}
     acc = get_gpu(gpu) if isinstance(gpu, str) else gpu
     peak = matmul_peak(acc, dtype)  # a COMPUTE_DTYPES name, or nvfp4: the FP4 peak of an NVFP4 GPU
     out = {"model": name, **counts, "tokens_per_step": tokens,
-           "flops_per_token": 3 * f["forward_per_token"] - f.get("frozen_per_token", 0),
+           "flops_per_token": f["model_per_token"],
            "model_flops_per_step": f["model"], "hardware_flops_per_step": f["hardware"],
            "gpu": acc.name, "dtype": dtype, "peak_flops_per_gpu": peak, "gpus": gpus,
            "ideal_step_time": f["model"] / (gpus * peak),
            "conventions": {"attention": attention, "count_logits": count_logits, "recompute": recompute,
-                           "finetune": finetune.describe()}}
+                           "finetune": finetune.describe(), "packed_doc_length": packed_doc_length,
+                           "packed_flops": packed_flops}}
     if step_time is not None:
         validate.number("step_time", step_time)
         fastest = f["hardware"] / (gpus * peak)

@@ -22,8 +22,10 @@ rows); with context parallelism a rank holds ``s / cp`` tokens of each sequence.
 GEMMs per forward GEMM, ``dX = dY W^T`` (M x K, contracting N) and ``dW = X^T dY`` (K x N,
 contracting M). Attention with FlashAttention is timed from its FLOPs (the causal mask skips the
 upper half of the tiles; backward does 2.5x the forward's matmul work, Dao 2023, "FlashAttention-2",
-Sec. 3.1-3.2) at the attention kernel efficiency; without it (Megatron-LM of 2021-22) ``Q K^T``
-and ``A V`` are batched GEMMs per head, timed as above.
+Sec. 3.1-3.2) at the attention kernel efficiency; with packed sequences (``packed_doc_length``) the
+variable-length kernel attends within each document only (:func:`dtlib.analytic.flops.keys_per_query`);
+without FlashAttention (Megatron-LM of 2021-22) ``Q K^T`` and ``A V`` are batched GEMMs per head, timed
+as above, over the whole sequence whatever the mask.
 
 FP8 GEMMs need their operands cast from BF16 first (Transformer Engine / torchao with current or
 dynamic scaling): the cast reads the tensor once for its absolute maximum, reads it again and
@@ -296,10 +298,12 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
     v_dim = np.where(n.get("v_head_dim", 0) > 0, n.get("v_head_dim", 0), qk_dim)
     if flash_attention:
         # causal: FlashAttention skips the tiles above the diagonal (half of 4 b s_q s h / tp) and,
-        # with a sliding window, the tiles outside the band (dtlib.analytic.flops.keys_per_query)
+        # with a sliding window, the tiles outside the band; packed sequences: the varlen kernel runs
+        # each document alone, L in place of s (dtlib.analytic.flops.keys_per_query)
         per_token = attention_flops_per_token(s, h, n["layers"], "causal", heads=heads, head_dim=qk_dim,
                                               v_head_dim=v_dim, sliding_window=n.get("sliding_window", 0),
-                                              sliding_layers=n.get("sliding_layers", 0)) / n["layers"]
+                                              sliding_layers=n.get("sliding_layers", 0),
+                                              packed_doc_length=n.get("packed_doc_length", 0)) / n["layers"]
         work = b * (s / cp) * per_token / tp
         # softmax: one exponential per score forward, one again backward (P recomputed from the saved
         # log-sum-exp, Dao 2023, Sec. 3.1.2), on the special-function units beside the tensor cores
@@ -310,7 +314,7 @@ def transformer_compute(n: dict[str, Any], gpu: Accelerator, *, recompute: str, 
         attn_fwd = (matmul + exp_time) / attention_efficiency
         attn_bwd = (FLASH_BACKWARD * matmul + exp_time) / attention_efficiency
     else:  # batched GEMMs per head: Q K^T (s x s over d), A V (s x d over s), all of s x s computed
-        # (an explicit mask, sliding or causal, does not skip work)
+        # (an explicit mask, sliding, causal or a packed sequence's block-diagonal one, does not skip work)
         per_head = b * heads / tp
         scores = _fwd_bwd(s / cp, s, qk_dim, per_head, **bf16_kw)
         context = _fwd_bwd(s / cp, v_dim, s, per_head, **bf16_kw)

@@ -37,7 +37,8 @@ from dtlib.analytic.units import GiB
 from dtlib.analytic.vectorised import layout_arrays
 from dtlib.analytic.finetune import FineTuning
 from dtlib.analytic.pipeline_layout import PipelineLayout, check_alone, layout_numbers
-from dtlib.plan.steptime import TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays, with_finetune
+from dtlib.plan.steptime import (TERMS, StepOptions, memory_kwargs, resolve, step_time_arrays, with_finetune,
+                                 with_packing)
 from dtlib.plan.uncertainty import BandOf, band, band_fields, regime_of
 
 __all__ = ["SearchResult", "search", "FIXABLE", "GIVEN_OPTIONS", "SPLIT", "MICRO_BATCHES", "VIRTUAL_STAGES"]
@@ -215,7 +216,8 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
 def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
            options: StepOptions = StepOptions(), fixed: dict[str, Any] | None = None,
            headroom: float = 0.9, tp_within_node: bool = True, dropout: bool | None = None,
-           top: int = 5, band_of: BandOf = band, finetune: FineTuning | None = None) -> SearchResult:
+           top: int = 5, band_of: BandOf = band, finetune: FineTuning | None = None,
+           packed_doc_length: int | None = None) -> SearchResult:
     """Rank every valid, fitting layout of ``model`` on ``cluster`` at ``global_batch`` sequences.
 
     ``fixed`` pins knobs (names in :data:`FIXABLE`; giving all of them evaluates one layout).
@@ -226,6 +228,9 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     Each row's ``band`` is its step time's and throughput's error band (:mod:`dtlib.plan.uncertainty`)
     from ``band_of`` of the job's regime (default: the held-out residuals of comparable published runs).
     ``finetune``: full (default) or LoRA fine-tuning (:mod:`dtlib.analytic.finetune`), in memory and time alike.
+    ``packed_doc_length``: sequences packed from documents of that many tokens (1..seq; None: not packed),
+    attention timed within each (:func:`dtlib.plan.steptime.with_packing`; memory does not change: no s x s
+    scores are kept with FlashAttention, and an explicit mask computes them whole).
     """
     start = time.perf_counter()
     if not isinstance(model, TransformerConfig):
@@ -274,7 +279,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             continue
         # only valid layouts go on: the formulas are never evaluated on the placeholder rows
         n, grid = _take(n, valid), _take(grid, valid)
-        n = dict(with_finetune(n, finetune, model), **layout_numbers(explicit))
+        n = dict(with_packing(with_finetune(n, finetune, model), packed_doc_length), **layout_numbers(explicit))
         for recompute in recomputes:
             if recompute == "full" and (given["recompute_layers"] is not None or given["recompute_modules"]):
                 continue  # partial and per-module recompute describe the other recompute settings

@@ -34,8 +34,8 @@ from dtlib.analytic.activations import mean_layer_bytes
 from dtlib.analytic.comm import bubble_fraction, collective_time, cp_kv_bytes, nccl_latency, nccl_time
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, resolve_finetune
-from dtlib.analytic.flops import (ATTENTION, attention_flops_per_token, layers_matmul_params,
-                                  recompute_flops_per_token, step_flops)
+from dtlib.analytic.flops import (ATTENTION, PACKED_FLOPS, attention_flops_per_token, check_packed,
+                                  layers_matmul_params, recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import MATMUL_DTYPES, Cluster, Link, matmul_peak
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.memory import memory_options, stage_parameters
@@ -56,7 +56,7 @@ from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_l
 from dtlib.analytic.stacks import DEFAULT_STACK, FP8_RECIPES, MOE_DISPATCHERS, get_stack
 
 __all__ = ["TERMS", "DTYPES", "StepOptions", "StepTime", "step_time_arrays", "step_time", "resolve",
-           "memory_kwargs", "with_finetune"]
+           "memory_kwargs", "with_finetune", "with_packing"]
 
 DTYPES = tuple(MATMUL_DTYPES)  # bf16, fp8, nvfp4
 
@@ -100,6 +100,9 @@ class StepOptions:
     scaling the expert GEMMs and the all-to-all of dropless MoE (:mod:`dtlib.plan.moe`);
     ``forward_kernels``: the kernels one layer launches forward, where counted on the model itself
     (``dtlib calibrate`` counts ``dtlib train``'s TinyGPT's; None: :data:`dtlib.plan.launches.FORWARD_KERNELS`);
+    ``packed_flops`` (:data:`dtlib.analytic.flops.PACKED_FLOPS`): with packed sequences (the workload's
+    ``packed_doc_length``), whether the model FLOPs and MFU count attention within the documents or over
+    the whole sequence (default, as Megatron-LM and torchtitan log it; the time counts the documents').
     ``cross_entropy_all_reduces``: the vocabulary-parallel loss's all-reduces under TP (3: Megatron-Core's
     ``vocab_parallel_cross_entropy``, the default; 2: its ``--cross-entropy-loss-fusion`` and
     :func:`dtlib.parallel.tensor.vocab_parallel_cross_entropy`; :mod:`dtlib.plan.vocab_parallel`).
@@ -122,6 +125,7 @@ class StepOptions:
     efficiency: float | None = None
     precision: "Precision | str | None" = None
     attention: str = "full"
+    packed_flops: str = "sequence"
     dp_overlap: float | None = None
     tp_overlap: float | None = None
     cp_overlap: float | None = None
@@ -154,6 +158,7 @@ class StepOptions:
         validate.one_of("cross_entropy_all_reduces", self.cross_entropy_all_reduces, CROSS_ENTROPY_ALL_REDUCES)
         validate.integer("bf16_layers", self.bf16_layers, minimum=0)
         validate.one_of("attention", self.attention, ATTENTION)
+        validate.one_of("packed_flops", self.packed_flops, PACKED_FLOPS)
         for name in ("efficiency", "gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) is not None:  # a fraction of peak (kernel ones: or an array of them,
                 validate.array(name, getattr(self, name), maximum=1)  # one per layout: validation's grid)
@@ -210,6 +215,14 @@ def with_finetune(n: dict[str, Any], finetune: FineTuning | None, model: Transfo
     check_targets(finetune, model.numbers())
     rows = np.shape(n["dp"])
     return dict(n, **{k: np.full(rows, v) for k, v in finetune.numbers().items()})
+
+
+def with_packing(n: dict[str, Any], packed_doc_length: int | None) -> dict[str, Any]:
+    """The layouts ``n`` with sequences packed from documents of ``packed_doc_length`` tokens (1..seq;
+    None: not packed), attention within each document (:func:`dtlib.analytic.flops.keys_per_query`)."""
+    if packed_doc_length is None:
+        return n
+    return dict(n, packed_doc_length=np.full(np.shape(n["dp"]), check_packed(packed_doc_length, n["seq"])))
 
 
 def _inter_link(cluster: Cluster, oversubscription: float) -> Link:
@@ -345,7 +358,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
 
     # ---- compute: hardware FLOPs split by the precision they run in -------------------------
     # the model's numbers as they are (MoE, MLA, sliding-window keys included: dtlib.analytic.flops)
-    flops = step_flops(tokens, recompute=recompute, attention=options.attention, **n)
+    flops = step_flops(tokens, recompute=recompute, attention=options.attention, packed_flops=options.packed_flops, **n)
     weights = 2 * layers_matmul_params(**n)
     attn = attention_flops_per_token(attention=options.attention, **n)
     # LoRA (dtlib.analytic.finetune): adapter GEMMs, and no weight gradients of the frozen weights
@@ -546,7 +559,8 @@ class StepTime:
 
 def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *,
               options: StepOptions = StepOptions(), seq: int | None = None,
-              dropout: bool | None = None, finetune: FineTuning | None = None) -> StepTime:
+              dropout: bool | None = None, finetune: FineTuning | None = None,
+              packed_doc_length: int | None = None) -> StepTime:
     """The step-time breakdown of ``layout`` training ``model`` on ``cluster`` (see :data:`TERMS`).
 
     The layout must use ``cluster``'s GPUs exactly; the global batch is
@@ -554,7 +568,8 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
     ``dropout`` and ``options.flash_attention`` default to the activation convention
     (:func:`resolve`; ``today``: FlashAttention-style attention, no dropout). ``finetune``: LoRA
     times the adapters' GEMMs, no weight gradients of the frozen weights and DP traffic of the
-    adapters only (:mod:`dtlib.analytic.finetune`).
+    adapters only (:mod:`dtlib.analytic.finetune`). ``packed_doc_length``: each sequence packed from
+    documents of that many tokens (1..seq), attention within each (:func:`with_packing`).
     """
     if not isinstance(model, TransformerConfig):
         raise ValueError(f"model must be a TransformerConfig (a shape: the step time needs layers), got {model!r}")
@@ -570,7 +585,8 @@ def step_time(model: TransformerConfig, layout: Parallelism, cluster: Cluster, *
         arrays["seq"] = np.asarray([seq])
     n, _ = layout_arrays(model, arrays, layout.schedule, layout.offload, on_invalid="raise",
                          balanced=layout.account_for_embedding_and_loss)
-    n = dict(with_finetune(n, finetune, model), **layout_numbers(layout.explicit_layout))
+    n = dict(with_packing(with_finetune(n, finetune, model), packed_doc_length),
+             **layout_numbers(layout.explicit_layout))
     r = step_time_arrays(n, cluster, recompute=layout.recompute, schedule=layout.schedule,
                          options=options, dropout=dropout, recompute_layers=layout.recompute_layers,
                          recompute_modules=layout.recompute_modules,
