@@ -12,6 +12,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.activations import RECOMPUTE_MODULES
 from dtlib.analytic.config import ACTIVATIONS, TransformerConfig
 from dtlib.analytic.finetune import DEFAULT_LORA_TARGETS, FINETUNE, LORA_TARGETS, FineTuning
+from dtlib.analytic.flops import PACKED_FLOPS, check_packed
 from dtlib.analytic.pipeline_layout import PipelineLayout
 from dtlib.analytic.hardware import ACCELERATORS
 from dtlib.analytic.layout import OFFLOAD, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, broken_rules, check_layout
@@ -147,6 +148,51 @@ def finetune_from_args(args: argparse.Namespace) -> FineTuning:
     if args.lora_rank is None:
         raise ValueError("--finetune lora needs --lora-rank R (an integer >= 1; 8 or 16 are common)")
     return FineTuning("lora", rank=args.lora_rank, targets=args.lora_targets)
+
+
+def packing_args(p: argparse.ArgumentParser, flops: bool = True) -> None:
+    """``--packed-doc-length`` (and, where model FLOPs are counted, ``--packed-flops``): sequences packed
+    from documents, attention within each (docs/plan.md, "Packed sequences")."""
+    g = p.add_argument_group("packed sequences (docs/plan.md)")
+    g.add_argument("--packed-doc-length", type=_integer_or_text, default=None, metavar="TOKENS",
+                   help="each sequence packed from documents of TOKENS tokens (1..seq, their mean E[l^2]/E[l] "
+                        "when lengths vary), attention within each (NeMo packed_sequence_specs, Megatron-Core "
+                        "THD, FlashAttention varlen, TRL packing, torchtitan document masking)")
+    if flops:
+        g.add_argument("--packed-flops", choices=PACKED_FLOPS, default="sequence",
+                       help="what model FLOPs and MFU count of packed attention: the whole sequence (default, "
+                            "as Megatron-LM and torchtitan log MFU) or the documents")
+
+
+def _integer_or_text(text: str) -> Any:
+    """An integer, or the text as given for :func:`packed_from_args` to refuse with the valid range."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        return text
+
+
+def packed_from_args(args: argparse.Namespace, model: "TransformerConfig | float") -> int | None:
+    """``--packed-doc-length`` checked against the sequence length (1..seq; a model shape only)."""
+    if args.packed_doc_length is None:
+        return None
+    if not isinstance(model, TransformerConfig):
+        raise validate.InvalidArgument("packed_doc_length", "unset with a bare parameter count (no attention "
+                                       "to pack; give a model shape)", args.packed_doc_length)
+    seq = getattr(args, "seq", None)
+    return check_packed(args.packed_doc_length, model.seq if seq is None else seq)
+
+
+def packed_note(packed_doc_length: int | None, packed_flops: str | None = None) -> list[str]:
+    """The ``assumed`` words for packed sequences (none when not packed)."""
+    if packed_doc_length is None:
+        return []
+    counted = "" if packed_flops is None else (
+        "; model FLOPs and MFU count attention over " + ("the whole sequence (--packed-flops sequence, as "
+        "Megatron-LM and torchtitan log MFU)" if packed_flops == "sequence" else "the documents (--packed-flops "
+        "documents), as the kernels run it"))
+    return [f"packed sequences: documents of {packed_doc_length:,} tokens each (equal lengths assumed; varying "
+            f"lengths need --packed-doc-length E[l^2]/E[l]), causal attention within each{counted}"]
 
 
 # One precision vocabulary for every subcommand (memory, comm, plan): the training precision,

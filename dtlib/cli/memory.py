@@ -8,7 +8,8 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import get_gpu, matmul_peak
 from dtlib.analytic.memory import memory_per_gpu
 from dtlib.cli.args import (checked_layout, conventions_from_args, emit, finetune_args, finetune_from_args,
-                            format_gib, layout_args, model_args, model_from_args, parse_count, parse_size, precision_args, precision_from_args,
+                            format_gib, layout_args, model_args, model_from_args, packed_from_args, packed_note,
+                            packing_args, parse_count, parse_size, precision_args, precision_from_args,
                             recompute_detail_args, table)
 
 __all__ = ["add_memory_command", "run_memory"]
@@ -33,7 +34,7 @@ dtlib plan. The output says what was assumed.
 def add_memory_command(sub: Any) -> None:
     p = sub.add_parser("memory", help="memory per GPU (most loaded GPU)",
                        description=_MEMORY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_args(p), layout_args(p), precision_args(p, activations=True), finetune_args(p)
+    model_args(p), layout_args(p), precision_args(p, activations=True), finetune_args(p), packing_args(p, flops=False)
     recompute_detail_args(p.add_argument_group("what the layout keeps (docs/stacks.md)"))
     p.add_argument("--largest-layer", type=parse_count,
                    help="ZeRO-3 gather unit in parameters, e.g. 32M (needed with --params: a bare "
@@ -49,6 +50,7 @@ def run_memory(args: argparse.Namespace) -> int:
     if matmuls == "nvfp4":
         matmul_peak(get_gpu(args.gpu), matmuls)  # a GPU without NVFP4 tensor cores says so here
     layout = checked_layout(args, model)
+    packed = packed_from_args(args, model)
     m = memory_per_gpu(model, layout, precision=precision_from_args(args), gpu=args.gpu,
                        gpus=args.gpus, seq=args.seq, dropout=args.dropout, flash_attention=args.flash_attention,
                        convention=conventions_from_args(args)[0], stack=args.stack,
@@ -59,6 +61,8 @@ def run_memory(args: argparse.Namespace) -> int:
         m.notes.append("temporary: the ZeRO-3 gather buffer is counted as 0 because a bare parameter "
                        "count has no layer sizes; give --largest-layer N (DeepSpeed budgets 4 bytes x "
                        "the largest layer's parameters) or a model shape")
+    m.notes += [note + ": memory unchanged (FlashAttention keeps no s x s scores, packed or not; explicit attention "
+                "computes and keeps all s x s under the documents' block-diagonal mask)" for note in packed_note(packed)]
     rows = [(k, format_gib(v)) for k, v in m.to_dict()["per_gpu"].items()]
     rows += [("offloaded to CPU", format_gib(m.cpu)), (f"{m.gpu.name} memory", format_gib(m.gpu.memory_bytes)),
              ("fits", "yes" if m.fits else "NO")]

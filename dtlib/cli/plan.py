@@ -27,7 +27,8 @@ from dtlib.analytic.presets import activation_convention
 from dtlib.analytic.stacks import FP8_RECIPES, MOE_DISPATCHERS
 from dtlib.analytic.units import GiB
 from dtlib.cli.args import (PRECISION_HELP, bounded_float, convention_args, conventions_from_args, finetune_args,
-                            finetune_from_args, gpu_name, model_args, model_from_args, non_negative_int, parse_count,
+                            finetune_from_args, gpu_name, model_args, model_from_args, non_negative_int,
+                            packed_from_args, packed_note, packing_args, parse_count,
                             positive_int, precision_choice,
                             recompute_detail_args, system_name)
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, efficiency_source
@@ -70,6 +71,7 @@ def add_plan_command(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_args(p)
     finetune_args(p)
+    packing_args(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     c.add_argument("--system", type=system_name, metavar="NAME",
@@ -292,7 +294,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     activation, named_precision = conventions_from_args(args)
     moe = {k: getattr(args, k) for k in ("ep_overlap", "moe_imbalance") if getattr(args, k) is not None}
     options = StepOptions(stack=_plan_stack(args), dtype=args.precision, efficiency=args.efficiency,
-                          attention=args.attention_flops, dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
+                          attention=args.attention_flops, packed_flops=args.packed_flops, dp_overlap=args.dp_overlap, tp_overlap=args.tp_overlap,
                           cp_overlap=args.cp_overlap, fused_elementwise=args.fused_elementwise,
                           oversubscription=args.oversubscription, precision=named_precision,
                           flash_attention=args.flash_attention, convention=activation,
@@ -319,9 +321,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         fixed["account_for_embedding_and_loss"] = True
     band_of = functools.partial(band, method=args.band_method, coverage=args.band_coverage)
     finetune = finetune_from_args(args)
+    packed = packed_from_args(args, model)
     r = search(model, cl, args.global_batch, options=options, fixed=fixed, headroom=args.headroom,
                tp_within_node=args.tp is None or args.tp <= per_node, dropout=args.dropout, top=args.top,
-               band_of=band_of, finetune=finetune)
+               band_of=band_of, finetune=finetune, packed_doc_length=packed)
     if r.searched == 0:  # the pinned flags break a rule: bad input, not a result
         raise ValueError(r.why)
     frameworks = _framework_configs(args, model, r.configs[0], options, cl) if args.emit and r.configs else {}
@@ -357,12 +360,13 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
          "configs": r.configs, "searched": r.searched,
          "fitting": r.fitting, "search_seconds": r.seconds, "training": training, "why": r.why,
          "efficiency": args.efficiency, "clock_scale": clock, "efficiency_source": source,
-         "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout),
+         "memory_capacity_bytes": r.capacity, "assumed": _assumed(options, args.dropout, packed),
          "finetune": finetune.describe(), "lora": finetune.lora,
          "placement": {"domains": placed.domains, "gpus_per_domain": placed.gpus_per_domain,
                        "domain_size": placed.domain_size, "text": placed.describe()},
          "caveats": ([MOE_CAVEAT] if model.moe_experts else [])
-         + ([LORA_EMIT_CAVEAT] if finetune.lora and args.emit else []),
+         + ([LORA_EMIT_CAVEAT] if finetune.lora and args.emit else [])
+         + ([PACKED_EMIT_CAVEAT] if packed is not None and args.emit else []),
          "calibration": {"file": args.calibration, "dtype": profile["dtype"], "sources": sources} if profile else None}
     d.update(frameworks)
     return d
@@ -374,6 +378,8 @@ MOE_CAVEAT = ("caveat: published mixture-of-experts runs are the planner's large
               "lower bound (docs/validation.md)")
 LORA_EMIT_CAVEAT = ("caveat: the emitted framework configs train every weight; set up LoRA in the framework "
                     "(e.g. Megatron-Bridge's or PEFT's LoRA) with the same rank and targets")
+PACKED_EMIT_CAVEAT = ("caveat: the emitted framework configs read unpacked sequences; pack the data in the framework "
+                      "(NeMo / Megatron-Bridge packed_sequence_specs, Megatron-Core's THD format with cu_seqlens)")
 _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert parallel sizes; v: virtual stages per "
            "pipeline rank; mb: micro-batch size in sequences; m: micro-batches per step; zero: ZeRO stage; "
            "sp: sequence parallelism")
@@ -381,8 +387,9 @@ _LEGEND = ("columns: dp tp pp cp ep: data, tensor, pipeline, context, expert par
 _LEGEND_ETP = "; etp: expert tensor parallel size (each expert's matrices split etp ways)"
 
 
-def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
-    """What the plan assumed: the stack and every option it filled, and how activations were counted."""
+def _assumed(options: StepOptions, dropout: bool | None, packed_doc_length: int | None = None) -> dict[str, Any]:
+    """What the plan assumed: the stack and every option it filled, how activations were counted, and
+    the packed documents' length (None: not packed) with what model FLOPs count of their attention."""
     filled, drop = resolve(options, dropout)
     stack = get_stack(filled.stack)
     _, note = activation_convention(options.convention, options.flash_attention, dropout)
@@ -401,7 +408,9 @@ def _assumed(options: StepOptions, dropout: bool | None) -> dict[str, Any]:
                                    stack.sources.get("grad_reduce", f"stack {stack.name}'s precision")),
             "tp_overlap_source": ("--tp-overlap" if options.tp_overlap is not None else
                                   stack.sources.get("tp_overlap", f"stack {stack.name}")),
-            "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype)}
+            "dropout": drop, "activations": note[0] + "; " + stack_storage(stack, filled.dtype),
+            "packed_doc_length": packed_doc_length, "packed_flops": filled.packed_flops,
+            "packing": "; ".join(packed_note(packed_doc_length, filled.packed_flops))}
 
 
 def _megatron_meta_lines(m: dict[str, Any]) -> list[str]:
@@ -446,7 +455,7 @@ def _text(d: dict[str, Any]) -> str:
              f"(dtlib.analytic.stacks, docs/stacks.md)",
              f"assumed: grad reduce {a['grad_reduce_dtype']} ({_clause(a['grad_reduce_source'])}), TP overlap "
              f"{a['tp_overlap']:g} ({_clause(a['tp_overlap_source'])}); --grad-reduce-dtype, --tp-overlap change "
-             f"them", a["activations"],
+             f"them" + (f"; {a['packing']}" if a.get("packing") else ""), a["activations"],
              f"where the numbers come from: {d['efficiency_source']}; the other "
              f"terms: dtlib.plan.steptime.TERMS (docs/plan.md)"] + [f"training: {d['finetune']}"] * d["lora"]
     if d["why"]:

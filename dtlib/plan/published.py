@@ -25,6 +25,7 @@ from typing import Any
 
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.finetune import FineTuning
+from dtlib.analytic.flops import check_packed
 from dtlib.analytic.hardware import Cluster, Link, cluster, get_gpu
 from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
@@ -150,7 +151,9 @@ class PublishedRun:
     e.g. ``bf16-mixed`` for Megatron runs with ``grad_reduce_in_fp32=False``, BF16 gradients).
     ``finetune`` what the run trained (:data:`dtlib.analytic.finetune.FINETUNE`: ``full``, every weight,
     as pre-training; ``lora``: adapters of ``lora_rank`` on ``lora_targets``, HF PEFT's names, the rest
-    frozen), :attr:`fine_tuning` as the planner takes it."""
+    frozen), :attr:`fine_tuning` as the planner takes it; ``packed_doc_length`` the tokens per document
+    of a run whose sequences are packed from documents attended to one by one (None: not packed, or no
+    citable mean length: :func:`_nemo_finetuning`)."""
     name: str
     model: TransformerConfig
     cluster: Cluster
@@ -177,10 +180,13 @@ class PublishedRun:
     finetune: str = "full"
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] | None = None
+    packed_doc_length: int | None = None
 
     def __post_init__(self) -> None:
         try:
             self.fine_tuning
+            if self.packed_doc_length is not None:
+                check_packed(self.packed_doc_length, self.model.seq)
         except ValueError as exc:
             raise ValueError(f"{self.name}: {exc}") from None
         if self.metric not in METRIC_UNITS:

@@ -32,7 +32,7 @@ from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.published import METRIC_UNITS, PUBLISHED, SOURCES, PublishedRun
 from dtlib.plan.search import FIXABLE, GIVEN_OPTIONS, SPLIT, search
 from dtlib.analytic.stacks import get_stack
-from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays, with_finetune
+from dtlib.plan.steptime import StepOptions, resolve, step_time_arrays, with_finetune, with_packing
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "predict", "validation_table",
            "mean_absolute_error", "errors_by_kind", "fit", "leave_one_source_out", "error_grid", "ignored", "GEMM_GRID",
@@ -81,7 +81,8 @@ def _published_layout(run: PublishedRun, options: StepOptions, fit: bool = True,
     """The planner constrained to the published flags (headroom 1: the run did fit its GPUs);
     ``fit=False`` lifts the memory limit."""
     return search(run.model, run.cluster if fit else _unlimited(run), run.global_batch, options=options,
-                  fixed=_fixed(run), headroom=1.0, dropout=run.dropout, top=top, finetune=run.fine_tuning)
+                  fixed=_fixed(run), headroom=1.0, dropout=run.dropout, top=top, finetune=run.fine_tuning,
+                  packed_doc_length=run.packed_doc_length)
 
 
 def _timed_layouts(run: PublishedRun, options: StepOptions, top: int = 1):
@@ -127,7 +128,8 @@ def predict(run: PublishedRun, gemm: float | None = None, attention: float | Non
         same_software = {k: run.layout[k] for k in ("recompute", "sequence_parallel", "zero") if k in run.layout}
         ranked = search(run.model, run.cluster, run.global_batch, options=options,
                         fixed=same_software | {"cp": run.layout.get("cp", 1), "ep": run.layout.get("ep", 1)},
-                        headroom=1.0, dropout=run.dropout, top=10_000, finetune=run.fine_tuning)
+                        headroom=1.0, dropout=run.dropout, top=10_000, finetune=run.fine_tuning,
+                        packed_doc_length=run.packed_doc_length)
         times = [c["step_time_s"] for c in ranked.configs] or [best["step_time_s"]]
         out["rank"] = 1 + sum(t < best["step_time_s"] * (1 - 1e-9) for t in times)
         out["gap_to_best"] = best["step_time_s"] / min(times) - 1
@@ -191,7 +193,7 @@ def _grid_metric(run: PublishedRun, gemm: np.ndarray, attention: np.ndarray) -> 
         tiled["gpus"] = tiled["dp"] * tiled["tp"] * tiled["pp"] * tiled["cp"]
         n, _ = layout_arrays(run.model, tiled, schedule, "none", on_invalid="raise",
                              balanced=bool(run.layout.get("account_for_embedding_and_loss")))
-        n = with_finetune(n, run.fine_tuning, run.model)
+        n = with_packing(with_finetune(n, run.fine_tuning, run.model), run.packed_doc_length)
         opts = replace(options, gemm_efficiency=np.repeat(gemm, k),
                        attention_efficiency=np.repeat(attention * scale, k))
         t = step_time_arrays(n, run.cluster, recompute=recompute, schedule=schedule, options=opts,
