@@ -333,6 +333,8 @@ from dtlib.plan.steptime import StepOptions  # noqa: E402
 # setting: no config can carry them (the test below checks that the rest is each a config knob)
 NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_limit_w", "oversubscription",
               "moe_imbalance", "convention", "attention",
+              # what model FLOPs count of packed attention (a counting convention, like attention: no time)
+              "packed_flops",
               # the kernels the model launches per layer (counted by dtlib calibrate), and how eager PyTorch /
               # dtlib train handle gradients: the emitted configs keep each framework's own behaviour
               "forward_kernels", "grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch",

@@ -519,7 +519,8 @@ def _nemo_finetuning() -> list[PublishedRun]:
             lora_rank=NEMO_LORA_RANK if lora else None, lora_targets=NEMO_LORA_TARGETS if lora else None,
             note="sequences packed to 4,096 tokens of SQuAD samples, timed as 4,096-token sequences: attention "
                  "runs within each sample (Transformer Engine's packed THD format), dtlib counts it over the "
-                 "whole 4,096 (too slow by the attention term); from the launcher's sft.yaml: recompute none, "
+                 "whole 4,096 (too slow by the attention term; packed_doc_length left unset: no citable mean "
+                 "token length of the samples as NeMo tokenizes them, docs/validation.md); from the launcher's sft.yaml: recompute none, "
                  "SP off, VP 1 (null), ub_tp_comm_overlap False, distributed_fused_adam (ZeRO 1 here) with "
                  "grad_sync_dtype bf16 (BF16 reduction, the megatron stack's default)"
                  + ("; NeMo's LoRA is one adapter on the fused QKV matrix (A: h x 32, B: 32 x (q + k + v)), "
