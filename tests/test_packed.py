@@ -127,6 +127,13 @@ def test_cli_refuses_a_length_outside_one_to_seq_in_one_line(capsys, command, va
     assert "--packed-doc-length must be an integer from 1 to 4096" in err
 
 
+@pytest.mark.parametrize("command", [PLAN, ("flops", "--model", "llama2-7b")])
+def test_cli_refuses_documents_flops_when_nothing_is_packed(capsys, command):
+    code, out, err = run(capsys, *command, "--packed-flops", "documents")
+    assert code == 2 and out == "" and err.strip().count("\n") == 0
+    assert "--packed-flops must be 'sequence' (the default) unless --packed-doc-length is given" in err
+
+
 def test_plan_states_the_packing_and_times_it(capsys):
     code, out, _ = run(capsys, *PLAN, "--packed-doc-length", "512", "--json")
     packed = json.loads(out)

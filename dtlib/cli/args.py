@@ -175,6 +175,9 @@ def _integer_or_text(text: str) -> Any:
 def packed_from_args(args: argparse.Namespace, model: "TransformerConfig | float") -> int | None:
     """``--packed-doc-length`` checked against the sequence length (1..seq; a model shape only)."""
     if args.packed_doc_length is None:
+        if getattr(args, "packed_flops", "sequence") != "sequence":  # a convention for packed attention only
+            raise validate.InvalidArgument("packed_flops", "'sequence' (the default) unless --packed-doc-length "
+                                           "is given: nothing is packed", args.packed_flops)
         return None
     if not isinstance(model, TransformerConfig):
         raise validate.InvalidArgument("packed_doc_length", "unset with a bare parameter count (no attention "
