@@ -5,8 +5,9 @@ A fresh ``python -m dtlib.grading.verdict`` per submission spent about 4 of its 
 (lesson 01) importing torch (and ``torch._dynamo``, which the launcher pre-warms), otter, nbformat
 and scikit-learn, and running the master's setup cells, the same for every submission of a batch.
 :class:`Forker` starts ``python -P -m dtlib.grading.prefork`` once per batch; that parent imports
-them, runs the master's setup cells (trusted: the instructor's) and then forks one verdict process
-per submission, on request. The batch hands it the verdict's stdin, stdout and log as file
+them (torch only if the master's setup does: :func:`dtlib.grading.verdict.prepare`), runs the
+master's setup cells (trusted: the instructor's) and then forks one verdict process per
+submission, on request. The batch hands it the verdict's stdin, stdout and log as file
 descriptors (``SCM_RIGHTS``); the forked verdict walls itself off (:func:`sandbox.child_setup`:
 session, cgroup, namespaces, limits, its own user) before it reads the submission's cells, so the
 parent never holds a submission's code and never runs any. This is the zygote of Android and of
@@ -103,7 +104,7 @@ class Forker:
 class Starting:
     """A :class:`Forker` still starting in another thread: :meth:`start` waits until it is ready
     (or raises why it could not start). The batch's rows begin as soon as the executions' parent
-    is ready; the verdicts' parent (torch, the checks, the master's setup: seconds more) finishes
+    is ready; the verdicts' parent (otter, the checks, the master's setup: up to seconds more) finishes
     starting while the first rows' executions run."""
 
     def __init__(self, future: Future):
