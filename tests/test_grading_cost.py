@@ -2,15 +2,17 @@
 launcher's pre-warm only for a master whose setup imports torch, and whatever must hold once they
 are in (one thread before any fork, the data-only codec) holds however late they are imported."""
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from dtlib.grading import on_import, pipeline, prefork, transfer, verdict
+from dtlib.grading import on_import, pipeline, prefork, sandbox, transfer, verdict
 from tests.test_grading import _tiny_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,12 +61,41 @@ def test_the_verdicts_parent_loads_torch_only_for_a_master_whose_setup_imports_i
     cases = {"tiny": (verdict.setup_sources(nbformat.read(tiny, as_version=4)), False),
              "03": (verdict.setup_sources(nbformat.read(lesson_03, as_version=4)), False),
              "torch": (["import torch", "from dtlib.grading import feedback"], True)}
-    for name, (setup, loads_torch) in cases.items():
-        parent = prefork.Forker(setup, tmp_path, tmp_path / f"{name}.log", timeout=240)
+    runner = prefork.Forker(tmp_path, tmp_path / "runner.log", timeout=240)  # the executions' parent
+    try:
+        for name, (setup, loads_torch) in cases.items():
+            parent = prefork.Forker(tmp_path, tmp_path / f"{name}.log", 240, setup, zygote=runner)
+            try:
+                assert _maps_torch(parent.pid) == loads_torch, name  # reported by the parent itself
+            finally:
+                parent.close()
+            assert _ends_within(parent.pid, 30), f"{name}: the verdicts' parent outlived its socket"
+        assert not _maps_torch(runner.pid)
+        # once a verdict of a torch-free master needed torch, the parent loads it for the next ones
+        parent = prefork.Forker(tmp_path, tmp_path / "late.log", 240, cases["tiny"][0], zygote=runner)
         try:
-            assert _maps_torch(parent._proc.pid) == loads_torch, name  # reported by the parent itself
+            parent.torch = True
+            with open(os.devnull, "r+b") as null:  # a verdict with no job: it ends at once
+                verdict_pid = parent.start([null.fileno()] * 3, tmp_path, {}, sandbox.Limits(), None,
+                                           sandbox.Mounts(), ())
+            assert _maps_torch(parent.pid) and _ends_within(verdict_pid, 60)
         finally:
             parent.close()
+    finally:
+        runner.close()
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_torch_and_the_launcher_imported_late_are_single_threaded_and_data_only():

@@ -42,7 +42,8 @@ import nbformat
 from dtlib.grading import on_import
 from dtlib.grading.transfer import decode, encode, stand_in_error
 
-__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "prepare", "judge", "main"]
+__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "prepare", "load_torch", "judge",
+           "main"]
 
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 _CALL_TIMEOUT = 120.0  # seconds one call of a learner function may take in the worker
@@ -424,9 +425,17 @@ def prepare(setup: list[str]) -> None:
     for source in setup:
         exec(compile(source, "<master setup cell>", "exec"), _SETUP)
     if "torch" in sys.modules:
-        from dtlib import launcher
+        load_torch()
 
-        launcher._prewarm_before_fork()
+
+def load_torch() -> None:
+    """Import torch and pre-warm the launcher, in the verdicts' parent: after :func:`prepare` when
+    the master's setup imported torch, or once a verdict of a torch-free setup needed it anyway (its
+    report says ``torch``: a reply holding a tensor or a dtlib data class), so that the next
+    verdicts inherit them instead of importing them each (:mod:`dtlib.grading.prefork`)."""
+    from dtlib import launcher
+
+    launcher._prewarm_before_fork()
 
 
 def judge(autograder_zip: str, cells: dict[str, list[str]]) -> dict:
@@ -465,6 +474,7 @@ def main() -> None:
     os.dup2(2, 1)  # prints of the checks and otter go to the log, never into the report
     job = json.loads(sys.stdin.read())
     report = judge(job["autograder_zip"], job["cells"])
+    report["torch"] = "torch" in sys.modules  # needed: the batch has the parent load it (load_torch)
     os.write(_REPORT_FD, json.dumps(report).encode())
     os.close(_REPORT_FD)
 
