@@ -293,7 +293,7 @@ def _blob_naming(module: str, name: str) -> bytes:
     import io
     import zipfile
 
-    plain = io.BytesIO(transfer.encode({"x": 1}))
+    plain = io.BytesIO(transfer.encode({"x": (1,)}))  # a tuple is not JSON's: torch.save writes a zip
     out = io.BytesIO()
     with zipfile.ZipFile(plain) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for item in src.infolist():

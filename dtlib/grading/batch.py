@@ -227,19 +227,20 @@ def grade(files: list[Path], autograder_zip: Path, master_name: str, out_csv: st
     try:
         # The verdicts run where a learner's notebook runs, the course's exercises/ (else an empty
         # folder: never the hidden masters/, which a verdict would keep reaching as its cwd). The
-        # setup's own time limit is not a submission's: it imports torch and the checks, once.
+        # setup's own time limit is not a submission's: it imports the checks (and torch), once.
         cwd = master.parent.parent / "exercises" if master else None
         if cwd is None or not cwd.is_dir():
             os.chmod(logs, 0o711)
             cwd = Path(logs) / "cwd"
             cwd.mkdir(mode=0o755)
-        # both parents import at once: otter's grader for the executions, torch and the checks for the
-        # verdicts. The rows start when the executions' parent is ready; each row's verdict waits for
-        # its own parent (seconds more: torch, the checks, the master's setup) while its execution runs.
+        # The executions' parent imports otter's grader; the verdicts' parent is forked from it and
+        # imports the checks (and torch). The rows start when the executions' parent is ready; each
+        # row's verdict waits for its own parent (the checks, the master's setup) while its execution runs.
         pool = ThreadPoolExecutor(max_workers=2)
-        starting = (pool.submit(prefork.Forker, None, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT),
-                    pool.submit(prefork.Forker, setup, cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT)
-                    if master else None)
+        runner_starting = pool.submit(prefork.Forker, cwd, Path(logs) / "runner.log", DEFAULT_TIMEOUT)
+        starting = (runner_starting,  # the verdicts' parent is forked from it, once it is ready
+                    pool.submit(lambda: prefork.Forker(cwd, Path(logs) / "setup.log", DEFAULT_TIMEOUT, setup,
+                                                       runner_starting.result())) if master else None)
         pool.shutdown(wait=False)
         try:
             runner = starting[0].result()  # raises why it could not start

@@ -213,6 +213,8 @@ def run_children(autograder_zip: Path, notebook: Path, runner: prefork.Forker, f
         if forker is not None:
             watcher.join()
     found, why_verdict = judged["result"]
+    if forker is not None and isinstance(found, dict) and found.get("torch") is True:
+        forker.load_torch()  # this master's verdicts need torch: the next ones get it from their parent
     if status is None:
         return None, "timed out", (f"{why} (a cell that never ends?); raise --timeout or --cpu-time "
                                    "if it is just slow"), found, why_verdict

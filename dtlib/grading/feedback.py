@@ -10,9 +10,8 @@ otter's exception-based format (``ok_format: false``), so what a check raised is
 from __future__ import annotations
 
 import html
+import sys
 from typing import Any, Callable
-
-from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch
 
 __all__ = ["first_line", "hint", "summary_lines", "to_text", "to_html", "install"]
 
@@ -22,7 +21,8 @@ def first_line(exc: BaseException) -> str:
     carries the rank's own exception as ``__cause__``); for a rank that only lost a peer (no
     cause), the launcher's own account of it ("it waited in a collective that ranks [1] never
     called ...")."""
-    if isinstance(exc, RankFailedError) and exc.__cause__ is None:
+    launcher = sys.modules.get("dtlib.launcher")  # not loaded: nothing raised is the launcher's
+    if launcher and isinstance(exc, launcher.RankFailedError) and exc.__cause__ is None:
         return str(exc).split("\n", 1)[0].split(" failed: ", 1)[-1]
     cause = exc.__cause__ or exc
     text = str(cause).strip()
@@ -32,6 +32,8 @@ def first_line(exc: BaseException) -> str:
 def launch_checked(worker: Callable, world_size: int, args: tuple, timeout: float) -> list:
     """``dtlib.launch`` for a check: a rank that raises or a hang becomes an ``AssertionError``
     whose first line is the verdict (the rank's traceback follows it)."""
+    from dtlib.launcher import LaunchTimeoutError, RankFailedError, launch  # torch: only for checks that launch
+
     try:
         return launch(worker, world_size, args=args, timeout=timeout, output="none")
     except LaunchTimeoutError:

@@ -1,11 +1,14 @@
 """What comes back from a process that ran a learner's code: data, never code.
 
-A learner child sends its answers with :func:`encode` (``torch.save``); the verdict reads them with
-:func:`decode`: ``torch.load(weights_only=True)``, which builds only containers, numbers, strings
-and tensors, plus the globals it names that are dtlib's own data classes (dataclasses, named
-tuples, enums outside ``dtlib.grading``, in modules already imported: a name never imports
-anything) or numpy's scalar, array and number dtype classes (named one by one), each checked by
-name before loading. A pickle can run any code when loaded; this cannot.
+A learner child sends its answers with :func:`encode`; the verdict reads them with :func:`decode`.
+Plain data (``None``, booleans, ints, floats and strings, in lists and string-keyed dicts: what
+JSON holds exactly) travels as JSON, so a torch-free exercise's verdict never imports torch.
+Anything else travels as ``torch.save`` bytes and is read with ``torch.load(weights_only=True)``,
+which builds only containers, numbers, strings and tensors, plus the globals it names that are
+dtlib's own data classes (dataclasses, named tuples, enums outside ``dtlib.grading``, in modules
+already imported: a name never imports anything) or numpy's scalar, array and number dtype
+classes (named one by one), each checked by name before loading. A pickle can run any code when
+loaded; neither of these can.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import dataclasses
 import enum
 import importlib
 import io
+import json
 import sys
 import warnings
 from typing import Any
@@ -22,8 +26,31 @@ __all__ = ["encode", "decode", "stand_in_error"]
 
 
 # ---- data-only transfer ----------------------------------------------------------------------
+_JSON = b"J"  # the first byte of a JSON reply; torch.save's start with b"PK" (a zip) or a pickle's b"\x80"
+_PLAIN_DEPTH = 32  # deeper plain data goes by torch.save (json's recursion is the interpreter's)
+
+
+def _plain(obj: Any, depth: int = _PLAIN_DEPTH) -> bool:
+    """Whether JSON gives ``obj`` back exactly: these exact types (a bool is not an int, a numpy
+    float or a tuple would come back as something else), string keys, at most ``depth`` deep."""
+    kind = type(obj)
+    if kind in (type(None), bool, int, float, str):
+        return True
+    if depth == 0:
+        return False
+    if kind is list:
+        return all(_plain(v, depth - 1) for v in obj)
+    return kind is dict and all(type(k) is str and _plain(v, depth - 1) for k, v in obj.items())
+
+
 def encode(obj: Any) -> bytes:
-    """``torch.save`` bytes of ``obj`` (what a learner child sends back)."""
+    """What a learner child sends back: JSON for plain data (:func:`_plain`), else ``torch.save``
+    bytes of ``obj``."""
+    if _plain(obj):
+        try:
+            return _JSON + json.dumps(obj).encode()
+        except ValueError:  # an int of more digits than Python converts to text: torch.save keeps it
+            pass
     import torch
 
     buf = io.BytesIO()
@@ -75,9 +102,11 @@ def _importable(qualified: str) -> bool:
 
 
 def decode(blob: bytes) -> Any:
-    """Read what a learner child sent: ``torch.load(weights_only=True)``, plus numpy's data globals
-    and the dtlib data classes it names (checked one by one before loading); anything else is
-    refused."""
+    """Read what a learner child sent: JSON, or ``torch.load(weights_only=True)`` with numpy's data
+    globals and the dtlib data classes it names (checked one by one before loading); anything else
+    is refused."""
+    if blob[:1] == _JSON:
+        return json.loads(blob[1:])
     import torch
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))

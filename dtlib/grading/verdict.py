@@ -16,14 +16,15 @@ setup does not define is a stand-in for the learner's object:
 
 Learner code runs only in forked children: each first closes this process's report pipe, and this
 process is not dumpable (``PR_SET_DUMPABLE``), so no child can trace it or open its files through
-``/proc``. Everything a child sends back is read with ``torch.load(weights_only=True)`` (plain
-containers, numbers, strings, tensors and dtlib's data classes; :func:`dtlib.grading.transfer.decode`) and ranks' results
+``/proc``. Everything a child sends back is read as JSON or with ``torch.load(weights_only=True)``
+(plain containers, numbers, strings, tensors and dtlib's data classes; :func:`dtlib.grading.transfer.decode`) and ranks' results
 through :func:`dtlib.launcher.set_result_codec` the same way: no pickle a learner wrote is ever
 loaded here. The report (scores and the first failure per question) is one JSON object on stdout.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib
 import inspect
 import json
 import os
@@ -38,9 +39,11 @@ from typing import Any
 
 import nbformat
 
+from dtlib.grading import on_import
 from dtlib.grading.transfer import decode, encode, stand_in_error
 
-__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "prepare", "judge", "main"]
+__all__ = ["question_cells", "setup_sources", "LearnerCallable", "learner_objects", "prepare", "load_torch", "judge",
+           "main"]
 
 _CHECK_CALL = re.compile(r"""grader\.check\(\s*["'](\w+)["']\s*\)""")
 _CALL_TIMEOUT = 120.0  # seconds one call of a learner function may take in the worker
@@ -152,10 +155,7 @@ def _fork_learner(body) -> tuple[int, int]:
         os.close(read)
         _become_learner()
         code = 0
-        try:
-            import torch
-
-            torch.set_num_threads(1)  # libgomp is not fork-safe (see dtlib.launcher)
+        try:  # torch, if loaded, is single-threaded already (see prepare)
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(devnull, fd)
@@ -294,11 +294,11 @@ TRUSTED_BASES = frozenset({
 def _trusted_base(module: str, qualname: str) -> type:
     """The class a base names, if it is one of :data:`TRUSTED_BASES`; refused otherwise, before
     anything is imported (a base naming ``dtlib.__main__`` once made the verdict run dtlib's CLI).
-    The modules are torch's own, already imported by the verdict's parent."""
+    Only then is its module, one of torch's own, imported (if the master's setup has not)."""
     if (module, qualname) not in TRUSTED_BASES:
         raise ValueError(f"base class {module}.{qualname} is not one of the allowed bases "
                          f"({', '.join(sorted(f'{m}.{q}' for m, q in TRUSTED_BASES))})")
-    obj = getattr(sys.modules.get(module), qualname, None)
+    obj = getattr(importlib.import_module(module), qualname, None)
     if not isinstance(obj, type):
         raise ValueError(f"base class {module}.{qualname} is not loaded in the verdict")
     return obj
@@ -402,24 +402,40 @@ def _asked_for(test) -> list[str]:
 
 
 def prepare(setup: list[str]) -> None:
-    """Import what the verdicts need and run the MASTER's setup cells (trusted), once, in the
-    parent the verdicts are forked from (:mod:`dtlib.grading.prefork`)."""
+    """Import what every verdict needs and run the MASTER's setup cells (trusted), once, in the
+    parent the verdicts are forked from (:mod:`dtlib.grading.prefork`).
+
+    Torch and the launcher are imported only if the setup imports them (every lesson's does; a
+    torch-free master's, such as the test suite's tiny course, does not): what must hold once they
+    are in is set the moment they are imported, here or later in a verdict (a test, a check, a
+    reply holding a tensor: :mod:`dtlib.grading.on_import`). Then the launcher is pre-warmed,
+    so that the ranks of every verdict start without importing ``torch._dynamo`` each."""
     import cloudpickle  # noqa: F401 - imported here so no verdict pays for it
     import otter.test_files  # noqa: F401
-    import torch
     from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
-    from dtlib import launcher
     from dtlib.grading import feedback  # noqa: F401
 
     # Forked processes must not enter an OpenMP region the parent's pool has used (libgomp is not
     # fork-safe, see dtlib.launcher): the verdicts and everything they fork stay single-threaded.
-    torch.set_num_threads(1)
-    launcher._prewarm_before_fork()
-    launcher.set_result_codec(encode, decode)
+    on_import.when_imported("torch", lambda torch: torch.set_num_threads(1))
+    # No pickle a rank wrote is ever loaded here: ranks' results come back as data.
+    on_import.when_imported("dtlib.launcher", lambda launcher: launcher.set_result_codec(encode, decode))
     _SETUP.update({"__name__": "__main__"})
     for source in setup:
         exec(compile(source, "<master setup cell>", "exec"), _SETUP)
+    if "torch" in sys.modules:
+        load_torch()
+
+
+def load_torch() -> None:
+    """Import torch and pre-warm the launcher, in the verdicts' parent: after :func:`prepare` when
+    the master's setup imported torch, or once a verdict of a torch-free setup needed it anyway (its
+    report says ``torch``: a reply holding a tensor or a dtlib data class), so that the next
+    verdicts inherit them instead of importing them each (:mod:`dtlib.grading.prefork`)."""
+    from dtlib import launcher
+
+    launcher._prewarm_before_fork()
 
 
 def judge(autograder_zip: str, cells: dict[str, list[str]]) -> dict:
@@ -458,6 +474,7 @@ def main() -> None:
     os.dup2(2, 1)  # prints of the checks and otter go to the log, never into the report
     job = json.loads(sys.stdin.read())
     report = judge(job["autograder_zip"], job["cells"])
+    report["torch"] = "torch" in sys.modules  # needed: the batch has the parent load it (load_torch)
     os.write(_REPORT_FD, json.dumps(report).encode())
     os.close(_REPORT_FD)
 
