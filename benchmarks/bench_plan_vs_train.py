@@ -134,11 +134,14 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out before timing")
+    # calibrate's figures are medians over single calls: on a loaded machine 9 calls of a 256 KiB all-reduce
+    # gave 0.4-4.2 ms of CPU time from one profile to the next (docs/plan.md), more calls spread them less
+    p.add_argument("--repeats", type=int, default=25, help="calls per calibrated figure (median; at least 3)")
     p.add_argument("--calibration", metavar="FILE", help="use this profile instead of calibrating")
     p.add_argument("--save-calibration", metavar="FILE", help="write the profile measured here")
     a = p.parse_args()
     if a.quick:
-        a.hidden, a.seq, a.steps, a.warmup = 64, 32, 3, 1
+        a.hidden, a.seq, a.steps, a.warmup, a.repeats = 64, 32, 3, 1, 5
     shape = dict(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq)
     model = TrainConfig(**shape).model_config()
     if a.calibration:
@@ -147,7 +150,7 @@ def main() -> None:
     else:
         micro = sorted({layout["micro_batch_size"] for _, layout in LAYOUTS})
         profile = calibrate(model, RANKS, tp=(1, 2), micro_batch=micro, options=TRAINER_OPTIONS,
-                            max_bytes=16 * 2 ** 20, repeats=5 if a.quick else 9)
+                            max_bytes=16 * 2 ** 20, repeats=a.repeats)
     if a.save_calibration:
         with open(a.save_calibration, "w") as f:
             json.dump(profile, f, indent=1)
