@@ -23,7 +23,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[all]"  # the core and every extra (pyproject.toml)
 	@# DeepSpeed's CPU Adam (ZeRO-Offload), compiled into ~/.cache/torch_extensions once here, as
 	@# DS_BUILD_CPU_ADAM=1 does for a source install, rather than on a learner's first offload run.
-	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('CPUAdamBuilder').load(verbose=False)" \
+	@# A build killed midway leaves torch's lock file behind, and every later build waits on it forever
+	@# (torch.utils.file_baton.FileBaton polls for the file to go): one older than 30 minutes is stale.
+	-find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +30 -delete 2>/dev/null
+	timeout 900 $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('CPUAdamBuilder').load(verbose=False)" \
 		|| echo "note: DeepSpeed's CPU Adam did not compile now; it will on first use"
 	touch $@
 
