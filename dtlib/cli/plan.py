@@ -7,7 +7,7 @@ error ``band`` (:mod:`dtlib.plan.uncertainty`: step time and throughput, or why 
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
 including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 
-About 520 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
+About 540 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
 from that dict. The planning itself lives in :mod:`dtlib.plan`; what is left is one command's surface.
 """
 from __future__ import annotations

@@ -17,10 +17,11 @@ flat compute over all GPUs, the other terms on the rank with the most layers). C
 (:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 
-About 550 lines, over the usual 400: every term is computed in one vectorised pass over the search's
+About 600 lines, over the usual 400: every term is computed in one vectorised pass over the search's
 grid of layouts and they share its intermediate arrays (the slowest stage, bytes per parameter, the
 links); the terms' own physics lives in :mod:`~dtlib.plan.gemm`, :mod:`~dtlib.plan.launches`,
-:mod:`~dtlib.plan.moe`, :mod:`~dtlib.analytic.comm`, leaving here the options and their sum.
+:mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.analytic.comm`, leaving here
+the options and their sum.
 """
 from __future__ import annotations
 
