@@ -19,7 +19,8 @@ pytest.importorskip("ray.train")
 
 from dtlib.cli import main as cli_main  # noqa: E402
 from dtlib.experiments.parallel3d import compare_with_single_process  # noqa: E402
-from dtlib.frameworks.ray_train import run_ray  # noqa: E402
+from dtlib.frameworks import ray_train  # noqa: E402
+from dtlib.frameworks.ray_train import _start_ray as start_ray, run_ray  # noqa: E402
 from dtlib.trainer import TrainConfig, run  # noqa: E402
 
 TIMEOUT = 240  # a bound for a hang, far above the ~30 s a run takes here
@@ -39,13 +40,27 @@ def references():
 @pytest.fixture
 def ray_processes(monkeypatch):
     """Mark every process this test starts (Ray's GCS, raylet and workers inherit the variable,
-    whatever they rename themselves to) and, after the test, assert that none is still running."""
+    whatever they rename themselves to) and, after the test, assert that none is still running and
+    that the Ray temporary directory each start made (its sessions' logs and sockets) is gone."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("DTLIB_RAY_TEST_MARK", mark)
+    roots = []
+
+    def start(num_cpus):
+        token, root = start_ray(num_cpus)
+        import ray
+
+        # Ray's session really is in it (not in its default /tmp/ray)
+        assert ray._private.worker._global_node.get_session_dir_path().startswith(root + os.sep)
+        roots.append(root)
+        return token, root
+
+    monkeypatch.setattr(ray_train, "_start_ray", start)
     yield
     import ray
 
     assert not ray.is_initialized()
+    assert roots and not [root for root in roots if os.path.exists(root)]
     marked = []
     for proc in psutil.process_iter():
         try:

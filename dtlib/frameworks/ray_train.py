@@ -35,6 +35,10 @@ Ray defaults overridden, and why (also in ``docs/frameworks.md``):
   ``dtlib.launch``.
 * ``object_store_memory=256 MiB`` (default: 30% of RAM) and ``include_dashboard=False``: nothing
   big goes through the object store, and the dashboard is ~0.5 GB and seconds of start-up.
+* ``_temp_dir``: a fresh directory under ``/tmp``, removed when the run's Ray is shut down (Ray's
+  default, ``/tmp/ray``, keeps every session's logs and sockets, about 0.5 MB per ``ray.init``, for
+  ever). It stays short: Ray puts its sockets under it (``session_<date>_<pid>/sockets/plasma_store``)
+  and a Unix socket's path may not exceed 107 bytes, which a pytest or ``TMPDIR`` path would.
 * ``TorchConfig(backend="gloo", timeout_s=timeout)``: dtlib's trainer keeps its tensors on the CPU;
   the collective timeout (default 1800 s) is bounded by the run's so a stuck rank fails in time.
 * ``RunConfig(storage_path=...)``: default a temporary directory removed at the end (Ray's default,
@@ -78,6 +82,7 @@ _SESSION_VARIABLE = "DTLIB_RAY_SESSION"  # marks the processes of a Ray that run
 _RAY_TRAIN_SETTINGS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 # TrainConfig's paths: Ray's workers run in its run directory (os.chdir), so they get absolute ones
 _PATHS = ("checkpoint_dir", "profile", "data", "sample_log", "metrics", "tensorboard")
+_RAY_ROOT = "/tmp"  # parent of each run's Ray temporary directory: short, see the module docstring
 
 
 def check_ray_config(config: TrainConfig, max_failures: int = 0, timeout: float = 300.0) -> TrainConfig:
@@ -117,12 +122,12 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started = not ray.is_initialized()
-    token = None
+    token, ray_root = None, None
     temporary = tempfile.mkdtemp(prefix="dtlib-ray-") if storage_path is None else None
     attempts = None
     try:
         if started:
-            token = _start_ray(config.world_size)
+            token, ray_root = _start_ray(config.world_size)
         attempts = _attempt_counter()
         trainer = TorchTrainer(
             _worker, train_loop_config={"config": asdict(config), "attempts": attempts, "timeout": timeout},
@@ -147,15 +152,18 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
             ray.shutdown()
             if token is not None:  # workers and agents exit on their own soon after; now, for sure
                 _kill_session(token)
+            if ray_root is not None:  # the session's logs and sockets, once nothing writes them
+                shutil.rmtree(ray_root, ignore_errors=True)
         elif attempts is not None:  # a Ray session of the caller's: leave nothing of this run in it
             ray.kill(attempts)
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _start_ray(num_cpus: int) -> str:
-    """``ray.init`` with the settings above; returns the token that marks every process of this
-    Ray (an environment variable its GCS and raylet inherit and pass on to every worker and agent,
+def _start_ray(num_cpus: int) -> tuple[str, str]:
+    """``ray.init`` with the settings above, in a temporary directory of its own; returns the token
+    that marks every process of this Ray and that directory (the caller removes it after
+    ``ray.shutdown``). The token marks every process of this Ray (an environment variable its GCS and raylet inherit and pass on to every worker and agent,
     whatever they rename themselves to, and wherever they are re-parented), so that
     :func:`_kill_session` can end them all. Ray gives its raylet 30 s to register with the GCS
     (``raylet_start_wait_time_s`` in ray/_private/node.py, not configurable), which an overloaded
@@ -164,6 +172,7 @@ def _start_ray(num_cpus: int) -> str:
     import ray
 
     token = uuid.uuid4().hex
+    root = tempfile.mkdtemp(prefix="dtlib-ray-session-", dir=_RAY_ROOT if os.path.isdir(_RAY_ROOT) else None)
     for attempt in (1, 2):
         try:
             with _environment({_SESSION_VARIABLE: token}):
@@ -171,14 +180,15 @@ def _start_ray(num_cpus: int) -> str:
                 # already runs on the machine (RAY_ADDRESS, or the newest GCS it finds), which a
                 # run that shuts its Ray down afterwards must not do.
                 ray.init(address="local", num_cpus=num_cpus, object_store_memory=_OBJECT_STORE_BYTES,
-                         include_dashboard=False)
+                         include_dashboard=False, _temp_dir=root)
             break
         except Exception:
             ray.shutdown()
             _kill_session(token)
             if attempt == 2:
+                shutil.rmtree(root, ignore_errors=True)
                 raise
-    return token
+    return token, root
 
 
 def _kill_session(token: str) -> None:
