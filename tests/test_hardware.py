@@ -30,7 +30,11 @@ def test_published_datasheet_figures():
     assert get_gpu("h100-sxm").peak("bf16") == pytest.approx(989.5e12, rel=1e-3)  # 1979 sparse / 2
     assert get_gpu("mi300x").memory_bytes == 192 * 2 ** 30
     assert get_link("ib-ndr").bandwidth == 50e9                # 400 Gb/s
-    assert get_link("nvlink4").bandwidth == 450e9              # 900 GB/s bidirectional
+    # NVLink as NCCL's topology model sees it (src/graph/topo.h): links x per-link GB/s, ~80% of the
+    # datasheet's signalling rate (H100: 900 GB/s bidirectional = 18 links x 25 GB/s per direction)
+    assert get_link("nvlink4").bandwidth == pytest.approx(18 * 20.6e9)
+    assert get_link("nvlink3").bandwidth == pytest.approx(12 * 20.0e9)
+    assert get_link("nvlink5").bandwidth == pytest.approx(18 * 40.1e9)
 
 
 def test_lookups_list_valid_names():

@@ -44,7 +44,7 @@ def test_datasheet_figures_and_their_derivations():
     # H800: the H100 SXM die, same tensor peaks and memory; only NVLink (and FP64) cut
     h800, h100 = get_gpu("h800"), get_gpu("h100-sxm")
     assert h800.peaks == h100.peaks and h800.memory_bytes == h100.memory_bytes and h800.sms == h100.sms
-    assert get_link("nvlink-h800").bandwidth == 400e9 / 2  # 400 GB/s bidirectional
+    assert get_link("nvlink-h800").bandwidth == pytest.approx(8 * 20.6e9)  # 400 GB/s bidirectional: 8 of H100's 18 links
     assert cluster("h800").intra.name == "nvlink-h800" and cluster("h800").intra.bandwidth < cluster("h100-sxm").intra.bandwidth
     # H20: 148 TFLOPS BF16 dense, 15% of an H100, with more memory (96 GB at 4 TB/s)
     assert get_gpu("h20").peak("bf16") == pytest.approx(148e12) and get_gpu("h20").memory_bytes > h100.memory_bytes

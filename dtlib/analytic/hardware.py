@@ -6,6 +6,9 @@ CDNA 4; None elsewhere). Datasheets that quote "with sparsity" figures only are 
 sparse / 2), and rack or 8-GPU board totals are divided by the GPU count; each source says which. Memory sizes are the marketed capacity read
 as GiB (HBM stacks are binary-sized; e.g. an "80GB" H100 reports ~79.6 GiB usable). Link bandwidth
 is *per GPU, per direction* (what nccl-tests' busbw approaches); latency is NCCL's per-hop model.
+NVLink is taken at what NCCL's own topology model gives a GPU (:data:`NCCL_NVLINK_BW_PER_LINK` x its
+links), not at the datasheet's signalling rate: about 80% of it (A100 240 of 300 GB/s, H100 370.8 of
+450, B200 721.8 of 900), as DeepEP measures on NVLink 5 (726-740 GB/s).
 
 A :class:`Cluster`'s ``gpus_per_node`` is the size of its NVLink (scale-up) domain: 8 for a DGX/HGX
 board, 72 for a GB200/GB300 NVL72 rack. :data:`SYSTEMS` names whole systems (GPU, domain size,
@@ -22,7 +25,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "KERNEL_LAUNCH_S", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
-           "ACCELERATORS", "LINKS", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
+           "ACCELERATORS", "LINKS", "NCCL_NVLINK_BW_PER_LINK", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
            "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
@@ -179,12 +182,30 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
 ]}
 
 _NCCL_LAT = "latency: NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol"
+# GB/s per NVLink link and direction in NCCL's topology model, by compute capability (NCCL
+# src/graph/topo.h SM80_NVLINK_BW, SM90_NVLINK_BW, SM100_NVLINK_BW at commit 5067397, 2026; topo.cc
+# ncclTopoNVLinkBw): the bandwidth NCCL's graph search builds its rings and trees on, below the
+# link's signalling rate (25 GB/s per direction for NVLink 3 and 4, 50 for NVLink 5). DeepEP measures
+# 726-740 GB/s on NVLink 5 at EP 8 (README, V2 at 0297fc8) against NCCL's 18 x 40.1 = 721.8.
+NCCL_NVLINK_BW_PER_LINK = {"sm80": 20.0e9, "sm90": 20.6e9, "sm100": 40.1e9}
+_NCCL_NVL = ("bandwidth: NCCL's topology model, {links} links x {per:g} GB/s (src/graph/topo.h {sm}, NVIDIA/nccl "
+             "5067397) = {bw:g} GB/s per direction, of the datasheet's {peak}; ")
+
+
+def _nvlink(name: str, links: int, sm: str, datasheet: str) -> Link:
+    """An NVLink generation as NCCL sees it: ``links`` links at NCCL's per-link bandwidth."""
+    per = NCCL_NVLINK_BW_PER_LINK[sm]
+    source = _NCCL_NVL.format(links=links, per=per / 1e9, sm=sm.upper() + "_NVLINK_BW",
+                              bw=links * per / 1e9, peak=datasheet)
+    return Link(name, links * per, 3.4e-6, source + _NCCL_LAT)
+
+
 LINKS: dict[str, Link] = {l.name: l for l in [
-    Link("nvlink3", 300e9, 3.4e-6, "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional; " + _NCCL_LAT),
-    Link("nvlink4", 450e9, 3.4e-6, "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional; " + _NCCL_LAT),
-    Link("nvlink5", 900e9, 3.4e-6, "NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s bidirectional; " + _NCCL_LAT),
-    Link("nvlink-h800", 200e9, 3.4e-6, "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional (secondary sources; "
-         "NVIDIA's datasheet not read here); " + _NCCL_LAT),
+    _nvlink("nvlink3", 12, "sm80", "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional, 12 links"),
+    _nvlink("nvlink4", 18, "sm90", "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional, 18 links"),
+    _nvlink("nvlink5", 18, "sm100", "NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s bidirectional, 18 links"),
+    _nvlink("nvlink-h800", 8, "sm90", "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional, 8 links (secondary "
+            "sources; NVIDIA's datasheet not read here)"),
     Link("infinity-fabric-4", 76.8e9, 3.4e-6,
          "AMD MI355X / MI350X data sheets (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per "
          "peer of 8 -> 76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),

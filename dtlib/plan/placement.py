@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dtlib.analytic import validate
+from dtlib.analytic.hardware import get_link
 
 __all__ = ["ClusterSpec", "Layout", "TIERS", "PLACEMENTS", "place", "groups", "traffic", "tier_bytes",
            "node_matrix", "check_placement", "step_volumes", "tier_report", "tp_inter_node_bytes"]
@@ -41,12 +42,13 @@ PLACEMENTS = ("megatron", "naive", "random")
 class ClusterSpec:
     """``nodes`` nodes of ``gpus_per_node`` GPUs, ``nodes_per_rack`` nodes under each leaf switch,
     the spine uplinks ``oversubscription``:1 (1 = non-blocking). Bandwidths in bytes/s per GPU, one
-    direction (defaults: NVLink 4 on an H100 450 GB/s, one 400 Gb/s NIC per GPU 50 GB/s)."""
+    direction (defaults: NVLink 4 on an H100 as NCCL models it, 370.8 GB/s (``dtlib.analytic.hardware``),
+    one 400 Gb/s NIC per GPU 50 GB/s)."""
     nodes: int
     gpus_per_node: int = 8
     nodes_per_rack: int = 4
     oversubscription: float = 1.0
-    nvlink_bandwidth: float = 450e9
+    nvlink_bandwidth: float = get_link("nvlink4").bandwidth
     nic_bandwidth: float = 50e9
 
     def __post_init__(self) -> None:
