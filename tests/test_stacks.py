@@ -19,7 +19,8 @@ MODEL = get_preset("llama3-8b")
 C = cluster("h100-sxm", 2, 8)
 TP_LAYOUT = Parallelism(dp=4, tp=4, num_microbatches=4, sequence_parallel=True, zero=1)
 SETTINGS = ("tp_overlap", "dp_overlap", "cp_overlap", "attention_kernel", "fused_elementwise", "fused_swiglu",
-            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision", "grad_reduce", "moe_dispatcher")
+            "fp8_saves_inputs", "fp8_recipe", "expert_loop", "precision", "grad_reduce", "moe_dispatcher",
+            "tp_overlap_input_grads")
 
 
 def test_every_default_names_its_setting():
@@ -115,5 +116,13 @@ def test_plan_shows_the_stack_and_takes_overrides(capsys):
     assert main(base + ["--stack", "torchtitan", "--tp-overlap", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["assumed"]["stack"] == "torchtitan" and d["assumed"]["tp_overlap"] == 1.0
-    # all hidden but the embedding's and the loss's collectives, which have no GEMM beside them
-    assert 0 < d["configs"][0]["breakdown"]["tp_comm"] < exposed / 10
+    # all hidden but each block's backward input-gradient reduce-scatter, a sum of GEMMs in torchtitan's Llama
+    # (separate wq/wk/wv and w1/w3: Stack.tp_overlap_input_grads; a quarter of the layers' TP traffic without
+    # recompute), and the embedding's and the loss's collectives, which have no GEMM beside them
+    assert exposed / 4 < d["configs"][0]["breakdown"]["tp_comm"] < exposed / 3
+    # Megatron-Core's fused linear_qkv / linear_fc1 make each input gradient one GEMM: hidden too
+    megatron = {}
+    for overlap in ("0", "1"):
+        assert main(base + ["--stack", "megatron", "--tp-overlap", overlap, "--json"]) == 0
+        megatron[overlap] = json.loads(capsys.readouterr().out)["configs"][0]["breakdown"]["tp_comm"]
+    assert 0 < megatron["1"] < megatron["0"] / 10

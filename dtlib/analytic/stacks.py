@@ -67,7 +67,9 @@ class Stack:
     kernel launch (or more) per expert, not as one grouped kernel, so each expert adds its launches'
     cost (:func:`dtlib.plan.moe.grouped_gemm_overhead`); ``moe_dispatcher``: one of
     :data:`MOE_DISPATCHERS` (:func:`dtlib.plan.moe.ep_comm_time`); ``precision``: bytes per parameter
-    (:data:`dtlib.analytic.precision.CONVENTIONS`)."""
+    (:data:`dtlib.analytic.precision.CONVENTIONS`); ``tp_overlap_input_grads``: the TP overlap also
+    hides the backward's input-gradient reduce-scatters (one per attention and MLP block), not only
+    the collectives fused with the one GEMM beside them."""
     name: str
     description: str
     tp_overlap: float
@@ -82,6 +84,7 @@ class Stack:
     expert_loop: bool
     precision: str
     moe_dispatcher: str
+    tp_overlap_input_grads: bool
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,8 +112,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
                       "(Megatron-Bridge / NeMo performance configs)",
           tp_overlap=1.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa3",
           fused_elementwise=True, fused_swiglu=True, fp8_saves_inputs=True, fp8_recipe="delayed",
-          expert_loop=True, precision="bf16-mixed", moe_dispatcher="alltoall",
+          expert_loop=True, precision="bf16-mixed", moe_dispatcher="alltoall", tp_overlap_input_grads=True,
           sources={
+              "tp_overlap_input_grads": "True: Megatron-Core fuses Q, K and V into one linear_qkv and the MLP's "
+                                        "gate and up into one linear_fc1, so each block's input gradient is one "
+                                        "dgrad GEMM, and Transformer Engine's userbuffers overlap its "
+                                        "reduce-scatter with the wgrad GEMM (" + _MCORE + "TransformerConfig "
+                                        "tp_comm_bulk_wgrad = True)",
               "moe_dispatcher": "alltoall: moe_token_dispatcher_type='alltoall' in Megatron-Bridge's MoE providers "
                                 "(models/gpt_oss/gpt_oss_provider.py at 166d498; the --emit megatron config's "
                                 "--moe-token-dispatcher-type alltoall); its token_dispatch all-to-alls the "
@@ -161,8 +169,16 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("torchtitan", "torchtitan: FSDP2, PyTorch SDPA, optional torch.compile and Float8 (torchao)",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe="tensorwise",
-          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex",
+          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex", tp_overlap_input_grads=False,
           sources={
+              "tp_overlap_input_grads": "False: async TP (torch._inductor micro_pipeline_tp_pass) fuses a "
+                                        "reduce-scatter only with the single matmul that produces its input "
+                                        "(fuse_matmul_reduce_scatter / _find_producer_matmul in "
+                                        "torch/_inductor/fx_passes/micro_pipeline_tp.py); torchtitan's Llama "
+                                        "has separate wq, wk, wv and w1, w3 Linears, so autograd sums their "
+                                        "input gradients before the reduce-scatter and those two per layer "
+                                        "stay exposed; the forward's and the output gradients' all-gathers "
+                                        "and reduce-scatters are fused",
               "moe_dispatcher": "flex: torchtitan models/moe/moe.py MoE.forward weights the routed outputs by "
                                 "top_scores on the token's own rank (before the dispatch with "
                                 "score_before_experts, else after the combine): no probabilities all-to-all",
@@ -193,8 +209,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("deepspeed", "DeepSpeed ZeRO with a Hugging Face / Megatron-DeepSpeed model",
           tp_overlap=0.0, dp_overlap=0.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          expert_loop=True, precision="zero", moe_dispatcher="flex",
+          expert_loop=True, precision="zero", moe_dispatcher="flex", tp_overlap_input_grads=True,
           sources={
+              "tp_overlap_input_grads": "True: no TP overlap here (tp_overlap 0), so nothing it leaves out",
               "moe_dispatcher": "flex: deepspeed/moe/sharded_moe.py MOELayer.forward applies combine_weights on "
                                 "the token's own rank after the second all-to-all: no probabilities all-to-all",
               "tp_overlap": "DeepSpeed has no TP communication overlap (AutoTP all-reduces after the "
@@ -220,8 +237,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in [
     Stack("fsdp", "PyTorch FSDP1 as llm-foundry (MosaicML) runs it",
           tp_overlap=0.0, dp_overlap=1.0, dp_overlap_zero3=1.0, cp_overlap=0.0, attention_kernel="fa2",
           fused_elementwise=False, fused_swiglu=False, fp8_saves_inputs=False, fp8_recipe=None,
-          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex",
+          expert_loop=False, precision="fsdp-mixed", moe_dispatcher="flex", tp_overlap_input_grads=True,
           sources={
+              "tp_overlap_input_grads": "True: no TP overlap here (tp_overlap 0), so nothing it leaves out",
               "moe_dispatcher": "flex: MegaBlocks dMoE (llm-foundry's MoE FFN) scales the expert outputs by the "
                                 "router weights on the token's rank (its scatter): no probabilities all-to-all",
               "tp_overlap": "no tensor parallelism in llm-foundry's FSDP recipes",

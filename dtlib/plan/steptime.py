@@ -395,8 +395,14 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # attention's 2 collectives and the MLP's 2, but an MoE layer's routed experts take their
     # tokens through the EP dispatcher instead (ep_comm); shared experts gather over tp as a dense
     # MLP does (Megatron-Core SharedExpertMLP)
-    tp_calls = (2 + full) * (2 * layers_here - moe_here * (moe["shared_experts"] == 0)) * m
+    blocks = 2 * layers_here - moe_here * (moe["shared_experts"] == 0)
+    tp_calls = (2 + full) * blocks * m
     tp_raw = tp_calls * _on(tp <= g, "all_reduce", act, tp, intra, inter)
+    # each block's backward input-gradient reduce-scatter (half of its backward all-reduce): an overlap
+    # that fuses a collective only with the one GEMM beside it cannot hide it where the gradient is a
+    # sum of GEMMs (torchtitan's separate wq/wk/wv and w1/w3; Stack.tp_overlap_input_grads)
+    input_grads = (not stack.tp_overlap_input_grads) * blocks * m * _on(
+        tp <= g, "reduce_scatter", act, tp, intra, inter)
     # outside the layers (dtlib.plan.vocab_parallel): the embedding's, the output layer's and the loss's,
     # on the stages that hold them; the output layer's beside its own GEMMs, the others beside none
     outside = vocab_parallel_collectives(b * s / cp, h, prec.activation, n["sequence_parallel"],
@@ -408,7 +414,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     tp_raw = tp_raw + head_raw
     # overlap (TE userbuffers, async TP) runs each collective beside a GEMM of the same layer: it
     # hides at most the weight GEMMs' time, as ep_overlap below
-    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw, parts["gemm"]) + unhidden
+    tp_comm = tp_raw - options.tp_overlap * np.minimum(tp_raw - input_grads, parts["gemm"]) + unhidden
     # K and V at their real widths (head_dim, GQA groups, MLA's decompressed heads), as dtlib comm counts them
     cp_comm = (1 - options.cp_overlap) * 2 * layers_here * m * _on(
         tp * cp <= g, "all_gather", cp_kv_bytes(n, prec.activation), cp, intra, inter)
