@@ -606,8 +606,8 @@ def _bridge_finetuning() -> list[PublishedRun]:
             lora_targets=NEMO_LORA_TARGETS if lora else None,
             note=f"recipe {recipe}: distributed optimizer (ZeRO-1), grad_reduce_in_fp32 False (BF16 gradients, "
                  "perf_recipes/_common.py:74), FP32 Adam states and recompute none (base config "
-                 + ("recipes/llama/h100/llama3.py:2642-2645, 2667" if lora else
-                    "recipes/llama/h100/llama3.py:1816-1819, 1840") + "), "
+                 + ("recipes/llama/h100/llama3.py:2642-2646, 2667" if lora else
+                    "recipes/llama/h100/llama3.py:1816-1820, 1840") + "), "
                  + ("SP and TP communication overlap on (the megatron stack's default)" if tp > 1 else "TP 1")
                  + "; SQuAD packed offline into 4,096-token rows, timed as 4,096-token sequences (attention over the "
                  "whole row where the run attends within each sample: too slow by that term; packed_doc_length "
