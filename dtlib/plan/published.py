@@ -591,14 +591,15 @@ def _bridge_finetuning() -> list[PublishedRun]:
     rows = []
     for task, system, precision, gpus, tp, pp, vp, tps, _ in BRIDGE_FINETUNING:
         gpu, lora = _SYSTEMS[system], task == "LoRA"
+        family = gpu.split("-")[0]
         recipe = _BRIDGE_FT_RECIPES[task, system, precision]
         h100_lora = (system, task) == ("DGX-H100", "LoRA")  # no CUDA graphs, no overlap with the optimizer step
         rows.append(PublishedRun(
-            name=f"LLAMA3_70B {task} {precision}, {gpus} x {gpu.split('-')[0].upper()} (Megatron-Bridge 26.06)",
+            name=f"LLAMA3_70B {task} {precision}, {gpus} x {family.upper()} (Megatron-Bridge 26.06)",
             model=replace(get_preset("llama3-70b"), seq=4096), cluster=_system_cluster(gpu, gpus), global_batch=32,
             layout=dict(tp=tp, pp=pp, cp=1, dp=gpus // (tp * pp), zero=1, virtual_stages=vp, micro_batch_size=1,
                         recompute="none", sequence_parallel=int(tp > 1)),
-            metric="tokens_per_gpu_s", published=tps, family=gpu.split("-")[0], source="Megatron-Bridge fine-tuning",
+            metric="tokens_per_gpu_s", published=tps, family=family, source="Megatron-Bridge fine-tuning",
             reference=_BRIDGE_FT + f" ({task} table, row {system} {gpus} GPUs {precision}, TP {tp} PP {pp} VP {vp}; "
                                    f"recipe {recipe})",
             stack="megatron", dtype="fp8", fp8_recipe=_BRIDGE_FT_PRECISION[precision], precision=_BRIDGE_PRECISION,
@@ -612,7 +613,7 @@ def _bridge_finetuning() -> list[PublishedRun]:
                  + "; SQuAD packed offline into 4,096-token rows, timed as 4,096-token sequences (attention over the "
                  "whole row where the run attends within each sample: too slow by that term; packed_doc_length "
                  "unset: the FLOPs column gives no sample length, docs/validation.md)"
-                 + ("; LoRA rank 16 on linear_qkv (one adapter on the fused QKV matrix, counted as q_proj, k_proj, "
+                 + (f"; LoRA rank {BRIDGE_LORA_RANK} on linear_qkv (one adapter on the fused QKV matrix, counted as q_proj, k_proj, "
                     "v_proj)" if lora else "; SFT trains every weight (finetune full)")
                  + ("" if h100_lora else "; not modelled: CUDA graphs (Transformer Engine, scope mlp)")
                  + (", overlap_param_gather_with_optimizer_step" if precision == "FP8" and not h100_lora else "")
