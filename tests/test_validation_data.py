@@ -45,16 +45,17 @@ def test_no_row_is_there_twice():
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs across A100, H100, H200, B200 and GB200 (and GB300),
     BF16 and FP8, dense and MoE, the four stacks."""
-    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 129 and len(SOURCES) == 14
+    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 139 and len(SOURCES) == 15
     assert Counter(r.source for r in PUBLISHED) == {
         "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
         "Megatron-Bridge": 32, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
-        "BLOOM 2022": 1, "DeepSeek-V3 2024": 1, "Megatron-Bridge NVFP4": 4, "NeMo 2024 fine-tuning": 6}
-    assert Counter(r.family for r in PUBLISHED) == {"h100": 61, "a100": 23, "b200": 14, "gb200": 17, "gb300": 11,
+        "BLOOM 2022": 1, "DeepSeek-V3 2024": 1, "Megatron-Bridge NVFP4": 4, "NeMo 2024 fine-tuning": 6,
+        "Megatron-Bridge fine-tuning": 10}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 63, "a100": 23, "b200": 14, "gb200": 21, "gb300": 15,
                                                     "h200": 2, "h800": 1}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 72, "nvfp4": 4}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 87, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
-    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 99, "hardware_tflops_per_gpu": 14,
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 53, "fp8": 82, "nvfp4": 4}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 97, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 109, "hardware_tflops_per_gpu": 14,
                                                     "step_time_s": 4, "model_tflops_per_gpu": 12}
     assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {
         "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 6, "gpt-oss-120b": 4, "qwen3-30b-a3b": 4,
@@ -79,7 +80,12 @@ def test_published_numbers_are_the_new_sources():
     assert [r.published for r in tuned] == [16891, 10176, 1816, 24824, 14629, 2621]
     assert [(r.finetune, r.lora_rank, r.lora_targets) for r in tuned] == [("full", None, None)] * 3 + [
         ("lora", 32, ("q_proj", "k_proj", "v_proj"))] * 3
-    assert {r.finetune for r in PUBLISHED if r.source != "NeMo 2024 fine-tuning"} == {"full"}
+    bridge = by_source["Megatron-Bridge fine-tuning"]
+    assert [r.published for r in bridge] == [4819, 4312, 3864, 3593, 1638, 7481, 7447, 6206, 5958, 2643]
+    assert [(r.finetune, r.lora_rank, r.lora_targets) for r in bridge] == [("full", None, None)] * 5 + [
+        ("lora", 16, ("q_proj", "k_proj", "v_proj"))] * 5
+    tuning = {"NeMo 2024 fine-tuning", "Megatron-Bridge fine-tuning"}
+    assert {r.finetune for r in PUBLISHED if r.source not in tuning} == {"full"}
     mx = [r.published for r in by_source["Megatron-Bridge"] if r.fp8_recipe == "mxfp8"]
     assert mx == [29521, 624, 36108, 4357, 28934, 29789, 4018, 23766, 2139, 9299, 3269]
 
@@ -237,3 +243,52 @@ def test_a_published_run_checks_its_fine_tuning():
         replace(run, finetune="full", lora_targets=None)
     with pytest.raises(ValueError, match="finetune"):
         replace(run, finetune="qlora")
+
+
+def test_bridge_finetuning_rows_are_the_26_06_tables():
+    """Megatron-Bridge 26.06's SFT and LoRA tables (Llama 3 70B, seq 4096, GBS 32, MBS 1), row by row:
+    GPUs, TP, PP, VP as printed, DP the rest; FP8 = current scaling (the ``*_fp8cs_config`` recipes),
+    MXFP8 = mxfp8; BF16 gradients; one NVL72 rack's 32 or 8 GPUs in one NVLink domain, DGX-H100 nodes of 8."""
+    runs = [r for r in PUBLISHED if r.source == "Megatron-Bridge fine-tuning"]
+    assert len(runs) == len(data.BRIDGE_FINETUNING) == 10
+    for (task, system, precision, gpus, tp, pp, vp, tps, _), run in zip(data.BRIDGE_FINETUNING, runs):
+        lay = run.layout
+        assert f"{task} {precision}" in run.name and run.published == tps and run.cluster.world_size == gpus
+        assert (lay["tp"], lay["pp"], lay["virtual_stages"], lay["dp"]) == (tp, pp, vp, gpus // (tp * pp)), run.name
+        assert (run.global_batch, lay["micro_batch_size"], run.model.seq, run.model.name) == (32, 1, 4096,
+                                                                                                "llama3-70b")
+        assert run.fp8_recipe == {"FP8": "current", "MXFP8": "mxfp8"}[precision] and run.precision == "bf16-mixed"
+        assert run.finetune == ("lora" if task == "LoRA" else "full") and run.family == run.cluster.gpu.name.split("-")[0]
+        assert run.cluster.gpus_per_node == (8 if system == "DGX-H100" else gpus), run.name
+        assert "067f987df03b8355b03192d88d70f1709fedf51a" in run.reference and "llama3.py:" in run.note
+    # GA = GBS / (MBS x DP): 2 micro-batches per step on the GB300 SFT row, 32 on the H100 LoRA row
+    assert [32 // r.layout["dp"] for r in runs] == [2, 2, 8, 8, 16, 8, 8, 8, 16, 32]
+
+
+def test_bridge_finetuning_flops_per_token_are_dtlibs():
+    """The 26.06 tables print model TFLOP/s beside tokens/s (tokens = GBS x 4,096 per step, padding
+    included: train_utils.py at v0.5.0, the 26.06 release): their ratio is Megatron-Bridge's FLOPs per
+    token. SFT: v0.5.0 counts causal attention over the whole 4,096-token row (flop_utils.py:657,
+    ``seq_length**2`` per row, train_utils.py:1122); the column's attention share, above dtlib's
+    no-attention count, is within 15% of dtlib's causal count over the whole row (an effective length
+    of 3.5K-4.7K tokens, not a SQuAD sample's): no sample length in it. LoRA: v0.5.0 counts 2/3 of
+    6N for the frozen weights (flop_utils.py:388-396), no adapters, and attention as the packed rows'
+    sum of squared sample lengths; the column is dtlib's LoRA count without attention (4N frozen +
+    rank-16 QKV adapters) within 0.5%, and what is left for attention scatters around zero across the
+    five rows (below 3% of a whole row's): one number per row cannot give both the rows' fill and the
+    samples' lengths, so no citable length; the rows are timed unpacked (docs/validation.md)."""
+    from dtlib.analytic.flops import attention_flops_per_token, flops_report
+
+    runs = [r for r in PUBLISHED if r.source == "Megatron-Bridge fine-tuning"]
+    left = []
+    for (task, *_, tps, tflops), run in zip(data.BRIDGE_FINETUNING, runs):
+        bridge = tflops * 1e12 / tps
+        causal = flops_report(run.model, 1, attention="causal", finetune=run.fine_tuning)["flops_per_token"]
+        row = 3 * attention_flops_per_token(attention="causal", **run.model.numbers())
+        if task == "SFT":
+            assert bridge == pytest.approx(causal, rel=0.01), run.name
+            assert 0.85 < (bridge - (causal - row)) / row < 1.15, run.name
+        else:
+            assert bridge == pytest.approx(causal - row, rel=0.005), run.name
+            left.append((bridge - (causal - row)) / (2 * row))  # of the whole row's unhalved attention
+    assert max(abs(x) for x in left) < 0.03 and min(left) < 0 < max(left)

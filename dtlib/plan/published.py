@@ -31,7 +31,8 @@ from dtlib.analytic.presets import get_preset
 from dtlib.analytic.units import GiB
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
-           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs", "NEMO_FINETUNING"]
+           "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs", "NEMO_FINETUNING",
+           "BRIDGE_FINETUNING"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = True
@@ -95,6 +96,17 @@ _NEMO_FT = ("NVIDIA NeMo performance summary, NeMo 24.07 container, DGX-H100, FP
             "https://github.com/NVIDIA/NeMo-Framework-Launcher/blob/8325688d8345a5513660f0f8390f0482a721c009/"
             "launcher_scripts/conf/peft/llama/sft.yaml and NeMo's default LoRA target (get_target_modules, "
             "default ('attention_qkv',)) nemo/collections/nlp/parts/peft_config.py at the table's commit")
+_BRIDGE_FT = ("NVIDIA Megatron-Bridge performance summary, 26.06 NeMo container, Llama 3 70B, seq 4096, GBS 32, MBS 1, "
+              "docs/performance-summary-archive.md '26.06 NeMo Container', tables 'SFT Performance' and 'LoRA "
+              "Performance' (Model: LLAMA3_70B) https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/"
+              "067f987df03b8355b03192d88d70f1709fedf51a/docs/performance-summary-archive.md; recipes "
+              "src/megatron/bridge/perf_recipes/llama/{gb300,gb200,h100}/llama3.py and perf_recipes/_common.py "
+              "(_perf_precision: FP8 = fp8_cs, current scaling, first_last_layers_bf16 False; _benchmark_common), "
+              "base configs src/megatron/bridge/recipes/llama/h100/llama3.py (llama3_70b_sft_config, line 1762; "
+              "llama3_70b_peft_config, line 2576: LoRA dim 16, alpha 32) and recipes/common.py (_sft_common, "
+              "_peft_common: SQuAD, offline packing) at that commit; the same layouts in the 26.06 release's "
+              "scripts/performance/configs/llama/llama3_workload_base_configs.py at v0.5.0 "
+              "fcbb6031103d0ca845c1a54d4fee55ecfcca17b6")
 _NEMO_2025 = ("NVIDIA NeMo Framework performance summary of 2025 (NeMo 2.x on Megatron-Core, FP8), 'Pre-training' "
               "tables: NeMo 25.02, System DGX-B200, as stored at https://docs.nvidia.com/nemo-framework/user-guide/"
               "latest/performance/performance_summary.html while it showed 25.02; NeMo 25.04, System DGX-GB200, "
@@ -217,6 +229,16 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, source: str, vocab: in
 def _dgx(gpu: str, gpus: int, inter: str = "ib-ndr") -> Cluster:
     """A DGX/HGX cluster of ``gpus`` GPUs, 8 per node (fewer: one partial node)."""
     return cluster(gpu, max(gpus // 8, 1), min(gpus, 8), None, inter)
+
+
+def _system_cluster(gpu: str, gpus: int) -> Cluster:
+    """A DGX system's ``gpus`` GPUs: GB200/GB300 NVL72 racks as NVLink domains of the job's GPUs up to 64
+    (the tables do not say how 256 GPUs sit in 72-GPU racks: 4 x 64 assumed), inter-rack NIC 800 Gb/s
+    (GB300) or 400 Gb/s (GB200), neither stated in the tables; other GPUs as :func:`_dgx`."""
+    if not gpu.startswith("gb"):
+        return _dgx(gpu, gpus)
+    domain = min(gpus, 64)
+    return cluster(gpu, gpus // domain, domain, "nvlink5", "ib-xdr" if gpu == "gb300" else "ib-ndr")
 
 
 # (billions, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU) -- Table 1, in order
@@ -401,8 +423,7 @@ def _bridge_nvfp4() -> list[PublishedRun]:
     rows = []
     for system, preset, label, gpus, batch, tp, pp, vp, tps in _BRIDGE_FP4_ROWS:
         gpu = _SYSTEMS[system]
-        domain = min(gpus, 64)
-        cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-xdr" if gpu == "gb300" else "ib-ndr")
+        cl = _system_cluster(gpu, gpus)
         layout = dict(tp=tp, pp=pp, cp=1, dp=gpus // (tp * pp), zero=1, virtual_stages=vp, micro_batch_size=1,
                       recompute="none", sequence_parallel=int(tp > 1))
         big = preset == "llama3-405b"
@@ -529,6 +550,76 @@ def _nemo_finetuning() -> list[PublishedRun]:
     return rows
 
 
+
+# (task, system, precision, GPUs, TP, PP, VP, tokens/s/GPU, model TFLOP/s/GPU) -- the 26.06 container's 'SFT
+# Performance' and 'LoRA Performance' tables (Model: LLAMA3_70B), in order; every row GBS 32, MBS 1, seq 4096,
+# CP 1. The model TFLOP/s column is not timed: it checks the FLOPs per token (tests/test_validation_data.py)
+BRIDGE_FINETUNING = [("SFT", "DGX-GB300", "FP8", 32, 1, 2, 20, 4819, 2083),
+                     ("SFT", "DGX-GB300", "MXFP8", 32, 1, 2, 20, 4312, 1877),
+                     ("SFT", "DGX-GB200", "FP8", 32, 1, 8, 10, 3864, 1671),
+                     ("SFT", "DGX-GB200", "MXFP8", 32, 1, 8, 10, 3593, 1553),
+                     ("SFT", "DGX-H100", "FP8", 32, 4, 4, 5, 1638, 710),
+                     ("LoRA", "DGX-GB300", "FP8", 8, 1, 2, 20, 7481, 2086),
+                     ("LoRA", "DGX-GB300", "MXFP8", 8, 1, 2, 20, 7447, 2072),
+                     ("LoRA", "DGX-GB200", "FP8", 8, 1, 2, 20, 6206, 1731),
+                     ("LoRA", "DGX-GB200", "MXFP8", 8, 1, 4, 20, 5958, 1663),
+                     ("LoRA", "DGX-H100", "FP8", 8, 2, 4, 20, 2643, 735)]
+# each row's recipe at 067f987: src/megatron/bridge/perf_recipes/llama/<file>, line of its def
+_BRIDGE_FT_RECIPES = {
+    ("SFT", "DGX-GB300", "FP8"): "gb300/llama3.py:451 llama3_70b_sft_32gpu_gb300_fp8cs_config",
+    ("SFT", "DGX-GB300", "MXFP8"): "gb300/llama3.py:654 llama3_70b_sft_32gpu_gb300_fp8mx_config",
+    ("SFT", "DGX-GB200", "FP8"): "gb200/llama3.py:542 llama3_70b_sft_32gpu_gb200_fp8cs_config",
+    ("SFT", "DGX-GB200", "MXFP8"): "gb200/llama3.py:771 llama3_70b_sft_32gpu_gb200_fp8mx_config",
+    ("SFT", "DGX-H100", "FP8"): "h100/llama3.py:343 llama3_70b_sft_32gpu_h100_fp8cs_config",
+    ("LoRA", "DGX-GB300", "FP8"): "gb300/llama3.py:555 llama3_70b_peft_8gpu_gb300_fp8cs_config",
+    ("LoRA", "DGX-GB300", "MXFP8"): "gb300/llama3.py:605 llama3_70b_peft_8gpu_gb300_fp8mx_config",
+    ("LoRA", "DGX-GB200", "FP8"): "gb200/llama3.py:647 llama3_70b_peft_8gpu_gb200_fp8cs_config",
+    ("LoRA", "DGX-GB200", "MXFP8"): "gb200/llama3.py:697 llama3_70b_peft_8gpu_gb200_fp8mx_config",
+    ("LoRA", "DGX-H100", "FP8"): "h100/llama3.py:451 llama3_70b_peft_8gpu_h100_fp8cs_config"}
+# the perf recipes' LoRA: llama3_70b_peft_config's dim 16 (alpha 32; recipes/llama/h100/llama3.py:2608-2609 at
+# 067f987) on target_modules ["linear_qkv"]: one adapter on the fused QKV matrix, in HF PEFT's names
+BRIDGE_LORA_RANK = 16
+_BRIDGE_FT_PRECISION = {"FP8": "current", "MXFP8": "mxfp8"}  # _perf_precision("fp8_cs") / ("fp8_mx")
+
+
+def _bridge_finetuning() -> list[PublishedRun]:
+    """Megatron-Bridge 26.06's Llama 3 70B SFT and LoRA rows on DGX-GB300, DGX-GB200 (one NVL72 rack's
+    32 or 8 GPUs) and DGX-H100: SQuAD packed into 4,096-token rows, timed unpacked as
+    :func:`_nemo_finetuning` (the FLOPs column gives no sample length: docs/validation.md). "FP8" is
+    current scaling (the recipes are the ``*_fp8cs_config`` ones), MXFP8 the MX recipe; BF16 gradient
+    reduction and the distributed optimizer, as every Bridge performance recipe; no recompute."""
+    rows = []
+    for task, system, precision, gpus, tp, pp, vp, tps, _ in BRIDGE_FINETUNING:
+        gpu, lora = _SYSTEMS[system], task == "LoRA"
+        family = gpu.split("-")[0]
+        recipe = _BRIDGE_FT_RECIPES[task, system, precision]
+        h100_lora = (system, task) == ("DGX-H100", "LoRA")  # no CUDA graphs, no overlap with the optimizer step
+        rows.append(PublishedRun(
+            name=f"LLAMA3_70B {task} {precision}, {gpus} x {family.upper()} (Megatron-Bridge 26.06)",
+            model=replace(get_preset("llama3-70b"), seq=4096), cluster=_system_cluster(gpu, gpus), global_batch=32,
+            layout=dict(tp=tp, pp=pp, cp=1, dp=gpus // (tp * pp), zero=1, virtual_stages=vp, micro_batch_size=1,
+                        recompute="none", sequence_parallel=int(tp > 1)),
+            metric="tokens_per_gpu_s", published=tps, family=family, source="Megatron-Bridge fine-tuning",
+            reference=_BRIDGE_FT + f" ({task} table, row {system} {gpus} GPUs {precision}, TP {tp} PP {pp} VP {vp}; "
+                                   f"recipe {recipe})",
+            stack="megatron", dtype="fp8", fp8_recipe=_BRIDGE_FT_PRECISION[precision], precision=_BRIDGE_PRECISION,
+            finetune="lora" if lora else "full", lora_rank=BRIDGE_LORA_RANK if lora else None,
+            lora_targets=NEMO_LORA_TARGETS if lora else None,
+            note=f"recipe {recipe}: distributed optimizer (ZeRO-1), grad_reduce_in_fp32 False (BF16 gradients, "
+                 "perf_recipes/_common.py:74), FP32 Adam states and recompute none (base config "
+                 + ("recipes/llama/h100/llama3.py:2642-2646, 2667" if lora else
+                    "recipes/llama/h100/llama3.py:1816-1820, 1840") + "), "
+                 + ("SP and TP communication overlap on (the megatron stack's default)" if tp > 1 else "TP 1")
+                 + "; SQuAD packed offline into 4,096-token rows, timed as 4,096-token sequences (attention over the "
+                 "whole row where the run attends within each sample: too slow by that term; packed_doc_length "
+                 "unset: the FLOPs column gives no sample length, docs/validation.md)"
+                 + (f"; LoRA rank {BRIDGE_LORA_RANK} on linear_qkv (one adapter on the fused QKV matrix, counted as q_proj, k_proj, "
+                    "v_proj)" if lora else "; SFT trains every weight (finetune full)")
+                 + ("" if h100_lora else "; not modelled: CUDA graphs (Transformer Engine, scope mlp)")
+                 + (", overlap_param_gather_with_optimizer_step" if precision == "FP8" and not h100_lora else "")
+                 + ("" if lora else ", defer_embedding_wgrad_compute")))
+    return rows
+
 # (container, system, label, preset, GPUs, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, tokens/s/GPU) -- the
 # tables' rows, in order. Left out: Nemotron-15B and Nemotron-340B (vocabulary not in the text read, as in
 # _nemo); the tables of the same pages after the first system (25.02 DGX-H100, 25.04 DGX-B200 and DGX-H100:
@@ -563,11 +654,7 @@ def _nemo_2025() -> list[PublishedRun]:
     rows = []
     for container, system, label, preset, gpus, batch, mbs, seq, fsdp, tp, pp, cp, vp, ep, tps in _NEMO_2025_ROWS:
         gpu = _SYSTEMS[system]
-        if gpu.startswith("gb"):
-            domain = min(gpus, 64)
-            cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-ndr")
-        else:
-            cl = _dgx(gpu, gpus)
+        cl = _system_cluster(gpu, gpus)  # GB200 only among the racks: 400 Gb/s between them
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, dp=gpus // (tp * pp * cp), zero=3 if fsdp else 1,
                       virtual_stages=vp, micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1))
         # 25.04 states its FP8 scaling: "per-tensor FP8 quantization ... scaling factors computed in the
@@ -743,7 +830,8 @@ def published(include_pending: bool = INCLUDE_PENDING,
     ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
     rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
             + _trainy() + _deepspeed() + _llama3())
-    rows += _bridge_nvfp4() + _nemo_finetuning() + (deepseek_v3_runs() if include_deepseek_v3 else [])
+    rows += _bridge_nvfp4() + _nemo_finetuning() + _bridge_finetuning()
+    rows += deepseek_v3_runs() if include_deepseek_v3 else []
     return rows + pending_runs() if include_pending else rows
 
 
@@ -872,11 +960,7 @@ def pending_runs() -> list[PublishedRun]:
     for system, preset, label, gpus, recipe, batch, mbs, seq, fsdp, tp, pp, cp, vp, ep, tps in _BRIDGE_PENDING:
         gpu = _SYSTEMS[system]
         model = replace(get_preset(preset), seq=seq)
-        if gpu.startswith("gb"):
-            domain = min(gpus, 64)
-            cl = cluster(gpu, gpus // domain, domain, "nvlink5", "ib-xdr" if gpu == "gb300" else "ib-ndr")
-        else:
-            cl = _dgx(gpu, gpus)
+        cl = _system_cluster(gpu, gpus)
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, zero=3 if fsdp else 1, virtual_stages=vp,
                       micro_batch_size=mbs, recompute="none", sequence_parallel=int(tp > 1),
                       **_BRIDGE_MEMORY.get((system, preset), {}), **_BRIDGE_SPLIT.get(preset, {}))

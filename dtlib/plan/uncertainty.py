@@ -33,9 +33,10 @@ no run used, work per GPU outside the family's validated range, or a step model 
 produce (``--efficiency``, fitted efficiencies overridden); ``Regime.unvalidated`` carries those
 reasons; a calibrated plan may replace :func:`band` by its own function of the regime
 (``search(..., band_of=...)``). Like a matmul precision, the fine-tuning method is not a level of the
-groups: with published LoRA runs in the table (NeMo 24.07's, on H100), a LoRA plan takes the band of
-its stack, family, dense/MoE and work, as a full-training plan does (docs/validation.md, "The error
-band": the LoRA runs miss by as much as the SFT runs of the same table, not more).
+groups: with published LoRA runs in the table (NeMo 24.07's on H100, Megatron-Bridge 26.06's on GB300,
+GB200 and H100), a LoRA plan takes the band of its stack, family, dense/MoE and work, as a full-training
+plan does (docs/validation.md, "The error band": the LoRA runs miss by as much as the SFT runs of the
+same table, not more).
 """
 from __future__ import annotations
 
