@@ -31,9 +31,24 @@ def test_every_published_run_has_one_held_out_residual():
     rows = load_residuals()
     assert [r["name"] for r in rows] == [run.name for run in PUBLISHED]
     assert all(math.isfinite(r["residual"]) and r["work"] > 0 for r in rows)
-    # a residual is the held-out one: Trainy's fold refits (attention 0.45), the others keep the full fit
-    trainy = {(r["gemm"], r["attention"]) for r in rows if r["source"] == "Trainy H200"}
-    assert trainy == {(0.60, 0.45)}
+    # every fold keeps the full fit now (Trainy's picked attention 0.45 before NVLink took NCCL's figure)
+    assert {(r["gemm"], r["attention"]) for r in rows} == {(0.60, 0.50)}
+
+
+def test_a_residual_is_held_out_by_its_own_source():
+    """validation.held_out_errors times a run with the fit made without its source: on a synthetic
+    grid where one source alone pulls the all-source fit to another point, that source's residual is
+    the other fold's, and the rest keep the all-source fit's."""
+    from dtlib.plan.validation import ATTENTION_GRID, GEMM_GRID, SOURCES, held_out_errors
+
+    lone = SOURCES[0]
+    mine = np.array([run.source == lone for run in PUBLISHED])
+    errors = np.full((len(GEMM_GRID), len(ATTENTION_GRID), len(PUBLISHED)), 0.5)
+    errors[0, 0] = np.where(mine, 1.0, 0.0)    # best for every source but the lone one
+    errors[-1, -1] = np.where(mine, 0.0, 0.01)  # the lone source's point: the all-source fit
+    got = held_out_errors(errors)
+    assert got[mine] == pytest.approx(np.expm1(1.0))
+    assert got[~mine] == pytest.approx(np.expm1(0.01))
 
 
 def test_residual_sign_is_the_step_time_ratio():
