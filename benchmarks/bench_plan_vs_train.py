@@ -69,11 +69,13 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
 # operator; gradients reduced after the backward (dtlib.trainer.rank.synchronise_gradients) and
 # tensor-parallel all-reduces on the critical path: nothing overlapped; eager PyTorch's gradients:
 # accumulated by autograd, reduced from a flat copy (dtlib.parallel.collectives.all_reduce_coalesced),
-# and under ZeRO-3 reduce-scattered after every micro-batch's backward (dtlib.parallel.FSDP); the
-# vocabulary-parallel loss's two all-reduces (dtlib.parallel.tensor.vocab_parallel_cross_entropy)
+# and under ZeRO-3 reduce-scattered after every micro-batch's backward, with its copies around each
+# gather and reduce-scatter (dtlib.parallel.FSDP, dtlib.plan.zero3); the vocabulary-parallel loss's two
+# all-reduces (dtlib.parallel.tensor.vocab_parallel_cross_entropy)
 TRAINER_OPTIONS = StepOptions(precision="fp32", flash_attention=False, fused_elementwise=False,
                               dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0, grad_accumulation_fusion=False,
-                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True, cross_entropy_all_reduces=2)
+                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True, zero3_unit_copies=True,
+                              cross_entropy_all_reduces=2)
 
 
 def spearman(x: list[float], y: list[float]) -> float:

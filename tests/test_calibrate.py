@@ -162,17 +162,21 @@ def test_plan_uses_the_measured_kernel_cost_and_count_and_the_trainers_gradients
     path.write_text(json.dumps(_with_step(_profile(), per_kernel=2e-5)))
     pins = ["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "1", "--zero", "3",
             "--recompute", "none", "--no-sequence-parallel", "--calibration", str(path)]
-    trainer = ["--no-grad-accumulation-fusion", "--grad-bucket-copy", "--zero3-reduce-per-microbatch"]
+    trainer = ["--no-grad-accumulation-fusion", "--grad-bucket-copy", "--zero3-reduce-per-microbatch",
+               "--zero3-unit-copies"]
     assert main(PLAN + pins + trainer) == 0
     assert "kernel launch: measured 20 us per kernel, 56 kernels per layer forward counted on the model" in \
         capsys.readouterr().out
     assert main(PLAN + pins + trainer + ["--json"]) == 0
     c = json.loads(capsys.readouterr().out)["configs"][0]
     options = dataclasses.replace(OPTIONS, forward_kernels=56, grad_accumulation_fusion=False, grad_bucket_copy=True,
-                                  zero3_reduce_per_microbatch=True)
-    api = step_time(MODEL, Parallelism(dp=2, zero=3, micro_batch_size=1, num_microbatches=4),
-                    calibrated_cluster(load_profile(str(path))), options=options)
+                                  zero3_reduce_per_microbatch=True, zero3_unit_copies=True)
+    zero3 = Parallelism(dp=2, zero=3, micro_batch_size=1, num_microbatches=4)
+    api = step_time(MODEL, zero3, calibrated_cluster(load_profile(str(path))), options=options)
     assert c["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
+    uncopied = step_time(MODEL, zero3, calibrated_cluster(load_profile(str(path))),
+                         options=dataclasses.replace(options, zero3_unit_copies=False))
+    assert api.breakdown["dp_comm"] > uncopied.breakdown["dp_comm"]  # the flag reached the plan
     assert c["breakdown"]["launch"] == pytest.approx(MODEL.layers * 4 * 3 * 56 * 2e-5, rel=1e-9)
 
 

@@ -149,6 +149,10 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--zero3-reduce-per-microbatch", action="store_true",
                    help="ZeRO-3 reduce-scatters after every micro-batch's backward (PyTorch FSDP without no_sync, "
                         "dtlib train) instead of once per step")
+    m.add_argument("--zero3-unit-copies", action="store_true",
+                   help="ZeRO-3 copies each gather's output out param-major and the gradients rank-major before "
+                        "each reduce-scatter (dtlib train's FSDP) instead of gathering and reducing in place "
+                        "(Megatron-Core's FSDP)")
     m.add_argument("--cross-entropy-all-reduces", type=int, choices=CROSS_ENTROPY_ALL_REDUCES, default=3,
                    help="all-reduces of the vocabulary-parallel loss under TP: 3 (Megatron-Core's, the default) or 2 "
                         "(its --cross-entropy-loss-fusion, dtlib train)")
@@ -305,6 +309,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           grad_accumulation_fusion=args.grad_accumulation_fusion,
                           grad_bucket_copy=args.grad_bucket_copy,
                           zero3_reduce_per_microbatch=args.zero3_reduce_per_microbatch,
+                          zero3_unit_copies=args.zero3_unit_copies,
                           cross_entropy_all_reduces=args.cross_entropy_all_reduces,
                           # eager: the kernels per layer the profile counted on dtlib train's model
                           forward_kernels=(counted_forward_kernels(profile, model) if profile and args.fused_elementwise is False

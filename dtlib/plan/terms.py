@@ -84,6 +84,9 @@ TERMS: dict[str, str] = {
                "; expert gradients over the expert-data-parallel group, tp x cp x dp / (etp x ep) "
                "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe); zero3_reduce_per_microbatch: "
                "a reduce-scatter after every micro-batch's backward (PyTorch FSDP without no_sync); "
+               "zero3_unit_copies: two passes over the weights per gather to copy the all-gather's output out "
+               "param-major and six over the gradients per reduce-scatter to concatenate, copy rank-major and "
+               "divide them (dtlib.parallel.FSDP; FSDP2's foreach_all_gather_copy_out and chunk_cat, dtlib.plan.zero3); "
                "grad_bucket_copy: six passes over the gradients to copy them into a flat bucket, divide "
                "and copy back (PyTorch DDP's gradient_as_bucket_view=False)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
