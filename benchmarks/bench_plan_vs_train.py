@@ -40,7 +40,7 @@ import torch.distributed as dist
 import dtlib
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.calibrate import CLOCKS, calibrate
-from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels
+from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels, counted_zero3_kernels
 from dtlib.plan.steptime import StepOptions, step_time
 from dtlib.trainer import TrainConfig, train
 from dtlib.trainer.hooks import Hook
@@ -157,8 +157,9 @@ def main() -> None:
         with open(a.save_calibration, "w") as f:
             json.dump(profile, f, indent=1)
     cluster = calibrated_cluster(profile, 1, RANKS)
-    # the kernels TinyGPT's layers launch, as calibrate counted them on the model
-    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model))
+    # the kernels TinyGPT's layers launch, and those dtlib.parallel.FSDP adds to them, as calibrate counted them
+    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model),
+                                  zero3_kernels=counted_zero3_kernels(profile, model))
     clock = profile.get("clock", "wall")
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "

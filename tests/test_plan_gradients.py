@@ -84,6 +84,17 @@ def test_zero3_unit_copies_pass_twice_over_the_weights_per_gather_and_six_times_
         StepOptions(zero3_unit_copies="yes")
 
 
+def test_zero3_kernels_cost_the_device_kernel_cost_per_layer_and_micro_batch_under_zero3_only():
+    zero3 = LAYOUT.with_(zero=3)
+    counted = dataclasses.replace(EAGER, zero3_kernels=214)
+    added = _terms(counted, zero3)["launch"] - _terms(EAGER, zero3)["launch"]
+    assert added == pytest.approx(LLAMA8.layers * 4 * 214 * KERNEL_LAUNCH_S, rel=1e-9)
+    for layout in (LAYOUT, LAYOUT.with_(zero=1), Parallelism(tp=8, micro_batch_size=1, num_microbatches=4, zero=3)):
+        assert _terms(counted, layout)["launch"] == _terms(EAGER, layout)["launch"]  # no FSDP, or no dp to shard over
+    with pytest.raises(ValueError, match="zero3_kernels"):
+        StepOptions(zero3_kernels=0)
+
+
 def test_the_kernel_cost_is_the_devices_and_the_count_the_models():
     c = cluster("h100-sxm", 1, 8)
     slow = dataclasses.replace(c, gpu=dataclasses.replace(H100, kernel_launch_s=2e-5))

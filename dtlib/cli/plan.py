@@ -36,8 +36,8 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
-from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels, load_profile,
-                                 profile_sources)
+from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels, counted_zero3_kernels,
+                                 load_profile, profile_sources)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.segments import segments
@@ -152,7 +152,8 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--zero3-unit-copies", action="store_true",
                    help="ZeRO-3 copies each gather's output out param-major and the gradients rank-major before "
                         "each reduce-scatter (dtlib train's FSDP) instead of gathering and reducing in place "
-                        "(Megatron-Core's FSDP)")
+                        "(Megatron-Core's FSDP); with --calibration, also the operators its FSDP adds per layer, "
+                        "as the profile counted them")
     m.add_argument("--cross-entropy-all-reduces", type=int, choices=CROSS_ENTROPY_ALL_REDUCES, default=3,
                    help="all-reduces of the vocabulary-parallel loss under TP: 3 (Megatron-Core's, the default) or 2 "
                         "(its --cross-entropy-loss-fusion, dtlib train)")
@@ -313,7 +314,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           cross_entropy_all_reduces=args.cross_entropy_all_reduces,
                           # eager: the kernels per layer the profile counted on dtlib train's model
                           forward_kernels=(counted_forward_kernels(profile, model) if profile and args.fused_elementwise is False
-                                           else None), **moe)
+                                           else None),
+                          # dtlib train's FSDP: the operators per layer the profile counted on it
+                          zero3_kernels=(counted_zero3_kernels(profile, model) if profile and args.zero3_unit_copies
+                                         else None), **moe)
     matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",

@@ -123,7 +123,10 @@ class StepOptions:
     (default False: ZeRO-3 gathers into the buffer the parameters view and reduce-scatters from the one the
     gradients accumulate in, Megatron-Core's FSDP; True: ``dtlib.parallel.FSDP``'s copies, each gather's output
     copied out param-major, two passes over the weights, and before each reduce-scatter the gradients
-    concatenated from the parameters' views, copied rank-major and divided, six passes: :mod:`dtlib.plan.zero3`).
+    concatenated from the parameters' views, copied rank-major and divided, six passes: :mod:`dtlib.plan.zero3`);
+    ``zero3_kernels``: the operators ``dtlib.parallel.FSDP`` adds to each layer per micro-batch under ZeRO-3
+    (its bookkeeping around the collectives, counted by ``dtlib calibrate`` on ``dtlib train``'s TinyGPT), each
+    at the device's kernel cost in the ``launch`` term (None: none, as a GPU implementation's few per layer).
     The passes run at the device's :attr:`~dtlib.analytic.hardware.Accelerator.optimizer_bandwidth`, the rate of
     plain passes over parameter-sized tensors.
     """
@@ -154,12 +157,14 @@ class StepOptions:
     grad_bucket_copy: bool = False
     zero3_reduce_per_microbatch: bool = False
     zero3_unit_copies: bool = False
+    zero3_kernels: int | None = None
     cross_entropy_all_reduces: int = 3
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
-        if self.forward_kernels is not None:
-            validate.integer("forward_kernels", self.forward_kernels)
+        for name in ("forward_kernels", "zero3_kernels"):
+            if getattr(self, name) is not None:
+                validate.integer(name, getattr(self, name))
         for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch", "zero3_unit_copies"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("dtype", self.dtype, DTYPES)
@@ -474,6 +479,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
     launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute,
                          gpu.kernel_launch_s, options.forward_kernels)
+    if options.zero3_kernels is not None:  # dtlib.parallel.FSDP's operators per layer (unit) and micro-batch
+        launch = launch + (zero == 3) * (dp * cp > 1) * options.zero3_kernels * layers_here * m * gpu.kernel_launch_s
 
     pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined

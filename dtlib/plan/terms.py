@@ -36,7 +36,8 @@ TERMS: dict[str, str] = {
               "calibrate, x the kernels per layer and micro-batch "
               "(11 forward fused, Megatron-Core/Transformer Engine or torch.compile; 33 eager, dtlib.plan.eager's "
               "operators, or forward_kernels counted on the model; backward twice the forward, full recompute "
-              "once more, FP8 + 8 casts) "
+              "once more, FP8 + 8 casts; under ZeRO-3, zero3_kernels: the operators dtlib.parallel.FSDP adds per "
+              "layer, counted by dtlib calibrate) "
               "(dtlib.plan.launches): what dominates when a GPU holds a few hundred tokens",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
