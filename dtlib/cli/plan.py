@@ -7,7 +7,7 @@ error ``band`` (:mod:`dtlib.plan.uncertainty`: step time and throughput, or why 
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
 including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 
-About 540 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
+About 550 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
 from that dict. The planning itself lives in :mod:`dtlib.plan`; what is left is one command's surface.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
-from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels, counted_zero3_kernels,
-                                 load_profile, profile_sources)
+from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels,
+                                 counted_zero3_kernels, load_profile, profile_sources)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.segments import segments

@@ -183,7 +183,8 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
     m = profile["machine"]
     where = f"{path} ({m['hostname']}, {m['ranks']} ranks, {profile['date']})"
     ops = ", ".join(dict.fromkeys(r["op"] for r in profile["intra"]["rows"])) or "no collective (one rank per node)"
-    gpu, kernels, zero3 = calibrated_cluster(profile).gpu, counted_forward_kernels(profile), counted_zero3_kernels(profile)
+    gpu = calibrated_cluster(profile).gpu
+    kernels, zero3 = counted_forward_kernels(profile), counted_zero3_kernels(profile)
     return {"gemm": f"GEMM seconds by shape measured in {profile['dtype']}, interpolated between "
                     f"{len(profile['gemm'])} shapes: {where}",
             "attention": f"FlashAttention efficiency {attention_efficiency(profile):.3f} from the measured "

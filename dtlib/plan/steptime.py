@@ -17,11 +17,11 @@ flat compute over all GPUs, the other terms on the rank with the most layers). C
 (:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 
-About 600 lines, over the usual 400: every term is computed in one vectorised pass over the search's
+About 620 lines, over the usual 400: every term is computed in one vectorised pass over the search's
 grid of layouts and they share its intermediate arrays (the slowest stage, bytes per parameter, the
 links); the terms' own physics lives in :mod:`~dtlib.plan.gemm`, :mod:`~dtlib.plan.launches`,
-:mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.analytic.comm`, leaving here
-the options and their sum.
+:mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.plan.zero3`,
+:mod:`~dtlib.analytic.comm`, leaving here the options and their sum.
 """
 from __future__ import annotations
 
@@ -165,7 +165,8 @@ class StepOptions:
         for name in ("forward_kernels", "zero3_kernels"):
             if getattr(self, name) is not None:
                 validate.integer(name, getattr(self, name))
-        for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch", "zero3_unit_copies"):
+        for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch",
+                     "zero3_unit_copies"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.one_of("cross_entropy_all_reduces", self.cross_entropy_all_reduces, CROSS_ENTROPY_ALL_REDUCES)
