@@ -336,3 +336,19 @@ def test_kernel_cost_counts_the_operators_it_times():
     assert kernel["operators"] >= 2 * CHAIN  # each multiplication forward and its backward
     assert kernel["seconds_per_kernel"] == pytest.approx(kernel["seconds"] / kernel["operators"])
     assert kernel["seconds_per_kernel"] > 0
+
+
+def _zero3_counts(rank, world_size, shapes):
+    from dtlib.plan.calibrate import _zero3_layer_kernels
+
+    return [_zero3_layer_kernels(TrainConfig(layers=1, heads=4, **shape).model_config(), b) for shape, b in shapes]
+
+
+def test_the_operators_fsdp_adds_to_a_layer_do_not_depend_on_its_sizes():
+    # the planner applies the count to the profile's architecture at any size (counted_zero3_kernels):
+    # FSDP's bookkeeping is per parameter, not per element
+    import dtlib
+
+    shapes = [(dict(hidden=64, seq=32), 1), (dict(hidden=128, seq=16), 3)]
+    counts = dtlib.launch(_zero3_counts, 2, args=(shapes,), timeout=60, output="none")[0]
+    assert counts[0] == counts[1] > 0
