@@ -6,9 +6,11 @@ before its backward, and reduce-scatters its gradients after its backward: the `
 depends on the implementation:
 
 * Megatron-Core's FSDP gathers into the bucket the parameters are views of and reduce-scatters
-  from the gradient buffer the weight-gradient GEMMs accumulate into: no copy (the planner's default);
-* ``dtlib.parallel.FSDP`` (and, for the first two copies, PyTorch FSDP2) copies, every pass a read and
-  a write of the buffer (:func:`unit_copy_bytes`):
+  from the gradient buffer the weight-gradient GEMMs accumulate into (``megatron_fsdp``'s
+  ``ParamAndGradBuffer`` / ``DataParallelBuffer``): no copy (the planner's default);
+* ``dtlib.parallel.FSDP`` copies, every pass a read and a write of the buffer (:func:`unit_copy_bytes`;
+  PyTorch FSDP2 makes the copy-out and the rank-major copy, and divides, but its gradients are
+  separate tensors, not a concatenation):
 
   - each gather: the all-gather's output is rank-major (each rank's shard of every parameter), so it
     is copied out param-major, every parameter's rows contiguous (``Dim0Layout.to_param_major``;
