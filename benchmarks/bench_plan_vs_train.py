@@ -40,7 +40,7 @@ import torch.distributed as dist
 import dtlib
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.calibrate import CLOCKS, calibrate
-from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels
+from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels, counted_zero3_kernels
 from dtlib.plan.steptime import StepOptions, step_time
 from dtlib.trainer import TrainConfig, train
 from dtlib.trainer.hooks import Hook
@@ -69,11 +69,13 @@ LAYOUTS: list[tuple[str, dict[str, Any]]] = [
 # operator; gradients reduced after the backward (dtlib.trainer.rank.synchronise_gradients) and
 # tensor-parallel all-reduces on the critical path: nothing overlapped; eager PyTorch's gradients:
 # accumulated by autograd, reduced from a flat copy (dtlib.parallel.collectives.all_reduce_coalesced),
-# and under ZeRO-3 reduce-scattered after every micro-batch's backward (dtlib.parallel.FSDP); the
-# vocabulary-parallel loss's two all-reduces (dtlib.parallel.tensor.vocab_parallel_cross_entropy)
+# and under ZeRO-3 reduce-scattered after every micro-batch's backward, with its copies around each
+# gather and reduce-scatter (dtlib.parallel.FSDP, dtlib.plan.zero3); the vocabulary-parallel loss's two
+# all-reduces (dtlib.parallel.tensor.vocab_parallel_cross_entropy)
 TRAINER_OPTIONS = StepOptions(precision="fp32", flash_attention=False, fused_elementwise=False,
                               dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0, grad_accumulation_fusion=False,
-                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True, cross_entropy_all_reduces=2)
+                              grad_bucket_copy=True, zero3_reduce_per_microbatch=True, zero3_unit_copies=True,
+                              cross_entropy_all_reduces=2)
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -155,8 +157,9 @@ def main() -> None:
         with open(a.save_calibration, "w") as f:
             json.dump(profile, f, indent=1)
     cluster = calibrated_cluster(profile, 1, RANKS)
-    # the kernels TinyGPT's layers launch, as calibrate counted them on the model
-    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model))
+    # the kernels TinyGPT's layers launch, and those dtlib.parallel.FSDP adds to them, as calibrate counted them
+    options = dataclasses.replace(TRAINER_OPTIONS, forward_kernels=counted_forward_kernels(profile, model),
+                                  zero3_kernels=counted_zero3_kernels(profile, model))
     clock = profile.get("clock", "wall")
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "

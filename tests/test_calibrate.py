@@ -12,8 +12,8 @@ from dtlib.analytic.measured import MeasuredAccelerator, MeasuredLink
 from dtlib.cli import main
 from dtlib.plan.gemm import gemm_time
 from dtlib.analytic.hardware import KERNEL_LAUNCH_S
-from dtlib.plan.measured import (FORMAT, attention_efficiency, calibrated_cluster, counted_forward_kernels, load_profile,
-                                 memory_bound_bandwidth, profile_sources)
+from dtlib.plan.measured import (FORMAT, attention_efficiency, calibrated_cluster, counted_forward_kernels,
+                                 counted_zero3_kernels, load_profile, memory_bound_bandwidth, profile_sources)
 from dtlib.plan.steptime import StepOptions, step_time
 from dtlib.trainer import TrainConfig
 
@@ -162,18 +162,23 @@ def test_plan_uses_the_measured_kernel_cost_and_count_and_the_trainers_gradients
     path.write_text(json.dumps(_with_step(_profile(), per_kernel=2e-5)))
     pins = ["--dp", "2", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "1", "--zero", "3",
             "--recompute", "none", "--no-sequence-parallel", "--calibration", str(path)]
-    trainer = ["--no-grad-accumulation-fusion", "--grad-bucket-copy", "--zero3-reduce-per-microbatch"]
+    trainer = ["--no-grad-accumulation-fusion", "--grad-bucket-copy", "--zero3-reduce-per-microbatch",
+               "--zero3-unit-copies"]
     assert main(PLAN + pins + trainer) == 0
     assert "kernel launch: measured 20 us per kernel, 56 kernels per layer forward counted on the model" in \
         capsys.readouterr().out
     assert main(PLAN + pins + trainer + ["--json"]) == 0
     c = json.loads(capsys.readouterr().out)["configs"][0]
     options = dataclasses.replace(OPTIONS, forward_kernels=56, grad_accumulation_fusion=False, grad_bucket_copy=True,
-                                  zero3_reduce_per_microbatch=True)
-    api = step_time(MODEL, Parallelism(dp=2, zero=3, micro_batch_size=1, num_microbatches=4),
-                    calibrated_cluster(load_profile(str(path))), options=options)
+                                  zero3_reduce_per_microbatch=True, zero3_unit_copies=True, zero3_kernels=214)
+    zero3 = Parallelism(dp=2, zero=3, micro_batch_size=1, num_microbatches=4)
+    api = step_time(MODEL, zero3, calibrated_cluster(load_profile(str(path))), options=options)
     assert c["step_time_s"] == pytest.approx(api.step_time, rel=1e-9)
-    assert c["breakdown"]["launch"] == pytest.approx(MODEL.layers * 4 * 3 * 56 * 2e-5, rel=1e-9)
+    uncopied = step_time(MODEL, zero3, calibrated_cluster(load_profile(str(path))),
+                         options=dataclasses.replace(options, zero3_unit_copies=False))
+    assert api.breakdown["dp_comm"] > uncopied.breakdown["dp_comm"]  # the flag reached the plan
+    # the layers' own operators, and those dtlib.parallel.FSDP adds to each, counted by calibrate
+    assert c["breakdown"]["launch"] == pytest.approx(MODEL.layers * 4 * (3 * 56 + 214) * 2e-5, rel=1e-9)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -239,6 +244,8 @@ def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
     assert step["planned_elementwise_bytes"] > 0 and step["planned_optimizer_bytes"] > 0
     # the operators of one TinyGPT layer, counted: the planner's kernels per layer for this model
     assert step["layer_forward_kernels"] > 0 and step["layer_backward_kernels"] > step["layer_forward_kernels"]
+    # and those dtlib.parallel.FSDP adds to a layer under ZeRO-3 (gathers' copy-out and views, gradient copies)
+    assert step["zero3_layer_kernels"] > 0 and "more per layer and micro-batch under ZeRO-3" in out
     kernel = profile["kernel"]
     assert kernel["seconds_per_kernel"] == pytest.approx(kernel["seconds"] / kernel["operators"])
     assert kernel["seconds_per_kernel"] > 0
@@ -270,12 +277,13 @@ def test_one_rank_per_node_plans_one_rank():
         calibrated_cluster(profile, nodes=2, gpus_per_node=1)
 
 
-def _with_step(profile, forward_backward=0.05, optimizer=0.01, per_kernel=1e-5, kernels=56):
+def _with_step(profile, forward_backward=0.05, optimizer=0.01, per_kernel=1e-5, kernels=56, zero3_kernels=214):
     """``profile`` with a measured one-rank step (at micro-batch 2) and kernel cost, as calibrate adds them."""
     profile["model_config"] = dataclasses.asdict(MODEL)
     profile["kernel"] = {"operators": 66, "seconds": 66 * per_kernel, "seconds_per_kernel": per_kernel}
     step = {"micro_batch_size": 2, "forward_backward_seconds": forward_backward, "optimizer_seconds": optimizer,
-            "seconds": forward_backward + optimizer, "layer_forward_kernels": kernels, "layer_backward_kernels": 96}
+            "seconds": forward_backward + optimizer, "layer_forward_kernels": kernels, "layer_backward_kernels": 96,
+            "zero3_layer_kernels": zero3_kernels}
     step.update(memory_bound_bandwidth(MODEL, OPTIONS, step, profile["gemm"], per_kernel))
     profile["step"] = step
     return profile
@@ -304,7 +312,8 @@ def test_a_profile_without_a_kernel_cost_keeps_the_catalogues():
     assert cl.gpu.kernel_launch_s == KERNEL_LAUNCH_S
     assert "3 us per kernel (not in this profile)" in profile_sources(_profile(), "p.json")["kernel launch"]
     measured = profile_sources(_with_step(_profile(), per_kernel=2.5e-5), "p.json")["kernel launch"]
-    assert measured.startswith("measured 25 us per kernel, 56 kernels per layer forward counted on the model")
+    assert measured.startswith("measured 25 us per kernel, 56 kernels per layer forward counted on the model, "
+                               "214 operators per layer under ZeRO-3 (dtlib.parallel.FSDP)")
 
 
 def test_counted_kernels_are_the_profiles_models_only():
@@ -314,6 +323,9 @@ def test_counted_kernels_are_the_profiles_models_only():
     assert counted_forward_kernels(profile, MODEL.with_(norm="rmsnorm")) is None
     assert counted_forward_kernels(profile, MODEL.with_(kv_heads=2)) is None
     assert counted_forward_kernels(_profile(), MODEL) is None  # not measured
+    assert counted_zero3_kernels(profile, MODEL.with_(layers=8)) == 214
+    assert counted_zero3_kernels(profile, MODEL.with_(norm="rmsnorm")) is None
+    assert counted_zero3_kernels(_with_step(_profile(), zero3_kernels=None), MODEL) is None  # one rank: not counted
 
 
 def test_kernel_cost_counts_the_operators_it_times():
@@ -324,3 +336,19 @@ def test_kernel_cost_counts_the_operators_it_times():
     assert kernel["operators"] >= 2 * CHAIN  # each multiplication forward and its backward
     assert kernel["seconds_per_kernel"] == pytest.approx(kernel["seconds"] / kernel["operators"])
     assert kernel["seconds_per_kernel"] > 0
+
+
+def _zero3_counts(rank, world_size, shapes):
+    from dtlib.plan.calibrate import _zero3_layer_kernels
+
+    return [_zero3_layer_kernels(TrainConfig(layers=1, heads=4, **shape).model_config(), b) for shape, b in shapes]
+
+
+def test_the_operators_fsdp_adds_to_a_layer_do_not_depend_on_its_sizes():
+    # the planner applies the count to the profile's architecture at any size (counted_zero3_kernels):
+    # FSDP's bookkeeping is per parameter, not per element
+    import dtlib
+
+    shapes = [(dict(hidden=64, seq=32), 1), (dict(hidden=128, seq=16), 3)]
+    counts = dtlib.launch(_zero3_counts, 2, args=(shapes,), timeout=60, output="none")[0]
+    assert counts[0] == counts[1] > 0

@@ -338,6 +338,7 @@ NOT_CONFIG = {"efficiency", "gemm_efficiency", "attention_efficiency", "power_li
               # the kernels the model launches per layer (counted by dtlib calibrate), and how eager PyTorch /
               # dtlib train handle gradients: the emitted configs keep each framework's own behaviour
               "forward_kernels", "grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch",
+              "zero3_unit_copies", "zero3_kernels",
               # the vocabulary-parallel loss's all-reduces (3: Megatron-Core's unfused loss, which the emitted
               # Megatron flags keep; 2: dtlib train's): latency of small messages, not emitted
               "cross_entropy_all_reduces"}

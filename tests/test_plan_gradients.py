@@ -1,7 +1,8 @@
 """Where eager PyTorch handles gradients and activations differently from Megatron-Core (the
 step-time model's defaults), each an option of :class:`dtlib.plan.steptime.StepOptions` or a
 figure of the device: gradient accumulation in a pass of its own, the flat bucket's copies around
-the reduce, ZeRO-3's reduce-scatter after every micro-batch, the kernel cost of the device and the
+the reduce, ZeRO-3's reduce-scatter after every micro-batch and its copies around its
+gathers and reduce-scatters, the kernel cost of the device and the
 kernel count of the model, and the norms and residual adds that tensor parallelism does not split
 without sequence parallelism."""
 import dataclasses
@@ -55,6 +56,43 @@ def test_zero3_reducing_after_every_micro_batch_adds_the_other_micro_batches_red
     # ZeRO-1 and -2 reduce once per step whatever the option
     zero1 = LAYOUT.with_(zero=1)
     assert _terms(per_micro, zero1)["dp_comm"] == _terms(EAGER, zero1)["dp_comm"]
+
+
+def test_zero3_reducing_after_every_micro_batch_accumulates_into_the_shards():
+    # the later micro-batches add their gradients into this rank's 1/dp of them, not the whole
+    unfused = dataclasses.replace(EAGER, grad_accumulation_fusion=False)
+    zero3 = LAYOUT.with_(zero=3)
+    once = _terms(unfused, zero3)["elementwise"] - _terms(EAGER, zero3)["elementwise"]
+    assert once == pytest.approx((4 - 1) * 3 * PARAMS * 4 / H100.memory_bandwidth, rel=1e-9)
+    per_micro = dataclasses.replace(unfused, zero3_reduce_per_microbatch=True)
+    sharded = _terms(per_micro, zero3)["elementwise"] - _terms(EAGER, zero3)["elementwise"]
+    assert sharded == pytest.approx(once / 8, rel=1e-9)
+
+
+def test_zero3_unit_copies_pass_twice_over_the_weights_per_gather_and_six_times_over_the_gradients_per_reduce():
+    zero3 = LAYOUT.with_(zero=3)  # 4 micro-batches: 8 gathers
+    copies = dataclasses.replace(EAGER, zero3_unit_copies=True)
+    added = _terms(copies, zero3)["dp_comm"] - _terms(EAGER, zero3)["dp_comm"]
+    assert added == pytest.approx((2 * 8 + 6 * 1) * PARAMS * 4 / H100.memory_bandwidth, rel=1e-9)
+    both = dataclasses.replace(copies, zero3_reduce_per_microbatch=True)  # and 4 reduce-scatters
+    added = _terms(both, zero3)["dp_comm"] - _terms(dataclasses.replace(both, zero3_unit_copies=False), zero3)["dp_comm"]
+    assert added == pytest.approx((2 * 8 + 6 * 4) * PARAMS * 4 / H100.memory_bandwidth, rel=1e-9)
+    # nothing to copy without ZeRO-3 or without data parallelism
+    for layout in (LAYOUT, LAYOUT.with_(zero=1), Parallelism(tp=8, micro_batch_size=1, num_microbatches=4)):
+        assert _terms(copies, layout)["dp_comm"] == _terms(EAGER, layout)["dp_comm"]
+    with pytest.raises(ValueError, match="zero3_unit_copies"):
+        StepOptions(zero3_unit_copies="yes")
+
+
+def test_zero3_kernels_cost_the_device_kernel_cost_per_layer_and_micro_batch_under_zero3_only():
+    zero3 = LAYOUT.with_(zero=3)
+    counted = dataclasses.replace(EAGER, zero3_kernels=214)
+    added = _terms(counted, zero3)["launch"] - _terms(EAGER, zero3)["launch"]
+    assert added == pytest.approx(LLAMA8.layers * 4 * 214 * KERNEL_LAUNCH_S, rel=1e-9)
+    for layout in (LAYOUT, LAYOUT.with_(zero=1), Parallelism(tp=8, micro_batch_size=1, num_microbatches=4, zero=3)):
+        assert _terms(counted, layout)["launch"] == _terms(EAGER, layout)["launch"]  # no FSDP, or no dp to shard over
+    with pytest.raises(ValueError, match="zero3_kernels"):
+        StepOptions(zero3_kernels=0)
 
 
 def test_the_kernel_cost_is_the_devices_and_the_count_the_models():

@@ -102,7 +102,9 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
         lines.append(f"one-rank step of {step['micro_batch_size']} sequences: forward + backward "
                      f"{1e3 * step['forward_backward_seconds']:.1f} ms (elementwise {rates['bytes_per_s']}), optimizer "
                      f"{1e3 * step['optimizer_seconds']:.1f} ms ({rates['optimizer_bytes_per_s']}); "
-                     f"{step['layer_forward_kernels']} operators per layer forward")
+                     f"{step['layer_forward_kernels']} operators per layer forward"
+                     + (f", {step['zero3_layer_kernels']} more per layer and micro-batch under ZeRO-3 "
+                        "(dtlib.parallel.FSDP)" if step.get("zero3_layer_kernels") else ""))
     for where in ("intra", "inter"):
         section = profile.get(where)
         if not section:

@@ -7,7 +7,7 @@ error ``band`` (:mod:`dtlib.plan.uncertainty`: step time and throughput, or why 
 in memory prints why (the smallest memory found and what to change) and exits 1. Bad input,
 including pinned flags that no valid layout has: one line on stderr, exit 2 (:func:`dtlib.cli.main`).
 
-About 540 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
+About 550 lines, as every subcommand here: its flags, the report dict (the JSON) and the text printed
 from that dict. The planning itself lives in :mod:`dtlib.plan`; what is left is one command's surface.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dtlib.plan.gemm import clock_scale
 from dtlib.frameworks.rehearse import rehearsal_lines, rehearse_all
 from dtlib.plan.emit import (FILENAMES, FRAMEWORK_STACKS, FRAMEWORKS, TimedPlan, check_emit_options, emit_all,
                              emitted_lines)
-from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels, load_profile,
-                                 profile_sources)
+from dtlib.plan.measured import (attention_efficiency, calibrated_cluster, counted_forward_kernels,
+                                 counted_zero3_kernels, load_profile, profile_sources)
 from dtlib.plan.moe import check_imbalance, moe_numbers
 from dtlib.plan.search import search, to_layout
 from dtlib.plan.segments import segments
@@ -149,6 +149,11 @@ def add_plan_command(sub: Any) -> None:
     m.add_argument("--zero3-reduce-per-microbatch", action="store_true",
                    help="ZeRO-3 reduce-scatters after every micro-batch's backward (PyTorch FSDP without no_sync, "
                         "dtlib train) instead of once per step")
+    m.add_argument("--zero3-unit-copies", action="store_true",
+                   help="ZeRO-3 copies each gather's output out param-major and the gradients rank-major before "
+                        "each reduce-scatter (dtlib train's FSDP) instead of gathering and reducing in place "
+                        "(Megatron-Core's FSDP); with --calibration, also the operators its FSDP adds per layer, "
+                        "as the profile counted them")
     m.add_argument("--cross-entropy-all-reduces", type=int, choices=CROSS_ENTROPY_ALL_REDUCES, default=3,
                    help="all-reduces of the vocabulary-parallel loss under TP: 3 (Megatron-Core's, the default) or 2 "
                         "(its --cross-entropy-loss-fusion, dtlib train)")
@@ -305,10 +310,14 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                           grad_accumulation_fusion=args.grad_accumulation_fusion,
                           grad_bucket_copy=args.grad_bucket_copy,
                           zero3_reduce_per_microbatch=args.zero3_reduce_per_microbatch,
+                          zero3_unit_copies=args.zero3_unit_copies,
                           cross_entropy_all_reduces=args.cross_entropy_all_reduces,
                           # eager: the kernels per layer the profile counted on dtlib train's model
                           forward_kernels=(counted_forward_kernels(profile, model) if profile and args.fused_elementwise is False
-                                           else None), **moe)
+                                           else None),
+                          # dtlib train's FSDP: the operators per layer the profile counted on it
+                          zero3_kernels=(counted_zero3_kernels(profile, model) if profile and args.zero3_unit_copies
+                                         else None), **moe)
     matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
                                            "zero", "recompute", "sequence_parallel", "recompute_layers",

@@ -20,7 +20,8 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
   (:class:`dtlib.models.TinyGPT`, AdamW, cross-entropy) on every rank at once, each alone, its
   forward + backward and its optimizer step timed apart (the first repeats per micro-batch, the
   second once per step), and the operators one layer dispatches counted (the planner's kernels
-  per layer for this model). The forward + backward less the planner's GEMMs (from the GEMMs
+  per layer for this model; with several ranks, also the operators ``dtlib.parallel.FSDP`` adds to a
+  layer under ZeRO-3, :func:`_zero3_layer_kernels`). The forward + backward less the planner's GEMMs (from the GEMMs
   just measured) and kernel costs, over the bytes the planner counts for its ``elementwise``
   term, gives that term's bandwidth; the optimizer step over the ``optimizer`` term's bytes
   gives the optimizer's (:func:`dtlib.plan.measured.memory_bound_bandwidth`; the ``add`` figure
@@ -173,19 +174,20 @@ def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.
 
 class _Operators(TorchDispatchMode):
     """Counts the ATen operators dispatched inside it: in eager PyTorch each is a call through the
-    dispatcher, its fixed cost (and on a GPU a kernel launch at most) whatever its work."""
+    dispatcher, its fixed cost (and on a GPU a kernel launch at most) whatever its work. Operators of
+    the namespaces in ``skip`` (``c10d``: the collectives, timed by figures of their own) are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.count = 0
+        self.count, self.skip = 0, skip
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.count += 1
+        self.count += func.namespace not in self.skip
         return func(*args, **(kwargs or {}))
 
 
-def _counted(fn: Callable[[], Any]) -> int:
-    with _Operators() as ops:
+def _counted(fn: Callable[[], Any], skip: tuple[str, ...] = ()) -> int:
+    with _Operators(skip) as ops:
         fn()
     return ops.count
 
@@ -241,6 +243,24 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
     return {"micro_batch_size": micro_batch, "threads": torch.get_num_threads(),
             "forward_backward_seconds": seconds, "optimizer_seconds": optimizer, "seconds": seconds + optimizer,
             "layer_forward_kernels": forward, "layer_backward_kernels": backward}
+
+
+def _zero3_layer_kernels(model: TransformerConfig, micro_batch: int) -> int:
+    """The ATen operators ``dtlib.parallel.FSDP`` (``dtlib train --zero 3``) adds to one micro-batch's
+    forward + backward of a TinyGPT layer that is a unit of its own: its two gathers' copy-out and
+    views, the gradients' concatenation, rank-major copy and division, the used-parameter flags and
+    the shard gradients. The layer's count under FSDP less its count alone, the collectives (``c10d``)
+    left out: their own figures time them. A collective over all ranks (FSDP's gathers)."""
+    from dtlib.models import TinyGPT
+    from dtlib.parallel.fsdp import FSDP
+
+    torch.manual_seed(0)
+    layer = TinyGPT(model).blocks[0]
+    hidden = torch.randn(micro_batch, model.seq, model.hidden, requires_grad=True)
+    alone = _counted(lambda: layer(hidden).sum().backward())
+    layer.zero_grad(set_to_none=True)  # FSDP shards the parameters; gradients of the full ones would not fit
+    sharded = FSDP(layer)
+    return _counted(lambda: sharded(hidden).sum().backward(), skip=("c10d",)) - alone
 
 
 def _numel(nbytes: int, n: int) -> int:
@@ -333,6 +353,7 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
                      else {"ranks": 1, "groups": nodes, "rows": []}),
            "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
            "step": _one_rank_step(model, middle, repeats, clock) if measure_step else None,
+           "zero3_layer_kernels": _zero3_layer_kernels(model, middle) if measure_step and world_size > 1 else None,
            "kernel": _kernel_cost(repeats, device, clock),
            "threads_per_rank": torch.get_num_threads()}
     return out if rank == 0 else {}
@@ -385,7 +406,9 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
         found = dtlib.launch(_worker, nproc, args=args, timeout=timeout, output="none")[0]
     if not found:  # a torchrun rank other than 0
         return {}
+    zero3 = found.pop("zero3_layer_kernels")
     if found["step"]:
+        found["step"]["zero3_layer_kernels"] = zero3
         found["step"].update(memory_bound_bandwidth(model, options, found["step"], found["gemm"],
                                                     found["kernel"]["seconds_per_kernel"]))
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")

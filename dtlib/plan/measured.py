@@ -26,7 +26,7 @@ from dtlib.plan.gemm import FLASH_BACKWARD
 from dtlib.plan.steptime import StepOptions, step_time
 
 __all__ = ["FORMAT", "load_profile", "calibrated_cluster", "attention_efficiency", "profile_sources",
-           "memory_bound_bandwidth", "counted_forward_kernels"]
+           "memory_bound_bandwidth", "counted_forward_kernels", "counted_zero3_kernels"]
 
 FORMAT = "dtlib-calibration/1"
 _SECTIONS = ("machine", "versions", "date", "dtype", "gemm", "attention", "elementwise", "intra")
@@ -91,7 +91,19 @@ def counted_forward_kernels(profile: dict[str, Any], model: TransformerConfig | 
     """The kernels one layer of the profile's model launches forward, as ``dtlib calibrate`` counted
     them on ``dtlib train``'s TinyGPT; None where not measured (a ``--model`` preset, a GPU profile)
     or where ``model`` is another architecture (other norm, activation, positions, GQA or biases)."""
-    count = (profile.get("step") or {}).get("layer_forward_kernels")
+    return _counted(profile, model, "layer_forward_kernels")
+
+
+def counted_zero3_kernels(profile: dict[str, Any], model: TransformerConfig | None = None) -> int | None:
+    """The operators ``dtlib.parallel.FSDP`` adds to a layer per micro-batch under ZeRO-3, as ``dtlib
+    calibrate`` counted them on ``dtlib train``'s TinyGPT (:data:`StepOptions.zero3_kernels`); None as
+    :func:`counted_forward_kernels` (and in a profile of one rank, or written before they were counted)."""
+    return _counted(profile, model, "zero3_layer_kernels")
+
+
+def _counted(profile: dict[str, Any], model: TransformerConfig | None, key: str) -> int | None:
+    """The step's count ``key`` if ``model`` (None: any) has the profile's architecture."""
+    count = (profile.get("step") or {}).get(key)
     if count is None or model is None:
         return count
     measured, planned = profile["model_config"], dataclasses.asdict(model)
@@ -171,7 +183,8 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
     m = profile["machine"]
     where = f"{path} ({m['hostname']}, {m['ranks']} ranks, {profile['date']})"
     ops = ", ".join(dict.fromkeys(r["op"] for r in profile["intra"]["rows"])) or "no collective (one rank per node)"
-    gpu, kernels = calibrated_cluster(profile).gpu, counted_forward_kernels(profile)
+    gpu = calibrated_cluster(profile).gpu
+    kernels, zero3 = counted_forward_kernels(profile), counted_zero3_kernels(profile)
     return {"gemm": f"GEMM seconds by shape measured in {profile['dtype']}, interpolated between "
                     f"{len(profile['gemm'])} shapes: {where}",
             "attention": f"FlashAttention efficiency {attention_efficiency(profile):.3f} from the measured "
@@ -180,6 +193,7 @@ def profile_sources(profile: dict[str, Any], path: str) -> dict[str, str]:
                            f"{gpu.optimizer_bandwidth / 1e9:.3g} GB/s: {where}",
             "kernel launch": (f"measured {1e6 * gpu.kernel_launch_s:.3g} us per kernel"
                        + (f", {kernels} kernels per layer forward counted on the model" if kernels else "")
+                       + (f", {zero3} operators per layer under ZeRO-3 (dtlib.parallel.FSDP)" if zero3 else "")
                        + f": {where}" if profile.get("kernel") else
                        f"the catalogue's {1e6 * KERNEL_LAUNCH_S:.3g} us per kernel (not in this profile)"),
             "collectives": f"{ops}: busbw per message size within a node"

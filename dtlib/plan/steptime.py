@@ -17,11 +17,11 @@ flat compute over all GPUs, the other terms on the rank with the most layers). C
 (:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 
-About 600 lines, over the usual 400: every term is computed in one vectorised pass over the search's
+About 620 lines, over the usual 400: every term is computed in one vectorised pass over the search's
 grid of layouts and they share its intermediate arrays (the slowest stage, bytes per parameter, the
 links); the terms' own physics lives in :mod:`~dtlib.plan.gemm`, :mod:`~dtlib.plan.launches`,
-:mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.analytic.comm`, leaving here
-the options and their sum.
+:mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.plan.zero3`,
+:mod:`~dtlib.analytic.comm`, leaving here the options and their sum.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from dtlib.plan.launches import launch_time
 from dtlib.plan.recompute import recompute_module_work
 from dtlib.plan.terms import TERMS
 from dtlib.plan.vocab_parallel import CROSS_ENTROPY_ALL_REDUCES, vocab_parallel_collectives
+from dtlib.plan.zero3 import unit_copy_bytes
 from dtlib.plan.stages import slowest_stage
 from dtlib.plan.moe import (check_imbalance, ep_comm_time, expert_grid, expert_load, moe_numbers,
                             permutation_bytes)
@@ -117,8 +118,16 @@ class StepOptions:
     divided and copied back, PyTorch DDP's default ``gradient_as_bucket_view=False`` and ``dtlib
     train``'s ``all_reduce_coalesced``: six passes over the gradients); ``zero3_reduce_per_microbatch``
     (default False: ZeRO-3 reduce-scatters the accumulated gradients once per step; True: after every
-    micro-batch's backward, PyTorch FSDP without ``no_sync`` and ``dtlib.parallel.FSDP``). The passes
-    run at the device's :attr:`~dtlib.analytic.hardware.Accelerator.optimizer_bandwidth`, the rate of
+    micro-batch's backward, PyTorch FSDP without ``no_sync`` and ``dtlib.parallel.FSDP``; the gradients of
+    later micro-batches are then added into the owned shards, not the whole gradients); ``zero3_unit_copies``
+    (default False: ZeRO-3 gathers into the buffer the parameters view and reduce-scatters from the one the
+    gradients accumulate in, Megatron-Core's FSDP; True: ``dtlib.parallel.FSDP``'s copies, each gather's output
+    copied out param-major, two passes over the weights, and before each reduce-scatter the gradients
+    concatenated from the parameters' views, copied rank-major and divided, six passes: :mod:`dtlib.plan.zero3`);
+    ``zero3_kernels``: the operators ``dtlib.parallel.FSDP`` adds to each layer per micro-batch under ZeRO-3
+    (its bookkeeping around the collectives, counted by ``dtlib calibrate`` on ``dtlib train``'s TinyGPT), each
+    at the device's kernel cost in the ``launch`` term (None: none, as a GPU implementation's few per layer).
+    The passes run at the device's :attr:`~dtlib.analytic.hardware.Accelerator.optimizer_bandwidth`, the rate of
     plain passes over parameter-sized tensors.
     """
     stack: str = DEFAULT_STACK
@@ -147,13 +156,17 @@ class StepOptions:
     grad_accumulation_fusion: bool = True
     grad_bucket_copy: bool = False
     zero3_reduce_per_microbatch: bool = False
+    zero3_unit_copies: bool = False
+    zero3_kernels: int | None = None
     cross_entropy_all_reduces: int = 3
 
     def __post_init__(self) -> None:
         get_stack(self.stack)
-        if self.forward_kernels is not None:
-            validate.integer("forward_kernels", self.forward_kernels)
-        for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch"):
+        for name in ("forward_kernels", "zero3_kernels"):
+            if getattr(self, name) is not None:
+                validate.integer(name, getattr(self, name))
+        for name in ("grad_accumulation_fusion", "grad_bucket_copy", "zero3_reduce_per_microbatch",
+                     "zero3_unit_copies"):
             validate.boolean(name, getattr(self, name))
         validate.one_of("dtype", self.dtype, DTYPES)
         validate.one_of("cross_entropy_all_reduces", self.cross_entropy_all_reduces, CROSS_ENTROPY_ALL_REDUCES)
@@ -459,13 +472,22 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         np.where(use_last, stages["last"][k], stages["first"][k]) for k in ("dense", "expert", "adapter", "expert_adapter"))
     # what is trained: every weight, or (LoRA) the adapters only; ZeRO-3 still gathers the frozen weights
     dense_trained, expert_trained = np.where(lora, dense_trained, dense), np.where(lora, expert_trained, expert)
+    zero = n["zero"]
+    # expert parameters: reduced over the expert-data-parallel group (Megatron-Core's expert grid)
+    grid = expert_grid(tp, cp, dp, ep, moe["etp"], g)
+    # ZeRO-3 reducing after every micro-batch: the later ones add into the owned shards of the gradients
+    # (dtlib.parallel.FSDP's finish, FSDP2 without no_sync), the others into the whole gradients
+    sharded = (zero == 3) & options.zero3_reduce_per_microbatch
     if not options.grad_accumulation_fusion:  # AccumulateGrad: micro-batches 2..m add into .grad
-        accumulated = (m - 1) * 3 * (dense_trained + expert_trained) * prec.grad
+        added = dense_trained / np.where(sharded, dp * cp, 1) + expert_trained / np.where(sharded, grid["edp"], 1)
+        accumulated = (m - 1) * 3 * added * prec.grad
         elementwise = elementwise + accumulated / gpu.optimizer_bandwidth
 
     # ---- kernel launches: a fixed cost per kernel, beside its work (dtlib.plan.launches) --------
     launch = launch_time(layers_here, m, options.fused_elementwise, options.dtype, recompute,
                          gpu.kernel_launch_s, options.forward_kernels)
+    if options.zero3_kernels is not None:  # dtlib.parallel.FSDP's operators per layer (unit) and micro-batch
+        launch = launch + (zero == 3) * (dp * cp > 1) * options.zero3_kernels * layers_here * m * gpu.kernel_launch_s
 
     pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
     pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
@@ -473,12 +495,9 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
 
     # ---- data-parallel gradient reduce, hierarchical, minus what overlaps ------------------
-    zero = n["zero"]
     dp_comm_raw = 0 * compute
     dp_edges = 0 * compute  # the last bucket's reduce and the first gather: nothing left to hide them
     dense_local = np.where(tp <= g, np.minimum(dp * cp, np.maximum(g // tp, 1)), 1)
-    # expert parameters: reduced over the expert-data-parallel group (Megatron-Core's expert grid)
-    grid = expert_grid(tp, cp, dp, ep, moe["etp"], g)
     for params, trained, ranks, local in ((dense, dense_trained, dp * cp, dense_local),
                                           (expert, expert_trained, grid["edp"], grid["edp_local"])):
         grads, weights_bytes = trained * prec.grad, np.where(zero == 3, params + lora * trained, trained) * prec.param
@@ -488,7 +507,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
         # LoRA without adapters in this group: nothing to reduce (ZeRO-3 still gathers the frozen weights)
         reduce, gather = np.where(trained > 0, reduce, 0), np.where((trained > 0) | (zero == 3), gather, 0)
-        reduces = np.where((zero == 3) & options.zero3_reduce_per_microbatch, m, 1)
+        reduces = np.where(sharded, m, 1)
         t = reduces * reduce + np.where(zero == 3, 2 * m, 1) * gather
         used = (ranks > 1) & (params > 0)  # dense models: no expert part
         dp_comm_raw = dp_comm_raw + np.where(used, t, 0)
@@ -505,6 +524,10 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     # the flat bucket's copies around the reduce (ZeRO-0/1/2; ZeRO-3 reduce-scatters from the gathered buffer)
     gradients_here = (dense_trained + expert_trained) * prec.grad
     copies = options.grad_bucket_copy * (zero < 3) * (dp * cp > 1) * 6 * gradients_here
+    # ZeRO-3's copies around each of its 2 gathers per micro-batch and each reduce-scatter (dtlib.plan.zero3)
+    weights_here = (dense + expert + lora * (dense_trained + expert_trained)) * prec.param
+    copies = copies + options.zero3_unit_copies * (zero == 3) * (dp * cp > 1) * unit_copy_bytes(
+        weights_here, gradients_here, 2 * m, np.where(sharded, m, 1))
     dp_comm = dp_comm + copies / gpu.optimizer_bandwidth
 
     # ---- optimizer step: memory-bound ----------------------------------------------------------

@@ -36,7 +36,8 @@ TERMS: dict[str, str] = {
               "calibrate, x the kernels per layer and micro-batch "
               "(11 forward fused, Megatron-Core/Transformer Engine or torch.compile; 33 eager, dtlib.plan.eager's "
               "operators, or forward_kernels counted on the model; backward twice the forward, full recompute "
-              "once more, FP8 + 8 casts) "
+              "once more, FP8 + 8 casts; under ZeRO-3, zero3_kernels: the operators dtlib.parallel.FSDP adds per "
+              "layer, counted by dtlib calibrate) "
               "(dtlib.plan.launches): what dominates when a GPU holds a few hundred tokens",
     "pp_bubble": "(p-1)/m of the pipelined work for 1F1B/GPipe, (p-1)/(v m) interleaved (Narayanan et "
                  "al. 2021, Sec. 2.2; dtlib.analytic.comm.bubble_fraction), applied to compute + "
@@ -84,6 +85,9 @@ TERMS: dict[str, str] = {
                "; expert gradients over the expert-data-parallel group, tp x cp x dp / (etp x ep) "
                "ranks at stride etp x ep (Megatron-Core's expert grid, dtlib.plan.moe); zero3_reduce_per_microbatch: "
                "a reduce-scatter after every micro-batch's backward (PyTorch FSDP without no_sync); "
+               "zero3_unit_copies: two passes over the weights per gather to copy the all-gather's output out "
+               "param-major and six over the gradients per reduce-scatter to concatenate, copy rank-major and "
+               "divide them (dtlib.parallel.FSDP; FSDP2's foreach_all_gather_copy_out and chunk_cat, dtlib.plan.zero3); "
                "grad_bucket_copy: six passes over the gradients to copy them into a flat bucket, divide "
                "and copy back (PyTorch DDP's gradient_as_bucket_view=False)",
     "optimizer": "Adam update, memory-bound: each owned parameter reads and writes its master weight "
