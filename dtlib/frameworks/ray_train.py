@@ -163,7 +163,8 @@ def run_ray(config: TrainConfig, *, max_failures: int = 0, storage_path: str | N
 def _start_ray(num_cpus: int) -> tuple[str, str]:
     """``ray.init`` with the settings above, in a temporary directory of its own; returns the token
     that marks every process of this Ray and that directory (the caller removes it after
-    ``ray.shutdown``). The token marks every process of this Ray (an environment variable its GCS and raylet inherit and pass on to every worker and agent,
+    ``ray.shutdown``). The token marks every process of this Ray (an environment variable its GCS and
+    raylet inherit and pass on to every worker and agent,
     whatever they rename themselves to, and wherever they are re-parented), so that
     :func:`_kill_session` can end them all. Ray gives its raylet 30 s to register with the GCS
     (``raylet_start_wait_time_s`` in ray/_private/node.py, not configurable), which an overloaded

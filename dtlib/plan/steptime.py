@@ -17,7 +17,7 @@ flat compute over all GPUs, the other terms on the rank with the most layers). C
 (:mod:`dtlib.plan.gemm`); the two kernel efficiencies it needs are global fitted numbers
 (:mod:`dtlib.plan.calibration`).
 
-About 620 lines, over the usual 400: every term is computed in one vectorised pass over the search's
+About 630 lines, over the usual 400: every term is computed in one vectorised pass over the search's
 grid of layouts and they share its intermediate arrays (the slowest stage, bytes per parameter, the
 links); the terms' own physics lives in :mod:`~dtlib.plan.gemm`, :mod:`~dtlib.plan.launches`,
 :mod:`~dtlib.plan.moe`, :mod:`~dtlib.plan.vocab_parallel`, :mod:`~dtlib.plan.zero3`,
