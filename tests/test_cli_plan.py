@@ -12,7 +12,7 @@ from dtlib.cli.plan import MOE_CAVEAT
 from dtlib.plan.steptime import TERMS, StepOptions, step_time
 from dtlib.plan.training import training_plan
 
-KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "microbatches", "zero", "recompute",
+KEYS = {"dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch", "microbatches", "zero", "schedule", "recompute",
         "sequence_parallel", "step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
         "mfu", "memory_per_gpu_bytes", "breakdown", "compute_split", "recompute_layers",
         "account_for_embedding_and_loss", "activation_offload_layers", "offload", "recompute_modules",

@@ -110,7 +110,8 @@ def test_no_valid_layout_names_the_broken_rule():
     (dict(global_batch=2.5), "global_batch must be an integer >= 1"),
     (dict(headroom=0), "headroom must be a finite number > 0 and <= 1, got 0"),
     (dict(top=0), "top must be an integer >= 1"),
-    (dict(fixed={"schedule": "gpipe"}), "cannot fix \\['schedule'\\]"),
+    (dict(fixed={"offload_layers": 2}), "cannot fix \\['offload_layers'\\]"),
+    (dict(fixed={"schedule": "zb-h1"}), "schedule must be one of 'gpipe', '1f1b', 'interleaved', 'dualpipe'"),
     (dict(fixed={"recompute": "most"}), "recompute must be one of"),
 ])
 def test_bad_arguments(kwargs, match):

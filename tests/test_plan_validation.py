@@ -125,7 +125,7 @@ EXPECTED = {
     'LLAMA3_70B LoRA FP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0050, True, 3),
     'LLAMA3_70B LoRA MXFP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0127, True, 16),
     'LLAMA3_70B LoRA FP8, 8 x H100 (Megatron-Bridge 26.06)': (-0.1093, True, 14),
-    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.1073, True, 37),
+    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.0697, False, 37),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0208, True, 2),
     'LLAMA3_70B FP8-CS, 64 x GB300 (Megatron-Bridge 25.11)': (0.0893, True, 1),
@@ -169,7 +169,7 @@ LOSO = {
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0979, 0.0979),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
     'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0704, 0.0704),
-    'DeepSeek-V3 2024': (0.60, 0.50, 0.1073, 0.1073),
+    'DeepSeek-V3 2024': (0.60, 0.50, 0.0697, 0.0697),
 }
 
 
@@ -181,7 +181,7 @@ FAMILIES = {
     'gb200': (21, 0.0921, 0.0921),
     'h200': (2, 0.0348, 0.0348),
     'gb300': (15, 0.1026, 0.1026),
-    'h800': (1, 0.1073, 0.1073),
+    'h800': (1, 0.0697, 0.0697),
 }
 # issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
 MISSED = {"mean_over_sources"}
@@ -213,15 +213,19 @@ def test_every_published_layout_fits_its_gpus(table):
     but Llama 3 405B at 8K: with every pipeline rank counted (issue 35) its rank 1, 8 one-layer
     chunks holding 141 chunk-forwards at the interleaved peak, needs 88.0 GiB on the torchtitan
     stack (eager SwiGLU) where rank 0, all that was counted before, needed 78.8. Llama 3's own
-    schedule (Sec. 3.3.2, Fig. 6: a tunable number of micro-batches per round) is not modelled."""
+    schedule (Sec. 3.3.2, Fig. 6: a tunable number of micro-batches per round) is not modelled.
+    And DeepSeek-V3 under DualPipe: two copies of its stages' weights and pp + 1 stage-micro-batches
+    in flight need 81.3 GiB of the H800's 80, where the report caches the inputs of its linear layers
+    in FP8 (Sec. 3.3.2, "Low-Precision Storage and Communication"), which dtlib does not model."""
     short = [name for name, row in table.items() if not row["fits"]]
-    assert short == ["Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)"]
+    assert short == ["Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)",
+                     "DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)"]
 
 
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0998, abs=5e-4)
+    assert mae == pytest.approx(0.0995, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -254,7 +258,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0881, abs=5e-4)
+    assert held_out == pytest.approx(0.0856, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 

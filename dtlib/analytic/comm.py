@@ -271,11 +271,22 @@ def _measured_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: Measured
     return {k: (float(t) if np.ndim(t) == 0 else t) for k in ("ring", "tree", "best")}
 
 
-def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> Any:
+def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b",
+                    forward_share: Any = 1 / 3, weight_share: Any = 1 / 3) -> Any:
     """Pipeline bubble time / ideal time: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved
     (Narayanan et al. 2021, Sec. 2.2). The layout must follow the pipeline rules of
-    :data:`dtlib.analytic.layout.RULES` (the same as :func:`~dtlib.analytic.layout.in_flight`)."""
+    :data:`dtlib.analytic.layout.RULES` (the same as :func:`~dtlib.analytic.layout.in_flight`).
+
+    DualPipe (DeepSeek-V3 report, Table 2; deepseek-ai/DualPipe's README): a bubble of
+    (p/2 - 1)(F&B + B - 3W) against 1F1B's (p-1)(F+B), with F a stage's forward of one micro-batch,
+    B its full backward, W the backward's weight-gradient part and F&B a forward and a backward run
+    overlapped; overlap hides communication, not compute, so F&B = F + B. In units of F + B, with
+    ``forward_share`` F/(F+B) and ``weight_share`` W/(F+B) (default 1/3 each: the backward twice the
+    forward, half of it weight gradients), the bubble is (p/2 - 1)(2 - f - 3w)/m.
+    """
     check_pipeline(pp, num_microbatches, virtual_stages, schedule)
+    if schedule == "dualpipe":
+        return (pp / 2 - 1) * (2 - forward_share - 3 * weight_share) / num_microbatches
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * num_microbatches)
 

@@ -25,7 +25,7 @@ __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "
            "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
            "megatron_split", "split_problem", "pipeline_split"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "dualpipe")
 # what the search tries; "op" (torchtitan's per-op selective checkpointing, dtlib.analytic.activations)
 # is a layout one can give, not one the planner proposes
 RECOMPUTE = ("none", "selective", "full")
@@ -416,6 +416,19 @@ _OPTION_RULES: dict[str, list[Rule]] = {
          lambda virtual_stages: f"virtual_stages={virtual_stages} needs schedule='interleaved'; "
                                 f"use 1 otherwise"),
     ],
+    # DualPipe (DeepSeek-V3 report, Sec. 3.2.1) as deepseek-ai/DualPipe 3da1bbe runs it (``DualPipe.step``:
+    # "assert num_ranks % 2 == 0", "num_chunks % 2 == 0 and num_chunks >= num_ranks * 2"): micro-batches
+    # enter from both ends of the pipeline, half each
+    "dualpipe": [
+        (("pp",), lambda pp: (pp >= 2) & (pp % 2 == 0),
+         lambda pp: f"the dualpipe schedule needs an even pp >= 2 (its two directions pair rank r with "
+                    f"rank pp-1-r; deepseek-ai/DualPipe), got pp={pp}"),
+        (("num_microbatches", "pp"), lambda num_microbatches, pp: (num_microbatches % 2 == 0)
+         & (num_microbatches >= 2 * pp),
+         lambda num_microbatches, pp: f"the dualpipe schedule needs an even num_microbatches >= 2 x pp = "
+                                      f"{2 * pp} (half enter from each end; deepseek-ai/DualPipe), got "
+                                      f"{num_microbatches}"),
+    ],
     "params": [(("zero",), lambda zero: zero == 3,
                 lambda zero: f"offloading parameters needs ZeRO stage 3 (params sharded), got {zero}")],
     "optimizer": [(("zero",), lambda zero: zero >= 1,
@@ -425,6 +438,7 @@ _OPTION_RULES: dict[str, list[Rule]] = {
 
 def _rules_for(schedule: str, offload: str, balanced: bool = False) -> list[Rule]:
     extra = list(_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"])
+    extra += _OPTION_RULES.get(schedule, []) if schedule == "dualpipe" else []
     extra += _OPTION_RULES.get(offload, [])
     rules = [_BALANCED_STAGES_RULE if balanced and r is _STAGES_RULE else r for r in RULES]
     return rules + extra
@@ -453,7 +467,8 @@ def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str =
 
 def check_pipeline(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> None:
     """The rules of :data:`RULES` that a pipeline schedule alone must follow (sizes >= 1; the
-    interleaved schedule's v >= 2, pp >= 2, m a multiple of pp; v = 1 otherwise)."""
+    interleaved schedule's v >= 2, pp >= 2, m a multiple of pp; DualPipe's even pp >= 2 and even
+    m >= 2 pp; v = 1 otherwise)."""
     validate.one_of("schedule", schedule, SCHEDULES)
     check_layout({"pp": pp, "num_microbatches": num_microbatches, "virtual_stages": virtual_stages},
                  schedule)
@@ -488,6 +503,8 @@ def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any
     model chunks (Megatron-LM ``schedules.py`` warm-up count), i.e. 1 + (p-1)/(p*v) of the rank's
     layers on rank 0 (Korthikanti et al. 2022, Sec. 4.2.3); it needs v >= 2 (with v = 1 the
     warm-up count is not 1F1B's, and Megatron-LM runs plain 1F1B instead), so v < 2 raises.
+    DualPipe (DeepSeek-V3 report, Table 2) keeps p + 1 stage-micro-batches on every rank, whose share
+    is two stages (stage r and stage p-1-r): (p + 1)/2 of it, first and last rank alike.
     Without pipelining (p = 1) one micro-batch is in flight at a time.
     """
     validate.one_of("schedule", schedule, SCHEDULES)
@@ -497,6 +514,8 @@ def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any
         first, last = m, m
     elif schedule == "1f1b":
         first, last = np.minimum(m, p), 1
+    elif schedule == "dualpipe":
+        first = last = (p + 1) / 2
     else:
         chunks = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
         first, last = chunks / v, np.minimum(m * v, (v - 1) * p + 1) / v

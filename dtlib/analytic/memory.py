@@ -32,7 +32,7 @@ from dtlib.analytic.config import TransformerConfig, attention_params, mlp_param
 from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targets, resolve_finetune
 from dtlib.analytic.presets import Training, activation_convention, get_preset
 from dtlib.analytic.layout import Parallelism, check_layout
-from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers, stored_on_rank
+from dtlib.analytic.stages import candidate_ranks, dualpipe_stages, on_structures, rank_layers, stored_on_rank
 from dtlib.analytic.precision import NVFP4_BYTES, OPERAND_BYTES, Precision, get_precision
 from dtlib.analytic.stacks import Stack, get_stack
 
@@ -96,17 +96,22 @@ def _layer_blocks(*, hidden, heads, kv_heads, ffn, vocab, seq, mlp_matrices, bia
 
 
 def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
-                    blocks: dict[str, Any] | None = None, held: dict[str, Any] | None = None) -> dict[str, Any]:
+                    blocks: dict[str, Any] | None = None, held: dict[str, Any] | None = None,
+                    schedule: str = "1f1b") -> dict[str, Any]:
     """Parameters on one GPU of pipeline rank ``rank`` (:func:`stage_parameters`); ``n``: layout and
     model numbers; ``blocks`` (:func:`_layer_blocks` of ``n``) and ``held``
-    (:func:`~dtlib.analytic.stages.rank_layers`), when already at hand."""
+    (:func:`~dtlib.analytic.stages.rank_layers`), when already at hand. DualPipe: the rank's two
+    stages (:func:`~dtlib.analytic.stages.dualpipe_stages`), so ranks 0 and pp-1 both hold the
+    embedding and the LM head."""
     blocks = _layer_blocks(**n) if blocks is None else blocks
-    held = rank_layers(n, rank, balanced) if held is None else held
+    held = rank_layers(n, rank, balanced, schedule) if held is None else held
     dense_layers, moe = held["layers"] - held["moe_layers"], held["moe_layers"]
-    ends = (rank == 0) * blocks["embedding"] + (rank == n["pp"] - 1) * blocks["head"]
+    stages = dualpipe_stages(rank, n["pp"]) if schedule == "dualpipe" else (rank, rank)
+    embeds, heads = (stages[0] == 0) | (stages[1] == 0), (stages[0] == n["pp"] - 1) | (stages[1] == n["pp"] - 1)
+    ends = embeds * blocks["embedding"] + heads * blocks["head"]
     mtp, mtp_moe = held.get("mtp", 0), n.get("mtp_moe", 0)
     mtp_dense = mtp * (blocks["mtp_extra"] + np.where(mtp_moe, blocks["moe_dense"], blocks["dense_layer"]))
-    ends = ends + mtp_dense + (mtp > 0) * (rank != 0) * blocks["vocab_table"]
+    ends = ends + mtp_dense + (mtp > 0) * (1 - embeds) * blocks["vocab_table"]
     # LoRA adapters of the rank's layers (dtlib.analytic.finetune; none without lora_rank)
     split = dict(tp=n.get("tp", 1), ep=n.get("ep", 1), etp=n.get("etp", 1))
     none = {"dense": 0, "expert": 0}
@@ -119,7 +124,7 @@ def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
             "expert_adapter": moe * moe_adapters["expert"]}
 
 
-def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any]]:
+def stage_parameters(balanced: Any = False, schedule: str = "1f1b", **n: Any) -> dict[str, dict[str, Any]]:
     """Parameters on one GPU of the first and of the last pipeline stage: ``dense`` (sharded by
     ZeRO over dp), ``expert`` (sharded over the expert-data-parallel group,
     :func:`model_state_bytes`) and ``unit`` (largest block gathered at once by
@@ -135,7 +140,8 @@ def stage_parameters(balanced: Any = False, **n: Any) -> dict[str, dict[str, Any
     (:func:`dtlib.analytic.stages.rank_layers`), the first the embedding, the last the LM head.
     """
     n = {"pp": 1, "virtual_stages": 1, **n}
-    return {"first": rank_parameters(n, 0 * n["pp"], balanced), "last": rank_parameters(n, n["pp"] - 1, balanced)}
+    return {"first": rank_parameters(n, 0 * n["pp"], balanced, schedule=schedule),
+            "last": rank_parameters(n, n["pp"] - 1, balanced, schedule=schedule)}
 
 
 def model_state_bytes(dense, expert, unit, prec: Precision, *, zero, shard_size, ep=1, tp=1, etp=1,
@@ -217,7 +223,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             # full recompute is recompute_layers = every layer of every chunk (Megatron's block method)
             partial = s["layers"] if recompute == "full" else recompute_layers
             return [dict(stored_on_rank(schedule, s, r, balanced, partial), rank=r,
-                         **{"held." + k: v for k, v in rank_layers(s, r, balanced).items()})
+                         **{"held." + k: v for k, v in rank_layers(s, r, balanced, schedule).items()})
                     for r in (candidate_ranks(s, balanced) if ranks is None else [r + 0 * s["pp"] for r in ranks])]
         table = on_structures(ranks_of, n)
         ranks = [t["rank"] for t in table]
@@ -235,7 +241,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
         blocks = _layer_blocks(**n)
         params = [rank_parameters(n, t["rank"], balanced, blocks, {"layers": t["held.layers"],
                                                                   "moe_layers": t["held.moe_layers"],
-                                                                  "mtp": t["held.mtp"]})
+                                                                  "mtp": t["held.mtp"]}, schedule)
                   for t in table]
         for p, t in zip(params, table):  # the transformer layers' weights: what NVFP4 keeps quantized copies of
             p["layers"] = ((t["held.layers"] - t["held.moe_layers"]) * blocks["dense_layer"]

@@ -27,6 +27,7 @@ from dtlib.analytic.config import TransformerConfig, moe_layer_count
 from dtlib.analytic.layout import SCHEDULES, Parallelism
 
 __all__ = ["Stage", "pipeline_stages", "megatron_layout_string", "chunk_layers", "mtp_in_chunk", "rank_layers",
+           "dualpipe_stages",
            "stored_on_rank", "candidate_ranks",
            "on_structures", "distinct_rows"]
 
@@ -86,8 +87,21 @@ def mtp_in_chunk(n: dict[str, Any], rank: Any, chunk: Any) -> Any:
     return (rank == n["pp"] - 1) * (chunk == n["virtual_stages"] - 1) * n.get("mtp_layers", 0)
 
 
-def rank_layers(n: dict[str, Any], rank: Any, balanced: Any = False) -> dict[str, Any]:
-    """Layers, MoE layers and MTP layers of pipeline rank ``rank``, over all its chunks."""
+def dualpipe_stages(rank: Any, pp: Any) -> tuple[Any, Any]:
+    """The two pipeline stages DualPipe places on rank ``rank`` (DeepSeek-V3 report, Sec. 3.2.1;
+    deepseek-ai/DualPipe 3da1bbe ``DualPipe.step``): the forward direction's stage ``rank`` and the
+    reverse direction's ``pp-1-rank``, returned as (the one in the model's first half, its mirror).
+    Ranks ``r`` and ``pp-1-r`` hold the same two stages: two copies of every stage's parameters."""
+    half = np.minimum(rank, pp - 1 - rank)
+    return half, pp - 1 - half
+
+
+def rank_layers(n: dict[str, Any], rank: Any, balanced: Any = False, schedule: str = "1f1b") -> dict[str, Any]:
+    """Layers, MoE layers and MTP layers of pipeline rank ``rank``, over all its chunks (DualPipe:
+    over both its stages, :func:`dualpipe_stages`)."""
+    if schedule == "dualpipe":
+        first, mirror = (rank_layers(n, r, balanced) for r in dualpipe_stages(rank, n["pp"]))
+        return {k: first[k] + mirror[k] for k in first}
     layers = moe = mtp = 0
     for j in range(_chunks(n)):
         start, stop = chunk_layers(n, rank, j, balanced)
@@ -109,10 +123,12 @@ def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = 
     Chunk-forwards in flight follow Megatron-LM's schedules (``schedules.py``): GPipe all m; 1F1B
     ``min(m, pp - rank)`` (the warm-up ``pp - rank - 1`` plus the first steady one); interleaved
     ``min(m v, 2(pp - rank - 1) + (v - 1) pp + 1)`` chunk-forwards, forward ``k`` running chunk
-    ``(k mod pp v) // pp`` (``get_model_chunk_id``); no pipeline: 1.
+    ``(k mod pp v) // pp`` (``get_model_chunk_id``); DualPipe :func:`_stored_dualpipe`; no pipeline: 1.
     """
     validate.one_of("schedule", schedule, SCHEDULES)
     m, p = n["num_microbatches"], n["pp"]
+    if schedule == "dualpipe":
+        return _stored_dualpipe(n, rank, balanced, recompute_layers)
     v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * np.asarray(p)
     if schedule == "gpipe":
         total = m * v
@@ -140,6 +156,28 @@ def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = 
         moe = moe + held * (_moe_between(n, start, stop) + mtp * n.get("mtp_moe", 0))
     return {"full": full, "rest": pairs - full, "moe_share": moe / np.maximum(pairs, 1),
             "embedding": np.where(rank == 0, in_chunk(0), 0), "output": np.where(rank == p - 1, in_chunk(v - 1), 0)}
+
+
+def _stored_dualpipe(n: dict[str, Any], rank: Any, balanced: Any, recompute_layers: int | None) -> dict[str, Any]:
+    """:func:`stored_on_rank` for DualPipe (deepseek-ai/DualPipe 3da1bbe ``DualPipe.step``): with
+    ``h = pp/2`` and ``hr`` the rank's stage in the first half, steps 1-3 leave ``2h - hr - 1``
+    forwards of that stage and ``hr + 1`` of its mirror in flight, and step 4's first forward adds
+    one: ``pp - hr`` and ``hr + 1``, pp + 1 in all (the report's Table 2). The embedding's stage is
+    rank 0's and rank pp-1's first-half stage, the loss's their mirror."""
+    p = n["pp"]
+    first, mirror = dualpipe_stages(rank, p)
+    recomputed = 0 if recompute_layers is None else recompute_layers
+    nv = dict(n, virtual_stages=1 + 0 * np.asarray(p))
+    full = pairs = moe = 0
+    for stage, held in ((first, p - first), (mirror, first + 1)):
+        start, stop = chunk_layers(nv, stage, 0, balanced)
+        mtp = mtp_in_chunk(nv, stage, 0)
+        full = full + held * np.minimum(recomputed, stop - start)
+        pairs = pairs + held * (stop - start + mtp)
+        moe = moe + held * (_moe_between(n, start, stop) + mtp * n.get("mtp_moe", 0))
+    ends = first == 0
+    return {"full": full, "rest": pairs - full, "moe_share": moe / np.maximum(pairs, 1),
+            "embedding": np.where(ends, p, 0), "output": np.where(ends, 1, 0)}
 
 
 # the numbers a rank's layers and micro-batches depend on: a search's many layouts share few of them

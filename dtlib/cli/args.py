@@ -105,7 +105,8 @@ def layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                    help="pipeline schedule; 'interleaved' needs --pp >= 2, --virtual-stages >= 2 and "
-                        "--microbatches a multiple of --pp (Megatron-LM)")
+                        "--microbatches a multiple of --pp (Megatron-LM); 'dualpipe' (DeepSeek-V3) an even "
+                        "--pp and even --microbatches >= 2 x --pp")
     g.add_argument("--virtual-stages", type=positive_int, default=1,
                    help="model chunks per pipeline rank (interleaved schedule only)")
     g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int, default=1,

@@ -20,7 +20,7 @@ from typing import Any
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.flops import ATTENTION
 from dtlib.analytic.hardware import ACCELERATORS, LINKS, SYSTEMS, cluster, get_link, matmul_peak
-from dtlib.analytic.layout import RECOMPUTE_OPTIONS
+from dtlib.analytic.layout import RECOMPUTE_OPTIONS, SCHEDULES
 from dtlib.analytic.memory import stack_storage
 from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, get_precision, grad_reduce_dtype
 from dtlib.analytic.presets import activation_convention
@@ -100,6 +100,9 @@ def add_plan_command(sub: Any) -> None:
     g.add_argument("--etp", type=positive_int, metavar="T",
                    help="expert tensor parallel size (Megatron-Core --expert-tensor-parallel-size)")
     g.add_argument("--micro-batch", dest="micro_batch_size", type=positive_int)
+    g.add_argument("--schedule", choices=SCHEDULES,
+                   help="pin the pipeline schedule (searched: 1f1b and interleaved; 'dualpipe': DeepSeek-V3's "
+                        "bidirectional schedule, even --pp and an even number of micro-batches >= 2 x pp)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     g.add_argument("--recompute", choices=RECOMPUTE_OPTIONS,
                    help="pin the recompute setting ('op': torchtitan's per-op checkpointing, never searched)")
@@ -320,7 +323,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                                          else None), **moe)
     matmul_peak(cl.gpu, args.precision)  # a GPU without FP8 (or NVFP4) tensor cores says so here
     fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size",
-                                           "zero", "recompute", "sequence_parallel", "recompute_layers",
+                                           "schedule", "zero", "recompute", "sequence_parallel", "recompute_layers",
                                            "activation_offload_layers", "recompute_modules", "first_stage_layers",
                                            "last_stage_layers")
              if getattr(args, k) is not None}

@@ -47,7 +47,7 @@ STACKS = ("megatron", "torchtitan", "deepspeed", "fsdp")
 # layout keys a row may publish (Megatron's names; etp and recompute_layers: issue 26's contract)
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "sequence_parallel", "recompute", "recompute_layers",
                "virtual_stages", "micro_batch_size", "account_for_embedding_and_loss", "activation_offload_layers",
-               "offload", "recompute_modules", "first_stage_layers", "last_stage_layers", "pipeline_layout")
+               "offload", "recompute_modules", "first_stage_layers", "last_stage_layers", "pipeline_layout", "schedule")
 
 _NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
               "Using Megatron-LM', Table 1 (A100 80GB, seq 2048, V 51200, full recomputation; "
@@ -806,7 +806,7 @@ def deepseek_v3_runs() -> list[PublishedRun]:
     return [PublishedRun(
         name="DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)", model=get_preset("deepseek-v3"),
         cluster=_dgx("h800", 2048), global_batch=15360,
-        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none",
+        layout=dict(tp=1, pp=16, cp=1, ep=64, etp=1, dp=128, zero=1, recompute="none", schedule="dualpipe",
                     recompute_modules=("layernorm", "mla_up_proj")),
         metric="tokens_per_gpu_s", published=1e12 / (180_000 * 3600), family="h800", source="DeepSeek-V3 2024",
         reference=_DEEPSEEK_V3 + ", Sec. 1: 180K H800 GPU hours per trillion tokens", stack="megatron",

@@ -29,7 +29,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster
-from dtlib.analytic.layout import RECOMPUTE, RECOMPUTE_OPTIONS, Parallelism, pipeline_split
+from dtlib.analytic.layout import RECOMPUTE, RECOMPUTE_OPTIONS, SCHEDULES, Parallelism, pipeline_split
 from dtlib.analytic.stages import distinct_rows
 from dtlib.analytic.memory import per_gpu_bytes
 from dtlib.analytic.precision import get_precision
@@ -47,7 +47,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 CONTEXT_SIZES = (1, 2, 4, 8)
 # knobs a caller may pin (the command line's layout flags); the rest are searched
-FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute",
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "micro_batch_size", "zero", "recompute", "schedule",
            "sequence_parallel", "recompute_layers", "account_for_embedding_and_loss", "activation_offload_layers",
            "offload", "recompute_modules", "first_stage_layers", "last_stage_layers", "pipeline_layout")
 # the pipeline split: given, or chosen per (pp, virtual_stages) by dtlib.analytic.layout.pipeline_split
@@ -177,7 +177,8 @@ def _explicit_layout(model: TransformerConfig, fixed: dict[str, Any]) -> Pipelin
 
 
 def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, stage: np.ndarray, i: int,
-         recompute: str, peak: float, given: dict[str, Any], explicit: PipelineLayout | None = None) -> dict[str, Any]:
+         schedule: str, recompute: str, peak: float, given: dict[str, Any],
+         explicit: PipelineLayout | None = None) -> dict[str, Any]:
     """One layout as the command line's JSON names it (the issue's keys: micro_batch, microbatches);
     ``memory_stage``: the pipeline rank whose memory is ``memory_per_gpu_bytes`` (the heaviest)."""
     t = float(r["step_time"][i])
@@ -185,7 +186,7 @@ def _row(a: dict[str, np.ndarray], r: dict[str, np.ndarray], mem: np.ndarray, st
     return {"dp": int(a["dp"][i]), "tp": int(a["tp"][i]), "pp": int(a["pp"][i]), "cp": int(a["cp"][i]),
             "ep": int(a["ep"][i]), "etp": int(a["etp"][i]), "virtual_stages": int(a["virtual_stages"][i]),
             "micro_batch": int(a["micro_batch_size"][i]), "microbatches": int(a["num_microbatches"][i]),
-            "zero": int(a["zero"][i]), "recompute": recompute, **given,
+            "zero": int(a["zero"][i]), "schedule": schedule, "recompute": recompute, **given,
             "first_stage_layers": int(a["first_stage_layers"][i]) or None,
             "last_stage_layers": int(a["last_stage_layers"][i]) or None,
             "pipeline_layout": explicit.text if explicit is not None else bool(a["pipeline_layout"][i]),
@@ -204,7 +205,7 @@ def to_layout(config: dict[str, Any]) -> Parallelism:
     return Parallelism(dp=config["dp"], tp=config["tp"], pp=config["pp"], cp=config["cp"], ep=config["ep"],
                        etp=config.get("etp", 1),
                        zero=config["zero"], sequence_parallel=config["sequence_parallel"],
-                       schedule="interleaved" if config["virtual_stages"] > 1 else "1f1b",
+                       schedule=config.get("schedule", "interleaved" if config["virtual_stages"] > 1 else "1f1b"),
                        virtual_stages=config["virtual_stages"], micro_batch_size=config["micro_batch"],
                        num_microbatches=config["microbatches"], recompute=config["recompute"],
                        first_stage_layers=config.get("first_stage_layers"),
@@ -259,6 +260,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
                         recompute_modules=given["recompute_modules"])  # says why not
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
+    if "schedule" in fixed:  # gpipe and DualPipe only when asked for: the search proposes 1F1B or interleaving
+        schedules = [validate.one_of("schedule", fixed.pop("schedule"), SCHEDULES)]
     rows: list[tuple[float, float, dict[str, Any]]] = []
     searched = fitting = candidates = 0
     smallest: tuple[float, dict[str, Any]] | None = None
@@ -305,7 +308,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
             # the same layout as the first of a top-5 one
             best = np.lexsort((mem_here, times))[:top]
             rows += [(float(times[i]), float(mem_here[i]),
-                      _row(here, t, mem_here, stage_here, int(i), recompute, peak, given, explicit))
+                      _row(here, t, mem_here, stage_here, int(i), schedule, recompute, peak, given, explicit))
                      for i in best]
     rows.sort(key=lambda x: x[:2])  # fastest first; among equals, the one with memory to spare
     configs = [row for *_, row in rows[:top]]

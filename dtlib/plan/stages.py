@@ -18,26 +18,39 @@ from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers
 __all__ = ["slowest_stage"]
 
 
-def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = False) -> dict[str, Any]:
+def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = False,
+                  schedule: str = "1f1b") -> dict[str, Any]:
     """The slowest rank of every layout in ``n``: its ``rank``, ``layers``, ``moe_layers``,
     ``head`` (1 on the last rank) and ``embedding`` (1 on the first; MTP layers add one of each), and its ``gemm`` and ``attention`` seconds per step, the sums of
     ``per_layer``'s (:func:`dtlib.plan.gemm.transformer_compute`: one ``dense_layer``'s and one
     ``moe_layer``'s weight GEMMs, the ``head``'s, one layer's ``attention_layer``) over the rank's
-    layers and head."""
+    layers and head. DualPipe: each micro-batch runs one of the rank's two stages (half the
+    micro-batches enter from each end), so a rank's work per micro-batch is the mean of the two."""
     n = dict(n, first_stage_layers=n.get("first_stage_layers", 0), last_stage_layers=n.get("last_stage_layers", 0))
     best: dict[str, Any] = {}
-    table = on_structures(lambda s: [dict(rank_layers(s, r, balanced), rank=r, head=(r == s["pp"] - 1) * 1.0)
+    share = 0.5 if schedule == "dualpipe" else 1.0
+    table = on_structures(lambda s: [dict(rank_layers(s, r, balanced, schedule), rank=r, **_ends(s, r, schedule))
                                      for r in candidate_ranks(s, balanced)], n)
     for stage in table:
+        stage.update({k: share * stage[k] for k in ("layers", "moe_layers", "mtp")})
         # MTP layers (DeepSeek-V3 Sec. 2.2): one more layer of their kind each and the shared head again
         mtp = stage.pop("mtp", 0)
         stage["layers"] = stage["layers"] + mtp
         stage["moe_layers"] = stage["moe_layers"] + mtp * n.get("mtp_moe", 0)
         stage["head"] = stage["head"] + mtp
-        stage["embedding"] = (stage["rank"] == 0) * 1.0 + mtp  # each MTP layer embeds its tokens again
+        stage["embedding"] = stage["embedding"] + mtp  # each MTP layer embeds its tokens again
         stage["gemm"] = ((stage["layers"] - stage["moe_layers"]) * per_layer["dense_layer"]
                          + stage["moe_layers"] * per_layer["moe_layer"] + stage["head"] * per_layer["head"])
         stage["attention"] = stage["layers"] * per_layer["attention_layer"]
         slower = stage["gemm"] + stage["attention"] > best["gemm"] + best["attention"] if best else True
         best = {k: np.where(slower, v, best[k]) if best else v for k, v in stage.items()}
     return best
+
+
+def _ends(s: dict[str, Any], rank: Any, schedule: str) -> dict[str, Any]:
+    """The embedding's and the LM head's share of a micro-batch's work on ``rank``: 1 on the first
+    and on the last rank; DualPipe: half each on ranks 0 and pp-1, which hold both ends."""
+    if schedule == "dualpipe":
+        both = (np.minimum(rank, s["pp"] - 1 - rank) == 0) * 0.5
+        return {"embedding": both, "head": both}
+    return {"embedding": (rank == 0) * 1.0, "head": (rank == s["pp"] - 1) * 1.0}

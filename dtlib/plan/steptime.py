@@ -320,7 +320,6 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
     prec = get_precision(options.precision)
     work = recompute_module_work(modules, n, prec.activation, dropout, bool(options.flash_attention))
     gpu = cluster.gpu
-    v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * n["pp"]
     per_step = kept * plain["stage_layers"] * n["num_microbatches"]
     efficiency = GEMM_EFFICIENCY if options.gemm_efficiency is None else options.gemm_efficiency
     peak = matmul_peak(gpu, options.dtype) * clock_scale(gpu, options.power_limit_w)
@@ -337,7 +336,7 @@ def _with_modules(base: dict[str, Any], plain: dict[str, Any], n: dict[str, Any]
     out["compute_attention"] = base["compute_attention"] + attention
     out["compute"] = out["compute_gemm"] + out["compute_attention"]
     out["elementwise"] = base["elementwise"] + per_step * work["bytes"] / gpu.memory_bandwidth
-    out["pp_bubble"] = base["pp_bubble"] + bubble_fraction(n["pp"], n["num_microbatches"], v, schedule) * pipelined
+    out["pp_bubble"] = base["pp_bubble"] + base["bubble_fraction"] * pipelined  # at the layout's own bubble
     ranks_per_stage = n["dp"] * n["tp"] * n["cp"]
     out["hardware_flops"] = base["hardware_flops"] + kept * work["flops"] * n["layers"] * n["num_microbatches"] * ranks_per_stage
     out["step_time"] = sum(out[k] for k in TERMS)
@@ -348,7 +347,7 @@ def _mixed(base: dict[str, Any], full: dict[str, Any], share: Any, attention_sha
     """``base`` with ``share`` of the way to ``full`` (the attention compute: ``attention_share``)."""
     out = dict(base)
     for k in ("elementwise", "launch", "pp_bubble", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm", "optimizer",
-              "hardware_flops", "dp_comm_unhidden", "compute_gemm"):
+              "hardware_flops", "dp_comm_unhidden", "compute_gemm", "bubble_fraction"):
         out[k] = base[k] + share * (full[k] - base[k])
     out["compute_attention"] = base["compute_attention"] + attention_share * (
         full["compute_attention"] - base["compute_attention"])
@@ -386,7 +385,8 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         compute = (weight_time + (flops["hardware"] - weight_hw) / peak_bf16) / (gpus * options.efficiency)
         parts = {"gemm": compute, "attention": 0 * compute}
         # the per-layer terms below: the rank with the most layers
-        stage = slowest_stage(n, {"dense_layer": 1, "moe_layer": 1, "head": 0, "attention_layer": 0}, balanced)
+        stage = slowest_stage(n, {"dense_layer": 1, "moe_layer": 1, "head": 0, "attention_layer": 0}, balanced,
+                              schedule)
     else:  # shape-aware: GEMMs from their shapes, attention from FlashAttention (dtlib.plan.gemm),
         # on the slowest pipeline rank (dtlib.plan.stages)
         stage = slowest_stage(n, transformer_compute(
@@ -396,7 +396,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
                                   if options.attention_efficiency is None else options.attention_efficiency),
             clock=clock_scale(gpu, options.power_limit_w), moe_imbalance=options.moe_imbalance,
             fp8_recipe=options.fp8_recipe or "current", expert_loop=stack.expert_loop,
-            bf16_layers=options.bf16_layers), balanced)
+            bf16_layers=options.bf16_layers), balanced, schedule)
         parts = {"gemm": stage["gemm"], "attention": stage["attention"]}
         compute = parts["gemm"] + parts["attention"]
 
@@ -465,7 +465,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
                                  act_bytes=prec.activation)
     elementwise = elementwise + (1 + full / 2) * permuted * moe_here * m / gpu.memory_bandwidth
     # the parameters of the pipeline stage with the most
-    stages = stage_parameters(**n)
+    stages = stage_parameters(schedule=schedule, **n)
     first, last = (stages[k]["dense"] + stages[k]["expert"] for k in ("first", "last"))
     use_last = last > first
     dense, expert, dense_trained, expert_trained = (
@@ -490,7 +490,13 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
         launch = launch + (zero == 3) * (dp * cp > 1) * options.zero3_kernels * layers_here * m * gpu.kernel_launch_s
 
     pipelined = compute + elementwise + launch + tp_comm + cp_comm + ep_comm
-    pp_bubble = bubble_fraction(pp, m, v, schedule) * pipelined
+    # DualPipe's bubble reads the forward's and the weight gradients' shares of the pipelined work: the
+    # forward one of 3 passes (4 with full recompute), the weight-gradient GEMMs one of the GEMMs' 3
+    # (4), none for LoRA's frozen weights
+    forward_share = 1 / (3 + full)
+    weight_share = (1 - lora) * parts["gemm"] / (3 + full) / np.maximum(pipelined, 1e-30)
+    bubble = bubble_fraction(pp, m, v, schedule, forward_share, weight_share)
+    pp_bubble = bubble * pipelined
     boundary = act / tp
     pp_p2p = (pp > 1) * 2 * v * m * _on(gpus <= g, "p2p", boundary, 2, intra, inter)
 
@@ -501,7 +507,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     for params, trained, ranks, local in ((dense, dense_trained, dp * cp, dense_local),
                                           (expert, expert_trained, grid["edp"], grid["edp_local"])):
         grads, weights_bytes = trained * prec.grad, np.where(zero == 3, params + lora * trained, trained) * prec.param
-        calls = _buckets(trained, ranks, zero, layers_here)
+        calls = _buckets(trained, ranks, zero, np.ceil(layers_here * (1 + (schedule == "dualpipe"))))  # layers held
         reduce = np.where(zero == 0, _hierarchical("all_reduce", grads, ranks, local, intra, inter, calls),
                           _hierarchical("reduce_scatter", grads, ranks, local, intra, inter, calls))
         gather = np.where(zero == 0, 0, _hierarchical("all_gather", weights_bytes, ranks, local, intra, inter, calls))
@@ -545,7 +551,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
            "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_p2p": pp_p2p, "dp_comm": dp_comm, "optimizer": optimizer}
     out = {k: np.asarray(val, dtype=float) * np.ones_like(compute, dtype=float) for k, val in out.items()}
     out["step_time"] = sum(out[k] for k in TERMS)
-    out.update(model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
+    out.update(bubble_fraction=bubble * np.ones_like(compute, dtype=float), model_flops=np.asarray(flops["model"], float), hardware_flops=np.asarray(flops["hardware"], float),
                tokens=np.asarray(tokens, float), gpus=np.asarray(gpus), params_per_gpu=dense + expert,
                dp_comm_unhidden=dp_comm_raw, compute_gemm=parts["gemm"] * np.ones_like(compute, dtype=float),
                compute_attention=parts["attention"] * np.ones_like(compute, dtype=float),

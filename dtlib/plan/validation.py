@@ -168,7 +168,7 @@ def _candidates(run: PublishedRun) -> list[tuple[str, str, dict[str, np.ndarray]
     found = _timed_layouts(run, _options(run, None, None), top=10 ** 9).configs
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for c in found:
-        groups["interleaved" if c["virtual_stages"] > 1 else "1f1b", c["recompute"]].append(c)
+        groups[c["schedule"], c["recompute"]].append(c)
     # every integer or boolean knob of a search row is a layout array (any knob search gains is
     # carried too); two are named differently in the rows (the command line's JSON names)
     renamed = {"micro_batch": "micro_batch_size", "microbatches": "num_microbatches"}

@@ -54,12 +54,13 @@ def pipeline_controls(changed: str, schedule: str, virtual_stages: int, pp: int)
     """The (schedule, virtual_stages, pp) the calculator moves to after the user set ``changed``
     (one of those three names): the user's choice stays, the other two follow it."""
     s, v, p = schedule, virtual_stages, pp
+    # (the pp choices are 1 and powers of 2: DualPipe's even pp >= 2 is pp >= 2 here)
     if changed == "schedule":
-        v, p = (max(v, 2), max(p, 2)) if s == "interleaved" else (1, p)
+        v, p = (max(v, 2), max(p, 2)) if s == "interleaved" else (1, max(p, 2) if s == "dualpipe" else p)
     elif changed == "virtual_stages":
         s, p = ("interleaved", max(p, 2)) if v >= 2 else ("1f1b" if s == "interleaved" else s, p)
     elif changed == "pp":
-        s, v = ("1f1b", 1) if p < 2 and s == "interleaved" else (s, v)
+        s, v = ("1f1b", 1) if p < 2 and s in ("interleaved", "dualpipe") else (s, v)
     else:
         raise ValueError(f"changed must be 'schedule', 'virtual_stages' or 'pp', got {changed!r}")
     return {"schedule": s, "virtual_stages": v, "pp": p}

@@ -75,6 +75,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
                    "recomputes attention alone")
     if p.shard_size is not None and p.shard_size % p.cp:
         out.append(f"shard_size {p.shard_size}: torchtitan's HSDP shards over dp_shard x cp, cp={p.cp} must divide it")
+    if p.schedule == "dualpipe":
+        out.append("schedule dualpipe: torch.distributed.pipelining has DualPipeV (one copy of the parameters, "
+                   "two chunks per rank in a V), not DualPipe's two directions over two copies")
     return out
 
 # dtlib's presets that are torchtitan v0.2.2's registered (model, flavor)s, read in

@@ -1,0 +1,145 @@
+"""DualPipe as a pipeline schedule (DeepSeek-V3 report, Sec. 3.2.1 and Table 2; deepseek-ai/DualPipe
+3da1bbe): its rules, the two stages of a rank, the micro-batches in flight replayed from the upstream
+schedule's steps, its bubble, and what the planner and the emitters do with it."""
+from __future__ import annotations
+
+import pytest
+
+from dtlib.analytic.presets import get_preset
+from dtlib.analytic.comm import bubble_fraction
+from dtlib.analytic.hardware import cluster
+from dtlib.analytic.layout import Parallelism, in_flight
+from dtlib.analytic.memory import rank_parameters
+from dtlib.analytic.stages import dualpipe_stages, rank_layers, stored_on_rank
+from dtlib.plan.emit import megatron, torchtitan
+from dtlib.plan.search import search
+from dtlib.plan.stages import slowest_stage
+from dtlib.plan.steptime import StepOptions, step_time
+
+
+@pytest.mark.parametrize("layout, match", [
+    (dict(pp=3, num_microbatches=6), "dualpipe schedule needs an even pp >= 2"),
+    (dict(pp=1, num_microbatches=2), "dualpipe schedule needs an even pp >= 2"),
+    (dict(pp=4, num_microbatches=9), "even num_microbatches >= 2 x pp = 8"),
+    (dict(pp=4, num_microbatches=6), r"even num_microbatches >= 2 x pp = 8 \(.*\), got 6"),
+    (dict(pp=4, num_microbatches=8, virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
+])
+def test_dualpipe_rules_name_the_value_and_the_valid_range(layout, match):
+    with pytest.raises(ValueError, match=match):
+        Parallelism(schedule="dualpipe", **layout)
+    with pytest.raises(ValueError, match=match):
+        bubble_fraction(layout["pp"], layout["num_microbatches"], layout.get("virtual_stages", 1), "dualpipe")
+
+
+def test_a_rank_holds_its_stage_and_the_mirror_one():
+    assert [tuple(int(x) for x in dualpipe_stages(r, 8)) for r in range(8)] == [
+        (0, 7), (1, 6), (2, 5), (3, 4), (3, 4), (2, 5), (1, 6), (0, 7)]
+
+
+def _upstream_peak(pp: int, rank: int) -> tuple[int, int]:
+    """The forwards in flight of each phase at the rank's peak, replayed from the step counts of
+    ``DualPipe.step`` (steps 1-3, then step 4's first forward): phase 0 is the rank's first-half stage."""
+    half, hr = pp // 2, min(rank, pp - 1 - rank)
+    held, peak = [0, 0], (0, 0)
+    events = [(0, +1)] * ((half - hr - 1) * 2)            # step 1: nF0
+    events += [(0, +1), (1, +1)] * (hr + 1)                # step 2: nF0F1
+    events += [(1, -1), (1, +1)] * (half - hr - 1)         # step 3: nB1W1F1
+    events += [(0, +1), (1, -1), (1, +1), (0, -1)]         # step 4's first F0 B1 F1 B0
+    for phase, change in events:
+        held[phase] += change
+        if sum(held) > sum(peak):
+            peak = (held[0], held[1])
+    return peak
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8, 16])
+def test_micro_batches_in_flight_match_the_upstream_schedule(pp):
+    layers = 4 * pp  # four layers a stage
+    n = dict(layers=layers, pp=pp, virtual_stages=1, num_microbatches=4 * pp)
+    for rank in range(pp):
+        first, mirror = _upstream_peak(pp, rank)
+        held = stored_on_rank("dualpipe", n, rank)
+        assert int(held["rest"]) == 4 * (first + mirror) == 4 * (pp + 1)  # Table 2: PP + 1 on every rank
+        assert int(held["embedding"]) == (pp if rank in (0, pp - 1) else 0)
+        assert int(held["output"]) == (1 if rank in (0, pp - 1) else 0)
+    # 1F1B's first rank holds pp micro-batches of one stage: DualPipe's ranks hold one more stage-micro-batch
+    assert int(stored_on_rank("1f1b", n, 0)["rest"]) == 4 * pp
+    first, last = in_flight("dualpipe", pp, 4 * pp)
+    assert float(first) == float(last) == (pp + 1) / 2  # in units of the rank's two stages
+
+
+def test_two_copies_of_every_stage_and_both_ends_on_the_outer_ranks():
+    model = get_preset("llama3-8b")
+    n = dict(Parallelism(pp=4, num_microbatches=8, schedule="dualpipe").numbers(), **model.numbers())
+    n.update(first_stage_layers=0, last_stage_layers=0)
+    for rank, mirror in ((0, 3), (1, 2)):
+        one = [rank_parameters(n, r) for r in (rank, mirror)]
+        both = rank_parameters(n, rank, schedule="dualpipe")
+        assert both["dense"] == pytest.approx(one[0]["dense"] + one[1]["dense"])
+        assert rank_layers(n, rank, schedule="dualpipe")["layers"] == 2 * model.layers // 4
+    total = sum(rank_parameters(n, r, schedule="dualpipe")["dense"] for r in range(4))
+    assert total == pytest.approx(2 * sum(rank_parameters(n, r)["dense"] for r in range(4)))
+
+
+def test_a_micro_batch_runs_one_of_the_two_stages():
+    n = dict(layers=80, pp=8, virtual_stages=1, num_microbatches=32)
+    unit = {"dense_layer": 1.0, "moe_layer": 1.0, "head": 1.2, "attention_layer": 0.0}
+    one, dual = (slowest_stage(n, unit, schedule=s) for s in ("1f1b", "dualpipe"))
+    assert float(one["gemm"]) == pytest.approx(10 + 1.2) and int(one["rank"]) == 7
+    # ranks 0 and 7 run stage 0 (embedding) for half the micro-batches, stage 7 (head) for the other half
+    assert float(dual["gemm"]) == pytest.approx(10 + 0.6) and float(dual["embedding"]) == 0.5
+
+
+def test_bubble_is_the_reports_formula():
+    # Table 2 with F = 1, B = 2 (full backward), W = 1, F&B = F + B: (PP/2 - 1)(F&B + B - 3W) = 2 (PP/2 - 1)
+    # against 1F1B's (PP - 1)(F + B), over m (F + B) of work
+    for pp, m in ((8, 20), (16, 120)):
+        assert bubble_fraction(pp, m, schedule="dualpipe") == pytest.approx((pp / 2 - 1) * 2 / (3 * m))
+        assert bubble_fraction(pp, m, schedule="1f1b") == pytest.approx((pp - 1) / m)
+    # no weight gradients split off (W = 0): F&B + B = F + 2B
+    assert bubble_fraction(8, 16, schedule="dualpipe", weight_share=0) == pytest.approx(3 * (1 / 3 + 4 / 3) / 16)
+
+
+def test_step_time_keeps_the_work_and_shrinks_the_bubble():
+    model = get_preset("llama3-70b")
+    where = cluster("h100-sxm", 32, 8)
+    times = {}
+    for schedule in ("1f1b", "dualpipe"):
+        layout = Parallelism(dp=4, tp=8, pp=8, num_microbatches=32, micro_batch_size=1, schedule=schedule,
+                             sequence_parallel=True, zero=1)
+        times[schedule] = step_time(model, layout, where, options=StepOptions(stack="megatron")).breakdown
+    one, dual = times["1f1b"], times["dualpipe"]
+    # 80 layers over 8 stages: the same layers a micro-batch, but 1F1B's last rank adds the whole LM head
+    assert dual["compute"] < one["compute"]
+    # (p/2 - 1)(2 - f - 3w) / (p - 1): 2/7 of 1F1B's with W a third of the work, 5/7 with none split off;
+    # here W is the weight-gradient GEMMs' share of work that also holds TP communication and elementwise
+    assert 2 / 7 * one["pp_bubble"] * 0.95 < dual["pp_bubble"] < 0.4 * one["pp_bubble"]
+    # two copies to update: the first stage's and the last's on rank 0, where 1F1B's busiest holds one of them
+    assert 1.5 * one["optimizer"] < dual["optimizer"] < 2 * one["optimizer"]
+
+
+def test_search_proposes_dualpipe_only_when_asked():
+    model, where = get_preset("llama3-70b"), cluster("h100-sxm", 32, 8)
+    free = search(model, where, 256, fixed=dict(tp=8), top=20)
+    assert {c["schedule"] for c in free.configs} <= {"1f1b", "interleaved"}
+    asked = search(model, where, 256, fixed=dict(tp=8, schedule="dualpipe"), top=20)
+    assert asked.configs and {c["schedule"] for c in asked.configs} == {"dualpipe"}
+    for c in asked.configs:
+        assert c["pp"] % 2 == 0 and c["microbatches"] % 2 == 0 and c["microbatches"] >= 2 * c["pp"]
+        assert c["virtual_stages"] == 1
+
+
+def test_emitters_refuse_dualpipe():
+    model = get_preset("llama3-70b")
+    layout = Parallelism(dp=4, tp=8, pp=8, num_microbatches=32, schedule="dualpipe", sequence_parallel=True, zero=1)
+    assert any("dualpipe" in why for why in megatron.unsupported_here(layout, model, "bf16"))
+    assert any("DualPipeV" in why for why in torchtitan.unsupported_here(layout, model, "bf16"))
+    assert not any("dualpipe" in why for why in megatron.unsupported_here(layout.with_(schedule="1f1b"), model, "bf16"))
+
+
+def test_cli_refuses_an_odd_pipeline_before_anything_runs(capsys):
+    from dtlib.cli import main
+    code = main(["memory", "--model", "llama3-8b", "--gpus", "24", "--pp", "3", "--schedule", "dualpipe",
+                 "--microbatches", "6"])
+    err = capsys.readouterr().err
+    assert code == 2 and "dualpipe schedule needs an even pp >= 2" in err and "Traceback" not in err
