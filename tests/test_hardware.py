@@ -71,3 +71,19 @@ def test_added_entries_need_a_source():
 ])
 def test_catalogue_name_from_the_driver_name(device, entry):
     assert catalogue_name(device) == entry
+
+
+def test_amd_mesh_uses_one_link_per_peer():
+    """MI300X's xGMI: a full mesh of 8, ~48 GB/s usable a link (AMD ROCm blog, 2025-03-02). A collective
+    over n GPUs of the node moves data over n-1 links; a point-to-point send over one; NVSwitch does not
+    depend on the group."""
+    from dtlib.analytic.comm import algbw, bus_factor, collective_time
+    xgmi, nvlink = get_link("infinity-fabric"), get_link("nvlink4")
+    size = 2 ** 30
+    for n, links in ((2, 1), (4, 3), (8, 7)):
+        busbw = algbw(size, collective_time("all_reduce", size, n, xgmi)) * bus_factor("all_reduce", n)
+        assert busbw == pytest.approx(links * 48e9, rel=0.01)
+        on_nvlink = algbw(size, collective_time("all_reduce", size, n, nvlink)) * bus_factor("all_reduce", n)
+        assert on_nvlink == pytest.approx(370.8e9, rel=0.01)
+    assert size / collective_time("p2p", size, 2, xgmi) == pytest.approx(48e9, rel=0.01)
+    assert get_link("infinity-fabric-4").group_bandwidth(8) == pytest.approx(7 * 76.8e9 * 0.75)

@@ -28,6 +28,7 @@ broadcast, reduce, p2p 1.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -74,11 +75,12 @@ def collective_time(op: str, nbytes: Any, ranks: Any, link: "Link | str",
     lk = _link(link)
     if isinstance(lk, MeasuredLink):
         return lk.seconds(op, nbytes, ranks)
-    a, B, n, S = lk.latency, lk.bandwidth, np.asarray(ranks), np.asarray(nbytes, dtype=float)
+    a, n, S = lk.latency, np.asarray(ranks), np.asarray(nbytes, dtype=float)
+    B = lk.group_bandwidth(n)  # a full mesh: every peer's link at once (Link.mesh_peers)
     lg = np.ceil(np.log2(np.maximum(n, 1)))
     frac = (n - 1) / n
     if op == "p2p":
-        t = a + S / B
+        t = a + S / lk.bandwidth
     elif algorithm == "ring":
         steps = {"all_reduce": 2 * (n - 1), "broadcast": n - 1}.get(op, n - 1)
         volume = {"all_reduce": 2 * frac * S, "broadcast": S}.get(op, frac * S)
@@ -221,7 +223,7 @@ def nccl_time(op: str, nbytes: Any, ranks: Any, local: Any, intra: "Link | str",
     lin, lnet = _link(intra), _link(inter)
     if isinstance(lin, MeasuredLink):
         return _measured_time(op, nbytes, ranks, local, lin, lnet, calls)
-    free_in, free_net = Link(lin.name, lin.bandwidth, 0.0, lin.source), Link(lnet.name, lnet.bandwidth, 0.0, lnet.source)
+    free_in, free_net = replace(lin, latency=0.0), replace(lnet, latency=0.0)
     n, g = np.asarray(ranks, dtype=float), np.maximum(np.asarray(local, dtype=float), 1)
     nodes = np.maximum(np.ceil(n / g), 1)
     per_call = np.asarray(nbytes, dtype=float) / np.maximum(np.asarray(calls, dtype=float), 1)

@@ -20,6 +20,9 @@ The local CPU can be measured (with torch, so outside this torch-free core) and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
@@ -85,12 +88,26 @@ class Accelerator:
 class Link:
     """An interconnect: bandwidth per GPU per direction (B/s) and per-hop latency (s);
     ``in_network_reduction``: its switches reduce (InfiniBand SHARP, NCCL's CollNet), so an
-    all-reduce sends each byte up once and receives the sum once (:func:`dtlib.analytic.comm.nccl_time`)."""
+    all-reduce sends each byte up once and receives the sum once (:func:`dtlib.analytic.comm.nccl_time`).
+    ``mesh_peers``: 0 for a switched link (NVSwitch, a NIC), whose ``bandwidth`` is each GPU's whatever
+    the group; k for a full mesh with one link to each of k peers (AMD Infinity Fabric, xGMI), whose
+    ``bandwidth`` is one link's: a group of n GPUs on it moves data over its n-1 links at once
+    (:meth:`group_bandwidth`), a point-to-point send over one."""
     name: str
     bandwidth: float
     latency: float
     source: str
     in_network_reduction: bool = False
+    mesh_peers: int = 0
+
+    def group_bandwidth(self, ranks: Any) -> Any:
+        """B/s per GPU and direction a collective over ``ranks`` GPUs of this link sees: ``bandwidth``
+        on a switch; on a full mesh one link per peer in the group, at most ``mesh_peers`` (RCCL runs a
+        ring per link, ``rccl/src/graph``; AMD, "Understanding RCCL Bandwidth and xGMI Performance on
+        AMD Instinct MI300X", ROCm blog 2025-03-02)."""
+        if not self.mesh_peers:
+            return self.bandwidth
+        return self.bandwidth * np.clip(np.asarray(ranks, dtype=float) - 1, 1, self.mesh_peers)
 
 
 # Dense BF16 tensor-core FLOPs per SM and clock over exponentials (MUFU.EX2) per SM and clock: 16
@@ -200,17 +217,26 @@ def _nvlink(name: str, links: int, sm: str, datasheet: str) -> Link:
     return Link(name, links * per, 3.4e-6, source + _NCCL_LAT)
 
 
+# the share of an xGMI link's rate RCCL moves: 48 of 64 GB/s on MI300X (AMD ROCm blog, 2025-03-02)
+XGMI_USABLE = 48 / 64
 LINKS: dict[str, Link] = {l.name: l for l in [
     _nvlink("nvlink3", 12, "sm80", "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional, 12 links"),
     _nvlink("nvlink4", 18, "sm90", "NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional, 18 links"),
     _nvlink("nvlink5", 18, "sm100", "NVIDIA HGX B200 datasheet: NVLink 1.8 TB/s bidirectional, 18 links"),
     _nvlink("nvlink-h800", 8, "sm90", "NVIDIA H800 SXM (2023): NVLink 400 GB/s bidirectional, 8 links (secondary "
             "sources; NVIDIA's datasheet not read here)"),
-    Link("infinity-fabric-4", 76.8e9, 3.4e-6,
+    # a full mesh of 8: one link to each of 7 peers, at the 75% of the link rate that AMD measures RCCL to reach
+    # (CRC and protocol overhead: "approximately 48 GB/s per link" of xGMI's 64 on MI300X, ROCm blog
+    # "Understanding RCCL Bandwidth and xGMI Performance on AMD Instinct MI300X", 2025-03-02)
+    Link("infinity-fabric-4", 76.8e9 * XGMI_USABLE, 3.4e-6,
          "AMD MI355X / MI350X data sheets (2025): 7 x 153.6 GB/s bidirectional Infinity Fabric links, one per "
-         "peer of 8 -> 76.8 GB/s per direction (derived; not confirmed from a text read here); NCCL NVLink latency as proxy"),
-    Link("infinity-fabric", 64e9, 3.4e-6,
-         "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; NCCL NVLink latency as proxy"),
+         "peer of 8 -> 76.8 GB/s per direction per link (derived; not confirmed from a text read here), x 0.75 "
+         "usable as AMD measures on MI300X's xGMI (ROCm blog, 2025-03-02) = 57.6 GB/s per link; NCCL NVLink "
+         "latency as proxy", mesh_peers=7),
+    Link("infinity-fabric", 64e9 * XGMI_USABLE, 3.4e-6,
+         "AMD MI300X data sheet: 7 x 128 GB/s links, 64 GB/s per direction to each peer; 'approximately 48 GB/s "
+         "per link' usable (AMD, 'Understanding RCCL Bandwidth and xGMI Performance on AMD Instinct MI300X', "
+         "ROCm blog 2025-03-02); NCCL NVLink latency as proxy", mesh_peers=7),
     Link("pcie4", 32e9, 5.7e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b ~ 31.5 GB/s per direction; " + _NCCL_LAT),
     Link("pcie5", 64e9, 5.7e-6, "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes ~ 63 GB/s per direction; " + _NCCL_LAT),
     Link("ib-hdr", 25e9, 14e-6, "NVIDIA ConnectX-6 HDR InfiniBand: 200 Gb/s per port; " + _NCCL_LAT.replace("Ring", "Net Ring")),

@@ -180,7 +180,7 @@ def all_to_all_time(nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Lin
     slower of the NVLink part and the NIC part, plus ``ranks - 1`` latencies of ``inter``."""
     nbytes, ranks, local = (np.asarray(x, float) for x in (nbytes, ranks, local))
     inside = collective_time("all_to_all", nbytes, ranks.astype(int), intra)
-    on_node = (local - 1) / ranks * nbytes / intra.bandwidth
+    on_node = (local - 1) / ranks * nbytes / intra.group_bandwidth(local)
     off_node = (ranks - local) / ranks * nbytes / inter.bandwidth
     across = (ranks - 1) * inter.latency + np.maximum(on_node, off_node)
     return np.where(local >= ranks, inside, across)
