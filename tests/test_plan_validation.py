@@ -8,7 +8,8 @@ import pytest
 
 from dtlib.plan.calibration import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY
 from dtlib.plan.validation import (GOALS, PUBLISHED, SOURCES, error_grid, errors_by_family, errors_by_kind, fit,
-                                   held_out_errors, leave_one_source_out, mean_absolute_error, validation_table)
+                                   held_out_errors, leave_one_source_out, mean_absolute_error, predict,
+                                   validation_table)
 
 # name: (signed relative error, fits by dtlib's memory model, rank among same-software layouts)
 EXPECTED = {
@@ -362,3 +363,15 @@ def test_the_goals_on_the_pinned_numbers():
                 "source": max(v[2] for v in LOSO.values()),
                 "family": max(v[2] for v in FAMILIES.values())}
     assert {goal for goal, limit in GOALS.items() if measured[goal] > limit} == MISSED
+
+
+def test_the_amd_comparison_is_what_docs_validation_says():
+    """docs/validation.md, "AMD": the one MI355X measurement (AMD's CVS), out of the fit, timed +49.8% too
+    fast; its FSDP traffic hidden now that the xGMI mesh is modelled (0.71 s exposed on one link)."""
+    from dtlib.plan.published import amd_comparison_runs
+    (run,) = amd_comparison_runs()
+    assert run.source not in SOURCES and run.name not in {r.name for r in PUBLISHED}
+    out = predict(run, rank=False)
+    assert out["error"] == pytest.approx(0.498, abs=0.005)
+    breakdown = out["config"]["breakdown"]
+    assert breakdown["dp_comm"] < 0.01 and breakdown["compute"] == pytest.approx(0.377, abs=0.001)

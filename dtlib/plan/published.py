@@ -32,7 +32,7 @@ from dtlib.analytic.units import GiB
 
 __all__ = ["PublishedRun", "PUBLISHED", "SOURCES", "METRIC_UNITS", "STACKS", "LAYOUT_KEYS", "INCLUDE_PENDING",
            "INCLUDE_DEEPSEEK_V3", "published", "pending_runs", "deepseek_v3_runs", "NEMO_FINETUNING",
-           "BRIDGE_FINETUNING"]
+           "BRIDGE_FINETUNING", "amd_comparison_runs"]
 
 # the one switch: True once the contract's names exist on main (MoE presets, gb200/gb300)
 INCLUDE_PENDING = True
@@ -822,6 +822,27 @@ def deepseek_v3_runs() -> list[PublishedRun]:
              "(depth 1), node-limited routing (4 nodes per "
              "token), FP8 activation caching and the 20 SMs kept for communication not modelled; micro-batch "
              "not stated (planner's choice); inter-node IB 50 GB/s per GPU (Sec. 3.2.2) as ib-ndr")]
+
+
+_CVS = ("AMD, Cluster Validation Suite (ROCm/cvs at dddd914, 2026-08-21): cvs/input/config_file/training/torchtitan/"
+        "mi355_llama3_1_8b_single_config.json (seq 8192, FSDP 8, selective activation checkpointing, no compile, "
+        "global batch 8, micro-batch 1) and its _threshold.json: 'Based on actual MI355 test results: BF16: 11,767 "
+        "TPS, FP8: 11,724 TPS'")
+
+
+def amd_comparison_runs() -> list[PublishedRun]:
+    """The one AMD training measurement found with its layout, kept out of the fit and the goals: a
+    note in AMD's own validation suite (:data:`_CVS`), whose files are not consistent enough to be a
+    source (the Qwen3 32B config names Qwen/Qwen2.5-32B; the 70B and Mixtral 8x22B notes give the same
+    838 TPS; FP8 no faster than BF16). docs/validation.md, "AMD", compares it with the plan."""
+    return [PublishedRun(
+        name="Llama 3.1 8B, FSDP 8, BF16, 8 x MI355X (AMD CVS, torchtitan)", model=replace(get_preset("llama3-8b"), seq=8192),
+        cluster=_dgx("mi355x", 8, "roce-400g"), global_batch=8,
+        layout=dict(dp=8, tp=1, pp=1, cp=1, zero=3, recompute="op", micro_batch_size=1),
+        metric="tokens_per_gpu_s", published=11767, family="mi355x", source="AMD CVS", reference=_CVS,
+        stack="torchtitan",
+        note="torchtitan's tps (tokens per second per GPU); 'selective' without its option read as the per-op mode "
+             "of torchtitan's llama3_8b.toml; one node, so the NIC does not matter")]
 
 
 def published(include_pending: bool = INCLUDE_PENDING,
