@@ -143,3 +143,92 @@ def test_cli_refuses_an_odd_pipeline_before_anything_runs(capsys):
                  "--microbatches", "6"])
     err = capsys.readouterr().err
     assert code == 2 and "dualpipe schedule needs an even pp >= 2" in err and "Traceback" not in err
+
+
+def test_the_plan_table_says_which_schedule_was_pinned(capsys):
+    from dtlib.cli import main
+    args = ["plan", "--model", "llama3-70b", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--pp", "4",
+            "--top", "1"]
+    assert main(args + ["--schedule", "dualpipe"]) == 0
+    assert "schedule: dualpipe (pinned with --schedule)" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "pinned with --schedule" not in capsys.readouterr().out
+
+
+def _dualpipe_programs(p: int, m: int) -> list[list[tuple]]:
+    """Each rank's program as deepseek-ai/DualPipe 3da1bbe ``DualPipe.step`` runs it, step by step:
+    ("F", phase), ("B", phase, weight gradient deferred), ("W",) and ("FB", forward phase, backward
+    phase) for two chunks run overlapped; phase 0 is the rank's first-half stage, 1 its mirror."""
+    half, programs = p // 2, []
+    for r in range(p):
+        hr = min(r, p - 1 - r)
+        ops: list[tuple] = [("F", 0)] * ((half - hr - 1) * 2)                      # step 1: nF0
+        ops += [("F", 0), ("F", 1)] * (hr + 1)                                      # step 2: nF0F1
+        ops += [("B", 1, True), ("W",), ("F", 1)] * (half - hr - 1)                 # step 3: nB1W1F1
+        ops += [("FB", 0, 1), ("FB", 1, 0)] * (m // 2 - p + hr + 1)                 # step 4: nF0B1F1B0
+        ops += [("B", 1, False), ("FB", 1, 0)] * (half - hr - 1)                    # step 5: nB1F1B0
+        deferred = False
+        for i in range(hr + 1):                                                     # step 6: nB1B0
+            deferred = deferred or (i == (hr + 1) // 2 and hr % 2 == 1)
+            ops.append(("B", 1, deferred))
+            deferred = deferred or (i == (hr + 1) // 2 and hr % 2 == 0)
+            ops.append(("B", 0, deferred))
+        ops += [("W",), ("B", 0, True)] * (half - hr - 1)                           # step 7: nWB0
+        ops += [("W",)] * (hr + 1)                                                  # step 8: nW
+        programs.append(ops)
+    return programs
+
+
+def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
+    """Each rank's idle time when the programs run with a stage's forward ``f``, input-gradient
+    backward ``b`` and weight gradient ``w`` per micro-batch, overlapped pairs costing their sum
+    and transfers free: every action waits for its neighbour's (the stage before, forward; after,
+    backward), direction 0 entering at rank 0 and direction 1 at rank p-1."""
+    half, programs = p // 2, _dualpipe_programs(p, m)
+    done: dict[tuple, float] = {}
+    count = [[[0, 0], [0, 0]] for _ in range(p)]          # [kind F/B][phase] per rank
+    free, busy, pc = [0.0] * p, [0.0] * p, [0] * p
+
+    def place(r: int, phase: int) -> tuple[int, int]:
+        hr = min(r, p - 1 - r)
+        return (phase if r < half else 1 - phase), (hr if phase == 0 else p - 1 - hr)
+
+    def part(r: int, kind: str, phase: int, deferred: bool = False) -> tuple[list, float, tuple]:
+        d, s = place(r, phase)
+        i = count[r][kind == "B"][phase]
+        if kind == "F":
+            return ([("F", d, i, s - 1)] if s else []), f, ("F", d, i, s, phase)
+        return ([("B", d, i, s + 1)] if s < p - 1 else [("F", d, i, s)]), b + (0 if deferred else w), \
+            ("B", d, i, s, phase)
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(programs[r]):
+                op = programs[r][pc[r]]
+                parts = ([part(r, "F", op[1]), part(r, "B", op[2])] if op[0] == "FB" else
+                         [part(r, op[0], *op[1:])] if op[0] != "W" else [([], w, None)])
+                deps = [d for ds, _, _ in parts for d in ds]
+                if any(d not in done for d in deps):
+                    break
+                end = max([free[r]] + [done[d] for d in deps]) + sum(t for _, t, _ in parts)
+                for _, t, key in parts:
+                    if key is not None:
+                        done[key[:4]] = end
+                        count[r][key[0] == "B"][key[4]] += 1
+                    busy[r] += t
+                free[r], pc[r], progress = end, pc[r] + 1, True
+    assert pc == [len(ops) for ops in programs], "the replayed schedule deadlocked"
+    return [max(free) - busy[r] for r in range(p)]
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 20), (16, 32)])
+@pytest.mark.parametrize("f, b, w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 0.0)])
+def test_bubble_is_the_replayed_schedule_idle_time(p, m, f, b, w):
+    """Every rank of the replayed upstream schedule idles what bubble_fraction says, in units of
+    its m (F + B) of work, F&B costing F + B (the overlap hides communication, not compute)."""
+    per_microbatch = f + b + w
+    expected = bubble_fraction(p, m, schedule="dualpipe", forward_share=f / per_microbatch,
+                               weight_share=w / per_microbatch) * m * per_microbatch
+    assert _dualpipe_idle(p, m, f, b, w) == pytest.approx([expected] * p)

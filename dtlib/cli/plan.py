@@ -483,6 +483,9 @@ def _text(d: dict[str, Any]) -> str:
                      f"{sig3(c['step_time_s']):>8} {sig3(c['tokens_per_s']):>11} {100 * c['mfu']:>5.1f}% "
                      f"{c['memory_per_gpu_bytes'] / GiB:>8.1f} {c['memory_stage']:>5}  {split_label(c)}")
     lines.append(band_line(d["configs"][0]))
+    pinned = sorted({c["schedule"] for c in d["configs"]} - {"1f1b", "interleaved"})
+    if pinned:  # the table's v column tells 1F1B from interleaving, not these (--schedule)
+        lines.append(f"schedule: {', '.join(pinned)} (pinned with --schedule)")
     again = d["configs"][0].get("retimed")
     if again:
         lines.append(f"#1 is the run the {again['framework']} config makes, re-timed (timed "
