@@ -232,3 +232,12 @@ def test_bubble_is_the_replayed_schedule_idle_time(p, m, f, b, w):
     expected = bubble_fraction(p, m, schedule="dualpipe", forward_share=f / per_microbatch,
                                weight_share=w / per_microbatch) * m * per_microbatch
     assert _dualpipe_idle(p, m, f, b, w) == pytest.approx([expected] * p)
+
+
+def test_pipeline_stages_lists_both_stages_of_a_rank():
+    from dtlib.analytic.stages import pipeline_stages
+    model = get_preset("llama3-8b")  # 32 layers: 4 a stage over pp 8
+    stages = pipeline_stages(model, Parallelism(pp=8, num_microbatches=16, schedule="dualpipe"))
+    assert stages[0].chunks == (tuple(range(0, 4)), tuple(range(28, 32)))
+    assert stages[7].chunks == stages[0].chunks and stages[0].embedding and stages[0].loss and stages[7].loss
+    assert stages[3].chunks == (tuple(range(12, 16)), tuple(range(16, 20))) and not stages[3].embedding

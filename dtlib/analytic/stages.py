@@ -263,9 +263,13 @@ def pipeline_stages(model: TransformerConfig, layout: Parallelism) -> list[Stage
     balanced = layout.account_for_embedding_and_loss
     out = []
     for r in range(layout.pp):
-        chunks = tuple(tuple(range(*map(int, chunk_layers(n, r, j, balanced)))) for j in range(layout.virtual_stages))
+        # DualPipe: the rank's two stages (dualpipe_stages), each a whole 1F1B stage
+        places = ([(int(s), 0) for s in dualpipe_stages(r, layout.pp)] if layout.schedule == "dualpipe"
+                  else [(r, j) for j in range(layout.virtual_stages)])
+        chunks = tuple(tuple(range(*map(int, chunk_layers(n, rank, j, balanced)))) for rank, j in places)
         moe = sum(int(_moe_between(n, c[0], c[-1] + 1)) for c in chunks if c)
-        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=r == 0, loss=r == layout.pp - 1))
+        ranks = {rank for rank, _ in places}
+        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=0 in ranks, loss=layout.pp - 1 in ranks))
     return out
 
 
