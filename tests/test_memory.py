@@ -170,6 +170,8 @@ def test_calculator_keeps_the_pipeline_controls_consistent():
     assert pipeline_controls("schedule", "gpipe", 4, 8) == {"schedule": "gpipe", "virtual_stages": 1, "pp": 8}
     assert pipeline_controls("schedule", "dualpipe", 4, 1) == {"schedule": "dualpipe", "virtual_stages": 1, "pp": 2}
     assert pipeline_controls("pp", "dualpipe", 1, 1) == {"schedule": "1f1b", "virtual_stages": 1, "pp": 1}
+    assert pipeline_controls("schedule", "dualpipev", 1, 1) == {"schedule": "dualpipev", "virtual_stages": 2, "pp": 2}
+    assert pipeline_controls("virtual_stages", "dualpipev", 4, 4) == {"schedule": "interleaved", "virtual_stages": 4, "pp": 4}
     assert pipeline_controls("virtual_stages", "1f1b", 4, 1) == {"schedule": "interleaved", "virtual_stages": 4, "pp": 2}
     assert pipeline_controls("virtual_stages", "interleaved", 1, 4) == {"schedule": "1f1b", "virtual_stages": 1, "pp": 4}
     assert pipeline_controls("pp", "interleaved", 2, 1) == {"schedule": "1f1b", "virtual_stages": 1, "pp": 1}

@@ -155,41 +155,48 @@ def test_the_plan_table_says_which_schedule_was_pinned(capsys):
     assert "pinned with --schedule" not in capsys.readouterr().out
 
 
-def _dualpipe_programs(p: int, m: int) -> list[list[tuple]]:
-    """Each rank's program as deepseek-ai/DualPipe 3da1bbe ``DualPipe.step`` runs it, step by step:
-    ("F", phase), ("B", phase, weight gradient deferred), ("W",) and ("FB", forward phase, backward
-    phase) for two chunks run overlapped; phase 0 is the rank's first-half stage, 1 its mirror."""
-    half, programs = p // 2, []
+def _dualpipe_programs(p: int, m: int, v_shape: bool = False) -> list[list[tuple]]:
+    """Each rank's program as deepseek-ai/DualPipe 3da1bbe ``DualPipe.step`` (``DualPipeV.step`` with
+    ``v_shape``: the same eight steps with the ranks for DualPipe's half ranks and all m micro-batches
+    for its half) runs it: ("F", phase), ("B", phase, weight gradient deferred), ("W",) and ("FB",
+    forward phase, backward phase) for two chunks run overlapped; phase 0 is the rank's first stage
+    (DualPipe: in the model's first half; DualPipeV: the V's way down), 1 the other."""
+    ranks, micro = (p, m) if v_shape else (p // 2, m // 2)
+    programs = []
     for r in range(p):
-        hr = min(r, p - 1 - r)
-        ops: list[tuple] = [("F", 0)] * ((half - hr - 1) * 2)                      # step 1: nF0
-        ops += [("F", 0), ("F", 1)] * (hr + 1)                                      # step 2: nF0F1
-        ops += [("B", 1, True), ("W",), ("F", 1)] * (half - hr - 1)                 # step 3: nB1W1F1
-        ops += [("FB", 0, 1), ("FB", 1, 0)] * (m // 2 - p + hr + 1)                 # step 4: nF0B1F1B0
-        ops += [("B", 1, False), ("FB", 1, 0)] * (half - hr - 1)                    # step 5: nB1F1B0
+        h = r if v_shape else min(r, p - 1 - r)
+        ops: list[tuple] = [("F", 0)] * ((ranks - h - 1) * 2)                       # step 1: nF0
+        ops += [("F", 0), ("F", 1)] * (h + 1)                                       # step 2: nF0F1
+        ops += [("B", 1, True), ("W",), ("F", 1)] * (ranks - h - 1)                 # step 3: nB1W1F1
+        ops += [("FB", 0, 1), ("FB", 1, 0)] * (micro - 2 * ranks + h + 1)           # step 4: nF0B1F1B0
+        ops += [("B", 1, False), ("FB", 1, 0)] * (ranks - h - 1)                    # step 5: nB1F1B0
         deferred = False
-        for i in range(hr + 1):                                                     # step 6: nB1B0
-            deferred = deferred or (i == (hr + 1) // 2 and hr % 2 == 1)
+        for i in range(h + 1):                                                      # step 6: nB1B0
+            deferred = deferred or (i == (h + 1) // 2 and h % 2 == 1)
             ops.append(("B", 1, deferred))
-            deferred = deferred or (i == (hr + 1) // 2 and hr % 2 == 0)
+            deferred = deferred or (i == (h + 1) // 2 and h % 2 == 0)
             ops.append(("B", 0, deferred))
-        ops += [("W",), ("B", 0, True)] * (half - hr - 1)                           # step 7: nWB0
-        ops += [("W",)] * (hr + 1)                                                  # step 8: nW
+        ops += [("W",), ("B", 0, True)] * (ranks - h - 1)                           # step 7: nWB0
+        ops += [("W",)] * (h + 1)                                                   # step 8: nW
         programs.append(ops)
     return programs
 
 
-def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
+def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float, v_shape: bool = False) -> list[float]:
     """Each rank's idle time when the programs run with a stage's forward ``f``, input-gradient
     backward ``b`` and weight gradient ``w`` per micro-batch, overlapped pairs costing their sum
     and transfers free: every action waits for its neighbour's (the stage before, forward; after,
-    backward), direction 0 entering at rank 0 and direction 1 at rank p-1."""
-    half, programs = p // 2, _dualpipe_programs(p, m)
+    backward). DualPipe: direction 0 enters at rank 0, direction 1 at rank p-1, p stages each;
+    DualPipeV: one direction down and back up the V of 2p stages."""
+    half, programs = p // 2, _dualpipe_programs(p, m, v_shape)
+    last = 2 * p - 1 if v_shape else p - 1
     done: dict[tuple, float] = {}
     count = [[[0, 0], [0, 0]] for _ in range(p)]          # [kind F/B][phase] per rank
     free, busy, pc = [0.0] * p, [0.0] * p, [0] * p
 
     def place(r: int, phase: int) -> tuple[int, int]:
+        if v_shape:
+            return 0, (r if phase == 0 else 2 * p - 1 - r)
         hr = min(r, p - 1 - r)
         return (phase if r < half else 1 - phase), (hr if phase == 0 else p - 1 - hr)
 
@@ -198,7 +205,7 @@ def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
         i = count[r][kind == "B"][phase]
         if kind == "F":
             return ([("F", d, i, s - 1)] if s else []), f, ("F", d, i, s, phase)
-        return ([("B", d, i, s + 1)] if s < p - 1 else [("F", d, i, s)]), b + (0 if deferred else w), \
+        return ([("B", d, i, s + 1)] if s < last else [("F", d, i, s)]), b + (0 if deferred else w), \
             ("B", d, i, s, phase)
 
     progress = True
@@ -226,12 +233,15 @@ def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
 @pytest.mark.parametrize("p, m", [(4, 8), (8, 20), (16, 32)])
 @pytest.mark.parametrize("f, b, w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 0.0)])
 def test_bubble_is_the_replayed_schedule_idle_time(p, m, f, b, w):
-    """Every rank of the replayed upstream schedule idles what bubble_fraction says, in units of
-    its m (F + B) of work, F&B costing F + B (the overlap hides communication, not compute)."""
-    per_microbatch = f + b + w
-    expected = bubble_fraction(p, m, schedule="dualpipe", forward_share=f / per_microbatch,
-                               weight_share=w / per_microbatch) * m * per_microbatch
-    assert _dualpipe_idle(p, m, f, b, w) == pytest.approx([expected] * p)
+    """Every rank of the replayed upstream schedules idles what bubble_fraction says, in units of its
+    m micro-batches of work (DualPipe: F + B a micro-batch, each running one of the rank's stages;
+    DualPipeV: both its chunks, 2 (F + B)), F&B costing F + B (overlap hides communication, not compute)."""
+    per_stage = f + b + w
+    shares = dict(forward_share=f / per_stage, weight_share=w / per_stage)
+    dual = bubble_fraction(p, m, schedule="dualpipe", **shares) * m * per_stage
+    assert _dualpipe_idle(p, m, f, b, w) == pytest.approx([dual] * p)
+    v = bubble_fraction(p, m, 2, schedule="dualpipev", **shares) * m * 2 * per_stage
+    assert _dualpipe_idle(p, m, f, b, w, v_shape=True) == pytest.approx([v] * p)
 
 
 def test_pipeline_stages_lists_both_stages_of_a_rank():
@@ -241,3 +251,73 @@ def test_pipeline_stages_lists_both_stages_of_a_rank():
     assert stages[0].chunks == (tuple(range(0, 4)), tuple(range(28, 32)))
     assert stages[7].chunks == stages[0].chunks and stages[0].embedding and stages[0].loss and stages[7].loss
     assert stages[3].chunks == (tuple(range(12, 16)), tuple(range(16, 20))) and not stages[3].embedding
+
+
+@pytest.mark.parametrize("layout, match", [
+    (dict(pp=4, num_microbatches=8, virtual_stages=1), "dualpipev schedule runs 2 chunks per rank .* got 1"),
+    (dict(pp=4, num_microbatches=8, virtual_stages=3), "virtual_stages must be 2, got 3"),
+    (dict(pp=1, num_microbatches=8, virtual_stages=2), "dualpipev schedule needs pipeline parallelism, pp >= 2"),
+    (dict(pp=4, num_microbatches=7, virtual_stages=2), "num_microbatches >= 2 x pp = 8 .*, got 7"),
+])
+def test_dualpipev_rules(layout, match):
+    with pytest.raises(ValueError, match=match):
+        Parallelism(schedule="dualpipev", **layout)
+    Parallelism(schedule="dualpipev", pp=3, num_microbatches=6, virtual_stages=2)  # an odd pp is fine
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_dualpipev_holds_its_v_and_what_its_steps_keep(pp):
+    """Rank r holds stages r and 2pp-1-r of 2pp; DualPipeV.step's steps 1-3 and step 4's first forward
+    keep 2pp-r and r+1 of them in flight (2pp+1 chunk-micro-batches on every rank)."""
+    layers = 2 * pp * 3  # three layers a stage
+    n = dict(layers=layers, pp=pp, virtual_stages=2, num_microbatches=4 * pp)
+    for rank in range(pp):
+        assert rank_layers(n, rank, schedule="dualpipev")["layers"] == 6
+        held = [0, 0]
+        peak = 0
+        for op in _dualpipe_programs(pp, 4 * pp, v_shape=True)[rank]:
+            for kind, phase in ((("F", op[1]), ("B", op[2])) if op[0] == "FB" else ((op[0], op[1]),) if op[0] != "W" else ()):
+                held[phase] += 1 if kind == "F" else -1
+                peak = max(peak, sum(held))
+        stored = stored_on_rank("dualpipev", n, rank)
+        assert peak == 2 * pp + 1 and int(stored["rest"]) == 3 * (2 * pp + 1)
+        assert int(stored["embedding"]) == (2 * pp if rank == 0 else 0)
+    assert float(in_flight("dualpipev", pp, 4 * pp, 2)[0]) == (2 * pp + 1) / 2
+
+
+def test_torchtitan_takes_the_emitted_dualpipev_and_splits_it_as_planned():
+    """The emitted TOML names torchtitan's DualPipeV; torchtitan's own split (generate_llm_fqn_per_model_part)
+    makes 2 pp stages, and its "v" placement (pipeline_parallel.py: rank r runs stages r and
+    num_stages-1-r) gives every rank the layers dtlib planned for it."""
+    from dtlib.analytic.stages import pipeline_stages
+    from dtlib.frameworks import torchtitan_check
+    from dtlib.plan.emit import emit
+    try:
+        torchtitan_check.import_torchtitan()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    model = get_preset("llama3-8b")
+    layout = Parallelism(dp=2, pp=4, virtual_stages=2, num_microbatches=8, schedule="dualpipev", zero=3)
+    out = emit("torchtitan", layout, model, layout.global_batch)
+    assert not out.unsupported
+    built = torchtitan_check.check_torchtitan_job(out.text)
+    assert built["job"].parallelism.pipeline_parallel_schedule == "DualPipeV"
+    stages = built["stages"]
+    assert len(stages) == 8 and "tok_embeddings" in stages[0] and "output" in stages[7]
+
+    def layers_of(names: list[str]) -> tuple[int, ...]:
+        return tuple(int(name.split(".")[1]) for name in names if name.startswith("layers."))
+
+    planned = pipeline_stages(model, layout)
+    for rank in range(4):
+        assert planned[rank].chunks == (layers_of(stages[rank]), layers_of(stages[7 - rank]))
+    assert planned[0].embedding and planned[0].loss and not planned[3].loss
+    assert any("dualpipev" in why for why in megatron.unsupported_here(layout, model, "bf16"))
+
+
+def test_rehearsal_shrinks_dualpipe_to_a_schedule_dtlib_train_runs():
+    from dtlib.trainer.shrink import shrink_layout
+    one, lines = shrink_layout(Parallelism(dp=4, pp=8, num_microbatches=32, schedule="dualpipe"))
+    assert one.schedule == "1f1b" and "schedule dualpipe -> 1f1b: dtlib train runs gpipe, 1f1b" in " ".join(lines)
+    v, lines = shrink_layout(Parallelism(dp=4, pp=8, num_microbatches=32, schedule="dualpipev", virtual_stages=2))
+    assert (v.schedule, v.virtual_stages) == ("interleaved", 2) and "dualpipev -> interleaved" in " ".join(lines)

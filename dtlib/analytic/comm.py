@@ -36,7 +36,7 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.hardware import Cluster, Link, get_link
 from dtlib.analytic.config import TransformerConfig
-from dtlib.analytic.layout import Parallelism, check_pipeline
+from dtlib.analytic.layout import Parallelism, check_pipeline, chunks_per_rank
 from dtlib.analytic.measured import MeasuredLink
 from dtlib.analytic.precision import Precision, get_precision
 
@@ -284,11 +284,15 @@ def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, sch
     B its full backward, W the backward's weight-gradient part and F&B a forward and a backward run
     overlapped; overlap hides communication, not compute, so F&B = F + B. In units of F + B, with
     ``forward_share`` F/(F+B) and ``weight_share`` W/(F+B) (default 1/3 each: the backward twice the
-    forward, half of it weight gradients), the bubble is (p/2 - 1)(2 - f - 3w)/m.
+    forward, half of it weight gradients), the bubble is (p/2 - 1)(2 - f - 3w)/m. DualPipeV (DualPipe cut in
+    half, the README's table: the same bubble over its 2p stages of half a rank's work each):
+    (p - 1)(2 - f - 3w)/(2m).
     """
     check_pipeline(pp, num_microbatches, virtual_stages, schedule)
     if schedule == "dualpipe":
         return (pp / 2 - 1) * (2 - forward_share - 3 * weight_share) / num_microbatches
+    if schedule == "dualpipev":  # DualPipe's bubble with 2 pp stages of half a rank's work each
+        return (pp - 1) * (2 - forward_share - 3 * weight_share) / (2 * num_microbatches)
     v = virtual_stages if schedule == "interleaved" else 1
     return (pp - 1) / (v * num_microbatches)
 
@@ -388,7 +392,7 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     # full recompute repeats the forward, and with it the 2 forward all-reduces per layer
     tp_calls = (4 + 2 * (layout.recompute == "full")) * layers_here * m
     add("tp_activations", "all_reduce", act, tp_calls, layout.tp)
-    boundaries = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    boundaries = chunks_per_rank(layout.schedule, layout.virtual_stages)
     add("pp_activations", "p2p", act / layout.tp if layout.sequence_parallel else act,
         2 * boundaries * m * (layout.pp > 1), 2)
     add("cp_kv", "all_gather", cp_kv_bytes(layout.numbers(**cfg.numbers(s)), prec.activation),

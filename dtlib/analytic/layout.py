@@ -22,10 +22,10 @@ from dtlib.analytic.config import SHAPE_RULES
 from dtlib.analytic.pipeline_layout import PipelineLayout, check_alone, layout_numbers
 
 __all__ = ["Parallelism", "fsdp", "FSDP_STRATEGIES", "SCHEDULES", "RECOMPUTE", "RECOMPUTE_OPTIONS", "OFFLOAD",
-           "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight",
+           "RULES", "check_layout", "broken_rules", "check_pipeline", "stage_layers", "in_flight", "chunks_per_rank",
            "megatron_split", "split_problem", "pipeline_split"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "dualpipe")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "dualpipe", "dualpipev")
 # what the search tries; "op" (torchtitan's per-op selective checkpointing, dtlib.analytic.activations)
 # is a layout one can give, not one the planner proposes
 RECOMPUTE = ("none", "selective", "full")
@@ -429,6 +429,19 @@ _OPTION_RULES: dict[str, list[Rule]] = {
                                       f"{2 * pp} (half enter from each end; deepseek-ai/DualPipe), got "
                                       f"{num_microbatches}"),
     ],
+    # DualPipeV, DualPipe cut in half (Sea AI Lab; deepseek-ai/DualPipe 3da1bbe ``DualPipeV.step``: "num_chunks
+    # >= num_ranks * 2"): 2 pp stages in a V, rank r holding stages r and 2 pp - 1 - r (torchtitan's "v" style:
+    # "v schedules assume 2 stages per rank", pipeline_parallel.py at b5bcd76)
+    "dualpipev": [
+        (("virtual_stages",), lambda virtual_stages: virtual_stages == 2,
+         lambda virtual_stages: f"the dualpipev schedule runs 2 chunks per rank (a V: stages r and 2 pp - 1 - r), "
+                                f"virtual_stages must be 2, got {virtual_stages}"),
+        (("pp",), lambda pp: pp >= 2,
+         lambda pp: f"the dualpipev schedule needs pipeline parallelism, pp >= 2, got pp={pp}"),
+        (("num_microbatches", "pp"), lambda num_microbatches, pp: num_microbatches >= 2 * pp,
+         lambda num_microbatches, pp: f"the dualpipev schedule needs num_microbatches >= 2 x pp = {2 * pp} "
+                                      f"(deepseek-ai/DualPipe), got {num_microbatches}"),
+    ],
     "params": [(("zero",), lambda zero: zero == 3,
                 lambda zero: f"offloading parameters needs ZeRO stage 3 (params sharded), got {zero}")],
     "optimizer": [(("zero",), lambda zero: zero >= 1,
@@ -437,8 +450,9 @@ _OPTION_RULES: dict[str, list[Rule]] = {
 
 
 def _rules_for(schedule: str, offload: str, balanced: bool = False) -> list[Rule]:
-    extra = list(_OPTION_RULES["interleaved" if schedule == "interleaved" else "not-interleaved"])
-    extra += _OPTION_RULES.get(schedule, []) if schedule == "dualpipe" else []
+    chunked = schedule in ("interleaved", "dualpipev")
+    extra = list(_OPTION_RULES[schedule] if chunked else _OPTION_RULES["not-interleaved"])
+    extra += _OPTION_RULES["dualpipe"] if schedule == "dualpipe" else []
     extra += _OPTION_RULES.get(offload, [])
     rules = [_BALANCED_STAGES_RULE if balanced and r is _STAGES_RULE else r for r in RULES]
     return rules + extra
@@ -465,10 +479,17 @@ def check_layout(numbers: dict[str, Any], schedule: str = "1f1b", offload: str =
                                         for f in fields}))
 
 
+def chunks_per_rank(schedule: str, virtual_stages: Any) -> Any:
+    """Model chunks a pipeline rank runs: ``virtual_stages`` for the interleaved schedule and
+    DualPipeV (2, its V), 1 for the others (DualPipe's two stages are whole stages, each run by half
+    the micro-batches)."""
+    return virtual_stages if schedule in ("interleaved", "dualpipev") else 1 + 0 * np.asarray(virtual_stages)
+
+
 def check_pipeline(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, schedule: str = "1f1b") -> None:
     """The rules of :data:`RULES` that a pipeline schedule alone must follow (sizes >= 1; the
     interleaved schedule's v >= 2, pp >= 2, m a multiple of pp; DualPipe's even pp >= 2 and even
-    m >= 2 pp; v = 1 otherwise)."""
+    m >= 2 pp; DualPipeV's v = 2, pp >= 2, m >= 2 pp; v = 1 otherwise)."""
     validate.one_of("schedule", schedule, SCHEDULES)
     check_layout({"pp": pp, "num_microbatches": num_microbatches, "virtual_stages": virtual_stages},
                  schedule)
@@ -504,7 +525,8 @@ def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any
     layers on rank 0 (Korthikanti et al. 2022, Sec. 4.2.3); it needs v >= 2 (with v = 1 the
     warm-up count is not 1F1B's, and Megatron-LM runs plain 1F1B instead), so v < 2 raises.
     DualPipe (DeepSeek-V3 report, Table 2) keeps p + 1 stage-micro-batches on every rank, whose share
-    is two stages (stage r and stage p-1-r): (p + 1)/2 of it, first and last rank alike.
+    is two stages (stage r and stage p-1-r): (p + 1)/2 of it, first and last rank alike; DualPipeV
+    2p + 1 chunk-micro-batches of its two half-share chunks on every rank, (2p + 1)/2.
     Without pipelining (p = 1) one micro-batch is in flight at a time.
     """
     validate.one_of("schedule", schedule, SCHEDULES)
@@ -516,6 +538,8 @@ def in_flight(schedule: str, pp: Any, num_microbatches: Any, virtual_stages: Any
         first, last = np.minimum(m, p), 1
     elif schedule == "dualpipe":
         first = last = (p + 1) / 2
+    elif schedule == "dualpipev":
+        first = last = (2 * p + 1) / 2
     else:
         chunks = np.minimum(m * v, 2 * (p - 1) + (v - 1) * p + 1)
         first, last = chunks / v, np.minimum(m * v, (v - 1) * p + 1) / v

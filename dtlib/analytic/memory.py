@@ -31,8 +31,8 @@ from dtlib.analytic.hardware import Accelerator, get_gpu
 from dtlib.analytic.config import TransformerConfig, attention_params, mlp_params, norm_params
 from dtlib.analytic.finetune import FineTuning, adapter_layer_params, check_targets, resolve_finetune
 from dtlib.analytic.presets import Training, activation_convention, get_preset
-from dtlib.analytic.layout import Parallelism, check_layout
-from dtlib.analytic.stages import candidate_ranks, dualpipe_stages, on_structures, rank_layers, stored_on_rank
+from dtlib.analytic.layout import Parallelism, check_layout, chunks_per_rank
+from dtlib.analytic.stages import candidate_ranks, holds_ends, on_structures, rank_layers, stored_on_rank
 from dtlib.analytic.precision import NVFP4_BYTES, OPERAND_BYTES, Precision, get_precision
 from dtlib.analytic.stacks import Stack, get_stack
 
@@ -102,12 +102,11 @@ def rank_parameters(n: dict[str, Any], rank: Any, balanced: Any = False,
     model numbers; ``blocks`` (:func:`_layer_blocks` of ``n``) and ``held``
     (:func:`~dtlib.analytic.stages.rank_layers`), when already at hand. DualPipe: the rank's two
     stages (:func:`~dtlib.analytic.stages.dualpipe_stages`), so ranks 0 and pp-1 both hold the
-    embedding and the LM head."""
+    embedding and the LM head; DualPipeV: rank 0 holds both (:func:`~dtlib.analytic.stages.holds_ends`)."""
     blocks = _layer_blocks(**n) if blocks is None else blocks
     held = rank_layers(n, rank, balanced, schedule) if held is None else held
     dense_layers, moe = held["layers"] - held["moe_layers"], held["moe_layers"]
-    stages = dualpipe_stages(rank, n["pp"]) if schedule == "dualpipe" else (rank, rank)
-    embeds, heads = (stages[0] == 0) | (stages[1] == 0), (stages[0] == n["pp"] - 1) | (stages[1] == n["pp"] - 1)
+    embeds, heads = holds_ends(rank, n["pp"], schedule)
     ends = embeds * blocks["embedding"] + heads * blocks["head"]
     mtp, mtp_moe = held.get("mtp", 0), n.get("mtp_moe", 0)
     mtp_dense = mtp * (blocks["mtp_extra"] + np.where(mtp_moe, blocks["moe_dense"], blocks["dense_layer"]))
@@ -227,7 +226,7 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
                     for r in (candidate_ranks(s, balanced) if ranks is None else [r + 0 * s["pp"] for r in ranks])]
         table = on_structures(ranks_of, n)
         ranks = [t["rank"] for t in table]
-        per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
+        per_chunk = n["layers"] / (n["pp"] * chunks_per_rank(schedule, n["virtual_stages"]))
         offloaded = np.minimum(activation_offload_layers or 0, per_chunk) / per_chunk
         act = activation_breakdown(
             seq=n["seq"], micro_batch_size=n["micro_batch_size"], hidden=n["hidden"], heads=n["heads"],

@@ -24,10 +24,10 @@ import numpy as np
 
 from dtlib.analytic import validate
 from dtlib.analytic.config import TransformerConfig, moe_layer_count
-from dtlib.analytic.layout import SCHEDULES, Parallelism
+from dtlib.analytic.layout import SCHEDULES, Parallelism, chunks_per_rank
 
 __all__ = ["Stage", "pipeline_stages", "megatron_layout_string", "chunk_layers", "mtp_in_chunk", "rank_layers",
-           "dualpipe_stages",
+           "dualpipe_stages", "dualpipev_chunks", "holds_ends",
            "stored_on_rank", "candidate_ranks",
            "on_structures", "distinct_rows"]
 
@@ -96,12 +96,38 @@ def dualpipe_stages(rank: Any, pp: Any) -> tuple[Any, Any]:
     return half, pp - 1 - half
 
 
+def dualpipev_chunks(rank: Any, pp: Any) -> tuple[tuple[Any, int], tuple[Any, int]]:
+    """The two chunks DualPipeV places on rank ``rank`` (deepseek-ai/DualPipe 3da1bbe ``DualPipeV``;
+    torchtitan's "v" style): stages ``rank`` and ``2 pp - 1 - rank`` of ``2 pp``, as (rank, chunk) in
+    the round-robin numbering of :func:`chunk_layers` (stage ``chunk x pp + rank``)."""
+    return (rank, 0), (pp - 1 - rank, 1)
+
+
+def holds_ends(rank: Any, pp: Any, schedule: str = "1f1b") -> tuple[Any, Any]:
+    """Whether pipeline rank ``rank`` holds the embedding and the LM head: the first and the last
+    rank; DualPipe's ranks 0 and pp-1 (each holds stage 0 and stage pp-1); DualPipeV's rank 0 (stages
+    0 and 2 pp - 1 of its V)."""
+    if schedule == "dualpipe":
+        both = np.minimum(rank, pp - 1 - rank) == 0
+        return both, both
+    if schedule == "dualpipev":
+        return rank == 0, rank == 0
+    return rank == 0, rank == pp - 1
+
+
 def rank_layers(n: dict[str, Any], rank: Any, balanced: Any = False, schedule: str = "1f1b") -> dict[str, Any]:
     """Layers, MoE layers and MTP layers of pipeline rank ``rank``, over all its chunks (DualPipe:
-    over both its stages, :func:`dualpipe_stages`)."""
+    over both its stages, :func:`dualpipe_stages`; DualPipeV: its V's two, :func:`dualpipev_chunks`)."""
     if schedule == "dualpipe":
         first, mirror = (rank_layers(n, r, balanced) for r in dualpipe_stages(rank, n["pp"]))
         return {k: first[k] + mirror[k] for k in first}
+    if schedule == "dualpipev":
+        layers = moe = mtp = 0
+        for where, chunk in dualpipev_chunks(rank, n["pp"]):
+            start, stop = chunk_layers(n, where, chunk, balanced)
+            layers, moe = layers + stop - start, moe + _moe_between(n, start, stop)
+            mtp = mtp + mtp_in_chunk(n, where, chunk)
+        return {"layers": layers, "moe_layers": moe, "mtp": mtp}
     layers = moe = mtp = 0
     for j in range(_chunks(n)):
         start, stop = chunk_layers(n, rank, j, balanced)
@@ -123,13 +149,18 @@ def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = 
     Chunk-forwards in flight follow Megatron-LM's schedules (``schedules.py``): GPipe all m; 1F1B
     ``min(m, pp - rank)`` (the warm-up ``pp - rank - 1`` plus the first steady one); interleaved
     ``min(m v, 2(pp - rank - 1) + (v - 1) pp + 1)`` chunk-forwards, forward ``k`` running chunk
-    ``(k mod pp v) // pp`` (``get_model_chunk_id``); DualPipe :func:`_stored_dualpipe`; no pipeline: 1.
+    ``(k mod pp v) // pp`` (``get_model_chunk_id``); DualPipe and DualPipeV :func:`_stored_two`; no pipeline: 1.
     """
     validate.one_of("schedule", schedule, SCHEDULES)
     m, p = n["num_microbatches"], n["pp"]
     if schedule == "dualpipe":
-        return _stored_dualpipe(n, rank, balanced, recompute_layers)
-    v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * np.asarray(p)
+        first, mirror = dualpipe_stages(rank, p)
+        return _stored_two(n, ((first, 0, p - first), (mirror, 0, first + 1)), first == 0, balanced, recompute_layers)
+    if schedule == "dualpipev":  # DualPipeV.step's steps 1-3 and step 4's first forward, as DualPipe's
+        (own, _), (mirror, _) = dualpipev_chunks(rank, p)
+        return _stored_two(n, ((own, 0, 2 * p - rank), (mirror, 1, rank + 1)), rank == 0, balanced,
+                           recompute_layers, chunks=2)
+    v = chunks_per_rank(schedule, n["virtual_stages"])
     if schedule == "gpipe":
         total = m * v
     elif schedule == "1f1b":
@@ -158,26 +189,27 @@ def stored_on_rank(schedule: str, n: dict[str, Any], rank: Any, balanced: Any = 
             "embedding": np.where(rank == 0, in_chunk(0), 0), "output": np.where(rank == p - 1, in_chunk(v - 1), 0)}
 
 
-def _stored_dualpipe(n: dict[str, Any], rank: Any, balanced: Any, recompute_layers: int | None) -> dict[str, Any]:
-    """:func:`stored_on_rank` for DualPipe (deepseek-ai/DualPipe 3da1bbe ``DualPipe.step``): with
-    ``h = pp/2`` and ``hr`` the rank's stage in the first half, steps 1-3 leave ``2h - hr - 1``
-    forwards of that stage and ``hr + 1`` of its mirror in flight, and step 4's first forward adds
-    one: ``pp - hr`` and ``hr + 1``, pp + 1 in all (the report's Table 2). The embedding's stage is
-    rank 0's and rank pp-1's first-half stage, the loss's their mirror."""
+def _stored_two(n: dict[str, Any], places: tuple, ends: Any, balanced: Any, recompute_layers: int | None,
+                chunks: int = 1) -> dict[str, Any]:
+    """:func:`stored_on_rank` for DualPipe and DualPipeV (deepseek-ai/DualPipe 3da1bbe ``step``):
+    ``places`` are the rank's two (rank, chunk, forwards held) in the round-robin numbering of
+    ``chunks`` chunks per rank. DualPipe (``h = pp/2``, ``hr`` the rank's first-half stage): steps 1-3
+    leave ``2h - hr - 1`` forwards of that stage and ``hr + 1`` of its mirror in flight, step 4's
+    first forward adds one: ``pp - hr`` and ``hr + 1``, pp + 1 in all (the report's Table 2). DualPipeV
+    the same with ``pp`` for ``h`` and the rank for ``hr``: ``2 pp - r`` and ``r + 1``. The embedding's
+    stage and the loss's are on the ranks where ``ends`` (the first chunk's count and 1)."""
     p = n["pp"]
-    first, mirror = dualpipe_stages(rank, p)
     recomputed = 0 if recompute_layers is None else recompute_layers
-    nv = dict(n, virtual_stages=1 + 0 * np.asarray(p))
+    nv = dict(n, virtual_stages=chunks + 0 * np.asarray(p))
     full = pairs = moe = 0
-    for stage, held in ((first, p - first), (mirror, first + 1)):
-        start, stop = chunk_layers(nv, stage, 0, balanced)
-        mtp = mtp_in_chunk(nv, stage, 0)
+    for where, chunk, held in places:
+        start, stop = chunk_layers(nv, where, chunk, balanced)
+        mtp = mtp_in_chunk(nv, where, chunk)
         full = full + held * np.minimum(recomputed, stop - start)
         pairs = pairs + held * (stop - start + mtp)
         moe = moe + held * (_moe_between(n, start, stop) + mtp * n.get("mtp_moe", 0))
-    ends = first == 0
     return {"full": full, "rest": pairs - full, "moe_share": moe / np.maximum(pairs, 1),
-            "embedding": np.where(ends, p, 0), "output": np.where(ends, 1, 0)}
+            "embedding": np.where(ends, places[0][2], 0), "output": np.where(ends, 1, 0)}
 
 
 # the numbers a rank's layers and micro-batches depend on: a search's many layouts share few of them
@@ -263,13 +295,16 @@ def pipeline_stages(model: TransformerConfig, layout: Parallelism) -> list[Stage
     balanced = layout.account_for_embedding_and_loss
     out = []
     for r in range(layout.pp):
-        # DualPipe: the rank's two stages (dualpipe_stages), each a whole 1F1B stage
+        # DualPipe: the rank's two stages (dualpipe_stages), each a whole 1F1B stage; DualPipeV: its V
         places = ([(int(s), 0) for s in dualpipe_stages(r, layout.pp)] if layout.schedule == "dualpipe"
+                  else list(dualpipev_chunks(r, layout.pp)) if layout.schedule == "dualpipev"
                   else [(r, j) for j in range(layout.virtual_stages)])
         chunks = tuple(tuple(range(*map(int, chunk_layers(n, rank, j, balanced)))) for rank, j in places)
         moe = sum(int(_moe_between(n, c[0], c[-1] + 1)) for c in chunks if c)
-        ranks = {rank for rank, _ in places}
-        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=0 in ranks, loss=layout.pp - 1 in ranks))
+        stage_ids = {j * layout.pp + rank for rank, j in places} if layout.schedule == "dualpipev" else \
+            {rank for rank, _ in places}
+        last = 2 * layout.pp - 1 if layout.schedule == "dualpipev" else layout.pp - 1
+        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=0 in stage_ids, loss=last in stage_ids))
     return out
 
 

@@ -90,9 +90,10 @@ def layout_arrays(cfg: "TransformerConfig | None", arrays: dict[str, Any], sched
     if not valid.all():  # keep the arithmetic finite on rows that come back as NaN anyway
         # the safe row must itself follow the schedule's rules (interleaving: v >= 2, pp >= 2, m
         # a multiple of pp), since bubble_fraction and in_flight check them on the whole array
-        # (DualPipe: pp even, m even and >= 2 pp)
+        # (DualPipe: pp even, m even and >= 2 pp; DualPipeV: v = 2, m >= 2 pp)
         pipeline = {"interleaved": dict(virtual_stages=2, pp=2, num_microbatches=2),
-                    "dualpipe": dict(pp=2, num_microbatches=4)}.get(schedule, {})
+                    "dualpipe": dict(pp=2, num_microbatches=4),
+                    "dualpipev": dict(virtual_stages=2, pp=2, num_microbatches=4)}.get(schedule, {})
         safe = dict(_SAFE, **pipeline)
         for k, v in n.items():
             if v is not None and safe.get(k) is not None:

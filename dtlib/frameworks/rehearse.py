@@ -78,7 +78,7 @@ _DIMENSIONS: tuple[tuple[str, Any], ...] = (
     ("dp", lambda L: L.dp), ("tp", lambda L: L.tp), ("pp", lambda L: L.pp), ("cp", lambda L: L.cp),
     ("ep", lambda L: L.ep), ("etp", lambda L: L.etp), ("zero", lambda L: L.zero),
     ("sp", lambda L: int(L.sequence_parallel)),
-    ("interleaving", lambda L: L.virtual_stages if L.schedule == "interleaved" else 1),
+    ("interleaving", lambda L: L.virtual_stages if L.schedule in ("interleaved", "dualpipev") else 1),
 )
 _UNUSED = {"zero": 0, "sp": 0}  # every other dimension is unused at 1
 SHRUNK_AWAY = "dropped by the shrink to at most 8 CPU ranks or refused by the trainer (dtlib.trainer.shrink)"

@@ -260,7 +260,7 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
                         recompute_modules=given["recompute_modules"])  # says why not
     v = fixed.get("virtual_stages")
     schedules = ["1f1b"] if v == 1 else ["interleaved"] if v is not None else ["1f1b", "interleaved"]
-    if "schedule" in fixed:  # gpipe and DualPipe only when asked for: the search proposes 1F1B or interleaving
+    if "schedule" in fixed:  # gpipe, DualPipe(V) only when asked for: the search proposes 1F1B or interleaving
         schedules = [validate.one_of("schedule", fixed.pop("schedule"), SCHEDULES)]
     rows: list[tuple[float, float, dict[str, Any]]] = []
     searched = fitting = candidates = 0
@@ -268,7 +268,8 @@ def search(model: TransformerConfig, cluster: Cluster, global_batch: int, *,
     broken: str | None = None  # the rule a pinned layout breaks, if every candidate breaks one
     for schedule in schedules:
         balanced = given["account_for_embedding_and_loss"]
-        grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule == "interleaved", balanced)
+        grid = _grid(model, cluster, global_batch, fixed, tp_within_node, schedule in ("interleaved", "dualpipev"),
+                     balanced)
         candidates += grid["dp"].size
         if grid["dp"].size == 0:
             continue

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dtlib.analytic.stages import candidate_ranks, on_structures, rank_layers
+from dtlib.analytic.stages import candidate_ranks, holds_ends, on_structures, rank_layers
 
 __all__ = ["slowest_stage"]
 
@@ -48,9 +48,9 @@ def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = 
 
 
 def _ends(s: dict[str, Any], rank: Any, schedule: str) -> dict[str, Any]:
-    """The embedding's and the LM head's share of a micro-batch's work on ``rank``: 1 on the first
-    and on the last rank; DualPipe: half each on ranks 0 and pp-1, which hold both ends."""
-    if schedule == "dualpipe":
-        both = (np.minimum(rank, s["pp"] - 1 - rank) == 0) * 0.5
-        return {"embedding": both, "head": both}
-    return {"embedding": (rank == 0) * 1.0, "head": (rank == s["pp"] - 1) * 1.0}
+    """The embedding's and the LM head's share of a micro-batch's work on ``rank``
+    (:func:`~dtlib.analytic.stages.holds_ends`); DualPipe: half each, half the micro-batches running
+    the rank's stage that holds them."""
+    share = 0.5 if schedule == "dualpipe" else 1.0
+    embeds, heads = holds_ends(rank, s["pp"], schedule)
+    return {"embedding": share * embeds, "head": share * heads}

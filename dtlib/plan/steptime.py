@@ -38,7 +38,7 @@ from dtlib.analytic.finetune import FineTuning, adapter_params, check_targets, r
 from dtlib.analytic.flops import (ATTENTION, PACKED_FLOPS, attention_flops_per_token, check_packed,
                                   layers_matmul_params, recompute_flops_per_token, step_flops)
 from dtlib.analytic.hardware import MATMUL_DTYPES, Cluster, Link, matmul_peak
-from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.layout import Parallelism, chunks_per_rank
 from dtlib.analytic.memory import memory_options, stage_parameters
 from dtlib.analytic.pipeline_layout import layout_numbers
 from dtlib.analytic.precision import GRAD_REDUCE_DTYPES, Precision, get_precision, with_grad_reduce
@@ -301,7 +301,7 @@ def step_time_arrays(n: dict[str, Any], cluster: Cluster, *, recompute: str = "n
     plain = _terms(n, cluster, recompute, schedule, options, dropout, balanced)
     out, kept = plain, 1.0
     if recompute_layers:
-        per_chunk = n["layers"] / (n["pp"] * (n["virtual_stages"] if schedule == "interleaved" else 1))
+        per_chunk = n["layers"] / (n["pp"] * chunks_per_rank(schedule, n["virtual_stages"]))
         share = np.minimum(recompute_layers, per_chunk) / per_chunk
         out = _mixed(plain, _terms(n, cluster, "full", schedule, options, dropout, balanced), share, share)
         kept = 1 - share
@@ -363,7 +363,7 @@ def _terms(n: dict[str, Any], cluster: Cluster, recompute: str, schedule: str, o
     gpu, g = cluster.gpu, cluster.gpus_per_node
     prec = get_precision(options.precision)
     dp, tp, pp, cp, ep = n["dp"], n["tp"], n["pp"], n["cp"], n["ep"]
-    v = n["virtual_stages"] if schedule == "interleaved" else 1 + 0 * pp
+    v = chunks_per_rank(schedule, n["virtual_stages"])
     b, m, s, h = n["micro_batch_size"], n["num_microbatches"], n["seq"], n["hidden"]
     gpus = dp * tp * pp * cp
     tokens = dp * b * m * s

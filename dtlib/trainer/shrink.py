@@ -17,7 +17,7 @@ from typing import Sequence
 
 from dtlib.analytic import validate
 from dtlib.analytic.layout import Parallelism
-from dtlib.trainer.config import TrainConfig
+from dtlib.trainer.config import SCHEDULES as TRAIN_SCHEDULES, TrainConfig
 
 __all__ = ["TINY", "SIZE", "DROP_ORDER", "DIMENSIONS", "shrink_layout"]
 
@@ -97,6 +97,11 @@ def shrink_layout(layout: Parallelism, max_ranks: int = 8,
         lines.append(f"virtual stages {layout.virtual_stages} -> {virtual}" + (
             "" if pp > 1 else ": no pipeline left to interleave"))
     schedule = layout.schedule if virtual > 1 or layout.schedule != "interleaved" else "1f1b"
+    # the trainer's schedules (dtlib.parallel.schedules) have no DualPipe: its pipeline and micro-batches run
+    # as 1F1B, DualPipeV's two chunks a rank as interleaved 1F1B
+    if layout.schedule in ("dualpipe", "dualpipev"):
+        schedule = "interleaved" if layout.schedule == "dualpipev" and virtual > 1 else "1f1b"
+        lines.append(f"schedule {layout.schedule} -> {schedule}: dtlib train runs {', '.join(TRAIN_SCHEDULES)}")
     if pp > 1:  # two micro-batches per stage: warm-up, steady state and cool-down all happen
         microbatches = max(pp, min(layout.num_microbatches, 2 * pp) // pp * pp)
     else:  # gradient accumulation, kept if planned

@@ -56,11 +56,14 @@ def pipeline_controls(changed: str, schedule: str, virtual_stages: int, pp: int)
     s, v, p = schedule, virtual_stages, pp
     # (the pp choices are 1 and powers of 2: DualPipe's even pp >= 2 is pp >= 2 here)
     if changed == "schedule":
-        v, p = (max(v, 2), max(p, 2)) if s == "interleaved" else (1, max(p, 2) if s == "dualpipe" else p)
+        v, p = ((max(v, 2), max(p, 2)) if s == "interleaved" else (2, max(p, 2)) if s == "dualpipev"
+                else (1, max(p, 2) if s == "dualpipe" else p))
     elif changed == "virtual_stages":
-        s, p = ("interleaved", max(p, 2)) if v >= 2 else ("1f1b" if s == "interleaved" else s, p)
+        keep = s == "dualpipev" and v == 2  # DualPipeV's V is two chunks a rank
+        s, p = (s, p) if keep else ("interleaved", max(p, 2)) if v >= 2 else (
+            "1f1b" if s in ("interleaved", "dualpipev") else s, p)
     elif changed == "pp":
-        s, v = ("1f1b", 1) if p < 2 and s in ("interleaved", "dualpipe") else (s, v)
+        s, v = ("1f1b", 1) if p < 2 and s in ("interleaved", "dualpipe", "dualpipev") else (s, v)
     else:
         raise ValueError(f"changed must be 'schedule', 'virtual_stages' or 'pp', got {changed!r}")
     return {"schedule": s, "virtual_stages": v, "pp": p}

@@ -28,9 +28,9 @@ def unsupported_here(p: Parallelism, m: TransformerConfig, precision: str) -> li
     out = []
     if p.schedule == "gpipe":
         out.append("schedule gpipe: Megatron-LM runs 1F1B or interleaved 1F1B only (no GPipe flag)")
-    if p.schedule == "dualpipe":
-        out.append("schedule dualpipe: Megatron-LM runs 1F1B or interleaved 1F1B only (DualPipe is "
-                   "deepseek-ai/DualPipe's; --overlap-moe-expert-parallel-comm overlaps the all-to-all within 1F1B)")
+    if p.schedule in ("dualpipe", "dualpipev"):
+        out.append(f"schedule {p.schedule}: Megatron-LM runs 1F1B or interleaved 1F1B only (DualPipe and DualPipeV "
+                   f"are deepseek-ai/DualPipe's; --overlap-moe-expert-parallel-comm overlaps the all-to-all within 1F1B)")
     # the split rule is Megatron-LM's own (dtlib.analytic.layout.split_problem): even, the first/last
     # stage counts, or a layout string; check_layout has refused any other before this point
     problem = split_problem(m.layers, p.pp, p.virtual_stages, p.first_stage_layers or 0, p.last_stage_layers or 0,

@@ -161,7 +161,7 @@ def torchtitan_document(plan: TimedPlan | Parallelism, model: TransformerConfig 
         par.update(expert_parallel_degree=p.ep, expert_tensor_parallel_degree=p.etp)
     if p.pp > 1:  # micro-batches are the pipeline's: local batch = micro x m, no accumulation
         par.update(pipeline_parallel_schedule={"1f1b": "1F1B", "gpipe": "GPipe",
-                                               "interleaved": "Interleaved1F1B"}[p.schedule],
+                                               "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}[p.schedule],
                    pipeline_parallel_layers_per_stage=(m.layers + 2 * p.account_for_embedding_and_loss)
                    // (p.pp * p.virtual_stages),
                    # the embedding and the output count as a layer each only as the plan balanced them
