@@ -359,9 +359,11 @@ def strategy_volumes(cfg: TransformerConfig, layout: Parallelism,
     # the most loaded rank's layers (dtlib.analytic.stages), and its expert parameters, reduced
     # over their own group (below)
     n, balanced = unsharded.numbers(**cfg.numbers(s)), layout.account_for_embedding_and_loss
-    stage = rank_layers(n, held.stage, balanced)
-    layers_here, moe_here = int(stage["layers"]), int(stage["moe_layers"])
-    expert_rank = float(rank_parameters(n, held.stage, balanced)["expert"])
+    stage = rank_layers(n, held.stage, balanced, layout.schedule)
+    # DualPipe: a micro-batch runs one of the rank's two stages (its weights are both, in held)
+    share = 0.5 if layout.schedule == "dualpipe" else 1.0
+    layers_here, moe_here = round(share * stage["layers"]), round(share * stage["moe_layers"])
+    expert_rank = float(rank_parameters(n, held.stage, balanced, schedule=layout.schedule)["expert"])
     act = b * (s / layout.cp) * h * prec.activation  # one micro-batch's b x s x h activations
     d = layout.dp * layout.cp  # gradients are reduced over the dp x cp replicas
     out: dict[str, dict[str, float]] = {}
