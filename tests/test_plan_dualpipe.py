@@ -98,6 +98,11 @@ def test_bubble_is_the_reports_formula():
         assert bubble_fraction(pp, m, schedule="1f1b") == pytest.approx((pp - 1) / m)
     # no weight gradients split off (W = 0): F&B + B = F + 2B
     assert bubble_fraction(8, 16, schedule="dualpipe", weight_share=0) == pytest.approx(3 * (1 / 3 + 4 / 3) / 16)
+    # the count holds for W <= B only: replayed with W > B the schedule idles more (tests below)
+    with pytest.raises(ValueError, match="weight_share must be .*<= 0.333"):
+        bubble_fraction(8, 16, schedule="dualpipe", weight_share=0.5)
+    with pytest.raises(ValueError, match="forward_share must be"):
+        bubble_fraction(8, 16, 2, schedule="dualpipev", forward_share=0)
 
 
 def test_step_time_keeps_the_work_and_shrinks_the_bubble():
@@ -321,3 +326,59 @@ def test_rehearsal_shrinks_dualpipe_to_a_schedule_dtlib_train_runs():
     assert one.schedule == "1f1b" and "schedule dualpipe -> 1f1b: dtlib train runs gpipe, 1f1b" in " ".join(lines)
     v, lines = shrink_layout(Parallelism(dp=4, pp=8, num_microbatches=32, schedule="dualpipev", virtual_stages=2))
     assert (v.schedule, v.virtual_stages) == ("interleaved", 2) and "dualpipev -> interleaved" in " ".join(lines)
+
+
+def _pytorch_dualpipev_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
+    """Each rank's idle time running PyTorch's own DualPipeV order (``ScheduleDualPipeV``'s
+    ``_calculate_single_rank_operations``, the order its runtime executes) with the costs of
+    :func:`_dualpipe_idle`: F, I (input gradient), W, B (both) per stage, an OVERLAP_F_B pair their sum."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    order = object.__new__(schedules.ScheduleDualPipeV)  # its order needs only the group and the micro-batches
+    order.pp_group_size, order._n_microbatches = p, m
+    programs = [order._calculate_single_rank_operations(r) for r in range(p)]
+    cost = {"F": f, "I": b, "W": w, "B": b + w}
+    done: dict[tuple, float] = {}
+    free, busy, pc = [0.0] * p, [0.0] * p, [0] * p
+
+    def needs(a) -> list[tuple]:
+        kind, s, i = a.computation_type.value, a.stage_index, a.microbatch_index
+        if kind == "F":
+            return [("F", s - 1, i)] if s else []
+        if kind == "W":
+            return [("I", s, i)]
+        return [("I", s + 1, i)] if s < 2 * p - 1 else [("F", s, i)]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(programs[r]):
+                parts = programs[r][pc[r]].sub_actions or (programs[r][pc[r]],)
+                deps = [d for a in parts for d in needs(a)]
+                if any(d not in done for d in deps):
+                    break
+                work = sum(cost[a.computation_type.value] for a in parts)
+                end = max([free[r]] + [done[d] for d in deps]) + work
+                for a in parts:  # a full backward is the input gradient too
+                    kind = "I" if a.computation_type.value == "B" else a.computation_type.value
+                    done[(kind, a.stage_index, a.microbatch_index)] = end
+                free[r], busy[r], pc[r], progress = end, busy[r] + work, pc[r] + 1, True
+    assert pc == [len(ops) for ops in programs], "PyTorch's order deadlocked"
+    return [max(free) - busy[r] for r in range(p)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 20)])
+@pytest.mark.parametrize("f, b, w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 0.0)])
+def test_pytorchs_dualpipev_idles_what_the_plan_says(p, m, f, b, w):
+    """PyTorch's ScheduleDualPipeV (what torchtitan's DualPipeV runs), timed: with W = B every rank
+    idles bubble_fraction("dualpipev") of its work, as the upstream DualPipeV does; with W < B up to
+    one stage's forward less (its order runs the last weight gradients between the input gradients),
+    so the plan's bubble is an upper bound by at most that."""
+    per_stage = f + b + w
+    expected = bubble_fraction(p, m, 2, schedule="dualpipev", forward_share=f / per_stage,
+                               weight_share=w / per_stage) * m * 2 * per_stage
+    idle = _pytorch_dualpipev_idle(p, m, f, b, w)
+    if w == b:
+        assert idle == pytest.approx([expected] * p)
+    assert all(expected - f - 1e-9 <= x <= expected + 1e-9 for x in idle)
+    assert idle[0] < expected or w == b  # the difference is real, not rounding

@@ -289,6 +289,12 @@ def bubble_fraction(pp: Any, num_microbatches: Any, virtual_stages: Any = 1, sch
     (p - 1)(2 - f - 3w)/(2m).
     """
     check_pipeline(pp, num_microbatches, virtual_stages, schedule)
+    if schedule in ("dualpipe", "dualpipev"):
+        # Table 2's count holds while the weight gradients are no longer than the input gradients (W <= B,
+        # w <= (1 - f)/2): replaying the schedules with W > B idles more than it says
+        validate.array("forward_share", forward_share, minimum=0, maximum=1)
+        validate.array("weight_share", weight_share, minimum=0, exclusive=False,
+                       maximum=(1 - np.max(forward_share)) / 2)
     if schedule == "dualpipe":
         return (pp / 2 - 1) * (2 - forward_share - 3 * weight_share) / num_microbatches
     if schedule == "dualpipev":  # DualPipe's bubble with 2 pp stages of half a rank's work each
