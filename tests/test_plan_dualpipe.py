@@ -187,17 +187,37 @@ def _dualpipe_programs(p: int, m: int, v_shape: bool = False) -> list[list[tuple
     return programs
 
 
-def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float, v_shape: bool = False) -> list[float]:
-    """Each rank's idle time when the programs run with a stage's forward ``f``, input-gradient
-    backward ``b`` and weight gradient ``w`` per micro-batch, overlapped pairs costing their sum
-    and transfers free: every action waits for its neighbour's (the stage before, forward; after,
-    backward). DualPipe: direction 0 enters at rank 0, direction 1 at rank p-1, p stages each;
-    DualPipeV: one direction down and back up the V of 2p stages."""
-    half, programs = p // 2, _dualpipe_programs(p, m, v_shape)
-    last = 2 * p - 1 if v_shape else p - 1
-    done: dict[tuple, float] = {}
-    count = [[[0, 0], [0, 0]] for _ in range(p)]          # [kind F/B][phase] per rank
+def _idle(programs: list[list[list[tuple]]]) -> list[float]:
+    """Each rank's idle time when every rank runs its program in order, each op a list of parts
+    ``(needs, seconds, done)`` run back to back (two chunks overlapped cost their sum): an op starts
+    when its rank is free and every part's ``needs`` (keys of earlier ``done`` parts) have finished;
+    transfers are free."""
+    p = len(programs)
+    finished: dict[tuple, float] = {}
     free, busy, pc = [0.0] * p, [0.0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(programs[r]):
+                parts = programs[r][pc[r]]
+                needs = [key for part in parts for key in part[0]]
+                if any(key not in finished for key in needs):
+                    break
+                work = sum(part[1] for part in parts)
+                end = max([free[r]] + [finished[key] for key in needs]) + work
+                finished.update({part[2]: end for part in parts if part[2] is not None})
+                free[r], busy[r], pc[r], progress = end, busy[r] + work, pc[r] + 1, True
+    assert pc == [len(ops) for ops in programs], "the schedule deadlocked"
+    return [max(free) - busy[r] for r in range(p)]
+
+
+def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float, v_shape: bool = False) -> list[float]:
+    """:func:`_idle` of the replayed upstream programs with a stage's forward ``f``, input-gradient
+    backward ``b`` and weight gradient ``w`` per micro-batch: every action waits for its
+    neighbour's (the stage before, forward; after, backward). DualPipe: direction 0 enters at rank
+    0, direction 1 at rank p-1, p stages each; DualPipeV: one direction down and back up the V of 2p."""
+    half, last = p // 2, 2 * p - 1 if v_shape else p - 1
 
     def place(r: int, phase: int) -> tuple[int, int]:
         if v_shape:
@@ -205,34 +225,21 @@ def _dualpipe_idle(p: int, m: int, f: float, b: float, w: float, v_shape: bool =
         hr = min(r, p - 1 - r)
         return (phase if r < half else 1 - phase), (hr if phase == 0 else p - 1 - hr)
 
-    def part(r: int, kind: str, phase: int, deferred: bool = False) -> tuple[list, float, tuple]:
-        d, s = place(r, phase)
-        i = count[r][kind == "B"][phase]
-        if kind == "F":
-            return ([("F", d, i, s - 1)] if s else []), f, ("F", d, i, s, phase)
-        return ([("B", d, i, s + 1)] if s < last else [("F", d, i, s)]), b + (0 if deferred else w), \
-            ("B", d, i, s, phase)
+    programs = []
+    for r, ops in enumerate(_dualpipe_programs(p, m, v_shape)):
+        count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}  # micro-batches in program order
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(programs[r]):
-                op = programs[r][pc[r]]
-                parts = ([part(r, "F", op[1]), part(r, "B", op[2])] if op[0] == "FB" else
-                         [part(r, op[0], *op[1:])] if op[0] != "W" else [([], w, None)])
-                deps = [d for ds, _, _ in parts for d in ds]
-                if any(d not in done for d in deps):
-                    break
-                end = max([free[r]] + [done[d] for d in deps]) + sum(t for _, t, _ in parts)
-                for _, t, key in parts:
-                    if key is not None:
-                        done[key[:4]] = end
-                        count[r][key[0] == "B"][key[4]] += 1
-                    busy[r] += t
-                free[r], pc[r], progress = end, pc[r] + 1, True
-    assert pc == [len(ops) for ops in programs], "the replayed schedule deadlocked"
-    return [max(free) - busy[r] for r in range(p)]
+        def part(kind: str, phase: int, deferred: bool = False) -> tuple:
+            d, s = place(r, phase)
+            i = count[kind, phase]
+            count[kind, phase] += 1
+            if kind == "F":
+                return ([("F", d, i, s - 1)] if s else []), f, ("F", d, i, s)
+            return ([("B", d, i, s + 1)] if s < last else [("F", d, i, s)]), b + (0 if deferred else w), ("B", d, i, s)
+
+        programs.append([[part("F", op[1]), part("B", op[2])] if op[0] == "FB" else
+                         [part(op[0], *op[1:])] if op[0] != "W" else [([], w, None)] for op in ops])
+    return _idle(programs)
 
 
 @pytest.mark.parametrize("p, m", [(4, 8), (8, 20), (16, 32)])
@@ -329,42 +336,22 @@ def test_rehearsal_shrinks_dualpipe_to_a_schedule_dtlib_train_runs():
 
 
 def _pytorch_dualpipev_idle(p: int, m: int, f: float, b: float, w: float) -> list[float]:
-    """Each rank's idle time running PyTorch's own DualPipeV order (``ScheduleDualPipeV``'s
+    """:func:`_idle` of PyTorch's own DualPipeV order (``ScheduleDualPipeV``'s
     ``_calculate_single_rank_operations``, the order its runtime executes) with the costs of
     :func:`_dualpipe_idle`: F, I (input gradient), W, B (both) per stage, an OVERLAP_F_B pair their sum."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     order = object.__new__(schedules.ScheduleDualPipeV)  # its order needs only the group and the micro-batches
     order.pp_group_size, order._n_microbatches = p, m
-    programs = [order._calculate_single_rank_operations(r) for r in range(p)]
     cost = {"F": f, "I": b, "W": w, "B": b + w}
-    done: dict[tuple, float] = {}
-    free, busy, pc = [0.0] * p, [0.0] * p, [0] * p
 
-    def needs(a) -> list[tuple]:
+    def part(a) -> tuple:
         kind, s, i = a.computation_type.value, a.stage_index, a.microbatch_index
-        if kind == "F":
-            return [("F", s - 1, i)] if s else []
-        if kind == "W":
-            return [("I", s, i)]
-        return [("I", s + 1, i)] if s < 2 * p - 1 else [("F", s, i)]
+        needs = ([("F", s - 1, i)] if s else []) if kind == "F" else [("I", s, i)] if kind == "W" else \
+            [("I", s + 1, i)] if s < 2 * p - 1 else [("F", s, i)]
+        return needs, cost[kind], ("I" if kind == "B" else kind, s, i)  # a full backward is the input gradient too
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(programs[r]):
-                parts = programs[r][pc[r]].sub_actions or (programs[r][pc[r]],)
-                deps = [d for a in parts for d in needs(a)]
-                if any(d not in done for d in deps):
-                    break
-                work = sum(cost[a.computation_type.value] for a in parts)
-                end = max([free[r]] + [done[d] for d in deps]) + work
-                for a in parts:  # a full backward is the input gradient too
-                    kind = "I" if a.computation_type.value == "B" else a.computation_type.value
-                    done[(kind, a.stage_index, a.microbatch_index)] = end
-                free[r], busy[r], pc[r], progress = end, busy[r] + work, pc[r] + 1, True
-    assert pc == [len(ops) for ops in programs], "PyTorch's order deadlocked"
-    return [max(free) - busy[r] for r in range(p)]
+    return _idle([[[part(a) for a in (op.sub_actions or (op,))] for op in order._calculate_single_rank_operations(r)]
+                  for r in range(p)])
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 20)])
