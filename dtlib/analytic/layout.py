@@ -5,7 +5,7 @@
 plus a message saying what is wrong and what would be valid. The scalar path raises the first broken
 rule; :mod:`dtlib.analytic.vectorised` evaluates the same predicates on arrays.
 
-About 500 lines: the layout and its rules are one concept; the rules are data the scalar and the
+About 550 lines: the layout and its rules are one concept; the rules are data the scalar and the
 vectorised paths both read, so splitting them off would leave the dataclass without its checks.
 """
 from __future__ import annotations
