@@ -15,8 +15,8 @@ missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBL
 DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
 for ``PublishedRun.ep_overlap`` (DualPipe).
 
-About 1,010 lines because it is fifteen sources' tables transcribed row by row (and the AMD comparison); splitting it by source
-would scatter the shared conventions (units, stack knobs) that the rows must agree on.
+About 1,010 lines because it is fifteen sources' tables transcribed row by row (and the AMD
+comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that the rows must agree on.
 """
 from __future__ import annotations
 
