@@ -16,7 +16,8 @@ DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:
 for ``PublishedRun.ep_overlap`` (DualPipe).
 
 About 1,010 lines because it is fifteen sources' tables transcribed row by row (and the AMD
-comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that the rows must agree on.
+comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that
+the rows must agree on.
 """
 from __future__ import annotations
 
@@ -836,7 +837,8 @@ def amd_comparison_runs() -> list[PublishedRun]:
     source (the Qwen3 32B config names Qwen/Qwen2.5-32B; the 70B and Mixtral 8x22B notes give the same
     838 TPS; FP8 no faster than BF16). docs/validation.md, "AMD", compares it with the plan."""
     return [PublishedRun(
-        name="Llama 3.1 8B, FSDP 8, BF16, 8 x MI355X (AMD CVS, torchtitan)", model=replace(get_preset("llama3-8b"), seq=8192),
+        name="Llama 3.1 8B, FSDP 8, BF16, 8 x MI355X (AMD CVS, torchtitan)",
+        model=replace(get_preset("llama3-8b"), seq=8192),
         cluster=_dgx("mi355x", 8, "roce-400g"), global_batch=8,
         layout=dict(dp=8, tp=1, pp=1, cp=1, zero=3, recompute="op", micro_batch_size=1),
         metric="tokens_per_gpu_s", published=11767, family="mi355x", source="AMD CVS", reference=_CVS,
