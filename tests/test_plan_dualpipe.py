@@ -3,6 +3,7 @@
 schedule's steps, its bubble, and what the planner and the emitters do with it."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dtlib.analytic.presets import get_preset
@@ -369,3 +370,13 @@ def test_pytorchs_dualpipev_idles_what_the_plan_says(p, m, f, b, w):
         assert idle == pytest.approx([expected] * p)
     assert all(expected - f - 1e-9 <= x <= expected + 1e-9 for x in idle)
     assert idle[0] < expected or w == b  # the difference is real, not rounding
+
+
+def test_every_distinct_rank_is_a_memory_and_time_candidate():
+    """A DualPipe rank's load is its pair of stages, DualPipeV's its V: no rank can be skipped as
+    1F1B's middle ranks are (fewer micro-batches further down)."""
+    from dtlib.analytic.stages import candidate_ranks
+    n = dict(layers=61, pp=np.array([4, 16]), virtual_stages=np.array([1, 1]), num_microbatches=np.array([8, 32]))
+    ranks = candidate_ranks(n, schedule="dualpipe")
+    assert [list(r) for r in ranks] == [[min(r, 1), r] for r in range(8)]
+    assert [int(r) for r in candidate_ranks(dict(n, pp=6, virtual_stages=2), schedule="dualpipev")] == list(range(6))

@@ -223,7 +223,8 @@ def per_gpu_bytes(n: dict[str, Any], prec: Precision, *, recompute: str = "none"
             partial = s["layers"] if recompute == "full" else recompute_layers
             return [dict(stored_on_rank(schedule, s, r, balanced, partial), rank=r,
                          **{"held." + k: v for k, v in rank_layers(s, r, balanced, schedule).items()})
-                    for r in (candidate_ranks(s, balanced) if ranks is None else [r + 0 * s["pp"] for r in ranks])]
+                    for r in (candidate_ranks(s, balanced, schedule) if ranks is None
+                              else [r + 0 * s["pp"] for r in ranks])]
         table = on_structures(ranks_of, n)
         ranks = [t["rank"] for t in table]
         per_chunk = n["layers"] / (n["pp"] * chunks_per_rank(schedule, n["virtual_stages"]))

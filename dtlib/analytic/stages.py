@@ -244,15 +244,21 @@ def distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return first, where.reshape(-1)
 
 
-def candidate_ranks(n: dict[str, Any], balanced: Any = False) -> list[Any]:
+def candidate_ranks(n: dict[str, Any], balanced: Any = False, schedule: str = "1f1b") -> list[Any]:
     """The ranks among which the most loaded one is: the first (embedding, most micro-batches in
     flight), the last (LM head and loss), and the middle ranks where the layer mix changes: rank 1
     and the first middle rank past the dense-first layers and the one after it (with
     ``moe_layer_freq > 1`` the two phases of the MoE pattern). Middle ranks hold equal layer counts
     and, the further down the pipeline, fewer micro-batches, so among those with one mix the first
     is the heaviest. Each entry is a rank per layout (arrays broadcast). With an explicit layout
-    string (``layout_decoders``: any rank may hold any layers) every rank is a candidate."""
+    string (``layout_decoders``: any rank may hold any layers) every rank is a candidate. DualPipe's
+    ranks hold two stages each (ranks r and pp-1-r the same two) and DualPipeV's two chunks of a V:
+    every rank of the first half, or every rank, is a candidate."""
     pp = np.asarray(n["pp"])
+    if schedule in ("dualpipe", "dualpipev"):
+        mirrored = schedule == "dualpipe"
+        top = np.maximum(pp // 2 if mirrored else pp, 1) - 1
+        return [np.minimum(r + 0 * pp, top) for r in range(int(np.max(top)) + 1)]
     if n.get("layout_decoders") is not None:
         return [r + 0 * pp for r in range(int(np.max(pp)))]
     F, K, _ = _shares(n["layers"], pp, n["virtual_stages"], n.get("first_stage_layers", 0),

@@ -30,7 +30,7 @@ def slowest_stage(n: dict[str, Any], per_layer: dict[str, Any], balanced: Any = 
     best: dict[str, Any] = {}
     share = 0.5 if schedule == "dualpipe" else 1.0
     table = on_structures(lambda s: [dict(rank_layers(s, r, balanced, schedule), rank=r, **_ends(s, r, schedule))
-                                     for r in candidate_ranks(s, balanced)], n)
+                                     for r in candidate_ranks(s, balanced, schedule)], n)
     for stage in table:
         stage.update({k: share * stage[k] for k in ("layers", "moe_layers", "mtp")})
         # MTP layers (DeepSeek-V3 Sec. 2.2): one more layer of their kind each and the shared head again
