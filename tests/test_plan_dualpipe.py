@@ -1,6 +1,7 @@
-"""DualPipe as a pipeline schedule (DeepSeek-V3 report, Sec. 3.2.1 and Table 2; deepseek-ai/DualPipe
-3da1bbe): its rules, the two stages of a rank, the micro-batches in flight replayed from the upstream
-schedule's steps, its bubble, and what the planner and the emitters do with it."""
+"""DualPipe and DualPipeV as pipeline schedules (DeepSeek-V3 report, Sec. 3.2.1 and Table 2;
+deepseek-ai/DualPipe 3da1bbe): their rules, a rank's two stages, the micro-batches in flight and the
+bubble replayed from the upstream schedules' steps and from PyTorch's own DualPipeV order, and what the
+planner, torchtitan's split and the other emitters do with them."""
 from __future__ import annotations
 
 import numpy as np
