@@ -245,7 +245,7 @@ def test_bad_input_prints_one_line_and_exits_2(capsys, argv, message):
 BAD_API = [
     (lambda: Parallelism(dp=0), "dp must be an integer >= 1, got 0"),
     (lambda: Parallelism(zero=4), "zero must be an integer from 0 to 3, got 4"),
-    (lambda: Parallelism(schedule="zigzag"), "schedule must be one of 'gpipe', '1f1b', 'interleaved', 'dualpipe', got 'zigzag'"),
+    (lambda: Parallelism(schedule="zigzag"), "schedule must be one of 'gpipe', '1f1b', 'interleaved', 'dualpipe', 'dualpipev', got 'zigzag'"),
     (lambda: Parallelism(recompute="some"), "recompute must be one of"),
     (lambda: Parallelism(dp=4, shard_size=3), "shard_size=3 must divide the 4 replicas"),
     (lambda: Parallelism(dp=2.0), "dp must be an integer >= 1, got 2.0"),

@@ -111,7 +111,7 @@ def test_no_valid_layout_names_the_broken_rule():
     (dict(headroom=0), "headroom must be a finite number > 0 and <= 1, got 0"),
     (dict(top=0), "top must be an integer >= 1"),
     (dict(fixed={"offload_layers": 2}), "cannot fix \\['offload_layers'\\]"),
-    (dict(fixed={"schedule": "zb-h1"}), "schedule must be one of 'gpipe', '1f1b', 'interleaved', 'dualpipe'"),
+    (dict(fixed={"schedule": "zb-h1"}), "schedule must be one of 'gpipe', '1f1b', 'interleaved', 'dualpipe', 'dualpipev', got 'zb-h1'"),
     (dict(fixed={"recompute": "most"}), "recompute must be one of"),
 ])
 def test_bad_arguments(kwargs, match):
