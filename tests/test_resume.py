@@ -56,13 +56,15 @@ def _lose_one_of_two_agents(target, args, rdzv_id, cwd=None, module=False):
     """``torchrun --nnodes=1:2`` with two agents of one process each (``args`` make rank 1 kill
     its agent). The rendezvous is hosted here, not by an agent: the node that dies could be the
     host (in a cluster: etcd, or a store on a node outside the job). A lost node is noticed after
-    2 missed keep-alives of 1 s; a round closes 1 s after the minimum."""
+    2 missed keep-alives of 1 s. A round closes when both agents have joined, or 10 s after the
+    first: the two agents start seconds apart on a loaded machine, and a round closed on one agent
+    would run the job on one rank (the survivor's round after the loss waits those 10 s)."""
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
     cmd = torchrun_command(target, args, nproc_per_node=1, max_restarts=1, nnodes="1:2",
                            rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=rdzv_id, module=module)
     cmd.insert(cmd.index("--module" if module else target),
-               "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1")
+               "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=10")
     try:
         return _agents(cmd, n=2, cwd=cwd, timeout=150)
     finally:
