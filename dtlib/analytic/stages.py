@@ -307,10 +307,8 @@ def pipeline_stages(model: TransformerConfig, layout: Parallelism) -> list[Stage
                   else [(r, j) for j in range(layout.virtual_stages)])
         chunks = tuple(tuple(range(*map(int, chunk_layers(n, rank, j, balanced)))) for rank, j in places)
         moe = sum(int(_moe_between(n, c[0], c[-1] + 1)) for c in chunks if c)
-        stage_ids = {j * layout.pp + rank for rank, j in places} if layout.schedule == "dualpipev" else \
-            {rank for rank, _ in places}
-        last = 2 * layout.pp - 1 if layout.schedule == "dualpipev" else layout.pp - 1
-        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=0 in stage_ids, loss=last in stage_ids))
+        embedding, loss = holds_ends(r, layout.pp, layout.schedule)
+        out.append(Stage(rank=r, chunks=chunks, moe_layers=moe, embedding=bool(embedding), loss=bool(loss)))
     return out
 
 
