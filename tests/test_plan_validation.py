@@ -106,6 +106,35 @@ EXPECTED = {
     'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0010, False, 1),
     'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0203, True, 1),
     'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1741, True, 6),
+    'Llama3.1 405B BF16, 128 x GB200 (DGXC 25.07)': (-0.1306, True, 12),
+    'Llama3.1 405B BF16, 256 x GB200 (DGXC 25.07)': (-0.1438, True, 13),
+    'Llama3.1 405B BF16, 512 x GB200 (DGXC 25.07)': (-0.1463, True, 16),
+    'Llama3.1 405B FP8, 128 x GB200 (DGXC 25.07)': (-0.1562, True, 26),
+    'Llama3.1 405B FP8, 256 x GB200 (DGXC 25.07)': (-0.1643, True, 38),
+    'Llama3.1 405B FP8, 512 x GB200 (DGXC 25.07)': (-0.1729, True, 36),
+    'Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)': (0.0227, False, 1),
+    'Llama3.1 405B FP8, 512 x H100 (DGXC 25.07)': (-0.0226, True, 5),
+    'Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)': (-0.0114, False, 1),
+    'Nemotron4 15B FP8, 16 x H100 (DGXC 25.07)': (-0.0871, True, 1),
+    'Nemotron4 340B BF16, 256 x H100 (DGXC 25.07)': (-0.0521, True, 1),
+    'Nemotron4 340B FP8, 256 x H100 (DGXC 25.07)': (-0.0699, True, 4),
+    'Nemotron4 340B BF16, 128 x GB200 (DGXC 25.07)': (-0.2700, True, 8),
+    'Nemotron4 340B BF16, 256 x GB200 (DGXC 25.07)': (-0.2725, True, 8),
+    'Nemotron4 340B BF16, 512 x GB200 (DGXC 25.07)': (-0.2827, True, 5),
+    'Nemotron4 340B FP8, 128 x GB200 (DGXC 25.07)': (-0.2944, True, 15),
+    'Nemotron4 340B FP8, 256 x GB200 (DGXC 25.07)': (-0.3131, True, 14),
+    'Nemotron4 340B FP8, 512 x GB200 (DGXC 25.07)': (-0.3125, True, 9),
+    'Nemotron4 340B BF16, 128 x GB200 strong (DGXC 25.07)': (-0.2432, True, 21),
+    'Nemotron4 340B BF16, 256 x GB200 strong (DGXC 25.07)': (-0.2532, True, 32),
+    'Nemotron4 340B BF16, 512 x GB200 strong (DGXC 25.07)': (-0.2651, True, 25),
+    'Nemotron4 340B FP8, 128 x GB200 strong (DGXC 25.07)': (-0.2600, True, 53),
+    'Nemotron4 340B FP8, 256 x GB200 strong (DGXC 25.07)': (-0.2781, True, 48),
+    'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2790, True, 45),
+    'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.0988, True, 2),
+    'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.1464, True, 12),
+    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6653, True, 16),
+    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6600, True, 42),
+    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6591, True, 74),
     'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0491, True, 3),
     'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1495, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (-0.0172, True, 12),
@@ -164,9 +193,10 @@ LOSO = {
     'NeMo 2024': (0.60, 0.50, 0.0764, 0.0764),
     'NeMo 2025': (0.60, 0.50, 0.0906, 0.0906),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1039, 0.1039),
-    'Trainy H200': (0.60, 0.50, 0.0348, 0.0348),
+    'Trainy H200': (0.60, 0.45, 0.0796, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
+    'DGXC 2025': (0.60, 0.50, 0.2322, 0.2322),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0979, 0.0979),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
     'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0704, 0.0704),
@@ -177,15 +207,15 @@ LOSO = {
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
-    'h100': (63, 0.1051, 0.1051),
+    'h100': (71, 0.1005, 0.1005),
     'b200': (14, 0.1198, 0.1198),
-    'gb200': (21, 0.0921, 0.0921),
-    'h200': (2, 0.0348, 0.0348),
+    'gb200': (42, 0.1942, 0.1942),
+    'h200': (2, 0.0348, 0.0796),
     'gb300': (15, 0.1026, 0.1026),
     'h800': (1, 0.0697, 0.0697),
 }
 # issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
-MISSED = {"mean_over_sources"}
+MISSED = {"mean_over_sources", "source", "family"}
 
 
 @pytest.fixture(scope="module")
@@ -217,32 +247,41 @@ def test_every_published_layout_fits_its_gpus(table):
     schedule (Sec. 3.3.2, Fig. 6: a tunable number of micro-batches per round) is not modelled.
     And DeepSeek-V3 under DualPipe: two copies of its stages' weights and pp + 1 stage-micro-batches
     in flight need 81.3 GiB of the H800's 80, where the report caches the inputs of its linear layers
-    in FP8 (Sec. 3.3.2, "Low-Precision Storage and Communication"), which dtlib does not model."""
+    in FP8 (Sec. 3.3.2, "Low-Precision Storage and Communication"), which dtlib does not model.
+    And two BF16 rows of DGXC 25.07 on H100 by under 2%: Llama 3.1 405B on 512 (81.6 GiB) and Nemotron-4
+    15B on 16 (80.1 GiB), whose FP32 gradient buffers (NeMo's bf16_mixed: grad_reduce_in_fp32) their FP8
+    twins, which reduce in BF16, do not have (62.3 and 60.3 GiB)."""
     short = [name for name, row in table.items() if not row["fits"]]
     assert short == ["Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)",
+                     "Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", "Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)",
                      "DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)"]
+    for name, gib in (("Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", 81.6),
+                      ("Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)", 80.1)):
+        assert table[name]["memory_gib"] == pytest.approx(gib, abs=0.05)
+        assert table[name.replace("BF16", "FP8")]["fits"]
 
 
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.0995, abs=5e-4)
+    assert mae == pytest.approx(0.1224, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
-    """Lesson 10's claim: the 117 dense runs within 10% on average, the 22 MoE runs not."""
+    """Lesson 10's claim: the 141 dense runs within 11% on average, the 27 MoE runs twice as far off."""
     kinds = errors_by_kind(list(table.values()))
     moe = {r.name for r in PUBLISHED if r.model.moe_experts}
-    assert set(kinds["moe"]["names"]) == moe and len(moe) == 22
+    assert set(kinds["moe"]["names"]) == moe and len(moe) == 27
     assert set(kinds["dense"]["names"]) == set(table) - moe
     for kind, names in (("dense", set(table) - moe), ("moe", moe)):
         by_hand = sum(abs(EXPECTED[n][0]) for n in names) / len(names)
         assert kinds[kind]["mean_absolute_error"] == pytest.approx(by_hand, abs=1e-4), kind
-    assert kinds["dense"]["mean_absolute_error"] < 0.10 < kinds["moe"]["mean_absolute_error"]
+    assert kinds["dense"]["mean_absolute_error"] < 0.11
+    assert kinds["moe"]["mean_absolute_error"] > 2 * kinds["dense"]["mean_absolute_error"]
 
 
-def test_fifteen_sources_and_seven_gpu_families():
-    assert len(SOURCES) == 15 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
+def test_sixteen_sources_and_seven_gpu_families():
+    assert len(SOURCES) == 16 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
                                                                    "gb300"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
@@ -259,7 +298,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0856, abs=5e-4)
+    assert held_out == pytest.approx(0.0975, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 

@@ -1,5 +1,6 @@
 """The error band of a prediction (dtlib.plan.uncertainty) and its stored residual table (dtlib.plan.residuals)."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -31,8 +32,10 @@ def test_every_published_run_has_one_held_out_residual():
     rows = load_residuals()
     assert [r["name"] for r in rows] == [run.name for run in PUBLISHED]
     assert all(math.isfinite(r["residual"]) and r["work"] > 0 for r in rows)
-    # every fold keeps the full fit now (Trainy's picked attention 0.45 before NVLink took NCCL's figure)
-    assert {(r["gemm"], r["attention"]) for r in rows} == {(0.60, 0.50)}
+    # every fold keeps the full fit but Trainy's: without it, DGXC 2025's GB200 rows (slower than predicted)
+    # pull the attention efficiency to 0.45
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] != "Trainy H200"} == {(0.60, 0.50)}
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] == "Trainy H200"} == {(0.60, 0.45)}
 
 
 def test_a_residual_is_held_out_by_its_own_source():
@@ -157,7 +160,9 @@ def test_the_stored_lora_runs_are_the_two_fine_tuning_tables():
     b = band(regime_of(get_preset("llama3-8b"), cluster("h100-sxm", 1, 8), 16, StepOptions(dtype="fp8"), "lora"))
     assert b.covered and b.regime.startswith("megatron, hopper, dense")
     assert {r.name for r in lora if r.family == "h100"} <= set(b.runs)
-    rack = band(regime_of(get_preset("llama3-70b"), cluster("gb200", 1, 8), 32, StepOptions(dtype="fp8"), "lora"))
+    # at the rows' 4,096 tokens (8,192, the preset's, is ten times the work: another decade's band)
+    rack = band(regime_of(replace(get_preset("llama3-70b"), seq=4096), cluster("gb200", 1, 8), 32,
+                          StepOptions(dtype="fp8"), "lora"))
     assert rack.covered and rack.regime.startswith("megatron, blackwell-rack, dense")
     assert {r.name for r in lora if r.family.startswith("gb")} <= set(rack.runs)
 
@@ -219,13 +224,19 @@ def test_band_coverage_holds_each_source_out():
 
 
 def test_the_stored_band_holds_about_what_it_says():
-    """Held out by source, the 10th-90th percentile band holds at least 68% of the runs it covers
+    """Held out by source, the 10th-90th percentile band holds at least 64% of the runs it covers
     (docs/validation.md, 'The error band'): a model change that leaves it far below is miscalibrated.
-    Measured: 74 of 106 (70%); 69 of 92 (75%) before Megatron-Bridge 26.06's fine-tuning rows, whose
-    H100 runs give six NeMo 2024 rows a band of their work decade that ends near 0% (the fine-tuning
-    runs, timed unpacked, are mostly faster than predicted) and so miss them by a few percent."""
-    c = band_coverage(load_residuals())
-    assert c["covered"] >= 60 and c["inside"] / c["covered"] >= 0.68
+    Measured: 99 of 150 (66%). DGXC 2025's 29 runs hold 7: its GB200 runs were 15-200% slower than
+    predicted, above every band the other sources' rack runs give them; the other sources' runs hold 92
+    of 121 (76%), and with DGXC 2025 taken out of the table 75 of 106 (71%, the second assertion). Before
+    it: 74 of 106 (70%); 69 of 92 (75%) before Megatron-Bridge 26.06's
+    fine-tuning rows, whose H100 runs give six NeMo 2024 rows a band of their work decade that ends near
+    0% (the fine-tuning runs, timed unpacked, are mostly faster than predicted)."""
+    rows = load_residuals()
+    c = band_coverage(rows)
+    assert c["covered"] >= 60 and c["inside"] / c["covered"] >= 0.64
+    others = band_coverage([r for r in rows if r["source"] != "DGXC 2025"])
+    assert others["covered"] >= 60 and others["inside"] / others["covered"] >= 0.68
     assert "| megatron, hopper, dense |" in markdown(load_residuals())
 
 

@@ -15,7 +15,7 @@ missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBL
 DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
 for ``PublishedRun.ep_overlap`` (DualPipe).
 
-About 1,010 lines because it is fifteen sources' tables transcribed row by row (and the AMD
+About 1,100 lines because it is sixteen sources' tables transcribed row by row (and the AMD
 comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that
 the rows must agree on.
 """
@@ -138,6 +138,13 @@ _LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Sec. 3.3 and Table 4 
            "400 Gb/s RoCE) https://arxiv.org/abs/2407.21783; the numbers as read from the table reproduced at "
            "https://glennklockwood.com/garden/llama-3.1 (GPUs, TP, CP, PP, tokens per batch, TFLOP/s per GPU; "
            "Balaji, SC'24) and the 8K-then-128K stages at https://ai-papers.xuzou.cn/papers/llama3_2024")
+
+_DGXC = ("NVIDIA DGX Cloud Benchmarking, release 25.07 (gsw 25.05.04; NeMo 2.x containers 25.04.00/25.04.01), "
+         "'Expected Performance' tables and layout tables of llama3.1/README.md, nemotron/README.md and "
+         "deepseek_v3/pretraining/README.md, their launch.sh (recompute modules, CUDA graphs) and Notes (model "
+         "shapes) https://github.com/NVIDIA/dgxc-benchmarking/tree/6be5ea0e19c583ee4d445a1cd65a3ff2fcb4e58b; "
+         "the scripts they run: NeMo scripts/performance/llm/pretrain_*.py at 25.04-alpha.rc2 7994b79b2e4c79525b284120b6ec3654c14bad15 (FP8: "
+         "bf16_with_fp8_mixed, delayed scaling, grad_reduce_in_fp32 False; BF16: bf16_mixed, grad_reduce_in_fp32 True)")
 
 # torchtitan's hosts: H100 with 96 GB HBM2e and 2.4 TB/s, SXM tensor cores and SMs, run at 500 W
 TITAN_H100 = replace(get_gpu("h100-sxm"), name="h100-96gb", memory_bytes=96 * GiB,
@@ -799,6 +806,89 @@ def _llama3() -> list[PublishedRun]:
     return rows
 
 
+
+# (label, GPU, GPUs, GBS, TP, PP, CP, VP, MBS, EP, dtype, seconds per step) -- release 25.07's tables, in order
+_DGXC_ROWS = [
+    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, "bf16", 9.347),
+    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, "bf16", 9.484),
+    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, "bf16", 9.508),
+    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, "fp8", 6.131),
+    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, "fp8", 6.183),
+    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, "fp8", 6.244),
+    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, "bf16", 19.810),
+    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, "fp8", 13.020),
+    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, "bf16", 2.746),
+    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, "fp8", 1.988),
+    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, "bf16", 4.606),
+    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, "fp8", 3.107),
+    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, "bf16", 2.189),
+    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, "bf16", 2.19),
+    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, "bf16", 2.229),
+    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, "fp8", 1.483),
+    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, "fp8", 1.517),
+    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, "fp8", 1.549),
+    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, "bf16", 32.66),
+    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, "bf16", 16.58),
+    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, "bf16", 8.468),
+    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, "fp8", 21.83),
+    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, "fp8", 11.21),
+    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, "fp8", 5.668),
+    ("DeepSeek V3", "h100-sxm", 512, 4096, 2, 8, 1, 1, 1, 64, "bf16", 48.948),
+    ("DeepSeek V3", "h100-sxm", 1024, 8192, 2, 16, 1, 1, 1, 64, "bf16", 52.04),
+    ("DeepSeek V3", "gb200", 128, 1024, 2, 4, 1, 1, 1, 32, "bf16", 34.168),
+    ("DeepSeek V3", "gb200", 256, 2048, 2, 4, 1, 1, 1, 64, "bf16", 34.194),
+    ("DeepSeek V3", "gb200", 512, 4096, 2, 4, 1, 1, 1, 64, "bf16", 34.274),
+]
+
+
+def _nemotron4() -> dict[str, TransformerConfig]:
+    """Nemotron-4 15B and 340B as DGXC's README notes shape them (layers, hidden, FFN, heads, query groups,
+    vocabulary 256,000, seq 4096): LayerNorm, RoPE, no biases, untied embeddings (NVIDIA 2024, "Nemotron-4
+    15B Technical Report", Sec. 2). Its squared-ReLU MLP has two matrices, as the non-gated ``gelu`` one: the
+    same GEMMs and one activation kernel."""
+    base = TransformerConfig(name="nemotron4-15b", layers=32, hidden=6144, heads=48, kv_heads=8, ffn=24576,
+                             vocab=256000, seq=4096, activation="gelu", tied_embeddings=False, bias=False,
+                             norm="layernorm", position="rope", source=_DGXC + " (nemotron/README.md, Notes)")
+    return {"Nemotron4 15B": base,
+            "Nemotron4 340B": replace(base, name="nemotron4-340b", layers=96, hidden=18432, heads=96, ffn=73728)}
+
+
+def _dgxc() -> list[PublishedRun]:
+    """NVIDIA's DGX Cloud Benchmarking recipes, release 25.07: NeMo 2.x (25.04 containers) pre-training on
+    DGX-H100 and DGX-GB200, step times as measured (iterations 11-44). Layouts as the tables state them;
+    the distributed optimizer (ZeRO-1) and sequence parallelism with TP, as NeMo's performance scripts set
+    them; no recompute (the csv rows of the scripts, model_configs_{h100,gb200}.csv at 7994b79b2e:
+    recompute_layers 0) but DeepSeek-V3's modules (launch.sh). GB200: NVL72 racks as
+    :func:`pending_runs`. The source's Grok-1 and Llama 4 rows are not taken: their shapes are not all in
+    the text read (Grok-1's expert count; Llama 4's interleaved MoE layers, shared expert and expert width)."""
+    shapes = {**_nemotron4(), "Llama3.1 405B": replace(get_preset("llama3-405b"), seq=8192),
+              "DeepSeek V3": replace(get_preset("deepseek-v3"), seq=4096)}
+    readme = {"Llama3.1 405B": "llama3.1/README.md", "Nemotron4 15B": "nemotron/README.md",
+              "Nemotron4 340B": "nemotron/README.md", "DeepSeek V3": "deepseek_v3/pretraining/README.md"}
+    rows = []
+    for label, gpu, gpus, batch, tp, pp, cp, vp, mbs, ep, dtype, seconds in _DGXC_ROWS:
+        family = gpu.split("-")[0]
+        layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, dp=gpus // (tp * pp * cp), zero=1, virtual_stages=vp,
+                      micro_batch_size=mbs, sequence_parallel=int(tp > 1), recompute="none")
+        note = ("ZeRO-1 and SP with TP as NeMo's performance scripts; no recompute (the scripts' csv rows for these "
+                "models: recompute_layers 0)")
+        if label == "DeepSeek V3":  # launch.sh: RM='mla_up_proj' (H100), 'core_attn' (GB200)
+            layout.update(recompute_modules=("core_attn",) if family == "gb200" else ("mla_up_proj",))
+            note = ("ZeRO-1 and SP with TP; recompute_modules from launch.sh; ETP 1; alltoall dispatcher, "
+                    "aux-loss routing timed as balanced; BF16 only (FP8 not supported in this release)")
+        if family == "gb200" and label.startswith("Nemotron"):
+            note += "; CUDA graphs on (launch.sh --cuda_graphs true; not timed)"
+        strong = " strong" if label == "Nemotron4 340B" and batch == 512 else ""
+        rows.append(PublishedRun(
+            name=f"{label} {dtype.upper()}, {gpus} x {family.upper()}{strong} (DGXC 25.07)",
+            model=shapes[label], cluster=_system_cluster(gpu, gpus), global_batch=batch, layout=layout,
+            metric="step_time_s", published=seconds, family=family, source="DGXC 2025",
+            reference=_DGXC + f", {readme[label]}, table '{label} {dtype.upper()}', {gpus} GPUs, GBS {batch}",
+            stack="megatron", dropout=False, dtype=dtype, fp8_recipe="delayed" if dtype == "fp8" else "",
+            precision="bf16-mixed" if dtype == "fp8" else _FP32_GRADS, note=note))
+    return rows
+
+
 def deepseek_v3_runs() -> list[PublishedRun]:
     """DeepSeek-V3's pre-training as its report states it: one row, the throughput implied by 180K
     H800 GPU hours per trillion tokens. Stack ``megatron`` is the nearest (DeepSeek's own HAI-LLM
@@ -852,7 +942,7 @@ def published(include_pending: bool = INCLUDE_PENDING,
     """Every row, source by source; with ``include_pending`` also :func:`pending_runs`, with
     ``include_deepseek_v3`` also :func:`deepseek_v3_runs`."""
     rows = (_papers_2021_2022() + _torchtitan() + _bridge() + _nemo() + _nemo_long_context() + _nemo_2025() + _mpt()
-            + _trainy() + _deepspeed() + _llama3())
+            + _trainy() + _deepspeed() + _llama3() + _dgxc())
     rows += _bridge_nvfp4() + _nemo_finetuning() + _bridge_finetuning()
     rows += deepseek_v3_runs() if include_deepseek_v3 else []
     return rows + pending_runs() if include_pending else rows
