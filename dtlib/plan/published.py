@@ -859,8 +859,9 @@ def _dgxc() -> list[PublishedRun]:
     the distributed optimizer (ZeRO-1) and sequence parallelism with TP, as NeMo's performance scripts set
     them; no recompute (the csv rows of the scripts, model_configs_{h100,gb200}.csv at 7994b79b2e:
     recompute_layers 0) but DeepSeek-V3's modules (launch.sh). GB200: NVL72 racks as
-    :func:`pending_runs`. The source's Grok-1 and Llama 4 rows are not taken: their shapes are not all in
-    the text read (Grok-1's expert count; Llama 4's interleaved MoE layers, shared expert and expert width)."""
+    :func:`pending_runs`. The source's Grok-1 and Llama 4 rows are not taken yet: their READMEs do not give
+    all of their shapes (Grok-1's expert count; Llama 4's interleaved MoE layers, shared expert and expert
+    width: docs/validation.md, "DGX Cloud Benchmarking 25.07")."""
     shapes = {**_nemotron4(), "Llama3.1 405B": replace(get_preset("llama3-405b"), seq=8192),
               "DeepSeek V3": replace(get_preset("deepseek-v3"), seq=4096)}
     readme = {"Llama3.1 405B": "llama3.1/README.md", "Nemotron4 15B": "nemotron/README.md",
