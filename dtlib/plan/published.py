@@ -806,7 +806,6 @@ def _llama3() -> list[PublishedRun]:
     return rows
 
 
-
 # (label, GPU, GPUs, GBS, TP, PP, CP, VP, MBS, EP, dtype, seconds per step) -- release 25.07's tables, in order
 _DGXC_ROWS = [
     ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, "bf16", 9.347),

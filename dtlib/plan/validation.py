@@ -85,12 +85,12 @@ def _published_layout(run: PublishedRun, options: StepOptions, fit: bool = True,
                   packed_doc_length=run.packed_doc_length)
 
 
-def _timed_layouts(run: PublishedRun, options: StepOptions, top: int = 1):
+def _timed_layouts(run: PublishedRun, options: StepOptions, top: int = 1, fitting: Any = None):
     """The layouts the validation times for ``run``: those of the published flags that fit its GPUs,
     or, when dtlib's memory model fits none, the same flags with the memory limit lifted. The table
     (:func:`predict`) and the fits (:func:`error_grid`) both time these, so that a row's error in the
-    table is the error the leave-one-source-out fit sees."""
-    mine = _published_layout(run, options, top=top)
+    table is the error the leave-one-source-out fit sees. ``fitting``: that first search, when already run."""
+    mine = _published_layout(run, options, top=top) if fitting is None else fitting
     if mine.configs:
         return mine
     found = _published_layout(run, options, fit=False, top=top)
@@ -116,8 +116,7 @@ def predict(run: PublishedRun, gemm: float | None = None, attention: float | Non
     options = _options(run, gemm, attention)
     mine = _published_layout(run, options)
     fits = bool(mine.configs)
-    # _timed_layouts' search, without running the fitting one twice
-    best = (mine if fits else _timed_layouts(run, options)).configs[0]
+    best = _timed_layouts(run, options, fitting=mine).configs[0]
     predicted = _metric(best, run)
     out = {"name": run.name, "source": run.source, "family": run.family, "metric": run.metric,
            "unit": METRIC_UNITS[run.metric], "published": run.published,
