@@ -106,35 +106,51 @@ EXPECTED = {
     'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0010, False, 1),
     'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0203, True, 1),
     'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1741, True, 6),
-    'Llama3.1 405B BF16, 128 x GB200 (DGXC 25.07)': (-0.1306, True, 12),
-    'Llama3.1 405B BF16, 256 x GB200 (DGXC 25.07)': (-0.1438, True, 13),
-    'Llama3.1 405B BF16, 512 x GB200 (DGXC 25.07)': (-0.1463, True, 16),
+    'Llama3.1 405B BF16, 128 x GB200 (DGXC 25.07)': (-0.1307, True, 18),
+    'Llama3.1 405B BF16, 256 x GB200 (DGXC 25.07)': (-0.1439, True, 23),
+    'Llama3.1 405B BF16, 512 x GB200 (DGXC 25.07)': (-0.1463, True, 27),
     'Llama3.1 405B FP8, 128 x GB200 (DGXC 25.07)': (-0.1562, True, 26),
     'Llama3.1 405B FP8, 256 x GB200 (DGXC 25.07)': (-0.1643, True, 38),
     'Llama3.1 405B FP8, 512 x GB200 (DGXC 25.07)': (-0.1729, True, 36),
-    'Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)': (0.0227, False, 1),
+    'Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)': (0.0110, True, 2),
     'Llama3.1 405B FP8, 512 x H100 (DGXC 25.07)': (-0.0226, True, 5),
-    'Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)': (-0.0114, False, 1),
+    'Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)': (-0.0118, True, 1),
     'Nemotron4 15B FP8, 16 x H100 (DGXC 25.07)': (-0.0871, True, 1),
-    'Nemotron4 340B BF16, 256 x H100 (DGXC 25.07)': (-0.0521, True, 1),
+    'Nemotron4 340B BF16, 256 x H100 (DGXC 25.07)': (-0.0875, True, 3),
     'Nemotron4 340B FP8, 256 x H100 (DGXC 25.07)': (-0.0699, True, 4),
-    'Nemotron4 340B BF16, 128 x GB200 (DGXC 25.07)': (-0.2700, True, 8),
-    'Nemotron4 340B BF16, 256 x GB200 (DGXC 25.07)': (-0.2725, True, 8),
-    'Nemotron4 340B BF16, 512 x GB200 (DGXC 25.07)': (-0.2827, True, 5),
+    'Nemotron4 340B BF16, 128 x GB200 (DGXC 25.07)': (-0.2703, True, 8),
+    'Nemotron4 340B BF16, 256 x GB200 (DGXC 25.07)': (-0.2727, True, 9),
+    'Nemotron4 340B BF16, 512 x GB200 (DGXC 25.07)': (-0.2863, True, 7),
     'Nemotron4 340B FP8, 128 x GB200 (DGXC 25.07)': (-0.2944, True, 15),
     'Nemotron4 340B FP8, 256 x GB200 (DGXC 25.07)': (-0.3131, True, 14),
     'Nemotron4 340B FP8, 512 x GB200 (DGXC 25.07)': (-0.3125, True, 9),
-    'Nemotron4 340B BF16, 128 x GB200 strong (DGXC 25.07)': (-0.2432, True, 21),
-    'Nemotron4 340B BF16, 256 x GB200 strong (DGXC 25.07)': (-0.2532, True, 32),
-    'Nemotron4 340B BF16, 512 x GB200 strong (DGXC 25.07)': (-0.2651, True, 25),
+    'Nemotron4 340B BF16, 128 x GB200 strong (DGXC 25.07)': (-0.2432, True, 35),
+    'Nemotron4 340B BF16, 256 x GB200 strong (DGXC 25.07)': (-0.2532, True, 35),
+    'Nemotron4 340B BF16, 512 x GB200 strong (DGXC 25.07)': (-0.2661, True, 32),
     'Nemotron4 340B FP8, 128 x GB200 strong (DGXC 25.07)': (-0.2600, True, 53),
     'Nemotron4 340B FP8, 256 x GB200 strong (DGXC 25.07)': (-0.2781, True, 48),
     'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2790, True, 45),
-    'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.0988, True, 2),
-    'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.1464, True, 12),
-    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6653, True, 16),
-    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6600, True, 42),
-    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6591, True, 74),
+    'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.0909, True, 2),
+    'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.1389, True, 7),
+    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6579, True, 6),
+    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6560, True, 23),
+    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6551, True, 44),
+    'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (-0.0281, True, 23),
+    'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (-0.0371, True, 25),
+    'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (-0.0285, True, 34),
+    'Grok1 314B FP8, 128 x GB200 (DGXC 25.07)': (-0.1080, True, 42),
+    'Grok1 314B FP8, 256 x GB200 (DGXC 25.07)': (-0.0960, True, 54),
+    'Grok1 314B FP8, 512 x GB200 (DGXC 25.07)': (-0.0907, True, 49),
+    'Grok1 314B BF16, 512 x H100 (DGXC 25.07)': (0.1507, True, 11),
+    'Grok1 314B FP8, 512 x H100 (DGXC 25.07)': (-0.0297, True, 18),
+    'Llama4 Maverick BF16, 128 x GB200 (DGXC 25.07)': (-0.0784, True, 8),
+    'Llama4 Maverick BF16, 256 x GB200 (DGXC 25.07)': (-0.0879, True, 9),
+    'Llama4 Maverick BF16, 512 x GB200 (DGXC 25.07)': (-0.1031, True, 12),
+    'Llama4 Maverick FP8, 128 x GB200 (DGXC 25.07)': (-0.1044, True, 11),
+    'Llama4 Maverick FP8, 256 x GB200 (DGXC 25.07)': (-0.1235, True, 14),
+    'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1346, True, 13),
+    'Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)': (0.3888, True, 60),
+    'Llama4 Maverick FP8, 512 x H100 (DGXC 25.07)': (0.3319, True, 94),
     'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0491, True, 3),
     'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1495, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (-0.0172, True, 12),
@@ -196,7 +212,7 @@ LOSO = {
     'Trainy H200': (0.60, 0.45, 0.0796, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
-    'DGXC 2025': (0.60, 0.50, 0.2322, 0.2322),
+    'DGXC 2025': (0.60, 0.50, 0.1923, 0.1923),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0979, 0.0979),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
     'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0704, 0.0704),
@@ -207,9 +223,9 @@ LOSO = {
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
-    'h100': (71, 0.1005, 0.1005),
+    'h100': (75, 0.1073, 0.1073),
     'b200': (14, 0.1198, 0.1198),
-    'gb200': (42, 0.1942, 0.1942),
+    'gb200': (54, 0.1697, 0.1697),
     'h200': (2, 0.0348, 0.0796),
     'gb300': (15, 0.1026, 0.1026),
     'h800': (1, 0.0697, 0.0697),
@@ -248,36 +264,33 @@ def test_every_published_layout_fits_its_gpus(table):
     And DeepSeek-V3 under DualPipe: two copies of its stages' weights and pp + 1 stage-micro-batches
     in flight need 81.3 GiB of the H800's 80, where the report caches the inputs of its linear layers
     in FP8 (Sec. 3.3.2, "Low-Precision Storage and Communication"), which dtlib does not model.
-    And two BF16 rows of DGXC 25.07 on H100 by under 2%: Llama 3.1 405B on 512 (81.6 GiB) and Nemotron-4
-    15B on 16 (80.1 GiB), whose FP32 gradient buffers (NeMo's bf16_mixed: grad_reduce_in_fp32) their FP8
-    twins, which reduce in BF16, do not have (62.3 and 60.3 GiB)."""
+    The two BF16 rows of DGXC 25.07 on H100 that missed by under 2% when timed with FP32 gradient buffers
+    (Llama 3.1 405B on 512, Nemotron-4 15B on 16) fit with the BF16 ones their recipes' performance mode
+    sets (grad_reduce_in_fp32 = False)."""
     short = [name for name, row in table.items() if not row["fits"]]
     assert short == ["Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)",
-                     "Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", "Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)",
                      "DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)"]
-    for name, gib in (("Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", 81.6),
-                      ("Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)", 80.1)):
-        assert table[name]["memory_gib"] == pytest.approx(gib, abs=0.05)
-        assert table[name.replace("BF16", "FP8")]["fits"]
+    for name in ("Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", "Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)"):
+        assert table[name]["memory_gib"] < 80
 
 
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1224, abs=5e-4)
+    assert mae == pytest.approx(0.1222, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
-    """Lesson 10's claim: the 141 dense runs within 11% on average, the 27 MoE runs twice as far off."""
+    """Lesson 10's claim: the 141 dense runs within 11% on average, the 43 MoE runs over 1.5 times as far off."""
     kinds = errors_by_kind(list(table.values()))
     moe = {r.name for r in PUBLISHED if r.model.moe_experts}
-    assert set(kinds["moe"]["names"]) == moe and len(moe) == 27
+    assert set(kinds["moe"]["names"]) == moe and len(moe) == 43
     assert set(kinds["dense"]["names"]) == set(table) - moe
     for kind, names in (("dense", set(table) - moe), ("moe", moe)):
         by_hand = sum(abs(EXPECTED[n][0]) for n in names) / len(names)
         assert kinds[kind]["mean_absolute_error"] == pytest.approx(by_hand, abs=1e-4), kind
     assert kinds["dense"]["mean_absolute_error"] < 0.11
-    assert kinds["moe"]["mean_absolute_error"] > 2 * kinds["dense"]["mean_absolute_error"]
+    assert kinds["moe"]["mean_absolute_error"] > 1.5 * kinds["dense"]["mean_absolute_error"]
 
 
 def test_sixteen_sources_and_seven_gpu_families():
@@ -298,7 +311,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0975, abs=5e-4)
+    assert held_out == pytest.approx(0.0950, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -421,19 +434,35 @@ def test_the_amd_comparison_is_what_docs_validation_says():
 
 
 def test_the_dgxc_rows_are_what_docs_validation_says(table):
-    """docs/validation.md, "DGX Cloud Benchmarking 25.07": every GB200 row ran slower than predicted (dense
-    15-46%, DeepSeek-V3 about 3x), the H100 rows within 15%; with TP communication exposed the twelve
-    weak-scaling dense GB200 rows would be -5..-13% (a lead, not adopted)."""
+    """docs/validation.md, "DGX Cloud Benchmarking 25.07": 45 runs of six tables. Every GB200 run took
+    longer than predicted, by more the larger its TP group (TP 1 Llama 4 8-16%, TP 4 Grok-1 2-13%, TP 4 x
+    CP 2 Llama 3.1 14-22%, TP 8 Nemotron-4 32-47%; DeepSeek-V3 about 3x); on H100 the dense, Grok-1 and
+    DeepSeek-V3 runs within 17%, and Llama 4 predicted 33-39% too slow, 2.0 of its 2.5 s of EP time being
+    the 127 per-peer message latencies of each all-to-all. With TP communication exposed the twelve
+    weak-scaling dense GB200 rows would be -5..-14% (a lead, not adopted)."""
     from dataclasses import replace
     rows = {r.name: r for r in PUBLISHED if r.source == "DGXC 2025"}
-    assert len(rows) == 29 and all(r.metric == "step_time_s" for r in rows.values())
+    assert len(rows) == 45 and all(r.metric == "step_time_s" for r in rows.values())
     slower = {name: table[name]["published"] / table[name]["predicted"] for name in rows}  # step times
-    gb200 = {n: x for n, x in slower.items() if "x GB200" in n}
-    dense = [x for n, x in gb200.items() if not n.startswith("DeepSeek")]
-    assert len(gb200) == 21 and 1.14 < min(dense) and max(dense) < 1.47
-    assert all(2.9 < x < 3.0 for n, x in gb200.items() if n.startswith("DeepSeek"))
-    assert all(0.97 < x < 1.18 for n, x in slower.items() if "x H100" in n)
-    weak = [run for name, run in rows.items() if name in gb200 and "strong" not in name
-            and not name.startswith("DeepSeek")]
+
+    def group(model, family):
+        return [x for n, x in slower.items() if n.startswith(model) and f"x {family}" in n]
+
+    for model, runs, low, high in (("Llama4", 6, 1.08, 1.16), ("Grok1", 6, 1.02, 1.13), ("Llama3.1", 6, 1.14, 1.22),
+                                   ("Nemotron4 340B", 12, 1.32, 1.47), ("DeepSeek", 3, 2.85, 2.95)):
+        x = group(model, "GB200")
+        assert len(x) == runs and low < min(x) and max(x) < high, model
+    assert len(group("", "GB200")) == 33
+    h100 = [x for n, x in slower.items() if "x H100" in n and not n.startswith("Llama4")]
+    assert len(h100) == 10 and all(0.86 < x < 1.17 for x in h100)
+    maverick = {n: rows[n] for n in rows if n.startswith("Llama4") and "x H100" in n}
+    assert len(maverick) == 2 and all(0.71 < slower[n] < 0.76 for n in maverick)
+    run = maverick["Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)"]
+    ep = predict(run, rank=False)["config"]["breakdown"]["ep_comm"]
+    no_latency = replace(run, cluster=replace(run.cluster, inter=replace(run.cluster.inter, latency=0.0)))
+    ep_bandwidth = predict(no_latency, rank=False)["config"]["breakdown"]["ep_comm"]
+    assert ep == pytest.approx(2.50, abs=0.01) and ep - ep_bandwidth == pytest.approx(2.05, abs=0.02)
+    weak = [run for name, run in rows.items() if "x GB200" in name and "strong" not in name
+            and name.startswith(("Llama3.1", "Nemotron4"))]
     exposed = [predict(replace(run, tp_overlap=0.0), rank=False)["error"] for run in weak]
-    assert len(weak) == 12 and -0.135 < min(exposed) and max(exposed) < -0.05
+    assert len(weak) == 12 and -0.14 < min(exposed) and max(exposed) < -0.05

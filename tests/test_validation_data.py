@@ -45,21 +45,21 @@ def test_no_row_is_there_twice():
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs across A100, H100, H200, B200 and GB200 (and GB300),
     BF16 and FP8, dense and MoE, the four stacks."""
-    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 168 and len(SOURCES) == 16
+    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 184 and len(SOURCES) == 16
     assert Counter(r.source for r in PUBLISHED) == {
         "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
         "Megatron-Bridge": 32, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
         "BLOOM 2022": 1, "DeepSeek-V3 2024": 1, "Megatron-Bridge NVFP4": 4, "NeMo 2024 fine-tuning": 6,
-        "Megatron-Bridge fine-tuning": 10, "DGXC 2025": 29}
-    assert Counter(r.family for r in PUBLISHED) == {"h100": 71, "a100": 23, "b200": 14, "gb200": 42, "gb300": 15,
+        "Megatron-Bridge fine-tuning": 10, "DGXC 2025": 45}
+    assert Counter(r.family for r in PUBLISHED) == {"h100": 75, "a100": 23, "b200": 14, "gb200": 54, "gb300": 15,
                                                     "h200": 2, "h800": 1}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 70, "fp8": 94, "nvfp4": 4}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 126, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 78, "fp8": 102, "nvfp4": 4}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 142, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
     assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 109, "hardware_tflops_per_gpu": 14,
-                                                    "step_time_s": 33, "model_tflops_per_gpu": 12}
+                                                    "step_time_s": 49, "model_tflops_per_gpu": 12}
     assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {
-        "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 11, "gpt-oss-120b": 4, "qwen3-30b-a3b": 4,
-        "qwen3-235b-a22b": 4}
+        "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 11, "grok1-314b": 8, "llama4-maverick": 8,
+        "gpt-oss-120b": 4, "qwen3-30b-a3b": 4, "qwen3-235b-a22b": 4}
 
 
 def test_published_numbers_are_the_new_sources():
@@ -75,10 +75,20 @@ def test_published_numbers_are_the_new_sources():
         1007, 1058, 2199, 5080, 10475, 23422, 44123, 4792, 6935, 12025, 27965, 30586, 32010, 410, 916, 2262, 4641,
         20513]
     assert [r.published for r in by_source["Megatron-Bridge NVFP4"]] == [7296, 4864, 1440, 1184]
-    # DGXC 25.07's step times, table by table (llama3.1, nemotron, deepseek_v3/pretraining READMEs)
+    # DGXC 25.07's step times, table by table (llama3.1, nemotron, deepseek_v3/pretraining, grok1, llama4 READMEs)
     assert [r.published for r in by_source["DGXC 2025"]] == [
         9.347, 9.484, 9.508, 6.131, 6.183, 6.244, 19.810, 13.020, 2.746, 1.988, 4.606, 3.107, 2.189, 2.19, 2.229,
-        1.483, 1.517, 1.549, 32.66, 16.58, 8.468, 21.83, 11.21, 5.668, 48.948, 52.04, 34.168, 34.194, 34.274]
+        1.483, 1.517, 1.549, 32.66, 16.58, 8.468, 21.83, 11.21, 5.668, 48.948, 52.04, 34.168, 34.194, 34.274,
+        7.325, 7.39, 7.324, 5.298, 5.224, 5.193, 15.933, 13.433, 7.781, 7.859, 7.992, 6.093, 6.223, 6.327, 4.426, 3.855]
+    # what the recipes' code sets beyond the tables: BF16 gradients but DeepSeek-V3's, whose script also
+    # turns TP overlap off and splits its layers 64/PP - 1 first, 64/PP - 2 last
+    dgxc = by_source["DGXC 2025"]
+    assert {r.precision for r in dgxc if not r.name.startswith("DeepSeek")} == {"bf16-mixed"}
+    seek = [r for r in dgxc if r.name.startswith("DeepSeek")]
+    assert {(r.precision, r.tp_overlap) for r in seek} == {("megatron-bf16", 0.0)}
+    assert [(r.layout["pp"], r.layout["first_stage_layers"], r.layout["last_stage_layers"]) for r in seek] == [
+        (8, 7, 6), (16, 3, 2), (4, 15, 14), (4, 15, 14), (4, 15, 14)]
+    assert {r.model.moe_capacity_factor for r in dgxc if r.model.moe_experts} == {1.0}
     assert {r.dtype for r in by_source["Megatron-Bridge NVFP4"]} == {"nvfp4"}
     tuned = by_source["NeMo 2024 fine-tuning"]
     assert [r.published for r in tuned] == [16891, 10176, 1816, 24824, 14629, 2621]

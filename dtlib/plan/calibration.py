@@ -32,7 +32,7 @@ __all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FITTED_ON", "efficiency_s
 GEMM_EFFICIENCY = 0.60
 ATTENTION_EFFICIENCY = 0.50
 # the attention kernel of each software stack scales ATTENTION_EFFICIENCY (dtlib.analytic.stacks)
-FITTED_ON = ("168 runs of sixteen sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
+FITTED_ON = ("184 runs of sixteen sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
              "Megatron-Bridge 25.11 (with its GB200/GB300 racks and MoE models) and 26.04.01 (NVFP4), NeMo 2024 "
              "(24.07 and its long-sequence table), NeMo 2024 fine-tuning (24.07 Llama 2 SFT and LoRA), "
              "Megatron-Bridge fine-tuning (26.06 Llama 3 70B SFT and LoRA on GB300, GB200, H100), "

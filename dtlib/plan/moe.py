@@ -31,7 +31,9 @@ exchange of :func:`dtlib.analytic.comm.collective_time`. Across nodes the bytes 
 same node go over NVLink and the rest through the GPU's share of the node's NICs at the same time;
 the NIC share bounds it (DeepSeek-V3 technical report, Sec. 3.2.2: cross-node all-to-all limited by
 the InfiniBand bandwidth per GPU, the NVLink part concurrent), with ``(n-1)`` message latencies of
-the inter-node link. With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP
+the inter-node link (the pairwise exchange's ``(p - 1) alpha``, Thakur, Rabenseifner & Gropp 2005: an
+upper bound where NCCL keeps several peers' messages in flight at once, docs/validation.md, "DGX Cloud
+Benchmarking 25.07"). With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP
 group and the expert outputs reduce-scattered back (``gather_from_sequence_parallel_region`` /
 ``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
 

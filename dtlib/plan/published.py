@@ -15,7 +15,7 @@ missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBL
 DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
 for ``PublishedRun.ep_overlap`` (DualPipe).
 
-About 1,100 lines because it is sixteen sources' tables transcribed row by row (and the AMD
+About 1,200 lines because it is sixteen sources' tables transcribed row by row (and the AMD
 comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that
 the rows must agree on.
 """
@@ -140,11 +140,13 @@ _LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Sec. 3.3 and Table 4 
            "Balaji, SC'24) and the 8K-then-128K stages at https://ai-papers.xuzou.cn/papers/llama3_2024")
 
 _DGXC = ("NVIDIA DGX Cloud Benchmarking, release 25.07 (gsw 25.05.04; NeMo 2.x containers 25.04.00/25.04.01), "
-         "'Expected Performance' tables and layout tables of llama3.1/README.md, nemotron/README.md and "
-         "deepseek_v3/pretraining/README.md, their launch.sh (recompute modules, CUDA graphs) and Notes (model "
-         "shapes) https://github.com/NVIDIA/dgxc-benchmarking/tree/6be5ea0e19c583ee4d445a1cd65a3ff2fcb4e58b; "
-         "the scripts they run: NeMo scripts/performance/llm/pretrain_*.py at 25.04-alpha.rc2 7994b79b2e4c79525b284120b6ec3654c14bad15 (FP8: "
-         "bf16_with_fp8_mixed, delayed scaling, grad_reduce_in_fp32 False; BF16: bf16_mixed, grad_reduce_in_fp32 True)")
+         "'Expected Performance' tables and layout tables of llama3.1/, nemotron/, deepseek_v3/pretraining/, "
+         "grok1/ and llama4/README.md, their launch.sh (layouts, recompute modules, CUDA graphs), setup.sh (the "
+         "NeMo commit each runs) and Notes (model shapes) "
+         "https://github.com/NVIDIA/dgxc-benchmarking/tree/6be5ea0e19c583ee4d445a1cd65a3ff2fcb4e58b; "
+         "the scripts they run: NeMo scripts/performance/llm/pretrain_*.py, utils.py and the recipes "
+         "nemo/collections/llm/recipes/*.py at each setup.sh's NEMO_COMMIT (FP8: bf16_with_fp8_mixed, delayed "
+         "scaling; grad_reduce_in_fp32 False in every recipe's performance mode but DeepSeek-V3's)")
 
 # torchtitan's hosts: H100 with 96 GB HBM2e and 2.4 TB/s, SXM tensor cores and SMs, run at 500 W
 TITAN_H100 = replace(get_gpu("h100-sxm"), name="h100-96gb", memory_bytes=96 * GiB,
@@ -806,86 +808,151 @@ def _llama3() -> list[PublishedRun]:
     return rows
 
 
-# (label, GPU, GPUs, GBS, TP, PP, CP, VP, MBS, EP, dtype, seconds per step) -- release 25.07's tables, in order
+# (label, GPU, GPUs, GBS, TP, PP, CP, VP, MBS, EP, ETP, dtype, seconds per step) -- release 25.07's tables, in order
 _DGXC_ROWS = [
-    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, "bf16", 9.347),
-    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, "bf16", 9.484),
-    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, "bf16", 9.508),
-    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, "fp8", 6.131),
-    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, "fp8", 6.183),
-    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, "fp8", 6.244),
-    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, "bf16", 19.810),
-    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, "fp8", 13.020),
-    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, "bf16", 2.746),
-    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, "fp8", 1.988),
-    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, "bf16", 4.606),
-    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, "fp8", 3.107),
-    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, "bf16", 2.189),
-    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, "bf16", 2.19),
-    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, "bf16", 2.229),
-    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, "fp8", 1.483),
-    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, "fp8", 1.517),
-    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, "fp8", 1.549),
-    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, "bf16", 32.66),
-    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, "bf16", 16.58),
-    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, "bf16", 8.468),
-    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, "fp8", 21.83),
-    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, "fp8", 11.21),
-    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, "fp8", 5.668),
-    ("DeepSeek V3", "h100-sxm", 512, 4096, 2, 8, 1, 1, 1, 64, "bf16", 48.948),
-    ("DeepSeek V3", "h100-sxm", 1024, 8192, 2, 16, 1, 1, 1, 64, "bf16", 52.04),
-    ("DeepSeek V3", "gb200", 128, 1024, 2, 4, 1, 1, 1, 32, "bf16", 34.168),
-    ("DeepSeek V3", "gb200", 256, 2048, 2, 4, 1, 1, 1, 64, "bf16", 34.194),
-    ("DeepSeek V3", "gb200", 512, 4096, 2, 4, 1, 1, 1, 64, "bf16", 34.274),
+    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, 1, "bf16", 9.347),
+    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, 1, "bf16", 9.484),
+    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, 1, "bf16", 9.508),
+    ("Llama3.1 405B", "gb200", 128, 64, 4, 8, 2, 8, 1, 1, 1, "fp8", 6.131),
+    ("Llama3.1 405B", "gb200", 256, 128, 4, 8, 2, 8, 1, 1, 1, "fp8", 6.183),
+    ("Llama3.1 405B", "gb200", 512, 256, 4, 8, 2, 8, 1, 1, 1, "fp8", 6.244),
+    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, 1, "bf16", 19.810),
+    ("Llama3.1 405B", "h100-sxm", 512, 256, 8, 8, 2, 8, 1, 1, 1, "fp8", 13.020),
+    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, 1, "bf16", 2.746),
+    ("Nemotron4 15B", "h100-sxm", 16, 64, 2, 1, 1, 1, 2, 1, 1, "fp8", 1.988),
+    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, 1, "bf16", 4.606),
+    ("Nemotron4 340B", "h100-sxm", 256, 64, 8, 8, 1, 12, 1, 1, 1, "fp8", 3.107),
+    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, 1, "bf16", 2.189),
+    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, 1, "bf16", 2.19),
+    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, 1, "bf16", 2.229),
+    ("Nemotron4 340B", "gb200", 128, 32, 8, 4, 1, 12, 1, 1, 1, "fp8", 1.483),
+    ("Nemotron4 340B", "gb200", 256, 64, 8, 4, 1, 12, 1, 1, 1, "fp8", 1.517),
+    ("Nemotron4 340B", "gb200", 512, 128, 8, 4, 1, 12, 1, 1, 1, "fp8", 1.549),
+    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, 1, "bf16", 32.66),
+    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, 1, "bf16", 16.58),
+    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, 1, "bf16", 8.468),
+    ("Nemotron4 340B", "gb200", 128, 512, 8, 4, 1, 12, 1, 1, 1, "fp8", 21.83),
+    ("Nemotron4 340B", "gb200", 256, 512, 8, 4, 1, 12, 1, 1, 1, "fp8", 11.21),
+    ("Nemotron4 340B", "gb200", 512, 512, 8, 4, 1, 12, 1, 1, 1, "fp8", 5.668),
+    ("DeepSeek V3", "h100-sxm", 512, 4096, 2, 8, 1, 1, 1, 64, 1, "bf16", 48.948),
+    ("DeepSeek V3", "h100-sxm", 1024, 8192, 2, 16, 1, 1, 1, 64, 1, "bf16", 52.04),
+    ("DeepSeek V3", "gb200", 128, 1024, 2, 4, 1, 1, 1, 32, 1, "bf16", 34.168),
+    ("DeepSeek V3", "gb200", 256, 2048, 2, 4, 1, 1, 1, 64, 1, "bf16", 34.194),
+    ("DeepSeek V3", "gb200", 512, 4096, 2, 4, 1, 1, 1, 64, 1, "bf16", 34.274),
+    ("Grok1 314B", "gb200", 128, 256, 4, 1, 1, 1, 1, 8, 4, "bf16", 7.325),
+    ("Grok1 314B", "gb200", 256, 512, 4, 1, 1, 1, 1, 8, 4, "bf16", 7.39),
+    ("Grok1 314B", "gb200", 512, 1024, 4, 1, 1, 1, 1, 8, 4, "bf16", 7.324),
+    ("Grok1 314B", "gb200", 128, 256, 4, 1, 1, 1, 1, 8, 4, "fp8", 5.298),
+    ("Grok1 314B", "gb200", 256, 512, 4, 1, 1, 1, 1, 8, 4, "fp8", 5.224),
+    ("Grok1 314B", "gb200", 512, 1024, 4, 1, 1, 1, 1, 8, 4, "fp8", 5.193),
+    ("Grok1 314B", "h100-sxm", 512, 1024, 4, 8, 2, 8, 1, 8, 1, "bf16", 15.933),
+    ("Grok1 314B", "h100-sxm", 512, 1024, 4, 8, 2, 8, 1, 8, 1, "fp8", 13.433),
+    ("Llama4 Maverick", "gb200", 128, 1024, 1, 2, 1, 12, 1, 64, 1, "bf16", 7.781),
+    ("Llama4 Maverick", "gb200", 256, 2048, 1, 2, 1, 12, 1, 64, 1, "bf16", 7.859),
+    ("Llama4 Maverick", "gb200", 512, 4096, 1, 2, 1, 12, 1, 64, 1, "bf16", 7.992),
+    ("Llama4 Maverick", "gb200", 128, 1024, 1, 2, 1, 12, 1, 64, 1, "fp8", 6.093),
+    ("Llama4 Maverick", "gb200", 256, 2048, 1, 2, 1, 12, 1, 64, 1, "fp8", 6.223),
+    ("Llama4 Maverick", "gb200", 512, 4096, 1, 2, 1, 12, 1, 64, 1, "fp8", 6.327),
+    ("Llama4 Maverick", "h100-sxm", 512, 1024, 4, 1, 1, 1, 1, 128, 4, "bf16", 4.426),
+    ("Llama4 Maverick", "h100-sxm", 512, 1024, 4, 1, 1, 1, 1, 128, 4, "fp8", 3.855),
 ]
+# each workload's setup.sh pins the NeMo commit its launch.sh runs (NEMO_COMMIT)
+_DGXC_NEMO = {"Llama3.1 405B": "6f2c6fdaffcc0af97a9e2219fcc104e2399627e4",
+              "Grok1 314B": "6f2c6fdaffcc0af97a9e2219fcc104e2399627e4",
+              "Nemotron4 15B": "b4148d21695de467d50ebf050566555429c26919",
+              "Nemotron4 340B": "b4148d21695de467d50ebf050566555429c26919",
+              "DeepSeek V3": "7a8f1cc7bc40a84447c0681a9e4e956a135ae8a2",
+              "Llama4 Maverick": "7a8f1cc7bc40a84447c0681a9e4e956a135ae8a2"}
+_DGXC_README = {"Llama3.1 405B": "llama3.1/README.md", "Nemotron4 15B": "nemotron/README.md",
+                "Nemotron4 340B": "nemotron/README.md", "DeepSeek V3": "deepseek_v3/pretraining/README.md",
+                "Grok1 314B": "grok1/README.md", "Llama4 Maverick": "llama4/README.md"}
 
 
-def _nemotron4() -> dict[str, TransformerConfig]:
-    """Nemotron-4 15B and 340B as DGXC's README notes shape them (layers, hidden, FFN, heads, query groups,
-    vocabulary 256,000, seq 4096): LayerNorm, RoPE, no biases, untied embeddings (NVIDIA 2024, "Nemotron-4
-    15B Technical Report", Sec. 2). Its squared-ReLU MLP has two matrices, as the non-gated ``gelu`` one: the
-    same GEMMs and one activation kernel."""
-    base = TransformerConfig(name="nemotron4-15b", layers=32, hidden=6144, heads=48, kv_heads=8, ffn=24576,
-                             vocab=256000, seq=4096, activation="gelu", tied_embeddings=False, bias=False,
-                             norm="layernorm", position="rope", source=_DGXC + " (nemotron/README.md, Notes)")
-    return {"Nemotron4 15B": base,
-            "Nemotron4 340B": replace(base, name="nemotron4-340b", layers=96, hidden=18432, heads=96, ffn=73728)}
+def _dgxc_models() -> dict[str, TransformerConfig]:
+    """The models of DGXC's tables as the NeMo code they run shapes them.
+
+    Nemotron-4 15B and 340B from the README's Notes (layers, hidden, FFN, heads, query groups, vocabulary
+    256,000, seq 4096): LayerNorm, RoPE, no biases, untied embeddings (NVIDIA 2024, "Nemotron-4 15B
+    Technical Report", Sec. 2); its squared-ReLU MLP has two matrices, as the non-gated ``gelu`` one: the
+    same GEMMs and one activation kernel. Grok-1 as ``pretrain_grok1_314b.py`` builds it: NeMo's
+    ``MixtralConfig8x7B`` (SwiGLU, RMSNorm, RoPE base 1e6, top-2 routing, no biases, untied) with 64 layers,
+    hidden 6,144, 48 heads, 8 query groups, FFN 32,768 and 8 experts, and the Llama 3 tokenizer as the
+    script's proxy (vocabulary 128,256). Llama 4 Maverick as ``Llama4Experts128Config``
+    (``nemo/collections/llm/gpt/model/llama.py``): 48 layers, hidden 5,120, 40 heads, 8 query groups,
+    dense FFN 16,384, vocabulary 25,256 x 8, MoE on every second layer (``moe_layer_freq = [0, 1] * 24``:
+    the first dense, then every 2nd), 128 experts of 8,192, top-1 with sigmoid scores, one shared expert of
+    8,192, RoPE base 500,000. The MoE runs drop tokens at capacity 1.0 and pad to it
+    (``MegatronTokenDropCallback``'s defaults), as DeepSeek-V3's do (``USE_TOKEN_DROP``)."""
+    nemotron = TransformerConfig(name="nemotron4-15b", layers=32, hidden=6144, heads=48, kv_heads=8, ffn=24576,
+                                 vocab=256000, seq=4096, activation="gelu", tied_embeddings=False, bias=False,
+                                 norm="layernorm", position="rope", source=_DGXC + " (nemotron/README.md, Notes)")
+    grok = TransformerConfig(name="grok1-314b", layers=64, hidden=6144, heads=48, kv_heads=8, ffn=32768,
+                             vocab=128256, seq=8192, activation="swiglu", tied_embeddings=False, bias=False,
+                             norm="rmsnorm", position="rope", rope_theta=1e6, moe_experts=8, moe_top_k=2,
+                             moe_capacity_factor=1.0,
+                             source=_DGXC + " (grok1/README.md; NeMo scripts/performance/llm/pretrain_grok1_314b.py "
+                                            "at " + _DGXC_NEMO["Grok1 314B"] + ")")
+    maverick = TransformerConfig(name="llama4-maverick", layers=48, hidden=5120, heads=40, kv_heads=8, ffn=16384,
+                                 vocab=202048, seq=8192, activation="swiglu", tied_embeddings=False, bias=False,
+                                 norm="rmsnorm", position="rope", rope_theta=500000.0, moe_experts=128, moe_top_k=1,
+                                 moe_ffn=8192, moe_shared_experts=1, moe_dense_layers=1, moe_layer_freq=2,
+                                 router_score="sigmoid", moe_capacity_factor=1.0,
+                                 source=_DGXC + " (llama4/README.md; NeMo nemo/collections/llm/gpt/model/llama.py "
+                                                "Llama4Experts128Config at " + _DGXC_NEMO["Llama4 Maverick"] + ")")
+    return {"Nemotron4 15B": nemotron,
+            "Nemotron4 340B": replace(nemotron, name="nemotron4-340b", layers=96, hidden=18432, heads=96, ffn=73728),
+            "Llama3.1 405B": replace(get_preset("llama3-405b"), seq=8192),
+            "DeepSeek V3": replace(get_preset("deepseek-v3"), seq=4096, moe_capacity_factor=1.0),
+            "Grok1 314B": grok, "Llama4 Maverick": maverick}
 
 
 def _dgxc() -> list[PublishedRun]:
     """NVIDIA's DGX Cloud Benchmarking recipes, release 25.07: NeMo 2.x (25.04 containers) pre-training on
-    DGX-H100 and DGX-GB200, step times as measured (iterations 11-44). Layouts as the tables state them;
-    the distributed optimizer (ZeRO-1) and sequence parallelism with TP, as NeMo's performance scripts set
-    them; no recompute (the csv rows of the scripts, model_configs_{h100,gb200}.csv at 7994b79b2e:
-    recompute_layers 0) but DeepSeek-V3's modules (launch.sh). GB200: NVL72 racks as
-    :func:`pending_runs`. The source's Grok-1 and Llama 4 rows are not taken yet: their READMEs do not give
-    all of their shapes (Grok-1's expert count; Llama 4's interleaved MoE layers, shared expert and expert
-    width: docs/validation.md, "DGX Cloud Benchmarking 25.07")."""
-    shapes = {**_nemotron4(), "Llama3.1 405B": replace(get_preset("llama3-405b"), seq=8192),
-              "DeepSeek V3": replace(get_preset("deepseek-v3"), seq=4096)}
-    readme = {"Llama3.1 405B": "llama3.1/README.md", "Nemotron4 15B": "nemotron/README.md",
-              "Nemotron4 340B": "nemotron/README.md", "DeepSeek V3": "deepseek_v3/pretraining/README.md"}
+    DGX-H100 and DGX-GB200, step times as measured (iterations 11-44), every row of the six pre-training
+    tables of dense and MoE models. Layouts as the tables state them; what they leave out from the NeMo
+    code each recipe pins (:data:`_DGXC_NEMO`): the distributed optimizer (ZeRO-1) and sequence parallelism
+    with TP (the performance scripts); no recompute (the scripts' ``model_configs_{h100,gb200}.csv`` rows:
+    ``recompute_layers`` 0) but DeepSeek-V3's modules (``launch.sh``); BF16 gradient reduction in every
+    dense and Grok/Llama 4 run, FP8 and BF16 alike (each recipe's ``pretrain_performance_optimizations``
+    sets ``grad_reduce_in_fp32 = False``; the FP8 scripts again with ``bf16_with_fp8_mixed``, delayed
+    scaling), FP32 in DeepSeek-V3's (its recipe keeps ``bf16_mixed()``); DeepSeek-V3 with TP communication
+    overlap off (``MegatronCommOverlapCallback(tp_comm_overlap=False)`` in its script) and its uneven
+    pipeline (``num_layers_in_first_pipeline_stage = 64 / PP - 1``, last ``64 / PP - 2``). GB200: NVL72
+    racks as :func:`pending_runs`. Nemotron-H is left out (Mamba layers)."""
+    shapes = _dgxc_models()
     rows = []
-    for label, gpu, gpus, batch, tp, pp, cp, vp, mbs, ep, dtype, seconds in _DGXC_ROWS:
+    for label, gpu, gpus, batch, tp, pp, cp, vp, mbs, ep, etp, dtype, seconds in _DGXC_ROWS:
         family = gpu.split("-")[0]
-        layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=1, dp=gpus // (tp * pp * cp), zero=1, virtual_stages=vp,
+        layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=gpus // (tp * pp * cp), zero=1, virtual_stages=vp,
                       micro_batch_size=mbs, sequence_parallel=int(tp > 1), recompute="none")
+        precision, tp_overlap = "bf16-mixed", None
         note = ("ZeRO-1 and SP with TP as NeMo's performance scripts; no recompute (the scripts' csv rows for these "
-                "models: recompute_layers 0)")
+                "models: recompute_layers 0); BF16 gradient reduction (the recipe's performance mode)")
         if label == "DeepSeek V3":  # launch.sh: RM='mla_up_proj' (H100), 'core_attn' (GB200)
-            layout.update(recompute_modules=("core_attn",) if family == "gb200" else ("mla_up_proj",))
-            note = ("ZeRO-1 and SP with TP; recompute_modules from launch.sh; ETP 1; alltoall dispatcher, "
-                    "aux-loss routing timed as balanced; BF16 only (FP8 not supported in this release)")
-        if family == "gb200" and label.startswith("Nemotron"):
-            note += "; CUDA graphs on (launch.sh --cuda_graphs true; not timed)"
+            layout.update(recompute_modules=("core_attn",) if family == "gb200" else ("mla_up_proj",),
+                          first_stage_layers=64 // pp - 1, last_stage_layers=64 // pp - 2)
+            precision, tp_overlap = _FP32_GRADS, 0.0
+            note = ("ZeRO-1 and SP with TP; recompute_modules from launch.sh; ETP 1; TP communication overlap off "
+                    f"and {64 // pp - 1} / {64 // pp - 2} layers on the first / last stage (the script); FP32 "
+                    "gradient reduction (bf16_mixed); BF16 only (FP8 not supported in this release)")
+        if ep > 1:
+            note += ("; alltoall dispatcher, tokens dropped at capacity 1.0 and padded to it (timed as balanced); "
+                     "MoE permute fusion not timed")
+        if label == "Llama4 Maverick":
+            note += "; the shared expert's overlap with the dispatch (moe_shared_expert_overlap) not modelled"
+        graphs = label in ("Nemotron4 340B", "Grok1 314B") if family == "gb200" else (label, dtype) == (
+            "Llama4 Maverick", "fp8")
+        if graphs:
+            note += "; CUDA graphs on (launch.sh; not timed)"
         strong = " strong" if label == "Nemotron4 340B" and batch == 512 else ""
         rows.append(PublishedRun(
             name=f"{label} {dtype.upper()}, {gpus} x {family.upper()}{strong} (DGXC 25.07)",
             model=shapes[label], cluster=_system_cluster(gpu, gpus), global_batch=batch, layout=layout,
             metric="step_time_s", published=seconds, family=family, source="DGXC 2025",
-            reference=_DGXC + f", {readme[label]}, table '{label} {dtype.upper()}', {gpus} GPUs, GBS {batch}",
+            reference=_DGXC + f", {_DGXC_README[label]}, table '{label} {dtype.upper()}', {gpus} GPUs, GBS {batch}; "
+                              f"NeMo at {_DGXC_NEMO[label][:10]}",
             stack="megatron", dropout=False, dtype=dtype, fp8_recipe="delayed" if dtype == "fp8" else "",
-            precision="bf16-mixed" if dtype == "fp8" else _FP32_GRADS, note=note))
+            precision=precision, tp_overlap=tp_overlap, note=note))
     return rows
 
 
