@@ -131,7 +131,7 @@ def test_nvl72_keeps_a_tp_x_ep_group_of_64_on_nvlink():
     # one per 8-GPU board
     assert expert_grid(tp=8, cp=1, dp=16, ep=8, etp=8, gpus_per_node=64)["ep_local"] == 8
     assert expert_grid(tp=8, cp=1, dp=16, ep=8, etp=8, gpus_per_node=8)["ep_local"] == 1
-    assert boards.breakdown["ep_comm"] > 2 * rack.breakdown["ep_comm"]
+    assert boards.breakdown["ep_comm"] > 1.5 * rack.breakdown["ep_comm"]
     assert rack.breakdown["compute"] == boards.breakdown["compute"]
 
 

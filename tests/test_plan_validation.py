@@ -72,14 +72,14 @@ EXPECTED = {
     'LLAMA3-8B FP8, 8 x B200 (NeMo 25.02)': (0.1713, True, 1),
     'LLAMA3-70B FP8, 64 x B200 (NeMo 25.02)': (0.1340, True, 42),
     'LLAMA3-405B FP8, 128 x B200 (NeMo 25.02)': (0.1053, True, 11),
-    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0480, True, 41),
-    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0131, True, 40),
+    'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0412, True, 44),
+    'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0093, True, 39),
     'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0556, True, 47),
     'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (0.0080, True, 2),
     'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.1494, True, 1),
     'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.1905, True, 17),
-    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1739, True, 2),
-    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0344, True, 110),
+    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1867, True, 2),
+    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0393, True, 115),
     'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (0.0074, True, 1),
     'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0411, True, 1),
     'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0149, True, 1),
@@ -130,27 +130,27 @@ EXPECTED = {
     'Nemotron4 340B FP8, 128 x GB200 strong (DGXC 25.07)': (-0.2600, True, 53),
     'Nemotron4 340B FP8, 256 x GB200 strong (DGXC 25.07)': (-0.2781, True, 48),
     'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2790, True, 45),
-    'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.0909, True, 2),
-    'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.1389, True, 7),
-    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6579, True, 6),
-    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6560, True, 23),
-    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6551, True, 44),
-    'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (-0.0281, True, 23),
-    'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (-0.0371, True, 25),
-    'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (-0.0285, True, 34),
-    'Grok1 314B FP8, 128 x GB200 (DGXC 25.07)': (-0.1080, True, 42),
-    'Grok1 314B FP8, 256 x GB200 (DGXC 25.07)': (-0.0960, True, 54),
-    'Grok1 314B FP8, 512 x GB200 (DGXC 25.07)': (-0.0907, True, 49),
-    'Grok1 314B BF16, 512 x H100 (DGXC 25.07)': (0.1507, True, 11),
-    'Grok1 314B FP8, 512 x H100 (DGXC 25.07)': (-0.0297, True, 18),
-    'Llama4 Maverick BF16, 128 x GB200 (DGXC 25.07)': (-0.0784, True, 8),
-    'Llama4 Maverick BF16, 256 x GB200 (DGXC 25.07)': (-0.0879, True, 9),
-    'Llama4 Maverick BF16, 512 x GB200 (DGXC 25.07)': (-0.1031, True, 12),
-    'Llama4 Maverick FP8, 128 x GB200 (DGXC 25.07)': (-0.1044, True, 11),
-    'Llama4 Maverick FP8, 256 x GB200 (DGXC 25.07)': (-0.1235, True, 14),
-    'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1346, True, 13),
-    'Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)': (0.3888, True, 60),
-    'Llama4 Maverick FP8, 512 x H100 (DGXC 25.07)': (0.3319, True, 94),
+    'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.1928, True, 6),
+    'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.2351, True, 14),
+    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6751, True, 6),
+    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6912, True, 17),
+    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6902, True, 31),
+    'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (-0.0366, True, 24),
+    'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (-0.0456, True, 24),
+    'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (-0.0370, True, 33),
+    'Grok1 314B FP8, 128 x GB200 (DGXC 25.07)': (-0.1198, True, 40),
+    'Grok1 314B FP8, 256 x GB200 (DGXC 25.07)': (-0.1080, True, 52),
+    'Grok1 314B FP8, 512 x GB200 (DGXC 25.07)': (-0.1028, True, 45),
+    'Grok1 314B BF16, 512 x H100 (DGXC 25.07)': (0.1428, True, 11),
+    'Grok1 314B FP8, 512 x H100 (DGXC 25.07)': (-0.0391, True, 37),
+    'Llama4 Maverick BF16, 128 x GB200 (DGXC 25.07)': (-0.1062, True, 9),
+    'Llama4 Maverick BF16, 256 x GB200 (DGXC 25.07)': (-0.1155, True, 9),
+    'Llama4 Maverick BF16, 512 x GB200 (DGXC 25.07)': (-0.1302, True, 12),
+    'Llama4 Maverick FP8, 128 x GB200 (DGXC 25.07)': (-0.1399, True, 12),
+    'Llama4 Maverick FP8, 256 x GB200 (DGXC 25.07)': (-0.1583, True, 15),
+    'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1688, True, 15),
+    'Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)': (-0.0157, True, 17),
+    'Llama4 Maverick FP8, 512 x H100 (DGXC 25.07)': (-0.1325, True, 31),
     'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0491, True, 3),
     'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1495, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (-0.0172, True, 12),
@@ -171,32 +171,32 @@ EXPECTED = {
     'LLAMA3_70B LoRA FP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0050, True, 3),
     'LLAMA3_70B LoRA MXFP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0127, True, 16),
     'LLAMA3_70B LoRA FP8, 8 x H100 (Megatron-Bridge 26.06)': (-0.1093, True, 14),
-    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (-0.0697, False, 37),
+    'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (0.0066, False, 75),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0208, True, 2),
     'LLAMA3_70B FP8-CS, 64 x GB300 (Megatron-Bridge 25.11)': (0.0893, True, 1),
     'LLAMA3.1_405B FP8-CS, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1103, True, 45),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0644, True, 5),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0285, True, 15),
-    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4001, True, 2),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1368, True, 2),
-    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1426, True, 15),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0458, True, 5),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB300 (Megatron-Bridge 25.11)': (-0.0057, True, 13),
+    'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4948, True, 2),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1316, True, 2),
+    'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1335, True, 15),
     'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0590, True, 2),
     'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.1201, True, 2),
     'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.0969, True, 1),
     'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (0.0365, True, 36),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0518, True, 4),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0743, True, 12),
-    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.3821, True, 3),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0182, True, 1),
-    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0300, True, 18),
-    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1284, True, 7),
-    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (0.1795, True, 2),
-    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3074, True, 3),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0918, True, 4),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0565, True, 12),
+    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.5497, True, 3),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0241, True, 1),
+    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0083, True, 18),
+    'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1343, True, 7),
+    'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (0.3082, True, 2),
+    'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3306, True, 3),
     'Qwen3_235B_a22B FP8-MX, 64 x B200 (Megatron-Bridge 25.11)': (0.3400, True, 12),
-    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3168, True, 18),
+    'GPT OSS 120B BF16, 64 x H100 (Megatron-Bridge 25.11)': (0.3283, True, 18),
     'Qwen3_30B_a3B FP8-CS, 16 x H100 (Megatron-Bridge 25.11)': (0.8141, True, 9),
-    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.1879, True, 10),
+    'Qwen3_235B_a22B FP8-CS, 256 x H100 (Megatron-Bridge 25.11)': (0.4572, True, 5),
 }
 
 # held-out source: (GEMM, attention efficiency fitted without it, held-out error, in-sample error)
@@ -205,30 +205,30 @@ LOSO = {
     'Korthikanti 2022': (0.60, 0.50, 0.1171, 0.1171),
     'BLOOM 2022': (0.60, 0.50, 0.0172, 0.0172),
     'torchtitan': (0.60, 0.50, 0.0842, 0.0842),
-    'Megatron-Bridge': (0.60, 0.50, 0.1457, 0.1457),
+    'Megatron-Bridge': (0.60, 0.50, 0.1661, 0.1661),
     'NeMo 2024': (0.60, 0.50, 0.0764, 0.0764),
-    'NeMo 2025': (0.60, 0.50, 0.0906, 0.0906),
+    'NeMo 2025': (0.60, 0.50, 0.0913, 0.0913),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1039, 0.1039),
     'Trainy H200': (0.60, 0.45, 0.0796, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
-    'DGXC 2025': (0.60, 0.50, 0.1923, 0.1923),
+    'DGXC 2025': (0.60, 0.50, 0.1915, 0.1915),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0979, 0.0979),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
     'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0704, 0.0704),
-    'DeepSeek-V3 2024': (0.60, 0.50, 0.0697, 0.0697),
+    'DeepSeek-V3 2024': (0.60, 0.50, 0.0066, 0.0066),
 }
 
 
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
-    'h100': (75, 0.1073, 0.1073),
-    'b200': (14, 0.1198, 0.1198),
-    'gb200': (54, 0.1697, 0.1697),
+    'h100': (75, 0.1060, 0.1060),
+    'b200': (14, 0.1303, 0.1303),
+    'gb200': (54, 0.1795, 0.1795),
     'h200': (2, 0.0348, 0.0796),
-    'gb300': (15, 0.1026, 0.1026),
-    'h800': (1, 0.0697, 0.0697),
+    'gb300': (15, 0.1052, 0.1052),
+    'h800': (1, 0.0066, 0.0066),
 }
 # issue 37's goals (validation.GOALS) the pinned numbers miss; docs/validation.md says by how much
 MISSED = {"mean_over_sources", "source", "family"}
@@ -277,7 +277,7 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1222, abs=5e-4)
+    assert mae == pytest.approx(0.1252, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -311,7 +311,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0950, abs=5e-4)
+    assert held_out == pytest.approx(0.0924, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -433,14 +433,17 @@ def test_the_amd_comparison_is_what_docs_validation_says():
     assert predict(run, gemm=0.6 * ceiling, attention=0.5 * ceiling, rank=False)["error"] == pytest.approx(0.212, abs=0.005)
 
 
-def test_the_dgxc_rows_are_what_docs_validation_says(table):
+def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
     """docs/validation.md, "DGX Cloud Benchmarking 25.07": 45 runs of six tables. Every GB200 run took
-    longer than predicted, by more the larger its TP group (TP 1 Llama 4 8-16%, TP 4 Grok-1 2-13%, TP 4 x
-    CP 2 Llama 3.1 14-22%, TP 8 Nemotron-4 32-47%; DeepSeek-V3 about 3x); on H100 the dense, Grok-1 and
-    DeepSeek-V3 runs within 17%, and Llama 4 predicted 33-39% too slow, 2.0 of its 2.5 s of EP time being
-    the 127 per-peer message latencies of each all-to-all. With TP communication exposed the twelve
-    weak-scaling dense GB200 rows would be -5..-14% (a lead, not adopted)."""
+    longer than predicted (Grok-1 4-14%, Llama 4 12-20%, Llama 3.1 15-21%, Nemotron-4 at TP 8 32-46%,
+    DeepSeek-V3 about 3x); on H100 the dense and Grok-1 runs within 15%, DeepSeek-V3 24-31% longer. Llama
+    4 on H100, EP 128 over 64 nodes, is within 16% with NCCL's batched all-to-all rounds (16 latencies a
+    call, 0.26 s of its 0.71 s of EP time); with the pairwise exchange's 127 it was 39% too slow. With TP
+    communication exposed the twelve weak-scaling dense GB200 rows would be -5..-14% (a lead, not
+    adopted)."""
     from dataclasses import replace
+
+    from dtlib.plan import moe as plan_moe
     rows = {r.name: r for r in PUBLISHED if r.source == "DGXC 2025"}
     assert len(rows) == 45 and all(r.metric == "step_time_s" for r in rows.values())
     slower = {name: table[name]["published"] / table[name]["predicted"] for name in rows}  # step times
@@ -448,20 +451,25 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table):
     def group(model, family):
         return [x for n, x in slower.items() if n.startswith(model) and f"x {family}" in n]
 
-    for model, runs, low, high in (("Llama4", 6, 1.08, 1.16), ("Grok1", 6, 1.02, 1.13), ("Llama3.1", 6, 1.14, 1.22),
-                                   ("Nemotron4 340B", 12, 1.32, 1.47), ("DeepSeek", 3, 2.85, 2.95)):
-        x = group(model, "GB200")
-        assert len(x) == runs and low < min(x) and max(x) < high, model
+    for model, family, runs, low, high in (
+            ("Grok1", "GB200", 6, 1.03, 1.14), ("Llama4", "GB200", 6, 1.11, 1.21), ("Llama3.1", "GB200", 6, 1.14, 1.22),
+            ("Nemotron4 340B", "GB200", 12, 1.32, 1.47), ("DeepSeek", "GB200", 3, 3.0, 3.3),
+            ("DeepSeek", "H100", 2, 1.23, 1.31), ("Llama4", "H100", 2, 1.0, 1.16)):
+        x = group(model, family)
+        assert len(x) == runs and low < min(x) and max(x) < high, (model, family)
     assert len(group("", "GB200")) == 33
-    h100 = [x for n, x in slower.items() if "x H100" in n and not n.startswith("Llama4")]
-    assert len(h100) == 10 and all(0.86 < x < 1.17 for x in h100)
-    maverick = {n: rows[n] for n in rows if n.startswith("Llama4") and "x H100" in n}
-    assert len(maverick) == 2 and all(0.71 < slower[n] < 0.76 for n in maverick)
-    run = maverick["Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)"]
+    h100 = [x for n, x in slower.items() if "x H100" in n and not n.startswith(("Llama4", "DeepSeek"))]
+    assert len(h100) == 8 and all(0.86 < x < 1.15 for x in h100)
+    run = rows["Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)"]
     ep = predict(run, rank=False)["config"]["breakdown"]["ep_comm"]
     no_latency = replace(run, cluster=replace(run.cluster, inter=replace(run.cluster.inter, latency=0.0)))
     ep_bandwidth = predict(no_latency, rank=False)["config"]["breakdown"]["ep_comm"]
-    assert ep == pytest.approx(2.50, abs=0.01) and ep - ep_bandwidth == pytest.approx(2.05, abs=0.02)
+    assert ep == pytest.approx(0.713, abs=0.002) and ep - ep_bandwidth == pytest.approx(0.258, abs=0.002)
+    monkeypatch.setattr(plan_moe, "P2P_PER_BATCH", 1)  # the pairwise exchange: one latency per peer
+    pairwise = predict(run, rank=False)
+    assert pairwise["config"]["breakdown"]["ep_comm"] == pytest.approx(2.50, abs=0.01)
+    assert pairwise["error"] == pytest.approx(0.389, abs=0.002)
+    monkeypatch.undo()
     weak = [run for name, run in rows.items() if "x GB200" in name and "strong" not in name
             and name.startswith(("Llama3.1", "Nemotron4"))]
     exposed = [predict(replace(run, tp_overlap=0.0), rank=False)["error"] for run in weak]

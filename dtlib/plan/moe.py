@@ -24,17 +24,22 @@ auxiliary balance loss or DeepSeek-V3's aux-loss-free bias, DeepSeek-AI 2024, Se
 busiest rank sets the pace, so the load multiplies both the all-to-all and the expert GEMMs; it is
 an upper bound when a rank holds several experts (their loads average).
 
-**The all-to-all** (Megatron-Core ``MoEAlltoAllTokenDispatcher``: dispatch before the experts,
-combine after, each once forward and once backward; full recompute repeats the forward two) sends
-``(n-1)/n`` of a rank's buffer to its ``n = ep`` peers. Inside one node it is the pairwise
-exchange of :func:`dtlib.analytic.comm.collective_time`. Across nodes the bytes to peers on the
-same node go over NVLink and the rest through the GPU's share of the node's NICs at the same time;
-the NIC share bounds it (DeepSeek-V3 technical report, Sec. 3.2.2: cross-node all-to-all limited by
-the InfiniBand bandwidth per GPU, the NVLink part concurrent), with ``(n-1)`` message latencies of
-the inter-node link (the pairwise exchange's ``(p - 1) alpha``, Thakur, Rabenseifner & Gropp 2005: an
-upper bound where NCCL keeps several peers' messages in flight at once, docs/validation.md, "DGX Cloud
-Benchmarking 25.07"). With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP
-group and the expert outputs reduce-scattered back (``gather_from_sequence_parallel_region`` /
+**The all-to-all** (Megatron-Core ``MoEAlltoAllTokenDispatcher``: dispatch before the experts, combine
+after, each once forward and once backward; full recompute repeats the forward two) sends ``(n-1)/n``
+of a rank's buffer to its ``n = ep`` peers, inside one node over NVLink. Across nodes the bytes to
+peers on the same node go over NVLink and the rest through the GPU's share of the node's NICs at the
+same time; the NIC share bounds it (DeepSeek-V3 technical report, Sec. 3.2.2: cross-node all-to-all
+limited by the InfiniBand bandwidth per GPU, the NVLink part concurrent). Its latency is not the
+pairwise exchange's ``(n-1) alpha`` (Thakur, Rabenseifner & Gropp 2005;
+:func:`dtlib.analytic.comm.collective_time` teaches that form) but ``ceil((n-1) / 8)`` latencies of
+the link crossed: NCCL runs an all-to-all as one group of sends and receives, one "round" per peer,
+and puts the rounds to a peer node's ranks into one work batch of up to :data:`P2P_PER_BATCH` p2p
+operations that a channel runs at once (``NCCL_MAX_DEV_WORK_P2P_PER_BATCH`` and
+``ncclP2pChannelBaseForRound``, NCCL 2.22 on; ``src/include/device.h`` and ``channel.h`` at 2.26.2,
+f44ac759). The batches of other peer nodes go to other channels, which also run at once, so this
+counts more latency than NCCL pays, never less: how many channels a job gets is NCCL's runtime choice.
+With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP group and the expert outputs
+reduce-scattered back (``gather_from_sequence_parallel_region`` /
 ``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
 
 **Beside the tokens**, the alltoall dispatcher (Megatron-Core 0.16 ``token_dispatcher.py``) sends the
@@ -64,12 +69,17 @@ import numpy as np
 from dtlib.analytic import validate
 from dtlib.analytic.comm import collective_time, nccl_latency
 from dtlib.analytic.hardware import Link
+from dtlib.analytic.measured import MeasuredLink
 from dtlib.analytic.stacks import MOE_DISPATCHERS
 
 __all__ = ["moe_numbers", "expert_grid", "expert_load", "check_imbalance", "expert_rows",
-           "all_to_all_time", "ep_comm_time", "PROBS_BYTES", "COUNT_BYTES", "PERMUTE_PASSES", "SORT_PASSES",
-           "STORED_PASSES",
+           "all_to_all_time", "ep_comm_time", "P2P_PER_BATCH", "PROBS_BYTES", "COUNT_BYTES", "PERMUTE_PASSES",
+           "SORT_PASSES", "STORED_PASSES",
            "permutation_bytes", "GEMM_CALL_SECONDS_PER_EXPERT", "EXPERT_LAUNCHES", "grouped_gemm_overhead"]
+
+# p2p operations (one peer's send or receive) NCCL runs concurrently in one work batch of a channel:
+# NCCL_MAX_DEV_WORK_P2P_PER_BATCH, src/include/device.h (NVIDIA/nccl f44ac759, 2.26.2; unchanged 2.22-2.28)
+P2P_PER_BATCH = 8
 
 # Full passes (one read or one write) over the routed copies (tokens x top_k x h) that Megatron-Core's
 # MoEAlltoAllTokenDispatcher makes per MoE layer and micro-batch, forward + backward (token_dispatcher.py,
@@ -178,14 +188,20 @@ def expert_rows(tokens: Any, tp: Any, moe: dict[str, Any], load: Any) -> Any:
 
 def all_to_all_time(nbytes: Any, ranks: Any, local: Any, intra: Link, inter: Link) -> Any:
     """Seconds of an all-to-all of ``nbytes`` per rank over ``ranks`` of which ``local`` share the
-    sender's node (module docstring): the pairwise exchange on ``intra`` when all do, else the
-    slower of the NVLink part and the NIC part, plus ``ranks - 1`` latencies of ``inter``."""
+    sender's node (module docstring): ``(ranks - 1) / ranks`` of the buffer on ``intra`` when all do,
+    else the slower of the NVLink part and the NIC part; plus ``ceil((ranks - 1) / P2P_PER_BATCH)``
+    latencies of the link the slowest part crosses (NCCL's batched p2p rounds). A calibrated NVLink
+    (:class:`~dtlib.analytic.measured.MeasuredLink`) gives its measured all-to-all inside a node."""
     nbytes, ranks, local = (np.asarray(x, float) for x in (nbytes, ranks, local))
-    inside = collective_time("all_to_all", nbytes, ranks.astype(int), intra)
+    batches = np.ceil((ranks - 1) / P2P_PER_BATCH)
+    if isinstance(intra, MeasuredLink):
+        inside = collective_time("all_to_all", nbytes, ranks.astype(int), intra)
+    else:
+        inside = batches * intra.latency + (ranks - 1) / ranks * nbytes / intra.group_bandwidth(ranks)
     on_node = (local - 1) / ranks * nbytes / intra.group_bandwidth(local)
     off_node = (ranks - local) / ranks * nbytes / inter.bandwidth
-    across = (ranks - 1) * inter.latency + np.maximum(on_node, off_node)
-    return np.where(local >= ranks, inside, across)
+    across = batches * inter.latency + np.maximum(on_node, off_node)
+    return np.where(ranks > 1, np.where(local >= ranks, inside, across), 0.0)
 
 
 def ep_comm_time(*, b: Any, s: Any, h: Any, tp: Any, cp: Any, dp: Any, ep: Any, moe: dict[str, Any],
