@@ -89,6 +89,11 @@ def test_published_numbers_are_the_new_sources():
     assert [(r.layout["pp"], r.layout["first_stage_layers"], r.layout["last_stage_layers"]) for r in seek] == [
         (8, 7, 6), (16, 3, 2), (4, 15, 14), (4, 15, 14), (4, 15, 14)]
     assert {r.model.moe_capacity_factor for r in dgxc if r.model.moe_experts} == {1.0}
+    # docs/validation.md: Grok-1 as NeMo builds it 316.5B, Llama 4 Maverick 400.7B with 17.2B active
+    grok = next(r.model for r in dgxc if r.name.startswith("Grok1"))
+    maverick = next(r.model for r in dgxc if r.name.startswith("Llama4"))
+    assert round(grok.num_parameters() / 1e9, 1) == 316.5 and maverick.moe_layers == 24
+    assert (round(maverick.num_parameters() / 1e9, 1), round(maverick.active_parameters() / 1e9, 1)) == (400.7, 17.2)
     assert {r.dtype for r in by_source["Megatron-Bridge NVFP4"]} == {"nvfp4"}
     tuned = by_source["NeMo 2024 fine-tuning"]
     assert [r.published for r in tuned] == [16891, 10176, 1816, 24824, 14629, 2621]

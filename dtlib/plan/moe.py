@@ -36,8 +36,9 @@ the link crossed: NCCL runs an all-to-all as one group of sends and receives, on
 and puts the rounds to a peer node's ranks into one work batch of up to :data:`P2P_PER_BATCH` p2p
 operations that a channel runs at once (``NCCL_MAX_DEV_WORK_P2P_PER_BATCH`` and
 ``ncclP2pChannelBaseForRound``, NCCL 2.22 on; ``src/include/device.h`` and ``channel.h`` at 2.26.2,
-f44ac759). The batches of other peer nodes go to other channels, which also run at once, so this
-counts more latency than NCCL pays, never less: how many channels a job gets is NCCL's runtime choice.
+f44ac759). The batches of other peer nodes go to other channels, which also run at once, so this is an
+upper bound on the latency NCCL pays (how many channels a job gets is NCCL's runtime choice; on an NVL72
+rack a batch holds one tray's 4 ranks, its trays' batches on separate channels).
 With ``etp > 1`` the dispatched tokens are then all-gathered over the ETP group and the expert outputs
 reduce-scattered back (``gather_from_sequence_parallel_region`` /
 ``reduce_scatter_to_sequence_parallel_region`` in the dispatcher).
