@@ -213,8 +213,9 @@ def test_moe_layers_pay_all_to_all_and_dense_layers_do_not():
     assert r.breakdown["ep_comm"] > 0
     act = 1 * 1024 * 4096 * 2 * 2   # b s h x 2 bytes x top_k
     link = c.intra
-    one = 3 * link.latency + 3 / 4 * act / link.bandwidth
-    probs = 3 * link.latency + 3 / 4 * act / (4096 * 2) * 4 / link.bandwidth  # top_k fp32 router probabilities
+    # NCCL runs the 3 peers' rounds in one batch: one latency (dtlib.plan.moe.P2P_PER_BATCH)
+    one = link.latency + 3 / 4 * act / link.bandwidth
+    probs = link.latency + 3 / 4 * act / (4096 * 2) * 4 / link.bandwidth  # top_k fp32 router probabilities
     # per MoE layer: the tokens' 4 all-to-alls, the probabilities' 2 (alltoall dispatcher, dtlib.plan.moe),
     # the token counts all-gathered over the 4 EP ranks and the host's block before the forward's
     metadata = nccl_latency("all_gather", "ring", 4, 1, link, c.inter) + c.gpu.kernel_launch_s
