@@ -272,7 +272,12 @@ def _saved(home: Path, since: float) -> nbformat.NotebookNode:
     """The lesson as the learner's JupyterLab saved it at ``since`` or later (autosave is off)."""
     path = home / LESSON
     deadline = time.monotonic() + 30
-    while path.stat().st_mtime < since and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if path.stat().st_mtime >= since:
+            try:
+                return nbformat.read(path, as_version=4)
+            except nbformat.reader.NotJSONError:  # read mid-save: the file is truncated, then written
+                pass
         time.sleep(0.2)
     assert path.stat().st_mtime >= since, f"{path} was not saved"
     return nbformat.read(path, as_version=4)
