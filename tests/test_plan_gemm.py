@@ -87,10 +87,32 @@ def test_the_power_cap_slows_the_compute_term_of_a_step():
     assert 1 < capped / full <= (700 / 500) ** (1 / 3) + 1e-12
 
 
+def test_gb200_runs_at_the_clock_b200_sustains_not_its_datasheets():
+    """docs/hardware.md, "The clock a part sustains": GB200's peaks are quoted at its maximum clock
+    (148 SMs x 8,192 x 2,062 MHz), B200's at 1,856 MHz of its 1,965. Timed, a compute-bound GEMM on
+    GB200 is faster than on B200 by the ratio of their maximum clocks (1.049), which the measured MAMF
+    ratios bracket (1.044 BF16, 1.053 FP8), not by the datasheets' 1.111; its MFU peak is unchanged."""
+    b200, gb200 = get_gpu("b200"), get_gpu("gb200")
+    assert gb200.peak("bf16") == pytest.approx(148 * 8192 * 2062e6, rel=1e-3)
+    assert b200.peak("bf16") / (148 * 8192) == pytest.approx(1855.8e6, rel=1e-4)
+    assert clock_scale(b200) == 1.0 and clock_scale(gb200) == pytest.approx(1855.8 / 1965, rel=1e-4)
+    assert clock_scale(gb200, 1000) == pytest.approx(clock_scale(gb200) * (1000 / 1200) ** (1 / 3), rel=1e-12)
+    for dtype, mamf in (("bf16", 1822 / 1745), ("fp8", 3615.6 / 3432.5)):
+        t = [gemm_time(148 * 256, 128 * 8, 8192, replace(g, memory_bandwidth=1e30), dtype=dtype, tiles=ONE_TILE,
+                       clock=clock_scale(g)) for g in (b200, gb200)]
+        assert t[0] / t[1] == pytest.approx(2062 / 1965, rel=1e-3)
+        assert min(mamf, 2062 / 1965) - 0.006 < t[0] / t[1] < max(mamf, 2062 / 1965) + 0.006, dtype
+    layout = Parallelism(dp=8, micro_batch_size=1)
+    model = get_preset("llama3-8b")
+    times = [step_time(model, layout, cluster(g, 1, 8)).breakdown["compute"] for g in ("b200", "gb200")]
+    assert 1.0 < times[0] / times[1] < 2062 / 1965 + 1e-9  # memory-bound kernels gain nothing
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda: clock_scale(H100, 0), "power_limit_w must be a finite number > 0, got 0"),
     (lambda: clock_scale(H100, float("nan")), "power_limit_w must be a finite number > 0"),
     (lambda: clock_scale(replace(H100, tdp_w=None), 500), "power_limit_w must be None for"),
+    (lambda: replace(H100, sustained_clock=1.5), "sustained_clock must be a finite number > 0 and <= 1, got 1.5"),
     (lambda: gemm_time(-1, 2, 3, H100), "m must be a finite number >= 0, got -1"),
     (lambda: gemm_time(1, 2, 3, H100, efficiency=0), "efficiency must be a finite number > 0 and <= 1"),
     (lambda: gemm_time(1, 2, 3, H100, efficiency=1.5), "efficiency must be"),

@@ -74,12 +74,12 @@ EXPECTED = {
     'LLAMA3-405B FP8, 128 x B200 (NeMo 25.02)': (0.1053, True, 11),
     'Mixtral-8x7B FP8, 64 x B200 (NeMo 25.02)': (-0.0412, True, 44),
     'Mixtral-8x22B FP8, 256 x B200 (NeMo 25.02)': (-0.0093, True, 39),
-    'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0556, True, 47),
-    'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (0.0080, True, 2),
-    'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.1494, True, 1),
-    'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.1905, True, 17),
-    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1867, True, 2),
-    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (0.0393, True, 115),
+    'GPT3-175B FP8, 128 x GB200 (NeMo 25.04)': (0.0113, True, 46),
+    'LLAMA3-8B FP8, 8 x GB200 (NeMo 25.04)': (-0.0404, True, 2),
+    'LLAMA3-70B FP8, 64 x GB200 (NeMo 25.04)': (0.0929, True, 1),
+    'LLAMA3-405B FP8, 128 x GB200 (NeMo 25.04)': (0.1416, True, 16),
+    'Mixtral-8x7B FP8, 64 x GB200 (NeMo 25.04)': (0.1393, True, 2),
+    'Mixtral-8x22B FP8, 256 x GB200 (NeMo 25.04)': (-0.0078, True, 112),
     'MPT-70B seq 2048, 512 x H100, bf16 (llm-foundry)': (0.0074, True, 1),
     'MPT-70B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0411, True, 1),
     'MPT-30B seq 2048, 128 x H100, bf16 (llm-foundry)': (-0.0149, True, 1),
@@ -106,55 +106,55 @@ EXPECTED = {
     'Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)': (0.0010, False, 1),
     'Llama 3 405B, 16,384 x H100, seq 8K (Llama 3 T4)': (0.0203, True, 1),
     'Llama 3 405B, 16,384 x H100, seq 128K (Llama 3 T4)': (-0.1741, True, 6),
-    'Llama3.1 405B BF16, 128 x GB200 (DGXC 25.07)': (-0.1307, True, 18),
-    'Llama3.1 405B BF16, 256 x GB200 (DGXC 25.07)': (-0.1439, True, 23),
-    'Llama3.1 405B BF16, 512 x GB200 (DGXC 25.07)': (-0.1463, True, 27),
-    'Llama3.1 405B FP8, 128 x GB200 (DGXC 25.07)': (-0.1562, True, 26),
-    'Llama3.1 405B FP8, 256 x GB200 (DGXC 25.07)': (-0.1643, True, 38),
-    'Llama3.1 405B FP8, 512 x GB200 (DGXC 25.07)': (-0.1729, True, 36),
+    'Llama3.1 405B BF16, 128 x GB200 (DGXC 25.07)': (-0.0831, True, 18),
+    'Llama3.1 405B BF16, 256 x GB200 (DGXC 25.07)': (-0.0969, True, 23),
+    'Llama3.1 405B BF16, 512 x GB200 (DGXC 25.07)': (-0.0995, True, 27),
+    'Llama3.1 405B FP8, 128 x GB200 (DGXC 25.07)': (-0.1201, True, 25),
+    'Llama3.1 405B FP8, 256 x GB200 (DGXC 25.07)': (-0.1285, True, 35),
+    'Llama3.1 405B FP8, 512 x GB200 (DGXC 25.07)': (-0.1374, True, 31),
     'Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)': (0.0110, True, 2),
     'Llama3.1 405B FP8, 512 x H100 (DGXC 25.07)': (-0.0226, True, 5),
     'Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)': (-0.0118, True, 1),
     'Nemotron4 15B FP8, 16 x H100 (DGXC 25.07)': (-0.0871, True, 1),
     'Nemotron4 340B BF16, 256 x H100 (DGXC 25.07)': (-0.0875, True, 3),
     'Nemotron4 340B FP8, 256 x H100 (DGXC 25.07)': (-0.0699, True, 4),
-    'Nemotron4 340B BF16, 128 x GB200 (DGXC 25.07)': (-0.2703, True, 8),
-    'Nemotron4 340B BF16, 256 x GB200 (DGXC 25.07)': (-0.2727, True, 9),
-    'Nemotron4 340B BF16, 512 x GB200 (DGXC 25.07)': (-0.2863, True, 7),
-    'Nemotron4 340B FP8, 128 x GB200 (DGXC 25.07)': (-0.2944, True, 15),
-    'Nemotron4 340B FP8, 256 x GB200 (DGXC 25.07)': (-0.3131, True, 14),
-    'Nemotron4 340B FP8, 512 x GB200 (DGXC 25.07)': (-0.3125, True, 9),
-    'Nemotron4 340B BF16, 128 x GB200 strong (DGXC 25.07)': (-0.2432, True, 35),
-    'Nemotron4 340B BF16, 256 x GB200 strong (DGXC 25.07)': (-0.2532, True, 35),
-    'Nemotron4 340B BF16, 512 x GB200 strong (DGXC 25.07)': (-0.2661, True, 32),
-    'Nemotron4 340B FP8, 128 x GB200 strong (DGXC 25.07)': (-0.2600, True, 53),
-    'Nemotron4 340B FP8, 256 x GB200 strong (DGXC 25.07)': (-0.2781, True, 48),
-    'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2790, True, 45),
+    'Nemotron4 340B BF16, 128 x GB200 (DGXC 25.07)': (-0.2308, True, 8),
+    'Nemotron4 340B BF16, 256 x GB200 (DGXC 25.07)': (-0.2331, True, 9),
+    'Nemotron4 340B BF16, 512 x GB200 (DGXC 25.07)': (-0.2474, True, 9),
+    'Nemotron4 340B FP8, 128 x GB200 (DGXC 25.07)': (-0.2627, True, 15),
+    'Nemotron4 340B FP8, 256 x GB200 (DGXC 25.07)': (-0.2821, True, 14),
+    'Nemotron4 340B FP8, 512 x GB200 (DGXC 25.07)': (-0.2858, True, 9),
+    'Nemotron4 340B BF16, 128 x GB200 strong (DGXC 25.07)': (-0.2020, True, 35),
+    'Nemotron4 340B BF16, 256 x GB200 strong (DGXC 25.07)': (-0.2125, True, 35),
+    'Nemotron4 340B BF16, 512 x GB200 strong (DGXC 25.07)': (-0.2261, True, 31),
+    'Nemotron4 340B FP8, 128 x GB200 strong (DGXC 25.07)': (-0.2265, True, 50),
+    'Nemotron4 340B FP8, 256 x GB200 strong (DGXC 25.07)': (-0.2454, True, 48),
+    'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2476, True, 44),
     'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.1928, True, 6),
     'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.2351, True, 14),
-    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6751, True, 6),
-    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6912, True, 17),
-    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6902, True, 31),
-    'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (-0.0366, True, 24),
-    'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (-0.0456, True, 24),
-    'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (-0.0370, True, 33),
-    'Grok1 314B FP8, 128 x GB200 (DGXC 25.07)': (-0.1198, True, 40),
-    'Grok1 314B FP8, 256 x GB200 (DGXC 25.07)': (-0.1080, True, 52),
-    'Grok1 314B FP8, 512 x GB200 (DGXC 25.07)': (-0.1028, True, 45),
+    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6631, True, 6),
+    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6791, True, 18),
+    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6783, True, 31),
+    'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (0.0119, True, 24),
+    'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (0.0025, True, 23),
+    'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (0.0115, True, 29),
+    'Grok1 314B FP8, 128 x GB200 (DGXC 25.07)': (-0.0834, True, 40),
+    'Grok1 314B FP8, 256 x GB200 (DGXC 25.07)': (-0.0710, True, 51),
+    'Grok1 314B FP8, 512 x GB200 (DGXC 25.07)': (-0.0656, True, 43),
     'Grok1 314B BF16, 512 x H100 (DGXC 25.07)': (0.1428, True, 11),
     'Grok1 314B FP8, 512 x H100 (DGXC 25.07)': (-0.0391, True, 37),
-    'Llama4 Maverick BF16, 128 x GB200 (DGXC 25.07)': (-0.1062, True, 9),
-    'Llama4 Maverick BF16, 256 x GB200 (DGXC 25.07)': (-0.1155, True, 9),
-    'Llama4 Maverick BF16, 512 x GB200 (DGXC 25.07)': (-0.1302, True, 12),
-    'Llama4 Maverick FP8, 128 x GB200 (DGXC 25.07)': (-0.1399, True, 12),
-    'Llama4 Maverick FP8, 256 x GB200 (DGXC 25.07)': (-0.1583, True, 15),
-    'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1688, True, 15),
+    'Llama4 Maverick BF16, 128 x GB200 (DGXC 25.07)': (-0.0623, True, 9),
+    'Llama4 Maverick BF16, 256 x GB200 (DGXC 25.07)': (-0.0720, True, 9),
+    'Llama4 Maverick BF16, 512 x GB200 (DGXC 25.07)': (-0.0875, True, 12),
+    'Llama4 Maverick FP8, 128 x GB200 (DGXC 25.07)': (-0.1035, True, 12),
+    'Llama4 Maverick FP8, 256 x GB200 (DGXC 25.07)': (-0.1227, True, 15),
+    'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1359, True, 15),
     'Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)': (-0.0157, True, 17),
     'Llama4 Maverick FP8, 512 x H100 (DGXC 25.07)': (-0.1325, True, 31),
     'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0491, True, 3),
-    'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1495, True, 9),
+    'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1004, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (-0.0172, True, 12),
-    'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.1759, True, 10),
+    'LLAMA3.1_405B NVFP4, 256 x GB200 (Megatron-Bridge 26.04.01)': (-0.2047, True, 10),
     'LLAMA2-7B SFT FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (0.0398, True, 19),
     'LLAMA2-13B SFT FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.1252, True, 252),
     'LLAMA2-70B SFT FP8, 16 x H100 (NeMo 24.07 fine-tuning)': (-0.2009, True, 221),
@@ -163,13 +163,13 @@ EXPECTED = {
     'LLAMA2-70B LoRA FP8, 8 x H100 (NeMo 24.07 fine-tuning)': (-0.0498, True, 43),
     'LLAMA3_70B SFT FP8, 32 x GB300 (Megatron-Bridge 26.06)': (-0.0019, True, 5),
     'LLAMA3_70B SFT MXFP8, 32 x GB300 (Megatron-Bridge 26.06)': (0.1155, True, 5),
-    'LLAMA3_70B SFT FP8, 32 x GB200 (Megatron-Bridge 26.06)': (0.0169, True, 60),
-    'LLAMA3_70B SFT MXFP8, 32 x GB200 (Megatron-Bridge 26.06)': (0.0936, True, 60),
+    'LLAMA3_70B SFT FP8, 32 x GB200 (Megatron-Bridge 26.06)': (-0.0307, True, 63),
+    'LLAMA3_70B SFT MXFP8, 32 x GB200 (Megatron-Bridge 26.06)': (0.0424, True, 63),
     'LLAMA3_70B SFT FP8, 32 x H100 (Megatron-Bridge 26.06)': (0.0462, True, 17),
     'LLAMA3_70B LoRA FP8, 8 x GB300 (Megatron-Bridge 26.06)': (-0.1536, True, 12),
     'LLAMA3_70B LoRA MXFP8, 8 x GB300 (Megatron-Bridge 26.06)': (-0.1498, True, 12),
-    'LLAMA3_70B LoRA FP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0050, True, 3),
-    'LLAMA3_70B LoRA MXFP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0127, True, 16),
+    'LLAMA3_70B LoRA FP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0485, True, 3),
+    'LLAMA3_70B LoRA MXFP8, 8 x GB200 (Megatron-Bridge 26.06)': (-0.0559, True, 16),
     'LLAMA3_70B LoRA FP8, 8 x H100 (Megatron-Bridge 26.06)': (-0.1093, True, 14),
     'DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)': (0.0066, False, 75),
     'LLAMA3_8B FP8-CS, 8 x GB300 (Megatron-Bridge 25.11)': (-0.0586, True, 2),
@@ -181,15 +181,15 @@ EXPECTED = {
     'GPT OSS 120B BF16, 64 x GB300 (Megatron-Bridge 25.11)': (0.4948, True, 2),
     'Qwen3_30B_a3B FP8-MX, 8 x GB300 (Megatron-Bridge 25.11)': (-0.1316, True, 2),
     'Qwen3_235B_a22B BF16, 256 x GB300 (Megatron-Bridge 25.11)': (-0.1335, True, 15),
-    'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0590, True, 2),
-    'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.1201, True, 2),
-    'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.0969, True, 1),
-    'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (0.0365, True, 36),
-    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0918, True, 4),
-    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0565, True, 12),
-    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.5497, True, 3),
-    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0241, True, 1),
-    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0083, True, 18),
+    'LLAMA3_8B FP8-CS, 8 x GB200 (Megatron-Bridge 25.11)': (0.0081, True, 2),
+    'LLAMA3_8B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0663, True, 2),
+    'LLAMA3_70B FP8-CS, 64 x GB200 (Megatron-Bridge 25.11)': (0.0420, True, 1),
+    'LLAMA3.1_405B FP8-CS, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0123, True, 35),
+    'DeepSeekV3 (w/o MTP) BF16, 256 x GB200 (Megatron-Bridge 25.11)': (0.0478, True, 4),
+    'DeepSeekV3 (w/o MTP) FP8-MX, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0851, True, 12),
+    'GPT OSS 120B BF16, 64 x GB200 (Megatron-Bridge 25.11)': (0.4876, True, 3),
+    'Qwen3_30B_a3B FP8-MX, 8 x GB200 (Megatron-Bridge 25.11)': (0.0039, True, 1),
+    'Qwen3_235B_a22B BF16, 256 x GB200 (Megatron-Bridge 25.11)': (-0.0278, True, 18),
     'DeepSeekV3 (w/ MTP) FP8-MX, 256 x B200 (Megatron-Bridge 25.11)': (0.1343, True, 7),
     'GPT OSS 120B BF16, 64 x B200 (Megatron-Bridge 25.11)': (0.3082, True, 2),
     'Qwen3_30B_a3B FP8-MX, 8 x B200 (Megatron-Bridge 25.11)': (0.3306, True, 3),
@@ -205,17 +205,17 @@ LOSO = {
     'Korthikanti 2022': (0.60, 0.50, 0.1171, 0.1171),
     'BLOOM 2022': (0.60, 0.50, 0.0172, 0.0172),
     'torchtitan': (0.60, 0.50, 0.0842, 0.0842),
-    'Megatron-Bridge': (0.60, 0.50, 0.1661, 0.1661),
-    'NeMo 2024': (0.60, 0.50, 0.0764, 0.0764),
-    'NeMo 2025': (0.60, 0.50, 0.0913, 0.0913),
+    'Megatron-Bridge': (0.60, 0.50, 0.1579, 0.1579),
+    'NeMo 2024': (0.60, 0.55, 0.1060, 0.0764),
+    'NeMo 2025': (0.60, 0.50, 0.0749, 0.0749),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1039, 0.1039),
-    'Trainy H200': (0.60, 0.45, 0.0796, 0.0348),
+    'Trainy H200': (0.60, 0.50, 0.0348, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
-    'DGXC 2025': (0.60, 0.50, 0.1915, 0.1915),
-    'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0979, 0.0979),
+    'DGXC 2025': (0.60, 0.50, 0.1659, 0.1659),
+    'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0928, 0.0928),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
-    'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0704, 0.0704),
+    'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0754, 0.0754),
     'DeepSeek-V3 2024': (0.60, 0.50, 0.0066, 0.0066),
 }
 
@@ -223,10 +223,10 @@ LOSO = {
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
-    'h100': (75, 0.1060, 0.1060),
+    'h100': (75, 0.1060, 0.1131),
     'b200': (14, 0.1303, 0.1303),
-    'gb200': (54, 0.1795, 0.1795),
-    'h200': (2, 0.0348, 0.0796),
+    'gb200': (54, 0.1503, 0.1503),
+    'h200': (2, 0.0348, 0.0348),
     'gb300': (15, 0.1052, 0.1052),
     'h800': (1, 0.0066, 0.0066),
 }
@@ -277,11 +277,11 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1252, abs=5e-4)
+    assert mae == pytest.approx(0.1167, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
-    """Lesson 10's claim: the 141 dense runs within 11% on average, the 43 MoE runs over 1.5 times as far off."""
+    """Lesson 10's claim: the 141 dense runs within 10% on average, the 43 MoE runs over 1.5 times as far off."""
     kinds = errors_by_kind(list(table.values()))
     moe = {r.name for r in PUBLISHED if r.model.moe_experts}
     assert set(kinds["moe"]["names"]) == moe and len(moe) == 43
@@ -289,7 +289,7 @@ def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
     for kind, names in (("dense", set(table) - moe), ("moe", moe)):
         by_hand = sum(abs(EXPECTED[n][0]) for n in names) / len(names)
         assert kinds[kind]["mean_absolute_error"] == pytest.approx(by_hand, abs=1e-4), kind
-    assert kinds["dense"]["mean_absolute_error"] < 0.11
+    assert kinds["dense"]["mean_absolute_error"] < 0.10
     assert kinds["moe"]["mean_absolute_error"] > 1.5 * kinds["dense"]["mean_absolute_error"]
 
 
@@ -311,7 +311,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0924, abs=5e-4)
+    assert held_out == pytest.approx(0.0883, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -434,12 +434,13 @@ def test_the_amd_comparison_is_what_docs_validation_says():
 
 
 def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
-    """docs/validation.md, "DGX Cloud Benchmarking 25.07": 45 runs of six tables. Every GB200 run took
-    longer than predicted (Grok-1 4-14%, Llama 4 12-20%, Llama 3.1 15-21%, Nemotron-4 at TP 8 32-46%,
-    DeepSeek-V3 about 3x); on H100 the dense and Grok-1 runs within 15%, DeepSeek-V3 24-31% longer. Llama
+    """docs/validation.md, "DGX Cloud Benchmarking 25.07": 45 runs of six tables. On GB200 (timed at
+    its sustained clock) Grok-1 within 10%, Llama 4 7-16% and Llama 3.1 9-16% longer than predicted,
+    Nemotron-4 at TP 8 25-40%, DeepSeek-V3 about 3x; on H100 the dense and Grok-1 runs within 15%,
+    DeepSeek-V3 24-31% longer. Llama
     4 on H100, EP 128 over 64 nodes, is within 16% with NCCL's batched all-to-all rounds (16 latencies a
     call, 0.26 s of its 0.71 s of EP time); with the pairwise exchange's 127 it was 39% too slow. With TP
-    communication exposed the twelve weak-scaling dense GB200 rows would be -5..-14% (a lead, not
+    communication exposed the twelve weak-scaling dense GB200 rows would be -2..-10% (a lead, not
     adopted)."""
     from dataclasses import replace
 
@@ -452,8 +453,8 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
         return [x for n, x in slower.items() if n.startswith(model) and f"x {family}" in n]
 
     for model, family, runs, low, high in (
-            ("Grok1", "GB200", 6, 1.03, 1.14), ("Llama4", "GB200", 6, 1.11, 1.21), ("Llama3.1", "GB200", 6, 1.14, 1.22),
-            ("Nemotron4 340B", "GB200", 12, 1.32, 1.47), ("DeepSeek", "GB200", 3, 3.0, 3.3),
+            ("Grok1", "GB200", 6, 0.98, 1.10), ("Llama4", "GB200", 6, 1.06, 1.16), ("Llama3.1", "GB200", 6, 1.09, 1.16),
+            ("Nemotron4 340B", "GB200", 12, 1.25, 1.41), ("DeepSeek", "GB200", 3, 2.9, 3.2),
             ("DeepSeek", "H100", 2, 1.23, 1.31), ("Llama4", "H100", 2, 1.0, 1.16)):
         x = group(model, family)
         assert len(x) == runs and low < min(x) and max(x) < high, (model, family)
@@ -473,4 +474,4 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
     weak = [run for name, run in rows.items() if "x GB200" in name and "strong" not in name
             and name.startswith(("Llama3.1", "Nemotron4"))]
     exposed = [predict(replace(run, tp_overlap=0.0), rank=False)["error"] for run in weak]
-    assert len(weak) == 12 and -0.14 < min(exposed) and max(exposed) < -0.05
+    assert len(weak) == 12 and -0.10 < min(exposed) and max(exposed) < -0.01

@@ -32,10 +32,10 @@ def test_every_published_run_has_one_held_out_residual():
     rows = load_residuals()
     assert [r["name"] for r in rows] == [run.name for run in PUBLISHED]
     assert all(math.isfinite(r["residual"]) and r["work"] > 0 for r in rows)
-    # every fold keeps the full fit but Trainy's: without it, DGXC 2025's GB200 rows (slower than predicted)
-    # pull the attention efficiency to 0.45
-    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] != "Trainy H200"} == {(0.60, 0.50)}
-    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] == "Trainy H200"} == {(0.60, 0.45)}
+    # every fold keeps the full fit but NeMo 2024's: without its long-context rows (attention-bound,
+    # slower than predicted) the attention efficiency goes to 0.55
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] != "NeMo 2024"} == {(0.60, 0.50)}
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] == "NeMo 2024"} == {(0.60, 0.55)}
 
 
 def test_a_residual_is_held_out_by_its_own_source():
@@ -229,10 +229,11 @@ def test_band_coverage_holds_each_source_out():
 def test_the_stored_band_holds_about_what_it_says():
     """Held out by source, the 10th-90th percentile band holds at least 64% of the runs it covers
     (docs/validation.md, 'The error band'): a model change that leaves it far below is miscalibrated.
-    Measured: 114 of 166 (69%). DGXC 2025's 45 runs hold 21: its dense and DeepSeek-V3 GB200 runs were
-    14-220% slower than predicted, above every band the other sources' rack runs give them (its Grok-1 and
-    Llama 4 GB200 runs are all inside); the other sources' runs hold 93 of 121 (77%), and with DGXC 2025
-    taken out of the table 75 of 106 (71%, the second assertion). With the source's first 29 runs: 99 of
+    Measured: 115 of 166 (69%). DGXC 2025's 45 runs hold 24: its Nemotron-4 and DeepSeek-V3 GB200 runs
+    were 25-210% slower than predicted, above every band the other sources' rack runs give them (its
+    Grok-1 and Llama 4 GB200 runs are all inside); the other sources' runs hold 91 of 121 (75%), and with
+    DGXC 2025 taken out of the table 74 of 106 (70%, the second assertion); before GB200's sustained
+    clock 114 of 166, DGXC's own 21. With the source's first 29 runs: 99 of
     150 (66%); before it: 74 of 106 (70%); 69 of 92 (75%) before Megatron-Bridge 26.06's
     fine-tuning rows, whose H100 runs give six NeMo 2024 rows a band of their work decade that ends near
     0% (the fine-tuning runs, timed unpacked, are mostly faster than predicted)."""

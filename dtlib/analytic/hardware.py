@@ -28,7 +28,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "KERNEL_LAUNCH_S", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
-           "ACCELERATORS", "LINKS", "NCCL_NVLINK_BW_PER_LINK", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
+           "ACCELERATORS", "GB200_SUSTAINED_CLOCK", "LINKS", "NCCL_NVLINK_BW_PER_LINK", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
            "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
@@ -49,7 +49,12 @@ class Accelerator:
     BF16 tensor-core FLOPs an SM does in the time its special-function units do one exponential
     (softmax's cost in attention, :data:`FLOPS_PER_EXP`). None where not published.
     ``kernel_launch_s``: the fixed cost of one kernel beside its work (:mod:`dtlib.plan.launches`):
-    :data:`KERNEL_LAUNCH_S` for a GPU, measured on the machine by ``dtlib calibrate``."""
+    :data:`KERNEL_LAUNCH_S` for a GPU, measured on the machine by ``dtlib calibrate``.
+    ``sustained_clock``: the share of the clock its peaks are quoted at that the SMs hold under a
+    sustained matmul at the TDP, where that differs from the catalogue's convention (1: a datasheet
+    quoting a clock the part sustains; GB200: :data:`GB200_SUSTAINED_CLOCK`); it scales the tensor
+    cores and the special-function units, never the memory, and never the peak an MFU is quoted
+    against."""
     name: str
     peaks: dict[str, float | None]
     memory_bytes: int
@@ -59,9 +64,11 @@ class Accelerator:
     tdp_w: float | None = None
     flops_per_exp: float | None = None
     kernel_launch_s: float = KERNEL_LAUNCH_S
+    sustained_clock: float = 1.0
 
     def __post_init__(self) -> None:
         validate.number("kernel_launch_s", self.kernel_launch_s, minimum=0, exclusive=False)
+        validate.number("sustained_clock", self.sustained_clock, maximum=1)
 
     @property
     def optimizer_bandwidth(self) -> float:
@@ -122,11 +129,11 @@ FLOPS_PER_EXP = {"ampere": 2048 / 16, "hopper": 4096 / 16, "blackwell": 8192 / 1
 
 
 def _acc(name, fp32, tf32, bf16, fp16, fp8, mem_gib, bw_tb, source, sms=None, tdp_w=None, fp4=None,
-         arch=None) -> Accelerator:
+         arch=None, sustained_clock=1.0) -> Accelerator:
     peaks = {"fp32": fp32 * T, "tf32": tf32 and tf32 * T, "bf16": bf16 and bf16 * T,
              "fp16": fp16 * T, "fp8": fp8 and fp8 * T, "fp4": fp4 and fp4 * T}
     return Accelerator(name, peaks, int(mem_gib * GiB), bw_tb * 1e12, source, sms, tdp_w,
-                       FLOPS_PER_EXP[arch] if arch else None)
+                       FLOPS_PER_EXP[arch] if arch else None, sustained_clock=sustained_clock)
 
 
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column, dense"
@@ -172,6 +179,18 @@ MI350X_CLOCK_RATIO = 2.2 / 2.4
 _MI350X = ("AMD Instinct MI350X (2025): the MI355X's dense peaks x 2.2 / 2.4 GHz (Hot Chips 2025), agreeing with "
            "the 8-GPU platform's 18.5 / 37 / 74 PFLOPS FP16 / FP8 / FP4 / 8 to 0.3%; 288 GB HBM3E at 8 TB/s, 1,000 W "
            "TBP, 256 CUs; AMD's data sheet itself not read here (docs/hardware.md)")
+# GB200's datasheet peaks are its tensor throughput at its maximum SM clock: 148 SMs x 8,192 dense BF16
+# FLOPs per clock (FLOPS_PER_EXP) x 2,062 MHz = 2.50 PFLOPS. B200's (the same die) are at 1,856 MHz
+# (2.25 PFLOPS / (148 x 8,192)), 94.4% of its maximum 1,965 MHz: a clock it holds. Maximum SM clocks as
+# nvidia-smi reports them, and the maximum achievable matmul FLOPS (MAMF: the best of a shape sweep,
+# same method on both) from S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
+# "Clock speed" and "Maximum Achievable Matmul FLOPS comparison table" (stas00/ml-engineering 744d01e):
+# GB200 over B200 sustains 1,822 / 1,745 = 1.044x in BF16 and 3,615.6 / 3,432.5 = 1.053x in FP8, as
+# its maximum clock is 2,062 / 1,965 = 1.049x -- not the datasheets' 1.111x. So both parts hold the
+# same share of their maximum clock under a matmul, and GB200 is timed at B200's: 1,856 / 1,965 of the
+# clock its peaks are quoted at. GB300 has no such measurement (its clocks are not disclosed): 1.
+B200_PEAK_CLOCK_MHZ = 2250e12 / (148 * 8192) / 1e6
+GB200_SUSTAINED_CLOCK = B200_PEAK_CLOCK_MHZ / 1965.0
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400, arch="ampere"),
     _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400, arch="ampere"),
@@ -186,7 +205,8 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
          "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
     # today's parts: the sources say where a figure is derived and which ones were not read here
-    _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000, arch="blackwell"),
+    _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000, arch="blackwell",
+         sustained_clock=GB200_SUSTAINED_CLOCK),
     _acc("gb300", 80, 1250, 2500, 2500, 5000, 279, 8.0, _GB300, 160, 1400, fp4=15000, arch="blackwell-ultra"),
     _acc("b300", 75, 1100, 2250, 2250, 4500, 270, 7.7, _B300, 160, 1100, fp4=14000, arch="blackwell-ultra"),
     _acc("h800", 67, 494.5, 989.5, 989.5, 1979, 80, 3.35, _H800, 132, 700, arch="hopper"),

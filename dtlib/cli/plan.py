@@ -365,7 +365,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                       f"{' (--attention-efficiency)' if args.attention_efficiency else ''}")
         source = (f"compute from GEMM shapes (tile/wave quantization on {cl.gpu.sms} SMs, roofline at "
                   f"{cl.gpu.memory_bandwidth / 1e12:g} TB/s; NVIDIA matmul guide), clock x{clock:.3f}"
-                  f"{f' at {args.power_limit:g} W' if args.power_limit else ''}; {fitted}")
+                  f"{f' at {args.power_limit:g} W' if args.power_limit else ''}"
+                  f"{' (the clock it sustains, docs/hardware.md)' if cl.gpu.sustained_clock < 1 else ''}; {fitted}")
     d = {"model": model.name, "parameters": model.num_parameters(), "experts": model.moe_experts, "gpus": args.gpus, "gpu": cl.gpu.name,
          "system": args.system, "gpus_per_node": per_node, "intra_link": cl.intra.name, "inter_link": cl.inter.name,
          "global_batch": args.global_batch, "seq": model.seq, "precision": args.precision,

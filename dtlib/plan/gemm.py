@@ -49,7 +49,9 @@ is a hardware rounding mode of the conversion, no extra pass.
 
 A power limit lowers the clock: dynamic power is ``C V^2 f`` and in the DVFS range the voltage
 follows the frequency, so power goes as ``f^3`` and the clock as ``(limit / TDP)^(1/3)``
-(:func:`clock_scale`; the exponent is an option). Memory bandwidth does not depend on the SM clock.
+(:func:`clock_scale`; the exponent is an option). A datasheet that quotes its peaks at a clock the
+part does not hold under a matmul (GB200: its maximum clock) is timed at the clock it holds
+(:data:`dtlib.analytic.hardware.GB200_SUSTAINED_CLOCK`). Memory bandwidth does not depend on the SM clock.
 
 Pure numpy: every argument may be an array (one entry per layout of the search).
 """
@@ -87,17 +89,18 @@ CAST_BYTES = {"bf16": 0.0, "fp8": FP8_CAST_BYTES, "nvfp4": NVFP4_CAST_BYTES}
 
 
 def clock_scale(gpu: Accelerator, power_limit_w: float | None = None, exponent: float = 3.0) -> float:
-    """Fraction of the rated clock a GPU sustains under ``power_limit_w`` (None: its TDP, 1.0):
-    ``min(1, (limit / TDP) ** (1 / exponent))`` (power ~ f V^2 with V ~ f: exponent 3)."""
+    """Fraction of the clock its peaks are quoted at that a GPU sustains under ``power_limit_w``
+    (None: its TDP): its :attr:`~dtlib.analytic.hardware.Accelerator.sustained_clock` (1 but for
+    GB200) x ``min(1, (limit / TDP) ** (1 / exponent))`` (power ~ f V^2 with V ~ f: exponent 3)."""
     validate.number("exponent", exponent, minimum=1, exclusive=False)
     if power_limit_w is None:
-        return 1.0
+        return gpu.sustained_clock
     validate.number("power_limit_w", power_limit_w)
     if gpu.tdp_w is None:
         raise validate.InvalidArgument("power_limit_w", f"None for {gpu.name}, whose TDP the catalogue "
                                        "does not have", power_limit_w)
     ratio = power_limit_w / gpu.tdp_w
-    return float(min(1.0, ratio ** (1.0 / exponent)))
+    return gpu.sustained_clock * float(min(1.0, ratio ** (1.0 / exponent)))
 
 
 def gemm_time(m: Any, n: Any, k: Any, gpu: Accelerator, *, dtype: str = "bf16", batch: Any = 1,
