@@ -143,6 +143,19 @@ def test_power_limit_and_efficiency_flags_change_compute_and_say_so(capsys):
     assert code == 0 and out.splitlines()[5].startswith("where the numbers come from: compute from GEMM shapes")
 
 
+def test_a_gb200_plan_says_it_runs_at_the_clock_gb200_sustains(capsys):
+    """docs/hardware.md, "The clock a part sustains": GB200 is timed at 0.944 of its datasheet clock, and
+    the plan says so; a power cap multiplies it."""
+    from dtlib.analytic.hardware import GB200_SUSTAINED_CLOCK
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "gb200", "--global-batch", "8", "--top", "1",
+            "--json"]
+    d = json.loads(run(capsys, *base)[1])
+    assert d["clock_scale"] == pytest.approx(GB200_SUSTAINED_CLOCK) and 0.94 < GB200_SUSTAINED_CLOCK < 0.95
+    assert "clock x0.944 (the clock it sustains" in d["efficiency_source"]
+    capped = json.loads(run(capsys, *base, "--power-limit", "1000")[1])
+    assert capped["clock_scale"] == pytest.approx(GB200_SUSTAINED_CLOCK * (1000 / 1200) ** (1 / 3))
+
+
 def test_the_table_says_what_it_assumed_and_what_its_columns_are(capsys):
     """Issue 28: the header lacked the sequence length and the precision; m, mb, v, sp were unexplained."""
     code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1")
