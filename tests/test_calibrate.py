@@ -352,3 +352,29 @@ def test_the_operators_fsdp_adds_to_a_layer_do_not_depend_on_its_sizes():
     shapes = [(dict(hidden=64, seq=32), 1), (dict(hidden=128, seq=16), 3)]
     counts = dtlib.launch(_zero3_counts, 2, args=(shapes,), timeout=60, output="none")[0]
     assert counts[0] == counts[1] > 0
+
+
+def test_a_spell_of_interference_does_not_become_one_sizes_figure(monkeypatch):
+    """calibrate's collectives take their sizes in rounds (dtlib.plan.calibrate._medians): a spell
+    that slows 20 consecutive calls of 50 costs each of two sizes a few of its 25 calls, and both
+    medians stay the true costs; timed one size after the other, the spell would have been the
+    first size's median (on this 2-core machine a 256 KiB all-reduce measured 0.4 ms one minute and
+    2.5 ms the next, docs/plan.md)."""
+    import torch
+    from dtlib.plan import calibrate as cal
+
+    clock = {"now": 0.0, "calls": 0}
+
+    def call(cost):
+        def fn():
+            clock["calls"] += 1
+            slow = 5 <= clock["calls"] < 25  # the spell, counted from the warm-ups on
+            clock["now"] += cost * (10 if slow else 1)
+        return fn
+
+    monkeypatch.setitem(cal.CLOCKS, "fake", lambda: clock["now"])
+    cpu = torch.device("cpu")
+    assert cal._medians([call(1e-3), call(4e-3)], 25, cpu, "fake") == pytest.approx([1e-3, 4e-3])
+    clock.update(now=0.0, calls=0)
+    one_after_the_other = [cal._median(call(1e-3), 25, cpu, "fake"), cal._median(call(4e-3), 25, cpu, "fake")]
+    assert one_after_the_other[0] == pytest.approx(1e-2)  # what the interleaving avoids

@@ -31,8 +31,8 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
   busbw = algbw x the collective's factor), within a node and, with several nodes, across them
   (one rank per node).
 
-Every time is the median of ``repeats`` calls after a warm-up, the slowest rank's, on one of
-:data:`CLOCKS`: ``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or
+Every time is the median of ``repeats`` calls after a warm-up, the slowest rank's (a collective's
+sizes taken in rounds, one call of each per round, :func:`_medians`), on one of :data:`CLOCKS`: ``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or
 ``cpu``, the process's CPU time over all its threads (``time.process_time``; default on CPU ranks):
 on a machine that other jobs load, wall time measures them too, while CPU time counts only the
 work of the call itself (gloo's threads included), what it costs on a core of its own. The profile (JSON, :data:`FORMAT`) carries the machine, the versions, the date and
@@ -121,21 +121,32 @@ def _sync(device: torch.device) -> None:
 
 def _median(fn: Callable[[], Any], repeats: int, device: torch.device, clock: str = "wall") -> float:
     """Median over ``repeats`` calls (after one warm-up) of the slowest rank's time on ``clock``."""
+    return _medians([fn], repeats, device, clock)[0]
+
+
+def _medians(fns: Sequence[Callable[[], Any]], repeats: int, device: torch.device,
+             clock: str = "wall") -> list[float]:
+    """For each of ``fns``, the median over ``repeats`` calls (after one warm-up each) of the slowest
+    rank's time on ``clock``, the calls taken in rounds (one of each function per round): a spell
+    of interference (another job on the cores, a descheduled peer) then costs every function a
+    few of its calls rather than one function all of its calls, and the medians keep it out."""
     now = CLOCKS[clock]
-    fn()
-    _sync(device)
-    times = torch.zeros(repeats, dtype=torch.float64)
-    for i in range(repeats):
-        if dist.is_initialized():
-            dist.barrier()
-        start = now()
+    for fn in fns:
         fn()
-        _sync(device)
-        times[i] = max(now() - start, 1e-9)
+    _sync(device)
+    times = torch.zeros(len(fns), repeats, dtype=torch.float64)
+    for i in range(repeats):
+        for j, fn in enumerate(fns):
+            if dist.is_initialized():
+                dist.barrier()
+            start = now()
+            fn()
+            _sync(device)
+            times[j, i] = max(now() - start, 1e-9)
     if dist.is_initialized():
         times = times.to(device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
-    return statistics.median(times.cpu().tolist())
+    return [statistics.median(row) for row in times.cpu().tolist()]
 
 
 def _gemms(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, repeats: int,
@@ -297,7 +308,9 @@ def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torc
 
 def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], repeats: int,
                  device: torch.device, clock: str) -> dict[str, Any]:
-    """Each collective per size in the group of this rank, all groups at once."""
+    """Each collective per size in the group of this rank, all groups at once; the sizes of one
+    collective are timed in rounds (:func:`_medians`), their buffers all held at once (about 4/3 of
+    the largest size with the default factor 4)."""
     me = dist.get_rank()
     mine = next(i for i, g in enumerate(groups) if me in g)
     ranks, group = groups[mine], handles[mine]
@@ -305,9 +318,9 @@ def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], 
     for op in COLLECTIVES:
         if op == "p2p" and len(ranks) < 2:
             continue
-        for nbytes in sizes:
-            fn = _collective(op, nbytes, ranks, group, device)
-            seconds = _median(fn, repeats, device, clock)  # barriers over the world: every group alike
+        # every size in each round (barriers over the world: every group alike)
+        timed = _medians([_collective(op, nbytes, ranks, group, device) for nbytes in sizes], repeats, device, clock)
+        for nbytes, seconds in zip(sizes, timed):
             size = _numel(nbytes, len(ranks)) * 4
             factor = float(BUS_FACTORS[op](len(ranks)))
             rows.append({"op": op, "bytes": size, "seconds": seconds, "algbw_bytes_per_s": size / seconds,
