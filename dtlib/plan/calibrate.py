@@ -33,10 +33,12 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
 
 Every time is the median of ``repeats`` calls after a warm-up, the slowest rank's (a collective's
 sizes taken in rounds, one call of each per round, :func:`_medians`), on one of :data:`CLOCKS`:
-``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or ``cpu``, the process's CPU time over all its threads (``time.process_time``; default on CPU ranks):
-on a machine that other jobs load, wall time measures them too, while CPU time counts only the
-work of the call itself (gloo's threads included), what it costs on a core of its own. The profile (JSON, :data:`FORMAT`) carries the machine, the versions, the date and
-every figure with its unit; :mod:`dtlib.plan.measured` reads it for ``dtlib plan --calibration``.
+``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or ``cpu``, the
+process's CPU time over all its threads (``time.process_time``; default on CPU ranks): on a machine
+that other jobs load, wall time measures them too, while CPU time counts only the work of the call
+itself (gloo's threads included), what it costs on a core of its own. The profile (JSON,
+:data:`FORMAT`) carries the machine, the versions, the date and every figure with its unit;
+:mod:`dtlib.plan.measured` reads it for ``dtlib plan --calibration``.
 """
 from __future__ import annotations
 
