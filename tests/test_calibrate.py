@@ -378,3 +378,28 @@ def test_a_spell_of_interference_does_not_become_one_sizes_figure(monkeypatch):
     clock.update(now=0.0, calls=0)
     one_after_the_other = [cal._median(call(1e-3), 25, cpu, "fake"), cal._median(call(4e-3), 25, cpu, "fake")]
     assert one_after_the_other[0] == pytest.approx(1e-2)  # what the interleaving avoids
+
+
+def test_the_one_rank_step_and_the_gemms_it_is_compared_with_are_timed_in_the_same_rounds(monkeypatch):
+    """The elementwise bandwidth is the one-rank step less the planner's GEMMs
+    (dtlib.plan.measured.memory_bound_bandwidth): both come from one _medians call, so that a spell of
+    interference does not fall into one side of the difference (six profiles here: 7-11 ms left of a
+    42-54 ms step; timed minutes apart it had been -3 to +11 ms, and <= 0 falls back to the add figure)."""
+    from dtlib.plan import calibrate as cal
+
+    calls = []
+    real = cal._medians
+
+    def recording(fns, repeats, device, clock="wall"):
+        calls.append(len(fns))
+        return real(fns, repeats, device, clock)
+
+    monkeypatch.setattr(cal, "_medians", recording)
+    shapes = [(16, 8, 4, 1), (8, 8, 8, 2)]
+    step, rows = cal._one_rank_step(MODEL, 1, 3, "cpu", shapes)
+    assert calls == [2 + len(shapes)]  # forward + backward, the optimizer step and every GEMM: one set of rounds
+    assert [(r["m"], r["n"], r["k"], r["batch"]) for r in rows] == shapes
+    assert all(r["seconds"] > 0 and r["flops_per_s"] == 2 * r["m"] * r["n"] * r["k"] * r["batch"] / r["seconds"]
+               for r in rows)
+    assert step["forward_backward_seconds"] > 0 and step["optimizer_seconds"] > 0
+    assert step["layer_forward_kernels"] > 0

@@ -21,8 +21,8 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
   forward + backward and its optimizer step timed apart (the first repeats per micro-batch, the
   second once per step), and the operators one layer dispatches counted (the planner's kernels
   per layer for this model; with several ranks, also the operators ``dtlib.parallel.FSDP`` adds to a
-  layer under ZeRO-3, :func:`_zero3_layer_kernels`). The forward + backward less the planner's GEMMs (from the GEMMs
-  just measured) and kernel costs, over the bytes the planner counts for its ``elementwise``
+  layer under ZeRO-3, :func:`_zero3_layer_kernels`). The forward + backward less the planner's GEMMs (from the GEMMs,
+  timed in the same rounds as the step) and kernel costs, over the bytes the planner counts for its ``elementwise``
   term, gives that term's bandwidth; the optimizer step over the ``optimizer`` term's bytes
   gives the optimizer's (:func:`dtlib.plan.measured.memory_bound_bandwidth`; the ``add`` figure
   where they cannot be told);
@@ -151,17 +151,23 @@ def _medians(fns: Sequence[Callable[[], Any]], repeats: int, device: torch.devic
     return [statistics.median(row) for row in times.cpu().tolist()]
 
 
+def _gemm(m: int, n: int, k: int, batch: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Any]:
+    """One ``torch.matmul`` of ``batch`` ``M x K`` by ``K x N`` operands, allocated now."""
+    a = torch.randn(batch, m, k, dtype=dtype, device=device)
+    b = torch.randn(batch, k, n, dtype=dtype, device=device)
+    a, b = (a[0], b[0]) if batch == 1 else (a, b)
+    return lambda: torch.matmul(a, b)
+
+
+def _gemm_rows(shapes: list[tuple[int, int, int, int]], seconds: Sequence[float]) -> list[dict[str, Any]]:
+    return [{"m": m, "n": n, "k": k, "batch": batch, "seconds": t, "flops_per_s": 2 * m * n * k * batch / t}
+            for (m, n, k, batch), t in zip(shapes, seconds)]
+
+
 def _gemms(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, repeats: int,
            device: torch.device, clock: str) -> list[dict[str, Any]]:
-    rows = []
-    for m, n, k, batch in shapes:
-        a = torch.randn(batch, m, k, dtype=dtype, device=device)
-        b = torch.randn(batch, k, n, dtype=dtype, device=device)
-        a, b = (a[0], b[0]) if batch == 1 else (a, b)
-        seconds = _median(lambda: torch.matmul(a, b), repeats, device, clock)
-        rows.append({"m": m, "n": n, "k": k, "batch": batch, "seconds": seconds,
-                     "flops_per_s": 2 * m * n * k * batch / seconds})
-    return rows
+    """Each shape timed on its own (one shape's operands held at a time: a GPU's shapes can be large)."""
+    return _gemm_rows(shapes, [_median(_gemm(*shape, dtype, device), repeats, device, clock) for shape in shapes])
 
 
 def _attention(model: TransformerConfig, micro_batch: int, dtype: torch.dtype, repeats: int,
@@ -228,11 +234,17 @@ def _kernel_cost(repeats: int, device: torch.device, clock: str) -> dict[str, An
     return {"operators": operators, "seconds": seconds, "seconds_per_kernel": seconds / operators}
 
 
-def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str) -> dict[str, Any]:
+def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str,
+                   shapes: Sequence[tuple[int, int, int, int]] = (), dtype: torch.dtype = torch.float32,
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as ``dtlib train``) on
     ``micro_batch`` sequences, on this rank alone (no collective): the seconds of its forward +
     backward and of its optimizer step, each timed on its own, and the ATen operators one
-    transformer layer dispatches forward and backward (counted, :class:`_Operators`)."""
+    transformer layer dispatches forward and backward (counted, :class:`_Operators`); and the GEMM
+    rows of ``shapes``, timed in the same rounds (:func:`_medians`): the planner subtracts its GEMMs
+    from the forward + backward (:func:`dtlib.plan.measured.memory_bound_bandwidth`), and two medians
+    taken minutes apart on a loaded machine would put the interference of one minute into the
+    difference."""
     from dtlib.models import TinyGPT
 
     torch.manual_seed(0)
@@ -246,16 +258,17 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
         F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
 
     cpu = torch.device("cpu")
-    seconds = _median(forward_backward, repeats, cpu, clock)
-    optimizer = _median(opt.step, repeats, cpu, clock)  # the gradients of the last backward, kept
+    # the optimizer steps on the gradients of the backward just before it in its round
+    gemms = [_gemm(*shape, dtype, cpu) for shape in shapes]
+    seconds, optimizer, *timed = _medians([forward_backward, opt.step, *gemms], repeats, cpu, clock)
     hidden = torch.randn(micro_batch, model.seq, model.hidden, requires_grad=True)
     block = net.blocks[0]
     out: list[torch.Tensor] = []
     forward = _counted(lambda: out.append(block(hidden)))
     backward = _counted(lambda: out[0].sum().backward())
-    return {"micro_batch_size": micro_batch, "threads": torch.get_num_threads(),
-            "forward_backward_seconds": seconds, "optimizer_seconds": optimizer, "seconds": seconds + optimizer,
-            "layer_forward_kernels": forward, "layer_backward_kernels": backward}
+    return ({"micro_batch_size": micro_batch, "threads": torch.get_num_threads(),
+             "forward_backward_seconds": seconds, "optimizer_seconds": optimizer, "seconds": seconds + optimizer,
+             "layer_forward_kernels": forward, "layer_backward_kernels": backward}, _gemm_rows(list(shapes), timed))
 
 
 def _zero3_layer_kernels(model: TransformerConfig, micro_batch: int) -> int:
@@ -360,14 +373,17 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
     intra_handles = [dist.new_group(g) for g in intra]
     inter_handles = [dist.new_group(g) for g in inter] if nodes > 1 else []
     torch_dtype = DTYPES[dtype]
-    out = {"gemm": _gemms(shapes, torch_dtype, repeats, device, clock),
+    # CPU ranks time the one-rank step and the GEMMs in the same rounds (_one_rank_step)
+    step, gemm = (_one_rank_step(model, middle, repeats, clock, shapes, torch_dtype) if measure_step
+                  else (None, _gemms(shapes, torch_dtype, repeats, device, clock)))
+    out = {"gemm": gemm,
            "attention": _attention(model, micro_batch, torch_dtype, repeats, device, clock),
            "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device, clock),
            # one rank per node (one GPU): no collective inside it to measure
            "intra": (_collectives(sizes, intra, intra_handles, repeats, device, clock) if per_node > 1
                      else {"ranks": 1, "groups": nodes, "rows": []}),
            "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
-           "step": _one_rank_step(model, middle, repeats, clock) if measure_step else None,
+           "step": step,
            "zero3_layer_kernels": _zero3_layer_kernels(model, middle) if measure_step and world_size > 1 else None,
            "kernel": _kernel_cost(repeats, device, clock),
            "threads_per_rank": torch.get_num_threads()}
