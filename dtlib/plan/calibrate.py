@@ -239,7 +239,7 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
                    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as ``dtlib train``) on
     ``micro_batch`` sequences, on this rank alone (no collective): the seconds of its forward +
-    backward and of its optimizer step, each timed on its own, and the ATen operators one
+    backward and of its optimizer step, timed apart, and the ATen operators one
     transformer layer dispatches forward and backward (counted, :class:`_Operators`); and the GEMM
     rows of ``shapes``, timed in the same rounds (:func:`_medians`): the planner subtracts its GEMMs
     from the forward + backward (:func:`dtlib.plan.measured.memory_bound_bandwidth`), and two medians
