@@ -86,7 +86,7 @@ def test_fp4_is_a_compute_dtype_only_where_the_part_has_it():
 
 
 def test_unknown_names_list_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown GPU 'gb201'; valid: .*gb200, gb300, b300, h800, h20, mi355x"):
+    with pytest.raises(ValueError, match="unknown GPU 'gb201'; valid: .*gb200, gb300, b300, h800, h20, mi325x, mi355x"):
         get_gpu("gb201")
     with pytest.raises(ValueError, match="unknown system 'nvl72'; valid: .*gb200-nvl72, gb300-nvl72"):
         get_system("nvl72")

@@ -151,6 +151,8 @@ EXPECTED = {
     'Llama4 Maverick FP8, 512 x GB200 (DGXC 25.07)': (-0.1359, True, 15),
     'Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)': (-0.0157, True, 17),
     'Llama4 Maverick FP8, 512 x H100 (DGXC 25.07)': (-0.1325, True, 31),
+    'Llama 3.1 8B FP8, DP 64, 64 x MI325X (AMD, Primus)': (0.2621, True, 1),
+    'Mixtral 8x22B BF16, PP 4 VP 2 EP 8, 64 x MI355X (AMD, Primus)': (0.0390, False, 173),
     'LLAMA3_70B NVFP4, 64 x GB300 (Megatron-Bridge 26.04.01)': (0.0491, True, 3),
     'LLAMA3_70B NVFP4, 64 x GB200 (Megatron-Bridge 26.04.01)': (0.1004, True, 9),
     'LLAMA3.1_405B NVFP4, 256 x GB300 (Megatron-Bridge 26.04.01)': (-0.0172, True, 12),
@@ -206,13 +208,14 @@ LOSO = {
     'BLOOM 2022': (0.60, 0.50, 0.0172, 0.0172),
     'torchtitan': (0.60, 0.50, 0.0842, 0.0842),
     'Megatron-Bridge': (0.60, 0.50, 0.1579, 0.1579),
-    'NeMo 2024': (0.60, 0.55, 0.1060, 0.0764),
+    'NeMo 2024': (0.60, 0.50, 0.0764, 0.0764),
     'NeMo 2025': (0.60, 0.50, 0.0749, 0.0749),
     'MosaicML llm-foundry': (0.60, 0.50, 0.1039, 0.1039),
-    'Trainy H200': (0.60, 0.50, 0.0348, 0.0348),
+    'Trainy H200': (0.60, 0.45, 0.0796, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
     'DGXC 2025': (0.60, 0.50, 0.1659, 0.1659),
+    'AMD Primus 2026': (0.60, 0.50, 0.1505, 0.1505),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0928, 0.0928),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
     'Megatron-Bridge fine-tuning': (0.60, 0.50, 0.0754, 0.0754),
@@ -223,10 +226,12 @@ LOSO = {
 # GPU family: (runs, in-sample error, held-out error of each run's own fold)
 FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
-    'h100': (75, 0.1060, 0.1131),
+    'h100': (75, 0.1060, 0.1060),
     'b200': (14, 0.1303, 0.1303),
     'gb200': (54, 0.1503, 0.1503),
-    'h200': (2, 0.0348, 0.0348),
+    'h200': (2, 0.0348, 0.0796),
+    'mi325x': (1, 0.2621, 0.2621),
+    'mi355x': (1, 0.0390, 0.0390),
     'gb300': (15, 0.1052, 0.1052),
     'h800': (1, 0.0066, 0.0066),
 }
@@ -266,9 +271,14 @@ def test_every_published_layout_fits_its_gpus(table):
     in FP8 (Sec. 3.3.2, "Low-Precision Storage and Communication"), which dtlib does not model.
     The two BF16 rows of DGXC 25.07 on H100 that missed by under 2% when timed with FP32 gradient buffers
     (Llama 3.1 405B on 512, Nemotron-4 15B on 16) fit with the BF16 ones their recipes' performance mode
-    sets (grad_reduce_in_fp32 = False)."""
+    sets (grad_reduce_in_fp32 = False).
+    AMD's Mixtral 8x22B on 64 MI355X runs 4 micro-batches of 2 x 8,192 tokens through 4 stages of 2
+    virtual chunks: Megatron's interleaved warm-up (10 chunks on the first stage) starts all 8 forward
+    chunks before a backward, so dtlib holds 4 micro-batches of 14 layers, 255.5 GiB, beside 45.7 GiB
+    of states: 301.2 GiB of the 288. The run fit; what it keeps less of is not found."""
     short = [name for name, row in table.items() if not row["fits"]]
     assert short == ["Llama 3 405B, 8,192 x H100, seq 8K (Llama 3 T4)",
+                     "Mixtral 8x22B BF16, PP 4 VP 2 EP 8, 64 x MI355X (AMD, Primus)",
                      "DeepSeek-V3 pre-training, 2,048 x H800 (DeepSeek-V3 report)"]
     for name in ("Llama3.1 405B BF16, 512 x H100 (DGXC 25.07)", "Nemotron4 15B BF16, 16 x H100 (DGXC 25.07)"):
         assert table[name]["memory_gib"] < 80
@@ -277,14 +287,14 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1167, abs=5e-4)
+    assert mae == pytest.approx(0.1170, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
-    """Lesson 10's claim: the 141 dense runs within 10% on average, the 43 MoE runs over 1.5 times as far off."""
+    """Lesson 10's claim: the 142 dense runs within 10% on average, the 44 MoE runs over 1.5 times as far off."""
     kinds = errors_by_kind(list(table.values()))
     moe = {r.name for r in PUBLISHED if r.model.moe_experts}
-    assert set(kinds["moe"]["names"]) == moe and len(moe) == 43
+    assert set(kinds["moe"]["names"]) == moe and len(moe) == 44
     assert set(kinds["dense"]["names"]) == set(table) - moe
     for kind, names in (("dense", set(table) - moe), ("moe", moe)):
         by_hand = sum(abs(EXPECTED[n][0]) for n in names) / len(names)
@@ -293,9 +303,9 @@ def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
     assert kinds["moe"]["mean_absolute_error"] > 1.5 * kinds["dense"]["mean_absolute_error"]
 
 
-def test_sixteen_sources_and_seven_gpu_families():
-    assert len(SOURCES) == 16 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
-                                                                   "gb300"}
+def test_seventeen_sources_and_nine_gpu_families():
+    assert len(SOURCES) == 17 and {r.family for r in PUBLISHED} == {"a100", "h100", "h200", "h800", "b200", "gb200",
+                                                                   "gb300", "mi325x", "mi355x"}
     for run in PUBLISHED:
         assert "http" in run.reference, run.name  # every run links its source
 
@@ -311,7 +321,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0883, abs=5e-4)
+    assert held_out == pytest.approx(0.0928, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 

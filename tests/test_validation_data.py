@@ -45,20 +45,20 @@ def test_no_row_is_there_twice():
 def test_counts_per_source_family_precision_and_stack():
     """Issue 26 item 8: at least 8 sources and 60 runs across A100, H100, H200, B200 and GB200 (and GB300),
     BF16 and FP8, dense and MoE, the four stacks."""
-    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 184 and len(SOURCES) == 16
+    assert INCLUDE_PENDING is True and INCLUDE_DEEPSEEK_V3 is True and len(PUBLISHED) == 186 and len(SOURCES) == 17
     assert Counter(r.source for r in PUBLISHED) == {
         "MosaicML llm-foundry": 18, "torchtitan": 15, "Narayanan 2021": 10, "NeMo 2024": 18, "NeMo 2025": 12,
         "Megatron-Bridge": 32, "Korthikanti 2022": 4, "DeepSpeed Azure 2022": 3, "Llama 3 2024": 3, "Trainy H200": 2,
         "BLOOM 2022": 1, "DeepSeek-V3 2024": 1, "Megatron-Bridge NVFP4": 4, "NeMo 2024 fine-tuning": 6,
-        "Megatron-Bridge fine-tuning": 10, "DGXC 2025": 45}
+        "Megatron-Bridge fine-tuning": 10, "DGXC 2025": 45, "AMD Primus 2026": 2}
     assert Counter(r.family for r in PUBLISHED) == {"h100": 75, "a100": 23, "b200": 14, "gb200": 54, "gb300": 15,
-                                                    "h200": 2, "h800": 1}
-    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 78, "fp8": 102, "nvfp4": 4}
-    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 142, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
-    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 109, "hardware_tflops_per_gpu": 14,
+                                                    "h200": 2, "h800": 1, "mi325x": 1, "mi355x": 1}
+    assert Counter(r.dtype for r in PUBLISHED) == {"bf16": 79, "fp8": 103, "nvfp4": 4}
+    assert Counter(r.stack for r in PUBLISHED) == {"megatron": 144, "torchtitan": 20, "fsdp": 18, "deepspeed": 4}
+    assert Counter(r.metric for r in PUBLISHED) == {"tokens_per_gpu_s": 111, "hardware_tflops_per_gpu": 14,
                                                     "step_time_s": 49, "model_tflops_per_gpu": 12}
     assert Counter(r.model.name for r in PUBLISHED if r.model.moe_experts) == {
-        "mixtral-8x7b": 2, "mixtral-8x22b": 2, "deepseek-v3": 11, "grok1-314b": 8, "llama4-maverick": 8,
+        "mixtral-8x7b": 2, "mixtral-8x22b": 3, "deepseek-v3": 11, "grok1-314b": 8, "llama4-maverick": 8,
         "gpt-oss-120b": 4, "qwen3-30b-a3b": 4, "qwen3-235b-a22b": 4}
 
 

@@ -168,6 +168,11 @@ _MI355X = ("AMD Instinct MI355X data sheet (2025), dense matrix: FP16/BF16 2,516
            "(the 'up to 10 PFLOPS FP4 / 20.1 with sparsity' of The Register and Tom's Hardware, 2025), FP32 "
            "157.3 TFLOPS vector; 288 GB HBM3E at 8 TB/s, 1,400 W; 256 CUs = 8 XCDs x 32 (AMD at ISSCC 2026); no "
            "TF32 peak listed for CDNA 4 (None); the exact TFLOPS digits were not confirmed from a text read here")
+_MI325X = ("AMD Instinct MI325X (2024): the MI300X's compute (CDNA 3, 304 CUs; dense matrix FP16/BF16 1,307.4, FP8 "
+           "2,614.9, TF32 653.7, FP32 163.4 TFLOPS) with 256 GB HBM3E at 6.0 TB/s and 1,000 W, as S. Bekman, 'Machine "
+           "Learning Engineering', compute/accelerator/README.md tabulates it from AMD's specification page "
+           "(stas00/ml-engineering 744d01e: 'MI325X is the same compute as MI300X, but has more memory and more "
+           "power'); AMD's page itself not read here")
 # MI350X: the MI355X die (CDNA 4, 256 CUs, 288 GB HBM3E at 8 TB/s), air-cooled at 1,000 W with a 2.2 GHz peak
 # engine clock against the MI355X's 1,400 W and 2.4 GHz (AMD at Hot Chips 2025, as reported by Wccftech, "AMD's
 # Instinct MI350 ... Hot Chips 2025", 2025-08-26). Same CUs doing the same operations per clock: its dense peaks
@@ -213,6 +218,7 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     # no exponential rate: its tensor peak is cut to 148 TFLOPS while its special-function units
     # probably are not, so Hopper's ratio does not hold, and no figure of its own was found
     _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
+    _acc("mi325x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 256, 6.0, _MI325X, 304, 1000),
     _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
     _acc("mi350x", *(x and x * MI350X_CLOCK_RATIO for x in (157.3, None, 2516.6, 2516.6, 5033.2)), 288, 8.0, _MI350X,
          256, 1000, fp4=10066.3 * MI350X_CLOCK_RATIO),
@@ -312,7 +318,7 @@ def get_gpu(name: str) -> Accelerator:
 _DEVICE_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h800", "h800"),
                  ("h20", "h20"), ("gb200", "gb200"), ("gb300", "gb300"), ("b200", "b200"), ("b300", "b300"),
                  ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"),
-                 ("mi300x", "mi300x"), ("mi355x", "mi355x"), ("mi350x", "mi350x"))
+                 ("mi300x", "mi300x"), ("mi325x", "mi325x"), ("mi355x", "mi355x"), ("mi350x", "mi350x"))
 
 
 def catalogue_name(device_name: str) -> str | None:
@@ -366,7 +372,8 @@ class Cluster:
 # the usual scale-up link of each part
 _DEFAULT_INTRA = {"a100-40gb": "nvlink3", "a100-80gb": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4", "h800": "nvlink-h800",
                   "h20": "nvlink4", "gb200": "nvlink5", "gb300": "nvlink5", "b200": "nvlink5", "b300": "nvlink5",
-                  "mi300x": "infinity-fabric", "mi355x": "infinity-fabric-4", "mi350x": "infinity-fabric-4",
+                  "mi300x": "infinity-fabric", "mi325x": "infinity-fabric", "mi355x": "infinity-fabric-4",
+                  "mi350x": "infinity-fabric-4",
                   "h100-pcie": "pcie5"}
 
 

@@ -15,7 +15,8 @@ runs (:data:`LEVELS`, narrowest first):
 1. same stack, family, dense/MoE and decade of work per GPU;
 2. same stack, family and dense/MoE;
 3. same family and dense/MoE;
-4. same dense/MoE, any family (the family itself must still have validated runs).
+4. same dense/MoE, any family (the family itself must still have validated runs, and the band is
+   widened to contain their own residuals: a family with a few runs, AMD's two, keeps its misses).
 
 The band is the empirical 10th and 90th percentiles of those residuals (``method="quantile"``,
 ``coverage=0.8``; numpy's linear interpolation, Hyndman & Fan 1996 type 7) or their minimum and
@@ -202,9 +203,16 @@ def band(regime: Regime, rows: Sequence[dict[str, Any]] | None = None, *, min_ru
         lo, hi = np.quantile(residuals, [(1 - coverage) / 2, (1 + coverage) / 2])
     else:
         lo, hi = residuals.min(), residuals.max()
+    words = _words(regime, keys)
+    if "family" not in keys:
+        # pooled over every family: never narrower than the misses of the family's own few runs
+        own = [r["residual"] for r in family]
+        lo, hi = min(lo, min(own)), max(hi, max(own))
+        runs = "run's" if len(own) == 1 else "runs'"
+        words += f", widened to the {len(own)} {regime.family} {runs} own misses"
     if include_point:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
-    return Band(True, math.exp(lo), math.exp(hi), len(mine), _words(regime, keys), name,
+    return Band(True, math.exp(lo), math.exp(hi), len(mine), words, name,
                 runs=tuple(r["name"] for r in mine))
 
 
