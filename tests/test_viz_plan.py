@@ -36,8 +36,8 @@ def test_the_error_band_is_drawn_on_each_total():
     expected = [(c["band"]["step_time_s"]["low"], c["band"]["step_time_s"]["high"]) for c in r.configs][::-1]
     assert len(spans) == 3 and [x for s in spans for x in s] == pytest.approx([x for e in expected for x in e])
     assert all(low <= c["step_time_s"] <= high for c, (low, high) in zip(r.configs[::-1], spans))
-    amd = search(get_preset("llama3-8b"), cluster("mi355x", 2, 8), 64, top=1)
-    time_ax = plot_plan(amd.configs, amd.capacity).axes[0]
+    small = search(get_preset("llama3-8b"), cluster("h100-sxm", 8, 8), 8, top=1)  # less work than any run
+    time_ax = plot_plan(small.configs, small.capacity).axes[0]
     assert not time_ax.collections and "band: not covered" in time_ax.texts[0].get_text()
 
 
