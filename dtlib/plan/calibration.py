@@ -32,14 +32,14 @@ __all__ = ["GEMM_EFFICIENCY", "ATTENTION_EFFICIENCY", "FITTED_ON", "efficiency_s
 GEMM_EFFICIENCY = 0.60
 ATTENTION_EFFICIENCY = 0.50
 # the attention kernel of each software stack scales ATTENTION_EFFICIENCY (dtlib.analytic.stacks)
-FITTED_ON = ("184 runs of sixteen sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
+FITTED_ON = ("186 runs of seventeen sources: Narayanan et al. 2021 T1, Korthikanti et al. 2022 T5, BLOOM, torchtitan, "
              "Megatron-Bridge 25.11 (with its GB200/GB300 racks and MoE models) and 26.04.01 (NVFP4), NeMo 2024 "
              "(24.07 and its long-sequence table), NeMo 2024 fine-tuning (24.07 Llama 2 SFT and LoRA), "
              "Megatron-Bridge fine-tuning (26.06 Llama 3 70B SFT and LoRA on GB300, GB200, H100), "
              "NeMo 2025 (25.02 B200, 25.04 GB200), DGX Cloud Benchmarking 25.07 (NeMo 25.04 on H100 and GB200), "
              "MosaicML llm-foundry, "
-             "Trainy's torchtitan on H200, DeepSpeed on Azure, Llama 3, DeepSeek-V3 (A100, H100, H200, H800, B200, "
-             "GB200 and GB300; dtlib.plan.published)")
+             "Trainy's torchtitan on H200, DeepSpeed on Azure, Llama 3, DeepSeek-V3, AMD's Primus runs (A100, H100, "
+             "H200, H800, B200, GB200, GB300, MI325X and MI355X; dtlib.plan.published)")
 
 
 def efficiency_source(gpu: str = "") -> str:

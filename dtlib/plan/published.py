@@ -15,7 +15,7 @@ missing; :data:`INCLUDE_PENDING` is the one switch that adds them to :data:`PUBL
 DeepSeek-V3 report's row (:func:`deepseek_v3_runs`) waits likewise behind :data:`INCLUDE_DEEPSEEK_V3`
 for ``PublishedRun.ep_overlap`` (DualPipe).
 
-About 1,200 lines because it is sixteen sources' tables transcribed row by row (and the AMD
+About 1,200 lines because it is seventeen sources' tables transcribed row by row (and the AMD
 comparison); splitting it by source would scatter the shared conventions (units, stack knobs) that
 the rows must agree on.
 """
@@ -1017,8 +1017,8 @@ _AMD_PRIMUS = ("AMD, ROCm Performance Results (AI training, Primus with the Mega
 def _amd_primus() -> list[PublishedRun]:
     """AMD's own 8-node training measurements (MI325X, MI355X) with the layouts its Primus team published
     beside them. The table's two Llama 3.1 70B rows (FSDP, 'Batch' 4 and 1) are left out: their
-    activation recompute is not stated and decides them (no recompute against full: 38 points on the
-    BF16 row), and the Primus configs of the time recompute 72 of 80 layers at other micro-batches."""
+    activation recompute is not stated and decides them (the BF16 row +38% without recompute, +5% with
+    full recompute), and the Primus configs of the time recompute 72 of 80 layers at other micro-batches."""
     common = dict(metric="tokens_per_gpu_s", source="AMD Primus 2026", stack="megatron", precision="bf16-mixed")
     llama = PublishedRun(
         name="Llama 3.1 8B FP8, DP 64, 64 x MI325X (AMD, Primus)", model=replace(get_preset("llama3-8b"), seq=8192),
