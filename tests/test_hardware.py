@@ -29,6 +29,10 @@ def test_published_datasheet_figures():
     assert get_gpu("a100-80gb").peak("bf16") == 312e12          # A100 datasheet, dense
     assert get_gpu("h100-sxm").peak("bf16") == pytest.approx(989.5e12, rel=1e-3)  # 1979 sparse / 2
     assert get_gpu("mi300x").memory_bytes == 192 * 2 ** 30
+    # MI325X: the MI300X's compute and scale-up with 256 GB of HBM3E at 6 TB/s (Bekman's table)
+    mi325x, mi300x = get_gpu("mi325x"), get_gpu("mi300x")
+    assert mi325x.peaks == mi300x.peaks and mi325x.memory_bytes == 256 * 2 ** 30 and mi325x.memory_bandwidth == 6e12
+    assert cluster("mi325x").intra.name == "infinity-fabric"
     assert get_link("ib-ndr").bandwidth == 50e9                # 400 Gb/s
     # NVLink as NCCL's topology model sees it (src/graph/topo.h): links x per-link GB/s, ~80% of the
     # datasheet's signalling rate (H100: 900 GB/s bidirectional = 18 links x 25 GB/s per direction)
@@ -67,7 +71,7 @@ def test_added_entries_need_a_source():
 @pytest.mark.parametrize("device, entry", [
     ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
     ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA B200", "b200"),
-    ("AMD Instinct MI300X", "mi300x"), ("Tesla T4", None),
+    ("AMD Instinct MI300X", "mi300x"), ("AMD Instinct MI325X", "mi325x"), ("Tesla T4", None),
 ])
 def test_catalogue_name_from_the_driver_name(device, entry):
     assert catalogue_name(device) == entry
