@@ -29,7 +29,7 @@ exchangeable with the ``n`` comparable ones, it would fall inside their range wi
 is a *held-out residual range of comparable published runs*, not a probability guarantee.
 
 A prediction outside what the validation covers gets ``covered=False`` and the reason instead of a
-band: a GPU family without published runs (AMD, a new part), a matmul precision or a fine-tuning method
+band: a GPU family without published runs (a new part), a matmul precision or a fine-tuning method
 no run used, work per GPU outside the family's validated range, or a step model the fit did not
 produce (``--efficiency``, fitted efficiencies overridden); ``Regime.unvalidated`` carries those
 reasons; a calibrated plan may replace :func:`band` by its own function of the regime
