@@ -67,6 +67,8 @@ def test_published_numbers_are_the_new_sources():
     assert [r.published for r in by_source["NeMo 2024"]] == [23406, 5851, 716, 825, 16934, 8715, 1728, 12273, 1524,
                                                              768, 730, 660, 610, 574, 555, 549, 549, 536]
     assert [r.published for r in by_source["Trainy H200"]] == [10938, 10753]
+    assert [(r.published, r.cluster.gpu.name, r.global_batch) for r in by_source["AMD Primus 2026"]] == [
+        (16186, "mi325x", 128), (3534, "mi355x", 128)]
     assert [r.published for r in by_source["NeMo 2025"]] == [1600, 26006, 3062, 625, 15457, 2232,
                                                              1804, 33099, 4035, 665, 19275, 2731]
     assert [r.published for r in by_source["DeepSpeed Azure 2022"]] == [204.49, 165.36, 157]
