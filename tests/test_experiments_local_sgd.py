@@ -7,6 +7,7 @@ from dtlib.experiments.heterogeneous import balance_data_parallel, balance_pipel
 from dtlib.experiments.local_sgd import (Run, compare_schemes, diloco_tradeoff, gpt_model,
                                          held_out_loss, lm_loss, simulate_diloco)
 from dtlib.launcher import launch
+from dtlib.parallel.heterogeneous import proportional_batch_sizes
 from dtlib.parallel.local_sgd import DiLoCo
 from dtlib.parallel.parameter_server import staleness_bound
 
@@ -54,10 +55,21 @@ def test_diloco_tradeoff_gets_faster_with_h_and_slower_with_a_slow_rank():
 
 
 def test_balanced_data_parallel_equals_one_process_and_weights_by_speed():
-    r = balance_data_parallel(slowdowns=(1.0, 3.0), global_batch=8, steps=2, sample_ms=5.0)
+    slowdowns, sample_s = (1.0, 3.0), 5e-3
+    r = balance_data_parallel(slowdowns=slowdowns, global_batch=8, steps=2, sample_ms=1e3 * sample_s)
     assert r["max_diff_vs_one_process"] < 1e-5
     assert sum(r["balanced"]["sizes"]) == 8 and r["equal"]["sizes"] == [4, 4]
-    assert r["balanced"]["sizes"][1] < r["balanced"]["sizes"][0]  # the slow rank gets less
+    # the batches follow the throughputs the ranks measured in the equal phase (4 samples / busy
+    # seconds, gathered as float32), whatever they were. "The slow rank gets less" compares two
+    # wall times: measured 2.3-3.1x slower beside busy loops, it evens the split under 1.4x, which
+    # a stall of ~25 ms in rank 0's one measured step does
+    speeds = [torch.tensor([4 / busy]).item() for busy in r["equal"]["busy"]]
+    assert r["balanced"]["sizes"] == proportional_batch_sizes(speeds, 8)
+    # and each rank's busy time holds its emulated device time x its slowdown (a floor: load only
+    # adds to it), so the slowdown is the slow rank's
+    for phase in ("equal", "balanced"):
+        for busy, size, slowdown in zip(r[phase]["busy"], r[phase]["sizes"], slowdowns):
+            assert busy >= slowdown * size * sample_s * (1 - 1e-6), (phase, r[phase])
     with pytest.raises(ValueError, match="global_batch"):
         balance_data_parallel(slowdowns=(1.0, 1.0, 1.0), global_batch=8)
 

@@ -366,9 +366,16 @@ def test_a_memory_cgroup_caps_all_of_a_childs_processes_together():
     if group is None:
         pytest.skip("no memory cgroup here (not root, or no memory controller)")
     try:
-        # two processes of 48 MiB each: under any per-process limit of 64 MiB, over the group's
-        hog = ("import os, time\npid = os.fork()\nblock = bytearray(48 << 20)\nfor i in range(0, len(block), 4096):\n"
-               "    block[i] = 1\ntime.sleep(0.5)\nif pid:\n    os.waitpid(pid, 0)")
+        # two processes of 48 MiB each: under any per-process limit of 64 MiB, over the group's.
+        # The child holds its block until the parent holds its own (pipes, not a sleep: both are
+        # held at once however the two are scheduled), and the parent fails if the child was killed:
+        # the OOM killer ends whichever holds more at that moment, and a parent that outlived its
+        # killed child used to exit 0 (3 runs in 20 on the loaded 2-core machine)
+        hog = ("import os\nheld_r, held_w = os.pipe()\ngo_r, go_w = os.pipe()\npid = os.fork()\n"
+               "block = bytearray(48 << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1\n"
+               "if pid == 0:\n    os.close(go_w)\n    os.write(held_w, b'1')\n    os.read(go_r, 1)\n    os._exit(0)\n"
+               "os.close(held_w)\nos.read(held_r, 1)\nos.close(go_w)\n"
+               "raise SystemExit(0 if os.waitpid(pid, 0)[1] == 0 else 1)")
         joined = lambda: open(os.path.join(group, "cgroup.procs"), "w").write(str(os.getpid()))  # noqa: E731
         ran = subprocess.run([sys.executable, "-c", hog], preexec_fn=joined, capture_output=True, timeout=120)
         assert ran.returncode != 0, "two 48 MiB processes ran in a 64 MiB group"

@@ -136,8 +136,19 @@ def _sleep_forever(rank, world_size, piddir):
 
 
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
-    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    # The interrupt comes once every rank runs fn (its pid file written), not after a fixed delay:
+    # a process's first launch imports torch._dynamo before it forks, and reached fn after 1.1 s on
+    # the 2-core machine, 2 s beside two busy loops, 4 s beside six: a SIGINT at 1.5 s found no rank.
+    def interrupt_once_running():
+        deadline = time.monotonic() + 60  # never started: interrupt anyway, the pid count then fails
+        while time.monotonic() < deadline:
+            files = list(tmp_path.glob("pid*"))
+            if len(files) == 3 and all(p.read_text() for p in files):
+                break
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         launch(_sleep_forever, 3, args=(tmp_path,), timeout=300)

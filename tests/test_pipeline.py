@@ -156,21 +156,35 @@ def test_measured_bubble_follows_the_simulator():
         # tolerance: 0.1 absolute covers sleep overshoot and scheduling noise of a loaded machine
         assert timeline.bubble_ratio == pytest.approx(predicted.bubble_ratio, abs=0.1), (name, m)
         assert timeline.peak_in_flight == predicted.peak_in_flight
-    # GPipe's bubble shrinks like (p-1)/m as m grows; ZB-H1 idles less than 1F1B at equal work
+    # GPipe's bubble shrinks like (p-1)/m as m grows; ZB-H1 idles less than 1F1B at equal work.
+    # The textbook 1/4 at m=4 has no hop latency: measured against it, the hops a loaded machine
+    # adds moved m=4 from 0.26 to 0.30 (six busy loops beside), near the old 0.35 limit; the
+    # measured value is held to the simulator fed with this run's own costs and hops above.
     gpipe = [measured["gpipe", m] for m in (1, 2, 4)]
     assert gpipe == sorted(gpipe, reverse=True)
-    assert gpipe[0] == pytest.approx(1.0, abs=0.15) and gpipe[-1] == pytest.approx(1 / 4, abs=0.1)
+    assert gpipe[0] == pytest.approx(1.0, abs=0.15)
+    assert simulate(schedule("gpipe", 2, 4), 1.0, 1.0).bubble_ratio == pytest.approx(1 / 4)
     assert measured["zb-h1", 4] < measured["1f1b", 4] - 0.05
 
 
 def test_slowest_stage_sets_the_pace():
-    # rank 1 costs twice rank 0: GPipe's step is about (m + p - 1) x the slow stage's F + B
+    # rank 1 costs twice rank 0: GPipe's step is about (m + p - 1) x the slow stage's F + B, as
+    # this run measured them (each action is its sleep plus real compute, which load stretches:
+    # against the nominal 0.08 s the makespan went from 0.39 to 0.46 s beside six busy loops, the
+    # old limit 0.5; against the measured F + B it stayed 0.91-0.98 of it)
     slow = {"F": 0.04, "B": 0.04}
     fast = {"F": 0.02, "B": 0.02}
     t = measure_timelines(2, [("gpipe", 4, 1)], [fast, slow], steps=2, cfg_kwargs=CFG, batch=BATCH)
-    makespan = t["gpipe", 4, 1].makespan
-    assert makespan == pytest.approx((4 + 1) * 0.08, rel=0.25)
-    assert makespan > (4 + 1) * 0.06  # more than a balanced pipeline with the same total cost
+    timeline = t["gpipe", 4, 1]
+    makespan = timeline.makespan
+
+    def measured(kind):  # the slow stage's mean time per action of this kind
+        times = [e.end - e.start for e in timeline.events[1] if e.action.kind == kind]
+        return sum(times) / len(times)
+    assert makespan == pytest.approx((4 + 1) * (measured("F") + measured("B")), rel=0.25)
+    # a floor whatever the load (sleeps never end early): rank 0's first F, rank 1's 4 F and 4 B,
+    # rank 0's last B, one after the other; more than a balanced pipeline with the same total cost
+    assert makespan >= 0.02 + 4 * (0.04 + 0.04) + 0.02 > (4 + 1) * 0.06
 
 
 def test_bad_experiment_settings_fail_before_launch():
