@@ -368,7 +368,14 @@ def test_dtlib_train_profile_writes_traces_and_the_summary(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"]
     assert sorted(out["breakdown"]) == ["0", "1"]
     assert {"kind", "severity", "evidence", "fix"} <= set(out["findings"][0])
-    assert out["findings"][0]["kind"] == "bubble"  # GPipe, 2 stages, 1 micro-batch: (p-1)/(m+p-1) = 1/2
+    # GPipe over 2 stages with 1 micro-batch: rank 0 cannot start its backward before rank 1 has run
+    # its forward and backward, so the time rank 0 spends neither computing, loading nor stepping
+    # holds rank 1's compute (but a few bookkeeping operators), however loaded the machine. Which
+    # finding ranks first is not fixed: in a 7-9 ms step the communication took 0.5-3.2 ms and the
+    # mean bubble 2.1-2.5 ms (CI once ranked communication first)
+    b = out["breakdown"]
+    waiting = b["0"]["bubble"] + b["0"]["exposed_comm"] + b["0"]["other"]
+    assert waiting >= 0.9 * b["1"]["compute"] > 0 and b["0"]["bubble"] > 0 and b["1"]["bubble"] > 0
     assert 0 < out["mfu"] <= 1
     assert out["hfu"] >= out["mfu"] * (1 - 1e-9)  # lesson 12's profiles come from here
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.json", "rank1.json"]
