@@ -1028,7 +1028,7 @@ def _amd_primus() -> list[PublishedRun]:
         fp8_recipe="delayed", **common,
         note="FP8 'hybrid' with Megatron's default delayed scaling (Primus's MI325X config); distributed optimizer "
              "(trainer default); global batch not stated: 128 as the Primus MI325X config (the prediction moves "
-             "0.4% from 128 to 1,024: gradients reduced once a step, overlapped); NIC not stated (timed as 400 Gb/s "
+             "0.3% from 128 to 1,024: gradients reduced once a step, overlapped); NIC not stated (timed as 400 Gb/s "
              "RoCE); 1-node 16,224 tokens/s/GPU in the same table")
     mixtral = PublishedRun(
         name="Mixtral 8x22B BF16, PP 4 VP 2 EP 8, 64 x MI355X (AMD, Primus)",
