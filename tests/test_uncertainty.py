@@ -221,7 +221,12 @@ def test_a_band_pooled_over_families_keeps_the_familys_own_misses():
     assert np.quantile(every, 0.9) < 0.3
     assert b.covered and b.high == pytest.approx(math.exp(0.4))
     assert b.low == pytest.approx(math.exp(np.quantile(every, 0.1)))
-    assert b.regime == "dense, any GPU family, widened to the 1 amd run's own misses"
+    assert b.regime == "dense, any GPU family, widened to the 1 amd run's own misses" and "a" in b.runs
+    # the family's runs of the other kind widen it too, and are named among its runs
+    moe_run = amd[0] | {"name": "m", "residual": 0.6, "moe": True}
+    wider = band(regime, pooled + amd + [moe_run])
+    assert wider.high == pytest.approx(math.exp(0.6)) and "m" in wider.runs and wider.count == 10
+    assert wider.regime == "dense, any GPU family, widened to the 2 amd runs' own misses"
     hopper = band(replace(regime, family="hopper"), pooled + amd)  # nine runs of its own: no pooling
     assert hopper.high == pytest.approx(math.exp(np.quantile(every[:9], 0.9))) and "widened" not in hopper.regime
 

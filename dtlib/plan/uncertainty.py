@@ -107,7 +107,8 @@ class Regime:
 class Band:
     """The band of a prediction as factors on the step time: the real step is ``low`` to ``high`` x the
     predicted one (None when not ``covered``, with the ``reason``); ``count`` comparable runs (their
-    names: ``runs``), the ``regime`` they share (words) and the ``method``."""
+    names: ``runs``, with the family's own where the band was widened to them), the ``regime`` they
+    share (words) and the ``method``."""
     covered: bool
     low: float | None
     high: float | None
@@ -204,16 +205,18 @@ def band(regime: Regime, rows: Sequence[dict[str, Any]] | None = None, *, min_ru
     else:
         lo, hi = residuals.min(), residuals.max()
     words = _words(regime, keys)
+    used = mine
     if "family" not in keys:
         # pooled over every family: never narrower than the misses of the family's own few runs
         own = [r["residual"] for r in family]
         lo, hi = min(lo, min(own)), max(hi, max(own))
         runs = "run's" if len(own) == 1 else "runs'"
         words += f", widened to the {len(own)} {regime.family} {runs} own misses"
+        used = mine + [r for r in family if r not in mine]
     if include_point:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
     return Band(True, math.exp(lo), math.exp(hi), len(mine), words, name,
-                runs=tuple(r["name"] for r in mine))
+                runs=tuple(r["name"] for r in used))
 
 
 def band_fields(b: Band, step_time_s: float, tokens_per_s: float) -> dict[str, dict[str, Any]]:
