@@ -41,6 +41,29 @@ def test_published_datasheet_figures():
     assert get_link("nvlink5").bandwidth == pytest.approx(18 * 40.1e9)
 
 
+def test_amds_cdna3_parts_are_timed_at_the_clock_amd_measured_under_a_matmul():
+    """AMD quotes CDNA 3 peaks at the 2,100 MHz peak engine clock (304 CUs x 2,048 BF16 FLOPs per CU and
+    clock, ROCm's MI300 microarchitecture page) and measured its MAF GEMMs' median clock far below it
+    (ROCm blogs, "Measuring Max-Achievable FLOPs - Part 2", Table 1): at that clock the BF16 MAF is the
+    post's "software efficiency of up to 94%" on both parts, which a misread clock would not give."""
+    from dtlib.analytic.hardware import CDNA3_PEAK_CLOCK_MHZ, MI300X_SUSTAINED_CLOCK, MI325X_SUSTAINED_CLOCK
+    from dtlib.plan.gemm import clock_scale, gemm_time
+
+    assert CDNA3_PEAK_CLOCK_MHZ == pytest.approx(2100, abs=0.5)
+    for name, clock, maf_bf16 in (("mi300x", MI300X_SUSTAINED_CLOCK, 708e12), ("mi325x", MI325X_SUSTAINED_CLOCK, 843e12)):
+        gpu = get_gpu(name)
+        assert gpu.sustained_clock == clock and clock_scale(gpu) == clock
+        assert round(maf_bf16 / (gpu.peak("bf16") * clock), 2) == 0.94, name
+    assert MI325X_SUSTAINED_CLOCK * 2100 == pytest.approx(1447, abs=1)
+    # the step's GEMMs run at that clock; the peak an MFU is quoted against stays the datasheet's
+    mi325x = get_gpu("mi325x")
+    held = gemm_time(8192, 8192, 8192, mi325x, clock=clock_scale(mi325x))
+    assert held == pytest.approx(gemm_time(8192, 8192, 8192, mi325x) / MI325X_SUSTAINED_CLOCK)
+    assert mi325x.peak("bf16") == pytest.approx(1307.4e12)
+    # CDNA 4 has no such measurement here: the datasheet's clock
+    assert get_gpu("mi355x").sustained_clock == 1 == get_gpu("mi350x").sustained_clock
+
+
 def test_lookups_list_valid_names():
     assert get_gpu(" H100-SXM ") is ACCELERATORS["h100-sxm"]
     with pytest.raises(ValueError, match="unknown GPU 'v100'; valid: a100-40gb"):

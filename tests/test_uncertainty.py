@@ -32,10 +32,10 @@ def test_every_published_run_has_one_held_out_residual():
     rows = load_residuals()
     assert [r["name"] for r in rows] == [run.name for run in PUBLISHED]
     assert all(math.isfinite(r["residual"]) and r["work"] > 0 for r in rows)
-    # every fold keeps the full fit but Trainy H200's: without its two H200 runs, faster than predicted,
-    # the attention efficiency goes to 0.45 (since AMD's two runs joined; before, NeMo 2024's moved)
-    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] != "Trainy H200"} == {(0.60, 0.50)}
-    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] == "Trainy H200"} == {(0.60, 0.45)}
+    # every fold keeps the full fit but NeMo 2024's: without its 18 runs the attention efficiency goes to
+    # 0.55 (as before AMD's runs joined; while the MI325X was timed at its datasheet clock, Trainy H200's moved)
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] != "NeMo 2024"} == {(0.60, 0.50)}
+    assert {(r["gemm"], r["attention"]) for r in rows if r["source"] == "NeMo 2024"} == {(0.60, 0.55)}
 
 
 def test_a_residual_is_held_out_by_its_own_source():
@@ -200,12 +200,13 @@ def test_search_rows_carry_the_band_and_it_contains_the_prediction():
         step, tokens = c["band"]["step_time_s"], c["band"]["tokens_per_s"]
         assert step["covered"] and step["low"] <= c["step_time_s"] <= step["high"]
         assert tokens["low"] <= c["tokens_per_s"] <= tokens["high"]
-    # two AMD runs: a band pooled over every family's dense runs, widened to the AMD runs' own misses
+    # two AMD runs: a band pooled over every family's dense runs, which holds the AMD runs' own misses
+    # (-10% and +4% on the step time, inside the pooled 10th-90th percentiles: not widened)
     amd = search(get_preset("llama3-8b"), cluster("mi355x", 2, 8), 64, top=1).configs[0]
     b = amd["band"]["step_time_s"]
     own = [r["residual"] for r in load_residuals() if r["family"] == "amd"]
-    assert len(own) == 2 and b["covered"] and "dense, any GPU family, widened to the 2 amd runs' own misses" == b["regime"]
-    assert b["high"] == pytest.approx(amd["step_time_s"] * math.exp(max(own)))
+    assert len(own) == 2 and b["covered"] and "dense, any GPU family, holding the 2 amd runs' own misses" == b["regime"]
+    assert b["low"] < amd["step_time_s"] * math.exp(min(own)) < amd["step_time_s"] * math.exp(max(own)) < b["high"]
 
 
 def test_a_band_pooled_over_families_keeps_the_familys_own_misses():
@@ -227,6 +228,10 @@ def test_a_band_pooled_over_families_keeps_the_familys_own_misses():
     wider = band(regime, pooled + amd + [moe_run])
     assert wider.high == pytest.approx(math.exp(0.6)) and "m" in wider.runs and wider.count == 10
     assert wider.regime == "dense, any GPU family, widened to the 2 amd runs' own misses"
+    # a family's misses inside the pooled band leave it as it is, and the words say so
+    inside = band(regime, pooled + [amd[0] | {"residual": 0.05}])
+    assert inside.high == pytest.approx(math.exp(np.quantile(every[:9] + [0.05], 0.9)))
+    assert inside.regime == "dense, any GPU family, holding the 1 amd run's own misses"
     hopper = band(replace(regime, family="hopper"), pooled + amd)  # nine runs of its own: no pooling
     assert hopper.high == pytest.approx(math.exp(np.quantile(every[:9], 0.9))) and "widened" not in hopper.regime
 
@@ -256,11 +261,11 @@ def test_band_coverage_holds_each_source_out():
 def test_the_stored_band_holds_about_what_it_says():
     """Held out by source, the 10th-90th percentile band holds at least 64% of the runs it covers
     (docs/validation.md, 'The error band'): a model change that leaves it far below is miscalibrated.
-    Measured: 115 of 166 (69%). DGXC 2025's 45 runs hold 24: its Nemotron-4 and DeepSeek-V3 GB200 runs
-    were 25-210% slower than predicted, above every band the other sources' rack runs give them (its
-    Grok-1 and Llama 4 GB200 runs are all inside); the other sources' runs hold 91 of 121 (75%), and with
-    DGXC 2025 taken out of the table 74 of 106 (70%, the second assertion); before GB200's sustained
-    clock 114 of 166, DGXC's own 21. With the source's first 29 runs: 99 of
+    Measured: 116 of 166 (70%; 115 before the MI325X's sustained clock). DGXC 2025's 45 runs hold 25: its
+    Nemotron-4 and DeepSeek-V3 GB200 runs were 25-210% slower than predicted, above every band the other
+    sources' rack runs give them (its Grok-1 and Llama 4 GB200 runs are all inside); the other sources'
+    runs hold 91 of 121 (75%), and with DGXC 2025 taken out of the table 75 of 106 (71%, the second
+    assertion); before GB200's sustained clock 114 of 166, DGXC's own 21. With the source's first 29 runs: 99 of
     150 (66%); before it: 74 of 106 (70%); 69 of 92 (75%) before Megatron-Bridge 26.06's
     fine-tuning rows, whose H100 runs give six NeMo 2024 rows a band of their work decade that ends near
     0% (the fine-tuning runs, timed unpacked, are mostly faster than predicted)."""

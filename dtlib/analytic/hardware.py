@@ -28,7 +28,8 @@ from dtlib.analytic import validate
 from dtlib.analytic.units import GiB, TFLOPS
 
 __all__ = ["Accelerator", "KERNEL_LAUNCH_S", "FLOPS_PER_EXP", "NVFP4_GPUS", "MATMUL_DTYPES", "matmul_peak", "Link", "Cluster", "System",
-           "ACCELERATORS", "GB200_SUSTAINED_CLOCK", "LINKS", "NCCL_NVLINK_BW_PER_LINK", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
+           "ACCELERATORS", "GB200_SUSTAINED_CLOCK", "CDNA3_PEAK_CLOCK_MHZ", "MI300X_SUSTAINED_CLOCK",
+           "MI325X_SUSTAINED_CLOCK", "LINKS", "NCCL_NVLINK_BW_PER_LINK", "SYSTEMS", "COMPUTE_DTYPES", "get_gpu", "get_link", "get_system", "add_accelerator",
            "cluster", "catalogue_name", "replace_nodes"]
 
 COMPUTE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
@@ -52,7 +53,8 @@ class Accelerator:
     :data:`KERNEL_LAUNCH_S` for a GPU, measured on the machine by ``dtlib calibrate``.
     ``sustained_clock``: the share of the clock its peaks are quoted at that the SMs hold under a
     sustained matmul at the TDP, where that differs from the catalogue's convention (1: a datasheet
-    quoting a clock the part sustains; GB200: :data:`GB200_SUSTAINED_CLOCK`); it scales the tensor
+    quoting a clock the part sustains; GB200: :data:`GB200_SUSTAINED_CLOCK`; MI300X and MI325X, whose
+    peaks are at their peak engine clock: :data:`MI325X_SUSTAINED_CLOCK`); it scales the tensor
     cores and the special-function units, never the memory, and never the peak an MFU is quoted
     against."""
     name: str
@@ -196,6 +198,19 @@ _MI350X = ("AMD Instinct MI350X (2025): the MI355X's dense peaks x 2.2 / 2.4 GHz
 # clock its peaks are quoted at. GB300 has no such measurement (its clocks are not disclosed): 1.
 B200_PEAK_CLOCK_MHZ = 2250e12 / (148 * 8192) / 1e6
 GB200_SUSTAINED_CLOCK = B200_PEAK_CLOCK_MHZ / 1965.0
+# AMD's CDNA 3 peaks are quoted at the peak engine clock: BF16 1,307.4 TFLOPS = 304 CUs x 2,048 dense FLOPs per
+# CU and clock (ROCm documentation, "AMD Instinct MI300 series microarchitecture", peak-performance table) x
+# 2,100 MHz, the "Peak Engine Clock" of AMD's MI300X and MI325X specifications (Bekman's "Clock speed" table,
+# 744d01e). Under a sustained matmul at their TDP they run far below it: AMD measured the median clock of its
+# Max-Achievable-FLOPs GEMMs (hipBLASLt, normally distributed data, warmed up, cold caches) at 1,207 MHz (MI300X)
+# and 1,447 MHz (MI325X) in BF16, 1,230 and 1,464 MHz in FP8 (B. Sander et al., "Measuring Max-Achievable FLOPs -
+# Part 2", ROCm blogs, 2025-02-28, Table 1; ROCm/rocm-blogs d957560). The catalogue keeps one clock per part,
+# BF16's (FP8's is 1-2% higher). Check: 708 and 843 TFLOPS BF16 MAF over the peak at these clocks are 94% for
+# both, the "software efficiency of up to 94%" the same post states. CDNA 4 (MI355X, MI350X): no such
+# measurement read here, 1.
+CDNA3_PEAK_CLOCK_MHZ = 1307.4e12 / (304 * 2048) / 1e6
+MI300X_SUSTAINED_CLOCK = 1207 / CDNA3_PEAK_CLOCK_MHZ
+MI325X_SUSTAINED_CLOCK = 1447 / CDNA3_PEAK_CLOCK_MHZ
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     _acc("a100-40gb", 19.5, 156, 312, 312, None, 40, 1.555, _NV_A100 + _SMS, 108, 400, arch="ampere"),
     _acc("a100-80gb", 19.5, 156, 312, 312, None, 80, 2.039, _NV_A100 + _SMS, 108, 400, arch="ampere"),
@@ -208,7 +223,8 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
          "PFLOPS sparse per GPU -> 9 dense, the datasheet's 'Individual Blackwell GPU' column)" + _SMS, 148, 1000,
          fp4=9000, arch="blackwell"),
     _acc("mi300x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5.3,
-         "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750),
+         "AMD Instinct MI300X data sheet (2023), dense matrix peaks" + _SMS, 304, 750,
+         sustained_clock=MI300X_SUSTAINED_CLOCK),
     # today's parts: the sources say where a figure is derived and which ones were not read here
     _acc("gb200", 80, 1250, 2500, 2500, 5000, 186, 8.0, _GB200, 148, 1200, fp4=10000, arch="blackwell",
          sustained_clock=GB200_SUSTAINED_CLOCK),
@@ -218,7 +234,8 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in [
     # no exponential rate: its tensor peak is cut to 148 TFLOPS while its special-function units
     # probably are not, so Hopper's ratio does not hold, and no figure of its own was found
     _acc("h20", 44, 74, 148, 148, 296, 96, 4.0, _H20, 78, 400),
-    _acc("mi325x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 256, 6.0, _MI325X, 304, 1000),
+    _acc("mi325x", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 256, 6.0, _MI325X, 304, 1000,
+         sustained_clock=MI325X_SUSTAINED_CLOCK),
     _acc("mi355x", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8.0, _MI355X, 256, 1400, fp4=10066.3),
     _acc("mi350x", *(x and x * MI350X_CLOCK_RATIO for x in (157.3, None, 2516.6, 2516.6, 5033.2)), 288, 8.0, _MI350X,
          256, 1000, fp4=10066.3 * MI350X_CLOCK_RATIO),

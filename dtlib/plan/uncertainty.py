@@ -16,7 +16,9 @@ runs (:data:`LEVELS`, narrowest first):
 2. same stack, family and dense/MoE;
 3. same family and dense/MoE;
 4. same dense/MoE, any family (the family itself must still have validated runs, and the band is
-   widened to contain their own residuals: a family with a few runs, AMD's two, keeps its misses).
+   widened to contain their own residuals where they fall outside it: a family with a few runs, AMD's
+   two, keeps its misses; the regime's words say "widened to" them, or "holding" them when the pooled
+   band already did).
 
 The band is the empirical 10th and 90th percentiles of those residuals (``method="quantile"``,
 ``coverage=0.8``; numpy's linear interpolation, Hyndman & Fan 1996 type 7) or their minimum and
@@ -107,7 +109,7 @@ class Regime:
 class Band:
     """The band of a prediction as factors on the step time: the real step is ``low`` to ``high`` x the
     predicted one (None when not ``covered``, with the ``reason``); ``count`` comparable runs (their
-    names: ``runs``, with the family's own where the band was widened to them), the ``regime`` they
+    names: ``runs``, with the family's own where the band pooled every family), the ``regime`` they
     share (words) and the ``method``."""
     covered: bool
     low: float | None
@@ -209,9 +211,10 @@ def band(regime: Regime, rows: Sequence[dict[str, Any]] | None = None, *, min_ru
     if "family" not in keys:
         # pooled over every family: never narrower than the misses of the family's own few runs
         own = [r["residual"] for r in family]
+        widened = min(own) < lo or max(own) > hi
         lo, hi = min(lo, min(own)), max(hi, max(own))
         runs = "run's" if len(own) == 1 else "runs'"
-        words += f", widened to the {len(own)} {regime.family} {runs} own misses"
+        words += f", {'widened to' if widened else 'holding'} the {len(own)} {regime.family} {runs} own misses"
         used = mine + [r for r in family if r not in mine]
     if include_point:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
