@@ -206,8 +206,9 @@ GB200_SUSTAINED_CLOCK = B200_PEAK_CLOCK_MHZ / 1965.0
 # and 1,447 MHz (MI325X) in BF16, 1,230 and 1,464 MHz in FP8 (B. Sander et al., "Measuring Max-Achievable FLOPs -
 # Part 2", ROCm blogs, 2025-02-28, Table 1; ROCm/rocm-blogs d957560). The catalogue keeps one clock per part,
 # BF16's (FP8's is 1-2% higher). Check: 708 and 843 TFLOPS BF16 MAF over the peak at these clocks are 94% for
-# both, the "software efficiency of up to 94%" the same post states. CDNA 4 (MI355X, MI350X): no such
-# measurement read here, 1.
+# both, the "software efficiency of up to 94%" the same post states. Those runs used a low-toggle input
+# pattern (trig_float), on which AMD later says the part holds a higher clock than on real data: an upper
+# bound (docs/hardware.md). CDNA 4 (MI355X, MI350X): no such measurement read here, 1.
 CDNA3_PEAK_CLOCK_MHZ = 1307.4e12 / (304 * 2048) / 1e6
 MI300X_SUSTAINED_CLOCK = 1207 / CDNA3_PEAK_CLOCK_MHZ
 MI325X_SUSTAINED_CLOCK = 1447 / CDNA3_PEAK_CLOCK_MHZ
