@@ -54,9 +54,9 @@ class Accelerator:
     ``sustained_clock``: the share of the clock its peaks are quoted at that the SMs hold under a
     sustained matmul at the TDP, where that differs from the catalogue's convention (1: a datasheet
     quoting a clock the part sustains; GB200: :data:`GB200_SUSTAINED_CLOCK`; MI300X and MI325X, whose
-    peaks are at their peak engine clock: :data:`MI325X_SUSTAINED_CLOCK`); it scales the tensor
-    cores and the special-function units, never the memory, and never the peak an MFU is quoted
-    against."""
+    peaks are at their peak engine clock: :data:`MI300X_SUSTAINED_CLOCK`, :data:`MI325X_SUSTAINED_CLOCK`);
+    it scales the tensor cores and the special-function units, never the memory, and never the peak an
+    MFU is quoted against."""
     name: str
     peaks: dict[str, float | None]
     memory_bytes: int
