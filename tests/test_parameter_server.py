@@ -24,7 +24,7 @@ def _data(workers):
     return [(x, x @ w_true) for x in xs]
 
 
-def _run(rank, world_size, bound, slowdowns):
+def _run(rank, world_size, bound, slowdowns, step_seconds=0.0):
     data = _data(world_size - 1)
 
     def loss_fn(model, worker, clock):  # worker k's shard of global batch `clock`
@@ -32,7 +32,8 @@ def _run(rank, world_size, bound, slowdowns):
         return F.mse_loss(model(x[worker * SHARD:(worker + 1) * SHARD]), y[worker * SHARD:(worker + 1) * SHARD])
 
     model = _model()
-    out = async_sgd(rank, world_size, model, loss_fn, STEPS, lr=0.2, bound=bound, slowdowns=slowdowns)
+    out = async_sgd(rank, world_size, model, loss_fn, STEPS, lr=0.2, bound=bound, slowdowns=slowdowns,
+                    step_seconds=step_seconds)
     out["params"] = [p.detach().clone() for p in model.parameters()]
     return out
 
@@ -57,8 +58,13 @@ def test_bound_zero_is_synchronous_sgd():
 @pytest.mark.parametrize("bound", [1, 2, None])
 def test_staleness_is_bounded_and_measured_per_update(bound):
     world = 4
-    ranks = launch(_run, world, args=(bound, [3.0, 1.0, 1.0]), timeout=TIMEOUT, output="none")
+    ranks = launch(_run, world, args=(bound, [3.0, 1.0, 1.0], 0.01), timeout=TIMEOUT, output="none")
     updates = ranks[0]["updates"]
+    for k, f in enumerate([3.0, 1.0, 1.0]):  # each gradient: 10 ms of emulated device time, x f
+        w = ranks[k + 1]
+        assert w["work"] >= w["steps"] * 0.01
+        assert w["slept"] == pytest.approx((f - 1) * w["work"])
+        assert w["seconds"] >= w["steps"] * f * 0.01
     assert len(updates) == (world - 1) * STEPS
     assert [u["version"] for u in updates] == list(range(len(updates)))
     for k in range(world - 1):  # each worker's gradients arrive in clock order, one per clock
@@ -88,6 +94,8 @@ def test_bad_arguments_name_themselves():
         async_sgd(0, 2, m, None, 3, lr=-0.1)
     with pytest.raises(ValueError, match="slowdowns"):
         async_sgd(0, 3, m, None, 3, lr=0.1, slowdowns=[1.0, 0.5])
+    with pytest.raises(ValueError, match="step_seconds"):
+        async_sgd(0, 2, m, None, 3, lr=0.1, step_seconds=-0.01)
     with pytest.raises(ValueError, match="world_size"):
         async_sgd(0, 1, m, None, 3, lr=0.1)
     assert staleness_bound(3, None) == float("inf") and staleness_bound(3, 0) == 2

@@ -204,7 +204,7 @@ def balance_pipeline(slowdowns: Sequence[float] = (1.0, 3.0, 1.0, 1.0), layers: 
 
 
 def _ps_worker(rank: int, world_size: int, bound: int | None, slowdowns: Sequence[float],
-               steps: int, lr: float, shard: int) -> dict:
+               steps: int, lr: float, shard: int, step_seconds: float) -> dict:
     model = gpt_model(small=True)
     seq = model.cfg.seq
     workers = world_size - 1
@@ -213,7 +213,8 @@ def _ps_worker(rank: int, world_size: int, bound: int | None, slowdowns: Sequenc
         x, y = token_batch(clock, workers * shard, seq)
         return lm_loss(m, x[worker * shard:(worker + 1) * shard], y[worker * shard:(worker + 1) * shard])
 
-    out = async_sgd(rank, world_size, model, loss_fn, steps, lr=lr, bound=bound, slowdowns=slowdowns)
+    out = async_sgd(rank, world_size, model, loss_fn, steps, lr=lr, bound=bound, slowdowns=slowdowns,
+                    step_seconds=step_seconds)
     if rank == 0:
         out["held_out"] = held_out_loss(model, seq)
     return out
@@ -221,15 +222,21 @@ def _ps_worker(rank: int, world_size: int, bound: int | None, slowdowns: Sequenc
 
 def staleness_runs(bounds: Sequence[int | None] = (0, 2, None),
                    slowdowns: Sequence[float] = (3.0, 1.0, 1.0), steps: int = 12, lr: float = 0.5,
-                   shard: int = 4, timeout: float = 120.0) -> dict:
+                   shard: int = 4, step_seconds: float = 0.04, timeout: float = 120.0) -> dict:
     """Asynchronous SGD (server on rank 0, one worker per slowdown) under each SSP ``bound``.
+
+    Each gradient costs ``step_seconds`` of emulated device time (x the worker's slowdown): the
+    small model computes one in about a millisecond, less than a round trip to the server on a
+    loaded 2-core machine, so without it the slow worker would hardly be slower.
 
     Returns ``{bound: {"updates": [...], "seconds", "held_out"}}`` (the server's records,
     :class:`~dtlib.parallel.parameter_server.Update` as dicts; the key of ``None`` is ``"async"``).
     """
+    step_seconds = validate.number("step_seconds", step_seconds, minimum=0, exclusive=False)
     out = {}
     for bound in bounds:
-        ranks = launch(_ps_worker, len(slowdowns) + 1, args=(bound, list(slowdowns), steps, lr, shard),
+        ranks = launch(_ps_worker, len(slowdowns) + 1,
+                       args=(bound, list(slowdowns), steps, lr, shard, step_seconds),
                        timeout=timeout, output="none")
         server = ranks[0]
         out["async" if bound is None else bound] = {

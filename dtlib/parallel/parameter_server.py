@@ -129,7 +129,8 @@ def _serve(model: nn.Module, workers: list[int], total: int, lr: float, bound: i
             "seconds": time.perf_counter() - start}
 
 
-def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, slowdown: float) -> dict:
+def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, slowdown: float,
+          step_seconds: float) -> dict:
     start = time.perf_counter()
     n = sum(p.numel() for p in model.parameters())
     buf = torch.empty(n + 1)
@@ -147,6 +148,9 @@ def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, slowdown: 
             loss = loss_fn(model, index, step)
             loss.backward()
             grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            # the emulated accelerator's own time for this gradient (as the heterogeneous DP
+            # lesson's): a small model's real compute is shorter than a loaded machine's noise
+            time.sleep(step_seconds)
         dist.send(torch.cat([grad, torch.tensor([buf[n].item(), loss.item()])]), dst=server)
         step += 1
     return {"role": "worker", "worker": index, "steps": step, "seconds": time.perf_counter() - start,
@@ -155,7 +159,7 @@ def _work(model: nn.Module, loss_fn: LossFn, index: int, server: int, slowdown: 
 
 def async_sgd(rank: int, world_size: int, model: nn.Module, loss_fn: LossFn, steps: int,
               lr: float, bound: int | None = None, slowdowns: Sequence[float] | None = None,
-              server: int = 0) -> dict:
+              server: int = 0, step_seconds: float = 0.0) -> dict:
     """Run on every rank (inside :func:`dtlib.launch`): rank ``server`` serves, the others work.
 
     The server applies ``steps x workers`` gradients in all (``steps`` rounds of synchronous SGD's
@@ -163,7 +167,8 @@ def async_sgd(rank: int, world_size: int, model: nn.Module, loss_fn: LossFn, ste
     told to stop, so a fast worker contributes more than a slow one unless SSP holds it back.
     ``bound`` is SSP's staleness bound ``s`` (0: synchronous, every worker exactly ``steps``
     gradients; None: fully asynchronous); ``slowdowns[k]`` makes worker ``k`` that many times
-    slower (:func:`~dtlib.parallel.heterogeneous.slowed`).
+    slower (:func:`~dtlib.parallel.heterogeneous.slowed`), both at its real compute and at the
+    ``step_seconds`` of emulated device time each gradient costs (a sleep; 0: none).
     The server's ``model`` ends with the final parameters (a worker's with the last it read). The
     server returns every ``updates``
     record (:class:`Update` as a dict); a worker its number of gradients ``steps``, its time ``seconds``, ``waited`` (on the server),
@@ -181,7 +186,8 @@ def async_sgd(rank: int, world_size: int, model: nn.Module, loss_fn: LossFn, ste
         raise ValueError(f"slowdowns must give one factor per worker ({len(workers)}), got {len(slowdowns)}")
     for k, f in enumerate(slowdowns):
         validate.number(f"slowdowns[{k}]", f, minimum=1, exclusive=False)
+    step_seconds = validate.number("step_seconds", step_seconds, minimum=0, exclusive=False)
     if rank == server:
         return _serve(model, workers, steps * len(workers), lr, bound)
     index = workers.index(rank)
-    return _work(model, loss_fn, index, server, slowdowns[index])
+    return _work(model, loss_fn, index, server, slowdowns[index], step_seconds)
