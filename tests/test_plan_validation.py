@@ -132,9 +132,9 @@ EXPECTED = {
     'Nemotron4 340B FP8, 512 x GB200 strong (DGXC 25.07)': (-0.2476, True, 44),
     'DeepSeek V3 BF16, 512 x H100 (DGXC 25.07)': (-0.1928, True, 6),
     'DeepSeek V3 BF16, 1024 x H100 (DGXC 25.07)': (-0.2351, True, 14),
-    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6631, True, 6),
-    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6791, True, 18),
-    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6783, True, 31),
+    'DeepSeek V3 BF16, 128 x GB200 (DGXC 25.07)': (-0.6055, True, 1),
+    'DeepSeek V3 BF16, 256 x GB200 (DGXC 25.07)': (-0.6216, True, 1),
+    'DeepSeek V3 BF16, 512 x GB200 (DGXC 25.07)': (-0.6211, True, 1),
     'Grok1 314B BF16, 128 x GB200 (DGXC 25.07)': (0.0119, True, 24),
     'Grok1 314B BF16, 256 x GB200 (DGXC 25.07)': (0.0025, True, 23),
     'Grok1 314B BF16, 512 x GB200 (DGXC 25.07)': (0.0115, True, 29),
@@ -214,7 +214,7 @@ LOSO = {
     'Trainy H200': (0.60, 0.50, 0.0348, 0.0348),
     'DeepSpeed Azure 2022': (0.60, 0.50, 0.1333, 0.1333),
     'Llama 3 2024': (0.60, 0.50, 0.0651, 0.0651),
-    'DGXC 2025': (0.60, 0.50, 0.1659, 0.1659),
+    'DGXC 2025': (0.60, 0.50, 0.1621, 0.1621),
     'AMD Primus 2026': (0.60, 0.50, 0.0682, 0.0682),
     'Megatron-Bridge NVFP4': (0.60, 0.50, 0.0928, 0.0928),
     'NeMo 2024 fine-tuning': (0.60, 0.50, 0.1287, 0.1287),
@@ -228,7 +228,7 @@ FAMILIES = {
     'a100': (23, 0.0835, 0.0835),
     'h100': (75, 0.1060, 0.1131),
     'b200': (14, 0.1303, 0.1303),
-    'gb200': (54, 0.1503, 0.1503),
+    'gb200': (54, 0.1471, 0.1471),
     'h200': (2, 0.0348, 0.0348),
     'mi325x': (1, 0.0974, 0.0974),
     'mi355x': (1, 0.0390, 0.0390),
@@ -287,7 +287,7 @@ def test_every_published_layout_fits_its_gpus(table):
 def test_in_sample_error_is_reported(table):
     mae = mean_absolute_error(list(table.values()))
     assert mae == pytest.approx(sum(abs(e) for e, _, _ in EXPECTED.values()) / len(EXPECTED), abs=1e-4)
-    assert mae == pytest.approx(0.1161, abs=5e-4)
+    assert mae == pytest.approx(0.1152, abs=5e-4)
 
 
 def test_errors_by_kind_split_the_runs_into_dense_and_moe(table):
@@ -321,7 +321,7 @@ def test_leave_one_source_out_is_pinned_and_under_ten_percent_on_average(errors)
         assert d["loso_error"] >= d["in_sample_error"] - 1e-12  # a held-out source never does better
     held_out = np.mean([d["loso_error"] for d in loso.values()])
     in_sample = np.mean([d["in_sample_error"] for d in loso.values()])
-    assert held_out == pytest.approx(0.0871, abs=5e-4)
+    assert held_out == pytest.approx(0.0869, abs=5e-4)
     # lesson 10's claims: under 10% held out (issue 26 asks for 8%), within a point of in-sample
     assert held_out <= 0.10 and held_out - in_sample < 0.01
 
@@ -446,7 +446,8 @@ def test_the_amd_comparison_is_what_docs_validation_says():
 def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
     """docs/validation.md, "DGX Cloud Benchmarking 25.07": 45 runs of six tables. On GB200 (timed at
     its sustained clock) Grok-1 within 10%, Llama 4 7-16% and Llama 3.1 9-16% longer than predicted,
-    Nemotron-4 at TP 8 25-40%, DeepSeek-V3 about 3x; on H100 the dense and Grok-1 runs within 15%,
+    Nemotron-4 at TP 8 25-40%, DeepSeek-V3 about 2.6x with its attention unfused (about 3x if it had run
+    the fused kernel it did not have on Blackwell); on H100 the dense and Grok-1 runs within 15%,
     DeepSeek-V3 24-31% longer. Llama
     4 on H100, EP 128 over 64 nodes, is within 16% with NCCL's batched all-to-all rounds (16 latencies a
     call, 0.26 s of its 0.71 s of EP time); with the pairwise exchange's 127 it was 39% too slow. With TP
@@ -464,11 +465,17 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
 
     for model, family, runs, low, high in (
             ("Grok1", "GB200", 6, 0.98, 1.10), ("Llama4", "GB200", 6, 1.06, 1.16), ("Llama3.1", "GB200", 6, 1.09, 1.16),
-            ("Nemotron4 340B", "GB200", 12, 1.25, 1.41), ("DeepSeek", "GB200", 3, 2.9, 3.2),
+            ("Nemotron4 340B", "GB200", 12, 1.25, 1.41), ("DeepSeek", "GB200", 3, 2.5, 2.7),
             ("DeepSeek", "H100", 2, 1.23, 1.31), ("Llama4", "H100", 2, 1.0, 1.16)):
         x = group(model, family)
         assert len(x) == runs and low < min(x) and max(x) < high, (model, family)
     assert len(group("", "GB200")) == 33
+    # DeepSeek-V3 on GB200 ran TE's unfused attention (published._DGXC_UNFUSED_MLA); H100 the fused kernel
+    deepseek = {n: r for n, r in rows.items() if n.startswith("DeepSeek")}
+    assert [r.flash_attention for r in deepseek.values()] == [None, None, False, False, False]
+    fused = [run.published / predict(replace(run, flash_attention=None), rank=False)["predicted"]
+             for name, run in deepseek.items() if "x GB200" in name]
+    assert all(2.9 < x < 3.2 for x in fused)
     h100 = [x for n, x in slower.items() if "x H100" in n and not n.startswith(("Llama4", "DeepSeek"))]
     assert len(h100) == 8 and all(0.86 < x < 1.15 for x in h100)
     run = rows["Llama4 Maverick BF16, 512 x H100 (DGXC 25.07)"]

@@ -906,6 +906,21 @@ def _dgxc_models() -> dict[str, TransformerConfig]:
             "Grok1 314B": grok, "Llama4 Maverick": maverick}
 
 
+# DeepSeek-V3's attention on Blackwell in the 25.04 containers: MLA's heads are 192 wide for Q and K and
+# 128 for V. Transformer Engine's FlashAttention path refuses head_dim_qk != head_dim_v ("does not support
+# MLA", get_attention_backend in transformer_engine/pytorch/dot_product_attention/utils.py) and its cuDNN
+# fused backend refuses head dims over 128 on sm100 (nvte_get_fused_attn_backend, common/fused_attn/
+# fused_attn.cpp: `!(sm_arch_ >= 100 && (head_dim_qk > 128 || head_dim_v > 128))`) until "Add support
+# for head_dim > 128" (#1797, 71c76b6, 2025-06-14, first in TE v2.5 of 2025-06-29): the TE NeMo's
+# manifest pins at the recipe's commit (bee4649, in v2.2) and any in the 25.04.01 container, older, run
+# UnfusedDotProductAttention there. H100 (sm90) has the fused kernel for head dims up to 256. The recipe
+# recomputes core_attn on GB200 alone (mla_up_proj on H100), as one does with stored s x s scores.
+_DGXC_UNFUSED_MLA = ("Transformer Engine before v2.5 has no fused attention for head dims 192/128 on sm100: "
+                     "utils.py 'Disabling FlashAttention as it does not support MLA', fused_attn.cpp head_dim "
+                     "<= 128 on sm_arch >= 100, lifted by NVIDIA/TransformerEngine#1797 (71c76b6, v2.5); NeMo's "
+                     "manifest at 7a8f1cc pins TE bee4649 (v2.2)")
+
+
 def _dgxc() -> list[PublishedRun]:
     """NVIDIA's DGX Cloud Benchmarking recipes, release 25.07: NeMo 2.x (25.04 containers) pre-training on
     DGX-H100 and DGX-GB200, step times as measured (iterations 11-44), every row of the six pre-training
@@ -925,7 +940,7 @@ def _dgxc() -> list[PublishedRun]:
         family = gpu.split("-")[0]
         layout = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=gpus // (tp * pp * cp), zero=1, virtual_stages=vp,
                       micro_batch_size=mbs, sequence_parallel=int(tp > 1), recompute="none")
-        precision, tp_overlap = "bf16-mixed", None
+        precision, tp_overlap, flash = "bf16-mixed", None, None
         note = ("ZeRO-1 and SP with TP as NeMo's performance scripts; no recompute (the scripts' csv rows for these "
                 "models: recompute_layers 0); BF16 gradient reduction (the recipe's performance mode)")
         if label == "DeepSeek V3":  # launch.sh: RM='mla_up_proj' (H100), 'core_attn' (GB200)
@@ -935,6 +950,9 @@ def _dgxc() -> list[PublishedRun]:
             note = ("ZeRO-1 and SP with TP; recompute_modules from launch.sh; ETP 1; TP communication overlap off "
                     f"and {64 // pp - 1} / {64 // pp - 2} layers on the first / last stage (the script); FP32 "
                     "gradient reduction (bf16_mixed); BF16 only (FP8 not supported in this release)")
+            if family == "gb200":  # Blackwell: no fused kernel for MLA's head dims in that TE (_DGXC_UNFUSED_MLA)
+                flash = False
+                note += "; attention unfused (" + _DGXC_UNFUSED_MLA + ")"
         if ep > 1:
             note += ("; alltoall dispatcher, tokens dropped at capacity 1.0 and padded to it (timed as balanced); "
                      "MoE permute fusion not timed")
@@ -952,7 +970,7 @@ def _dgxc() -> list[PublishedRun]:
             reference=_DGXC + f", {_DGXC_README[label]}, table '{label} {dtype.upper()}', {gpus} GPUs, GBS {batch}; "
                               f"NeMo at {_DGXC_NEMO[label][:10]}",
             stack="megatron", dropout=False, dtype=dtype, fp8_recipe="delayed" if dtype == "fp8" else "",
-            precision=precision, tp_overlap=tp_overlap, note=note))
+            precision=precision, tp_overlap=tp_overlap, flash_attention=flash, note=note))
     return rows
 
 
