@@ -364,8 +364,26 @@ def test_time_all_reduce_rows_follow_nccl_tests():
     for r in rows:  # 2 ranks: busbw = algbw x 2(n-1)/n = algbw
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
         assert r["busbw"] == pytest.approx(r["algbw"])
+        assert r["statistic"] == "min" and r["iterations"] == 9  # 3 x iters below 1/3 MiB
     with pytest.raises(ValueError, match="sizes"):
         experiments.time_all_reduce([])
+    with pytest.raises(ValueError, match="statistic"):  # before any rank starts
+        experiments.time_all_reduce([4096], statistic="p99")
+
+
+def test_the_fastest_iteration_is_what_load_disturbs_least():
+    # a quiet 2 ms collective, three iterations delayed by a descheduled rank: the minimum is the
+    # quiet time; the median moves once most iterations are delayed, the mean with every delay
+    times = [0.002, 0.002, 0.009, 0.002, 0.015, 0.030]
+    assert experiments.summarise(times) == 0.002
+    assert experiments.summarise(times, "median") == pytest.approx(0.0055)
+    assert experiments.summarise(times, "mean") == pytest.approx(0.06 / 6)
+    busy = [0.002, 0.011, 0.009, 0.012, 0.015, 0.030]
+    assert experiments.summarise(busy) == 0.002 and experiments.summarise(busy, "median") == pytest.approx(0.0115)
+    with pytest.raises(ValueError, match="statistic"):
+        experiments.summarise(times, "max")
+    with pytest.raises(ValueError, match="at least one"):
+        experiments.summarise([])
 
 
 def test_overlap_records_count_buckets_and_time_each_all_reduce_to_its_completion():

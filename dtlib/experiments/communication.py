@@ -2,8 +2,9 @@
 
 Experiments (gloo on CPU, ranks started with :func:`dtlib.launch`):
 
-* :func:`time_all_reduce` - our ring all-reduce and the backend's, timed as nccl-tests does
-  (median over iterations of the slowest rank), with algbw and busbw from :mod:`dtlib.analytic.comm`;
+* :func:`time_all_reduce` - our ring all-reduce and the backend's, each iteration timed on its
+  slowest rank (a collective ends with it) and summarised by the fastest iteration (or the median or
+  mean), with nccl-tests' algbw and busbw from :mod:`dtlib.analytic.comm`;
 * :func:`fit_alpha_beta` - the latency alpha and bandwidth B that best explain those times in the
   ring model ``t = 2(n-1) alpha + 2(n-1)/n S/B`` (Thakur et al. 2005, Sec. 4);
 * :func:`overlap_records` - one real training step of :class:`~dtlib.parallel.BucketedDDP` /
@@ -33,21 +34,36 @@ from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
                             powersgd_hook, ring_all_reduce, topk_hook)
 
-__all__ = ["time_all_reduce", "fit_alpha_beta", "measured_over_model",
+__all__ = ["STATISTICS", "summarise", "time_all_reduce", "fit_alpha_beta", "measured_over_model",
            "overlap_model", "overlap_records",
            "compression_runs", "compression_method", "COMPRESSION_METHODS"]
 
 
 
 # ---- timing collectives ---------------------------------------------------------------------------
-def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -> list[dict]:
+# How the iterations of one size become one time. Load on a shared machine only ever adds time (a
+# descheduled rank, a core taken), so the fastest iteration is the least disturbed one: "min", the
+# estimator Chen & Revels 2016 ("Robust benchmarking in noisy environments", arXiv:1608.04295,
+# Sec. 4) argue for. nccl-tests, on dedicated GPUs, reports the mean ("mean"); "median" is between.
+STATISTICS = {"min": min, "median": statistics.median, "mean": statistics.fmean}
+
+
+def summarise(times: Sequence[float], statistic: str = "min") -> float:
+    """One time from repeated ``times`` by ``statistic`` (a key of :data:`STATISTICS`)."""
+    validate.one_of("statistic", statistic, STATISTICS)
+    if not len(times):
+        raise ValueError("times must hold at least one measurement")
+    return float(STATISTICS[statistic](list(times)))
+
+
+def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int, statistic: str) -> list[dict]:
     impls: dict[str, Callable[[torch.Tensor], Any]] = {
         "ring (dtlib, send/recv)": ring_all_reduce, "built-in (dist.all_reduce)": dist.all_reduce}
     rows = []
     for nbytes in sizes:
         x = torch.randn(max(1, nbytes // 4))
         # small messages take microseconds, so one descheduled rank skews a few samples: time them
-        # 3x as often (the median then holds on a busy machine); big ones fewer times
+        # 3x as often (some iteration then runs undisturbed on a busy machine); big ones fewer times
         n_iter = max(3, min(3 * iters, int(iters * 2 ** 20 / nbytes)))
         for impl, fn in impls.items():
             fn(x)  # warm-up
@@ -58,24 +74,28 @@ def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int) -
                 fn(x)
                 times[i] = time.perf_counter() - start
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
-            t = statistics.median(times.tolist())
+            t = summarise(times.tolist(), statistic)
             size = x.numel() * 4
             rows.append({"impl": impl, "collective": "all_reduce", "bytes": size, "seconds": t,
                          "algbw": algbw(size, t), "busbw": busbw("all_reduce", size, t, world_size),
-                         "world_size": world_size})
+                         "world_size": world_size, "statistic": statistic, "iterations": n_iter})
     return rows
 
 
-def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10) -> list[dict]:
+def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10,
+                    statistic: str = "min") -> list[dict]:
     """Time our ring all-reduce and ``dist.all_reduce`` on float32 messages of ``sizes`` bytes.
 
-    Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (median over
-    iterations of the slowest rank: ``3 * iters`` of them up to 1/3 MiB, fewer above 1 MiB), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n (nccl-tests
-    definitions, :mod:`dtlib.analytic.comm`), ``world_size``.
+    Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (each iteration's
+    time on its slowest rank, summarised by ``statistic``, :data:`STATISTICS`: the fastest iteration
+    by default, which load on a shared machine disturbs least; ``3 * iters`` iterations up to 1/3
+    MiB, fewer above 1 MiB, ``iterations``), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n
+    (nccl-tests definitions, :mod:`dtlib.analytic.comm`), ``world_size``, ``statistic``.
     """
     if not sizes or min(sizes) < 4:
         raise ValueError(f"sizes must be message sizes in bytes (>= 4), got {sizes!r}")
-    return launch(_time_worker, world_size, args=(list(sizes), iters), timeout=120, output="none")[0]
+    validate.one_of("statistic", statistic, STATISTICS)
+    return launch(_time_worker, world_size, args=(list(sizes), iters, statistic), timeout=120, output="none")[0]
 
 
 def fit_alpha_beta(rows: Sequence[Mapping], impl: str) -> Link:
