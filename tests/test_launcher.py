@@ -148,10 +148,16 @@ def test_keyboard_interrupt_stops_every_rank(tmp_path):
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C as a user's Python handles it: whatever handler an earlier test in this process left
+    # (a library that takes SIGINT over and never gives it back) would hang the launch to its timeout
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_running, daemon=True).start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        launch(_sleep_forever, 3, args=(tmp_path,), timeout=300)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleep_forever, 3, args=(tmp_path,), timeout=300)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 120  # the interrupt ends the launch, not the timeout
     pids = _read_pids(tmp_path)
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
