@@ -43,8 +43,8 @@ __all__ = ["STATISTICS", "summarise", "time_all_reduce", "fit_alpha_beta", "meas
 # ---- timing collectives ---------------------------------------------------------------------------
 # How the iterations of one size become one time. Load on a shared machine only ever adds time (a
 # descheduled rank, a core taken), so the fastest iteration is the least disturbed one: "min", the
-# estimator Chen & Revels 2016 ("Robust benchmarking in noisy environments", arXiv:1608.04295,
-# Sec. 4) argue for. nccl-tests, on dedicated GPUs, reports the mean ("mean"); "median" is between.
+# estimator Chen & Revels 2016 argue for ("Robust benchmarking in noisy environments",
+# arXiv:1608.04295). nccl-tests, on dedicated GPUs, reports the mean ("mean"); "median" is between.
 STATISTICS = {"min": min, "median": statistics.median, "mean": statistics.fmean}
 
 
