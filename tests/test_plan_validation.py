@@ -451,8 +451,9 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
     DeepSeek-V3 24-31% longer. Llama
     4 on H100, EP 128 over 64 nodes, is within 16% with NCCL's batched all-to-all rounds (16 latencies a
     call, 0.26 s of its 0.71 s of EP time); with the pairwise exchange's 127 it was 39% too slow. With TP
-    communication exposed the twelve weak-scaling dense GB200 rows would be -2..-10% (a lead, not
-    adopted)."""
+    communication exposed the twelve weak-scaling dense GB200 rows would be -2..-10%; with the NVLink
+    domain of one tray (EP all-to-all over the NICs) DeepSeek-V3's three GB200 rows would be -9..-12%,
+    while Grok-1's would be +25..+37% (two leads, not adopted)."""
     from dataclasses import replace
 
     from dtlib.plan import moe as plan_moe
@@ -492,3 +493,12 @@ def test_the_dgxc_rows_are_what_docs_validation_says(table, monkeypatch):
             and name.startswith(("Llama3.1", "Nemotron4"))]
     exposed = [predict(replace(run, tp_overlap=0.0), rank=False)["error"] for run in weak]
     assert len(weak) == 12 and -0.10 < min(exposed) and max(exposed) < -0.01
+
+    def trays(run):  # NVLink domains of one 4-GPU tray: every all-to-all across a rack goes over the NICs
+        gpus = run.cluster.nodes * run.cluster.gpus_per_node
+        return replace(run, cluster=replace(run.cluster, nodes=gpus // 4, gpus_per_node=4, nics_per_node=4))
+
+    for model, low, high in (("DeepSeek", -0.13, -0.08), ("Grok1", 0.24, 0.38)):
+        tray = [predict(trays(run), rank=False)["error"] for name, run in rows.items()
+                if name.startswith(model) and "x GB200" in name]
+        assert len(tray) in (3, 6) and low < min(tray) and max(tray) < high, model
