@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import dtlib
 from dtlib.analytic.layout import Parallelism
+from dtlib.analytic.timing import STATISTICS
 from dtlib.plan.calibrate import CLOCKS, calibrate
 from dtlib.plan.measured import calibrated_cluster, counted_forward_kernels, counted_zero3_kernels
 from dtlib.plan.steptime import StepOptions, step_time
@@ -136,9 +137,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=12, help="timed steps per layout (median)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out before timing")
-    # calibrate's figures are medians over single calls: on a loaded machine 9 calls of a 256 KiB all-reduce
-    # gave 0.4-4.2 ms of CPU time from one profile to the next (docs/plan.md), more calls spread them less
-    p.add_argument("--repeats", type=int, default=25, help="calls per calibrated figure (median; at least 3)")
+    # calibrate's figures summarise single calls: on a loaded machine the medians of 9 calls of a 256 KiB
+    # all-reduce gave 0.4-4.2 ms of CPU time from one profile to the next (docs/plan.md), more calls spread them less
+    p.add_argument("--repeats", type=int, default=25, help="calls per calibrated figure (at least 3)")
+    p.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
+                   help="how a calibrated figure's calls become one (dtlib calibrate --statistic)")
     p.add_argument("--calibration", metavar="FILE", help="use this profile instead of calibrating")
     p.add_argument("--save-calibration", metavar="FILE", help="write the profile measured here")
     a = p.parse_args()
@@ -152,7 +155,7 @@ def main() -> None:
     else:
         micro = sorted({layout["micro_batch_size"] for _, layout in LAYOUTS})
         profile = calibrate(model, RANKS, tp=(1, 2), micro_batch=micro, options=TRAINER_OPTIONS,
-                            max_bytes=16 * 2 ** 20, repeats=a.repeats)
+                            max_bytes=16 * 2 ** 20, repeats=a.repeats, statistic=a.statistic)
     if a.save_calibration:
         with open(a.save_calibration, "w") as f:
             json.dump(profile, f, indent=1)
@@ -163,7 +166,8 @@ def main() -> None:
     clock = profile.get("clock", "wall")
     print(f"{model.name}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}; {RANKS} gloo ranks on "
           f"{profile['machine']['hostname']} ({profile['machine']['cpu']}, {profile['machine']['cpu_cores']} cores); "
-          f"{clock} clock; train: median of {a.steps} steps after {a.warmup}")
+          f"{clock} clock, calibrated figures the {profile.get('statistic', 'median')} of {profile['repeats']} calls; "
+          f"train: median of {a.steps} steps after {a.warmup}")
     print(f"{'layout':<18}{'plan ms':>9}{'train ms':>10}{'error':>8}")
     planned, measured = [], []
     for name, layout in LAYOUTS:

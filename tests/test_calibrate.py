@@ -205,6 +205,7 @@ def test_plan_names_a_missing_profile(capsys):
     (["--model", "llama3-8b", "--layers", "2"], "drop --layers"),
     (["--micro-batch", "0"], "--micro-batch must be an integer >= 1"),
     (["--clock", "sundial"], "--clock: invalid choice"),
+    (["--statistic", "max"], "--statistic: invalid choice"),
     (["--factor", "1"], "--factor must be an integer >= 2")])
 def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
     assert main(["calibrate", "-o", str(tmp_path / "p.json")] + argv) == 2
@@ -220,13 +221,14 @@ def test_calibrate_refuses_an_output_it_cannot_write(capsys):
 def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):
     path = tmp_path / "p.json"
     code = main(["calibrate", "--nproc", "2", "--micro-batch", "1", "--max-bytes", "4096", "--repeats", "3",
-                 "-o", str(path)])
+                 "--statistic", "min", "-o", str(path)])
     out = capsys.readouterr().out
-    assert code == 0 and "profile written to" in out
+    assert code == 0 and "profile written to" in out and "cpu clock, min of 3" in out
     assert "kernel cost: " in out and " operators per layer forward" in out
     profile = load_profile(str(path))
     m = profile["machine"]
     assert m["ranks"] == 2 and m["nodes"] == 1 and m["cpu_cores"] >= 1 and profile["clock"] == "cpu"
+    assert profile["statistic"] == "min" and profile["units"]["seconds"] == "s (cpu clock), min of repeats of the slowest rank"
     assert profile["versions"]["torch"] and profile["date"].endswith("+00:00")
     # the shapes timed are the planner's own, every figure positive and finite
     from dtlib.plan.calibrate import planned_gemm_shapes
@@ -355,7 +357,7 @@ def test_the_operators_fsdp_adds_to_a_layer_do_not_depend_on_its_sizes():
 
 
 def test_a_spell_of_interference_does_not_become_one_sizes_figure(monkeypatch):
-    """calibrate's collectives take their sizes in rounds (dtlib.plan.calibrate._medians): a spell
+    """calibrate's collectives take their sizes in rounds (dtlib.plan.calibrate._summaries): a spell
     that slows 20 consecutive calls of 50 costs each of two sizes a few of its 25 calls, and both
     medians stay the true costs; timed one size after the other, the spell would have been the
     first size's median (on this 2-core machine a 256 KiB all-reduce measured 0.4 ms one minute and
@@ -374,27 +376,27 @@ def test_a_spell_of_interference_does_not_become_one_sizes_figure(monkeypatch):
 
     monkeypatch.setitem(cal.CLOCKS, "fake", lambda: clock["now"])
     cpu = torch.device("cpu")
-    assert cal._medians([call(1e-3), call(4e-3)], 25, cpu, "fake") == pytest.approx([1e-3, 4e-3])
+    assert cal._summaries([call(1e-3), call(4e-3)], 25, cpu, "fake") == pytest.approx([1e-3, 4e-3])
     clock.update(now=0.0, calls=0)
-    one_after_the_other = [cal._median(call(1e-3), 25, cpu, "fake"), cal._median(call(4e-3), 25, cpu, "fake")]
+    one_after_the_other = [cal._summary(call(1e-3), 25, cpu, "fake"), cal._summary(call(4e-3), 25, cpu, "fake")]
     assert one_after_the_other[0] == pytest.approx(1e-2)  # what the interleaving avoids
 
 
 def test_the_one_rank_step_and_the_gemms_it_is_compared_with_are_timed_in_the_same_rounds(monkeypatch):
     """The elementwise bandwidth is the one-rank step less the planner's GEMMs
-    (dtlib.plan.measured.memory_bound_bandwidth): both come from one _medians call, so that a spell of
+    (dtlib.plan.measured.memory_bound_bandwidth): both come from one _summaries call, so that a spell of
     interference does not fall into one side of the difference (six profiles here: 7-11 ms left of a
     42-54 ms step; timed minutes apart it had been -3 to +11 ms, and <= 0 falls back to the add figure)."""
     from dtlib.plan import calibrate as cal
 
     calls = []
-    real = cal._medians
+    real = cal._summaries
 
-    def recording(fns, repeats, device, clock="wall"):
+    def recording(fns, repeats, device, clock="wall", statistic="median"):
         calls.append(len(fns))
-        return real(fns, repeats, device, clock)
+        return real(fns, repeats, device, clock, statistic)
 
-    monkeypatch.setattr(cal, "_medians", recording)
+    monkeypatch.setattr(cal, "_summaries", recording)
     shapes = [(16, 8, 4, 1), (8, 8, 8, 2)]
     step, rows = cal._one_rank_step(MODEL, 1, 3, "cpu", shapes)
     assert calls == [2 + len(shapes)]  # forward + backward, the optimizer step and every GEMM: one set of rounds
@@ -403,3 +405,31 @@ def test_the_one_rank_step_and_the_gemms_it_is_compared_with_are_timed_in_the_sa
                for r in rows)
     assert step["forward_backward_seconds"] > 0 and step["optimizer_seconds"] > 0
     assert step["layer_forward_kernels"] > 0
+
+
+@pytest.mark.parametrize("statistic, expected", [("median", 3e-3), ("min", 1e-3), ("mean", 4e-3)])
+def test_a_figure_is_the_statistic_it_names_of_its_repeats(monkeypatch, statistic, expected):
+    """calibrate(..., statistic=): each figure is that statistic of its repeats' times (after the
+    warm-up call, which is not counted), the default the median (dtlib.analytic.timing.STATISTICS)."""
+    import torch
+    from dtlib.plan import calibrate as cal
+
+    durations = iter([0.5, 3e-3, 1e-3, 2e-3, 9e-3, 5e-3])  # the warm-up, then 5 timed calls
+    clock = {"now": 0.0}
+
+    def call():
+        clock["now"] += next(durations)
+
+    monkeypatch.setitem(cal.CLOCKS, "fake", lambda: clock["now"])
+    args = (call, 5, torch.device("cpu"), "fake")
+    figure = cal._summary(*args) if statistic == "median" else cal._summary(*args, statistic)
+    assert figure == pytest.approx(expected)
+
+
+def test_calibrate_names_a_bad_statistic_before_any_rank_starts(monkeypatch):
+    import dtlib
+    from dtlib.plan.calibrate import calibrate
+
+    monkeypatch.setattr(dtlib, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(ValueError, match="statistic must be one of"):
+        calibrate(MODEL, statistic="max")

@@ -13,6 +13,7 @@
 * :mod:`~dtlib.analytic.comm` - the alpha-beta cost of collectives and per-strategy volumes;
 * :mod:`~dtlib.analytic.vectorised` - the same formulas over numpy arrays of layouts;
 * :mod:`~dtlib.analytic.validate` - the checks every public function runs on its arguments;
+* :mod:`~dtlib.analytic.timing` - how a measurement's repeats become one figure (min, median, mean);
 * :mod:`~dtlib.analytic.reliability` - job MTBF, Young/Daly checkpoint interval, goodput.
 
 The planner (``dtlib.plan``) joins them into step times and training plans. The runtime

@@ -7,7 +7,8 @@ CPU, or under torchrun on its GPUs (NCCL) and nodes:
   dtlib calibrate --nproc 2 --output calibration.json         # dtlib train's TinyGPT, 2 gloo ranks
   torchrun --nproc-per-node 8 -m dtlib calibrate --model llama3-8b --output h200.json     # 8 GPUs
 The profile holds the machine, the versions, the date and every figure with its unit; --clock cpu
-(the default on CPU ranks) times the ranks' CPU time, robust to other jobs' load.
+(the default on CPU ranks) times the ranks' CPU time, robust to other jobs' load; --statistic says
+how each figure's repeats become one (default median).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 from typing import Any
 
 from dtlib.analytic.presets import PRESETS, get_preset
+from dtlib.analytic.timing import STATISTICS
 from dtlib.cli.args import positive_int
 from dtlib.plan.steptime import StepOptions
 
@@ -56,7 +58,10 @@ def add_calibrate_command(sub: Any) -> None:
     m.add_argument("--min-bytes", type=positive_int, default=1024, help="smallest message (default 1 KiB)")
     m.add_argument("--max-bytes", type=positive_int, default=16 * 2 ** 20, help="largest message (default 16 MiB)")
     m.add_argument("--factor", type=positive_int, default=4, help="message size step (default 4)")
-    m.add_argument("--repeats", type=positive_int, default=7, help="timed calls per figure, median (default 7, >= 3)")
+    m.add_argument("--repeats", type=positive_int, default=7, help="timed calls per figure (default 7, >= 3)")
+    m.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
+                   help="how a figure's repeats become one: median (default), min (the least disturbed call, "
+                        "for a loaded machine; Chen & Revels 2016) or mean (nccl-tests')")
     m.add_argument("--clock", choices=("cpu", "wall"),
                    help="cpu: the ranks' CPU time, all threads (default on CPU: robust to other jobs' load); "
                         "wall: elapsed time (default on GPUs)")
@@ -84,7 +89,7 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
     m = profile["machine"]
     rates = [r["flops_per_s"] for r in profile["gemm"]]
     lines = [f"{m['hostname']}: {m['gpu'] or m['cpu']}, {m['ranks']} {profile['backend']} ranks on {m['nodes']} "
-             f"node(s), {profile['clock']} clock; torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
+             f"node(s), {profile['clock']} clock, {profile.get('statistic', 'median')} of {profile['repeats']}; torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
              f"GEMMs ({profile['dtype']}, {len(rates)} shapes of {profile['model_config']['name']}): "
              f"{min(rates) / 1e9:,.1f} - {max(rates) / 1e9:,.1f} GFLOP/s",
              f"attention (causal, {profile['attention']['seq']} tokens): {1e3 * profile['attention']['seconds']:.3f} ms "
@@ -122,7 +127,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from dtlib.plan.calibrate import calibrate  # torch: only when measuring
 
     if args.repeats < 3:
-        raise ValueError(f"--repeats must be an integer >= 3 (a median of at least 3), got {args.repeats}")
+        raise ValueError(f"--repeats must be an integer >= 3, got {args.repeats}")
     if args.max_bytes < args.min_bytes:
         raise ValueError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
     if args.factor < 2:
@@ -142,7 +147,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(model, args.nproc, tp=args.tp, micro_batch=args.micro_batch, dtype=args.dtype,
                         options=options, measure_step=not args.model,
                         min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=args.factor,
-                        repeats=args.repeats, clock=args.clock, timeout=args.timeout)
+                        repeats=args.repeats, clock=args.clock, statistic=args.statistic, timeout=args.timeout)
     if not profile:  # a torchrun rank other than 0
         return 0
     with open(args.output, "w") as f:

@@ -29,6 +29,7 @@ from dtlib.analytic import validate
 from dtlib.analytic.comm import algbw, busbw, collective_time
 from dtlib.data import Digits, global_batches, load_mnist, shard_batch
 from dtlib.analytic.hardware import Link
+from dtlib.analytic.timing import STATISTICS, summarise
 from dtlib.launcher import launch
 from dtlib.models import MnistCNN
 from dtlib.parallel import (BucketedDDP, NaiveDDP, PowerSGDState, TopKState, fp16_compress_hook,
@@ -41,19 +42,7 @@ __all__ = ["STATISTICS", "summarise", "time_all_reduce", "fit_alpha_beta", "meas
 
 
 # ---- timing collectives ---------------------------------------------------------------------------
-# How the iterations of one size become one time. Load on a shared machine only ever adds time (a
-# descheduled rank, a core taken), so the fastest iteration is the least disturbed one: "min", the
-# estimator Chen & Revels 2016 argue for ("Robust benchmarking in noisy environments",
-# arXiv:1608.04295). nccl-tests, on dedicated GPUs, reports the mean ("mean"); "median" is between.
-STATISTICS = {"min": min, "median": statistics.median, "mean": statistics.fmean}
-
-
-def summarise(times: Sequence[float], statistic: str = "min") -> float:
-    """One time from repeated ``times`` by ``statistic`` (a key of :data:`STATISTICS`)."""
-    validate.one_of("statistic", statistic, STATISTICS)
-    if not len(times):
-        raise ValueError("times must hold at least one measurement")
-    return float(STATISTICS[statistic](list(times)))
+# the iterations of one size become one time by dtlib.analytic.timing.summarise: the fastest by default
 
 
 def _time_worker(rank: int, world_size: int, sizes: Sequence[int], iters: int, statistic: str) -> list[dict]:
@@ -87,9 +76,9 @@ def time_all_reduce(sizes: Sequence[int], world_size: int = 2, iters: int = 10,
     """Time our ring all-reduce and ``dist.all_reduce`` on float32 messages of ``sizes`` bytes.
 
     Returns one row per (size, implementation): ``impl``, ``bytes``, ``seconds`` (each iteration's
-    time on its slowest rank, summarised by ``statistic``, :data:`STATISTICS`: the fastest iteration
-    by default, which load on a shared machine disturbs least; ``3 * iters`` iterations up to 1/3
-    MiB, fewer above 1 MiB, ``iterations``), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n
+    time on its slowest rank, summarised by ``statistic``, :data:`dtlib.analytic.timing.STATISTICS`:
+    the fastest iteration by default, which load on a shared machine disturbs least; ``3 * iters``
+    iterations up to 1/3 MiB, fewer above 1 MiB, ``iterations``), ``algbw`` = S/t and ``busbw`` = algbw x 2(n-1)/n
     (nccl-tests definitions, :mod:`dtlib.analytic.comm`), ``world_size``, ``statistic``.
     """
     if not sizes or min(sizes) < 4:

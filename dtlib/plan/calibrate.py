@@ -31,8 +31,9 @@ GPUs over NCCL), so that ranks sharing cores or a memory bus are measured sharin
   busbw = algbw x the collective's factor), within a node and, with several nodes, across them
   (one rank per node).
 
-Every time is the median of ``repeats`` calls after a warm-up, the slowest rank's (a collective's
-sizes taken in rounds, one call of each per round, :func:`_medians`), on one of :data:`CLOCKS`:
+Every time is the ``statistic`` (default the median; or the minimum or the mean,
+:data:`dtlib.analytic.timing.STATISTICS`) of ``repeats`` calls after a warm-up, the slowest rank's (a
+collective's sizes taken in rounds, one call of each per round, :func:`_summaries`), on one of :data:`CLOCKS`:
 ``wall`` (``time.perf_counter``, after ``torch.cuda.synchronize`` on a GPU) or ``cpu``, the
 process's CPU time over all its threads (``time.process_time``; default on CPU ranks): on a machine
 that other jobs load, wall time measures them too, while CPU time counts only the work of the call
@@ -47,7 +48,6 @@ import datetime
 import os
 import platform
 import socket
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -64,6 +64,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.hardware import Cluster, Link
 from dtlib.analytic.layout import Parallelism
 from dtlib.analytic.measured import BUS_FACTORS, MeasuredAccelerator
+from dtlib.analytic.timing import STATISTICS, summarise
 from dtlib.parallel.collectives import all_gather_into, reduce_scatter_into
 from dtlib.plan.measured import FORMAT, memory_bound_bandwidth
 from dtlib.plan.steptime import StepOptions, step_time
@@ -121,17 +122,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(fn: Callable[[], Any], repeats: int, device: torch.device, clock: str = "wall") -> float:
-    """Median over ``repeats`` calls (after one warm-up) of the slowest rank's time on ``clock``."""
-    return _medians([fn], repeats, device, clock)[0]
+def _summary(fn: Callable[[], Any], repeats: int, device: torch.device, clock: str = "wall",
+             statistic: str = "median") -> float:
+    """``statistic`` over ``repeats`` calls (after one warm-up) of the slowest rank's time on ``clock``."""
+    return _summaries([fn], repeats, device, clock, statistic)[0]
 
 
-def _medians(fns: Sequence[Callable[[], Any]], repeats: int, device: torch.device,
-             clock: str = "wall") -> list[float]:
-    """For each of ``fns``, the median over ``repeats`` calls (after one warm-up each) of the slowest
-    rank's time on ``clock``, the calls taken in rounds (one of each function per round): a spell
-    of interference (another job on the cores, a descheduled peer) then costs every function a
-    few of its calls rather than one function all of its calls, and the medians keep it out."""
+def _summaries(fns: Sequence[Callable[[], Any]], repeats: int, device: torch.device,
+               clock: str = "wall", statistic: str = "median") -> list[float]:
+    """For each of ``fns``, ``statistic`` (:data:`dtlib.analytic.timing.STATISTICS`) over ``repeats`` calls
+    (after one warm-up each) of the slowest rank's time on ``clock``, the calls taken in rounds (one
+    of each function per round): a spell of interference (another job on the cores, a descheduled
+    peer) then costs every function a few of its calls rather than one function all of its calls,
+    and a median or a minimum keeps it out."""
     now = CLOCKS[clock]
     for fn in fns:
         fn()
@@ -148,7 +151,7 @@ def _medians(fns: Sequence[Callable[[], Any]], repeats: int, device: torch.devic
     if dist.is_initialized():
         times = times.to(device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
-    return [statistics.median(row) for row in times.cpu().tolist()]
+    return [summarise(row, statistic) for row in times.cpu().tolist()]
 
 
 def _gemm(m: int, n: int, k: int, batch: int, dtype: torch.dtype, device: torch.device) -> Callable[[], Any]:
@@ -165,13 +168,14 @@ def _gemm_rows(shapes: list[tuple[int, int, int, int]], seconds: Sequence[float]
 
 
 def _gemms(shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, repeats: int,
-           device: torch.device, clock: str) -> list[dict[str, Any]]:
+           device: torch.device, clock: str, statistic: str = "median") -> list[dict[str, Any]]:
     """Each shape timed on its own (one shape's operands held at a time: a GPU's shapes can be large)."""
-    return _gemm_rows(shapes, [_median(_gemm(*shape, dtype, device), repeats, device, clock) for shape in shapes])
+    return _gemm_rows(shapes, [_summary(_gemm(*shape, dtype, device), repeats, device, clock, statistic)
+                               for shape in shapes])
 
 
 def _attention(model: TransformerConfig, micro_batch: int, dtype: torch.dtype, repeats: int,
-               device: torch.device, clock: str) -> dict[str, Any]:
+               device: torch.device, clock: str, statistic: str = "median") -> dict[str, Any]:
     head_dim = model.hidden // model.heads
     q, k, v = (torch.randn(micro_batch, model.heads, model.seq, head_dim, dtype=dtype, device=device,
                            requires_grad=True) for _ in range(3))
@@ -180,13 +184,13 @@ def _attention(model: TransformerConfig, micro_batch: int, dtype: torch.dtype, r
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     return {"micro_batch_size": micro_batch, "heads": model.heads, "seq": model.seq, "head_dim": head_dim,
-            "causal": True, "seconds": _median(forward_backward, repeats, device, clock)}
+            "causal": True, "seconds": _summary(forward_backward, repeats, device, clock, statistic)}
 
 
 def _elementwise(elements: int, dtype: torch.dtype, repeats: int, device: torch.device,
-                 clock: str) -> dict[str, Any]:
+                 clock: str, statistic: str = "median") -> dict[str, Any]:
     a, b, c = (torch.randn(elements, dtype=dtype, device=device) for _ in range(3))
-    seconds = _median(lambda: torch.add(a, b, out=c), repeats, device, clock)
+    seconds = _summary(lambda: torch.add(a, b, out=c), repeats, device, clock, statistic)
     moved = 3 * elements * a.element_size()  # two read, one written
     return {"bytes": moved, "seconds": seconds, "bytes_per_s": moved / seconds}
 
@@ -215,7 +219,7 @@ def _counted(fn: Callable[[], Any], skip: tuple[str, ...] = ()) -> int:
 CHAIN = 32
 
 
-def _kernel_cost(repeats: int, device: torch.device, clock: str) -> dict[str, Any]:
+def _kernel_cost(repeats: int, device: torch.device, clock: str, statistic: str = "median") -> dict[str, Any]:
     """The fixed cost of one operator: forward + backward of :data:`CHAIN` multiplications of a
     one-element tensor (the "overhead" regime, where an operator's time does not depend on its
     work: H. He, "Making Deep Learning Go Brrrr From First Principles", 2022, "Overhead"), over the
@@ -229,20 +233,20 @@ def _kernel_cost(repeats: int, device: torch.device, clock: str) -> dict[str, An
             y = y * 1.0001
         y.backward()
 
-    seconds = _median(chain, repeats, device, clock)
+    seconds = _summary(chain, repeats, device, clock, statistic)
     operators = _counted(chain)
     return {"operators": operators, "seconds": seconds, "seconds_per_kernel": seconds / operators}
 
 
 def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clock: str,
                    shapes: Sequence[tuple[int, int, int, int]] = (), dtype: torch.dtype = torch.float32,
-                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                   statistic: str = "median") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One training step of ``model`` (TinyGPT, AdamW, cross-entropy, fp32 as ``dtlib train``) on
     ``micro_batch`` sequences, on this rank alone (no collective): the seconds of its forward +
     backward and of its optimizer step, timed apart, and the ATen operators one
     transformer layer dispatches forward and backward (counted, :class:`_Operators`); and the GEMM
-    rows of ``shapes``, timed in the same rounds (:func:`_medians`): the planner subtracts its GEMMs
-    from the forward + backward (:func:`dtlib.plan.measured.memory_bound_bandwidth`), and two medians
+    rows of ``shapes``, timed in the same rounds (:func:`_summaries`): the planner subtracts its GEMMs
+    from the forward + backward (:func:`dtlib.plan.measured.memory_bound_bandwidth`), and two figures
     taken minutes apart on a loaded machine would put the interference of one minute into the
     difference."""
     from dtlib.models import TinyGPT
@@ -260,7 +264,7 @@ def _one_rank_step(model: TransformerConfig, micro_batch: int, repeats: int, clo
     cpu = torch.device("cpu")
     # the optimizer steps on the gradients of the backward just before it in its round
     gemms = [_gemm(*shape, dtype, cpu) for shape in shapes]
-    seconds, optimizer, *timed = _medians([forward_backward, opt.step, *gemms], repeats, cpu, clock)
+    seconds, optimizer, *timed = _summaries([forward_backward, opt.step, *gemms], repeats, cpu, clock, statistic)
     hidden = torch.randn(micro_batch, model.seq, model.hidden, requires_grad=True)
     block = net.blocks[0]
     out: list[torch.Tensor] = []
@@ -322,9 +326,9 @@ def _collective(op: str, nbytes: int, ranks: list[int], group: Any, device: torc
 
 
 def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], repeats: int,
-                 device: torch.device, clock: str) -> dict[str, Any]:
+                 device: torch.device, clock: str, statistic: str = "median") -> dict[str, Any]:
     """Each collective per size in the group of this rank, all groups at once; the sizes of one
-    collective are timed in rounds (:func:`_medians`), their buffers all held at once (about 4/3 of
+    collective are timed in rounds (:func:`_summaries`), their buffers all held at once (about 4/3 of
     the largest size with the default factor 4)."""
     me = dist.get_rank()
     mine = next(i for i, g in enumerate(groups) if me in g)
@@ -334,7 +338,8 @@ def _collectives(sizes: list[int], groups: list[list[int]], handles: list[Any], 
         if op == "p2p" and len(ranks) < 2:
             continue
         # every size in each round (barriers over the world: every group alike)
-        timed = _medians([_collective(op, nbytes, ranks, group, device) for nbytes in sizes], repeats, device, clock)
+        calls = [_collective(op, nbytes, ranks, group, device) for nbytes in sizes]
+        timed = _summaries(calls, repeats, device, clock, statistic)
         for nbytes, seconds in zip(sizes, timed):
             size = _numel(nbytes, len(ranks)) * 4
             factor = float(BUS_FACTORS[op](len(ranks)))
@@ -363,7 +368,7 @@ def _machine(world_size: int, nodes: int, device: torch.device) -> dict[str, Any
 
 def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[tuple[int, int, int, int]],
             micro_batch: int, middle: int, dtype: str, sizes: list[int], repeats: int, per_node: int,
-            clock: str, measure_step: bool) -> dict[str, Any]:
+            clock: str, statistic: str, measure_step: bool) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(rank)
     nodes = world_size // per_node
@@ -374,18 +379,19 @@ def _worker(rank: int, world_size: int, model: TransformerConfig, shapes: list[t
     inter_handles = [dist.new_group(g) for g in inter] if nodes > 1 else []
     torch_dtype = DTYPES[dtype]
     # CPU ranks time the one-rank step and the GEMMs in the same rounds (_one_rank_step)
-    step, gemm = (_one_rank_step(model, middle, repeats, clock, shapes, torch_dtype) if measure_step
-                  else (None, _gemms(shapes, torch_dtype, repeats, device, clock)))
+    timing = (repeats, device, clock, statistic)
+    step, gemm = (_one_rank_step(model, middle, repeats, clock, shapes, torch_dtype, statistic) if measure_step
+                  else (None, _gemms(shapes, torch_dtype, *timing)))
     out = {"gemm": gemm,
-           "attention": _attention(model, micro_batch, torch_dtype, repeats, device, clock),
-           "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, repeats, device, clock),
+           "attention": _attention(model, micro_batch, torch_dtype, *timing),
+           "elementwise": _elementwise(micro_batch * model.seq * model.hidden, torch_dtype, *timing),
            # one rank per node (one GPU): no collective inside it to measure
-           "intra": (_collectives(sizes, intra, intra_handles, repeats, device, clock) if per_node > 1
+           "intra": (_collectives(sizes, intra, intra_handles, *timing) if per_node > 1
                      else {"ranks": 1, "groups": nodes, "rows": []}),
-           "inter": _collectives(sizes, inter, inter_handles, repeats, device, clock) if nodes > 1 else None,
+           "inter": _collectives(sizes, inter, inter_handles, *timing) if nodes > 1 else None,
            "step": step,
            "zero3_layer_kernels": _zero3_layer_kernels(model, middle) if measure_step and world_size > 1 else None,
-           "kernel": _kernel_cost(repeats, device, clock),
+           "kernel": _kernel_cost(*timing),
            "threads_per_rank": torch.get_num_threads()}
     return out if rank == 0 else {}
 
@@ -394,7 +400,7 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
               micro_batch: Sequence[int] = (1, 2, 4), dtype: str | None = None, min_bytes: int = 1024,
               max_bytes: int = 16 * 2 ** 20, factor: int = 4, repeats: int = 7,
               options: StepOptions = StepOptions(flash_attention=False), clock: str | None = None,
-              ranks_per_node: int | None = None, measure_step: bool = True,
+              statistic: str = "median", ranks_per_node: int | None = None, measure_step: bool = True,
               timeout: float = 600.0) -> dict[str, Any]:
     """Measure this machine on ``nproc`` ranks (or, under torchrun, on torchrun's ranks) for
     ``model``, and return the profile (:data:`FORMAT`; see the module docstring). ``tp`` (default:
@@ -402,7 +408,9 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     shapes; ``options`` the planner's conventions they are recorded under (default explicit
     attention, as ``dtlib train``'s TinyGPT); ``dtype`` (default fp32 on CPU, bf16 on CUDA) the
     precision they run in; ``min_bytes`` .. ``max_bytes`` by ``factor`` the message sizes;
-    ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs);
+    ``clock`` one of :data:`CLOCKS` (default ``cpu`` on CPU ranks, ``wall`` on GPUs); ``statistic``
+    how a figure's ``repeats`` become one (:data:`dtlib.analytic.timing.STATISTICS`: default ``median``;
+    ``min`` keeps only the least disturbed call, the estimator for a loaded machine);
     ``ranks_per_node``: the ranks of ``nproc`` taken as one node (default all; fewer groups them
     into nodes on this machine, to exercise the measurement across nodes), under torchrun its
     ``LOCAL_WORLD_SIZE``; ``measure_step``: time one-rank steps of ``model`` as TinyGPT for the
@@ -411,6 +419,7 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
 
     validate.integer("nproc", nproc, minimum=1)
     validate.integer("repeats", repeats, minimum=3)
+    validate.one_of("statistic", statistic, STATISTICS)
     for b in micro_batch:
         validate.integer("micro_batch", b)
     torchrun = under_torchrun()
@@ -430,7 +439,8 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     # the middle micro-batch for the step: per-operator costs do not scale with bytes, so one
     # bandwidth fits the micro-batches around the one it was measured at best
     middle = sorted(micro_batch)[len(micro_batch) // 2]
-    args = (model, shapes, max(micro_batch), middle, dtype, sizes, repeats, per_node, clock, measure_step and not gpu)
+    args = (model, shapes, max(micro_batch), middle, dtype, sizes, repeats, per_node, clock, statistic,
+            measure_step and not gpu)
     if torchrun:
         found = run_from_env(_worker, *args, timeout=timeout)
     else:
@@ -448,10 +458,10 @@ def calibrate(model: TransformerConfig, nproc: int = 2, *, tp: Sequence[int] | N
     return {"format": FORMAT, "machine": machine,
             "versions": {"torch": torch.__version__, "dtlib": dtlib.__version__, "python": platform.python_version()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": "nccl" if gpu else "gloo", "dtype": dtype, "clock": clock,
+            "backend": "nccl" if gpu else "gloo", "dtype": dtype, "clock": clock, "statistic": statistic,
             "tp": list(tp), "micro_batch": list(micro_batch), "repeats": repeats,
             "model_config": dataclasses.asdict(model), "options": dataclasses.asdict(options),
-            "units": {"seconds": f"s ({clock} clock), median of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
+            "units": {"seconds": f"s ({clock} clock), {statistic} of repeats of the slowest rank", "bytes": "B (nccl-tests' S)",
                       "flops_per_s": "FLOP/s (2 M N K batch / seconds)", "bytes_per_s": "B/s",
                       "busbw_bytes_per_s": "B/s, nccl-tests bus bandwidth", "algbw_bytes_per_s": "B/s, S / seconds"},
             **found}

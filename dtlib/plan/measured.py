@@ -156,7 +156,8 @@ def calibrated_cluster(profile: dict[str, Any], nodes: int | None = None,
     device = m["gpu"] or "cpu"
     name = "cpu" if m["device"] == "cpu" else f"{device} (calibrated)"
     source = (f"measured by dtlib calibrate on {host} ({device}, {m['ranks']} ranks at once, {profile['date']}, "
-              f"torch {profile['versions']['torch']}, {profile.get('clock', 'wall')} clock): GEMMs in {dtype} by "
+              f"torch {profile['versions']['torch']}, {profile.get('clock', 'wall')} clock, "
+              f"{profile.get('statistic', 'median')} of repeats): GEMMs in {dtype} by "
               f"shape, {memory_bound}, {1e6 * launch:.3g} us per kernel; the {dtype} peak stands for every matmul precision")
     peaks = {"fp32": None, "tf32": None, "bf16": best, "fp16": None, "fp8": None, "fp4": None, dtype: best}
     acc = MeasuredAccelerator(name, peaks, int(m["memory_bytes_per_rank"]), bandwidth, source, kernel_launch_s=launch,
