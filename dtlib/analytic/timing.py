@@ -4,6 +4,8 @@ Load on a shared machine only ever adds time (a descheduled rank, a core taken b
 the fastest repeat is the least disturbed one: ``min``, the estimator Chen & Revels 2016 argue for
 ("Robust benchmarking in noisy environments", arXiv:1608.04295). nccl-tests, on dedicated GPUs,
 reports the mean (``mean``); ``median`` is between, robust to a few disturbed repeats either way.
+The minimum is a lower bound of what the same call costs inside real work (docs/plan.md, "The
+statistic of a calibrated figure": plans from minimum figures were reproducible but fast).
 Lesson 02's all-reduce timings take the minimum (:func:`dtlib.experiments.time_all_reduce`),
 ``dtlib calibrate`` the median unless told otherwise (:func:`dtlib.plan.calibrate.calibrate`).
 """

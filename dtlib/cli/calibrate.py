@@ -60,8 +60,9 @@ def add_calibrate_command(sub: Any) -> None:
     m.add_argument("--factor", type=positive_int, default=4, help="message size step (default 4)")
     m.add_argument("--repeats", type=positive_int, default=7, help="timed calls per figure (default 7, >= 3)")
     m.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
-                   help="how a figure's repeats become one: median (default), min (the least disturbed call, "
-                        "for a loaded machine; Chen & Revels 2016) or mean (nccl-tests')")
+                   help="how a figure's repeats become one: median (default: the typical call), min (the least "
+                        "disturbed call, Chen & Revels 2016: a profile that a loaded machine moves less, but a lower "
+                        "bound that plans fast, docs/plan.md) or mean (nccl-tests')")
     m.add_argument("--clock", choices=("cpu", "wall"),
                    help="cpu: the ranks' CPU time, all threads (default on CPU: robust to other jobs' load); "
                         "wall: elapsed time (default on GPUs)")
