@@ -90,7 +90,8 @@ def calibration_text(profile: dict[str, Any], path: str) -> str:
     m = profile["machine"]
     rates = [r["flops_per_s"] for r in profile["gemm"]]
     lines = [f"{m['hostname']}: {m['gpu'] or m['cpu']}, {m['ranks']} {profile['backend']} ranks on {m['nodes']} "
-             f"node(s), {profile['clock']} clock, {profile.get('statistic', 'median')} of {profile['repeats']}; torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
+             f"node(s), {profile['clock']} clock, {profile.get('statistic', 'median')} of {profile['repeats']}; "
+             f"torch {profile['versions']['torch']}, dtlib {profile['versions']['dtlib']}, {profile['date']}",
              f"GEMMs ({profile['dtype']}, {len(rates)} shapes of {profile['model_config']['name']}): "
              f"{min(rates) / 1e9:,.1f} - {max(rates) / 1e9:,.1f} GFLOP/s",
              f"attention (causal, {profile['attention']['seq']} tokens): {1e3 * profile['attention']['seconds']:.3f} ms "
