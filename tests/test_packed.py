@@ -53,6 +53,12 @@ def test_a_document_as_long_as_the_sequence_is_the_unpacked_count_and_a_quarter_
     assert keys_per_query(SEQ, 2048, "causal", 1024) == keys_per_query(SEQ, 0, "causal", 1024) == 512
 
 
+def test_the_causal_count_holds_for_a_sequence_whose_square_overflows_int64():
+    # s - s^2 / 2s = s / 2: on int64 arrays s * s wraps past 2**31.5 (3.04e9), which gave a negative count
+    seq = np.array([2 ** 32, 2 ** 53])
+    assert keys_per_query(seq, 0, "causal").tolist() == [2 ** 31, 2 ** 52]
+
+
 def test_model_flops_count_the_whole_sequence_by_default_and_the_documents_on_request():
     tokens = 8 * SEQ
     shape = shape_of(LLAMA)

@@ -78,6 +78,11 @@ API = {
     "shard_bounds numel -1": (lambda: shard_bounds(-1, 2), "numel must be an integer >= 0, got -1"),
     "profile warmup 0": (lambda: profile_steps(lambda: None, steps=2, warmup=0),
                          "warmup must be an integer >= 1, got 0"),
+    # past int64 numpy raised OverflowError; between 2**53 and 2**63 the sums wrapped to negative bytes
+    "layers 10**20": (lambda: TransformerConfig(layers=10 ** 20, hidden=64, heads=4, vocab=100, seq=16),
+                      r"layers must be an integer >= 1 and <= 2\*\*53 = 9007199254740992, got an integer of 21 digits"),
+    "ranks 2**63 - 1": (lambda: bytes_sent_per_rank("all_reduce", 1e9, 2 ** 63 - 1),
+                        r"ranks must be an integer >= 1 and <= 2\*\*53 = 9007199254740992, got 9223372036854775807"),
 }
 
 
@@ -135,6 +140,12 @@ CLI = {
                         "--microbatches must be an integer >= 1, got '-2'"),
     "micro-batch 0": (["memory", "llama3-8b", "--micro-batch", "0"], "--micro-batch must be an integer >= 1, got '0'"),
     "seq -1": (["flops", "llama3-8b", "--seq", "-1"], "--seq must be an integer >= 1, got '-1'"),
+    "seq 10**20": (["flops", "llama3-8b", "--seq", "1" + "0" * 20],
+                   r"--seq must be an integer >= 1 and <= 2\*\*53 = 9007199254740992, got '1000"),
+    "mtp-layers 2**63 - 1": (["memory", "llama3-8b", "--mtp-layers", str(2 ** 63 - 1)],
+                             r"--mtp-layers must be an integer >= 0 and <= 2\*\*53"),
+    "gpus 10**20": (["plan", "llama3-8b", "--global-batch", "64", "--gpus", "1" + "0" * 20],
+                    r"--gpus must be an integer >= 1 and <= 2\*\*53"),
 }
 
 
@@ -197,3 +208,24 @@ def test_divisor_lists_the_valid_sizes():
             validate.divisor("node_size", bad, 4, "the world size")
     assert validate.divisors(12) == "1, 2, 3, 4, 6, 12"
     assert validate.divisors(720720, limit=3) == "1, 2, 3, ..."
+
+
+def test_divisors_of_is_every_divisor_in_order_up_to_two_to_the_53():
+    for n in range(1, 1500):
+        assert validate.divisors_of(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert validate.divisors_of(2 ** 53) == [2 ** k for k in range(54)]
+    assert validate.divisors_of(10 ** 15 + 37) == [1, 10 ** 15 + 37]  # a prime: its square root is scanned
+    assert validate.divisors(10 ** 30) == "the divisors of " + "1" + "0" * 30  # a product of sizes, in a message
+
+
+@pytest.mark.parametrize("argv, message", [
+    # a loop to n listed these divisors: a prime sequence length of a billion took minutes to refuse
+    (["memory", "llama3-8b", "--seq", "1000000007", "--cp", "2"], "valid cp: 1, 1000000007"),
+    # and the planner's candidate degrees: 2**53 GPUs never finished
+    (["plan", "llama3-8b", "--global-batch", "64", "--gpus", str(2 ** 53)],
+     "no valid layout of llama3-8b on 9007199254740992 GPUs at global batch 64"),
+])
+def test_huge_sizes_are_answered_in_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

@@ -107,7 +107,7 @@ def keys_per_query(seq: Any, window: Any = 0, attention: str = "full", packed_do
     factor = _attention_factor(attention)
     doc = np.where(np.asarray(packed_doc_length) > 0, np.minimum(packed_doc_length, seq), seq)
     span = doc + (window > 0) * (np.minimum(window, doc) - doc)
-    causal = span - span * span / (2 * doc)
+    causal = span - span * (span / (2 * doc))  # the ratio first: span * span overflows int64 past 2**31.5
     return (factor == 1.0) * span + (factor != 1.0) * causal
 
 

@@ -5,7 +5,8 @@ argument and the valid range, e.g. ``params must be a finite number > 0, got nan
 functions name their parameters; the command line re-words the same error with its flag
 (``--step-time`` for ``step_time``) through :attr:`InvalidArgument.name` (``dtlib.cli``).
 
-* :func:`integer` - a count or a size: a real integer (not ``True``, not ``2.0``) in a range;
+* :func:`integer` - a count or a size: a real integer (not ``True``, not ``2.0``) in a range, never
+  above 2**53 (:data:`MAX_INTEGER`) unless the check names its own maximum;
 * :func:`number` - a finite real number in a range (never NaN or infinite);
 * :func:`boolean` - ``True`` or ``False`` itself (``'no'`` is an error, not a truthy string);
 * :func:`one_of` - one of a few names;
@@ -23,8 +24,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["InvalidArgument", "integer", "number", "boolean", "one_of", "divisor", "divisors", "rule", "array",
-           "requirement"]
+__all__ = ["InvalidArgument", "MAX_INTEGER", "integer", "number", "boolean", "one_of", "divisor", "divisors",
+           "divisors_of", "rule", "array", "requirement"]
 
 
 class InvalidArgument(ValueError):
@@ -99,11 +100,43 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+# The largest count or size an integer argument may have when its check names no maximum: float64
+# holds every integer up to 2**53 exactly, and the analytic core computes in int64 and float64 arrays,
+# so a larger one (a 20-digit --seq) would overflow numpy or lose digits instead of meaning anything.
+MAX_INTEGER = 2 ** 53
+
+
+def _cap(integer: bool, maximum: float | None) -> float | None:
+    """The maximum a check applies: its own, else :data:`MAX_INTEGER` for integers."""
+    return MAX_INTEGER if integer and maximum is None else maximum
+
+
+def _beyond_cap(value: Any) -> bool:
+    """Some element of ``value`` is a number above :data:`MAX_INTEGER` (Python ints of any size too)."""
+    if isinstance(value, (bool, np.bool_, str)):
+        return False
+    if isinstance(value, int):
+        return value > MAX_INTEGER
+    try:
+        x = np.asarray(value, dtype=float)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return bool((x[np.isfinite(x)] > MAX_INTEGER).any())
+
+
+def _need(integer: bool, minimum: float | None, exclusive: bool, maximum: float | None, value: Any) -> str:
+    """The requirement an error states: the check's own range, and 2**53 when ``value`` broke that cap."""
+    if integer and maximum is None and _beyond_cap(value):
+        return f"{requirement(integer=True, minimum=minimum, exclusive=exclusive)} and <= 2**53 = {MAX_INTEGER}"
+    return requirement(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
+
+
 def integer(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None) -> int:
-    """``value`` as an ``int``, if it is an integer (Python or numpy, not bool) in the range."""
-    if _is_int(value) and _in_range_scalar(int(value), minimum, False, maximum):
-        return int(value)  # Python ints may exceed any numpy type
-    raise InvalidArgument(name, requirement(integer=True, minimum=minimum, maximum=maximum), value)
+    """``value`` as an ``int``, if it is an integer (Python or numpy, not bool) in the range;
+    without a ``maximum``, at most :data:`MAX_INTEGER` (2**53)."""
+    if _is_int(value) and _in_range_scalar(int(value), minimum, False, _cap(True, maximum)):
+        return int(value)
+    raise InvalidArgument(name, _need(True, minimum, False, maximum, value), value)
 
 
 def number(name: str, value: Any, *, minimum: float | None = 0, exclusive: bool = True,
@@ -135,9 +168,29 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> Any:
     return value
 
 
+def divisors_of(n: int) -> list[int]:
+    """Every divisor of ``1 <= n <= 2**53``, ascending. The candidates up to sqrt(n) are tested a
+    million at a time with numpy, each found one with its cofactor: 2**53 GPUs take about a second,
+    where a Python loop to ``n`` would never end."""
+    n = integer("n", n)
+    small: list[int] = []
+    root = math.isqrt(n)
+    for start in range(1, root + 1, _CHUNK):
+        d = np.arange(start, min(start + _CHUNK, root + 1), dtype=np.int64)
+        small.extend(d[n % d == 0].tolist())
+    large = [n // d for d in reversed(small) if d * d != n]
+    return small + large
+
+
+_CHUNK = 2 ** 20
+
+
 def divisors(n: int, limit: int = 12) -> str:
-    """The divisors of ``n`` as a message shows them: ``"1, 2, 4"`` (the first ``limit``, then ``...``)."""
-    found = [d for d in range(1, int(n) + 1) if n % d == 0]
+    """The divisors of ``n`` as a message shows them: ``"1, 2, 4"`` (the first ``limit``, then ``...``);
+    beyond 2**53 (a product of sizes in a message) ``"the divisors of n"``."""
+    if int(n) > MAX_INTEGER:
+        return f"the divisors of {n}"
+    found = divisors_of(int(n))
     return ", ".join(map(str, found[:limit])) + (", ..." if len(found) > limit else "")
 
 
@@ -156,22 +209,25 @@ def rule(field: str, *, integer: bool = True, minimum: float | None = 1, exclusi
          maximum: float | None = None) -> Rule:
     """A layout rule ``(fields, predicate, message)`` checking ``field`` elementwise, with the
     same wording as :func:`integer` / :func:`number` (predicates must work on numpy arrays)."""
-    need = requirement(integer=integer, minimum=minimum, exclusive=exclusive, maximum=maximum)
+    bound = _cap(integer, maximum)
 
     def ok(**n: Any) -> Any:
         x = n[field]
         if type(x) in (int, float):  # plain Python: numpy per scalar costs more than the formulas
-            return _scalar_ok(x, integer, minimum, exclusive, maximum)
+            return _scalar_ok(x, integer, minimum, exclusive, bound)
         x = np.asarray(x)
         if x.dtype.kind not in "iuf":  # bool, strings, objects: never a size
             return np.zeros(x.shape, dtype=bool)
-        valid = _in_range(x, minimum, exclusive, maximum)
+        valid = _in_range(x, minimum, exclusive, bound)
         if not integer or x.dtype.kind != "f":
             return valid
         whole = np.where(valid, x, 0)  # NaN and inf rows are already invalid
         return valid & (np.floor(whole) == whole)
 
-    return (field,), ok, lambda **n: f"{field} must be {need}, got {_show(n[field])}"
+    def message(**n: Any) -> str:
+        return f"{field} must be {_need(integer, minimum, exclusive, maximum, n[field])}, got {_show(n[field])}"
+
+    return (field,), ok, message
 
 
 def array(name: str, value: Any, *, integer: bool = False, minimum: float | None = 0,
@@ -179,7 +235,7 @@ def array(name: str, value: Any, *, integer: bool = False, minimum: float | None
     """Check every element of ``value`` (a scalar or an array) as :func:`rule` does; the error
     shows the first bad element (by default a finite number > 0)."""
     if type(value) in (int, float):  # the common scalar case, without numpy
-        if _scalar_ok(value, integer, minimum, exclusive, maximum):
+        if _scalar_ok(value, integer, minimum, exclusive, _cap(integer, maximum)):
             return
         bad = value
     else:
@@ -188,5 +244,4 @@ def array(name: str, value: Any, *, integer: bool = False, minimum: float | None
         if valid.all():  # booleans never are: their dtype is not a number's
             return
         bad = np.asarray(value)[tuple(np.argwhere(~valid)[0])] if valid.ndim else value
-    raise InvalidArgument(name, requirement(integer=integer, minimum=minimum, exclusive=exclusive,
-                                            maximum=maximum), bad)
+    raise InvalidArgument(name, _need(integer, minimum, exclusive, maximum, bad), bad)

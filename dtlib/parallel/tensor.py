@@ -80,19 +80,15 @@ def _check_group(group: Any) -> Any:
     return group
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_divides(what: dict[str, int], t: int, whole: str = "") -> None:
     """Raise naming the first size that ``t`` does not divide, the degrees that would divide it
     and (``whole``: what the sizes belong to) the degrees that divide them all."""
     for name, value in what.items():
         if value % t:
-            common = _divisors(math.gcd(*what.values()))
+            common = validate.divisors_of(math.gcd(*what.values()))
             also = f"; valid degrees for {whole}: {common}" if whole else ""
             raise ValueError(f"{name} ({value}) must be divisible by the tensor-parallel degree "
-                             f"{t}; valid degrees for {name}: {_divisors(value)}{also}")
+                             f"{t}; valid degrees for {name}: {validate.divisors_of(value)}{also}")
 
 
 def _segments(split_sizes: list[int], t: int, rank: int) -> list[slice]:

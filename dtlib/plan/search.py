@@ -60,10 +60,6 @@ GIVEN_OPTIONS = {"recompute_layers": None, "account_for_embedding_and_loss": Fal
                  "offload": "none", "recompute_modules": ()}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 @dataclass
 class SearchResult:
     """The ``configs`` that fit, fastest first (at most ``top``), how many valid layouts were
@@ -88,15 +84,15 @@ def _grid(cfg: TransformerConfig, cluster: Cluster, global_batch: int, fixed: di
     etp`` must divide the ``tp x cp x dp`` ranks of a stage, Megatron-Core's expert grid), then
     crossed with the batch and memory knobs, so the product stays small for a 2,048-GPU MoE."""
     gpus, g = cluster.world_size, cluster.gpus_per_node
-    within = _divisors(g) if tp_within_node else _divisors(gpus)
+    within = validate.divisors_of(g) if tp_within_node else validate.divisors_of(gpus)
     moe = cfg.moe_experts > 0
     parallel = {
         "tp": within,
-        "pp": [p for p in _divisors(gpus) if p <= cfg.layers],
+        "pp": [p for p in validate.divisors_of(gpus) if p <= cfg.layers],
         "cp": [c for c in CONTEXT_SIZES if gpus % c == 0],
-        "ep": _divisors(cfg.moe_experts) if moe else [1],
+        "ep": validate.divisors_of(cfg.moe_experts) if moe else [1],
         # expert tensor parallelism (Megatron-Core --expert-tensor-parallel-size) inside a node
-        "etp": [t for t in _divisors(g) if cfg.moe_ffn % t == 0] if moe else [1],
+        "etp": [t for t in validate.divisors_of(g) if cfg.moe_ffn % t == 0] if moe else [1],
     }
     batch = {
         "micro_batch_size": list(MICRO_BATCHES),
