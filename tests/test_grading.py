@@ -15,6 +15,7 @@ from nbclient import NotebookClient
 from otter.test_files import ExceptionTestFile
 
 from dtlib import grading
+from dtlib.cli import main as cli_main
 from dtlib.grading import feedback, hint_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,6 +241,10 @@ def test_grading_bad_input(tmp_path, capsys):
         assert err.count("\n") == 1 and "--cpu-time must be a finite number >= 1 and <= 86400, got" in err, err
     with pytest.raises(ValueError, match="valid lessons"):
         grading.pipeline._master_for("99")
+    # a usage error is one line too, named by the command it came through
+    assert cli_main(["grade", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("dtlib: error: the following arguments are required: --lesson "
+                                       "(see 'dtlib grade --help')\n")
 
 
 def test_masters_from_a_regular_install_explicit_path_or_env(tmp_path, monkeypatch):

@@ -221,7 +221,7 @@ def test_out_in_a_folder_others_can_write_is_refused(tmp_path, capsys):
     for out in (Path(tempfile.gettempdir()) / "grades.csv", shared / "grades.csv"):
         assert grading.main(["grade", str(tmp_path / "subs"), "--lesson", "01", "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"error: --out {str(out)!r}: other users can write"), err
+        assert err.count("\n") == 1 and err.startswith(f"python -m dtlib.grading: error: --out {str(out)!r}: other users can write"), err
     with pytest.raises(ValueError, match="does not exist"):
         grades_csv.check_out_path(tmp_path / "missing" / "grades.csv")
 

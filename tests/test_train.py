@@ -157,6 +157,27 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert message in err, err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--checkpoint-dir", "{file}", "--checkpoint-every", "1"], "--checkpoint-dir {file} is a file; give a directory"),
+    (["--resume", "--checkpoint-dir", "{file}"], "--checkpoint-dir {file} is a file; give a directory"),
+    (["--steps", "3", "--profile", "{file}"], "--profile {file} is a file; give a directory"),
+    (["--tensorboard", "{file}/runs"], "--tensorboard {file}/runs: cannot create it, {file} is a file"),
+    (["--metrics", "{dir}"], "--metrics {dir} is a directory; give a file path"),
+    (["--sample-log", "{dir}"], "--sample-log {dir} is a directory; give a file path"),
+])
+def test_output_paths_are_checked_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, message):
+    # the first rank to write died with FileExistsError / IsADirectoryError after every rank had started
+    from dtlib import trainer
+
+    monkeypatch.setattr(trainer, "run", lambda *a, **k: pytest.fail("ranks were started"))
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "dir").mkdir()
+    names = {"file": str(tmp_path / "file"), "dir": str(tmp_path / "dir")}
+    assert cli_main(["train", "--dp", "2", *[f.format(**names) for f in flags]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.format(**names) in err, err
+
+
 def test_command_line_json_and_help(capsys):
     assert cli_main(["train", "--help"]) == 0
     text = capsys.readouterr().out

@@ -21,4 +21,4 @@ def add_grade_command(sub: Any) -> None:
 def _run_grade(args: argparse.Namespace) -> int:
     from dtlib.grading import main
 
-    return main(["grade", *args.options])
+    return main(["grade", *args.options], prog="dtlib")

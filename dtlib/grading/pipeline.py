@@ -169,14 +169,21 @@ def grade(submissions: str | os.PathLike, lesson: str, out_csv: str | os.PathLik
     return batch.grade(files, zips[0], master.name, out_csv, timeout, jobs, master=master, cpu_time=cpu_time)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other error of this command."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(f"{message} (see '{self.prog} --help')")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m dtlib.grading") -> int:
+    """The command line; ``prog`` names it in help and errors (``dtlib`` for ``dtlib grade``)."""
     # --masters is accepted before or after the command (SUPPRESS: an absent one sets nothing).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--masters", metavar="DIR", default=argparse.SUPPRESS,
                         help=f"folder of master notebooks (default: ${MASTERS_ENV}, else the installed "
                              "course's, or the source checkout's masters/)")
-    parser = argparse.ArgumentParser(prog="python -m dtlib.grading", description=__doc__.split("\n\n")[0],
-                                     parents=[common])
+    parser = _Parser(prog=prog, description=__doc__.split("\n\n")[0], parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
     p_assign = sub.add_parser("assign", parents=[common], help="regenerate exercises/ and solutions/ from masters/")
     p_assign.add_argument("lessons", nargs="*", help="lesson numbers (default: all)")
@@ -197,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p_grade.add_argument("--jobs", type=int, default=1, metavar="N",
                          help="submissions graded at once (default 1; each runs its own kernel and "
                               "ranks, so keep N below the number of cores)")
-    args = parser.parse_args(argv)
-    folder = getattr(args, "masters", None)
     try:
+        args = parser.parse_args(argv)
+        folder = getattr(args, "masters", None)
         if args.command == "assign":
             selected = [_master_for(lesson, folder) for lesson in args.lessons]
             for path in assign(selected or None, folder):
@@ -215,6 +222,6 @@ def main(argv: list[str] | None = None) -> int:
             counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
             print(f"wrote {args.out}: {len(rows)} submissions ({counts})")
     except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -22,6 +22,7 @@ from dtlib.parallel.tensor import check_tensor_parallel_sizes
 from dtlib.resilience.elastic import restart_count
 # lesson 12: streaming data, monitoring and integrity, incremental checkpoints
 from dtlib import monitor as _monitor, streaming as _streaming
+from dtlib.outputs import check_output_dir, check_output_file
 from dtlib.resilience import incremental as _incremental
 
 __all__ = ["TrainConfig", "SCHEDULES", "OPTIMIZERS"]
@@ -173,6 +174,13 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs a checkpoint_dir to save into")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
+        for flag, directory in (("--checkpoint-dir", self.checkpoint_dir), ("--profile", self.profile),
+                                ("--tensorboard", self.tensorboard)):
+            if directory:
+                check_output_dir(flag, directory)
+        for flag, file in (("--metrics", self.metrics), ("--sample-log", self.sample_log)):
+            if file:
+                check_output_file(flag, file)
         if self.override_optimizer_params and not self.resume:
             raise ValueError("--override-optimizer-params replaces what a resume loads: it needs --resume")
         validate.number("heartbeat", self.heartbeat, exclusive=False)

@@ -39,6 +39,7 @@ from dtlib.analytic.config import TransformerConfig
 from dtlib.analytic.layout import Parallelism
 from dtlib.plan.emit import deepspeed, jax, megatron, torchtitan
 from dtlib.analytic.units import GiB
+from dtlib.outputs import check_output_dir
 from dtlib.plan.emit.common import FILENAMES, FRAMEWORKS, PRECISIONS, Emitted, flag_lines, json_lines, reasons
 from dtlib.plan.emit.timed import FRAMEWORK_STACKS, TimedPlan, as_plan, retime, run_options
 from dtlib.plan.emit.deepspeed import deepspeed_config
@@ -97,8 +98,8 @@ def check_emit_options(frameworks: list[str] | None, directory: str | None, rehe
     for flag, given in (("--emit-dir", directory is not None), ("--rehearse", rehearse)):
         if given and not frameworks:
             raise ValueError(f"{flag} needs --emit FRAMEWORK (one of {', '.join(FRAMEWORKS)})")
-    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
-        raise ValueError(f"--emit-dir {directory} is a file; give a directory (created if missing)")
+    if directory is not None:
+        check_output_dir("--emit-dir", directory)
 
 
 def emit_all(frameworks: list[str], plan: TimedPlan, directory: str | None = None) -> dict[str, dict[str, Any]]:
