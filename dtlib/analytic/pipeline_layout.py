@@ -112,9 +112,8 @@ class PipelineLayout:
         validate.integer("pp", pp)
         chunks = len(self.chunks)
         if chunks % pp:
-            valid = [d for d in range(1, chunks + 1) if chunks % d == 0]
             raise validate.InvalidArgument(
-                "pp", f"a divisor of the layout's {chunks} chunks ({', '.join(map(str, valid))}): each rank "
+                "pp", f"a divisor of the layout's {chunks} chunks ({validate.divisors(chunks)}): each rank "
                       f"holds chunks / pp of them", pp)
         return chunks // pp
 

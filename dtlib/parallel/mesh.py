@@ -24,17 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dtlib.analytic import validate
+
 __all__ = ["ParallelLayout", "AXES", "ProcessGroups", "build_groups", "check_partition"]
 
 # every group kind a layout defines, fastest-varying axis first; "dp_cp" is Megatron's
 # data-parallel group *with* context parallelism (the ranks that all-reduce dense gradients),
 # "edp" the expert-data-parallel group (ranks holding the same experts)
 AXES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -52,13 +49,12 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep"):
-            _positive(name, getattr(self, name))
+            validate.integer(name, getattr(self, name))
         if (self.dp * self.cp) % self.ep:
             replicas = self.dp * self.cp
-            valid = [d for d in range(1, replicas + 1) if replicas % d == 0]
             raise ValueError(f"expert parallel size ep={self.ep} must divide dp x cp = {replicas} "
                              f"(experts are sharded over the data- and context-parallel ranks); "
-                             f"valid ep: {', '.join(map(str, valid))}")
+                             f"valid ep: {validate.divisors(replicas)}")
 
     @property
     def world_size(self) -> int:
@@ -72,7 +68,7 @@ class ParallelLayout:
 
     def validate(self, world_size: int) -> "ParallelLayout":
         """Raise a one-line ValueError unless the layout fills exactly ``world_size`` ranks."""
-        _positive("world_size", world_size)
+        validate.integer("world_size", world_size)
         if self.world_size != world_size:
             model_parallel = self.tp * self.pp * self.cp
             hint = (f"dp = {world_size // model_parallel}" if world_size % model_parallel == 0
