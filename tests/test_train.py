@@ -163,7 +163,7 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     (["--steps", "3", "--profile", "{file}"], "--profile {file} is a file; give a directory"),
     (["--tensorboard", "{file}/runs"], "--tensorboard {file}/runs: cannot create it, {file} is a file"),
     (["--metrics", "{dir}"], "--metrics {dir} is a directory; give a file path"),
-    (["--sample-log", "{dir}"], "--sample-log {dir} is a directory; give a file path"),
+    (["--sample-log", "{file}"], "--sample-log {file} is a file; give a directory"),
 ])
 def test_output_paths_are_checked_before_any_rank_starts(tmp_path, monkeypatch, capsys, flags, message):
     # the first rank to write died with FileExistsError / IsADirectoryError after every rank had started

@@ -175,12 +175,11 @@ class TrainConfig:
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir to resume from")
         for flag, directory in (("--checkpoint-dir", self.checkpoint_dir), ("--profile", self.profile),
-                                ("--tensorboard", self.tensorboard)):
+                                ("--tensorboard", self.tensorboard), ("--sample-log", self.sample_log)):
             if directory:
                 check_output_dir(flag, directory)
-        for flag, file in (("--metrics", self.metrics), ("--sample-log", self.sample_log)):
-            if file:
-                check_output_file(flag, file)
+        if self.metrics:
+            check_output_file("--metrics", self.metrics)
         if self.override_optimizer_params and not self.resume:
             raise ValueError("--override-optimizer-params replaces what a resume loads: it needs --resume")
         validate.number("heartbeat", self.heartbeat, exclusive=False)
