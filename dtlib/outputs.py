@@ -1,4 +1,4 @@
-"""Where a run will write, checked before it starts: a directory flag must not name a file, a file
+"""Where a run will write, checked before it starts, and a file written whole or not at all: a directory flag must not name a file, a file
 flag must not name a directory, and what does not exist yet must be creatable (its nearest existing
 ancestor a writable directory). Otherwise the first rank to write would die with a traceback
 (``FileExistsError`` from ``os.makedirs``, ``IsADirectoryError`` from ``open``) after every rank
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["check_output_dir", "check_output_file"]
+__all__ = ["check_output_dir", "check_output_file", "write_atomically"]
 
 
 def _creatable(flag: str, path: Path) -> None:
@@ -44,3 +44,16 @@ def check_output_file(flag: str, path: str | os.PathLike) -> None:
             raise ValueError(f"{flag} {path} is not writable")
         return
     _creatable(flag, path)
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` (its missing folders made) through a temporary file in the same
+    folder and ``os.replace``: an interrupted write leaves the old file or none, never half a one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

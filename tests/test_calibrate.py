@@ -213,9 +213,27 @@ def test_calibrate_bad_flags_are_one_line(tmp_path, capsys, argv, message):
     assert message in err and err.count("\n") == 1
 
 
-def test_calibrate_refuses_an_output_it_cannot_write(capsys):
-    assert main(["calibrate", "-o", "/nonexistent/dir/p.json"]) == 2
-    assert "--output /nonexistent/dir/p.json: cannot write it" in capsys.readouterr().err
+def test_calibrate_refuses_an_output_it_cannot_write_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    for bad, message in ((tmp_path / "file" / "p.json", f"cannot create it, {tmp_path / 'file'} is a file"),
+                         (tmp_path, f"--output {tmp_path} is a directory")):
+        assert main(["calibrate", "-o", str(bad)]) == 2
+        assert message in capsys.readouterr().err
+    # a run that fails after the path was checked leaves no empty profile behind (plan --calibration
+    # would call it "not JSON"); the profile is written whole, in folders made for it
+    import dtlib.plan.calibrate
+
+    def failed(*args, **kwargs):
+        raise ValueError("rank 1 exited with code 1")
+
+    monkeypatch.setattr(dtlib.plan.calibrate, "calibrate", failed)
+    assert main(["calibrate", "-o", str(tmp_path / "p.json")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    monkeypatch.setattr(dtlib.plan.calibrate, "calibrate", lambda *args, **kwargs: {"machine": "scripted"})
+    monkeypatch.setattr("dtlib.cli.calibrate.calibration_text", lambda profile, path: "written")
+    assert main(["calibrate", "-o", str(tmp_path / "new" / "p.json")]) == 0
+    assert json.loads((tmp_path / "new" / "p.json").read_text()) == {"machine": "scripted"}
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["p.json"]  # no partial file left
 
 
 def test_calibrate_measures_two_gloo_ranks(tmp_path, capsys):

@@ -19,6 +19,7 @@ from typing import Any
 from dtlib.analytic.presets import PRESETS, get_preset
 from dtlib.analytic.timing import STATISTICS
 from dtlib.cli.args import positive_int
+from dtlib.outputs import check_output_file, write_atomically
 from dtlib.plan.steptime import StepOptions
 
 __all__ = ["add_calibrate_command", "run_calibrate", "calibration_text"]
@@ -138,11 +139,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     bad = [t for t in args.tp or [] if model.heads % t]
     if bad:
         raise ValueError(f"--tp {bad[0]} does not divide the model's {model.heads} heads")
-    try:  # a folder that does not exist fails here, before minutes of measuring
-        with open(args.output, "a"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
+    # checked, not created: a run that fails or is interrupted leaves no empty profile behind
+    check_output_file("--output", args.output)
     # the shapes the plan will ask for: dtlib train's TinyGPT computes attention explicitly (its
     # batched GEMMs), a preset is planned with FlashAttention-style attention (the plan's default)
     options = StepOptions(flash_attention=bool(args.model))
@@ -152,7 +150,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
                         repeats=args.repeats, clock=args.clock, statistic=args.statistic, timeout=args.timeout)
     if not profile:  # a torchrun rank other than 0
         return 0
-    with open(args.output, "w") as f:
-        json.dump(profile, f, indent=1)
+    write_atomically(args.output, json.dumps(profile, indent=1))
     print(json.dumps(profile, indent=1) if args.json else calibration_text(profile, args.output))
     return 0
