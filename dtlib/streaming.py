@@ -46,6 +46,7 @@ import torch
 
 from dtlib.analytic import validate
 from dtlib.resilience.checkpoint import file_sha256
+from dtlib.outputs import check_output_dir
 
 __all__ = ["write_shards", "ShardedTokens", "epoch_order", "replica_positions", "check_shards", "check_options",
            "log_samples", "read_sample_log", "FORMAT"]
@@ -65,6 +66,7 @@ def write_shards(directory: str, tokens: Any, seq: int, samples_per_shard: int =
     n = (len(t) - 1) // seq
     if n < 1:
         raise ValueError(f"seq={seq} is longer than the {len(t)} tokens given")
+    check_output_dir("directory", directory)
     samples = np.stack([t[i * seq:i * seq + seq + 1] for i in range(n)]).astype(np.uint8)
     os.makedirs(directory, exist_ok=True)
     shards = []

@@ -180,6 +180,14 @@ def test_command_line_writes_shards_and_trains_on_them(tmp_path, capsys):
     assert summary["samples_consumed"] == 4 and len(open(metrics).readlines()) == 2
     assert cli_main(["train", "--data", out, "--seq", "32"]) == 2
     assert "holds samples of seq=16 tokens; --seq is 32" in capsys.readouterr().err
+    # a file where the shards should go, or a folder as the text: one line each, and the file kept
+    (tmp_path / "notes.txt").write_text("precious")
+    assert cli_main(["shards", str(tmp_path / "notes.txt")]) == 2
+    assert capsys.readouterr().err == (f"dtlib: error: OUT {tmp_path / 'notes.txt'} is a file; "
+                                       f"give a directory (created if missing)\n")
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+    assert cli_main(["shards", str(tmp_path / "more"), "--text", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"dtlib: error: --text {tmp_path}: a directory, not a file\n"
 
 
 def _corrupt_copy(shards, tmp_path, how):

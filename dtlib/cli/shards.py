@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from dtlib.cli.args import emit, positive_int
+from dtlib.outputs import check_output_dir
 
 __all__ = ["add_shards_command"]
 
@@ -27,9 +28,11 @@ def _run_shards(args: argparse.Namespace) -> int:
     import numpy as np
 
     from dtlib.streaming import write_shards
+    check_output_dir("OUT", args.out)
     if args.text is not None:
         if not os.path.isfile(args.text):
-            raise ValueError(f"--text {args.text}: no such file")
+            raise ValueError(f"--text {args.text}: " + ("a directory, not a file" if os.path.isdir(args.text)
+                                                      else "no such file"))
         with open(args.text, "rb") as f:
             tokens = np.frombuffer(f.read(), dtype=np.uint8)
     else:
