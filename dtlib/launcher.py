@@ -17,7 +17,7 @@ does not have). Here:
 The same worker code runs unchanged under ``torchrun``: call :func:`run_from_env` (or
 :func:`init_from_env`) from the script, as PyTorch's own examples do with ``env://``.
 
-About 600 lines, over the usual 400: starting, watching (a slow rank told from a stuck one by its
+About 620 lines, over the usual 400: starting, watching (a slow rank told from a stuck one by its
 CPU time) and tearing down the ranks share the
 workdir, the pipes and the result/error files (and their optional data-only codec, see
 :func:`set_result_codec`); split, each part would need the others' file formats.
@@ -29,12 +29,14 @@ from dtlib.extras import require
 require("course", "torch", "cloudpickle", feature=__name__)
 
 import contextlib
+import errno
 import faulthandler
 import json
 import multiprocessing as mp
 import os
 import pickle
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -377,9 +379,9 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
                 "picklable values (tensors, numbers, strings, containers, functions, modules' classes)"
             ) from exc
 
-    workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
     ctx = mp.get_context(start_method)
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    pipes = _pipes(ctx, world_size)
+    workdir = tempfile.mkdtemp(prefix="dtlib-launch-")
     procs = [ctx.Process(target=_worker, name=f"dtlib-rank{r}",
                          args=(r, world_size, backend, pipes[r][0], timeout, workdir, payload,
                                os.getpid()))
@@ -409,6 +411,25 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
         _kill(procs)
         del store
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pipes(ctx: Any, world_size: int) -> list[tuple[Any, Any]]:
+    """One pipe a rank (the store's port goes through it); past the open-file limit, a clear error
+    instead of ``OSError: Too many open files``, with every pipe made so far closed."""
+    pipes: list[tuple[Any, Any]] = []
+    try:
+        for _ in range(world_size):
+            pipes.append(ctx.Pipe(duplex=False))
+    except OSError as exc:
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
+        if exc.errno != errno.EMFILE:
+            raise
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise ValueError(f"world_size {world_size} needs {2 * world_size} pipe ends in this process, past its "
+                         f"open-file limit of {limit} (ulimit -n): launch fewer ranks on this machine") from None
+    return pipes
 
 
 def _read_result(workdir: str, rank: int, exitcode: int | None) -> Any:

@@ -205,6 +205,23 @@ def test_bad_arguments_fail_before_any_process_starts(kwargs, error, match):
     assert multiprocessing.active_children() == []
 
 
+def test_more_ranks_than_the_open_file_limit_allows_is_refused_before_any_starts(tmp_path):
+    # 10,000 ranks here ended in "OSError: Too many open files" with the launch's folder left behind
+    code = ("import multiprocessing, resource, dtlib\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "try:\n"
+            "    dtlib.launch(print, 100)\n"
+            "except ValueError as exc:\n"
+            "    print(exc)\n"
+            "assert multiprocessing.active_children() == []\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == ("world_size 100 needs 200 pipe ends in this process, past its open-file limit of 64 "
+                          "(ulimit -n): launch fewer ranks on this machine\n")
+    assert list(tmp_path.glob("dtlib-launch-*")) == []
+
+
 def test_function_defined_in_a_notebook_cell():
     nb = nbformat.v4.new_notebook()
     nb.cells = [
