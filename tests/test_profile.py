@@ -78,6 +78,20 @@ def test_trace_without_metadata_is_refused():
         parse_trace({"traceEvents": []})
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"{garbage", "cannot read it as JSON (Expecting property name"),
+    (b"\xff\xfe", "cannot read it as JSON ('utf-8' codec can't decode"),
+    (b"[1, 2]", "a Chrome trace is a JSON object with traceEvents, got a list"),  # was AttributeError
+    (b'{"traceEvents": []}', "this trace has no 'dtlib' metadata"),
+    (b'{"dtlib": {"rank": 0}, "traceEvents": [{"ph": "X"}]}', "no 'dtlib/step' range in the trace"),
+])
+def test_dtlib_profile_names_the_file_it_cannot_read_in_one_line(tmp_path, capsys, content, message):
+    (tmp_path / "rank0.json").write_bytes(content)
+    assert main(["profile", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtlib: error: {tmp_path / 'rank0.json'}: {message}") and err.count("\n") == 1, err
+
+
 def _tiny_step(model, batch):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, model.cfg.vocab, (batch, model.cfg.seq + 1), generator=torch.Generator().manual_seed(0))

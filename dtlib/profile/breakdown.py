@@ -159,6 +159,8 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, Any]:
     ``perf_counter`` seconds per step, measured outside the profiler), ``flops`` and
     ``peak_flops`` from the trace's ``dtlib`` metadata.
     """
+    if not isinstance(trace, dict):
+        raise ValueError(f"a Chrome trace is a JSON object with traceEvents, got a {type(trace).__name__}")
     meta = trace.get("dtlib")
     if isinstance(meta, str):
         meta = json.loads(meta)
@@ -176,6 +178,16 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_trace(path: str) -> dict[str, Any]:
-    """:func:`parse_trace` of the trace file at ``path``."""
-    with open(path) as f:
-        return parse_trace(json.load(f))
+    """:func:`parse_trace` of the trace file at ``path``; a file that is not one is a one-line
+    ``ValueError`` naming it (a truncated or hand-edited trace, a JSON file of something else)."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON ({exc})") from None
+    try:
+        return parse_trace(trace)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a trace dtlib.profile wrote ({type(exc).__name__}: {exc})") from None
