@@ -240,6 +240,9 @@ def test_incompatible_model_and_bad_manifest(saved):
     open(os.path.join(saved, "manifest.json"), "w").write("{not json")
     with pytest.raises(CheckpointError, match="manifest.json is not valid JSON"):
         read_manifest(saved)
+    open(os.path.join(saved, "manifest.json"), "w").write("[1]")  # was AttributeError: 'list' ... 'get'
+    with pytest.raises(CheckpointError, match="manifest.json holds a JSON list, not a manifest"):
+        read_manifest(saved)
     with pytest.raises(ValueError, match="keep_last must be an integer >= 1, got 0"):
         Checkpointer(directory, keep_last=0)
 
@@ -253,6 +256,11 @@ def test_cli_inspect_and_convert(saved, tmp_path, capsys):
     assert cli.main(["checkpoint", "convert", directory, "--to-torch", target]) == 0
     state = torch.load(target, weights_only=False)
     assert state["model"]["0.weight"].shape == (16, 7) and state["step"] == 1
+    # a folder as the file: one line before DCP reads anything (was torch's RuntimeError traceback)
+    assert cli.main(["checkpoint", "convert", directory, "--to-torch", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"dtlib: error: --to-torch {tmp_path} is a directory; give a file path\n"
+    assert cli.main(["checkpoint", "convert", directory, "--to-torch", str(tmp_path / "new" / "m.pt")]) == 0
+    assert torch.load(tmp_path / "new" / "m.pt", weights_only=False)["step"] == 1  # its folder made
     assert cli.main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     shard = _shard(saved)

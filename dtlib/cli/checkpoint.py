@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from dtlib.cli.args import Parser, emit, table
+from dtlib.outputs import check_output_file
 
 __all__ = ["add_checkpoint_command"]
 
@@ -35,6 +36,7 @@ def _run_checkpoint(args: argparse.Namespace) -> int:
         raise ValueError(f"no complete checkpoint in {args.directory} (no step*/manifest.json)")
     try:
         if args.action == "convert":
+            check_output_file("--to-torch", args.to_torch)
             out = to_torch(args.directory, args.to_torch)
             data = {"file": args.to_torch, "step": out["step"], "tensors": len(out["model"])}
             return emit(args, data, f"wrote {args.to_torch}: step {out['step']}, {len(out['model'])} tensors")

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlib.analytic import validate
+from dtlib.outputs import check_output_file
 from dtlib.resilience import chunks
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_steps", "latest_checkpoint", "read_manifest",
@@ -134,6 +135,9 @@ def read_manifest(path: str) -> dict[str, Any]:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(manifest).__name__}, not a manifest: "
+                              "the checkpoint is corrupt")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} has format {manifest.get('format')!r}, this dtlib reads {FORMAT}")
     return manifest
@@ -450,10 +454,12 @@ def to_torch(path: str, out: str) -> dict[str, Any]:
     ``torch.save`` file with the parameters in their real shapes: ``{"model", "optimizer",
     "step", "data_position", "layout"}``. Uses DCP's ``dcp_to_torch_save``; no process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    check_output_file("out", out)
     if not os.path.exists(os.path.join(path, MANIFEST)) and checkpoint_steps(path):
         path = latest_checkpoint(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     flat_file = out + ".flat.tmp"
     try:
         dcp_to_torch_save(path, flat_file)
