@@ -2,6 +2,7 @@
 the planner answering from it, and bad input (one line on stderr, exit 2)."""
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -119,6 +120,31 @@ def test_a_bad_profile_is_one_line(tmp_path, text, message):
     path = tmp_path / "p.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
+        load_profile(str(path))
+
+
+@pytest.mark.parametrize("section, index, key, value, message", [
+    # each of these gave a plan of NaN or a ZeroDivisionError traceback
+    ("gemm", 0, "flops_per_s", float("nan"), "gemm[0].flops_per_s must be a finite number > 0, got nan"),
+    ("attention", None, "heads", 0, "attention.heads must be an integer >= 1, got 0"),
+    ("elementwise", None, "bytes_per_s", 0, "elementwise.bytes_per_s must be a finite number > 0, got 0"),
+    ("intra", 1, "busbw_bytes_per_s", 0, "intra.rows[1].busbw_bytes_per_s must be a finite number > 0, got 0"),
+    ("step", None, "layer_forward_kernels", float("nan"), "step.layer_forward_kernels must be an integer >= 0"),
+    ("inter", None, None, float("nan"), "a figure is missing or malformed"),  # was AttributeError
+])
+def test_a_damaged_figure_is_named(tmp_path, section, index, key, value, message):
+    profile = _profile()
+    profile["step"] = {"micro_batch_size": 2, "forward_backward_seconds": 1e-2, "optimizer_seconds": 1e-3,
+                       "layer_forward_kernels": 30}
+    if key is None:
+        profile[section] = value
+    else:
+        where = profile[section] if index is None else (profile[section]["rows"] if section == "intra"
+                                                        else profile[section])[index]
+        where[key] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=re.escape(f"--calibration {path}: {message}")):
         load_profile(str(path))
 
 

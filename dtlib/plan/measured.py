@@ -48,13 +48,51 @@ def load_profile(path: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"--calibration {path}: no {missing[0]!r} section; write it again with dtlib calibrate")
     try:
+        check_figures(profile)
         calibrated_cluster(profile)
         attention_efficiency(profile)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
         raise ValueError(f"--calibration {path}: a figure is missing or malformed ({exc})") from None
     except ValueError as exc:
         raise ValueError(f"--calibration {path}: {exc}".replace("\n", " ")) from None
     return profile
+
+
+# The measured figures a plan divides by or scales with, by section: sizes are integers >= 1, rates
+# and times finite and > 0 (a hand-edited or damaged profile gave NaN plans or ZeroDivisionError).
+_SIZES_OF = {"gemm": ("m", "n", "k", "batch"), "attention": ("micro_batch_size", "heads", "seq", "head_dim"),
+             "rows": ("bytes",)}
+_RATES_OF = {"gemm": ("seconds", "flops_per_s"), "attention": ("seconds",), "elementwise": ("bytes_per_s",),
+             "rows": ("busbw_bytes_per_s",), "kernel": ("seconds_per_kernel",),
+             "step": ("forward_backward_seconds", "optimizer_seconds", "bytes_per_s", "optimizer_bytes_per_s")}
+_COUNTS_OF = {"step": ("layer_forward_kernels", "zero3_layer_kernels")}
+
+
+def check_figures(profile: dict[str, Any]) -> None:
+    """Raise a one-line ValueError naming the first measured figure that is not a size >= 1, a
+    finite positive rate or time, or a count >= 0 (``gemm[2].flops_per_s must be ...``); the
+    step's figures may be absent or None (not measured)."""
+    def check(name: str, row: dict[str, Any], where: str, optional: bool = False) -> None:
+        for key in _SIZES_OF.get(name, ()):
+            validate.integer(f"{where}.{key}", row[key])
+        for key in _RATES_OF.get(name, ()):
+            if not (optional and row.get(key) is None):
+                validate.number(f"{where}.{key}", row[key])
+        for key in _COUNTS_OF.get(name, ()):
+            if row.get(key) is not None:
+                validate.integer(f"{where}.{key}", row[key], minimum=0)
+
+    for i, row in enumerate(profile["gemm"]):
+        check("gemm", row, f"gemm[{i}]")
+    check("attention", profile["attention"], "attention")
+    check("elementwise", profile["elementwise"], "elementwise")
+    for section in ("intra", "inter"):
+        for i, row in enumerate((profile.get(section) or {}).get("rows", ())):
+            check("rows", row, f"{section}.rows[{i}]")
+    if profile.get("kernel"):
+        check("kernel", profile["kernel"], "kernel")
+    if profile.get("step"):
+        check("step", profile["step"], "step", optional=True)
 
 
 def _gemm_rows(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
