@@ -20,7 +20,7 @@ so the ``b x s x v`` logits are never gathered), :func:`tensor_parallel` to conv
 :class:`~dtlib.models.gpt.TinyGPT`, :func:`full_state_dict` to gather it back, and
 :func:`initialize_model_parallel` for data x tensor parallelism (TP ranks adjacent).
 
-About 620 lines, over the usual 400, as Megatron-LM's ``core/tensor_parallel/layers.py``: the
+About 610 lines, over the usual 400, as Megatron-LM's ``core/tensor_parallel/layers.py``: the
 layers, the vocabulary-parallel embedding and loss and the TinyGPT conversion share the group
 checks and the parameter attributes (``tensor_model_parallel``, ``partition_dim``) that
 :func:`full_state_dict` and :mod:`dtlib.parallel.clip` read; the f/g operators are already apart.
